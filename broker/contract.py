@@ -1,0 +1,155 @@
+"""The one inter-process contract of a ShardMQ node.
+
+Every byte that crosses a process boundary inside a node is described here:
+the socket addresses, the message kinds and their fields, and the codec
+(msgpack over ZeroMQ). No other module invents a wire format.
+
+Sockets (all ``ipc://`` under the node's run directory):
+
+* ``node.sock``   - the node binds a ROUTER; every worker connects a DEALER
+  whose identity is its worker id (``fe-0``, ``sh-1``). Control traffic:
+  hello, definition snapshots and deltas, applied-acks, requests from workers
+  to the node, node queries to shards, worker up/down events, stop.
+* ``shard-N.sock`` - shard N binds a ROUTER; every frontend connects a DEALER
+  with its worker id as identity. Data traffic: publishes, consumes, acks
+  one way; deliveries, confirms, replies the other way.
+
+One ZeroMQ message is one *batch*: ``msgpack([header, items])``. Items are
+lists whose first element is a kind (small int). Senders collect items during
+one event-loop turn and flush once at the end of it (see ``broker.zmqio``).
+
+Data batches from a frontend to a shard carry header ``[epoch, batch_seq]``:
+a shard drops batches whose epoch is not its own (they were meant for a
+previous incarnation of that shard) and answers each batch_seq with a
+PROCESSED item so frontends can apply back-pressure to publishers.
+Batches in the other direction and all control batches carry header ``0``.
+
+Versions: VERSION is bumped whenever a field is added, removed or changes
+meaning; HELLO carries it and the node refuses a worker of another version.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import msgpack
+
+VERSION = 1
+
+# --------------------------------------------------------------------------
+# Control plane: node <-> every worker (node.sock)
+# --------------------------------------------------------------------------
+# worker -> node
+HELLO = 1  # [HELLO, contract_version, role("frontend"|"shard"), index, pid]
+APPLIED = 2  # [APPLIED, defs_version]
+REQUEST = 3  # [REQUEST, req_id, op(str), args(dict)]   (op list: see REQUEST_OPS)
+QUERY_REPLY = 4  # [QUERY_REPLY, query_id, ok(bool), result]  (shard answering a node QUERY)
+
+# node -> worker
+SNAPSHOT = 10  # [SNAPSHOT, defs_version, definitions(dict), shard_epochs({index: epoch}), settings(dict)]
+DEFS = 11  # [DEFS, defs_version, ops(list)]   ops are applied in order with Definitions.apply
+REPLY = 12  # [REPLY, req_id, ok(bool), result]  result is a dict when ok, [reply_code, text, class_id, method_id] when not
+SHARD_UP = 13  # [SHARD_UP, index, epoch]      a shard (re)started; frontends use the new epoch
+WORKER_DOWN = 14  # [WORKER_DOWN, role, index]  a worker died; shards drop a dead frontend's consumers
+QUERY = 15  # [QUERY, query_id, op(str), args(dict)]  node asks a shard (queue_info, ...)
+STOP = 16  # [STOP]  graceful shutdown: finish the current turn, sync, exit 0
+CLOSE_CONNECTIONS = 17  # [CLOSE_CONNECTIONS, vhost or None, reply_code, text]  frontends close matching connections
+
+# Requests a frontend or shard sends to the node (REQUEST op names). Args are dicts
+# with the AMQP method's fields plus "vhost" and, for frontends, "owner" = [frontend_index, conn_id].
+REQUEST_OPS = (
+    "exchange.declare",
+    "exchange.delete",
+    "exchange.bind",
+    "exchange.unbind",
+    "queue.declare",
+    "queue.bind",
+    "queue.unbind",
+    "queue.delete",
+    "connection.closed",  # {"owner": [fe, conn]}: delete that connection's exclusive queues
+    "queue.auto_delete",  # shard -> node: last consumer of an auto-delete queue went away
+)
+
+# Queries the node sends to a shard (QUERY op names).
+QUERY_OPS = (
+    "queue_info",  # {"vhost", "queue"} -> {"messages": int, "consumers": int}
+)
+
+# --------------------------------------------------------------------------
+# Data plane: frontend -> shard (shard-N.sock)
+# --------------------------------------------------------------------------
+# PUBLISH: a message routed to one or more queues of this shard.
+#   [PUBLISH, vhost, queues(list[str]), exchange, routing_key, props_raw(bytes), body(bytes),
+#    persistent(bool), conn_id|None, channel|None, confirm_seq|None]
+# conn_id/channel/seq are set when the channel is in confirm mode; the shard answers CONFIRM
+# once the message is written (and synced, when persistent into a durable queue).
+PUBLISH = 20
+# CONSUME: [CONSUME, req_id, conn_id, channel, vhost, queue, consumer_tag, no_ack, exclusive,
+#           prefetch(int, 0 = unlimited), arguments(dict)]  -> REPLY_DATA {} or error
+CONSUME = 21
+CANCEL = 22  # [CANCEL, conn_id, channel, consumer_tag]
+# ACK: [ACK, conn_id, channel, flat list q0, m0, q1, m1, ...]  (queue id, message id pairs)
+ACK = 23
+# NACK: [NACK, conn_id, channel, requeue(bool), flat list q0, m0, ...]  (reject is a nack of one)
+NACK = 24
+GET = 25  # [GET, req_id, conn_id, channel, vhost, queue, no_ack] -> REPLY_DATA {"message": [...]|None}
+QOS = 26  # [QOS, conn_id, channel, global_prefetch(int, 0 = unlimited)]
+RECOVER = 27  # [RECOVER, conn_id, channel]  requeue this channel's unacked messages on this shard
+CHANNEL_CLOSED = 28  # [CHANNEL_CLOSED, conn_id, channel]  cancel its consumers, requeue its unacked
+CONNECTION_CLOSED = 29  # [CONNECTION_CLOSED, conn_id]
+PURGE = 30  # [PURGE, req_id, vhost, queue] -> REPLY_DATA {"messages": purged_count}
+CREDIT = 31  # [CREDIT, conn_id, channel, consumer_tag, n]  frontend wrote n no-ack deliveries out
+
+# --------------------------------------------------------------------------
+# Data plane: shard -> frontend
+# --------------------------------------------------------------------------
+# DELIVER: [DELIVER, conn_id, channel, consumer_tag, queue_id, msg_id, redelivered,
+#           exchange, routing_key, props_raw, body]
+DELIVER = 40
+CONFIRM = 41  # [CONFIRM, conn_id, channel, seqs(list[int])]
+CONFIRM_NACK = 42  # [CONFIRM_NACK, conn_id, channel, seqs(list[int])]
+# REPLY_DATA: [REPLY_DATA, req_id, ok(bool), result]  same shape as REPLY
+#   GET result: {"message": [queue_id, msg_id, redelivered, exchange, routing_key, props_raw, body,
+#                            remaining_count] or None}
+REPLY_DATA = 43
+CANCEL_NOTIFY = 44  # [CANCEL_NOTIFY, conn_id, channel, consumer_tag]  queue deleted under a consumer
+PROCESSED = 45  # [PROCESSED, batch_seq]  highest data batch from this frontend fully handled
+CLOSE_CHANNEL = 46  # [CLOSE_CHANNEL, conn_id, channel, reply_code, text]  e.g. consumer timeout
+
+
+_packer = msgpack.Packer(use_bin_type=True, autoreset=True)
+
+
+def pack(header: Any, items: list) -> bytes:
+    """Encode one batch."""
+    return _packer.pack([header, items])
+
+
+def unpack(data: bytes) -> tuple[Any, list]:
+    """Decode one batch into (header, items). Raises ValueError on garbage."""
+    try:
+        header, items = msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True)
+    except Exception as exc:  # msgpack raises several types; callers only need one
+        raise ValueError(f"malformed batch: {exc}") from exc
+    return header, items
+
+
+# --------------------------------------------------------------------------
+# Addresses
+# --------------------------------------------------------------------------
+def node_address(run_dir: str) -> str:
+    return "ipc://" + os.path.join(run_dir, "node.sock")
+
+
+def shard_address(run_dir: str, index: int) -> str:
+    return "ipc://" + os.path.join(run_dir, f"shard-{index}.sock")
+
+
+def worker_id(role: str, index: int) -> bytes:
+    return f"{'fe' if role == 'frontend' else 'sh'}-{index}".encode()
+
+
+def parse_worker_id(ident: bytes) -> tuple[str, int]:
+    prefix, _, idx = ident.decode().partition("-")
+    return ("frontend" if prefix == "fe" else "shard"), int(idx)
