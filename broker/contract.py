@@ -117,6 +117,14 @@ CANCEL_NOTIFY = 44  # [CANCEL_NOTIFY, conn_id, channel, consumer_tag]  queue del
 PROCESSED = 45  # [PROCESSED, batch_seq]  highest data batch from this frontend fully handled
 CLOSE_CHANNEL = 46  # [CLOSE_CHANNEL, conn_id, channel, reply_code, text]  e.g. consumer timeout
 
+# Flow control. Every consumer starts with CREDIT_WINDOW credits on its shard; each DELIVER
+# spends one; the frontend returns credit (CREDIT items) once it has written deliveries to a
+# client socket that is not paused, so a slow client never makes a frontend buffer unboundedly.
+CREDIT_WINDOW = 1000
+# A frontend stops reading from its client sockets while more than this many data batches
+# to any one shard are not yet answered by PROCESSED.
+MAX_BATCHES_IN_FLIGHT = 32
+
 
 _packer = msgpack.Packer(use_bin_type=True, autoreset=True)
 
