@@ -1,0 +1,183 @@
+"""On-disk results format of ``shardmq-perf`` runs (read by loadtest/report.py and loadtest/bench.py).
+
+Layout, one directory per run::
+
+    RESULTS_DIR/<run_id>/run.json
+    RESULTS_DIR/<run_id>/rates.jsonl
+    RESULTS_DIR/<run_id>/latency.jsonl
+
+``run.json`` -- one JSON object::
+
+    {
+      "run_id": "20240101T120000Z-shardmq-throughput-1a2b3c",   # also the directory name
+      "broker": "shardmq",            # --broker-name (free text: "shardmq", "rabbitmq", "sink", ...)
+      "scenario": "1p1c-16b",         # --scenario (free text), defaults to the subcommand name
+      "params": {...},                # the command's options (publishers, consumers, size, confirm, ...)
+      "started_at": "2024-01-01T12:00:00.123456+00:00",   # ISO 8601, UTC
+      "duration_s": 10.02,            # float seconds of the measured phase
+      "published": 123456,            # messages written by all publishers
+      "consumed": 123000,             # deliveries received by all consumers
+      "confirmed": 123456,            # publisher confirms received (0 without -c)
+      "publish_rate": 12345.6,        # published / duration_s (msgs/s)
+      "consume_rate": 12300.0,        # consumed / duration_s (msgs/s)
+      "latency_us": {"min": 12, "p50": 80, "p95": 200, "p99": 400, "max": 9000},
+                                      # end-to-end, integer microseconds; every value null when no
+                                      # message was consumed
+      "broker_rss_bytes": 123456789   # int, or null when --broker-pid was not given
+    }
+
+Subcommands other than throughput (queue-count, connection-count, bind-churn,
+connection-churn) write the same ``run.json`` keys (counts they do not measure are 0, the
+latency values null) plus an ``"extra"`` object with their own measurements.
+
+``rates.jsonl`` -- one line per second of the run (``t`` = whole seconds since start, 1-based:
+the line with t=1 counts what happened in [0 s, 1 s))::
+
+    {"t": 1, "published": 10234, "consumed": 10100}
+
+``latency.jsonl`` -- per-message end-to-end latency samples, at most ``MAX_LATENCY_SAMPLES``
+lines per run (uniformly sampled over all consumed messages)::
+
+    {"t": 0.532, "latency_us": 87}
+
+``t`` is float seconds since the run started at which the message was consumed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import secrets
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+MAX_LATENCY_SAMPLES = 100_000
+RUN_FILE = "run.json"
+RATES_FILE = "rates.jsonl"
+LATENCY_FILE = "latency.jsonl"
+
+
+@dataclass
+class RunResult:
+    """Everything ``run.json`` holds, plus the series written next to it."""
+
+    broker: str
+    scenario: str
+    params: dict[str, Any]
+    started_at: str
+    duration_s: float
+    published: int = 0
+    consumed: int = 0
+    confirmed: int = 0
+    latency_us: dict[str, int | None] = field(default_factory=lambda: empty_latency())
+    broker_rss_bytes: int | None = None
+    run_id: str = ""
+    extra: dict[str, Any] | None = None
+    # per-second series and latency samples are written to the jsonl files, not run.json
+    rates: list[tuple[int, int, int]] = field(default_factory=list, repr=False)
+    latency_samples: list[tuple[float, int]] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.run_id:
+            self.run_id = make_run_id(self.broker, self.scenario)
+
+    @property
+    def publish_rate(self) -> float:
+        return self.published / self.duration_s if self.duration_s > 0 else 0.0
+
+    @property
+    def consume_rate(self) -> float:
+        return self.consumed / self.duration_s if self.duration_s > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``run.json`` object."""
+        d = asdict(self)
+        del d["rates"], d["latency_samples"]
+        if d["extra"] is None:
+            del d["extra"]
+        d["duration_s"] = round(self.duration_s, 6)
+        d["publish_rate"] = round(self.publish_rate, 1)
+        d["consume_rate"] = round(self.consume_rate, 1)
+        order = ["run_id", "broker", "scenario", "params", "started_at", "duration_s", "published",
+                 "consumed", "confirmed", "publish_rate", "consume_rate", "latency_us", "broker_rss_bytes"]
+        return {k: d[k] for k in order + [k for k in d if k not in order]}
+
+
+def empty_latency() -> dict[str, int | None]:
+    return {"min": None, "p50": None, "p95": None, "p99": None, "max": None}
+
+
+def now_iso() -> str:
+    return datetime.now(UTC).isoformat()
+
+
+def make_run_id(broker: str, scenario: str) -> str:
+    """Sortable, unique, filesystem-safe id: UTC timestamp, broker, scenario, random suffix."""
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{broker}-{scenario}")
+    return f"{stamp}-{safe}-{secrets.token_hex(3)}"
+
+
+def latency_summary(samples_us: Sequence[int]) -> dict[str, int | None]:
+    """min/p50/p95/p99/max (nearest-rank) of latency samples in microseconds."""
+    if not samples_us:
+        return empty_latency()
+    s = sorted(samples_us)
+    n = len(s)
+
+    def pct(p: float) -> int:
+        return int(s[min(n - 1, max(0, int(round(p / 100.0 * n + 0.5)) - 1))])
+
+    return {"min": int(s[0]), "p50": pct(50), "p95": pct(95), "p99": pct(99), "max": int(s[-1])}
+
+
+def downsample(samples: list[Any], limit: int = MAX_LATENCY_SAMPLES, seed: int = 0) -> list[Any]:
+    """At most ``limit`` samples, chosen uniformly, order kept."""
+    if len(samples) <= limit:
+        return samples
+    idx = sorted(random.Random(seed).sample(range(len(samples)), limit))
+    return [samples[i] for i in idx]
+
+
+def write_run(results_dir: str | os.PathLike[str], result: RunResult) -> Path:
+    """Write run.json, rates.jsonl and latency.jsonl under ``results_dir/<run_id>/``; return that dir."""
+    run_dir = Path(results_dir) / result.run_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _write_jsonl(run_dir / RATES_FILE,
+                 ({"t": t, "published": p, "consumed": c} for t, p, c in result.rates))
+    _write_jsonl(run_dir / LATENCY_FILE,
+                 ({"t": round(t, 6), "latency_us": int(us)}
+                  for t, us in downsample(result.latency_samples)))
+    tmp = run_dir / (RUN_FILE + ".tmp")
+    tmp.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+    tmp.replace(run_dir / RUN_FILE)  # run.json last: its presence means the run dir is complete
+    return run_dir
+
+
+def _write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> None:
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row, separators=(",", ":")))
+            f.write("\n")
+
+
+def read_run(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """The ``run.json`` object of one run directory."""
+    return json.loads((Path(run_dir) / RUN_FILE).read_text())
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def list_runs(results_dir: str | os.PathLike[str]) -> list[Path]:
+    """Complete run directories (those holding run.json), sorted by run_id."""
+    root = Path(results_dir)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if (p / RUN_FILE).is_file())
