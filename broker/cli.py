@@ -1,0 +1,20 @@
+"""The ``shardmq`` command: parse settings, set up logging, hand over to the node supervisor."""
+
+from __future__ import annotations
+
+import sys
+
+from broker.config import load_settings, setup_logging
+
+
+def main() -> None:
+    settings = load_settings(sys.argv[1:])
+    setup_logging(settings.log_level, "node")
+    # Imported late so `shardmq --help` and config errors do not pay for (or depend on) the node's imports.
+    from broker.node import run
+
+    sys.exit(run(settings))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,313 @@
+"""Node settings: defaults < INI file < SHARDMQ_* environment < command-line flags.
+
+Every option is described once in OPTIONS; the flag, the INI key, the env var,
+the --help line and the validation all come from that one row, so the four
+sources cannot drift apart. Errors go through argparse's ``error()`` so they
+look like any other usage error: ``shardmq: error: ...`` and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import configparser
+import dataclasses
+import logging
+import multiprocessing
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+PROG = "shardmq"
+ENV_PREFIX = "SHARDMQ_"
+SYNC_POLICIES = ("fsync", "none")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def default_data_dir(environ: Mapping[str, str] | None = None) -> str:
+    """$SHARDMQ_DATA_DIR, else /var/lib/shardmq for a root that can write there, else ~/.local/share/shardmq."""
+    environ = os.environ if environ is None else environ
+    if environ.get("SHARDMQ_DATA_DIR"):
+        return os.path.abspath(os.path.expanduser(environ["SHARDMQ_DATA_DIR"]))
+    system_dir = "/var/lib/shardmq"
+    if os.geteuid() == 0:
+        probe = system_dir if os.path.exists(system_dir) else os.path.dirname(system_dir)
+        if os.access(probe, os.W_OK):
+            return system_dir
+    return os.path.join(os.path.expanduser("~"), ".local", "share", "shardmq")
+
+
+def _cpu_count() -> int:
+    return os.cpu_count() or 1
+
+
+@dataclass
+class Settings:
+    data_dir: str = field(default_factory=default_data_dir)
+    bind: str = "127.0.0.1"
+    port: int = 5672
+    frontends: int = field(default_factory=_cpu_count)
+    shards: int = field(default_factory=_cpu_count)
+    heartbeat: int = 60
+    frame_max: int = 131072
+    channel_max: int = 2047
+    max_message_size: int = 134217728
+    segment_size: int = 8388608
+    default_user: str = "guest"
+    default_pass: str = "guest"
+    loopback_users: list[str] = field(default_factory=lambda: ["guest"])
+    # "fsync": confirm after a batched fsync; "none": confirm after the page-cache write.
+    sync: str = "fsync"
+    log_level: str = "info"
+    config_file: str | None = None
+
+    @property
+    def run_dir(self) -> str:
+        """Sockets and pids.json live here (see broker/contract.py)."""
+        return os.path.join(self.data_dir, "run")
+
+    @property
+    def pids_file(self) -> str:
+        return os.path.join(self.run_dir, "pids.json")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict for the SNAPSHOT message (msgpack-able)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Settings:
+        """Inverse of to_dict; keys this version does not know are ignored."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str  # Settings field
+    kind: str  # "int" | "str" | "list" | "path"
+    section: str | None  # INI section, None when the option cannot be set from a file
+    help: str
+    minimum: int | None = None
+    maximum: int | None = None
+    choices: tuple[str, ...] | None = None
+    has_flag: bool = True
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("data_dir", "path", "main", "queues, definitions, run/ (sockets, pids.json)"),
+    Option("frontends", "int", "main", "frontend (protocol) processes", 1, 1024),
+    Option("shards", "int", "main", "shard (queue storage) processes", 1, 1024),
+    Option("segment_size", "int", "main", "bytes per message segment file", 65536, 2**32 - 1),
+    Option("sync", "str", "main", "confirm after a batched fsync or after the page-cache write",
+           choices=SYNC_POLICIES),
+    Option("log_level", "str", "main", "log level of the node and its workers", choices=LOG_LEVELS),
+    Option("bind", "str", "amqp", "address the AMQP listener binds"),
+    Option("port", "int", "amqp", "AMQP port", 1, 65535),
+    Option("heartbeat", "int", "amqp", "heartbeat seconds offered to clients (0 = off)", 0, 65535),
+    Option("frame_max", "int", "amqp", "largest frame in bytes offered to clients", 4096, 2**31 - 1),
+    Option("channel_max", "int", "amqp", "most channels per connection", 1, 65535),
+    Option("max_message_size", "int", "amqp", "largest message body accepted, bytes", 1, 536870912),
+    Option("default_user", "str", "amqp", "user created on first boot"),
+    # No flag: a password on the command line is visible to every user through ps.
+    Option("default_pass", "str", "amqp", "password of the user created on first boot", has_flag=False),
+    Option("loopback_users", "list", "amqp",
+           "users that may log in from loopback only ('none' = no one)"),
+)
+OPTIONS_BY_NAME = {opt.name: opt for opt in OPTIONS}
+INI_SECTIONS = ("main", "amqp")
+CONFIG_ENV = ENV_PREFIX + "CONFIG_FILE"
+
+
+class _Invalid(ValueError):
+    """A value that does not fit its option; the caller adds where it came from."""
+
+    def located(self, where: str) -> str:
+        # "--frontends must be >= 1" reads as a sentence; "--port: invalid int 'x'" needs the colon.
+        text = str(self)
+        return f"{where} {text}" if text.startswith("must") else f"{where}: {text}"
+
+
+def _convert(opt: Option, raw: str) -> Any:
+    raw = raw.strip()
+    if opt.kind == "int":
+        try:
+            value = int(raw)
+        except ValueError:
+            raise _Invalid(f"invalid int {raw!r}") from None
+        if opt.minimum is not None and value < opt.minimum:
+            raise _Invalid(f"must be >= {opt.minimum}")
+        if opt.maximum is not None and value > opt.maximum:
+            raise _Invalid(f"must be <= {opt.maximum}")
+        return value
+    if opt.kind == "list":
+        if raw.lower() == "none":
+            return []
+        return [item.strip() for item in raw.split(",") if item.strip()]
+    if opt.kind == "path":
+        if not raw:
+            raise _Invalid("must not be empty")
+        return os.path.abspath(os.path.expanduser(raw))
+    if opt.choices is not None:
+        raw = raw.lower()
+        if raw not in opt.choices:
+            raise _Invalid(f"invalid choice {raw!r} (choose from {', '.join(opt.choices)})")
+        return raw
+    if opt.name in ("bind", "default_user") and not raw:
+        raise _Invalid("must not be empty")
+    return raw
+
+
+def _describe_default(opt: Option) -> str:
+    defaults = {
+        "data_dir": "/var/lib/shardmq (root) or ~/.local/share/shardmq",
+        "frontends": "CPU count",
+        "shards": "CPU count",
+        "loopback_users": "guest",
+    }
+    if opt.name in defaults:
+        return defaults[opt.name]
+    return str(getattr(Settings, opt.name))
+
+
+_METAVARS = {"int": "N", "path": "DIR", "list": "USERS", "str": "VALUE", "bind": "ADDR",
+             "default_user": "USER", "sync": "POLICY", "log_level": "LEVEL"}
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    # Wide enough that every flag's help is one line.
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=28, width=max(100, _terminal_width()))
+
+
+def _terminal_width() -> int:
+    try:
+        return os.get_terminal_size().columns
+    except OSError:
+        return 120
+
+
+def option_table() -> list[tuple[str, str, str, str]]:
+    """(flag, INI key, env var, default) for every setting: the --help epilog and the README show this."""
+    rows = [("--config FILE", "-", CONFIG_ENV, "none")]
+    for opt in OPTIONS:
+        rows.append((opt.flag if opt.has_flag else "-", f"[{opt.section}] {opt.name}", opt.env,
+                     _describe_default(opt)))
+    return rows
+
+
+def build_parser() -> argparse.ArgumentParser:
+    rows = option_table()
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    table = "\n".join(
+        f"  {flag:<{widths[0]}}  {key:<{widths[1]}}  {env:<{widths[2]}}  {default}"
+        for flag, key, env, default in [("flag", "INI [section] key", "environment", "default"), *rows]
+    )
+    epilog = (
+        "Precedence: defaults < INI file (--config) < SHARDMQ_* environment < flags.\n"
+        "An empty environment variable counts as unset. default_pass has no flag (ps would show it).\n\n"
+        + table + "\n"
+    )
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="ShardMQ broker node: an AMQP 0-9-1 broker spread over frontend and shard processes.",
+        epilog=epilog,
+        formatter_class=_HelpFormatter,
+    )
+    parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
+                        help="INI file with [main] and [amqp] sections")
+    for opt in OPTIONS:
+        if not opt.has_flag:
+            continue
+        metavar = _METAVARS.get(opt.name) or _METAVARS[opt.kind]
+        text = opt.help + (f" ({'|'.join(opt.choices)})" if opt.choices else "")
+        parser.add_argument(opt.flag, dest=opt.name, metavar=metavar, default=argparse.SUPPRESS,
+                            help=text.replace("%", "%%"))
+    return parser
+
+
+def _read_ini(parser: argparse.ArgumentParser, path: str, shown: str) -> dict[str, Any]:
+    """Values from the INI file at ``path``; errors name it as ``shown`` (what the user typed)."""
+    ini = configparser.ConfigParser(interpolation=None, default_section="\x00no-default")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            ini.read_file(fh, source=path)
+    except OSError as exc:
+        parser.error(f"config file {shown}: cannot read: {exc.strerror or exc}")
+    except configparser.Error as exc:
+        parser.error(f"config file {shown}: {' '.join(str(exc).split())}")
+    values: dict[str, Any] = {}
+    for section in ini.sections():
+        if section not in INI_SECTIONS:
+            parser.error(f"config file {shown}: unknown section [{section}] "
+                         f"(known: {', '.join('[' + s + ']' for s in INI_SECTIONS)})")
+        for key, raw in ini.items(section):
+            opt = OPTIONS_BY_NAME.get(key)
+            if opt is None or opt.section != section:
+                known = ", ".join(o.name for o in OPTIONS if o.section == section)
+                parser.error(f"config file {shown}: unknown key [{section}] {key} (known: {known})")
+            try:
+                values[opt.name] = _convert(opt, raw)
+            except _Invalid as exc:
+                parser.error(f"config file {shown}: " + exc.located(f"[{section}] {key}"))
+    return values
+
+
+def load_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
+    """Parse argv (default sys.argv[1:]) and environ (default os.environ) into Settings.
+
+    Any invalid value exits with status 2 and a message naming the flag, INI key or env var.
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    environ = os.environ if environ is None else environ
+    parser = build_parser()
+    args = vars(parser.parse_args(argv))
+
+    values: dict[str, Any] = {}
+    shown = args.pop("config", None) or environ.get(CONFIG_ENV) or None
+    if shown:
+        config_file = os.path.abspath(os.path.expanduser(shown))
+        values.update(_read_ini(parser, config_file, shown))
+        values["config_file"] = config_file
+
+    for opt in OPTIONS:
+        raw = environ.get(opt.env)
+        if raw:
+            try:
+                values[opt.name] = _convert(opt, raw)
+            except _Invalid as exc:
+                parser.error(exc.located(opt.env))
+
+    for name, raw in args.items():
+        opt = OPTIONS_BY_NAME[name]
+        try:
+            values[name] = _convert(opt, raw)
+        except _Invalid as exc:
+            parser.error(exc.located(opt.flag))
+
+    if "data_dir" not in values:
+        values["data_dir"] = default_data_dir(environ)
+    return Settings(**values)
+
+
+LOG_FORMAT = "%(asctime)s %(levelname)s [%(processName)s] %(name)s: %(message)s"
+
+
+def setup_logging(level: str | int, role: str) -> None:
+    """Configure the root logger of this process; ``role`` ("node", "frontend-0", "shard-3") shows in every line.
+
+    Workers are started as fresh interpreters, so processName would say "MainProcess"
+    everywhere; naming the process after its role makes interleaved logs readable.
+    """
+    multiprocessing.current_process().name = role
+    if isinstance(level, str):
+        level = logging.getLevelName(level.upper())
+    logging.basicConfig(format=LOG_FORMAT, level=level, force=True)
