@@ -1,0 +1,75 @@
+"""Who a shard delivers to: consumers, and the channels they (and basic.get) belong to.
+
+A ``ChannelRef`` stands for one client channel on one frontend as seen by this
+shard: it carries the channel-wide (``global``) prefetch and how many messages
+from this shard are unacked on it. A ``Consumer`` adds the per-consumer
+prefetch and the credit the frontend has granted (see contract.CREDIT_WINDOW).
+Unacked messages point at their owner (consumer or channel) so a channel
+close can find and requeue them without a per-message index elsewhere.
+"""
+
+from __future__ import annotations
+
+from broker import contract
+
+
+class ChannelRef:
+    __slots__ = ("fe", "conn_id", "channel", "global_prefetch", "unacked")
+
+    def __init__(self, fe: bytes, conn_id: int, channel: int) -> None:
+        self.fe = fe
+        self.conn_id = conn_id
+        self.channel = channel
+        self.global_prefetch = 0
+        self.unacked = 0
+
+    @property
+    def chan(self) -> ChannelRef:
+        return self
+
+    def settle(self) -> None:
+        self.unacked -= 1
+
+
+class Consumer:
+    __slots__ = (
+        "fe", "conn_id", "channel", "tag", "no_ack", "exclusive", "prefetch", "unacked", "credit",
+        "chan", "arguments", "priority", "active",
+    )
+
+    def __init__(
+        self,
+        chan: ChannelRef,
+        tag: str,
+        no_ack: bool,
+        exclusive: bool,
+        prefetch: int,
+        arguments: dict,
+    ) -> None:
+        self.chan = chan
+        self.fe = chan.fe
+        self.conn_id = chan.conn_id
+        self.channel = chan.channel
+        self.tag = tag
+        self.no_ack = no_ack
+        self.exclusive = exclusive
+        self.prefetch = prefetch
+        self.unacked = 0
+        self.credit = contract.CREDIT_WINDOW
+        self.arguments = arguments
+        self.priority = int(arguments.get("x-priority", 0) or 0) if isinstance(arguments, dict) else 0
+        self.active = True
+
+    def can_take(self) -> bool:
+        if self.credit <= 0 or not self.active:
+            return False
+        if self.no_ack:
+            return True
+        if self.prefetch and self.unacked >= self.prefetch:
+            return False
+        chan = self.chan
+        return not (chan.global_prefetch and chan.unacked >= chan.global_prefetch)
+
+    def settle(self) -> None:
+        self.unacked -= 1
+        self.chan.unacked -= 1

@@ -1,0 +1,142 @@
+"""One queue inside a shard: its store, its consumers, its unacked messages.
+
+Memory per queue is independent of its length: the store keeps a read cursor
+over segment files, and the only per-message state here is the unacked map,
+which prefetch and credit bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from broker import contract
+from shard.consumers import ChannelRef, Consumer
+from shard.store import QueueStore
+
+Send = Callable[[bytes, list], None]
+
+_DELIVER = contract.DELIVER
+
+
+class Queue:
+    __slots__ = (
+        "qid", "vhost", "name", "durable", "auto_delete", "arguments", "store", "consumers", "unacked",
+        "_rr", "had_consumers", "exclusive_consumer", "deleted",
+    )
+
+    def __init__(self, qid: int, vhost: str, name: str, defn: Any, store: QueueStore) -> None:
+        self.qid = qid
+        self.vhost = vhost
+        self.name = name
+        self.durable = bool(defn.durable)
+        self.auto_delete = bool(defn.auto_delete)
+        self.arguments = dict(defn.arguments or {})
+        self.store = store
+        self.consumers: list[Consumer] = []
+        # msg_id -> owner (Consumer, or ChannelRef for basic.get); bounded by prefetch/credit.
+        self.unacked: dict[int, Consumer | ChannelRef] = {}
+        self._rr = 0
+        self.had_consumers = False
+        self.exclusive_consumer = False
+        self.deleted = False
+
+    # ----------------------------------------------------------------- consumers
+    def add_consumer(self, consumer: Consumer) -> None:
+        self.consumers.append(consumer)
+        self.had_consumers = True
+        if consumer.exclusive:
+            self.exclusive_consumer = True
+
+    def remove_consumer(self, consumer: Consumer) -> None:
+        try:
+            self.consumers.remove(consumer)
+        except ValueError:
+            return
+        if consumer.exclusive:
+            self.exclusive_consumer = False
+
+    # ------------------------------------------------------------------ delivery
+    def deliver(self, send: Send) -> None:
+        """Hand ready messages to consumers that can take them, round-robin."""
+        consumers = self.consumers
+        store = self.store
+        if not consumers or not store.ready:
+            return
+        n = len(consumers)
+        unacked = self.unacked
+        qid = self.qid
+        idle = 0
+        i = self._rr
+        while idle < n and store.ready:
+            if i >= n:
+                i = 0
+            c = consumers[i]
+            i += 1
+            if not c.can_take():
+                idle += 1
+                continue
+            msg = store.shift()
+            if msg is None:
+                break
+            idle = 0
+            msg_id, redelivered, _ts, _flags, exchange, routing_key, props_raw, body = msg
+            c.credit -= 1
+            if c.no_ack:
+                store.ack(msg_id)
+            else:
+                c.unacked += 1
+                c.chan.unacked += 1
+                unacked[msg_id] = c
+            send(c.fe, [_DELIVER, c.conn_id, c.channel, c.tag, qid, msg_id, redelivered,
+                        exchange, routing_key, props_raw, body])
+        self._rr = i
+
+    def get(self, chan: ChannelRef, no_ack: bool) -> list | None:
+        msg = self.store.shift()
+        if msg is None:
+            return None
+        msg_id, redelivered, _ts, _flags, exchange, routing_key, props_raw, body = msg
+        if no_ack:
+            self.store.ack(msg_id)
+        else:
+            chan.unacked += 1
+            self.unacked[msg_id] = chan
+        return [self.qid, msg_id, redelivered, exchange, routing_key, props_raw, body, self.store.ready]
+
+    # ---------------------------------------------------------------- settlement
+    def ack(self, msg_id: int, fe: bytes, conn_id: int, channel: int) -> bool:
+        owner = self.unacked.get(msg_id)
+        if owner is None or owner.conn_id != conn_id or owner.channel != channel or owner.fe != fe:
+            return False
+        del self.unacked[msg_id]
+        owner.settle()
+        self.store.ack(msg_id)
+        return True
+
+    def nack(self, msg_id: int, fe: bytes, conn_id: int, channel: int, requeue: bool) -> bool:
+        owner = self.unacked.get(msg_id)
+        if owner is None or owner.conn_id != conn_id or owner.channel != channel or owner.fe != fe:
+            return False
+        del self.unacked[msg_id]
+        owner.settle()
+        if requeue:
+            self.store.requeue(msg_id)
+        else:
+            self.store.ack(msg_id)
+        return True
+
+    def requeue_owned(self, match: Callable[[Consumer | ChannelRef], bool]) -> int:
+        """Requeue every unacked message whose owner matches (channel/connection gone, recover)."""
+        gone = [mid for mid, owner in self.unacked.items() if match(owner)]
+        for mid in sorted(gone):
+            owner = self.unacked.pop(mid)
+            owner.settle()
+            self.store.requeue(mid)
+        return len(gone)
+
+    def purge(self) -> int:
+        return self.store.purge()
+
+    def info(self) -> dict:
+        return {"messages": self.store.ready, "consumers": len(self.consumers)}

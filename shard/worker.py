@@ -1,0 +1,416 @@
+"""The shard process: owns a set of queues and serves frontends over ZeroMQ.
+
+Data batches arrive from frontends on a ROUTER socket; every item is handled
+in the loop turn it arrives in, replies are collected per frontend and
+flushed once at the end of the turn (broker.zmqio.BatchSocket). Publishes
+that need durability are confirmed after a group fsync that runs in a worker
+thread, never one fsync per message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import zmq
+
+from broker import contract
+from broker.definitions import Definitions
+from broker.zmqio import BatchSocket, make_socket
+from shard.consumers import ChannelRef, Consumer
+from shard.queue import Queue
+from shard.store import QueueStore, queue_dir
+
+log = logging.getLogger("shardmq.shard")
+
+_PERIODIC_SYNC_S = 1.0
+
+
+class ShardWorker:
+    def __init__(self, index: int, run_dir: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.index = index
+        self.run_dir = run_dir
+        self.loop = loop
+        self.ident = contract.worker_id("shard", index)
+        self.ctx = zmq.Context.instance()
+        self.epoch = -1
+        self.defs: Definitions | None = None
+        self.settings: dict = {}
+        self.queues: dict[tuple[str, str], Queue] = {}
+        self.by_qid: dict[int, Queue] = {}
+        self._next_qid = 1
+        self.channels: dict[tuple[bytes, int, int], ChannelRef] = {}
+        # (fe, conn_id, channel, tag) -> (queue, consumer): credit and cancel are frequent.
+        self.consumers: dict[tuple[bytes, int, int, str], tuple[Queue, Consumer]] = {}
+        self._dirty_queues: set[Queue] = set()
+        self._deliver_scheduled = False
+        # Confirms waiting for the next group sync: (fe, conn_id, channel, seq).
+        self._sync_waiting: list[tuple[bytes, int, int, int]] = []
+        self._sync_stores: set[QueueStore] = set()
+        self._sync_running = False
+        self._confirms: dict[tuple[bytes, int, int], list[int]] = {}
+        self.stopped = asyncio.Event()
+        self._ready = asyncio.Event()
+        self._node_req = 0
+        self.node: BatchSocket | None = None
+        self.data: BatchSocket | None = None
+
+    # ------------------------------------------------------------------ startup
+    async def start(self) -> None:
+        data_sock = make_socket(self.ctx, zmq.ROUTER)
+        data_sock.bind(contract.shard_address(self.run_dir, self.index))
+        self.data = BatchSocket(self.loop, data_sock, self._on_data)
+        node_sock = make_socket(self.ctx, zmq.DEALER, self.ident)
+        node_sock.connect(contract.node_address(self.run_dir))
+        self.node = BatchSocket(self.loop, node_sock, self._on_control)
+        self.node.send_now(None, [[contract.HELLO, contract.VERSION, "shard", self.index, os.getpid()]])
+        await self._ready.wait()
+        self.loop.call_later(_PERIODIC_SYNC_S, self._periodic_sync)
+
+    # --------------------------------------------------------------- control
+    def _on_control(self, _ident: bytes | None, _header, items: list) -> None:
+        for item in items:
+            kind = item[0]
+            if kind == contract.SNAPSHOT:
+                self._load_snapshot(item)
+            elif kind == contract.DEFS:
+                self._apply_defs(item[1], item[2])
+            elif kind == contract.QUERY:
+                self._answer_query(item[1], item[2], item[3])
+            elif kind == contract.WORKER_DOWN:
+                if item[1] == "frontend":
+                    self._frontend_gone(contract.worker_id("frontend", item[2]))
+            elif kind == contract.STOP:
+                self.loop.create_task(self.stop())
+            elif kind == contract.REPLY:
+                pass  # answers to our auto-delete requests need no action
+
+    def _load_snapshot(self, item: list) -> None:
+        _, version, defs_dict, epochs, settings = item
+        self.settings = settings
+        self.epoch = int(epochs.get(self.index, epochs.get(str(self.index), 0)))
+        self.defs = Definitions.from_dict(defs_dict)
+        # A restarted shard opens (and recovers) every queue placed on it.
+        for vhost, name in self.defs.queues_on_shard(self.index):
+            self._open_queue(vhost, name)
+        self.node.put(None, [contract.APPLIED, version])
+        log.info("shard %d (pid %d) ready: %d queues, epoch %d", self.index, os.getpid(),
+                 len(self.queues), self.epoch)
+        self._ready.set()
+        self._schedule_deliver_all()
+
+    def _apply_defs(self, version: int, ops: list) -> None:
+        defs = self.defs
+        for op in ops:
+            defs.apply(op)
+            kind = op[0]
+            if kind == "queue.declare":
+                vhost, name = op[1], op[2]
+                q = defs.queue(vhost, name)
+                if q is not None and q.shard == self.index and (vhost, name) not in self.queues:
+                    self._open_queue(vhost, name)
+            elif kind == "queue.delete":
+                self._delete_queue(op[1], op[2])
+        self.node.put(None, [contract.APPLIED, version])
+
+    def _open_queue(self, vhost: str, name: str) -> None:
+        defn = self.defs.queue(vhost, name)
+        path = queue_dir(self.settings["data_dir"], vhost, name)
+        store = QueueStore(path, segment_size=int(self.settings.get("segment_size", 8 << 20)))
+        q = Queue(self._next_qid, vhost, name, defn, store)
+        self._next_qid += 1
+        self.queues[(vhost, name)] = q
+        self.by_qid[q.qid] = q
+
+    def _delete_queue(self, vhost: str, name: str) -> None:
+        q = self.queues.pop((vhost, name), None)
+        if q is None:
+            return
+        del self.by_qid[q.qid]
+        q.deleted = True
+        for c in q.consumers:
+            self.consumers.pop((c.fe, c.conn_id, c.channel, c.tag), None)
+            self.data.put(c.fe, [contract.CANCEL_NOTIFY, c.conn_id, c.channel, c.tag])
+        for owner in q.unacked.values():
+            owner.settle()
+        q.unacked.clear()
+        q.consumers.clear()
+        self._dirty_queues.discard(q)
+        self._sync_stores.discard(q.store)
+        q.store.delete()
+
+    def _answer_query(self, query_id: int, op: str, args: dict) -> None:
+        if op == "queue_info":
+            q = self.queues.get((args["vhost"], args["queue"]))
+            if q is None:
+                self.node.put(None, [contract.QUERY_REPLY, query_id, False, None])
+            else:
+                self.node.put(None, [contract.QUERY_REPLY, query_id, True, q.info()])
+        else:
+            self.node.put(None, [contract.QUERY_REPLY, query_id, False, f"unknown query {op}"])
+
+    def _request_node(self, op: str, args: dict) -> None:
+        self._node_req += 1
+        self.node.put(None, [contract.REQUEST, self._node_req, op, args])
+
+    # ------------------------------------------------------------------ data
+    def _on_data(self, fe: bytes | None, header, items: list) -> None:
+        try:
+            epoch, batch_seq = header
+        except (TypeError, ValueError):
+            return
+        if epoch == self.epoch and self.defs is not None:
+            for item in items:
+                try:
+                    self._handle(fe, item)
+                except Exception:  # one bad item must not take the shard down
+                    log.exception("shard %d: failed to handle item kind %r", self.index, item[:1])
+        self.data.put(fe, [contract.PROCESSED, batch_seq])
+        if self._confirms:
+            self._flush_confirms()
+        self._schedule_deliver()
+
+    def _handle(self, fe: bytes, item: list) -> None:
+        kind = item[0]
+        if kind == contract.PUBLISH:
+            self._publish(fe, item)
+        elif kind == contract.ACK:
+            _, conn_id, channel, refs = item
+            by_qid = self.by_qid
+            for i in range(0, len(refs), 2):
+                q = by_qid.get(refs[i])
+                if q is not None and q.ack(refs[i + 1], fe, conn_id, channel):
+                    self._dirty_queues.add(q)
+        elif kind == contract.CREDIT:
+            _, conn_id, channel, tag, n = item
+            found = self.consumers.get((fe, conn_id, channel, tag))
+            if found is not None:
+                found[1].credit += n
+                self._dirty_queues.add(found[0])
+        elif kind == contract.NACK:
+            _, conn_id, channel, requeue, refs = item
+            for i in range(0, len(refs), 2):
+                q = self.by_qid.get(refs[i])
+                if q is not None and q.nack(refs[i + 1], fe, conn_id, channel, requeue):
+                    self._dirty_queues.add(q)
+        elif kind == contract.CONSUME:
+            self._consume(fe, item)
+        elif kind == contract.CANCEL:
+            _, conn_id, channel, tag = item
+            found = self.consumers.pop((fe, conn_id, channel, tag), None)
+            if found is not None:
+                q, c = found
+                q.remove_consumer(c)
+                self._maybe_auto_delete(q)
+        elif kind == contract.GET:
+            _, req_id, conn_id, channel, vhost, name, no_ack = item
+            q = self.queues.get((vhost, name))
+            if q is None:
+                self.data.put(fe, [contract.REPLY_DATA, req_id, False,
+                                   [404, f"NOT_FOUND - no queue '{name}' in vhost '{vhost}'", 60, 70]])
+                return
+            msg = q.get(self._channel(fe, conn_id, channel), bool(no_ack))
+            self.data.put(fe, [contract.REPLY_DATA, req_id, True, {"message": msg}])
+        elif kind == contract.QOS:
+            _, conn_id, channel, prefetch = item
+            self._channel(fe, conn_id, channel).global_prefetch = int(prefetch)
+            self._schedule_deliver_all()
+        elif kind == contract.RECOVER:
+            _, conn_id, channel = item
+            self._requeue_where(lambda o: o.fe == fe and o.conn_id == conn_id and o.channel == channel)
+        elif kind == contract.CHANNEL_CLOSED:
+            _, conn_id, channel = item
+            self._drop_consumers(lambda c: c.fe == fe and c.conn_id == conn_id and c.channel == channel)
+            self._requeue_where(lambda o: o.fe == fe and o.conn_id == conn_id and o.channel == channel)
+            self.channels.pop((fe, conn_id, channel), None)
+        elif kind == contract.CONNECTION_CLOSED:
+            conn_id = item[1]
+            self._drop_consumers(lambda c: c.fe == fe and c.conn_id == conn_id)
+            self._requeue_where(lambda o: o.fe == fe and o.conn_id == conn_id)
+            for key in [k for k in self.channels if k[0] == fe and k[1] == conn_id]:
+                del self.channels[key]
+        elif kind == contract.PURGE:
+            _, req_id, vhost, name = item
+            q = self.queues.get((vhost, name))
+            if q is None:
+                self.data.put(fe, [contract.REPLY_DATA, req_id, False,
+                                   [404, f"NOT_FOUND - no queue '{name}' in vhost '{vhost}'", 50, 30]])
+                return
+            self.data.put(fe, [contract.REPLY_DATA, req_id, True, {"messages": q.purge()}])
+            self._dirty_queues.add(q)
+        else:
+            log.warning("shard %d: unknown item kind %r", self.index, kind)
+
+    def _publish(self, fe: bytes, item: list) -> None:
+        (_, vhost, names, exchange, routing_key, props_raw, body, persistent,
+         conn_id, channel, seq) = item
+        ts = int(time.time() * 1000)
+        flags = 1 if persistent else 0
+        queues = self.queues
+        needs_sync = False
+        for name in names:
+            q = queues.get((vhost, name))
+            if q is None:
+                continue  # deleted between routing and arrival: as if unroutable
+            q.store.append(ts, flags, exchange, routing_key, props_raw, body)
+            self._dirty_queues.add(q)
+            if persistent and q.durable and self._fsync:
+                needs_sync = True
+                self._sync_stores.add(q.store)
+        if seq is not None:
+            if needs_sync:
+                self._sync_waiting.append((fe, conn_id, channel, seq))
+                self._start_sync()
+            else:
+                key = (fe, conn_id, channel)
+                seqs = self._confirms.get(key)
+                if seqs is None:
+                    self._confirms[key] = [seq]
+                else:
+                    seqs.append(seq)
+
+    @property
+    def _fsync(self) -> bool:
+        return self.settings.get("sync", "fsync") == "fsync"
+
+    def _consume(self, fe: bytes, item: list) -> None:
+        (_, req_id, conn_id, channel, vhost, name, tag, no_ack, exclusive, prefetch, arguments) = item
+        q = self.queues.get((vhost, name))
+        if q is None:
+            self.data.put(fe, [contract.REPLY_DATA, req_id, False,
+                               [404, f"NOT_FOUND - no queue '{name}' in vhost '{vhost}'", 60, 20]])
+            return
+        if q.exclusive_consumer or (exclusive and q.consumers):
+            self.data.put(fe, [contract.REPLY_DATA, req_id, False,
+                               [403, f"ACCESS_REFUSED - queue '{name}' in vhost '{vhost}' in exclusive use",
+                                60, 20]])
+            return
+        chan = self._channel(fe, conn_id, channel)
+        consumer = Consumer(chan, tag, bool(no_ack), bool(exclusive), int(prefetch or 0), arguments or {})
+        q.add_consumer(consumer)
+        self.consumers[(fe, conn_id, channel, tag)] = (q, consumer)
+        # The reply goes out before any delivery for this consumer (same batch, earlier item).
+        self.data.put(fe, [contract.REPLY_DATA, req_id, True, {}])
+        self._dirty_queues.add(q)
+
+    def _channel(self, fe: bytes, conn_id: int, channel: int) -> ChannelRef:
+        key = (fe, conn_id, channel)
+        chan = self.channels.get(key)
+        if chan is None:
+            chan = self.channels[key] = ChannelRef(fe, conn_id, channel)
+        return chan
+
+    def _drop_consumers(self, match: Callable[[Consumer], bool]) -> None:
+        for q in list(self.queues.values()):
+            gone = [c for c in q.consumers if match(c)]
+            for c in gone:
+                q.remove_consumer(c)
+                self.consumers.pop((c.fe, c.conn_id, c.channel, c.tag), None)
+            if gone:
+                self._maybe_auto_delete(q)
+
+    def _requeue_where(self, match: Callable) -> None:
+        for q in self.queues.values():
+            if q.unacked and q.requeue_owned(match):
+                self._dirty_queues.add(q)
+        self._schedule_deliver()
+
+    def _maybe_auto_delete(self, q: Queue) -> None:
+        if q.auto_delete and q.had_consumers and not q.consumers and not q.deleted:
+            self._request_node("queue.auto_delete", {"vhost": q.vhost, "queue": q.name})
+
+    def _frontend_gone(self, fe: bytes) -> None:
+        self._drop_consumers(lambda c: c.fe == fe)
+        self._requeue_where(lambda o: o.fe == fe)
+        for key in [k for k in self.channels if k[0] == fe]:
+            del self.channels[key]
+        self._confirms = {k: v for k, v in self._confirms.items() if k[0] != fe}
+        self._sync_waiting = [w for w in self._sync_waiting if w[0] != fe]
+
+    # -------------------------------------------------------------- delivery
+    def _schedule_deliver(self) -> None:
+        if self._dirty_queues and not self._deliver_scheduled:
+            self._deliver_scheduled = True
+            self.loop.call_soon(self._deliver)
+
+    def _schedule_deliver_all(self) -> None:
+        self._dirty_queues.update(self.queues.values())
+        self._schedule_deliver()
+
+    def _deliver(self) -> None:
+        self._deliver_scheduled = False
+        dirty = self._dirty_queues
+        self._dirty_queues = set()
+        put = self.data.put
+        for q in dirty:
+            if not q.deleted:
+                q.deliver(put)
+
+    # ----------------------------------------------------------------- confirms
+    def _flush_confirms(self) -> None:
+        confirms = self._confirms
+        self._confirms = {}
+        put = self.data.put
+        for (fe, conn_id, channel), seqs in confirms.items():
+            put(fe, [contract.CONFIRM, conn_id, channel, seqs])
+
+    def _start_sync(self) -> None:
+        if self._sync_running or not (self._sync_waiting or self._sync_stores):
+            return
+        self._sync_running = True
+        waiting = self._sync_waiting
+        stores = self._sync_stores
+        self._sync_waiting = []
+        self._sync_stores = set()
+        fut = self.loop.run_in_executor(None, _sync_all, list(stores))
+        fut.add_done_callback(lambda f: self._sync_done(f, waiting))
+
+    def _sync_done(self, fut: asyncio.Future, waiting: list) -> None:
+        self._sync_running = False
+        exc = fut.exception()
+        if exc is not None:
+            log.error("shard %d: sync failed: %s", self.index, exc)
+            for fe, conn_id, channel, seq in waiting:
+                self.data.put(fe, [contract.CONFIRM_NACK, conn_id, channel, [seq]])
+        else:
+            confirms = self._confirms
+            for fe, conn_id, channel, seq in waiting:
+                key = (fe, conn_id, channel)
+                seqs = confirms.get(key)
+                if seqs is None:
+                    confirms[key] = [seq]
+                else:
+                    seqs.append(seq)
+            self._flush_confirms()
+        self._start_sync()
+
+    def _periodic_sync(self) -> None:
+        if not self.stopped.is_set():
+            # Acks and non-confirmed appends reach the disk within a second even when idle.
+            for q in self.queues.values():
+                if q.store.dirty:
+                    self._sync_stores.add(q.store)
+            self._start_sync()
+            self.loop.call_later(_PERIODIC_SYNC_S, self._periodic_sync)
+
+    # ----------------------------------------------------------------- stop
+    async def stop(self) -> None:
+        if self.stopped.is_set():
+            return
+        self.stopped.set()
+        self.data.flush()
+        stores = [q.store for q in self.queues.values()]
+        await self.loop.run_in_executor(None, _sync_all, stores)
+        for s in stores:
+            s.close()
+        self.data.close()
+        self.node.close()
+        log.info("shard %d stopped", self.index)
+
+
+def _sync_all(stores: list[QueueStore]) -> None:
+    for s in stores:
+        s.sync()
