@@ -1,0 +1,75 @@
+"""The node's data directory: exclusive lock, run dir, and start-up cleanup."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+
+log = logging.getLogger("shardmq.datadir")
+
+
+class DataDirLocked(RuntimeError):
+    pass
+
+
+def name_hash(name: str) -> str:
+    """Directory name of a vhost or queue: the data layout does not depend on shard count."""
+    return hashlib.sha1(name.encode()).hexdigest()
+
+
+class DataDir:
+    def __init__(self, path: str) -> None:
+        self.path = os.path.abspath(path)
+        self.run_dir = os.path.join(self.path, "run")
+        self._lock_fd: int | None = None
+
+    def lock(self) -> None:
+        os.makedirs(self.path, exist_ok=True)
+        fd = os.open(os.path.join(self.path, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                owner = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            finally:
+                os.close(fd)
+            raise DataDirLocked(f"data dir {self.path} is in use by another shardmq node (pid {owner})") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+        # Sockets of a previous (crashed) node are stale; workers bind fresh ones.
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        os.makedirs(self.run_dir, exist_ok=True)
+
+    def unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def write_pids(self, pids: dict) -> None:
+        tmp = os.path.join(self.run_dir, "pids.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(pids, f)
+        os.replace(tmp, os.path.join(self.run_dir, "pids.json"))
+
+    def remove_stale_queues(self, keep: set[tuple[str, str]]) -> int:
+        """Delete queue directories that no durable queue owns (transient queues of the last run)."""
+        wanted: dict[str, set[str]] = {}
+        for vhost, queue in keep:
+            wanted.setdefault(name_hash(vhost), set()).add(name_hash(queue))
+        removed = 0
+        for entry in os.scandir(self.path):
+            if not entry.is_dir() or len(entry.name) != 40 or not os.path.exists(os.path.join(entry.path, ".vhost")):
+                continue
+            keep_queues = wanted.get(entry.name, set())
+            for qentry in os.scandir(entry.path):
+                if qentry.is_dir() and qentry.name not in keep_queues:
+                    shutil.rmtree(qentry.path, ignore_errors=True)
+                    removed += 1
+        if removed:
+            log.info("removed %d queue directories of non-durable or deleted queues", removed)
+        return removed
