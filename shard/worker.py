@@ -53,6 +53,7 @@ class ShardWorker:
         self._sync_running = False
         self._confirms: dict[tuple[bytes, int, int], list[int]] = {}
         self.stopped = asyncio.Event()
+        self._stopping = False
         self._ready = asyncio.Event()
         self._node_req = 0
         self.node: BatchSocket | None = None
@@ -388,7 +389,7 @@ class ShardWorker:
         self._start_sync()
 
     def _periodic_sync(self) -> None:
-        if not self.stopped.is_set():
+        if not self._stopping:
             # Acks and non-confirmed appends reach the disk within a second even when idle.
             for q in self.queues.values():
                 if q.store.dirty:
@@ -398,9 +399,9 @@ class ShardWorker:
 
     # ----------------------------------------------------------------- stop
     async def stop(self) -> None:
-        if self.stopped.is_set():
+        if self._stopping:
             return
-        self.stopped.set()
+        self._stopping = True
         self.data.flush()
         stores = [q.store for q in self.queues.values()]
         await self.loop.run_in_executor(None, _sync_all, stores)
@@ -409,6 +410,7 @@ class ShardWorker:
         self.data.close()
         self.node.close()
         log.info("shard %d stopped", self.index)
+        self.stopped.set()
 
 
 def _sync_all(stores: list[QueueStore]) -> None:
