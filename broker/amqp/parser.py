@@ -1,0 +1,411 @@
+"""Sans-IO AMQP 0-9-1 frame parser: bytes in, events out (broker/amqp/events.py).
+
+The per-message methods (basic.publish, basic.deliver, basic.ack/nack/reject) and the content
+frames are parsed by hand with precompiled structs; every other method is decoded by pamqp.
+Content is assembled per channel, so a whole message comes out as one Publish / Deliver /
+ContentMethod event.
+
+Errors follow the spec and RabbitMQ's rabbit_reader / rabbit_command_assembler:
+  501 FRAME_ERROR       frame over frame_max, bad frame-end octet, unknown frame type, a frame too
+                        short for its type, a heartbeat with a payload or on a non-zero channel,
+                        body bytes beyond the declared body size
+  502 SYNTAX_ERROR      method arguments that do not decode (truncated, trailing bytes, bad UTF-8)
+  504 CHANNEL_ERROR     a content-bearing method on channel 0
+  505 UNEXPECTED_FRAME  header/body without a content method before it, a method mid-content,
+                        a content header of another class or with a non-zero weight
+  540 NOT_IMPLEMENTED   unknown class/method id
+  406 (channel)         declared body size over max_message_size; that message's body is skipped
+A ConnectionProtocolError is always the last event; the parser ignores all input after it.
+The parser never raises: an unforeseen failure is reported as 541 INTERNAL_ERROR.
+
+Memory: input is only buffered up to the frame being waited for, whose size is checked against
+frame_max from its 7-byte header; a body is accumulated from its frames, never preallocated from
+the declared size.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from pamqp import commands
+
+from broker.amqp.constants import (
+    CHANNEL_ERROR,
+    DEFAULT_FRAME_MAX,
+    DEFAULT_MAX_MESSAGE_SIZE,
+    FRAME_ERROR,
+    INTERNAL_ERROR,
+    NOT_IMPLEMENTED,
+    PRECONDITION_FAILED,
+    PROTOCOL_HEADER,
+    PROTOCOL_HEADER_0_9,
+    SYNTAX_ERROR,
+    UNEXPECTED_FRAME,
+)
+from broker.amqp.events import (
+    Ack,
+    BadProtocolHeader,
+    ChannelProtocolError,
+    ConnectionProtocolError,
+    ContentMethod,
+    Deliver,
+    Heartbeat,
+    MethodFrame,
+    Nack,
+    ProtocolHeaderReceived,
+    Publish,
+    Reject,
+)
+
+_FRAME_HDR = struct.Struct(">BHI")
+_U32 = struct.Struct(">I")
+_CONTENT_HDR = struct.Struct(">HHQ")
+_TAG_BITS = struct.Struct(">QB")
+_TAG_BIT_LEN = struct.Struct(">QBB")
+
+# class << 16 | method
+_PUBLISH = 0x003C0028
+_DELIVER = 0x003C003C
+_ACK = 0x003C0050
+_NACK = 0x003C0078
+_REJECT = 0x003C005A
+_CONTENT_METHODS = frozenset({0x003C0028, 0x003C0032, 0x003C003C, 0x003C0047})
+
+# content state stages
+_HEADER = 0
+_BODY = 1
+_SKIP = 2
+# content kinds
+_K_PUBLISH = 0
+_K_DELIVER = 1
+_K_OTHER = 2
+
+_new_tuple = tuple.__new__
+
+
+class _Content:
+    """A channel's message in progress."""
+
+    __slots__ = ("stage", "kind", "info", "method_id", "props", "remaining", "parts")
+
+    def __init__(self, kind: int, info: tuple, method_id: int) -> None:
+        self.stage = _HEADER
+        self.kind = kind
+        self.info = info  # event fields that precede props_raw and body
+        self.method_id = method_id
+        self.props = b""
+        self.remaining = 0
+        self.parts: list = []
+
+
+def _field_sizes(cls: type) -> tuple:
+    """Per argument: fixed byte size, 0 for a bit, -1 shortstr, -4 longstr/table."""
+    size = {"octet": 1, "short": 2, "long": 4, "longlong": 8, "timestamp": 8, "bit": 0,
+            "shortstr": -1, "longstr": -4, "table": -4}
+    return tuple(size[getattr(cls, "_" + name)] for name in cls.__slots__)
+
+
+_METHOD_FIELDS = {index: (cls, _field_sizes(cls)) for index, cls in commands.INDEX_MAPPING.items()}
+
+
+def _args_fit(fields: tuple, data: bytes) -> bool:
+    """True when the arguments occupy data exactly (pamqp silently truncates short strings)."""
+    pos, n, bits = 0, len(data), 0
+    for size in fields:
+        if size == 0:
+            if bits % 8 == 0:
+                pos += 1
+            bits += 1
+            continue
+        bits = 0
+        if size > 0:
+            pos += size
+        elif pos >= n:
+            return False
+        elif size == -1:
+            pos += 1 + data[pos]
+        else:
+            if pos + 4 > n:
+                return False
+            pos += 4 + _U32.unpack_from(data, pos)[0]
+        if pos > n:
+            return False
+    return pos == n
+
+
+class FrameParser:
+    """Feed bytes as they arrive; get back the events they complete.
+
+    role="server" expects the client's protocol header first; role="client" (the perf tool)
+    parses the server's frames from the first byte. frame_max may be changed after tune.
+    """
+
+    def __init__(
+        self,
+        role: str = "server",
+        frame_max: int = DEFAULT_FRAME_MAX,
+        max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+    ) -> None:
+        if role not in ("server", "client"):
+            raise ValueError(f"role must be 'server' or 'client', not {role!r}")
+        self.role = role
+        self.frame_max = frame_max
+        self.max_message_size = max_message_size
+        self._expect_header = True  # the client role only checks for a refusal header
+        self._dead = False
+        self._pending: list[bytes] = []
+        self._pending_len = 0
+        self._need = 8 if role == "server" else 1
+        self._content: dict[int, _Content] = {}
+
+    @property
+    def dead(self) -> bool:
+        """True after a ConnectionProtocolError or BadProtocolHeader: all input is ignored."""
+        return self._dead
+
+    def feed(self, data: bytes) -> list:
+        if self._dead or not data:
+            return []
+        if self._pending:
+            self._pending.append(bytes(data))
+            self._pending_len += len(data)
+            if self._pending_len < self._need:
+                return []
+            data = b"".join(self._pending)
+            self._pending = []
+            self._pending_len = 0
+        elif data.__class__ is not bytes:
+            data = bytes(data)
+        events: list = []
+        try:
+            pos = 0
+            if self._expect_header:
+                pos = self._protocol_header(data, events)
+                if pos < 0:
+                    return events
+            self._frames(data, pos, events)
+        except Exception as exc:  # a codec bug must not become a traceback in the connection
+            self._fail(events, INTERNAL_ERROR, f"internal codec error: {exc!r}", 0, 0)
+        return events
+
+    # ------------------------------------------------------------------ internals
+
+    def _wait(self, data: bytes, pos: int, need: int) -> None:
+        rest = data[pos:] if pos else data
+        self._pending = [rest]
+        self._pending_len = len(rest)
+        self._need = need
+
+    def _fail(self, events: list, code: int, text: str, class_id: int, method_id: int) -> None:
+        events.append(ConnectionProtocolError(code, text, class_id, method_id))
+        self._dead = True
+        self._pending = []
+        self._pending_len = 0
+        self._content.clear()
+
+    def _protocol_header(self, data: bytes, events: list) -> int:
+        """Offset after the header, or -1 when waiting for more or finished."""
+        if self.role == "client":
+            # a server refusing our version answers with its own header instead of frames
+            if data[:1] != b"A":
+                self._expect_header = False
+                return 0
+        if len(data) < 8:
+            self._wait(data, 0, 8)
+            return -1
+        header = data[:8]
+        self._expect_header = False
+        if self.role == "server" and (header == PROTOCOL_HEADER or header == PROTOCOL_HEADER_0_9):
+            events.append(ProtocolHeaderReceived())
+            return 8
+        events.append(BadProtocolHeader(header))
+        self._dead = True
+        return -1
+
+    def _frames(self, data: bytes, pos: int, events: list) -> None:
+        end = len(data)
+        limit = self.frame_max or 0xFFFFFFFF
+        content = self._content
+        emit = events.append
+        unpack_hdr = _FRAME_HDR.unpack_from
+        while True:
+            if end - pos < 7:
+                if pos < end:
+                    self._wait(data, pos, 7)
+                return
+            ftype, ch, size = unpack_hdr(data, pos)
+            if size > limit:
+                # RabbitMQ allows frame_max of payload (clients are often off by the 8 overhead bytes)
+                return self._fail(events, FRAME_ERROR,
+                                  f"frame size {size} is larger than negotiated frame_max {limit}", 0, 0)
+            start = pos + 7
+            fend = start + size
+            if fend >= end:
+                self._wait(data, pos, size + 8)
+                return
+            if data[fend] != 0xCE:
+                return self._fail(events, FRAME_ERROR,
+                                  f"invalid frame end marker 0x{data[fend]:02x} on channel {ch}", 0, 0)
+            pos = fend + 1
+
+            if ftype == 1:
+                if size < 4:
+                    return self._fail(events, FRAME_ERROR, f"method frame of {size} bytes on channel {ch}", 0, 0)
+                index = _U32.unpack_from(data, start)[0]
+                if ch in content:
+                    st = content[ch]
+                    return self._unexpected(events, st, f"got method {index >> 16}.{index & 0xFFFF}")
+                if index == _PUBLISH:
+                    # ticket(2) exchange(shortstr) routing-key(shortstr) bits(1)
+                    p = start + 7
+                    if p > fend:
+                        return self._syntax(events, index)
+                    q = p + data[p - 1]
+                    r = q + 1
+                    b = r + (data[q] if q < fend else 0)
+                    if b + 1 != fend:
+                        return self._syntax(events, index)
+                    try:
+                        info = (data[p:q].decode(), data[r:b].decode(), data[b] & 1 == 1, data[b] & 2 == 2)
+                    except UnicodeDecodeError:
+                        return self._syntax(events, index)
+                    if not ch:
+                        return self._on_channel_zero(events, index)
+                    content[ch] = _Content(_K_PUBLISH, info, 40)
+                elif index == _ACK:
+                    if size != 13:
+                        return self._syntax(events, index)
+                    tag, bits = _TAG_BITS.unpack_from(data, start + 4)
+                    emit(_new_tuple(Ack, (ch, tag, bits & 1 == 1)))
+                elif index == _NACK:
+                    if size != 13:
+                        return self._syntax(events, index)
+                    tag, bits = _TAG_BITS.unpack_from(data, start + 4)
+                    emit(_new_tuple(Nack, (ch, tag, bits & 1 == 1, bits & 2 == 2)))
+                elif index == _REJECT:
+                    if size != 13:
+                        return self._syntax(events, index)
+                    tag, bits = _TAG_BITS.unpack_from(data, start + 4)
+                    emit(_new_tuple(Reject, (ch, tag, bits & 1 == 1)))
+                elif index == _DELIVER:
+                    # consumer-tag(shortstr) delivery-tag(8) redelivered(1) exchange rk
+                    p = start + 5
+                    if p > fend:
+                        return self._syntax(events, index)
+                    q = p + data[p - 1]
+                    if q + 10 > fend:
+                        return self._syntax(events, index)
+                    tag, red, exlen = _TAG_BIT_LEN.unpack_from(data, q)
+                    e = q + 10
+                    r = e + exlen
+                    b = r + 1 + (data[r] if r < fend else 0)
+                    if b != fend:
+                        return self._syntax(events, index)
+                    try:
+                        info = (data[p:q].decode(), tag, red & 1 == 1, data[e:r].decode(), data[r + 1 : b].decode())
+                    except UnicodeDecodeError:
+                        return self._syntax(events, index)
+                    if not ch:
+                        return self._on_channel_zero(events, index)
+                    content[ch] = _Content(_K_DELIVER, info, 60)
+                else:
+                    entry = _METHOD_FIELDS.get(index)
+                    if entry is None:
+                        return self._fail(events, NOT_IMPLEMENTED,
+                                          f"unknown method class {index >> 16} method {index & 0xFFFF}",
+                                          index >> 16, index & 0xFFFF)
+                    cls, fields = entry
+                    args = data[start + 4 : fend]
+                    if not _args_fit(fields, args):
+                        return self._syntax(events, index)
+                    method = cls.__new__(cls)  # skips __init__'s defaults/validation; unmarshal sets all
+                    try:
+                        method.unmarshal(args)
+                    except Exception:
+                        return self._syntax(events, index)
+                    if index in _CONTENT_METHODS:
+                        if not ch:
+                            return self._on_channel_zero(events, index)
+                        content[ch] = _Content(_K_OTHER, (method,), index & 0xFFFF)
+                    else:
+                        emit(MethodFrame(ch, method))
+
+            elif ftype == 3:
+                st = content.get(ch)
+                if st is None or st.stage == _HEADER:
+                    return self._unexpected(events, st, "got content body frame")
+                if size > st.remaining:
+                    return self._fail(events, FRAME_ERROR, "content body frame exceeds remaining content size",
+                                      60, st.method_id)
+                if st.stage == _SKIP:
+                    st.remaining -= size
+                    if not st.remaining:
+                        del content[ch]
+                elif size == st.remaining and not st.parts:
+                    del content[ch]
+                    emit(self._message(ch, st, data[start:fend]))
+                else:
+                    st.parts.append(data[start:fend])
+                    st.remaining -= size
+                    if not st.remaining:
+                        del content[ch]
+                        emit(self._message(ch, st, b"".join(st.parts)))
+
+            elif ftype == 2:
+                st = content.get(ch)
+                if st is None or st.stage != _HEADER:
+                    return self._unexpected(events, st, "got content header frame")
+                if size < 14:
+                    return self._fail(events, FRAME_ERROR, f"content header frame of {size} bytes", 60, st.method_id)
+                class_id, weight, body_size = _CONTENT_HDR.unpack_from(data, start)
+                if class_id != 60 or weight:
+                    return self._fail(events, UNEXPECTED_FRAME,
+                                      f"expected content header for class 60, got one for class {class_id} "
+                                      f"(weight {weight}) instead", 60, st.method_id)
+                if body_size > self.max_message_size:
+                    emit(ChannelProtocolError(
+                        ch, PRECONDITION_FAILED,
+                        f"message size {body_size} is larger than configured max size {self.max_message_size}",
+                        60, st.method_id))
+                    st.stage = _SKIP
+                    st.remaining = body_size
+                elif not body_size:
+                    del content[ch]
+                    st.props = data[start + 12 : fend]
+                    emit(self._message(ch, st, b""))
+                else:
+                    st.stage = _BODY
+                    st.props = data[start + 12 : fend]
+                    st.remaining = body_size
+
+            elif ftype == 8:
+                if ch or size:
+                    return self._fail(events, FRAME_ERROR,
+                                      f"heartbeat frame on channel {ch} with {size} payload bytes", 0, 0)
+                emit(Heartbeat(0))
+            else:
+                return self._fail(events, FRAME_ERROR, f"unknown frame type {ftype} on channel {ch}", 0, 0)
+
+    @staticmethod
+    def _message(ch: int, st: _Content, body: bytes) -> tuple:
+        if st.kind == _K_PUBLISH:
+            return _new_tuple(Publish, (ch, *st.info, st.props, body))
+        if st.kind == _K_DELIVER:
+            return _new_tuple(Deliver, (ch, *st.info, st.props, body))
+        return ContentMethod(ch, st.info[0], st.props, body)
+
+    def _syntax(self, events: list, index: int) -> None:
+        self._fail(events, SYNTAX_ERROR, f"cannot decode arguments of method {index >> 16}.{index & 0xFFFF}",
+                   index >> 16, index & 0xFFFF)
+
+    def _on_channel_zero(self, events: list, index: int) -> None:
+        self._fail(events, CHANNEL_ERROR, "content-bearing method on channel 0", index >> 16, index & 0xFFFF)
+
+    def _unexpected(self, events: list, st: _Content | None, got: str) -> None:
+        if st is None:
+            expected, method_id = "expected method frame", 0
+        elif st.stage == _HEADER:
+            expected, method_id = "expected content header for class 60", st.method_id
+        else:
+            expected, method_id = "expected content body", st.method_id
+        self._fail(events, UNEXPECTED_FRAME, f"{expected}, {got} instead", 60 if method_id else 0, method_id)
