@@ -1,0 +1,54 @@
+"""Fixtures that start REAL nodes (see tests/harness.py).
+
+- ``node``: a fresh node per test (2 frontends, 2 shards).
+- ``node_factory``: ``node_factory(frontends=1, shards=3, extra_args=[...], start=True)`` for custom nodes.
+- ``shared_node``: one node per test module for tests that need no isolation; use unique queue names.
+
+When a test fails, the tail of each of its nodes' logs is added to the report.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.harness import Node, NodeFactory
+
+
+@pytest.fixture
+def node_factory(tmp_path):
+    factory = NodeFactory(tmp_path)
+    yield factory
+    factory.cleanup()
+
+
+@pytest.fixture
+def node(node_factory) -> Node:
+    return node_factory(name="node", frontends=2, shards=2)
+
+
+@pytest.fixture(scope="module")
+def shared_node(tmp_path_factory):
+    factory = NodeFactory(tmp_path_factory.mktemp("shared_node"))
+    try:
+        yield factory(name="node", frontends=2, shards=2)
+    finally:
+        factory.cleanup()
+
+
+def _nodes_of(item) -> list[Node]:
+    nodes: list[Node] = []
+    for value in getattr(item, "funcargs", {}).values():
+        if isinstance(value, Node):
+            nodes.append(value)
+        elif isinstance(value, NodeFactory):
+            nodes.extend(value.nodes)
+    return list(dict.fromkeys(nodes))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for node in _nodes_of(item):
+            report.sections.append((f"node log {node.log_path}", node.log_tail(200)))

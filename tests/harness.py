@@ -1,0 +1,333 @@
+"""Start and stop REAL ShardMQ nodes for integration tests.
+
+A Node runs ``python -m broker.cli`` as a subprocess in its own session, so its
+process group id (captured at start, ours) lets teardown kill anything the node
+left behind as a last resort. Normal stops go through the node pid: SIGTERM,
+wait, SIGKILL. Everything the node prints goes to ``node.log`` next to its data
+dir; the fixtures attach the tail of it to a failing test's report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pika
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+STARTUP_TIMEOUT = 20.0
+STOP_TIMEOUT = 15.0
+# Workers die with the node (PR_SET_PDEATHSIG); give them this long before the harness kills them.
+ORPHAN_GRACE = 5.0
+
+
+class NodeError(AssertionError):
+    """The node did not do what the harness waited for; the message carries the log tail."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            stat = fh.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes in process group ``pgid``."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        # Fields after "(comm)": state ppid pgrp ...; comm may contain spaces and parens.
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry))
+    return members
+
+
+def _wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
+
+
+class Node:
+    """One ShardMQ node process and its workers, on 127.0.0.1:port with data in ``data_dir``."""
+
+    def __init__(
+        self,
+        workdir: Path | str,
+        *,
+        frontends: int = 2,
+        shards: int = 2,
+        port: int | None = None,
+        extra_args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        log_level: str = "debug",
+        command: Sequence[str] | None = None,
+        startup_timeout: float = STARTUP_TIMEOUT,
+    ) -> None:
+        self.workdir = Path(workdir)
+        self.data_dir = self.workdir / "data"
+        self.log_path = self.workdir / "node.log"
+        self.frontends = frontends
+        self.shards = shards
+        self.port = port or free_port()
+        self.extra_args = list(extra_args)
+        self.env = env or {}
+        self.log_level = log_level
+        # Tests of the harness itself swap the broker for a stand-in; node tests never pass this.
+        self.command = list(command) if command else [sys.executable, "-m", "broker.cli"]
+        self.startup_timeout = startup_timeout
+        self.proc: subprocess.Popen | None = None
+        self.pgids: list[int] = []  # every group this Node started; cleanup() sweeps them all
+        self.orphans_killed: list[int] = []  # workers that outlived their node past ORPHAN_GRACE
+        self.starts = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def url(self) -> str:
+        return f"amqp://guest:guest@127.0.0.1:{self.port}/"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def argv(self) -> list[str]:
+        return [
+            *self.command,
+            "--data-dir", str(self.data_dir),
+            "--port", str(self.port),
+            "--frontends", str(self.frontends),
+            "--shards", str(self.shards),
+            "--log-level", self.log_level,
+            *self.extra_args,
+        ]
+
+    def start(self, wait: bool = True) -> Node:
+        if self.running():
+            raise NodeError(f"node pid {self.pid} is already running")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDMQ_")}
+        env.update(PYTHONUNBUFFERED="1", **self.env)
+        self.starts += 1
+        self._note(f"start #{self.starts}: {' '.join(self.argv())}")
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.argv(), cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL,
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        self.pgids.append(self.proc.pid)  # session leader: pgid == pid
+        if wait:
+            self.wait_ready()
+        return self
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Wait until the port accepts TCP and a full AMQP handshake (connection.open-ok) succeeds."""
+        deadline = time.monotonic() + (timeout or self.startup_timeout)
+        last_error: Exception | None = None
+        while time.monotonic() < deadline:
+            if not self.running():
+                code = self.proc.returncode if self.proc else None
+                raise NodeError(f"node exited with status {code} during startup\n{self.log_tail()}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1.0):
+                    pass
+                conn = self.connect(socket_timeout=2.0, stack_timeout=3.0)
+                conn.close()
+                return
+            except Exception as exc:  # any failure means "not ready yet"; the deadline bounds it
+                last_error = exc
+                time.sleep(0.1)
+        raise NodeError(
+            f"node on port {self.port} not ready after {timeout or self.startup_timeout:.0f}s "
+            f"(last error: {last_error!r})\n{self.log_tail()}"
+        )
+
+    def connect(self, **params) -> pika.BlockingConnection:
+        """A pika connection as guest; keyword arguments become pika.ConnectionParameters."""
+        params.setdefault("connection_attempts", 1)
+        return pika.BlockingConnection(pika.ConnectionParameters(
+            host="127.0.0.1", port=self.port, credentials=pika.PlainCredentials("guest", "guest"), **params,
+        ))
+
+    def stop(self, timeout: float = STOP_TIMEOUT) -> int | None:
+        """SIGTERM the node, wait, SIGKILL if needed; then make sure its workers are gone. Returns its status."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self._note(f"SIGTERM node pid {self.proc.pid}")
+            self._signal(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self._note(f"node pid {self.proc.pid} ignored SIGTERM for {timeout}s: SIGKILL")
+                self._signal(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._reap_group(self.pgids[-1])
+        return self.proc.returncode
+
+    def kill9(self) -> None:
+        """SIGKILL the node process only (its workers are left to notice), and reap it."""
+        if not self.running():
+            raise NodeError("kill9: node is not running")
+        self._note(f"SIGKILL node pid {self.proc.pid}")
+        self._signal(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def restart(self, wait: bool = True) -> Node:
+        """Stop (gracefully) if running, let the old workers go, start again on the same data dir and port."""
+        if self.running():
+            self.stop()
+        elif self.pgids:
+            self._reap_group(self.pgids[-1])
+        return self.start(wait=wait)
+
+    def cleanup(self) -> None:
+        """Last resort for teardown: stop the node, then SIGKILL whatever is left in every group we started."""
+        try:
+            if self.running():
+                self.stop()
+        finally:
+            for pgid in self.pgids:
+                if group_members(pgid):
+                    self._note(f"cleanup: SIGKILL process group {pgid}")
+                    try:
+                        os.killpg(pgid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+
+    def _reap_group(self, pgid: int) -> None:
+        # The node's workers die with it; anything still there after the grace period is killed
+        # (as systemd would on restart) and recorded so a test can assert there were none.
+        if _wait_until(lambda: not group_members(pgid), ORPHAN_GRACE):
+            return
+        leftover = group_members(pgid)
+        self.orphans_killed.extend(leftover)
+        self._note(f"workers outlived the node by {ORPHAN_GRACE}s, SIGKILL: {leftover}")
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        _wait_until(lambda: not group_members(pgid), ORPHAN_GRACE)
+
+    # ------------------------------------------------------------------ workers
+    def pids(self) -> dict:
+        """``<data_dir>/run/pids.json``: {"node": pid, "frontend": {"0": pid}, "shard": {"0": pid}}."""
+        path = self.data_dir / "run" / "pids.json"
+        last_error: Exception | None = None
+        for _ in range(50):  # the node rewrites it on every spawn; retry a torn read briefly
+            try:
+                return json.loads(path.read_text())
+            except (FileNotFoundError, json.JSONDecodeError) as exc:
+                last_error = exc
+                time.sleep(0.02)
+        raise NodeError(f"cannot read {path}: {last_error!r}\n{self.log_tail()}")
+
+    def worker_pid(self, role: str, index: int) -> int:
+        try:
+            return int(self.pids()[role][str(index)])
+        except KeyError:
+            raise NodeError(f"no {role} {index} in pids.json: {self.pids()}") from None
+
+    def kill_worker(self, role: str, index: int) -> int:
+        """SIGKILL one worker ("frontend" or "shard"); returns the pid that was killed."""
+        pid = self.worker_pid(role, index)
+        try:
+            pgid = os.getpgid(pid)
+        except ProcessLookupError:
+            raise NodeError(f"{role} {index} pid {pid} from pids.json is not running") from None
+        # Never signal a pid we do not own (a stale pids.json after pid reuse).
+        if self.pgids and pgid != self.pgids[-1]:
+            raise NodeError(f"{role} {index} pid {pid} is not in our node's process group")
+        self._note(f"SIGKILL {role} {index} pid {pid}")
+        self._signal(pid, signal.SIGKILL)
+        return pid
+
+    def wait_worker_restarted(self, role: str, index: int, old_pid: int, timeout: float = STARTUP_TIMEOUT) -> int:
+        """Wait until pids.json names a new, live pid for that worker; returns it."""
+        new_pid: list[int] = []
+
+        def replaced() -> bool:
+            pid = int(self.pids().get(role, {}).get(str(index), old_pid))
+            if pid != old_pid and pid_alive(pid):
+                new_pid.append(pid)
+                return True
+            return False
+
+        if not _wait_until(replaced, timeout, interval=0.1):
+            raise NodeError(f"{role} {index} (was pid {old_pid}) not restarted after {timeout}s\n{self.log_tail()}")
+        return new_pid[0]
+
+    # ------------------------------------------------------------------ logs
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def log_tail(self, lines: int = 80) -> str:
+        tail = self.log_text().splitlines()[-lines:]
+        return f"--- last {len(tail)} lines of {self.log_path} ---\n" + "\n".join(tail)
+
+    def _note(self, text: str) -> None:
+        # Harness actions go into the same log, so a failure's log tail reads as one story.
+        with open(self.log_path, "a") as log:
+            log.write(f"{time.strftime('%H:%M:%S')} === harness: {text}\n")
+
+    @staticmethod
+    def _signal(pid: int, sig: int) -> None:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def __repr__(self) -> str:
+        return f"<Node pid={self.pid} port={self.port} data_dir={self.data_dir}>"
+
+
+class NodeFactory:
+    """Makes Nodes for one test (or module) and cleans all of them up."""
+
+    def __init__(self, base_dir: Path) -> None:
+        self.base_dir = Path(base_dir)
+        self.nodes: list[Node] = []
+
+    def __call__(self, *, start: bool = True, name: str | None = None, **kwargs) -> Node:
+        node = Node(self.base_dir / (name or f"node{len(self.nodes)}"), **kwargs)
+        self.nodes.append(node)
+        if start:
+            node.start()
+        return node
+
+    def cleanup(self) -> None:
+        for node in self.nodes:
+            node.cleanup()

@@ -1,0 +1,225 @@
+"""Node settings: precedence of the four sources, validation messages, --help."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from broker.config import OPTIONS, Settings, default_data_dir, load_settings, setup_logging
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def write_ini(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "shardmq.ini"
+    path.write_text(text)
+    return path
+
+
+def load_error(capsys, argv, environ=None) -> str:
+    with pytest.raises(SystemExit) as exc_info:
+        load_settings(argv, environ or {})
+    assert exc_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: shardmq")
+    return err.strip().splitlines()[-1]
+
+
+def test_defaults(tmp_path):
+    s = load_settings([], {"SHARDMQ_DATA_DIR": str(tmp_path)})
+    assert s.data_dir == str(tmp_path)
+    assert (s.bind, s.port, s.heartbeat, s.frame_max, s.channel_max) == ("127.0.0.1", 5672, 60, 131072, 2047)
+    assert s.frontends == s.shards == (os.cpu_count() or 1)
+    assert (s.max_message_size, s.segment_size) == (134217728, 8388608)
+    assert (s.default_user, s.default_pass, s.loopback_users) == ("guest", "guest", ["guest"])
+    assert (s.sync, s.log_level, s.config_file) == ("fsync", "info", None)
+    assert s.run_dir == os.path.join(str(tmp_path), "run")
+    assert s.pids_file == os.path.join(str(tmp_path), "run", "pids.json")
+
+
+def test_default_data_dir_without_env():
+    path = default_data_dir({})
+    if os.geteuid() == 0 and os.access("/var/lib", os.W_OK):
+        assert path == "/var/lib/shardmq"
+    else:
+        assert path == os.path.expanduser("~/.local/share/shardmq")
+    assert load_settings([], {}).data_dir == path
+
+
+def test_precedence_defaults_ini_env_flags(tmp_path):
+    ini = write_ini(tmp_path, """
+[main]
+frontends = 3
+shards = 5
+log_level = warning
+sync = none
+[amqp]
+port = 1111
+bind = 0.0.0.0
+heartbeat = 10
+default_pass = from-ini
+""")
+    environ = {"SHARDMQ_PORT": "2222", "SHARDMQ_SHARDS": "6", "SHARDMQ_HEARTBEAT": "20"}
+    s = load_settings(["--config", str(ini), "--port", "3333", "--data-dir", str(tmp_path / "d")], environ)
+    assert s.port == 3333  # flag > env > ini
+    assert s.shards == 6 and s.heartbeat == 20  # env > ini
+    assert (s.frontends, s.log_level, s.sync, s.bind, s.default_pass) == (3, "warning", "none", "0.0.0.0", "from-ini")
+    assert s.frame_max == 131072  # untouched by any source: default
+    assert s.data_dir == str(tmp_path / "d")
+    assert s.config_file == str(ini)
+
+
+def test_config_file_from_env_and_empty_env_is_unset(tmp_path):
+    ini = write_ini(tmp_path, "[amqp]\nport = 1234\n")
+    s = load_settings([], {"SHARDMQ_CONFIG_FILE": str(ini), "SHARDMQ_PORT": "", "SHARDMQ_DATA_DIR": "x"})
+    assert s.port == 1234
+    assert s.data_dir == os.path.abspath("x")
+
+
+# A value per option that differs from its default; a new option must be added here.
+SAMPLES = {
+    "data_dir": "/tmp/shardmq-sample", "frontends": "3", "shards": "7", "segment_size": "1048576",
+    "sync": "none", "log_level": "debug", "bind": "0.0.0.0", "port": "4000", "heartbeat": "5",
+    "frame_max": "8192", "channel_max": "16", "max_message_size": "1000", "default_user": "bob",
+    "default_pass": "secret", "loopback_users": "none",
+}
+
+
+@pytest.mark.parametrize("opt", OPTIONS, ids=[o.name for o in OPTIONS])
+def test_every_option_settable_from_ini_env_and_flag(tmp_path, opt):
+    raw = SAMPLES[opt.name]
+    ini = write_ini(tmp_path, f"[{opt.section}]\n{opt.name} = {raw}\n")
+    from_ini = getattr(load_settings(["--config", str(ini)], {}), opt.name)
+    from_env = getattr(load_settings([], {opt.env: raw}), opt.name)
+    assert from_ini == from_env != getattr(Settings(), opt.name)
+    if opt.has_flag:
+        assert getattr(load_settings([opt.flag, raw], {}), opt.name) == from_env
+    assert set(SAMPLES) == {o.name for o in OPTIONS}
+
+
+def test_lists_and_choices_are_normalised():
+    assert load_settings(["--loopback-users", " a , b,,"], {}).loopback_users == ["a", "b"]
+    assert load_settings(["--loopback-users", "none"], {}).loopback_users == []
+    assert load_settings(["--log-level", "DEBUG", "--sync", "None"], {}).log_level == "debug"
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "message"),
+    [
+        (["--frontends", "0"], {}, "shardmq: error: --frontends must be >= 1"),
+        (["--shards", "-1"], {}, "shardmq: error: --shards must be >= 1"),
+        (["--port", "abc"], {}, "shardmq: error: --port: invalid int 'abc'"),
+        (["--port", "70000"], {}, "shardmq: error: --port must be <= 65535"),
+        (["--frame-max", "100"], {}, "shardmq: error: --frame-max must be >= 4096"),
+        (["--channel-max", "0"], {}, "shardmq: error: --channel-max must be >= 1"),
+        (["--heartbeat", "-5"], {}, "shardmq: error: --heartbeat must be >= 0"),
+        (["--max-message-size", "0"], {}, "shardmq: error: --max-message-size must be >= 1"),
+        (["--segment-size", "10"], {}, "shardmq: error: --segment-size must be >= 65536"),
+        (["--sync", "always"], {}, "shardmq: error: --sync: invalid choice 'always' (choose from fsync, none)"),
+        (["--log-level", "loud"], {}, "shardmq: error: --log-level: invalid choice 'loud'"),
+        (["--bind", " "], {}, "shardmq: error: --bind must not be empty"),
+        (["--nope"], {}, "shardmq: error: unrecognized arguments: --nope"),
+        ([], {"SHARDMQ_FRONTENDS": "0"}, "shardmq: error: SHARDMQ_FRONTENDS must be >= 1"),
+        ([], {"SHARDMQ_PORT": "x1"}, "shardmq: error: SHARDMQ_PORT: invalid int 'x1'"),
+        ([], {"SHARDMQ_SYNC": "sometimes"}, "shardmq: error: SHARDMQ_SYNC: invalid choice 'sometimes'"),
+    ],
+)
+def test_invalid_values_exit_2_naming_the_source(capsys, argv, environ, message):
+    assert load_error(capsys, argv, environ).startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[amqp]\nport = abc\n", "[amqp] port: invalid int 'abc'"),
+        ("[main]\nfrontends = 0\n", "[main] frontends must be >= 1"),
+        ("[main]\nport = 1\n", "unknown key [main] port (known: data_dir,"),
+        ("[amqp]\nprot = 1\n", "unknown key [amqp] prot"),
+        ("[storage]\nx = 1\n", "unknown section [storage] (known: [main], [amqp])"),
+        ("port = 1\n", "File contains no section headers"),
+        ("[amqp]\nport = 1\nport = 2\n", "option 'port' in section 'amqp' already exists"),
+    ],
+)
+def test_invalid_ini_exit_2_naming_file_section_and_key(capsys, tmp_path, monkeypatch, text, message):
+    write_ini(tmp_path, text)
+    monkeypatch.chdir(tmp_path)
+    line = load_error(capsys, ["--config", "shardmq.ini"])
+    assert line.startswith("shardmq: error: config file shardmq.ini: ")
+    assert message in line
+
+
+def test_missing_config_file(capsys, tmp_path):
+    line = load_error(capsys, ["--config", str(tmp_path / "nope.ini")])
+    assert line == f"shardmq: error: config file {tmp_path / 'nope.ini'}: cannot read: No such file or directory"
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SHARDMQ_")}
+    return subprocess.run(
+        [sys.executable, "-m", "broker.cli", *args], cwd=REPO_ROOT, env={**clean, **(env or {})},
+        capture_output=True, text=True, timeout=30,
+    )
+
+
+def test_cli_rejects_bad_flag_with_status_2():
+    result = run_cli("--frontends", "0")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == "shardmq: error: --frontends must be >= 1"
+    assert result.stdout == ""
+
+
+def test_cli_rejects_bad_env_with_status_2():
+    result = run_cli(env={"SHARDMQ_PORT": "abc"})
+    assert result.returncode == 2
+    assert "shardmq: error: SHARDMQ_PORT: invalid int 'abc'" in result.stderr
+
+
+def test_cli_help_lists_every_flag_ini_section_and_env_var():
+    result = run_cli("--help")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert out.startswith("usage: shardmq")
+    for opt in OPTIONS:
+        if opt.has_flag:
+            help_lines = [line for line in out.splitlines() if line.strip().startswith(opt.flag + " ")]
+            assert help_lines and len(help_lines[0].split(None, 2)) == 3, f"{opt.flag} has no one-line help"
+        assert opt.env in out
+        assert f"[{opt.section}] {opt.name}" in out
+    assert "--config FILE" in out and "SHARDMQ_CONFIG_FILE" in out
+
+
+def test_readme_documents_every_setting():
+    readme = (REPO_ROOT / "README.md").read_text()
+    for opt in OPTIONS:
+        assert opt.env in readme, opt.env
+        assert f"[{opt.section}] {opt.name}" in readme or f"`{opt.name}`" in readme, opt.name
+        if opt.has_flag:
+            assert opt.flag in readme, opt.flag
+
+
+def test_settings_round_trip_through_msgpack(tmp_path):
+    s = load_settings(["--data-dir", str(tmp_path), "--loopback-users", "a,b", "--port", "1"], {})
+    assert Settings.from_dict(msgpack.unpackb(msgpack.packb(s.to_dict()))) == s
+    assert Settings.from_dict({**s.to_dict(), "added_later": 1}) == s
+
+
+def test_setup_logging_names_the_process_role(capfd):
+    try:
+        setup_logging("debug", "shard-3")
+        logging.getLogger("shardmq.test").debug("hello %s", "there")
+        err = capfd.readouterr().err
+        assert " DEBUG [shard-3] shardmq.test: hello there" in err
+        setup_logging("warning", "frontend-0")
+        logging.getLogger("shardmq.test").info("hidden")
+        assert "hidden" not in capfd.readouterr().err
+    finally:
+        import multiprocessing
+
+        multiprocessing.current_process().name = "MainProcess"
+        logging.basicConfig(force=True, level=logging.WARNING)
