@@ -1,0 +1,171 @@
+"""Durable persistence of the definitions in the data dir.
+
+Two files, both JSON:
+
+* ``definitions.json`` - a snapshot, ``Definitions.to_dict(durable_only=True)``:
+  vhosts with their durable exchanges, queues and bindings, users,
+  permissions. Written tmp + fsync + rename (+ fsync of the directory), so it
+  is always either the old or the new one.
+* ``definitions.log`` - ops applied since that snapshot, one JSON array per
+  line, appended by :meth:`DefStore.record` and made durable by
+  :meth:`DefStore.sync` (the node calls it from a worker thread, batched).
+
+``load()`` reads the snapshot, replays the log (a torn last line, left by a
+crash mid-append, is ignored), adds the default user when there is no user,
+then compacts: writes a new snapshot and truncates the log. Transient
+entities never reach the files: declares of non-durable exchanges/queues are
+not recorded, and bindings whose ends are missing on replay are skipped by
+``Definitions.apply``; exclusive queues are never durable, so at boot they are
+gone. Queue shard placement is recomputed by the node (``rebalance``).
+
+Non-JSON values in arguments (bytes that are not UTF-8) are stored as
+``{"$bytes": base64}``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from broker.definitions import Definitions
+
+SNAPSHOT = "definitions.json"
+LOG = "definitions.log"
+
+_TRANSIENT_UNLESS_DURABLE = ("exchange.declare", "queue.declare")
+_NOT_RECORDED = ("queue.shard",)
+
+
+def _to_json(value: Any) -> Any:
+    if isinstance(value, (bytes, bytearray)):
+        return {"$bytes": base64.b64encode(bytes(value)).decode("ascii")}
+    if isinstance(value, dict):
+        return {k: _to_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_json(v) for v in value]
+    return value
+
+
+def _from_json(value: Any) -> Any:
+    if isinstance(value, dict):
+        if len(value) == 1 and "$bytes" in value:
+            return base64.b64decode(value["$bytes"])
+        return {k: _from_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_from_json(v) for v in value]
+    return value
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(_to_json(value), separators=(",", ":"), ensure_ascii=False)
+
+
+def is_durable_relevant(op: Sequence) -> bool:
+    """Whether an op can change what survives a restart."""
+    if op[0] in _NOT_RECORDED:
+        return False
+    if op[0] in _TRANSIENT_UNLESS_DURABLE:
+        return bool(op[3].get("durable"))
+    return True
+
+
+def write_json_atomic(path: str, value: Any) -> None:
+    """Write JSON so that path holds either the old or the new content after a crash."""
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(_dumps(value))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path) or ".")
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class DefStore:
+    """The definitions files of one data dir. record() from the loop, sync() from a thread."""
+
+    def __init__(self, data_dir: str) -> None:
+        self.data_dir = data_dir
+        self.snapshot_path = os.path.join(data_dir, SNAPSHOT)
+        self.log_path = os.path.join(data_dir, LOG)
+        self._log = None
+        self._lock = threading.Lock()  # record() and sync() may run on different threads
+
+    def load(self, default_user: str = "guest", default_pass: str = "guest") -> Definitions:
+        """Read snapshot + log, add the default user if there is none, compact."""
+        os.makedirs(self.data_dir, exist_ok=True)
+        self.close()
+        if os.path.exists(self.snapshot_path):
+            with open(self.snapshot_path, encoding="utf-8") as f:
+                defs = Definitions.from_dict(_from_json(json.load(f)))
+        else:
+            defs = Definitions()
+        for op in self._read_log():
+            defs.apply(op)
+        if not defs.users:
+            defs.apply_all(defs.default_user_ops(default_user, default_pass))
+        write_json_atomic(self.snapshot_path, defs.to_dict(durable_only=True))
+        with open(self.log_path, "w", encoding="utf-8") as f:
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(self.data_dir)
+        # What the other processes get is the durable state: transient entities died with the old node.
+        return Definitions.from_dict(defs.to_dict(durable_only=True))
+
+    def _read_log(self) -> list[list]:
+        if not os.path.exists(self.log_path):
+            return []
+        with open(self.log_path, "rb") as f:
+            data = f.read()
+        ops = []
+        lines = data.split(b"\n")
+        for i, line in enumerate(lines):
+            if not line.strip():
+                continue
+            try:
+                ops.append(_from_json(json.loads(line)))
+            except (ValueError, UnicodeDecodeError):
+                if i == len(lines) - 1:
+                    break  # torn last append: the op was never acknowledged
+                raise
+        return ops
+
+    def record(self, ops: Iterable[Sequence]) -> int:
+        """Append the durable-relevant ops to the log (not yet synced). Returns how many."""
+        lines = [_dumps(op) + "\n" for op in ops if is_durable_relevant(op)]
+        if not lines:
+            return 0
+        with self._lock:
+            if self._log is None:
+                self._log = open(self.log_path, "a", encoding="utf-8")
+            self._log.write("".join(lines))
+        return len(lines)
+
+    def sync(self) -> None:
+        """Make everything recorded so far durable."""
+        with self._lock:
+            f = self._log
+            if f is None:
+                return
+            f.flush()
+            fd = f.fileno()
+        os.fsync(fd)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._log is not None:
+                self._log.flush()
+                os.fsync(self._log.fileno())
+                self._log.close()
+                self._log = None

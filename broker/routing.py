@@ -1,0 +1,332 @@
+"""Binding tables of the exchange types: which destinations a message reaches.
+
+Each table holds the bindings of one source exchange and answers
+``match(routing_key, headers)`` with an :data:`Entry`: a pair
+``(queue_names, exchange_names)`` of tuples. Entries are precomputed or
+cached, so the publish hot path allocates nothing for direct, fanout and
+(cached) topic routing. Callers must not mutate what they get back.
+
+A destination is ``(kind, name)`` with kind ``"queue"`` or ``"exchange"``.
+Several bindings may lead to the same destination (different routing keys or
+arguments); tables count them so removing one keeps the others.
+
+Semantics follow RabbitMQ:
+
+* topic keys are split on ``.`` (``""`` is zero words, ``"a."`` is ``a`` and
+  an empty word); ``*`` matches exactly one word (possibly empty), ``#`` zero
+  or more words;
+* headers bindings use ``x-match`` ``all`` (default), ``any``, ``all-with-x``
+  or ``any-with-x``; other ``x-`` keys are ignored unless a ``-with-x`` mode is
+  used; a binding value of ``None`` (AMQP void) only requires the header to be
+  present; values compare like Erlang ``==`` (numbers across int/float, but
+  booleans are not numbers; text and bytes holding the same UTF-8 compare
+  equal).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+Dest = tuple[str, str]
+Entry = tuple[tuple[str, ...], tuple[str, ...]]
+
+EMPTY: Entry = ((), ())
+
+X_MATCH_VALUES = ("all", "any", "all-with-x", "any-with-x")
+
+
+def _entry(dests: dict[Dest, int]) -> Entry:
+    if not dests:
+        return EMPTY
+    queues = tuple(name for kind, name in dests if kind == "queue")
+    exchanges = tuple(name for kind, name in dests if kind == "exchange")
+    return queues, exchanges
+
+
+def _inc(counts: dict[Dest, int], dest: Dest) -> None:
+    counts[dest] = counts.get(dest, 0) + 1
+
+
+def _dec(counts: dict[Dest, int], dest: Dest) -> None:
+    n = counts.get(dest, 0) - 1
+    if n > 0:
+        counts[dest] = n
+    else:
+        counts.pop(dest, None)
+
+
+class DirectTable:
+    """Exact routing-key match: one dict lookup per publish."""
+
+    __slots__ = ("_counts", "_entries")
+
+    def __init__(self) -> None:
+        self._counts: dict[str, dict[Dest, int]] = {}
+        self._entries: dict[str, Entry] = {}
+
+    def add(self, dest: Dest, routing_key: str, arguments: dict | None) -> None:
+        counts = self._counts.setdefault(routing_key, {})
+        _inc(counts, dest)
+        self._entries[routing_key] = _entry(counts)
+
+    def remove(self, dest: Dest, routing_key: str, arguments: dict | None) -> None:
+        counts = self._counts.get(routing_key)
+        if counts is None:
+            return
+        _dec(counts, dest)
+        if counts:
+            self._entries[routing_key] = _entry(counts)
+        else:
+            del self._counts[routing_key]
+            del self._entries[routing_key]
+
+    def match(self, routing_key: str, headers: Any = None) -> Entry:
+        return self._entries.get(routing_key, EMPTY)
+
+
+class FanoutTable:
+    """Every bound destination, whatever the key: a precomputed entry."""
+
+    __slots__ = ("_counts", "_entry")
+
+    def __init__(self) -> None:
+        self._counts: dict[Dest, int] = {}
+        self._entry: Entry = EMPTY
+
+    def add(self, dest: Dest, routing_key: str, arguments: dict | None) -> None:
+        _inc(self._counts, dest)
+        self._entry = _entry(self._counts)
+
+    def remove(self, dest: Dest, routing_key: str, arguments: dict | None) -> None:
+        _dec(self._counts, dest)
+        self._entry = _entry(self._counts)
+
+    def match(self, routing_key: str, headers: Any = None) -> Entry:
+        return self._entry
+
+
+def split_topic(key: str) -> list[str]:
+    """Split a routing or binding key into words the way RabbitMQ does."""
+    return key.split(".") if key else []
+
+
+class _TrieNode:
+    __slots__ = ("children", "dests")
+
+    def __init__(self) -> None:
+        self.children: dict[str, _TrieNode] = {}
+        self.dests: dict[Dest, int] = {}
+
+
+class TopicTable:
+    """A trie over binding-key words, with a bounded cache of results per key.
+
+    The cache is dropped whole on any binding change: changes are rare next to
+    publishes, and a stale entry would route through a removed binding.
+    """
+
+    __slots__ = ("_root", "_cache", "_cache_size")
+
+    def __init__(self, cache_size: int = 4096) -> None:
+        self._root = _TrieNode()
+        self._cache: dict[str, Entry] = {}
+        self._cache_size = cache_size
+
+    def add(self, dest: Dest, routing_key: str, arguments: dict | None) -> None:
+        node = self._root
+        for word in split_topic(routing_key):
+            child = node.children.get(word)
+            if child is None:
+                child = node.children[word] = _TrieNode()
+            node = child
+        _inc(node.dests, dest)
+        self._cache.clear()
+
+    def remove(self, dest: Dest, routing_key: str, arguments: dict | None) -> None:
+        path = [self._root]
+        words = split_topic(routing_key)
+        for word in words:
+            child = path[-1].children.get(word)
+            if child is None:
+                return
+            path.append(child)
+        _dec(path[-1].dests, dest)
+        # Prune empty branches so the trie does not grow with churn.
+        for i in range(len(words), 0, -1):
+            node = path[i]
+            if node.dests or node.children:
+                break
+            del path[i - 1].children[words[i - 1]]
+        self._cache.clear()
+
+    def match(self, routing_key: str, headers: Any = None) -> Entry:
+        entry = self._cache.get(routing_key)
+        if entry is not None:
+            return entry
+        found: dict[Dest, int] = {}
+        self._walk(self._root, split_topic(routing_key), 0, found)
+        entry = _entry(found)
+        if len(self._cache) >= self._cache_size:
+            self._cache.clear()
+        self._cache[routing_key] = entry
+        return entry
+
+    def _walk(self, node: _TrieNode, words: list[str], i: int, found: dict[Dest, int]) -> None:
+        children = node.children
+        n = len(words)
+        if i == n:
+            if node.dests:
+                found.update(node.dests)
+        else:
+            child = children.get(words[i])
+            if child is not None:
+                self._walk(child, words, i + 1, found)
+            if words[i] != "*":  # a literal "*" word was already followed above
+                child = children.get("*")
+                if child is not None:
+                    self._walk(child, words, i + 1, found)
+        hash_child = children.get("#")
+        if hash_child is not None:
+            # '#' swallows zero or more words: try every remaining suffix.
+            for j in range(i, n + 1):
+                self._walk(hash_child, words, j, found)
+
+
+def _norm(value: Any) -> Any:
+    """A comparison key giving Erlang '==' semantics to decoded AMQP values."""
+    if isinstance(value, bool):
+        return ("bool", value)
+    if isinstance(value, (int, float)):
+        return ("num", value)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        raw = bytes(value)
+        try:
+            return ("str", raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            return ("bytes", raw)
+    if isinstance(value, str):
+        return ("str", value)
+    if isinstance(value, dict):
+        return ("table", tuple(sorted((k, _norm(v)) for k, v in value.items())))
+    if isinstance(value, (list, tuple)):
+        return ("array", tuple(_norm(v) for v in value))
+    return ("other", repr(value))
+
+
+class _HeadersBinding:
+    __slots__ = ("dest", "any", "pattern", "key")
+
+    def __init__(self, dest: Dest, arguments: dict | None, key: Any) -> None:
+        args = arguments or {}
+        mode = args.get("x-match", "all")
+        if isinstance(mode, (bytes, bytearray)):
+            mode = bytes(mode).decode("utf-8", "replace")
+        if mode not in X_MATCH_VALUES:
+            mode = "all"  # RabbitMQ treats unvalidated legacy values as 'all'
+        with_x = mode.endswith("-with-x")
+        self.dest = dest
+        self.any = mode.startswith("any")
+        # (header name, normalized value or None for presence-only)
+        self.pattern = tuple(
+            (k, None if v is None else _norm(v))
+            for k, v in args.items()
+            if k != "x-match" and (with_x or not k.startswith("x-"))
+        )
+        self.key = key
+
+    def matches(self, headers: dict) -> bool:
+        if self.any:
+            for name, want in self.pattern:
+                if name in headers and (want is None or _norm(headers[name]) == want):
+                    return True
+            return False
+        for name, want in self.pattern:
+            if name not in headers:
+                return False
+            if want is not None and _norm(headers[name]) != want:
+                return False
+        return True
+
+
+class HeadersTable:
+    """Headers matching: every binding is tested against the message headers."""
+
+    __slots__ = ("_bindings",)
+
+    def __init__(self) -> None:
+        self._bindings: list[_HeadersBinding] = []
+
+    @staticmethod
+    def _key(dest: Dest, routing_key: str, arguments: dict | None) -> Any:
+        return (dest, routing_key, _norm(arguments or {}))
+
+    def add(self, dest: Dest, routing_key: str, arguments: dict | None) -> None:
+        key = self._key(dest, routing_key, arguments)
+        self._bindings.append(_HeadersBinding(dest, arguments, key))
+
+    def remove(self, dest: Dest, routing_key: str, arguments: dict | None) -> None:
+        key = self._key(dest, routing_key, arguments)
+        for i, b in enumerate(self._bindings):
+            if b.key == key:
+                del self._bindings[i]
+                return
+
+    def match(self, routing_key: str, headers: dict | None) -> Entry:
+        if not self._bindings:
+            return EMPTY
+        hdrs = headers or {}
+        found: dict[Dest, int] = {}
+        for b in self._bindings:
+            if b.dest not in found and b.matches(hdrs):
+                found[b.dest] = 1
+        return _entry(found)
+
+
+TABLES = {
+    "direct": DirectTable,
+    "fanout": FanoutTable,
+    "topic": TopicTable,
+    "headers": HeadersTable,
+}
+
+EXCHANGE_TYPES = tuple(TABLES)
+
+
+def new_table(exchange_type: str) -> DirectTable | FanoutTable | TopicTable | HeadersTable:
+    return TABLES[exchange_type]()
+
+
+def x_match_error(arguments: dict | None) -> str | None:
+    """RabbitMQ's reason text when a headers binding's x-match is invalid, else None."""
+    if not arguments or "x-match" not in arguments:
+        return None
+    value = arguments["x-match"]
+    if isinstance(value, str):
+        if value in X_MATCH_VALUES:
+            return None
+        return f'Invalid x-match field value <<"{value}">>; expected all, any, all-with-x, or any-with-x'
+    if isinstance(value, (bytes, bytearray)):
+        text = bytes(value).decode("utf-8", "replace")
+        if text in X_MATCH_VALUES:
+            return None
+        return f'Invalid x-match field value <<"{text}">>; expected all, any, all-with-x, or any-with-x'
+    return f"Invalid x-match field type {amqp_type_name(value)} (value {value!r}); expected longstr"
+
+
+def amqp_type_name(value: Any) -> str:
+    """The AMQP field type a client library would most likely have sent for value."""
+    if value is None:
+        return "void"
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int):
+        return "signedint" if -(2**31) <= value < 2**31 else "long"
+    if isinstance(value, float):
+        return "double"
+    if isinstance(value, (str, bytes, bytearray)):
+        return "longstr"
+    if isinstance(value, dict):
+        return "table"
+    if isinstance(value, (list, tuple)):
+        return "array"
+    return type(value).__name__
