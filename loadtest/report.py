@@ -42,6 +42,7 @@ SPARK_CONF = {
     "spark.driver.bindAddress": "127.0.0.1",
     "spark.sql.session.timeZone": "UTC",
     "spark.sql.adaptive.enabled": "true",
+    "spark.ui.showConsoleProgress": "false",
 }
 
 _LOG4J2 = """\
@@ -175,7 +176,8 @@ def load(spark: SparkSession, results_dir: str) -> Frames:
             for f in extra_type.fields:
                 if isinstance(f.dataType, T.NumericType) and not isinstance(f.dataType, T.BooleanType):
                     selected.append(F.col("extra").getField(f.name).cast("double").alias(f"extra.{f.name}"))
-    return Frames(runs=runs.select(*selected), rates=rates, latency=latency)
+    # Cached: summarize() scans the runs three times (metrics, RSS, latency join).
+    return Frames(runs=runs.select(*selected).cache(), rates=rates, latency=latency)
 
 
 # --------------------------------------------------------------------------- aggregation
