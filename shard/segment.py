@@ -1,0 +1,219 @@
+"""One segment of a queue: its msgs file (mmap'd), its acks file, its meta file.
+
+A segment is either the *write* segment (mapped read-write at its full sparse
+size, records appended at `used`) or *sealed* (truncated to `used`, counts in its
+meta file, read only). File formats are described in docs/storage.md.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import zlib
+
+FORMAT_VERSION = 1
+VERSION_HEADER = struct.Struct("<I")
+DATA_START = VERSION_HEADER.size
+
+# meta: version, record count, transient record count, used bytes, body bytes | crc32 of those 28 bytes
+_META_FIELDS = struct.Struct("<IIIQQ")
+_META_CRC = struct.Struct("<I")
+META_SIZE = _META_FIELDS.size + _META_CRC.size
+_U32 = struct.Struct("<I")
+pack_u32 = _U32.pack
+
+
+def file_name(kind: str, no: int) -> str:
+    return f"{kind}.{no:010d}"
+
+
+def parse_name(name: str) -> tuple[str, int] | None:
+    """("msgs"|"acks"|"meta", number) for a segment file name, else None."""
+    kind, dot, num = name.partition(".")
+    if dot and kind in ("msgs", "acks", "meta") and len(num) == 10 and num.isdigit():
+        return kind, int(num)
+    return None
+
+
+class Meta:
+    """Counts of a sealed segment, so boot need not rescan it."""
+
+    __slots__ = ("count", "transient", "used", "body_bytes")
+
+    def __init__(self, count: int, transient: int, used: int, body_bytes: int) -> None:
+        self.count = count
+        self.transient = transient
+        self.used = used
+        self.body_bytes = body_bytes
+
+    def encode(self) -> bytes:
+        fields = _META_FIELDS.pack(FORMAT_VERSION, self.count, self.transient, self.used, self.body_bytes)
+        return fields + _META_CRC.pack(zlib.crc32(fields))
+
+    @classmethod
+    def decode(cls, data: bytes) -> Meta | None:
+        """None unless `data` is a complete meta record of our version with a good CRC."""
+        if len(data) != META_SIZE:
+            return None
+        fields = data[:_META_FIELDS.size]
+        if _META_CRC.unpack_from(data, _META_FIELDS.size)[0] != zlib.crc32(fields):
+            return None
+        version, count, transient, used, body_bytes = _META_FIELDS.unpack(fields)
+        if version != FORMAT_VERSION:
+            return None
+        return cls(count, transient, used, body_bytes)
+
+
+class PositionSet:
+    """Positions of removed records of one segment, as a bitmap.
+
+    Records are at least record.MIN_RECORD (31) bytes, so two record starts never
+    share a 16-byte slot: one bit per slot identifies a position. That is 64 KiB
+    for an 8 MiB segment, however many records it holds.
+    """
+
+    __slots__ = ("bits",)
+
+    def __init__(self, size: int) -> None:
+        self.bits = bytearray((size >> 7) + 1)
+
+    def __contains__(self, pos: int) -> bool:
+        i = pos >> 7
+        bits = self.bits
+        return i < len(bits) and bool(bits[i] & (1 << ((pos >> 4) & 7)))
+
+    def add(self, pos: int) -> None:
+        i = pos >> 7
+        bits = self.bits
+        if i >= len(bits):
+            bits.extend(bytes(i + 1 - len(bits)))
+        bits[i] |= 1 << ((pos >> 4) & 7)
+
+
+def read_acks(path: str) -> set[int]:
+    """Positions listed in an ack file; a torn trailing partial u32 is ignored."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+        n = len(data) // 4
+        if len(data) != n * 4:
+            # Appends must stay u32-aligned: drop the torn piece before anything is appended.
+            os.truncate(path, n * 4)
+    except OSError:
+        return set()
+    return set(struct.unpack_from(f"<{n}I", data)) if n else set()
+
+
+class Segment:
+    """State of one segment. Attributes are public: the store's hot path reads them directly."""
+
+    __slots__ = (
+        "no", "dir", "fd", "mm", "size", "used", "sealed",
+        "count", "transient", "body_bytes", "live", "acked", "ack_fd", "skip_acked",
+    )
+
+    def __init__(self, dir_path: str, no: int) -> None:
+        self.no = no
+        self.dir = dir_path
+        self.fd = -1
+        self.mm: mmap.mmap | None = None
+        self.size = 0  # mapped length
+        self.used = DATA_START  # end of the last good record
+        self.sealed = False
+        self.count = 0  # records in the file (for meta)
+        self.transient = 0  # of which non-persistent (for meta)
+        self.body_bytes = 0  # sum of body sizes of all records (for meta)
+        self.live = 0  # records not removed (ready or outstanding)
+        self.acked: PositionSet | None = None  # created on first removal
+        self.ack_fd = -1
+        # Removed records may lie ahead of the read cursor (only after recovery): shift must check.
+        self.skip_acked = False
+
+    def path(self, kind: str) -> str:
+        return os.path.join(self.dir, file_name(kind, self.no))
+
+    # ------------------------------------------------------------ lifecycle
+    @classmethod
+    def create(cls, dir_path: str, no: int, size: int) -> Segment:
+        """A new sparse write segment of `size` bytes with the version header."""
+        seg = cls(dir_path, no)
+        seg.fd = os.open(seg.path("msgs"), os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            os.ftruncate(seg.fd, size)
+            seg.mm = mmap.mmap(seg.fd, size)
+        except BaseException:
+            os.close(seg.fd)
+            raise
+        VERSION_HEADER.pack_into(seg.mm, 0, FORMAT_VERSION)
+        seg.size = size
+        return seg
+
+    def open_mapped(self, writable: bool) -> None:
+        """Open and map the existing msgs file at its current size (caller checked it is >= 4 bytes)."""
+        flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC
+        self.fd = os.open(self.path("msgs"), flags)
+        try:
+            self.size = os.fstat(self.fd).st_size
+            access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
+            self.mm = mmap.mmap(self.fd, self.size, access=access)
+        except BaseException:
+            os.close(self.fd)
+            self.fd = -1
+            raise
+
+    def regrow(self, size: int) -> None:
+        """Cut the file at `used` (zeroing anything after it) and extend it to `size` (write segment)."""
+        if self.mm is not None:
+            self.mm.close()
+        os.ftruncate(self.fd, self.used)
+        os.ftruncate(self.fd, size)
+        self.mm = mmap.mmap(self.fd, size)
+        self.size = size
+
+    def seal(self) -> int:
+        """Truncate to the used length and write the meta file; returns the meta file's fd (unsynced)."""
+        os.ftruncate(self.fd, self.used)
+        self.sealed = True
+        return self.write_meta()
+
+    def write_meta(self) -> int:
+        fd = os.open(self.path("meta"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        os.write(fd, Meta(self.count, self.transient, self.used, self.body_bytes).encode())
+        return fd
+
+    def read_meta(self) -> Meta | None:
+        try:
+            with open(self.path("meta"), "rb") as f:
+                return Meta.decode(f.read(META_SIZE + 1))
+        except OSError:
+            return None
+
+    def open_acks(self) -> int:
+        if self.ack_fd < 0:
+            self.ack_fd = os.open(
+                self.path("acks"), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644
+            )
+        return self.ack_fd
+
+    def map_readonly(self) -> None:
+        """Map a sealed segment for reading; the mapping keeps its own fd, ours is closed."""
+        fd = os.open(self.path("msgs"), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            self.size = os.fstat(fd).st_size
+            self.mm = mmap.mmap(fd, self.size, access=mmap.ACCESS_READ)
+        finally:
+            os.close(fd)
+
+    def close_map(self) -> None:
+        """Unmap (fds are closed by the store, which may have to wait for a running sync)."""
+        if self.mm is not None:
+            self.mm.close()
+            self.mm = None
+
+    def unlink(self) -> None:
+        for kind in ("msgs", "acks", "meta"):
+            try:
+                os.unlink(self.path(kind))
+            except FileNotFoundError:
+                pass

@@ -1,0 +1,624 @@
+"""Durable storage of one queue: append-only mmap'd segments plus ack files.
+
+Memory does not depend on queue length: the store keeps a read cursor
+(segment, position), a heap of requeued ids, per-segment counts and, for
+segments with removed records, a small bitmap of removed positions. Outstanding
+(delivered, unacked) messages are tracked by the caller: `ack` and `requeue`
+take only ids that `shift` returned and that were neither acked nor requeued since.
+
+Threading: everything runs on the owner's event loop thread except `sync()`,
+which may run in a worker thread concurrently with appends and acks. The lock
+covers only the bookkeeping of which files need syncing and which fds to close.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import logging
+import os
+import shutil
+import struct
+import threading
+
+from shard import record
+from shard.segment import (
+    DATA_START,
+    FORMAT_VERSION,
+    VERSION_HEADER,
+    PositionSet,
+    Segment,
+    parse_name,
+    read_acks,
+)
+
+log = logging.getLogger(__name__)
+
+Message = tuple[int, bool, int, int, str, str, bytes, bytes]
+Record = tuple[int, int, str, str, bytes, bytes]
+
+_POS_MASK = 0xFFFFFFFF
+_pack_u32 = struct.Struct("<I").pack
+_encode_payload = record.encode_payload
+_write_record = record.write
+_read_record = record.read
+_HEADER_SIZE = record.HEADER_SIZE
+
+
+def _sha1(name: str) -> str:
+    return hashlib.sha1(name.encode()).hexdigest()
+
+
+def _write_name_file(path: str, name: str) -> None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            if f.read() == name:
+                return
+    except OSError:
+        pass
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(name)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def queue_dir(data_dir: str, vhost: str, name: str) -> str:
+    """`<data_dir>/<sha1(vhost)>/<sha1(name)>/`, created, with its `.vhost` and `.queue` name files."""
+    vdir = os.path.join(data_dir, _sha1(vhost))
+    qdir = os.path.join(vdir, _sha1(name))
+    os.makedirs(qdir, exist_ok=True)
+    _write_name_file(os.path.join(vdir, ".vhost"), vhost)
+    _write_name_file(os.path.join(qdir, ".queue"), name)
+    return qdir
+
+
+class QueueStore:
+    """The messages of one queue on disk. See the module docstring and docs/storage.md."""
+
+    def __init__(self, path: str, *, segment_size: int = 8 << 20, keep_transient: bool = False) -> None:
+        self.path = path
+        self._segment_size = max(int(segment_size), DATA_START + record.MIN_RECORD)
+        self._keep_transient = keep_transient
+        self._segs: dict[int, Segment] = {}
+        self._requeued: list[int] = []  # heap of msg ids
+        self._ready = 0
+        self._ready_bytes = 0
+        self._closed = False
+        # sync bookkeeping, guarded by _lock (flags are set lock-free, cleared under it before syncing)
+        self._lock = threading.Lock()
+        self._wdirty = False  # appends to the write segment since the last sync
+        self._acks_dirty = False  # acks written since the last sync
+        self._dir_dirty = False  # files created or removed since the last sync
+        self._sync_fds: list[int] = []  # sealed msgs fds and meta fds: sync them, then close them
+        self._ack_fds: set[int] = set()
+        self._syncing = 0
+        self._deferred_close: list[int] = []
+        os.makedirs(path, exist_ok=True)
+        self._dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._recover()
+        first = min(self._segs)
+        self._rseg = self._segs[first]  # read cursor: segment and position of the next unread record
+        self._rpos = DATA_START
+        if self._rseg.mm is None:
+            self._rseg.map_readonly()
+
+    # ------------------------------------------------------------ counters
+    @property
+    def ready(self) -> int:
+        return self._ready
+
+    @property
+    def ready_bytes(self) -> int:
+        return self._ready_bytes
+
+    @property
+    def dirty(self) -> bool:
+        return self._wdirty or self._acks_dirty or self._dir_dirty or bool(self._sync_fds)
+
+    # ------------------------------------------------------------ hot path
+    def append(
+        self, ts_ms: int, flags: int, exchange: str, routing_key: str, props_raw: bytes, body: bytes
+    ) -> int:
+        """Store a message; returns its msg_id (segment_no << 32 | position)."""
+        payload = _encode_payload(ts_ms, flags, exchange.encode(), routing_key.encode(), props_raw, body)
+        total = _HEADER_SIZE + len(payload)
+        seg = self._wseg
+        pos = seg.used
+        if pos + total > seg.size:
+            seg = self._roll(total)
+            pos = seg.used
+        _write_record(seg.mm, pos, payload)
+        seg.used = pos + total
+        seg.count += 1
+        seg.live += 1
+        n = len(body)
+        seg.body_bytes += n
+        if not flags & 1:
+            seg.transient += 1
+        self._ready += 1
+        self._ready_bytes += n
+        self._wdirty = True
+        return seg.no << 32 | pos
+
+    def shift(self) -> Message | None:
+        """Take the next ready message (requeued first, in id order; then in append order)."""
+        if self._requeued:
+            msg_id = heapq.heappop(self._requeued)
+            seg = self._segs[msg_id >> 32]
+            if seg.mm is None:
+                seg.map_readonly()
+            ts, flags, ex, rk, props, body, _ = _read_record(seg.mm, msg_id & _POS_MASK)
+            redelivered = True
+        else:
+            seg = self._rseg
+            pos = self._rpos
+            if pos >= seg.used or seg.skip_acked:
+                msg_id = self._head()
+                if msg_id < 0:
+                    return None
+                seg = self._rseg
+                pos = self._rpos
+            else:
+                msg_id = seg.no << 32 | pos
+            ts, flags, ex, rk, props, body, self._rpos = _read_record(seg.mm, pos)
+            redelivered = False
+        self._ready -= 1
+        self._ready_bytes -= len(body)
+        return msg_id, redelivered, ts, flags, ex, rk, props, body
+
+    def ack(self, msg_id: int) -> bool:
+        """Remove an outstanding message for good. False if it was not delivered or is already gone."""
+        seg = self._segs.get(msg_id >> 32)
+        if seg is None or msg_id >= (self._rseg.no << 32 | self._rpos):
+            return False
+        pos = msg_id & _POS_MASK
+        acked = seg.acked
+        if acked is None:
+            acked = seg.acked = PositionSet(seg.size)
+        elif pos in acked:
+            return False
+        acked.add(pos)
+        fd = seg.ack_fd
+        if fd < 0:
+            fd = self._open_acks(seg)
+        os.write(fd, _pack_u32(pos))
+        self._acks_dirty = True
+        seg.live -= 1
+        if seg.live == 0 and seg.sealed:
+            self._drop(seg)
+        return True
+
+    def requeue(self, msg_id: int) -> bool:
+        """Make an outstanding message ready again (delivered before the cursor, redelivered=True)."""
+        seg = self._segs.get(msg_id >> 32)
+        if seg is None or msg_id >= (self._rseg.no << 32 | self._rpos):
+            return False
+        pos = msg_id & _POS_MASK
+        if seg.acked is not None and pos in seg.acked:
+            return False
+        if seg.mm is None:
+            seg.map_readonly()
+        heapq.heappush(self._requeued, msg_id)
+        self._ready += 1
+        self._ready_bytes += record.body_len(seg.mm, pos)
+        return True
+
+    # ------------------------------------------------------------ other operations
+    def peek(self) -> Message | None:
+        """The message `shift` would return, without taking it."""
+        if self._requeued:
+            msg_id = self._requeued[0]
+            redelivered = True
+        else:
+            msg_id = self._head()
+            if msg_id < 0:
+                return None
+            redelivered = False
+        return (msg_id, redelivered, *self.read(msg_id))
+
+    def drop_head(self) -> Message | None:
+        """Remove the head ready message for good and return it (for max-length overflow)."""
+        msg = self.shift()
+        if msg is not None:
+            self.ack(msg[0])
+        return msg
+
+    def read(self, msg_id: int) -> Record:
+        """(ts_ms, flags, exchange, routing_key, props_raw, body) of a stored record; KeyError if gone."""
+        seg = self._segs[msg_id >> 32]
+        pos = msg_id & _POS_MASK
+        if pos < DATA_START or pos >= seg.used:
+            raise KeyError(msg_id)
+        if seg.mm is None:
+            seg.map_readonly()
+        return _read_record(seg.mm, pos)[:6]
+
+    def purge(self) -> int:
+        """Remove every ready message (outstanding ones stay); returns how many were removed."""
+        removed = 0
+        by_seg: dict[int, list[int]] = {}
+        for msg_id in self._requeued:
+            by_seg.setdefault(msg_id >> 32, []).append(msg_id & _POS_MASK)
+        self._requeued = []
+        for no, positions in by_seg.items():
+            removed += self._remove_many(self._segs[no], positions)
+        wseg = self._wseg
+        first = seg = self._rseg
+        pos = self._rpos
+        while True:
+            if seg is not wseg and seg is not first:
+                # Wholly after the cursor and sealed: every live record is ready.
+                removed += seg.live
+                seg.live = 0
+                self._drop(seg)
+            else:
+                positions = []
+                acked = seg.acked
+                mm = seg.mm
+                used = seg.used
+                while pos < used:
+                    if acked is None or pos not in acked:
+                        positions.append(pos)
+                    pos = record.skip(mm, pos)
+                removed += self._remove_many(seg, positions)
+            if seg is wseg:
+                break
+            seg = self._next_seg(seg)
+            pos = DATA_START
+        self._rseg = wseg
+        self._rpos = wseg.used
+        self._ready = 0
+        self._ready_bytes = 0
+        return removed
+
+    # ------------------------------------------------------------ durability
+    def sync(self) -> None:
+        """Make appends and acks so far durable. Safe to call from a worker thread."""
+        with self._lock:
+            if self._closed:
+                return
+            fds = self._sync_fds
+            self._sync_fds = []
+            owned = len(fds)  # these fds are ours to close once synced
+            if self._wdirty:
+                fds.append(self._wseg.fd)
+                self._wdirty = False
+            if self._acks_dirty:
+                fds.extend(self._ack_fds)
+                self._acks_dirty = False
+            dir_dirty = self._dir_dirty
+            self._dir_dirty = False
+            self._syncing += 1
+        done = False
+        try:
+            for fd in fds:
+                os.fdatasync(fd)
+            if dir_dirty:
+                os.fsync(self._dir_fd)
+            done = True
+        finally:
+            with self._lock:
+                if done:
+                    self._deferred_close.extend(fds[:owned])
+                else:
+                    # Put it all back so the next sync tries again.
+                    self._sync_fds[:0] = fds[:owned]
+                    self._wdirty = self._acks_dirty = True
+                    self._dir_dirty = self._dir_dirty or dir_dirty
+                self._syncing -= 1
+                if not self._syncing:
+                    self._close_deferred()
+
+    def close(self) -> None:
+        """Release maps and fds. Does not sync: call sync() first for a clean shutdown."""
+        if self._closed:
+            return
+        self._closed = True
+        for seg in self._segs.values():
+            seg.close_map()
+        with self._lock:
+            self._closed = True
+            fds = [seg.fd for seg in self._segs.values() if seg.fd >= 0]
+            fds.extend(self._ack_fds)
+            fds.extend(self._sync_fds)
+            fds.append(self._dir_fd)
+            self._ack_fds = set()
+            self._sync_fds = []
+            self._release(fds)
+        self._requeued = []
+        self._ready = self._ready_bytes = 0
+
+    def delete(self) -> None:
+        """Close and remove the queue directory with all its files."""
+        self.close()
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def __del__(self) -> None:
+        # Dropping an unclosed store is like a crash: written data is in the page cache, only fds leak.
+        try:
+            if not self._closed:
+                self.close()
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------ internals
+    def _head(self) -> int:
+        """Move the cursor onto the next unremoved record; its msg_id, or -1 when there is none."""
+        seg = self._rseg
+        pos = self._rpos
+        wseg = self._wseg
+        while True:
+            if pos >= seg.used:
+                if seg is wseg:
+                    self._rseg, self._rpos = seg, pos
+                    return -1
+                seg = self._next_seg(seg)
+                pos = DATA_START
+                continue
+            acked = seg.acked
+            if acked is not None and pos in acked:
+                pos = record.skip(seg.mm, pos)
+                continue
+            self._rseg, self._rpos = seg, pos
+            return seg.no << 32 | pos
+
+    def _next_seg(self, seg: Segment) -> Segment:
+        segs = self._segs
+        for no in range(seg.no + 1, self._wseg.no + 1):
+            nxt = segs.get(no)
+            if nxt is not None:
+                if nxt.mm is None:
+                    nxt.map_readonly()
+                return nxt
+        raise AssertionError("write segment missing")  # the write segment is never dropped
+
+    def _roll(self, total: int) -> Segment:
+        """Seal the write segment and start a new one big enough for a `total`-byte record."""
+        old = self._wseg
+        need = DATA_START + total
+        size = max(self._segment_size, need)
+        if old.count == 0:
+            # Nothing in it yet (fresh queue, huge first record): just make it bigger.
+            old.regrow(size)
+            return old
+        with self._lock:
+            meta_fd = old.seal()
+            self._sync_fds.append(old.fd)
+            self._sync_fds.append(meta_fd)
+            old.fd = -1
+            new = Segment.create(self.path, old.no + 1, size)
+            self._segs[new.no] = new
+            self._wseg = new
+            self._wdirty = True
+            self._dir_dirty = True
+        if old.live == 0:
+            self._drop(old)
+        return new
+
+    def _open_acks(self, seg: Segment) -> int:
+        with self._lock:
+            fd = seg.open_acks()
+            self._ack_fds.add(fd)
+            self._dir_dirty = True
+        return fd
+
+    def _remove_many(self, seg: Segment, positions: list[int]) -> int:
+        if not positions:
+            return 0
+        acked = seg.acked
+        if acked is None:
+            acked = seg.acked = PositionSet(seg.size)
+        for pos in positions:
+            acked.add(pos)
+        fd = seg.ack_fd
+        if fd < 0:
+            fd = self._open_acks(seg)
+        os.write(fd, struct.pack(f"<{len(positions)}I", *positions))
+        self._acks_dirty = True
+        seg.live -= len(positions)
+        if seg.live == 0 and seg.sealed:
+            self._drop(seg)
+        return len(positions)
+
+    def _drop(self, seg: Segment) -> None:
+        """Forget a sealed segment with no live records and delete its files."""
+        del self._segs[seg.no]
+        if seg is self._rseg:
+            self._rseg = self._next_seg(seg)
+            self._rpos = DATA_START
+        seg.close_map()
+        with self._lock:
+            fds = []
+            if seg.ack_fd >= 0:
+                self._ack_fds.discard(seg.ack_fd)
+                fds.append(seg.ack_fd)
+            if seg.fd >= 0:
+                fds.append(seg.fd)
+            seg.ack_fd = seg.fd = -1
+            self._release(fds)
+            self._dir_dirty = True
+        seg.unlink()
+
+    def _release(self, fds: list[int]) -> None:
+        """Close fds now, or after the running sync (which may be using them). Call with the lock held."""
+        self._deferred_close.extend(fds)
+        if not self._syncing:
+            self._close_deferred()
+
+    def _close_deferred(self) -> None:
+        fds = self._deferred_close
+        self._deferred_close = []
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    # ------------------------------------------------------------ recovery
+    def _recover(self) -> None:
+        """Load the segments in the dir; never raises on garbage files (the node must start)."""
+        found: dict[str, set[int]] = {"msgs": set(), "acks": set(), "meta": set()}
+        for name in os.listdir(self.path):
+            parsed = parse_name(name)
+            if parsed is not None:
+                found[parsed[0]].add(parsed[1])
+        msgs = sorted(found["msgs"])
+        for kind in ("acks", "meta"):
+            for no in found[kind] - found["msgs"]:
+                # Left behind by a crash while deleting a fully acked segment.
+                self._unlink(f"{kind}.{no:010d}")
+        wseg: Segment | None = None
+        for i, no in enumerate(msgs):
+            last = i == len(msgs) - 1
+            try:
+                seg = self._recover_segment(no, last)
+            except Exception:
+                log.warning("queue %s: segment %d unreadable, set aside", self.path, no, exc_info=True)
+                self._set_aside(no)
+                continue
+            if seg is None:
+                continue
+            if seg.sealed and seg.live == 0:
+                seg.close_map()
+                if seg.fd >= 0:
+                    os.close(seg.fd)
+                seg.unlink()
+                self._dir_dirty = True
+                continue
+            self._segs[no] = seg
+            if not seg.sealed:
+                wseg = seg
+        if wseg is None:
+            no = (msgs[-1] if msgs else 0) + 1
+            wseg = Segment.create(self.path, no, self._segment_size)
+            self._segs[no] = wseg
+            self._dir_dirty = True
+        self._wseg = wseg
+
+    def _recover_segment(self, no: int, last: bool) -> Segment | None:
+        seg = Segment(self.path, no)
+        size = os.stat(seg.path("msgs")).st_size
+        version = -1
+        if size >= DATA_START:
+            with open(seg.path("msgs"), "rb") as f:
+                version = VERSION_HEADER.unpack(f.read(DATA_START))[0]
+        if version != FORMAT_VERSION:
+            if last and (size < DATA_START or version == 0):
+                # Created but never written (crash right after creation): start it afresh.
+                log.warning("queue %s: empty segment %d reinitialized", self.path, no)
+                for kind in ("acks", "meta"):
+                    self._unlink(f"{kind}.{no:010d}")
+                self._dir_dirty = True
+                return Segment.create(self.path, no, self._segment_size)
+            log.warning("queue %s: segment %d has unknown format version %d, set aside", self.path, no, version)
+            self._set_aside(no)
+            return None
+        meta = seg.read_meta()
+        if meta is not None and not (DATA_START <= meta.used <= size and meta.count <= meta.used):
+            meta = None
+        raw_acks = read_acks(seg.path("acks"))
+        if meta is not None:
+            seg.sealed = True
+            seg.used = meta.used
+            seg.count, seg.transient, seg.body_bytes = meta.count, meta.transient, meta.body_bytes
+            if not raw_acks and (self._keep_transient or not meta.transient):
+                seg.size = meta.used
+                seg.live = meta.count
+                self._ready += meta.count
+                self._ready_bytes += meta.body_bytes
+                return seg
+            seg.map_readonly()
+            self._load_records(seg, raw_acks, verify=False, end=meta.used)
+            return seg
+        if last:
+            seg.open_mapped(writable=True)
+            cut = self._load_records(seg, raw_acks, verify=True, end=size)
+            if cut or size < self._segment_size:
+                seg.regrow(max(size, self._segment_size))
+                self._wdirty = True
+            return seg
+        # Sealed (it is not the last) but its meta never got written: scan it, then write the meta.
+        seg.map_readonly()
+        seg.sealed = True
+        self._load_records(seg, raw_acks, verify=True, end=size)
+        if seg.used < size:
+            os.truncate(seg.path("msgs"), seg.used)
+        self._sync_fds.append(seg.write_meta())
+        return seg
+
+    def _load_records(self, seg: Segment, raw_acks: set[int], verify: bool, end: int) -> bool:
+        """Count live records of `seg`, mark acked and (unless kept) transient ones as removed.
+
+        Returns whether a torn or corrupt tail was found (it is not part of the segment any more).
+        """
+        result = record.ScanResult()
+        keep_transient = self._keep_transient
+        acked = PositionSet(end)
+        dropped: list[int] = []
+        count = transient = body_bytes = live = live_bytes = 0
+        for pos, flags, blen in record.scan(seg.mm, DATA_START, end, verify, result):
+            count += 1
+            body_bytes += blen
+            persistent = flags & record.FLAG_PERSISTENT
+            if not persistent:
+                transient += 1
+            if pos in raw_acks:
+                acked.add(pos)
+            elif not persistent and not keep_transient:
+                acked.add(pos)
+                dropped.append(pos)
+            else:
+                live += 1
+                live_bytes += blen
+        if result.reason:
+            log.warning(
+                "queue %s: segment %d: %s; cut %d bytes from there",
+                self.path, seg.no, result.reason, end - result.end,
+            )
+        seg.used = result.end
+        seg.count, seg.transient, seg.body_bytes = count, transient, body_bytes
+        seg.live = live
+        if count > live:
+            seg.acked = acked
+        self._ready += live
+        self._ready_bytes += live_bytes
+        if count > live:
+            seg.skip_acked = True
+        tail_acks = any(pos >= seg.used for pos in raw_acks) and not seg.sealed
+        if tail_acks:
+            # Acks of records that did not survive (power loss): new records will reuse those positions.
+            log.warning("queue %s: segment %d: dropped acks past the end of data", self.path, seg.no)
+            self._rewrite_acks(seg, sorted(pos for pos in raw_acks if pos < seg.used) + dropped)
+        elif dropped and (live or not seg.sealed):
+            self._acks_dirty = True
+            fd = seg.open_acks()
+            self._ack_fds.add(fd)
+            os.write(fd, struct.pack(f"<{len(dropped)}I", *dropped))
+        return bool(result.reason)
+
+    def _rewrite_acks(self, seg: Segment, positions: list[int]) -> None:
+        tmp = seg.path("acks") + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(struct.pack(f"<{len(positions)}I", *positions))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, seg.path("acks"))
+        self._dir_dirty = True
+
+    def _set_aside(self, no: int) -> None:
+        """Rename an unreadable segment out of the way (kept for inspection, never loaded again)."""
+        for kind in ("msgs", "acks", "meta"):
+            name = f"{kind}.{no:010d}"
+            try:
+                os.replace(os.path.join(self.path, name), os.path.join(self.path, name + ".corrupt"))
+            except OSError:
+                pass
+        self._dir_dirty = True
+
+    def _unlink(self, name: str) -> None:
+        try:
+            os.unlink(os.path.join(self.path, name))
+        except OSError:
+            pass
