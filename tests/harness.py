@@ -91,6 +91,7 @@ class Node:
         log_level: str = "debug",
         command: Sequence[str] | None = None,
         startup_timeout: float = STARTUP_TIMEOUT,
+        orphan_grace: float = ORPHAN_GRACE,
     ) -> None:
         self.workdir = Path(workdir)
         self.data_dir = self.workdir / "data"
@@ -104,6 +105,7 @@ class Node:
         # Tests of the harness itself swap the broker for a stand-in; node tests never pass this.
         self.command = list(command) if command else [sys.executable, "-m", "broker.cli"]
         self.startup_timeout = startup_timeout
+        self.orphan_grace = orphan_grace
         self.proc: subprocess.Popen | None = None
         self.pgids: list[int] = []  # every group this Node started; cleanup() sweeps them all
         self.orphans_killed: list[int] = []  # workers that outlived their node past ORPHAN_GRACE
@@ -154,14 +156,14 @@ class Node:
         """Wait until the port accepts TCP and a full AMQP handshake (connection.open-ok) succeeds."""
         deadline = time.monotonic() + (timeout or self.startup_timeout)
         last_error: Exception | None = None
-        while time.monotonic() < deadline:
+        while (left := deadline - time.monotonic()) > 0:
             if not self.running():
                 code = self.proc.returncode if self.proc else None
                 raise NodeError(f"node exited with status {code} during startup\n{self.log_tail()}")
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1.0):
+                with socket.create_connection(("127.0.0.1", self.port), timeout=min(1.0, left)):
                     pass
-                conn = self.connect(socket_timeout=2.0, stack_timeout=3.0)
+                conn = self.connect(socket_timeout=min(2.0, left), stack_timeout=min(3.0, left))
                 conn.close()
                 return
             except Exception as exc:  # any failure means "not ready yet"; the deadline bounds it
@@ -228,11 +230,11 @@ class Node:
     def _reap_group(self, pgid: int) -> None:
         # The node's workers die with it; anything still there after the grace period is killed
         # (as systemd would on restart) and recorded so a test can assert there were none.
-        if _wait_until(lambda: not group_members(pgid), ORPHAN_GRACE):
+        if _wait_until(lambda: not group_members(pgid), self.orphan_grace):
             return
         leftover = group_members(pgid)
         self.orphans_killed.extend(leftover)
-        self._note(f"workers outlived the node by {ORPHAN_GRACE}s, SIGKILL: {leftover}")
+        self._note(f"workers outlived the node by {self.orphan_grace}s, SIGKILL: {leftover}")
         try:
             os.killpg(pgid, signal.SIGKILL)
         except ProcessLookupError:
