@@ -1,0 +1,429 @@
+"""QueueStore: ordering, acks, requeues, segments, recovery from clean and unclean shutdowns."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+
+from shard import record
+from shard.segment import DATA_START, Meta, file_name
+from shard.store import QueueStore, queue_dir
+
+PROPS = b"\x80\x00\x02"  # delivery-mode present, = 2
+
+
+def add(store: QueueStore, i: int, flags: int = 1, size: int = 0) -> int:
+    body = (b"m%d|" % i).ljust(size, b"x")
+    return store.append(1000 + i, flags, "ex", f"rk.{i}", PROPS, body)
+
+
+def body_index(msg: tuple) -> int:
+    return int(msg[7].split(b"|")[0][1:])
+
+
+def drain(store: QueueStore, ack: bool = True) -> list[int]:
+    out = []
+    while (msg := store.shift()) is not None:
+        out.append(body_index(msg))
+        if ack:
+            assert store.ack(msg[0])
+    return out
+
+
+def files(path: str, kind: str) -> list[str]:
+    return sorted(n for n in os.listdir(path) if n.startswith(kind + "."))
+
+
+def test_append_shift_ack_order(tmp_path):
+    s = QueueStore(str(tmp_path))
+    ids = [add(s, i) for i in range(10)]
+    assert ids == sorted(ids) and ids[0] == (1 << 32 | DATA_START)
+    assert s.ready == 10
+    assert s.ready_bytes == sum(len(b"m%d|" % i) for i in range(10))
+    msg = s.shift()
+    assert msg == (ids[0], False, 1000, 1, "ex", "rk.0", PROPS, b"m0|")
+    assert s.ready == 9
+    assert s.peek()[0] == ids[1]
+    assert s.read(ids[0]) == (1000, 1, "ex", "rk.0", PROPS, b"m0|")
+    assert s.ack(ids[0])
+    assert not s.ack(ids[0]), "second ack of the same message"
+    assert not s.ack(ids[5]), "ack of a message never delivered"
+    assert drain(s) == list(range(1, 10))
+    assert s.ready == 0 and s.ready_bytes == 0
+    assert s.shift() is None and s.peek() is None
+    s.close()
+
+
+def test_requeue_order_and_redelivered(tmp_path):
+    s = QueueStore(str(tmp_path))
+    ids = [add(s, i) for i in range(6)]
+    got = [s.shift() for _ in range(4)]
+    assert s.requeue(ids[2]) and s.requeue(ids[0])
+    assert s.ready == 4
+    nxt = s.peek()
+    assert nxt[:2] == (ids[0], True)
+    order = [(m[0], m[1]) for m in iter(s.shift, None)]
+    assert order == [(ids[0], True), (ids[2], True), (ids[4], False), (ids[5], False)]
+    assert got[1][7] == b"m1|"
+    s.close()
+
+
+def test_empty_strings_and_utf8(tmp_path):
+    s = QueueStore(str(tmp_path))
+    mid = s.append(5, 0, "", "", b"", b"")
+    mid2 = s.append(6, 1, "ëx", "ключ", b"p" * 300, b"\x00" * 70000)
+    assert s.shift() == (mid, False, 5, 0, "", "", b"", b"")
+    assert s.shift() == (mid2, False, 6, 1, "ëx", "ключ", b"p" * 300, b"\x00" * 70000)
+    s.close()
+
+
+def test_purge_keeps_outstanding(tmp_path):
+    s = QueueStore(str(tmp_path), segment_size=4096)
+    ids = [add(s, i) for i in range(300)]
+    a = s.shift()
+    b = s.shift()
+    s.requeue(a[0])
+    assert s.ready == 299
+    assert s.purge() == 299
+    assert s.ready == 0 and s.ready_bytes == 0 and s.shift() is None
+    # the outstanding one can still be acked or requeued
+    assert s.requeue(b[0])
+    assert s.shift()[0] == ids[1]
+    assert s.ack(ids[1])
+    # only the write segment is left
+    assert len(files(str(tmp_path), "msgs")) == 1
+    add(s, 1000)
+    assert drain(s) == [1000]
+    s.close()
+    s = QueueStore(str(tmp_path), segment_size=4096)
+    assert s.ready == 0
+    s.close()
+
+
+def test_rollover_and_deletion_of_acked_segments(tmp_path):
+    path = str(tmp_path)
+    s = QueueStore(path, segment_size=4096)
+    ids = [add(s, i, size=100) for i in range(200)]
+    segs = sorted({i >> 32 for i in ids})
+    assert len(segs) > 4 and segs == list(range(1, len(segs) + 1))
+    msgs = files(path, "msgs")
+    assert msgs[0] == file_name("msgs", 1) == "msgs.0000000001"
+    # sealed segments are truncated to their used length and have a valid meta
+    for no in segs[:-1]:
+        size = os.path.getsize(os.path.join(path, file_name("msgs", no)))
+        assert size <= 4096
+        with open(os.path.join(path, file_name("meta", no)), "rb") as f:
+            meta = Meta.decode(f.read())
+        assert meta is not None and meta.used == size
+        assert meta.count == sum(1 for i in ids if i >> 32 == no)
+    first_seg = [i for i in ids if i >> 32 == 1]
+    for _ in first_seg:
+        s.ack(s.shift()[0])
+    assert file_name("msgs", 1) not in os.listdir(path)
+    assert file_name("acks", 1) not in os.listdir(path)
+    assert file_name("meta", 1) not in os.listdir(path)
+    assert drain(s) == list(range(len(first_seg), 200))
+    assert files(path, "msgs") == [file_name("msgs", segs[-1])]
+    s.close()
+
+
+def test_record_bigger_than_segment(tmp_path):
+    path = str(tmp_path)
+    s = QueueStore(path, segment_size=4096)
+    big = b"B" * 10000
+    first = s.append(1, 1, "", "q", b"", big)  # fresh store: the empty write segment just grows
+    small = add(s, 1)
+    second = s.append(2, 1, "", "q", b"", big)
+    add(s, 2)
+    assert len({first >> 32, small >> 32, second >> 32}) == 3
+    assert s.shift()[7] == big
+    s.sync()
+    s.close()
+    s = QueueStore(path, segment_size=4096)
+    out = [m[7] for m in iter(s.shift, None)]
+    assert out == [big, b"m1|", big, b"m2|"]
+    s.close()
+
+
+def test_reopen_after_close_keeps_unacked_and_ready(tmp_path):
+    path = str(tmp_path)
+    s = QueueStore(path, segment_size=4096)
+    for i in range(250):
+        add(s, i)
+    for _ in range(100):
+        s.ack(s.shift()[0])
+    for _ in range(20):
+        s.shift()  # outstanding: ready again after a restart
+    s.sync()
+    s.close()
+    s = QueueStore(path, segment_size=4096)
+    assert s.ready == 150
+    assert s.ready_bytes == sum(len(b"m%d|" % i) for i in range(100, 250))
+    assert drain(s, ack=False) == list(range(100, 250))
+    s.close()
+
+
+def test_reopen_without_close(tmp_path):
+    path = str(tmp_path)
+    s = QueueStore(path, segment_size=4096)
+    for i in range(250):
+        add(s, i)
+    for _ in range(30):
+        s.ack(s.shift()[0])
+    del s  # no close, no sync: like a crash of the process (the page cache keeps the writes)
+    s = QueueStore(path, segment_size=4096)
+    assert s.ready == 220
+    assert drain(s, ack=False)[:3] == [30, 31, 32]
+    s.close()
+
+
+def test_transient_dropped_on_recovery(tmp_path):
+    path = str(tmp_path)
+    s = QueueStore(path, segment_size=4096)
+    for i in range(300):
+        add(s, i, flags=1 if i % 3 == 0 else 0)
+    s.close()
+    s = QueueStore(path, segment_size=4096)
+    assert drain(s, ack=False) == list(range(0, 300, 3))
+    s.close()
+    # dropping is durable: a store that keeps transients finds them gone too
+    s = QueueStore(path, segment_size=4096, keep_transient=True)
+    assert s.ready == 100
+    s.close()
+
+
+def test_keep_transient(tmp_path):
+    path = str(tmp_path)
+    s = QueueStore(path, segment_size=4096, keep_transient=True)
+    for i in range(300):
+        add(s, i, flags=0)
+    s.close()
+    s = QueueStore(path, segment_size=4096, keep_transient=True)
+    assert drain(s) == list(range(300))
+    s.close()
+
+
+def test_acks_reloaded_and_skipped(tmp_path):
+    path = str(tmp_path)
+    s = QueueStore(path, segment_size=4096)
+    for i in range(300):
+        add(s, i)
+    msgs = [s.shift() for _ in range(200)]
+    for m in msgs[::2]:  # ack every other one, spread over sealed and write segments
+        s.ack(m[0])
+    s.close()
+    s = QueueStore(path, segment_size=4096)
+    expect = [i for i in range(200) if i % 2] + list(range(200, 300))
+    assert s.ready == len(expect)
+    assert drain(s) == expect
+    s.close()
+
+
+def _tail(path: str) -> str:
+    return os.path.join(path, files(path, "msgs")[-1])
+
+
+def _setup_tail(path: str, n: int = 5) -> list[int]:
+    s = QueueStore(path)
+    ids = [add(s, i) for i in range(n)]
+    s.close()
+    return ids
+
+
+def _reopen_and_check(path: str, expect: list[int], caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="shard.store"):
+        s = QueueStore(path)
+    assert any("cut" in r.getMessage() for r in caplog.records)
+    add(s, 100)
+    add(s, 101)
+    s.close()
+    s = QueueStore(path)
+    assert drain(s) == [*expect, 100, 101]
+    s.close()
+
+
+def test_torn_tail_truncated_mid_record(tmp_path, caplog):
+    path = str(tmp_path)
+    ids = _setup_tail(path)
+    last = ids[-1] & 0xFFFFFFFF
+    os.truncate(_tail(path), last + 12)  # cuts the last record in the middle
+    _reopen_and_check(path, [0, 1, 2, 3], caplog)
+
+
+def test_garbage_after_last_record(tmp_path, caplog):
+    path = str(tmp_path)
+    ids = _setup_tail(path)
+    with open(_tail(path), "r+b") as f:
+        f.seek(record.skip(f.read(), ids[-1] & 0xFFFFFFFF))
+        f.write(os.urandom(64))
+    _reopen_and_check(path, [0, 1, 2, 3, 4], caplog)
+
+
+def test_flipped_byte_in_last_record(tmp_path, caplog):
+    path = str(tmp_path)
+    ids = _setup_tail(path)
+    at = (ids[-1] & 0xFFFFFFFF) + 20
+    with open(_tail(path), "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x40]))
+    _reopen_and_check(path, [0, 1, 2, 3], caplog)
+
+
+def test_corrupt_record_in_sealed_segment_without_meta(tmp_path, caplog):
+    path = str(tmp_path)
+    s = QueueStore(path, segment_size=4096)
+    ids = [add(s, i) for i in range(200)]
+    s.close()
+    seg1 = [i for i in ids if i >> 32 == 1]
+    os.unlink(os.path.join(path, file_name("meta", 1)))
+    with open(os.path.join(path, file_name("msgs", 1)), "r+b") as f:
+        f.seek((seg1[10] & 0xFFFFFFFF) + 12)
+        f.write(b"\xff\xff")
+    with caplog.at_level(logging.WARNING, logger="shard.store"):
+        s = QueueStore(path, segment_size=4096)
+    assert any("CRC mismatch" in r.getMessage() for r in caplog.records)
+    assert drain(s) == list(range(10)) + list(range(len(seg1), 200))
+    s.close()
+
+
+def test_garbage_files_never_prevent_open(tmp_path):
+    path = str(tmp_path)
+    s = QueueStore(path, segment_size=4096)
+    for i in range(200):
+        add(s, i)
+    s.close()
+    with open(os.path.join(path, file_name("meta", 1)), "wb") as f:
+        f.write(os.urandom(32))  # bad crc: ignored, the segment is scanned
+    with open(os.path.join(path, file_name("acks", 2)), "wb") as f:
+        f.write(os.urandom(4001))  # random positions (not record starts) and a torn tail
+    with open(os.path.join(path, file_name("msgs", 9)), "wb") as f:
+        f.write(b"\x07\x00\x00\x00" + os.urandom(100))  # unknown version
+    with open(os.path.join(path, file_name("acks", 77)), "wb") as f:
+        f.write(b"\x01\x00")  # orphan
+    with open(os.path.join(path, "junk.txt"), "wb") as f:
+        f.write(b"hello")
+    s = QueueStore(path, segment_size=4096)
+    assert drain(s) == list(range(200))
+    add(s, 500)
+    s.close()
+    s = QueueStore(path, segment_size=4096)
+    assert drain(s) == [500]
+    s.close()
+
+
+def test_empty_last_segment_file(tmp_path):
+    path = str(tmp_path)
+    s = QueueStore(path, segment_size=4096)
+    for i in range(200):
+        add(s, i)
+    s.close()
+    last = files(path, "msgs")[-1]
+    no = int(last.split(".")[1])
+    open(os.path.join(path, file_name("msgs", no + 1)), "wb").close()  # crash right after creating it
+    s = QueueStore(path, segment_size=4096)
+    assert drain(s) == list(range(200))
+    s.close()
+
+
+def test_torn_ack_file(tmp_path):
+    path = str(tmp_path)
+    s = QueueStore(path)
+    for i in range(5):
+        add(s, i)
+    for _ in range(2):
+        s.ack(s.shift()[0])
+    s.close()
+    with open(os.path.join(path, file_name("acks", 1)), "ab") as f:
+        f.write(b"\x99\x00")
+    s = QueueStore(path)
+    assert s.ready == 3
+    s.ack(s.shift()[0])
+    s.close()
+    s = QueueStore(path)
+    assert drain(s) == [3, 4]
+    s.close()
+
+
+def test_drop_head(tmp_path):
+    s = QueueStore(str(tmp_path))
+    ids = [add(s, i) for i in range(3)]
+    s.shift()
+    s.requeue(ids[0])
+    assert s.drop_head()[0] == ids[0]
+    assert s.drop_head()[0] == ids[1]
+    assert s.ready == 1
+    s.close()
+    s = QueueStore(str(tmp_path))
+    assert drain(s) == [2]
+    s.close()
+
+
+def test_delete(tmp_path):
+    path = queue_dir(str(tmp_path), "/", "q1")
+    s = QueueStore(path)
+    add(s, 1)
+    s.delete()
+    assert not os.path.exists(path)
+    s.sync()  # a sync scheduled before the delete must be harmless
+
+
+def test_queue_dir_layout(tmp_path):
+    path = queue_dir(str(tmp_path), "vh", "my-queue")
+    vdir = os.path.dirname(path)
+    assert vdir == os.path.join(str(tmp_path), hashlib.sha1(b"vh").hexdigest())
+    assert os.path.basename(path) == hashlib.sha1(b"my-queue").hexdigest()
+    with open(os.path.join(path, ".queue")) as f:
+        assert f.read() == "my-queue"
+    with open(os.path.join(vdir, ".vhost")) as f:
+        assert f.read() == "vh"
+    assert queue_dir(str(tmp_path), "vh", "my-queue") == path
+
+
+def test_dirty_and_sync(tmp_path):
+    s = QueueStore(str(tmp_path))
+    s.sync()
+    assert not s.dirty
+    add(s, 1)
+    assert s.dirty
+    s.sync()
+    assert not s.dirty
+    s.ack(s.shift()[0])
+    assert s.dirty
+    s.sync()
+    assert not s.dirty
+    s.close()
+
+
+def test_sync_in_thread_while_appending(tmp_path):
+    path = str(tmp_path)
+    s = QueueStore(path, segment_size=4096)
+    stop = threading.Event()
+    errors = []
+
+    def syncer():
+        try:
+            while not stop.is_set():
+                s.sync()
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    t = threading.Thread(target=syncer)
+    t.start()
+    try:
+        for i in range(3000):
+            add(s, i, size=40)
+            if i % 3 == 0:
+                s.ack(s.shift()[0])
+    finally:
+        stop.set()
+        t.join()
+    assert not errors
+    s.sync()
+    s.close()
+    s = QueueStore(path, segment_size=4096)
+    assert drain(s) == list(range(1000, 3000))
+    s.close()
