@@ -1,0 +1,627 @@
+"""One AMQP channel of a client connection: its methods, consumers, delivery tags, confirms.
+
+Events reach a channel through its ``Backlog`` so they are handled strictly in
+order; a handler that needs the node or a shard blocks the backlog until the
+reply arrives. Channel-level errors (AMQPChannelError) close only this
+channel; AMQPConnectionError propagates to the connection.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from pamqp import commands as C
+
+from broker import contract
+from broker.amqp import events as E
+from broker.amqp.constants import (
+    ACCESS_REFUSED,
+    CONNECTION_LEVEL_CODES,
+    NO_ROUTE,
+    NOT_ALLOWED,
+    NOT_FOUND,
+    NOT_IMPLEMENTED,
+    PRECONDITION_FAILED,
+    RESOURCE_LOCKED,
+    SYNTAX_ERROR,
+)
+from broker.amqp.encoder import encode_content, encode_deliver, encode_method
+from broker.amqp.errors import AMQPChannelError, AMQPConnectionError, AMQPError
+from broker.amqp.properties import delivery_mode
+from frontend.backlog import Backlog
+from frontend.confirms import ConfirmTracker
+from frontend.delivery_tags import DeliveryTags, group_by_shard
+from frontend.replies import error_from_reply, plain
+
+if TYPE_CHECKING:
+    from frontend.amqp_connection import AMQPConnection
+
+OPEN = 1
+CLOSING = 2  # we sent channel.close and wait for close-ok
+CLOSED = 3
+
+_PUBLISH = contract.PUBLISH
+_ACK = contract.ACK
+_NACK = contract.NACK
+
+
+def _ids(method: Any) -> tuple[int, int]:
+    index = method.index
+    return index >> 16, index & 0xFFFF
+
+
+class Consumer:
+    __slots__ = ("tag", "queue", "shard", "no_ack", "ready", "early")
+
+    def __init__(self, tag: str, queue: str, shard: int, no_ack: bool) -> None:
+        self.tag = tag
+        self.queue = queue
+        self.shard = shard
+        self.no_ack = no_ack
+        self.ready = False  # consume-ok (or the nowait reply) not yet through
+        self.early: list = []  # deliveries that overtook the shard's reply
+
+
+class Channel:
+    __slots__ = (
+        "conn", "number", "state", "backlog", "confirm", "tags", "consumers", "prefetch_count",
+        "global_prefetch", "held", "shards", "last_queue", "tx", "_handlers",
+    )
+
+    def __init__(self, conn: AMQPConnection, number: int) -> None:
+        self.conn = conn
+        self.number = number
+        self.state = OPEN
+        self.backlog = Backlog(self.handle)
+        self.confirm: ConfirmTracker | None = None
+        self.tags = DeliveryTags()
+        self.consumers: dict[str, Consumer] = {}
+        self.prefetch_count = 0
+        self.global_prefetch = 0
+        # Deliveries beyond the global prefetch when this channel consumes from several shards
+        # (each shard enforces the limit only for its own messages).
+        self.held: deque = deque()
+        self.shards: set[int] = set()
+        self.last_queue: str | None = None
+        self.tx: list | None = None  # events buffered in tx mode
+        self._handlers = _HANDLERS
+
+    # ------------------------------------------------------------------ dispatch
+    def submit(self, event: Any) -> None:
+        if self.state == OPEN:
+            self.backlog.submit(event)
+            if len(self.backlog) > 10_000:
+                self.conn.backlog_grew()
+        elif self.state == CLOSING and event.__class__ is E.MethodFrame:
+            # After our channel.close only close/close-ok matter (spec 2.2.2 / RabbitMQ).
+            method = event.method
+            if isinstance(method, C.Channel.CloseOk):
+                self.conn.forget_channel(self)
+            elif isinstance(method, C.Channel.Close):
+                self.conn.send_method(self.number, C.Channel.CloseOk())
+
+    def handle(self, event: Any) -> None:
+        if self.state != OPEN:
+            return
+        try:
+            cls = event.__class__
+            if cls is E.Publish:
+                if self.tx is not None:
+                    self.tx.append(event)
+                else:
+                    self.publish(event)
+            elif cls is E.Ack:
+                if self.tx is not None:
+                    self.tx.append(event)
+                else:
+                    self.ack(event.delivery_tag, event.multiple)
+            elif cls is E.MethodFrame:
+                handler = self._handlers.get(event.method.__class__)
+                if handler is None:
+                    cid, mid = _ids(event.method)
+                    raise AMQPConnectionError(
+                        NOT_IMPLEMENTED, f"method {event.method.name} not supported", cid, mid)
+                handler(self, event.method)
+            elif cls is E.Nack:
+                if self.tx is not None:
+                    self.tx.append(event)
+                else:
+                    self.nack(event.delivery_tag, event.multiple, event.requeue, 60, 120)
+            elif cls is E.Reject:
+                if self.tx is not None:
+                    self.tx.append(event)
+                else:
+                    self.nack(event.delivery_tag, False, event.requeue, 60, 90)
+            elif cls is E.ChannelProtocolError:
+                raise AMQPChannelError(event.code, event.text, event.class_id, event.method_id)
+            elif cls is E.Heartbeat:
+                pass
+        except AMQPChannelError as exc:
+            if exc.code in CONNECTION_LEVEL_CODES:
+                raise AMQPConnectionError(exc.code, exc.text, exc.class_id, exc.method_id) from None
+            self.fail(exc)
+
+    def fail(self, exc: AMQPError) -> None:
+        """Close this channel with an error (server-initiated channel.close)."""
+        if self.state != OPEN:
+            return
+        self.state = CLOSING
+        self.backlog.clear()
+        self.conn.send_method(
+            self.number, C.Channel.Close(exc.code, self.conn.reply_text(exc.code, exc.text),
+                                         exc.class_id, exc.method_id))
+        self.release_resources()
+
+    def release_resources(self) -> None:
+        """Tell every shard this channel touched that it is gone (consumers off, unacked requeued)."""
+        conn = self.conn
+        worker = conn.worker
+        for shard in self.shards:
+            worker.shard_put(shard, [contract.CHANNEL_CLOSED, conn.conn_id, self.number])
+        self.shards = set()
+        self.consumers.clear()
+        self.tags = DeliveryTags()
+        self.held.clear()
+        self.confirm = None
+
+    # ------------------------------------------------------------- requests
+    def _node_request(self, op: str, method: Any, on_ok) -> None:
+        conn = self.conn
+        args = plain(dict(method))
+        args.pop("ticket", None)
+        args["vhost"] = conn.vhost
+        args["owner"] = [conn.worker.index, conn.conn_id]
+        cid, mid = _ids(method)
+        self.backlog.block()
+        conn.worker.node_request(op, args, lambda ok, result: conn.on_reply(self, ok, result, on_ok, cid, mid))
+
+    def _shard_request(self, shard: int, build, on_ok, method: Any) -> None:
+        conn = self.conn
+        cid, mid = _ids(method)
+        self.backlog.block()
+        self.shards.add(shard)
+        conn.worker.shard_request(
+            shard, build, conn, lambda ok, result: conn.on_reply(self, ok, result, on_ok, cid, mid))
+
+    def reply_done(self) -> None:
+        self.backlog.unblock()
+
+    def reply_error(self, result: Any, class_id: int, method_id: int) -> None:
+        exc = error_from_reply(result, class_id, method_id)
+        if isinstance(exc, AMQPConnectionError):
+            raise exc
+        self.fail(exc)
+
+    # --------------------------------------------------------------- helpers
+    def _send(self, method: Any) -> None:
+        self.conn.send_method(self.number, method)
+
+    def _queue_name(self, name: str, method: Any) -> str:
+        if name:
+            return name
+        if self.last_queue is None:
+            cid, mid = _ids(method)
+            raise AMQPChannelError(NOT_FOUND, "no previously declared queue", cid, mid)
+        return self.last_queue
+
+    def _local_queue(self, name: str, method: Any) -> Any:
+        """The queue's definition, checked as RabbitMQ does before it touches the queue."""
+        conn = self.conn
+        q = conn.worker.defs.queue(conn.vhost, name)
+        if q is None:
+            cid, mid = _ids(method)
+            raise AMQPChannelError(NOT_FOUND, f"no queue '{name}' in vhost '{conn.vhost}'", cid, mid)
+        owner = q.exclusive_owner
+        if owner and (owner[0] != conn.worker.index or owner[1] != conn.conn_id):
+            cid, mid = _ids(method)
+            raise AMQPChannelError(
+                RESOURCE_LOCKED,
+                f"cannot obtain exclusive access to locked queue '{name}' in vhost '{conn.vhost}'. "
+                "It could be originally declared on another connection or the exclusive property "
+                "value does not match that of the original declaration.", cid, mid)
+        return q
+
+    # ------------------------------------------------------------- publish
+    def publish(self, ev: E.Publish) -> None:
+        conn = self.conn
+        vhost = conn.vhost
+        defs = conn.worker.defs
+        exchange = ev.exchange
+        ex = defs.exchange(vhost, exchange)
+        if ex is None:
+            raise AMQPChannelError(NOT_FOUND, f"no exchange '{exchange}' in vhost '{vhost}'", 60, 40)
+        if ex.internal:
+            raise AMQPChannelError(
+                ACCESS_REFUSED, f"cannot publish to internal exchange '{exchange}' in vhost '{vhost}'", 60, 40)
+        if ev.immediate:
+            raise AMQPConnectionError(NOT_IMPLEMENTED, "immediate=true", 60, 40)
+        props_raw = ev.props_raw
+        try:
+            persistent = delivery_mode(props_raw) == 2
+        except ValueError as exc:
+            raise AMQPConnectionError(SYNTAX_ERROR, f"malformed content properties: {exc}", 60, 40) from None
+        queues = defs.route(vhost, exchange, ev.routing_key, props_raw)
+        confirm = self.confirm
+        if not queues:
+            if ev.mandatory:
+                conn.write(encode_content(
+                    self.number, C.Basic.Return(NO_ROUTE, "NO_ROUTE", exchange, ev.routing_key),
+                    props_raw, ev.body, conn.frame_max))
+            if confirm is not None:
+                confirm.publish(0)
+                conn.confirm_dirty(self)
+            return
+        worker = conn.worker
+        if len(queues) == 1:
+            groups = {defs.queue(vhost, queues[0]).shard: queues}
+        else:
+            groups = {}
+            for name in queues:
+                shard = defs.queue(vhost, name).shard
+                group = groups.get(shard)
+                if group is None:
+                    groups[shard] = [name]
+                else:
+                    group.append(name)
+        if confirm is None:
+            for shard, names in groups.items():
+                worker.shard_put(shard, [_PUBLISH, vhost, names, exchange, ev.routing_key, props_raw,
+                                         ev.body, persistent, None, None, None])
+        else:
+            seq = confirm.publish(len(groups))
+            conn_id = conn.conn_id
+            for shard, names in groups.items():
+                worker.shard_put(shard, [_PUBLISH, vhost, names, exchange, ev.routing_key, props_raw,
+                                         ev.body, persistent, conn_id, self.number, seq])
+                conn.confirm_shards.add(shard)
+
+    def on_confirm(self, seqs: list[int], ok: bool) -> None:
+        confirm = self.confirm
+        if confirm is not None and self.state == OPEN:
+            confirm.confirm(seqs, ok)
+            self.conn.confirm_dirty(self)
+
+    def emit_confirms(self) -> None:
+        confirm = self.confirm
+        if confirm is None:
+            return
+        write = self.conn.write
+        ch = self.number
+        for tag, multiple, is_ack in confirm.drain():
+            if is_ack:
+                write(encode_method(ch, C.Basic.Ack(tag, multiple)))
+            else:
+                write(encode_method(ch, C.Basic.Nack(tag, multiple, False)))
+
+    # ----------------------------------------------------------- deliveries
+    def deliver(self, shard: int, item: list) -> None:
+        """A DELIVER item from a shard: [DELIVER, conn, ch, tag, qid, mid, redelivered, ex, rk, props, body]."""
+        consumer = self.consumers.get(item[3])
+        if consumer is None or self.state != OPEN:
+            # Cancelled or closed meanwhile: hand an acked-mode message straight back (the shard
+            # ignores the nack for a no-ack delivery it already settled).
+            if self.state == OPEN:
+                self.conn.worker.shard_put(
+                    shard, [_NACK, self.conn.conn_id, self.number, True, [item[4], item[5]]])
+            return
+        if not consumer.ready:
+            consumer.early.append((shard, item))
+            return
+        if self.global_prefetch and not consumer.no_ack and (
+            self.held or (len(self.shards) > 1 and len(self.tags) >= self.global_prefetch)
+        ):
+            self.held.append((shard, item))
+            return
+        self._write_deliver(consumer, shard, item)
+
+    def _write_deliver(self, consumer: Consumer, shard: int, item: list) -> None:
+        conn = self.conn
+        tags = self.tags
+        tag = tags.skip() if consumer.no_ack else tags.add(shard, item[4], item[5])
+        conn.write(encode_deliver(self.number, item[3], tag, item[6], item[7], item[8], item[9], item[10],
+                                  conn.frame_max))
+        conn.add_credit(shard, self.number, item[3])
+
+    def _release_held(self) -> None:
+        held = self.held
+        limit = self.global_prefetch
+        tags = self.tags
+        while held and (not limit or len(tags) < limit):
+            shard, item = held.popleft()
+            consumer = self.consumers.get(item[3])
+            if consumer is None:
+                self.conn.worker.shard_put(
+                    shard, [_NACK, self.conn.conn_id, self.number, True, [item[4], item[5]]])
+                continue
+            self._write_deliver(consumer, shard, item)
+
+    def cancel_notify(self, tag: str) -> None:
+        consumer = self.consumers.pop(tag, None)
+        if consumer is not None and self.state == OPEN:
+            self._send(C.Basic.Cancel(consumer_tag=tag, nowait=True))
+
+    # --------------------------------------------------------------- acks
+    def ack(self, tag: int, multiple: bool) -> None:
+        refs = self.tags.take(tag, multiple, 60, 80)
+        if not refs:
+            return
+        conn = self.conn
+        put = conn.worker.shard_put
+        if len(refs) == 1:
+            shard, qid, mid = refs[0]
+            put(shard, [_ACK, conn.conn_id, self.number, [qid, mid]])
+        else:
+            for shard, flat in group_by_shard(refs).items():
+                put(shard, [_ACK, conn.conn_id, self.number, flat])
+        if self.held:
+            self._release_held()
+
+    def nack(self, tag: int, multiple: bool, requeue: bool, class_id: int, method_id: int) -> None:
+        refs = self.tags.take(tag, multiple, class_id, method_id)
+        conn = self.conn
+        for shard, flat in group_by_shard(refs).items():
+            conn.worker.shard_put(shard, [_NACK, conn.conn_id, self.number, bool(requeue), flat])
+        if self.held:
+            self._release_held()
+
+    # ------------------------------------------------------- channel class
+    def m_channel_close(self, method: C.Channel.Close) -> None:
+        self.state = CLOSED
+        self.backlog.clear()
+        self.release_resources()
+        self._send(C.Channel.CloseOk())
+        self.conn.forget_channel(self)
+
+    def m_channel_close_ok(self, method: C.Channel.CloseOk) -> None:
+        pass  # close-ok for a close we never sent: ignore, as RabbitMQ does
+
+    def m_channel_open(self, method: C.Channel.Open) -> None:
+        raise AMQPConnectionError(504, "second 'channel.open' seen", 20, 10)
+
+    def m_channel_flow(self, method: C.Channel.Flow) -> None:
+        if not method.active:
+            raise AMQPConnectionError(NOT_IMPLEMENTED, "active=false", 20, 20)
+        self._send(C.Channel.FlowOk(active=True))
+
+    def m_channel_flow_ok(self, method: C.Channel.FlowOk) -> None:
+        pass
+
+    # ------------------------------------------------------ exchange class
+    def m_exchange_declare(self, method: C.Exchange.Declare) -> None:
+        nowait = method.nowait
+        self._node_request("exchange.declare", method,
+                           lambda r: None if nowait else self._send(C.Exchange.DeclareOk()))
+
+    def m_exchange_delete(self, method: C.Exchange.Delete) -> None:
+        nowait = method.nowait
+        self._node_request("exchange.delete", method,
+                           lambda r: None if nowait else self._send(C.Exchange.DeleteOk()))
+
+    def m_exchange_bind(self, method: C.Exchange.Bind) -> None:
+        nowait = method.nowait
+        self._node_request("exchange.bind", method,
+                           lambda r: None if nowait else self._send(C.Exchange.BindOk()))
+
+    def m_exchange_unbind(self, method: C.Exchange.Unbind) -> None:
+        nowait = method.nowait
+        self._node_request("exchange.unbind", method,
+                           lambda r: None if nowait else self._send(C.Exchange.UnbindOk()))
+
+    # --------------------------------------------------------- queue class
+    def m_queue_declare(self, method: C.Queue.Declare) -> None:
+        nowait = method.nowait
+        conn = self.conn
+        if method.exclusive:
+            conn.had_exclusive = True
+
+        def ok(result: dict) -> None:
+            name = result.get("queue", method.queue)
+            self.last_queue = name
+            if method.exclusive and not method.passive:
+                conn.exclusive_queues.add(name)
+            if not nowait:
+                self._send(C.Queue.DeclareOk(name, int(result.get("messages", 0)),
+                                             int(result.get("consumers", 0))))
+
+        self._node_request("queue.declare", method, ok)
+
+    def m_queue_bind(self, method: C.Queue.Bind) -> None:
+        method.queue = self._queue_name(method.queue, method)
+        nowait = method.nowait
+        self._node_request("queue.bind", method, lambda r: None if nowait else self._send(C.Queue.BindOk()))
+
+    def m_queue_unbind(self, method: C.Queue.Unbind) -> None:
+        method.queue = self._queue_name(method.queue, method)
+        self._node_request("queue.unbind", method, lambda r: self._send(C.Queue.UnbindOk()))
+
+    def m_queue_delete(self, method: C.Queue.Delete) -> None:
+        name = method.queue = self._queue_name(method.queue, method)
+        nowait = method.nowait
+        conn = self.conn
+
+        def ok(result: dict) -> None:
+            conn.exclusive_queues.discard(name)
+            if not nowait:
+                self._send(C.Queue.DeleteOk(int(result.get("messages", 0))))
+
+        self._node_request("queue.delete", method, ok)
+
+    def m_queue_purge(self, method: C.Queue.Purge) -> None:
+        name = self._queue_name(method.queue, method)
+        q = self._local_queue(name, method)
+        vhost = self.conn.vhost
+        nowait = method.nowait
+        self._shard_request(
+            q.shard, lambda req_id: [contract.PURGE, req_id, vhost, name],
+            lambda r: None if nowait else self._send(C.Queue.PurgeOk(int(r.get("messages", 0)))), method)
+
+    # --------------------------------------------------------- basic class
+    def m_basic_qos(self, method: C.Basic.Qos) -> None:
+        if method.prefetch_size:
+            raise AMQPConnectionError(NOT_IMPLEMENTED, f"prefetch_size!=0 ({method.prefetch_size})", 60, 10)
+        count = int(method.prefetch_count)
+        if method.global_:
+            self.global_prefetch = count
+            conn = self.conn
+            worker = conn.worker
+            for shard in range(worker.shard_count):
+                worker.shard_put(shard, [contract.QOS, conn.conn_id, self.number, count])
+                self.shards.add(shard)
+            if self.held:
+                self._release_held()
+        else:
+            self.prefetch_count = count
+        self._send(C.Basic.QosOk())
+
+    def m_basic_consume(self, method: C.Basic.Consume) -> None:
+        name = self._queue_name(method.queue, method)
+        q = self._local_queue(name, method)
+        tag = method.consumer_tag
+        if not tag:
+            tag = "amq.ctag-" + secrets.token_urlsafe(16)
+        elif tag in self.consumers:
+            raise AMQPConnectionError(NOT_ALLOWED, f"attempt to reuse consumer tag '{tag}'", 60, 20)
+        conn = self.conn
+        consumer = Consumer(tag, name, q.shard, bool(method.no_ack))
+        self.consumers[tag] = consumer
+        nowait = method.nowait
+        item_tail = [conn.conn_id, self.number, conn.vhost, name, tag, bool(method.no_ack),
+                     bool(method.exclusive), self.prefetch_count, plain(method.arguments or {})]
+
+        def ok(_result: dict) -> None:
+            if self.consumers.get(tag) is not consumer:
+                return
+            if not nowait:
+                self._send(C.Basic.ConsumeOk(tag))
+            consumer.ready = True
+            early = consumer.early
+            consumer.early = []
+            for shard, item in early:
+                self.deliver(shard, item)
+
+        def build(req_id: int) -> list:
+            return [contract.CONSUME, req_id, *item_tail]
+
+        try:
+            self._shard_request(q.shard, build, ok, method)
+        except BaseException:
+            self.consumers.pop(tag, None)
+            raise
+        conn.consumer_shards.add(q.shard)
+
+    def consume_failed(self, tag: str) -> None:
+        self.consumers.pop(tag, None)
+
+    def m_basic_cancel(self, method: C.Basic.Cancel) -> None:
+        tag = method.consumer_tag
+        consumer = self.consumers.pop(tag, None)
+        if consumer is not None:
+            self.conn.worker.shard_put(consumer.shard, [contract.CANCEL, self.conn.conn_id, self.number, tag])
+            for shard, item in consumer.early:
+                self.conn.worker.shard_put(
+                    shard, [_NACK, self.conn.conn_id, self.number, True, [item[4], item[5]]])
+        if not method.nowait:
+            self._send(C.Basic.CancelOk(tag))
+
+    def m_basic_get(self, method: C.Basic.Get) -> None:
+        name = self._queue_name(method.queue, method)
+        q = self._local_queue(name, method)
+        conn = self.conn
+        no_ack = bool(method.no_ack)
+        shard = q.shard
+        tail = [conn.conn_id, self.number, conn.vhost, name, no_ack]
+
+        def ok(result: dict) -> None:
+            msg = result.get("message")
+            if msg is None:
+                self._send(C.Basic.GetEmpty())
+                return
+            qid, mid, redelivered, exchange, routing_key, props_raw, body, remaining = msg
+            tag = self.tags.skip() if no_ack else self.tags.add(shard, qid, mid)
+            conn.write(encode_content(
+                self.number, C.Basic.GetOk(tag, bool(redelivered), exchange, routing_key, int(remaining)),
+                props_raw, body, conn.frame_max))
+
+        self._shard_request(shard, lambda req_id: [contract.GET, req_id, *tail], ok, method)
+
+    def m_basic_recover(self, method: Any) -> None:
+        self.tags.take_all()
+        self.held.clear()
+        conn = self.conn
+        for shard in self.shards:
+            conn.worker.shard_put(shard, [contract.RECOVER, conn.conn_id, self.number])
+        if isinstance(method, C.Basic.Recover):
+            self._send(C.Basic.RecoverOk())
+
+    # ------------------------------------------------------- confirm / tx
+    def m_confirm_select(self, method: C.Confirm.Select) -> None:
+        if self.tx is not None:
+            raise AMQPChannelError(PRECONDITION_FAILED, "cannot switch from tx to confirm mode", 85, 10)
+        if self.confirm is None:
+            self.confirm = ConfirmTracker()
+        if not method.nowait:
+            self._send(C.Confirm.SelectOk())
+
+    def m_tx_select(self, method: C.Tx.Select) -> None:
+        if self.confirm is not None:
+            raise AMQPChannelError(PRECONDITION_FAILED, "cannot switch from confirm to tx mode", 90, 10)
+        if self.tx is None:
+            self.tx = []
+        self._send(C.Tx.SelectOk())
+
+    def m_tx_commit(self, method: C.Tx.Commit) -> None:
+        if self.tx is None:
+            raise AMQPChannelError(PRECONDITION_FAILED, "channel is not transactional", 90, 20)
+        pending = self.tx
+        self.tx = None
+        try:
+            for ev in pending:
+                cls = ev.__class__
+                if cls is E.Publish:
+                    self.publish(ev)
+                elif cls is E.Ack:
+                    self.ack(ev.delivery_tag, ev.multiple)
+                elif cls is E.Nack:
+                    self.nack(ev.delivery_tag, ev.multiple, ev.requeue, 60, 120)
+                elif cls is E.Reject:
+                    self.nack(ev.delivery_tag, False, ev.requeue, 60, 90)
+        finally:
+            if self.state == OPEN:
+                self.tx = []
+        self._send(C.Tx.CommitOk())
+
+    def m_tx_rollback(self, method: C.Tx.Rollback) -> None:
+        if self.tx is None:
+            raise AMQPChannelError(PRECONDITION_FAILED, "channel is not transactional", 90, 30)
+        self.tx = []
+        self._send(C.Tx.RollbackOk())
+
+
+_HANDLERS = {
+    C.Channel.Close: Channel.m_channel_close,
+    C.Channel.CloseOk: Channel.m_channel_close_ok,
+    C.Channel.Open: Channel.m_channel_open,
+    C.Channel.Flow: Channel.m_channel_flow,
+    C.Channel.FlowOk: Channel.m_channel_flow_ok,
+    C.Exchange.Declare: Channel.m_exchange_declare,
+    C.Exchange.Delete: Channel.m_exchange_delete,
+    C.Exchange.Bind: Channel.m_exchange_bind,
+    C.Exchange.Unbind: Channel.m_exchange_unbind,
+    C.Queue.Declare: Channel.m_queue_declare,
+    C.Queue.Bind: Channel.m_queue_bind,
+    C.Queue.Unbind: Channel.m_queue_unbind,
+    C.Queue.Delete: Channel.m_queue_delete,
+    C.Queue.Purge: Channel.m_queue_purge,
+    C.Basic.Qos: Channel.m_basic_qos,
+    C.Basic.Consume: Channel.m_basic_consume,
+    C.Basic.Cancel: Channel.m_basic_cancel,
+    C.Basic.Get: Channel.m_basic_get,
+    C.Basic.Recover: Channel.m_basic_recover,
+    C.Basic.RecoverAsync: Channel.m_basic_recover,
+    C.Confirm.Select: Channel.m_confirm_select,
+    C.Tx.Select: Channel.m_tx_select,
+    C.Tx.Commit: Channel.m_tx_commit,
+    C.Tx.Rollback: Channel.m_tx_rollback,
+}

@@ -1,0 +1,561 @@
+"""One AMQP 0-9-1 client connection: handshake, heartbeats, channel 0, output batching.
+
+An asyncio.Protocol around a sans-IO FrameParser. Everything a connection writes
+during one loop turn is collected and written once by the worker's end-of-turn
+callback (``flush_turn``), together with that turn's publisher confirms and the
+CREDIT returned to shards for deliveries written out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import platform
+from typing import TYPE_CHECKING, Any
+
+from pamqp import commands as C
+
+from broker import contract
+from broker.amqp import events as E
+from broker.amqp.constants import (
+    ACCESS_REFUSED,
+    CHANNEL_ERROR,
+    CONNECTION_FORCED,
+    CONNECTION_LEVEL_CODES,
+    FRAME_MIN_SIZE,
+    INTERNAL_ERROR,
+    NOT_ALLOWED,
+    UNEXPECTED_FRAME,
+)
+from broker.amqp.encoder import encode_heartbeat, encode_method, encode_protocol_header
+from broker.amqp.errors import AMQPChannelError, AMQPConnectionError, AMQPError
+from broker.amqp.parser import FrameParser
+from broker.auth import authenticate, check_vhost_access
+from frontend.amqp_channel import CLOSED, OPEN, Channel
+from frontend.replies import reply_text
+
+if TYPE_CHECKING:
+    from frontend.worker import FrontendWorker
+
+log = logging.getLogger("shardmq.frontend")
+
+# Connection states, in handshake order.
+AWAIT_HEADER = 0
+AWAIT_START_OK = 1
+AWAIT_TUNE_OK = 2
+AWAIT_OPEN = 3
+RUNNING = 4
+CLOSING = 5  # we sent connection.close and wait for close-ok
+CLOSED_STATE = 6
+
+_STATE_NAMES = {AWAIT_HEADER: "starting", AWAIT_START_OK: "starting", AWAIT_TUNE_OK: "tuning",
+                AWAIT_OPEN: "opening", RUNNING: "running", CLOSING: "closing", CLOSED_STATE: "closed"}
+
+HANDSHAKE_TIMEOUT = 10.0
+CLOSE_TIMEOUT = 2.0
+BACKLOG_PAUSE = 10_000
+
+_PUBLISH = E.Publish
+_ACK = E.Ack
+_METHOD = E.MethodFrame
+_CREDIT = contract.CREDIT
+
+try:
+    from importlib.metadata import version as _pkg_version
+
+    SERVER_VERSION = _pkg_version("shardmq")
+except Exception:  # pragma: no cover - running from a checkout without metadata
+    SERVER_VERSION = "0.1.0"
+
+
+def server_properties(frontend_index: int) -> dict:
+    return {
+        "product": "ShardMQ",
+        "version": SERVER_VERSION,
+        "platform": f"Python {platform.python_version()}",
+        "information": "https://github.com/shardmq",
+        "capabilities": {
+            "publisher_confirms": True,
+            "exchange_exchange_bindings": True,
+            "basic.nack": True,
+            "consumer_cancel_notify": True,
+            "connection.blocked": True,
+            "authentication_failure_close": True,
+            "per_consumer_qos": True,
+            "consumer_priorities": True,
+            "direct_reply_to": False,
+        },
+        "shardmq_frontend": frontend_index,
+    }
+
+
+def _is_loopback(peer: Any) -> bool:
+    try:
+        host = peer[0] if isinstance(peer, tuple) else None
+        if host is None:
+            return True  # unix socket
+        addr = ipaddress.ip_address(host.split("%", 1)[0])
+        if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+            addr = addr.ipv4_mapped
+        return addr.is_loopback
+    except (ValueError, TypeError, IndexError):
+        return False
+
+
+class AMQPConnection(asyncio.Protocol):
+    def __init__(self, worker: FrontendWorker) -> None:
+        self.worker = worker
+        self.conn_id = worker.new_conn_id()
+        settings = worker.settings
+        self.frame_max = int(settings.get("frame_max", 131072))
+        self.channel_max = int(settings.get("channel_max", 2047))
+        self.heartbeat = int(settings.get("heartbeat", 60))
+        self.parser = FrameParser("server", self.frame_max, int(settings.get("max_message_size", 128 << 20)))
+        self.transport: asyncio.Transport | None = None
+        self.state = AWAIT_HEADER
+        self.vhost = "/"
+        self.user = ""
+        self.peer = None
+        self.channels: dict[int, Channel] = {}
+        self.exclusive_queues: set[str] = set()
+        self.had_exclusive = False
+        self.confirm_shards: set[int] = set()
+        self._out: list[bytes] = []
+        self._dirty = False
+        self._confirm_channels: set[Channel] = set()
+        self._credit: dict[tuple[int, int, str], int] = {}
+        self._write_paused = False
+        self._read_pause: set[str] = set()
+        self._close_after_flush = False
+        self._released = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._close_timer: asyncio.TimerHandle | None = None
+        self._received = False
+        self._wrote = False
+        self._missed = 0
+
+    # ------------------------------------------------------------- transport
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.peer = transport.get_extra_info("peername")
+        self.worker.add_connection(self)
+        self._timer = self.worker.loop.call_later(HANDSHAKE_TIMEOUT, self._handshake_timeout)
+
+    def data_received(self, data: bytes) -> None:
+        self._received = True
+        if self.state == CLOSED_STATE:
+            return
+        try:
+            for ev in self.parser.feed(data):
+                try:
+                    self._dispatch(ev)
+                except AMQPConnectionError as exc:
+                    self.fail(exc.code, exc.text, exc.class_id, exc.method_id)
+                if self.state == CLOSED_STATE:
+                    return
+        except Exception as exc:
+            self.internal_error(exc)
+
+    def eof_received(self) -> bool:
+        return False  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.state not in (CLOSING, CLOSED_STATE) and self.state >= AWAIT_OPEN:
+            log.info("connection %s (%s): client went away%s", self.conn_id, self.peer,
+                     f": {exc}" if exc else "")
+        self.state = CLOSED_STATE
+        self._release()
+        for timer in (self._timer, self._close_timer):
+            if timer is not None:
+                timer.cancel()
+        self._out = []
+        self.worker.remove_connection(self)
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        if self._credit:
+            self._mark_dirty()
+
+    def pause_reading(self, reason: str) -> None:
+        if not self._read_pause and self.transport is not None and not self.transport.is_closing():
+            self.transport.pause_reading()
+        self._read_pause.add(reason)
+
+    def resume_reading(self, reason: str) -> None:
+        if reason in self._read_pause:
+            self._read_pause.discard(reason)
+            if not self._read_pause and self.transport is not None and not self.transport.is_closing():
+                self.transport.resume_reading()
+
+    def backlog_grew(self) -> None:
+        if "backlog" not in self._read_pause:
+            self.pause_reading("backlog")
+
+    def _check_backlog(self) -> None:
+        if "backlog" in self._read_pause and all(len(ch.backlog) < BACKLOG_PAUSE // 2
+                                                 for ch in self.channels.values()):
+            self.resume_reading("backlog")
+
+    # ---------------------------------------------------------------- output
+    def _mark_dirty(self) -> None:
+        if not self._dirty:
+            self._dirty = True
+            self.worker.mark_dirty(self)
+
+    def write(self, data: bytes) -> None:
+        self._out.append(data)
+        if not self._dirty:
+            self._dirty = True
+            self.worker.mark_dirty(self)
+
+    def send_method(self, channel: int, method: Any) -> None:
+        self.write(encode_method(channel, method))
+
+    def confirm_dirty(self, channel: Channel) -> None:
+        self._confirm_channels.add(channel)
+        if not self._dirty:
+            self._dirty = True
+            self.worker.mark_dirty(self)
+
+    def add_credit(self, shard: int, channel: int, tag: str) -> None:
+        key = (shard, channel, tag)
+        credit = self._credit
+        credit[key] = credit.get(key, 0) + 1
+
+    def flush_turn(self) -> None:
+        """End of a loop turn: confirms, then one write, then the credit for what was written."""
+        if self._confirm_channels:
+            chans = self._confirm_channels
+            self._confirm_channels = set()
+            for ch in chans:
+                ch.emit_confirms()
+        out = self._out
+        transport = self.transport
+        if out:
+            self._out = []
+            if transport is not None and not transport.is_closing():
+                transport.write(out[0] if len(out) == 1 else b"".join(out))
+                self._wrote = True
+        if self._credit and not self._write_paused and self.state != CLOSED_STATE:
+            put = self.worker.shard_put
+            conn_id = self.conn_id
+            for (shard, channel, tag), n in self._credit.items():
+                put(shard, [_CREDIT, conn_id, channel, tag, n])
+            self._credit.clear()
+        self._dirty = False
+        if self._close_after_flush and transport is not None:
+            transport.close()
+
+    @staticmethod
+    def reply_text(code: int, text: str) -> str:
+        return reply_text(code, text)
+
+    # --------------------------------------------------------------- dispatch
+    def _dispatch(self, ev: Any) -> None:
+        cls = ev.__class__
+        if self.state == CLOSING and not (cls is _METHOD and ev.channel == 0):
+            return  # after our connection.close only close/close-ok matter
+        if cls is _PUBLISH or cls is _ACK:
+            ch = self.channels.get(ev.channel)
+            if ch is None:
+                self._no_channel(ev)
+            ch.submit(ev)
+            return
+        if cls is _METHOD:
+            if ev.channel == 0:
+                self._connection_method(ev.method)
+                return
+            if self.state != RUNNING:
+                self._unexpected_frame(ev)
+                return
+            ch = self.channels.get(ev.channel)
+            if ch is None:
+                if isinstance(ev.method, C.Channel.Open):
+                    self._open_channel(ev.channel)
+                    return
+                self._no_channel(ev)
+            ch.submit(ev)
+            return
+        if cls is E.ConnectionProtocolError:
+            self.fail(ev.code, ev.text, ev.class_id, ev.method_id)
+            return
+        if cls is E.ProtocolHeaderReceived:
+            self._start()
+            return
+        if cls is E.BadProtocolHeader:
+            self.write(encode_protocol_header())
+            self._close_after_flush = True
+            self.state = CLOSED_STATE
+            return
+        if cls is E.Heartbeat:
+            return
+        ch = self.channels.get(getattr(ev, "channel", 0))
+        if ch is None:
+            self._no_channel(ev)
+        ch.submit(ev)
+
+    def _no_channel(self, ev: Any) -> None:
+        if self.state != RUNNING:
+            self._unexpected_frame(ev)
+        cid, mid = 0, 0
+        method = getattr(ev, "method", None)
+        if method is not None:
+            cid, mid = method.index >> 16, method.index & 0xFFFF
+        elif ev.__class__ is _PUBLISH:
+            cid, mid = 60, 40
+        raise AMQPConnectionError(CHANNEL_ERROR, "expected 'channel.open'", cid, mid)
+
+    def _unexpected_frame(self, ev: Any) -> None:
+        raise AMQPConnectionError(UNEXPECTED_FRAME,
+                                  f"type 1, channel {getattr(ev, 'channel', 0)} before the connection was opened")
+
+    def _open_channel(self, number: int) -> None:
+        if number > self.channel_max or len(self.channels) >= self.channel_max:
+            raise AMQPConnectionError(
+                NOT_ALLOWED,
+                f"number of channels opened ({len(self.channels)}) has reached the negotiated "
+                f"channel_max ({self.channel_max})" if number <= self.channel_max else
+                f"channel number {number} is higher than the negotiated channel_max ({self.channel_max})",
+                20, 10)
+        ch = Channel(self, number)
+        self.channels[number] = ch
+        self.send_method(number, C.Channel.OpenOk())
+
+    def forget_channel(self, ch: Channel) -> None:
+        ch.state = CLOSED
+        if self.channels.get(ch.number) is ch:
+            del self.channels[ch.number]
+        self._confirm_channels.discard(ch)
+
+    # ------------------------------------------------------------- channel 0
+    def _connection_method(self, method: Any) -> None:
+        state = self.state
+        if state == CLOSING:
+            if isinstance(method, C.Connection.CloseOk):
+                self._close_transport()
+            elif isinstance(method, C.Connection.Close):
+                self.send_method(0, C.Connection.CloseOk())
+                self._close_after_flush = True
+            return
+        if isinstance(method, C.Connection.Close):
+            self._release()
+            self.send_method(0, C.Connection.CloseOk())
+            self._close_after_flush = True
+            self.state = CLOSED_STATE
+            return
+        if state == AWAIT_START_OK and isinstance(method, C.Connection.StartOk):
+            self._start_ok(method)
+        elif state == AWAIT_TUNE_OK and isinstance(method, C.Connection.TuneOk):
+            self._tune_ok(method)
+        elif state == AWAIT_OPEN and isinstance(method, C.Connection.Open):
+            self._open(method)
+        elif isinstance(method, C.Connection.Blocked | C.Connection.Unblocked | C.Connection.UpdateSecret):
+            if isinstance(method, C.Connection.UpdateSecret) and state == RUNNING:
+                self.send_method(0, C.Connection.UpdateSecretOk())
+        else:
+            index = method.index
+            raise AMQPConnectionError(
+                CHANNEL_ERROR, f"unexpected method in connection state {_STATE_NAMES[state]}",
+                index >> 16, index & 0xFFFF)
+
+    def _start(self) -> None:
+        self.state = AWAIT_START_OK
+        self.send_method(0, C.Connection.Start(
+            0, 9, server_properties(self.worker.index), "PLAIN AMQPLAIN", "en_US"))
+
+    def _start_ok(self, method: C.Connection.StartOk) -> None:
+        response = method.response
+        if isinstance(response, str):
+            response = response.encode("utf-8", "surrogateescape")
+        loopback_users = self.worker.settings.get("loopback_users")
+        try:
+            self.user = authenticate(self.worker.defs, method.mechanism, response or b"",
+                                     _is_loopback(self.peer),
+                                     tuple(loopback_users) if loopback_users is not None else None)
+        except AMQPError as exc:
+            log.warning("connection %s (%s): authentication failed: %s", self.conn_id, self.peer, exc.text)
+            raise AMQPConnectionError(ACCESS_REFUSED, exc.text, 10, 11) from None
+        self.state = AWAIT_TUNE_OK
+        self.send_method(0, C.Connection.Tune(self.channel_max, self.frame_max, self.heartbeat))
+
+    def _tune_ok(self, method: C.Connection.TuneOk) -> None:
+        # rabbit_reader's validate_negotiated_integer_value: 530 with its wording.
+        frame_max = int(method.frame_max)
+        if frame_max and frame_max < FRAME_MIN_SIZE:
+            raise AMQPConnectionError(
+                NOT_ALLOWED, f"negotiated frame_max = {frame_max} is lower than the minimum allowed value "
+                f"({FRAME_MIN_SIZE})", 10, 30)
+        if frame_max == 0 or frame_max > self.frame_max:
+            detail = " (no limit)" if frame_max == 0 else ""
+            raise AMQPConnectionError(
+                NOT_ALLOWED, f"negotiated frame_max = {frame_max}{detail} is higher than the maximum allowed "
+                f"value ({self.frame_max})", 10, 30)
+        channel_max = int(method.channel_max)
+        if channel_max > self.channel_max:
+            raise AMQPConnectionError(
+                NOT_ALLOWED, f"negotiated channel_max = {channel_max} is higher than the maximum allowed "
+                f"value ({self.channel_max})", 10, 30)
+        if channel_max:
+            self.channel_max = channel_max
+        self.frame_max = frame_max
+        self.parser.frame_max = frame_max
+        self.heartbeat = int(method.heartbeat)
+        self.state = AWAIT_OPEN
+
+    def _open(self, method: C.Connection.Open) -> None:
+        vhost = method.virtual_host or "/"
+        try:
+            check_vhost_access(self.worker.defs, self.user, vhost)
+        except AMQPError as exc:
+            log.warning("connection %s (%s): %s", self.conn_id, self.peer, exc.text)
+            raise AMQPConnectionError(exc.code, exc.text, 10, 40) from None
+        self.vhost = vhost
+        self.state = RUNNING
+        self.send_method(0, C.Connection.OpenOk())
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self.heartbeat:
+            self._missed = 0
+            self._timer = self.worker.loop.call_later(self.heartbeat / 2, self._heartbeat_tick)
+        log.debug("connection %s (%s): user '%s' opened vhost '%s'", self.conn_id, self.peer, self.user, vhost)
+
+    # ------------------------------------------------------------- timers
+    def _handshake_timeout(self) -> None:
+        self._timer = None
+        if self.state < RUNNING and self.transport is not None:
+            log.info("connection %s (%s): handshake timeout", self.conn_id, self.peer)
+            self.transport.abort()
+
+    def _heartbeat_tick(self) -> None:
+        """Every heartbeat/2 s: send one if we were silent; give up after two silent intervals."""
+        if self.state != RUNNING or self.transport is None:
+            self._timer = None
+            return
+        if self._received:
+            self._received = False
+            self._missed = 0
+        else:
+            self._missed += 1
+            if self._missed >= 4:
+                log.warning("connection %s (%s): missed heartbeats from client, timeout: %ds",
+                            self.conn_id, self.peer, self.heartbeat)
+                self._timer = None
+                self.transport.abort()
+                return
+        if not self._wrote:
+            self.write(encode_heartbeat())
+        self._wrote = False
+        self._timer = self.worker.loop.call_later(self.heartbeat / 2, self._heartbeat_tick)
+
+    # ---------------------------------------------------------- node / shards
+    def on_reply(self, ch: Channel, ok: bool, result: Any, on_ok, class_id: int, method_id: int) -> None:
+        if self.state != RUNNING or ch.state != OPEN:
+            return
+        try:
+            try:
+                if ok:
+                    on_ok(result if isinstance(result, dict) else {})
+                else:
+                    ch.reply_error(result, class_id, method_id)
+                ch.reply_done()
+            except AMQPChannelError as exc:
+                if exc.code in CONNECTION_LEVEL_CODES:
+                    raise AMQPConnectionError(exc.code, exc.text, exc.class_id, exc.method_id) from None
+                ch.fail(exc)
+            if self._read_pause:
+                self._check_backlog()
+        except AMQPConnectionError as exc:
+            self.fail(exc.code, exc.text, exc.class_id, exc.method_id)
+        except Exception as exc:
+            self.internal_error(exc)
+
+    def on_deliver(self, shard: int, item: list) -> None:
+        ch = self.channels.get(item[2])
+        if ch is not None:
+            ch.deliver(shard, item)
+
+    def on_confirm(self, channel: int, seqs: list, ok: bool) -> None:
+        ch = self.channels.get(channel)
+        if ch is not None:
+            ch.on_confirm(seqs, ok)
+
+    def on_cancel_notify(self, channel: int, tag: str) -> None:
+        ch = self.channels.get(channel)
+        if ch is not None:
+            ch.cancel_notify(tag)
+
+    def on_close_channel(self, channel: int, code: int, text: str) -> None:
+        ch = self.channels.get(channel)
+        if ch is None or self.state != RUNNING:
+            return
+        if code in CONNECTION_LEVEL_CODES:
+            self.fail(code, text)
+        else:
+            ch.fail(AMQPChannelError(code, text))
+
+    def uses_shard(self, shard: int) -> bool:
+        """Whether a restart of this shard lost state this connection depends on."""
+        for ch in self.channels.values():
+            if any(c.shard == shard for c in ch.consumers.values()):
+                return True
+            if any(ref[0] == shard for ref in ch.tags.unacked.values()):
+                return True
+            if ch.confirm is not None and ch.confirm.unconfirmed and shard in self.confirm_shards:
+                return True
+            if any(item[0] == shard for item in ch.held):
+                return True
+        return False
+
+    # -------------------------------------------------------------- closing
+    def fail(self, code: int, text: str, class_id: int = 0, method_id: int = 0) -> None:
+        """Connection error: connection.close, then only close-ok matters; socket closed after it or 2 s."""
+        if self.state in (CLOSING, CLOSED_STATE):
+            return
+        if code != CONNECTION_FORCED:
+            log.warning("connection %s (%s): closing with %d %s", self.conn_id, self.peer, code, text)
+        self.write(encode_method(0, C.Connection.Close(code, reply_text(code, text), class_id, method_id)))
+        self.state = CLOSING
+        self._release()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._close_timer = self.worker.loop.call_later(CLOSE_TIMEOUT, self._close_transport)
+
+    def internal_error(self, exc: BaseException) -> None:
+        log.error("connection %s (%s): internal error", self.conn_id, self.peer, exc_info=exc)
+        if self.state in (CLOSING, CLOSED_STATE):
+            self._close_transport()
+            return
+        try:
+            self.fail(INTERNAL_ERROR, f"internal error: {exc!r}")
+        except Exception:
+            self._close_transport()
+
+    def _close_transport(self) -> None:
+        self._close_timer = None
+        self._close_after_flush = True
+        self._mark_dirty()
+
+    def _release(self) -> None:
+        """Shards forget this connection's consumers/unacked; the node drops its exclusive queues."""
+        if self._released:
+            return
+        self._released = True
+        worker = self.worker
+        shards: set[int] = set()
+        for ch in self.channels.values():
+            shards |= ch.shards
+            ch.state = CLOSED
+            ch.backlog.clear()
+        shards |= self.confirm_shards
+        for shard in shards:
+            worker.shard_put(shard, [contract.CONNECTION_CLOSED, self.conn_id])
+        self.channels.clear()
+        self._confirm_channels.clear()
+        if self.had_exclusive:
+            worker.node_request("connection.closed", {"owner": [worker.index, self.conn_id]}, None)

@@ -1,0 +1,44 @@
+"""Reply texts and errors as RabbitMQ words them, and msgpack-safe method arguments."""
+
+from __future__ import annotations
+
+import datetime
+import decimal
+from typing import Any
+
+from broker.amqp.constants import CONNECTION_LEVEL_CODES, INTERNAL_ERROR, REPLY_TEXT
+from broker.amqp.errors import AMQPChannelError, AMQPConnectionError, AMQPError
+
+
+def reply_text(code: int, text: str) -> str:
+    """"NOT_FOUND - no queue 'q' in vhost '/'"; texts that already carry the prefix are kept."""
+    prefix = REPLY_TEXT.get(code, "ERROR")
+    if text.startswith(prefix) and text[len(prefix):len(prefix) + 3] == " - ":
+        return text
+    return f"{prefix} - {text}"
+
+
+def error_from_reply(result: Any, class_id: int, method_id: int) -> AMQPError:
+    """The exception for a failed REPLY / REPLY_DATA: result is [code, text, class_id, method_id]."""
+    try:
+        code, text = int(result[0]), str(result[1])
+        if len(result) > 3 and result[2]:
+            class_id, method_id = int(result[2]), int(result[3])
+    except (TypeError, ValueError, IndexError):
+        code, text = INTERNAL_ERROR, f"malformed error reply {result!r}"
+    if code in CONNECTION_LEVEL_CODES:
+        return AMQPConnectionError(code, text, class_id, method_id)
+    return AMQPChannelError(code, text, class_id, method_id)
+
+
+def plain(value: Any) -> Any:
+    """Field-table values msgpack can carry (Decimal -> str, datetime -> epoch seconds)."""
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    if isinstance(value, datetime.datetime):
+        return int(value.timestamp())
+    return value

@@ -1,0 +1,287 @@
+"""The frontend process: node and shard sockets, client connections, per-turn flushing.
+
+One FrontendWorker per process. It holds the local copy of the definitions
+(kept current by DEFS from the node), routes items from shards to the client
+connection they belong to, matches replies to requests, counts data batches in
+flight per shard (back-pressure on publishers) and, once per loop turn, lets
+every connection that produced output write it in one go.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from broker import contract
+from broker.amqp.constants import CONNECTION_FORCED
+from broker.definitions import Definitions
+from broker.zmqio import BatchSocket, make_socket
+from frontend.amqp_connection import AMQPConnection
+
+log = logging.getLogger("shardmq.frontend")
+
+Callback = Callable[[bool, Any], None]
+
+_DELIVER = contract.DELIVER
+_CONFIRM = contract.CONFIRM
+_CONFIRM_NACK = contract.CONFIRM_NACK
+_REPLY_DATA = contract.REPLY_DATA
+_PROCESSED = contract.PROCESSED
+_CANCEL_NOTIFY = contract.CANCEL_NOTIFY
+_CLOSE_CHANNEL = contract.CLOSE_CHANNEL
+_MAX_IN_FLIGHT = contract.MAX_BATCHES_IN_FLIGHT
+
+
+class FrontendWorker:
+    def __init__(self, index: int, run_dir: str, loop: asyncio.AbstractEventLoop,
+                 ctx: zmq.Context | None = None) -> None:
+        self.index = index
+        self.run_dir = run_dir
+        self.loop = loop
+        self.ctx = ctx or zmq.Context.instance()
+        self.ident = contract.worker_id("frontend", index)
+        self.defs = Definitions()
+        self.settings: dict = {}
+        self.shard_count = 0
+        self.epochs: list[int] = []
+        self.shards: list[BatchSocket] = []
+        self._sent: list[int] = []  # last batch_seq flushed per shard
+        self._processed: list[int] = []  # highest batch_seq a shard answered with PROCESSED
+        self.pressure = False  # reading paused on all clients: a shard is behind
+        self.node: BatchSocket | None = None
+        self.server: asyncio.AbstractServer | None = None
+        self.conns: dict[int, AMQPConnection] = {}
+        self._next_conn = 0
+        self._next_req = 0
+        self._node_pending: dict[int, Callback | None] = {}
+        # req_id -> (shard, connection, callback)
+        self._shard_pending: dict[int, tuple[int, AMQPConnection, Callback]] = {}
+        self._dirty: list[AMQPConnection] = []
+        self._turn_scheduled = False
+        self._snapshot: asyncio.Future = loop.create_future()
+        self.stopped = asyncio.Event()
+        self._stopping = False
+
+    # ----------------------------------------------------------------- startup
+    async def start(self) -> None:
+        node_sock = make_socket(self.ctx, zmq.DEALER, self.ident)
+        node_sock.connect(contract.node_address(self.run_dir))
+        self.node = BatchSocket(self.loop, node_sock, self._on_node)
+        self.node.send_now(None, [[contract.HELLO, contract.VERSION, "frontend", self.index, os.getpid()]])
+        version, defs_dict, epochs, settings = await self._snapshot
+        self.settings = settings
+        self.defs = Definitions.from_dict(defs_dict)
+        self.shard_count = int(settings.get("shards", 1))
+        self.epochs = [_epoch_of(epochs, i) for i in range(self.shard_count)]
+        self._sent = [0] * self.shard_count
+        self._processed = [0] * self.shard_count
+        for i in range(self.shard_count):
+            sock = make_socket(self.ctx, zmq.DEALER, self.ident)
+            sock.connect(contract.shard_address(self.run_dir, i))
+            self.shards.append(BatchSocket(self.loop, sock, self._shard_handler(i), self._header_for(i)))
+        self.node.put(None, [contract.APPLIED, version])
+        bind = settings.get("bind") or "0.0.0.0"
+        port = int(settings.get("port", 5672))
+        self.server = await self.loop.create_server(
+            lambda: AMQPConnection(self), host=bind, port=port, reuse_port=True, backlog=1024)
+        log.info("frontend %d (pid %d) listening on %s:%d", self.index, os.getpid(), bind, port)
+
+    def _header_for(self, shard: int) -> Callable[[bytes | None], list]:
+        sent = self._sent
+
+        def header(_dest: bytes | None) -> list:
+            seq = sent[shard] + 1
+            sent[shard] = seq
+            if seq - self._processed[shard] > _MAX_IN_FLIGHT and not self.pressure:
+                self._set_pressure(True)
+            return [self.epochs[shard], seq]
+
+        return header
+
+    # -------------------------------------------------------------- node side
+    def _on_node(self, _ident: bytes | None, _header: Any, items: list) -> None:
+        for item in items:
+            kind = item[0]
+            try:
+                if kind == contract.REPLY:
+                    cb = self._node_pending.pop(item[1], None)
+                    if cb is not None:
+                        cb(item[2], item[3])
+                elif kind == contract.DEFS:
+                    defs = self.defs
+                    for op in item[2]:
+                        defs.apply(op)
+                    self.node.put(None, [contract.APPLIED, item[1]])
+                elif kind == contract.SNAPSHOT:
+                    if not self._snapshot.done():
+                        self._snapshot.set_result(item[1:5])
+                elif kind == contract.SHARD_UP:
+                    self._shard_up(int(item[1]), int(item[2]))
+                elif kind == contract.CLOSE_CONNECTIONS:
+                    vhost, code, text = item[1], item[2], item[3]
+                    for conn in list(self.conns.values()):
+                        if vhost is None or conn.vhost == vhost:
+                            conn.fail(code, text)
+                elif kind == contract.STOP:
+                    self.loop.create_task(self.stop())
+            except Exception:
+                log.exception("frontend %d: failed to handle node item kind %r", self.index, kind)
+
+    def node_request(self, op: str, args: dict, callback: Callback | None) -> None:
+        self._next_req += 1
+        req_id = self._next_req
+        self._node_pending[req_id] = callback
+        self.node.put(None, [contract.REQUEST, req_id, op, args])
+
+    def _shard_up(self, shard: int, epoch: int) -> None:
+        if shard >= self.shard_count or self.epochs[shard] == epoch:
+            return
+        self.epochs[shard] = epoch
+        log.info("frontend %d: shard %d restarted (epoch %d)", self.index, shard, epoch)
+        # Nothing more will come back for batches the old incarnation had.
+        self._processed[shard] = self._sent[shard]
+        self._update_pressure()
+        lost = {conn for (s, conn, _cb) in self._shard_pending.values() if s == shard}
+        self._shard_pending = {k: v for k, v in self._shard_pending.items() if v[0] != shard}
+        for conn in list(self.conns.values()):
+            if conn in lost or conn.uses_shard(shard):
+                conn.fail(CONNECTION_FORCED, f"shard {shard} restarted")
+
+    # ------------------------------------------------------------- shard side
+    def shard_put(self, shard: int, item: list) -> None:
+        self.shards[shard].put(None, item)
+
+    def shard_request(self, shard: int, build: Callable[[int], list], conn: AMQPConnection,
+                      callback: Callback) -> None:
+        self._next_req += 1
+        req_id = self._next_req
+        self._shard_pending[req_id] = (shard, conn, callback)
+        self.shards[shard].put(None, build(req_id))
+
+    def _shard_handler(self, shard: int) -> Callable[[bytes | None, Any, list], None]:
+        return lambda _ident, _header, items: self._on_shard(shard, items)
+
+    def _on_shard(self, shard: int, items: list) -> None:
+        conns = self.conns
+        i = 0
+        n = len(items)
+        while i < n:
+            item = items[i]
+            i += 1
+            try:
+                kind = item[0]
+                if kind == _DELIVER:
+                    conn = conns.get(item[1])
+                    if conn is not None:
+                        conn.on_deliver(shard, item)
+                elif kind == _CONFIRM or kind == _CONFIRM_NACK:
+                    conn = conns.get(item[1])
+                    if conn is not None:
+                        conn.on_confirm(item[2], item[3], kind == _CONFIRM)
+                elif kind == _PROCESSED:
+                    if item[1] > self._processed[shard]:
+                        self._processed[shard] = item[1]
+                        if self.pressure:
+                            self._update_pressure()
+                elif kind == _REPLY_DATA:
+                    pending = self._shard_pending.pop(item[1], None)
+                    if pending is not None:
+                        pending[2](item[2], item[3])
+                elif kind == _CANCEL_NOTIFY:
+                    conn = conns.get(item[1])
+                    if conn is not None:
+                        conn.on_cancel_notify(item[2], item[3])
+                elif kind == _CLOSE_CHANNEL:
+                    conn = conns.get(item[1])
+                    if conn is not None:
+                        conn.on_close_channel(item[2], item[3], item[4])
+            except Exception as exc:
+                conn = conns.get(item[1]) if len(item) > 1 and isinstance(item[1], int) else None
+                if conn is not None and item[0] != _PROCESSED and item[0] != _REPLY_DATA:
+                    conn.internal_error(exc)
+                else:
+                    log.exception("frontend %d: failed to handle shard %d item %r", self.index, shard, item[:1])
+
+    # ---------------------------------------------------------- back-pressure
+    def _set_pressure(self, on: bool) -> None:
+        self.pressure = on
+        for conn in self.conns.values():
+            if on:
+                conn.pause_reading("pressure")
+            else:
+                conn.resume_reading("pressure")
+
+    def _update_pressure(self) -> None:
+        sent = self._sent
+        processed = self._processed
+        behind = any(sent[i] - processed[i] > _MAX_IN_FLIGHT for i in range(self.shard_count))
+        if behind != self.pressure:
+            self._set_pressure(behind)
+
+    # ------------------------------------------------------------ connections
+    def new_conn_id(self) -> int:
+        self._next_conn += 1
+        return self._next_conn
+
+    def add_connection(self, conn: AMQPConnection) -> None:
+        self.conns[conn.conn_id] = conn
+        if self.pressure:
+            conn.pause_reading("pressure")
+        if self._stopping:
+            conn.fail(CONNECTION_FORCED, "broker shutdown")
+
+    def remove_connection(self, conn: AMQPConnection) -> None:
+        self.conns.pop(conn.conn_id, None)
+
+    def mark_dirty(self, conn: AMQPConnection) -> None:
+        self._dirty.append(conn)
+        if not self._turn_scheduled:
+            self._turn_scheduled = True
+            self.loop.call_soon(self._end_of_turn)
+
+    def _end_of_turn(self) -> None:
+        self._turn_scheduled = False
+        dirty = self._dirty
+        self._dirty = []
+        for conn in dirty:
+            try:
+                conn.flush_turn()
+            except Exception as exc:
+                conn.internal_error(exc)
+
+    # ------------------------------------------------------------------ stop
+    async def stop(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        if self.server is not None:
+            self.server.close()
+        for conn in list(self.conns.values()):
+            conn.fail(CONNECTION_FORCED, "broker shutdown")
+        self._end_of_turn()
+        # Give clients a moment to answer close-ok so they see a clean close, not a reset.
+        deadline = self.loop.time() + 1.0
+        while self.conns and self.loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        for conn in list(self.conns.values()):
+            if conn.transport is not None:
+                conn.transport.close()
+        for sock in self.shards:
+            sock.close()
+        if self.node is not None:
+            self.node.close()
+        log.info("frontend %d stopped", self.index)
+        self.stopped.set()
+
+
+def _epoch_of(epochs: Any, index: int) -> int:
+    if isinstance(epochs, dict):
+        return int(epochs.get(index, epochs.get(str(index), 0)))
+    if isinstance(epochs, list | tuple) and index < len(epochs):
+        return int(epochs[index])
+    return 0
