@@ -181,3 +181,32 @@ def list_runs(results_dir: str | os.PathLike[str]) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir() if (p / RUN_FILE).is_file())
+
+
+def broker_rss_bytes(pid: int | None) -> int | None:
+    """Summed RSS of ``pid`` and all its descendants from /proc; None when pid is None or gone."""
+    if pid is None:
+        return None
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = 0
+    seen: set[int] = set()
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        try:
+            with open(f"/proc/{p}/statm") as f:
+                total += int(f.read().split()[1]) * page
+        except (OSError, ValueError, IndexError):
+            if p == pid:
+                return None
+            continue
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except OSError:
+            pass
+    return total
