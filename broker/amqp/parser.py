@@ -60,6 +60,7 @@ from broker.amqp.events import (
 _FRAME_HDR = struct.Struct(">BHI")
 _U32 = struct.Struct(">I")
 _CONTENT_HDR = struct.Struct(">HHQ")
+_HEADER_FRAME = struct.Struct(">BHIHHQ")  # frame header + class, weight, body size
 _TAG_BITS = struct.Struct(">QB")
 _TAG_BIT_LEN = struct.Struct(">QBB")
 
@@ -75,10 +76,6 @@ _CONTENT_METHODS = frozenset({0x003C0028, 0x003C0032, 0x003C003C, 0x003C0047})
 _HEADER = 0
 _BODY = 1
 _SKIP = 2
-# content kinds
-_K_PUBLISH = 0
-_K_DELIVER = 1
-_K_OTHER = 2
 
 _new_tuple = tuple.__new__
 
@@ -88,10 +85,10 @@ class _Content:
 
     __slots__ = ("stage", "kind", "info", "method_id", "props", "remaining", "parts")
 
-    def __init__(self, kind: int, info: tuple, method_id: int) -> None:
+    def __init__(self, kind: type, info: tuple, method_id: int) -> None:
         self.stage = _HEADER
-        self.kind = kind
-        self.info = info  # event fields that precede props_raw and body
+        self.kind = kind  # the event class to emit: Publish, Deliver or ContentMethod
+        self.info = info  # event fields between channel and props_raw
         self.method_id = method_id
         self.props = b""
         self.remaining = 0
@@ -225,6 +222,7 @@ class FrameParser:
     def _frames(self, data: bytes, pos: int, events: list) -> None:
         end = len(data)
         limit = self.frame_max or 0xFFFFFFFF
+        max_size = self.max_message_size
         content = self._content
         emit = events.append
         unpack_hdr = _FRAME_HDR.unpack_from
@@ -253,8 +251,7 @@ class FrameParser:
                     return self._fail(events, FRAME_ERROR, f"method frame of {size} bytes on channel {ch}", 0, 0)
                 index = _U32.unpack_from(data, start)[0]
                 if ch in content:
-                    st = content[ch]
-                    return self._unexpected(events, st, f"got method {index >> 16}.{index & 0xFFFF}")
+                    return self._unexpected(events, content[ch], f"got method {index >> 16}.{index & 0xFFFF}")
                 if index == _PUBLISH:
                     # ticket(2) exchange(shortstr) routing-key(shortstr) bits(1)
                     p = start + 7
@@ -269,24 +266,25 @@ class FrameParser:
                         info = (data[p:q].decode(), data[r:b].decode(), data[b] & 1 == 1, data[b] & 2 == 2)
                     except UnicodeDecodeError:
                         return self._syntax(events, index)
-                    if not ch:
-                        return self._on_channel_zero(events, index)
-                    content[ch] = _Content(_K_PUBLISH, info, 40)
+                    kind = Publish
                 elif index == _ACK:
                     if size != 13:
                         return self._syntax(events, index)
                     tag, bits = _TAG_BITS.unpack_from(data, start + 4)
                     emit(_new_tuple(Ack, (ch, tag, bits & 1 == 1)))
+                    continue
                 elif index == _NACK:
                     if size != 13:
                         return self._syntax(events, index)
                     tag, bits = _TAG_BITS.unpack_from(data, start + 4)
                     emit(_new_tuple(Nack, (ch, tag, bits & 1 == 1, bits & 2 == 2)))
+                    continue
                 elif index == _REJECT:
                     if size != 13:
                         return self._syntax(events, index)
                     tag, bits = _TAG_BITS.unpack_from(data, start + 4)
                     emit(_new_tuple(Reject, (ch, tag, bits & 1 == 1)))
+                    continue
                 elif index == _DELIVER:
                     # consumer-tag(shortstr) delivery-tag(8) redelivered(1) exchange rk
                     p = start + 5
@@ -305,9 +303,7 @@ class FrameParser:
                         info = (data[p:q].decode(), tag, red & 1 == 1, data[e:r].decode(), data[r + 1 : b].decode())
                     except UnicodeDecodeError:
                         return self._syntax(events, index)
-                    if not ch:
-                        return self._on_channel_zero(events, index)
-                    content[ch] = _Content(_K_DELIVER, info, 60)
+                    kind = Deliver
                 else:
                     entry = _METHOD_FIELDS.get(index)
                     if entry is None:
@@ -323,12 +319,36 @@ class FrameParser:
                         method.unmarshal(args)
                     except Exception:
                         return self._syntax(events, index)
-                    if index in _CONTENT_METHODS:
-                        if not ch:
-                            return self._on_channel_zero(events, index)
-                        content[ch] = _Content(_K_OTHER, (method,), index & 0xFFFF)
-                    else:
+                    if index not in _CONTENT_METHODS:
                         emit(MethodFrame(ch, method))
+                        continue
+                    info = (method,)
+                    kind = ContentMethod
+                # a content-bearing method: the message follows in a header and body frames
+                if not ch:
+                    return self._fail(events, CHANNEL_ERROR, "content-bearing method on channel 0",
+                                      index >> 16, index & 0xFFFF)
+                # Fast path: a valid header and one body frame for this channel follow in full. Any
+                # other shape goes frame by frame below, which yields the same events or error.
+                if pos + 19 <= end:
+                    htype, hch, hsize, class_id, weight, body_size = _HEADER_FRAME.unpack_from(data, pos)
+                    hend = pos + 7 + hsize
+                    if (htype == 2 and hch == ch and 14 <= hsize <= limit and hend < end and data[hend] == 0xCE
+                            and class_id == 60 and not weight and body_size <= max_size):
+                        b = hend + 1
+                        if not body_size:
+                            emit(_new_tuple(kind, (ch, *info, data[pos + 19 : hend], b"")))
+                            pos = b
+                            continue
+                        if b + 7 <= end:
+                            btype, bch, bsize = unpack_hdr(data, b)
+                            bend = b + 7 + bsize
+                            if (btype == 3 and bch == ch and bsize == body_size and bsize <= limit and bend < end
+                                    and data[bend] == 0xCE):
+                                emit(_new_tuple(kind, (ch, *info, data[pos + 19 : hend], data[b + 7 : bend])))
+                                pos = bend + 1
+                                continue
+                content[ch] = _Content(kind, info, index & 0xFFFF)
 
             elif ftype == 3:
                 st = content.get(ch)
@@ -362,10 +382,10 @@ class FrameParser:
                     return self._fail(events, UNEXPECTED_FRAME,
                                       f"expected content header for class 60, got one for class {class_id} "
                                       f"(weight {weight}) instead", 60, st.method_id)
-                if body_size > self.max_message_size:
+                if body_size > max_size:
                     emit(ChannelProtocolError(
                         ch, PRECONDITION_FAILED,
-                        f"message size {body_size} is larger than configured max size {self.max_message_size}",
+                        f"message size {body_size} is larger than configured max size {max_size}",
                         60, st.method_id))
                     st.stage = _SKIP
                     st.remaining = body_size
@@ -388,18 +408,11 @@ class FrameParser:
 
     @staticmethod
     def _message(ch: int, st: _Content, body: bytes) -> tuple:
-        if st.kind == _K_PUBLISH:
-            return _new_tuple(Publish, (ch, *st.info, st.props, body))
-        if st.kind == _K_DELIVER:
-            return _new_tuple(Deliver, (ch, *st.info, st.props, body))
-        return ContentMethod(ch, st.info[0], st.props, body)
+        return _new_tuple(st.kind, (ch, *st.info, st.props, body))
 
     def _syntax(self, events: list, index: int) -> None:
         self._fail(events, SYNTAX_ERROR, f"cannot decode arguments of method {index >> 16}.{index & 0xFFFF}",
                    index >> 16, index & 0xFFFF)
-
-    def _on_channel_zero(self, events: list, index: int) -> None:
-        self._fail(events, CHANNEL_ERROR, "content-bearing method on channel 0", index >> 16, index & 0xFFFF)
 
     def _unexpected(self, events: list, st: _Content | None, got: str) -> None:
         if st is None:
