@@ -60,10 +60,12 @@ class Node:
     async def start(self) -> None:
         s = self.settings
         self.datadir.lock()
-        self.defs = self.defstore.load(default_user=s.default_user, default_pass=s.default_pass,
-                                       loopback_users=list(s.loopback_users))
+        self.defs = self.defstore.load(default_user=s.default_user, default_pass=s.default_pass)
+        self.defs.loopback_users = tuple(s.loopback_users)
         self.defs.rebalance(s.shards)
-        self.datadir.remove_stale_queues({(v, q) for v, q in self.defs.durable_queue_names()})
+        # After load only durable queues exist: every other queue directory is left over.
+        self.datadir.remove_stale_queues(
+            {(v.name, q) for v in self.defs.vhosts.values() for q in v.queues})
         ctx = zmq.Context.instance()
         sock = make_socket(ctx, zmq.ROUTER)
         sock.bind(contract.node_address(self.datadir.run_dir))
@@ -73,8 +75,8 @@ class Node:
             await self.sup.spawn(self._worker("shard", i))
         try:
             await asyncio.wait_for(self._shards_ready.wait(), _STARTUP_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            raise RuntimeError("shards did not start within %d s" % _STARTUP_TIMEOUT_S) from None
+        except TimeoutError:
+            raise RuntimeError(f"shards did not start within {_STARTUP_TIMEOUT_S:.0f} s") from None
         for i in range(s.frontends):
             await self.sup.spawn(self._worker("frontend", i))
         log.info("node (pid %d) started %d shards and %d frontends; AMQP on %s:%d; data dir %s",
@@ -100,7 +102,8 @@ class Node:
                     w.proc.send_signal(signal.SIGTERM)
             await self.sup.stop_role(role, timeout)
         await self.loop.run_in_executor(None, self.defstore.sync)
-        self.ctl.close()
+        if self.ctl is not None:
+            self.ctl.close()
         self.datadir.unlock()
         log.info("node stopped")
         self.stopped.set()
@@ -268,7 +271,7 @@ class Node:
         self.ctl.put(ident, [contract.QUERY, qid, "queue_info", {"vhost": vhost, "queue": name}])
         try:
             return await asyncio.wait_for(fut, _QUERY_TIMEOUT_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._queries.pop(qid, None)
             return None
 
@@ -277,9 +280,7 @@ class Node:
         if not ops:
             return
         defs = self.defs
-        for op in ops:
-            defs.apply(op)
-        defs.version += 1
+        defs.apply_all(ops)  # bumps defs.version once per op; every replica does the same
         version = defs.version
         wrote = self.defstore.record(ops)
         self._broadcast(None, [contract.DEFS, version, ops])

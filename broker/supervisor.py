@@ -102,7 +102,7 @@ class Supervisor:
             return
         try:
             await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             for p in procs:
                 if p.returncode is None:
                     log.warning("pid %d did not stop in %.0f s; killing it", p.pid, timeout)

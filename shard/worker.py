@@ -95,8 +95,10 @@ class ShardWorker:
         self.epoch = int(epochs.get(self.index, epochs.get(str(self.index), 0)))
         self.defs = Definitions.from_dict(defs_dict)
         # A restarted shard opens (and recovers) every queue placed on it.
-        for vhost, name in self.defs.queues_on_shard(self.index):
-            self._open_queue(vhost, name)
+        for v in self.defs.vhosts.values():
+            for name, q in v.queues.items():
+                if q.shard == self.index:
+                    self._open_queue(v.name, name)
         self.node.put(None, [contract.APPLIED, version])
         log.info("shard %d (pid %d) ready: %d queues, epoch %d", self.index, os.getpid(),
                  len(self.queues), self.epoch)
