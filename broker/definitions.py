@@ -813,6 +813,39 @@ class Definitions:
         self.apply_all(ops)
         return ops
 
+    # ------------------------------------------------ vhosts, users (management)
+    def plan_vhost_put(self, name: str) -> list[list]:
+        return [] if name in self.vhosts else [["vhost.put", name]]
+
+    def plan_vhost_delete(self, name: str) -> list[list]:
+        """Ops deleting a vhost; frontends should close its connections (CLOSE_CONNECTIONS)."""
+        return [["vhost.delete", name]] if name in self.vhosts else []
+
+    def plan_user_put(self, name: str, password: str | None = None, tags: Sequence[str] = (),
+                      password_hash: str | None = None) -> list[list]:
+        """Create or replace a user from a password (hashed here) or an existing hash."""
+        if password_hash is None:
+            if password is None:
+                raise ValueError("a password or a password_hash is required")
+            from broker.auth import hash_password
+
+            password_hash = hash_password(password)
+        return [["user.put", name, {"password_hash": password_hash, "tags": list(tags)}]]
+
+    def plan_user_delete(self, name: str) -> list[list]:
+        return [["user.delete", name]] if name in self.users else []
+
+    def plan_permission_put(self, user: str, vhost: str, configure: str = ".*", write: str = ".*",
+                            read: str = ".*") -> list[list]:
+        if user not in self.users:
+            raise KeyError(f"no user '{user}'")
+        if vhost not in self.vhosts:
+            raise KeyError(f"no vhost '{vhost}'")
+        return [["permission.put", user, vhost, {"configure": configure, "write": write, "read": read}]]
+
+    def plan_permission_delete(self, user: str, vhost: str) -> list[list]:
+        return [["permission.delete", user, vhost]] if vhost in self.permissions.get(user, {}) else []
+
     def default_user_ops(self, user: str = "guest", password: str = "guest") -> list[list]:
         """Ops creating the default administrator with full permissions on '/'."""
         from broker.auth import hash_password

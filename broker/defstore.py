@@ -159,8 +159,13 @@ class DefStore:
             if f is None:
                 return
             f.flush()
-            fd = f.fileno()
-        os.fsync(fd)
+            # fsync a duplicate outside the lock: record() on the loop must not wait for the disk,
+            # and a concurrent close() must not pull the descriptor from under us.
+            fd = os.dup(f.fileno())
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
         with self._lock:

@@ -440,3 +440,26 @@ def test_to_dict_round_trip_through_json_and_msgpack():
     durable = d.to_dict(durable_only=True)
     assert set(durable["vhosts"][V]["queues"]) == {"q"}
     assert [b[2] for b in durable["vhosts"][V]["bindings"]] == ["q", "q"]
+
+
+def test_management_plans():
+    from broker.auth import authenticate
+
+    d = Definitions()
+    assert d.plan_vhost_put(V) == []
+    d.apply_all(d.plan_vhost_put("v2"))
+    assert d.exchange("v2", "amq.topic").type == "topic"
+    d.apply_all(d.plan_user_put("bob", "pw", ["management"]))
+    assert authenticate(d, "PLAIN", b"\0bob\0pw", True) == "bob"
+    with pytest.raises(KeyError):
+        d.plan_permission_put("nobody", V)
+    with pytest.raises(KeyError):
+        d.plan_permission_put("bob", "missing")
+    d.apply_all(d.plan_permission_put("bob", "v2", read="^r"))
+    assert d.permissions["bob"]["v2"] == {"configure": ".*", "write": ".*", "read": "^r"}
+    d.apply_all(d.plan_permission_delete("bob", "v2"))
+    assert d.plan_permission_delete("bob", "v2") == []
+    d.apply_all(d.plan_vhost_delete("v2"))
+    assert "v2" not in d.vhosts and d.plan_vhost_delete("v2") == []
+    d.apply_all(d.plan_user_delete("bob"))
+    assert "bob" not in d.users and d.plan_user_delete("bob") == []
