@@ -504,15 +504,7 @@ class Channel:
         def build(req_id: int) -> list:
             return [contract.CONSUME, req_id, *item_tail]
 
-        try:
-            self._shard_request(q.shard, build, ok, method)
-        except BaseException:
-            self.consumers.pop(tag, None)
-            raise
-        conn.consumer_shards.add(q.shard)
-
-    def consume_failed(self, tag: str) -> None:
-        self.consumers.pop(tag, None)
+        self._shard_request(q.shard, build, ok, method)
 
     def m_basic_cancel(self, method: C.Basic.Cancel) -> None:
         tag = method.consumer_tag
