@@ -1,0 +1,435 @@
+"""Side-by-side benchmark: the same perf scenarios against a ShardMQ node and a private RabbitMQ.
+
+    shardmq-perf bench [--scenarios a,b] [--repeats 3] [--results-dir DIR] [--shardmq-args "..."]
+    python -m loadtest.bench ...
+
+Starts both brokers on free loopback ports (each in its own temp dir), runs every scenario
+``--repeats`` times against each broker in alternation (ShardMQ, RabbitMQ, ShardMQ, ...) so slow
+drift of the machine hits both alike, by invoking the perf tool once per run
+(``python -m loadtest.cli amqp ...``), then aggregates with the Spark report and writes the table,
+the machine and the command into docs/benchmarks.md. Both brokers are stopped by pid at the end,
+whatever happens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from loadtest.rabbitmq import PrivateRabbitMQ, free_port, package_version
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_DOC = ROOT / "docs" / "benchmarks.md"
+SHARDMQ_BIN = ROOT / ".venv" / "bin" / "shardmq"
+DURATION = "{duration}"  # placeholder in scenario argv, replaced by --duration
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    argv: tuple[str, ...]  # perf tool arguments after `amqp` (subcommand first)
+    measures: str  # what the run's numbers mean, for the doc
+    prefill: tuple[str, ...] = ()  # unmeasured perf run before argv (e.g. fill a backlog)
+    timeout_s: float = 240.0
+
+
+# Every scenario is bounded: throughput runs by --time, count-bounded runs by --time as a cap too.
+SCENARIOS: tuple[Scenario, ...] = (
+    Scenario("1p1c-16b-transient-autoack",
+             ("throughput", "--publishers", "1", "--consumers", "1", "--size", "16", "--time", DURATION),
+             "1 publisher, 1 no-ack consumer, 16 B transient messages, one queue: msgs/s and end-to-end latency"),
+    Scenario("publish-only-16b",
+             ("throughput", "--publishers", "1", "--consumers", "0", "--size", "16", "--time", DURATION),
+             "1 publisher, no consumer, 16 B transient: ingest rate into a growing queue"),
+    Scenario("consume-only-drain-1m",
+             ("throughput", "--publishers", "0", "--consumers", "1", "--queue", "bench-drain",
+              "--cmessages", "1000000", "--time", "120"),
+             "a 1M-message backlog (16 B, filled unmeasured beforehand) drained by 1 no-ack consumer: "
+             "consume msgs/s = 1M / drain time",
+             prefill=("throughput", "--publishers", "1", "--consumers", "0", "--size", "16", "--queue",
+                      "bench-drain", "--pmessages", "1000000", "--time", "120", "--keep")),
+    Scenario("1p1c-1kib-persistent-confirm1000-ack-prefetch1000",
+             ("throughput", "--publishers", "1", "--consumers", "1", "--size", "1024", "--persistent",
+              "--confirm", "1000", "--ack-every", "1", "--prefetch", "1000", "--time", DURATION),
+             "1 KiB persistent messages into a durable queue, publisher confirms (1000 outstanding), "
+             "consumer acks every message with prefetch 1000"),
+    Scenario("4p4c-16b-4queues",
+             ("throughput", "--publishers", "4", "--consumers", "4", "--size", "16", "--queues", "4",
+              "--time", DURATION),
+             "4 publishers and 4 no-ack consumers over 4 queues, 16 B transient"),
+    Scenario("fanout-4queues",
+             ("throughput", "--publishers", "1", "--consumers", "4", "--size", "16", "--queues", "4",
+              "--exchange", "bench-fanout", "--exchange-type", "fanout", "--time", DURATION),
+             "1 publisher to a fanout exchange bound to 4 queues, 1 no-ack consumer per queue "
+             "(consume rate counts every copy)"),
+    Scenario("idle-connections-1000",
+             ("connection-count", "--count", "1000", "--hold", "5"),
+             "1000 idle AMQP connections held 5 s: broker RSS"),
+    Scenario("queues-10000",
+             ("queue-count", "--count", "10000"),
+             "declare 10000 queues: time, declares/s and broker RSS"),
+    Scenario("bindings-per-second",
+             ("bind-churn", "--time", DURATION),
+             "queue.bind + queue.unbind round trips on one channel: bindings/s"),
+)
+BY_NAME = {s.name: s for s in SCENARIOS}
+
+
+# --------------------------------------------------------------------------- brokers
+
+
+class ShardMQNode:
+    """``.venv/bin/shardmq --data-dir TMP --port FREE``; the node pid's tree is the broker."""
+
+    name = "shardmq"
+
+    def __init__(self, extra_args: list[str], start_timeout: float = 60.0) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="bench-shardmq-"))
+        self.port = free_port()
+        self.extra_args = extra_args
+        self.start_timeout = start_timeout
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.version = _git_commit()
+
+    @property
+    def url(self) -> str:
+        return f"amqp://guest:guest@127.0.0.1:{self.port}/%2F"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def start(self) -> ShardMQNode:
+        exe = str(SHARDMQ_BIN) if SHARDMQ_BIN.exists() else shutil.which("shardmq") or "shardmq"
+        cmd = [exe, "--data-dir", str(self.dir / "data"), "--bind", "127.0.0.1", "--port", str(self.port),
+               *self.extra_args]
+        log = open(self.dir / "node.log", "wb")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        log.close()
+        try:
+            _wait_amqp(self.url, self.start_timeout, lambda: self.proc.poll() is None, self.log_tail)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def log_tail(self, n: int = 2000) -> str:
+        try:
+            return (self.dir / "node.log").read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # the node stops its workers, then exits
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.proc = None
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class RabbitMQBroker:
+    name = "rabbitmq"
+
+    def __init__(self) -> None:
+        self.node = PrivateRabbitMQ()
+
+    @property
+    def url(self) -> str:
+        return self.node.url
+
+    @property
+    def pid(self) -> int | None:
+        return self.node.pid
+
+    @property
+    def version(self) -> str | None:
+        return self.node.server_version or package_version()
+
+    def start(self) -> RabbitMQBroker:
+        self.node.start()
+        return self
+
+    def stop(self) -> None:
+        self.node.stop()
+
+
+def _wait_amqp(url: str, timeout: float, alive, log_tail) -> None:  # noqa: ANN001
+    """Ready = an AMQP handshake succeeds (a listening socket alone can precede readiness)."""
+    import pika
+
+    params = pika.URLParameters(url)
+    params.connection_attempts = 1
+    params.socket_timeout = 2
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        if not alive():
+            raise RuntimeError(f"broker exited while starting: {log_tail()}")
+        try:
+            pika.BlockingConnection(params).close()
+            return
+        except Exception as e:  # still starting
+            last = e
+            time.sleep(0.3)
+    raise RuntimeError(f"broker at {url} not ready after {timeout:.0f}s ({last}): {log_tail()}")
+
+
+# --------------------------------------------------------------------------- runs
+
+
+@dataclass
+class RunOutcome:
+    scenario: str
+    broker: str
+    repeat: int
+    ok: bool
+    seconds: float
+    detail: str = ""
+
+
+def scenario_argv(s: Scenario, args: tuple[str, ...], duration: float) -> list[str]:
+    return [f"{duration:g}" if a == DURATION else a for a in args]
+
+
+def perf_command(args: list[str], url: str) -> list[str]:
+    return [sys.executable, "-m", "loadtest.cli", "amqp", args[0], "--uri", url, *args[1:]]
+
+
+def run_perf(cmd: list[str], timeout: float, log: Path) -> tuple[int, str]:
+    with open(log, "ab") as out:
+        out.write(("$ " + shlex.join(cmd) + "\n").encode())
+        out.flush()
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return -1, f"timed out after {timeout:.0f}s"
+    text = log.read_text(errors="replace").splitlines()
+    return proc.returncode, " / ".join(text[-3:])
+
+
+def run_one(s: Scenario, broker, repeat: int, results_dir: Path, duration: float, log: Path) -> RunOutcome:  # noqa: ANN001
+    started = time.monotonic()
+    if s.prefill:
+        scratch = results_dir / "_prefill"
+        cmd = perf_command(scenario_argv(s, s.prefill, duration), broker.url) + [
+            "--json", "--results-dir", str(scratch), "--broker-name", broker.name, "--scenario", s.name + "-prefill"]
+        rc, tail = run_perf(cmd, s.timeout_s, log)
+        if rc != 0:
+            return RunOutcome(s.name, broker.name, repeat, False, time.monotonic() - started, f"prefill: {tail}")
+    cmd = perf_command(scenario_argv(s, s.argv, duration), broker.url) + [
+        "--json", "--results-dir", str(results_dir), "--broker-name", broker.name, "--scenario", s.name]
+    if broker.pid:
+        cmd += ["--broker-pid", str(broker.pid)]
+    rc, tail = run_perf(cmd, s.timeout_s, log)
+    return RunOutcome(s.name, broker.name, repeat, rc == 0, time.monotonic() - started, "" if rc == 0 else tail)
+
+
+# --------------------------------------------------------------------------- machine and doc
+
+
+def _git_commit() -> str | None:
+    out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                         text=True, check=False)
+    return out.stdout.strip() or None
+
+
+def machine_info(rabbitmq_version: str | None = None) -> dict[str, str]:
+    cpu = "unknown"
+    mem = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem = f"{int(line.split()[1]) / 1048576:.1f} GiB"
+                break
+    except OSError:
+        pass
+    return {
+        "nproc": str(os.cpu_count()),
+        "CPU": cpu,
+        "RAM": mem,
+        "kernel": platform.release(),
+        "Python": platform.python_version(),
+        "RabbitMQ": rabbitmq_version or package_version() or "not installed",
+        "ShardMQ commit": _git_commit() or "unknown",
+    }
+
+
+def render_doc(machine: dict[str, str], command: str, table: str | None, when: str | None,
+               failures: list[RunOutcome], results_dir: str | None) -> str:
+    lines = [
+        "# Benchmarks: ShardMQ vs RabbitMQ",
+        "",
+        "Generated by `shardmq-perf bench` (loadtest/bench.py); the table is the Spark report",
+        "(loadtest/report.py) of the runs. Re-running the command below rewrites this file.",
+        "",
+        "## Reproduce",
+        "",
+        "```sh",
+        command,
+        "```",
+        "",
+        "Both brokers run on the same host on free loopback ports, each from an empty temp dir: ShardMQ as",
+        "`.venv/bin/shardmq --data-dir TMP --port FREE`, RabbitMQ as Debian's `rabbitmq-server` with its own",
+        "mnesia/log dirs, node name and epmd. Every scenario runs `--repeats` times per broker, alternating",
+        "ShardMQ, RabbitMQ, ShardMQ, ... Each run is one `python -m loadtest.cli amqp ...` invocation.",
+        "",
+        "## Machine",
+        "",
+        "| | |",
+        "|---|---|",
+    ]
+    lines += [f"| {k} | {v} |" for k, v in machine.items()]
+    lines += ["", "## Scenarios", "", "| scenario | perf tool arguments | measures |", "|---|---|---|"]
+    for s in SCENARIOS:
+        argv = " ".join(s.argv).replace(DURATION, "D")
+        pre = f" (prefill: `{' '.join(s.prefill)}`)" if s.prefill else ""
+        lines.append(f"| {s.name} | `amqp {argv}`{pre} | {s.measures} |")
+    lines += ["", "`D` is `--duration` (seconds, default 15).", "", "## Results", ""]
+    if table:
+        lines += [f"Measured {when}; raw results in `{results_dir}`.", "", table.rstrip(), ""]
+    else:
+        lines += ["**Not yet measured.** No numbers have been recorded on this machine yet; run the command",
+                  "above to fill this section.", ""]
+    if failures:
+        lines += ["### Runs that failed", "", "| scenario | broker | repeat | detail |", "|---|---|---|---|"]
+        lines += [f"| {f.scenario} | {f.broker} | {f.repeat} | {f.detail.replace('|', '/')[:300]} |"
+                  for f in failures]
+        lines.append("")
+    lines += [
+        "## Notes",
+        "",
+        "- Rates are each run's total messages / measured seconds; the table shows the median over runs and",
+        "  (min–max). Latency is end-to-end (publisher stamp to consumer receipt, same host clock),",
+        "  percentiles over all samples of all runs of a scenario.",
+        "- Peak RSS is the summed resident memory of the broker pid and its descendants (perf tool `--broker-pid`): the",
+        "  beam.smp process tree for RabbitMQ, the node process with all its frontends and shards for",
+        "  ShardMQ.",
+        "- Both brokers are idle but running while the other is measured; the perf tool runs on the same",
+        "  cores, so absolute numbers are lower than on a dedicated client host. Compare the ratio.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _report_table(report_md: Path) -> str:
+    """The report's table and its notes, without the plots line (PNGs stay next to the results)."""
+    text = report_md.read_text()
+    return "\n".join(line for line in text.splitlines() if not line.startswith("Plots:")).strip() + "\n"
+
+
+# --------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shardmq-perf bench",
+                                description="Run the benchmark scenarios against ShardMQ and RabbitMQ side by side.")
+    p.add_argument("--scenarios", default=",".join(s.name for s in SCENARIOS),
+                   help="comma-separated scenario names (default: all): " + ", ".join(BY_NAME))
+    p.add_argument("--repeats", type=int, default=3, help="runs per scenario and broker (default 3)")
+    p.add_argument("--results-dir", default=None,
+                   help="where runs are written (default: bench-results/<UTC timestamp>)")
+    p.add_argument("--shardmq-args", default="", help="extra arguments for the shardmq node, one string")
+    p.add_argument("--brokers", default="shardmq,rabbitmq", help="which brokers to run (default: both)")
+    p.add_argument("--duration", type=float, default=15.0, help="seconds per time-bounded run (default 15)")
+    p.add_argument("--master", default="local[*]", help="Spark master for the report")
+    p.add_argument("--doc", default=str(DEFAULT_DOC), help="Markdown file to (re)write; '' to skip")
+    return p
+
+
+def _reproduce_command(argv: list[str]) -> str:
+    return "shardmq-perf bench" + ("" if not argv else " " + shlex.join(argv))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    names = [n.strip() for n in args.scenarios.split(",") if n.strip()]
+    unknown = [n for n in names if n not in BY_NAME]
+    if unknown:
+        print(f"shardmq-perf bench: unknown scenario(s): {', '.join(unknown)}; known: {', '.join(BY_NAME)}",
+              file=sys.stderr)
+        return 2
+    wanted = [b.strip() for b in args.brokers.split(",") if b.strip()]
+    if not wanted or set(wanted) - {"shardmq", "rabbitmq"} or args.repeats < 1:
+        print("shardmq-perf bench: --brokers takes shardmq and/or rabbitmq; --repeats >= 1", file=sys.stderr)
+        return 2
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    results_dir = Path(args.results_dir or Path("bench-results") / stamp).resolve()
+    results_dir.mkdir(parents=True, exist_ok=True)
+    log = results_dir / "bench.log"
+    print(f"results: {results_dir}  (perf output: {log})", file=sys.stderr)
+
+    brokers: list = []
+    outcomes: list[RunOutcome] = []
+    rabbit_version: str | None = None
+    try:
+        for name in wanted:
+            broker = ShardMQNode(shlex.split(args.shardmq_args)) if name == "shardmq" else RabbitMQBroker()
+            print(f"starting {name} ...", file=sys.stderr)
+            brokers.append(broker)
+            broker.start()
+            print(f"  {name} up at {broker.url} (pid {broker.pid}, version {broker.version})", file=sys.stderr)
+            if name == "rabbitmq":
+                rabbit_version = broker.version
+        for name in names:
+            s = BY_NAME[name]
+            for repeat in range(1, args.repeats + 1):
+                for broker in brokers:
+                    outcome = run_one(s, broker, repeat, results_dir, args.duration, log)
+                    outcomes.append(outcome)
+                    status = "ok" if outcome.ok else f"FAILED: {outcome.detail}"
+                    print(f"  {name} #{repeat} {broker.name}: {outcome.seconds:.1f}s {status}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("interrupted; stopping brokers", file=sys.stderr)
+    finally:
+        for broker in reversed(brokers):
+            try:
+                broker.stop()
+            except Exception as e:  # keep stopping the others
+                print(f"stopping {broker.name}: {e}", file=sys.stderr)
+
+    shutil.rmtree(results_dir / "_prefill", ignore_errors=True)
+    failures = [o for o in outcomes if not o.ok]
+    table: str | None = None
+    if any(o.ok for o in outcomes):
+        rc = subprocess.run([sys.executable, "-m", "loadtest.report", str(results_dir), "--master", args.master,
+                             "--out", str(results_dir / "report")], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            check=False).returncode
+        if rc == 0:
+            table = _report_table(results_dir / "report" / "report.md")
+            print(table, end="")
+        else:
+            print(f"shardmq-perf bench: the Spark report failed (exit {rc})", file=sys.stderr)
+    if args.doc:
+        machine = machine_info(rabbit_version)
+        when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+        doc = render_doc(machine, _reproduce_command(argv), table, when, failures, str(results_dir))
+        Path(args.doc).write_text(doc)
+        print(f"wrote {args.doc}", file=sys.stderr)
+    if failures:
+        print(f"{len(failures)} of {len(outcomes)} runs failed", file=sys.stderr)
+    return 0 if outcomes and not failures else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
