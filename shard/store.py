@@ -354,6 +354,8 @@ class QueueStore:
                 if seg is wseg:
                     self._rseg, self._rpos = seg, pos
                     return -1
+                # Read through: unmap it (requeues map it again) so resident memory stays flat.
+                seg.close_map()
                 seg = self._next_seg(seg)
                 pos = DATA_START
                 continue
@@ -383,18 +385,21 @@ class QueueStore:
             # Nothing in it yet (fresh queue, huge first record): just make it bigger.
             old.regrow(size)
             return old
+        # Create first: if that fails (no space, no fds) the store is unchanged and can go on.
+        new = Segment.create(self.path, old.no + 1, size)
         with self._lock:
             meta_fd = old.seal()
             self._sync_fds.append(old.fd)
             self._sync_fds.append(meta_fd)
             old.fd = -1
-            new = Segment.create(self.path, old.no + 1, size)
             self._segs[new.no] = new
             self._wseg = new
             self._wdirty = True
             self._dir_dirty = True
         if old.live == 0:
             self._drop(old)
+        elif old is not self._rseg:
+            old.close_map()  # mapped again when the cursor or a requeue gets to it
         return new
 
     def _open_acks(self, seg: Segment) -> int:
@@ -546,6 +551,7 @@ class QueueStore:
         if seg.used < size:
             os.truncate(seg.path("msgs"), seg.used)
         self._sync_fds.append(seg.write_meta())
+        self._dir_dirty = True
         return seg
 
     def _load_records(self, seg: Segment, raw_acks: set[int], verify: bool, end: int) -> bool:
