@@ -1,0 +1,96 @@
+"""shardmq-perf bench: its scenario table against the perf tool's real parser, the private RabbitMQ
+node's start/stop (for real, when rabbitmq-server is installed) and the benchmarks doc."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from loadtest import bench
+from loadtest.rabbitmq import RABBITMQ_SERVER, PrivateRabbitMQ
+
+
+def _perf_parser():  # noqa: ANN202
+    cli = pytest.importorskip("loadtest.cli")
+    return cli.build_parser()
+
+
+@pytest.mark.parametrize("scenario", bench.SCENARIOS, ids=lambda s: s.name)
+def test_scenario_argv_is_accepted_by_the_perf_tool(scenario: bench.Scenario) -> None:
+    parser = _perf_parser()
+    for argv in filter(None, (scenario.argv, scenario.prefill)):
+        cmd = bench.perf_command(bench.scenario_argv(scenario, argv, 12.0), "amqp://guest:guest@127.0.0.1:1/%2F")
+        cmd += ["--json", "--results-dir", "/nonexistent", "--broker-name", "rabbitmq",
+                "--scenario", scenario.name, "--broker-pid", "1"]
+        assert cmd[1:4] == ["-m", "loadtest.cli", "amqp"]
+        args = parser.parse_args(cmd[3:])  # exits (SystemExit) on an unknown or malformed flag
+        assert args.command == argv[0]
+        assert args.scenario == scenario.name
+        if bench.DURATION in argv:
+            assert args.time_s == 12.0
+        else:
+            assert args.time_s > 0 or args.command in ("queue-count", "connection-count")
+
+
+def test_scenario_names_are_unique_and_match_the_brief() -> None:
+    names = [s.name for s in bench.SCENARIOS]
+    assert len(names) == len(set(names))
+    assert {"1p1c-16b-transient-autoack", "publish-only-16b", "consume-only-drain-1m",
+            "1p1c-1kib-persistent-confirm1000-ack-prefetch1000", "4p4c-16b-4queues", "fanout-4queues",
+            "idle-connections-1000", "queues-10000", "bindings-per-second"} == set(names)
+
+
+def test_unknown_scenario_is_a_usage_error(tmp_path: Path) -> None:
+    assert bench.main(["--scenarios", "nope", "--results-dir", str(tmp_path), "--doc", ""]) == 2
+
+
+def test_doc_without_numbers_says_not_yet_measured() -> None:
+    machine = bench.machine_info("3.10.8")
+    assert machine["nproc"] == str(os.cpu_count())
+    doc = bench.render_doc(machine, "shardmq-perf bench --repeats 3", None, None, [], None)
+    assert "Not yet measured" in doc
+    assert "shardmq-perf bench --repeats 3" in doc
+    assert "| RabbitMQ | 3.10.8 |" in doc
+    for s in bench.SCENARIOS:
+        assert f"| {s.name} |" in doc
+    failure = bench.RunOutcome("queues-10000", "shardmq", 2, False, 1.0, "exit 3 | refused")
+    doc = bench.render_doc(machine, "x", "| table |\n", "now", [failure], "/r")
+    assert "Not yet measured" not in doc
+    assert "| table |" in doc
+    assert "| queues-10000 | shardmq | 2 | exit 3 / refused |" in doc
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is gone for our purposes
+    return "Z" not in Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0]
+
+
+@pytest.mark.skipif(not os.path.exists(RABBITMQ_SERVER), reason="rabbitmq-server not installed")
+def test_private_rabbitmq_starts_on_loopback_and_stops_by_pid() -> None:
+    pika = pytest.importorskip("pika")
+    node = PrivateRabbitMQ(start_timeout=90)
+    try:
+        node.start()
+        assert node.pid is not None
+        assert Path(f"/proc/{node.pid}/comm").read_text().startswith("beam")
+        assert node.server_version
+        conn = pika.BlockingConnection(pika.URLParameters(node.url))
+        ch = conn.channel()
+        ch.queue_declare("bench-smoke")
+        ch.basic_publish("", "bench-smoke", b"hello")
+        method, _, body = next(ch.consume("bench-smoke", auto_ack=True, inactivity_timeout=10))
+        assert body == b"hello"
+        conn.close()
+        beam, epmd, data = node.pid, node._epmd.pid, node.dir
+        assert str(data) in Path(f"/proc/{beam}/environ").read_bytes().decode(errors="replace")
+    finally:
+        node.stop()
+    assert not _alive(beam)
+    assert not _alive(epmd)
+    assert not data.exists()
