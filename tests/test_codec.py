@@ -41,6 +41,7 @@ from broker.amqp.events import (
     Reject,
 )
 from broker.amqp.parser import FrameParser
+from broker.amqp.properties import decode_headers, delivery_mode
 from tests.test_codec_strategies import (
     bodies,
     channels,
@@ -499,3 +500,27 @@ def test_skipped_body_is_still_checked_against_its_declared_size():
     events = server_feed(PUBLISH, raw_frame(2, 1, header_payload(20)), raw_frame(3, 1, b"y" * 21),
                          max_message_size=10)
     assert isinstance(events[1], ChannelProtocolError) and last_error(events)[0] == C.FRAME_ERROR
+
+
+# --------------------------------------------------------------------------- a real client's bytes
+
+@SETTINGS
+@given(channels, exchange_names, routing_keys, st.booleans(), st.binary(max_size=500),
+       st.one_of(st.none(), st.sampled_from([1, 2])), st.lists(st.integers(0, 10**4), max_size=5))
+def test_parses_what_pika_sends(channel, exchange, rk, mandatory, body, mode, cuts):
+    import pika.frame
+    import pika.spec
+
+    props = pika.spec.BasicProperties(content_type="text/plain", delivery_mode=mode, headers={"k": "v"})
+    data = (HDR + pika.frame.Method(0, pika.spec.Connection.TuneOk(2047, 4096, 60)).marshal()
+            + pika.frame.Method(channel, pika.spec.Basic.Publish(exchange=exchange, routing_key=rk,
+                                                                 mandatory=mandatory)).marshal()
+            + pika.frame.Header(channel, len(body), props).marshal())
+    for start in range(0, len(body), 4088):
+        data += pika.frame.Body(channel, body[start : start + 4088]).marshal()
+    events = feed_all(FrameParser(frame_max=4096), split_at(data, cuts))
+    assert isinstance(events[1], MethodFrame) and events[1].method.frame_max == 4096
+    pub = events[2]
+    assert pub[:5] == (channel, exchange, rk, mandatory, False) and pub.body == body and len(events) == 3
+    assert delivery_mode(pub.props_raw) == (mode or 0)
+    assert decode_headers(pub.props_raw) == {"k": "v"}
