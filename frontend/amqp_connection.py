@@ -377,7 +377,6 @@ class AMQPConnection(asyncio.Protocol):
                                      _is_loopback(self.peer),
                                      tuple(loopback_users) if loopback_users is not None else None)
         except AMQPError as exc:
-            log.warning("connection %s (%s): authentication failed: %s", self.conn_id, self.peer, exc.text)
             raise AMQPConnectionError(ACCESS_REFUSED, exc.text, 10, 11) from None
         self.state = AWAIT_TUNE_OK
         self.send_method(0, C.Connection.Tune(self.channel_max, self.frame_max, self.heartbeat))
@@ -411,7 +410,6 @@ class AMQPConnection(asyncio.Protocol):
         try:
             check_vhost_access(self.worker.defs, self.user, vhost)
         except AMQPError as exc:
-            log.warning("connection %s (%s): %s", self.conn_id, self.peer, exc.text)
             raise AMQPConnectionError(exc.code, exc.text, 10, 40) from None
         self.vhost = vhost
         self.state = RUNNING
