@@ -64,6 +64,14 @@ def _write_name_file(path: str, name: str) -> None:
     os.replace(tmp, path)
 
 
+def _all_zero(path: str) -> bool:
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            if chunk.count(0) != len(chunk):
+                return False
+    return True
+
+
 def queue_dir(data_dir: str, vhost: str, name: str) -> str:
     """`<data_dir>/<sha1(vhost)>/<sha1(name)>/`, created, with its `.vhost` and `.queue` name files."""
     vdir = os.path.join(data_dir, _sha1(vhost))
@@ -510,7 +518,7 @@ class QueueStore:
             with open(seg.path("msgs"), "rb") as f:
                 version = VERSION_HEADER.unpack(f.read(DATA_START))[0]
         if version != FORMAT_VERSION:
-            if last and (size < DATA_START or version == 0):
+            if last and (size < DATA_START or (version == 0 and _all_zero(seg.path("msgs")))):
                 # Created but never written (crash right after creation): start it afresh.
                 log.warning("queue %s: empty segment %d reinitialized", self.path, no)
                 for kind in ("acks", "meta"):

@@ -427,3 +427,44 @@ def test_sync_in_thread_while_appending(tmp_path):
     s = QueueStore(path, segment_size=4096)
     assert drain(s) == list(range(1000, 3000))
     s.close()
+
+
+def test_crash_between_seal_and_new_segment(tmp_path):
+    path = str(tmp_path)
+    s = QueueStore(path, segment_size=4096)
+    ids = [add(s, i) for i in range(120)]
+    s.close()
+    last = ids[-1] >> 32
+    assert last == 2
+    # as if the crash hit after segment 1 was truncated but before its meta and segment 2 existed
+    os.unlink(os.path.join(path, file_name("meta", 1)))
+    os.unlink(os.path.join(path, file_name("msgs", 2)))
+    s = QueueStore(path, segment_size=4096)
+    n1 = sum(1 for i in ids if i >> 32 == 1)
+    assert s.ready == n1
+    # segment 1 is the write segment again: extended back to the segment size (sparse)
+    assert os.path.getsize(os.path.join(path, file_name("msgs", 1))) == 4096
+    add(s, 500)
+    s.close()
+    s = QueueStore(path, segment_size=4096)
+    assert drain(s) == [*range(n1), 500]
+    s.close()
+
+
+def test_acks_past_cut_point_are_forgotten(tmp_path):
+    path = str(tmp_path)
+    s = QueueStore(path)
+    ids = [add(s, i) for i in range(5)]
+    for _ in range(5):
+        s.ack(s.shift()[0])
+    s.close()
+    # power loss: the ack file made it to disk, the last two records did not
+    os.truncate(_tail(path), ids[3] & 0xFFFFFFFF)
+    s = QueueStore(path)
+    assert s.ready == 0
+    add(s, 10)  # lands where record 3 was: it must not be taken for acked
+    add(s, 11)
+    s.close()
+    s = QueueStore(path)
+    assert drain(s) == [10, 11]
+    s.close()
