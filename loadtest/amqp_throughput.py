@@ -124,10 +124,12 @@ class _Shared:
         self.results = ctx.Queue()
 
 
-def _worker(kind: str, idx: int, slot: int, opts: ThroughputOptions, sh: _Shared) -> None:
+WorkerFn = Callable[[int, int, Any, "_Shared"], dict[str, Any]]
+
+
+def _worker(kind: str, fn: WorkerFn, idx: int, slot: int, opts: ThroughputOptions, sh: _Shared) -> None:
     base = slot * _SLOTS
     try:
-        fn = _publisher if kind == "publisher" else _consumer
         result = fn(idx, base, opts, sh)
         result.update(kind=kind, idx=idx, error=None)
         sh.counters[base + _STATE] = _STATE_DONE
@@ -462,6 +464,20 @@ def _verify(pub_results: list[dict[str, Any]], con_results: list[dict[str, Any]]
     return VerifyReport(ok, sum(published.values()), unique_total, missing_total, total_dups, unexpected, per)
 
 
+def _verify_fanout(pub_results: list[dict[str, Any]], con_results: list[dict[str, Any]]) -> VerifyReport:
+    """Every consumer must have received every message exactly once (e.g. MQTT subscribers)."""
+    reports = [_verify(pub_results, [r]) for r in con_results]
+    per: dict[int, dict[str, int]] = {}
+    for rep in reports:
+        for p, d in rep.per_publisher.items():
+            acc = per.setdefault(p, {k: 0 for k in d} | {"published": d["published"]})
+            for k in ("received", "missing", "duplicates", "unexpected"):
+                acc[k] += d[k]
+    return VerifyReport(all(r.ok for r in reports), sum(r["published"] for r in pub_results),
+                        sum(r.received_unique for r in reports), sum(r.missing for r in reports),
+                        sum(r.duplicates for r in reports), sum(r.unexpected for r in reports), per)
+
+
 def _merge_latency(con_results: list[dict[str, Any]]) -> tuple[dict[str, int | None], list[tuple[float, int]]]:
     """Summary over all consumers' samples (equalised to the largest stride) + (t, us) samples."""
     parts = [r for r in con_results if r.get("lat_max") is not None]
@@ -501,6 +517,10 @@ class ThroughputRun:
         self.errors: list[str] = []
         self.verify: VerifyReport | None = None
         self.created_queues: list[str] = []
+        # subclasses (MQTT) swap the worker functions; fanout = every consumer gets every message
+        self.publisher_fn: WorkerFn = _publisher
+        self.consumer_fn: WorkerFn = _consumer
+        self.fanout = False
         self.created_exchange = False
 
     # topology -------------------------------------------------------------------------------
@@ -548,7 +568,8 @@ class ThroughputRun:
         sh = _Shared(ctx, len(workers))
         procs = []
         for slot, (kind, idx) in enumerate(workers):
-            p = ctx.Process(target=_worker, args=(kind, idx, slot, o, sh), daemon=True)
+            fn = self.publisher_fn if kind == "publisher" else self.consumer_fn
+            p = ctx.Process(target=_worker, args=(kind, fn, idx, slot, o, sh), daemon=True)
             p.start()
             procs.append(p)
         c = sh.counters
@@ -629,7 +650,8 @@ class ThroughputRun:
                         break
                     if drain_deadline is None:
                         drain_deadline = time.monotonic() + o.drain_timeout_s
-                    if consumed >= published or time.monotonic() > drain_deadline:
+                    expected = published * (o.consumers if self.fanout else 1)
+                    if consumed >= expected or time.monotonic() > drain_deadline:
                         break
             sh.stop_pub.value = sh.stop_con.value = 1
             deadline = time.monotonic() + 15
@@ -656,7 +678,7 @@ class ThroughputRun:
             rates.append((len(rates) + 1, published - last[0], consumed - last[1]))
         latency, samples = _merge_latency(con_r)
         if o.verify and not self.errors:
-            self.verify = _verify(pub_r, con_r)
+            self.verify = _verify_fanout(pub_r, con_r) if self.fanout else _verify(pub_r, con_r)
         return RunResult(
             broker=self.broker, scenario=self.scenario, params=o.params(), started_at=started_at,
             duration_s=duration, published=sum(r["published"] for r in pub_r),

@@ -46,6 +46,7 @@ lines per run (uniformly sampled over all consumed messages)::
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import secrets
@@ -130,7 +131,7 @@ def latency_summary(samples_us: Sequence[int]) -> dict[str, int | None]:
     n = len(s)
 
     def pct(p: float) -> int:
-        return int(s[min(n - 1, max(0, int(round(p / 100.0 * n + 0.5)) - 1))])
+        return int(s[min(n - 1, max(0, math.ceil(p / 100.0 * n) - 1))])
 
     return {"min": int(s[0]), "p50": pct(50), "p95": pct(95), "p99": pct(99), "max": int(s[-1])}
 

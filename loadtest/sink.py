@@ -264,11 +264,16 @@ class SinkConnection:
 class SinkServer:
     """The listening socket plus relay-mode state (queues, bindings, consumers)."""
 
-    def __init__(self, mode: str = "relay", host: str = "127.0.0.1", port: int = 0, flood_size: int = 16) -> None:
+    def __init__(self, mode: str = "relay", host: str = "127.0.0.1", port: int = 0, flood_size: int = 16,
+                 drop_every: int = 0, dup_every: int = 0) -> None:
         if mode not in ("relay", "flood"):
             raise ValueError("mode must be 'relay' or 'flood'")
         self.mode = mode
         self.flood_size = flood_size
+        # fault injection (relay): lose / deliver twice every Nth routed message, to prove --verify fails
+        self.drop_every = drop_every
+        self.dup_every = dup_every
+        self.routed = 0
         self.lsock = socket.create_server((host, port), backlog=1024)
         self.port = self.lsock.getsockname()[1]
         self.lock = threading.Lock()
@@ -309,6 +314,11 @@ class SinkServer:
     def route(self, exchange: str, rk: str, props: bytes, body: bytes) -> None:
         with self.lock:
             targets = [rk] if exchange == "" else sorted(self.bindings.get((exchange, rk), ()))
+            self.routed += 1
+            if self.drop_every and self.routed % self.drop_every == 0:
+                return
+            if self.dup_every and self.routed % self.dup_every == 0:
+                targets = targets * 2
             for q in targets:
                 if q not in self.queues:
                     continue
@@ -364,9 +374,9 @@ class SinkServer:
             sock.close()
 
 
-def _sink_main(mode: str, flood_size: int, conn: Any) -> None:
+def _sink_main(mode: str, flood_size: int, faults: dict[str, int], conn: Any) -> None:
     os.setpgid(0, 0)  # own process group, so stop() ends the forked connection processes too
-    server = SinkServer(mode, flood_size=flood_size)
+    server = SinkServer(mode, flood_size=flood_size, **faults)
     conn.send(server.port)
     conn.close()
     server.serve_forever()
@@ -375,9 +385,10 @@ def _sink_main(mode: str, flood_size: int, conn: Any) -> None:
 class SinkProcess:
     """A sink server in its own process (start() -> port; stop() ends it and its children)."""
 
-    def __init__(self, mode: str = "relay", flood_size: int = 16) -> None:
+    def __init__(self, mode: str = "relay", flood_size: int = 16, drop_every: int = 0, dup_every: int = 0) -> None:
         self.mode = mode
         self.flood_size = flood_size
+        self.faults = {"drop_every": drop_every, "dup_every": dup_every}
         self.proc: multiprocessing.process.BaseProcess | None = None
         self.port = 0
 
@@ -388,7 +399,7 @@ class SinkProcess:
     def start(self) -> SinkProcess:
         ctx = multiprocessing.get_context("fork")
         parent, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_sink_main, args=(self.mode, self.flood_size, child), daemon=False)
+        self.proc = ctx.Process(target=_sink_main, args=(self.mode, self.flood_size, self.faults, child), daemon=False)
         self.proc.start()
         child.close()
         if not parent.poll(10):

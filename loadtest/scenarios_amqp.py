@@ -1,0 +1,186 @@
+"""AMQP scenarios other than throughput: queue-count, connection-count, bind-churn, connection-churn.
+
+Each returns a RunResult whose ``extra`` holds the scenario's own measurements; everything it
+declares is deleted again (unless --keep), and every loop is bounded by a count or -z seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import resource
+import time
+from collections.abc import Callable
+from typing import Any
+
+from pamqp import commands
+
+from loadtest.amqp_client import AMQPClient, AMQPClosed
+from loadtest.results import RunResult, now_iso
+
+RssFn = Callable[[], int | None]
+
+
+def _raise_nofile(want: int) -> None:
+    """Idle-connection counts need file descriptors: lift the soft limit toward the hard one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
+def _result(args: argparse.Namespace, broker: str, scenario: str, started_at: str, duration: float,
+            extra: dict[str, Any], rss: int | None, rates: list[tuple[int, int, int]] | None = None) -> RunResult:
+    params = {k: v for k, v in vars(args).items() if k not in ("json", "results_dir", "broker_name", "scenario")}
+    return RunResult(broker=broker, scenario=scenario, params=params, started_at=started_at,
+                     duration_s=duration, broker_rss_bytes=rss, extra=extra, rates=rates or [])
+
+
+def queue_count(args: argparse.Namespace, *, broker: str, scenario: str, broker_rss: RssFn) -> RunResult:
+    """Declare ``--count`` queues, pipelined in batches of 500, and report time and RSS growth."""
+    n = args.count
+    names = [f"{args.queue}-{i}" for i in range(n)]
+    started_at = now_iso()
+    with AMQPClient(args.uri).connect() as c:
+        rss_before = broker_rss()
+        t0 = time.monotonic()
+        created: list[str] = []
+        deadline = t0 + (args.time_s or 600)
+        try:
+            for start in range(0, n, 500):
+                chunk = names[start : start + 500]
+                c.send(b"".join(_encode(commands.Queue.Declare(queue=q, durable=args.durable)) for q in chunk))
+                for q in chunk:
+                    c._wait_method(1, commands.Queue.DeclareOk)
+                    created.append(q)
+                if time.monotonic() > deadline:
+                    break
+            declare_s = time.monotonic() - t0
+            rss_after = broker_rss()
+        finally:
+            if not args.keep:
+                for start in range(0, len(created), 500):
+                    chunk = created[start : start + 500]
+                    c.send(b"".join(_encode(commands.Queue.Delete(queue=q)) for q in chunk))
+                    for _ in chunk:
+                        c._wait_method(1, commands.Queue.DeleteOk)
+    extra = {"queues": len(created), "declare_s": round(declare_s, 4),
+             "declares_per_s": round(len(created) / declare_s, 1) if declare_s else None,
+             "rss_before_bytes": rss_before, "rss_after_bytes": rss_after,
+             "rss_per_queue_bytes": (rss_after - rss_before) // len(created)
+             if rss_before is not None and rss_after is not None and created else None}
+    return _result(args, broker, scenario, started_at, declare_s, extra, rss_after)
+
+
+def _encode(method: Any, channel: int = 1) -> bytes:
+    from broker.amqp import encoder
+
+    return encoder.encode_method(channel, method)
+
+
+def connection_count(args: argparse.Namespace, *, broker: str, scenario: str, broker_rss: RssFn) -> RunResult:
+    """Open ``--count`` idle connections (handshake + channel), report RSS, hold, close them all."""
+    _raise_nofile(args.count + 256)
+    started_at = now_iso()
+    conns: list[AMQPClient] = []
+    rss_before = broker_rss()
+    t0 = time.monotonic()
+    deadline = t0 + (args.time_s or 600)
+    try:
+        for _ in range(args.count):
+            conns.append(AMQPClient(args.uri).connect())
+            if time.monotonic() > deadline:
+                break
+        open_s = time.monotonic() - t0
+        time.sleep(min(args.hold, args.time_s or args.hold))
+        rss_after = broker_rss()
+    finally:
+        for c in conns:
+            try:
+                c.close()
+            except OSError:
+                pass
+    extra = {"connections": len(conns), "open_s": round(open_s, 4),
+             "connections_per_s": round(len(conns) / open_s, 1) if open_s else None,
+             "rss_before_bytes": rss_before, "rss_after_bytes": rss_after,
+             "rss_per_connection_bytes": (rss_after - rss_before) // len(conns)
+             if rss_before is not None and rss_after is not None and conns else None}
+    return _result(args, broker, scenario, started_at, open_s, extra, rss_after)
+
+
+def bind_churn(args: argparse.Namespace, *, broker: str, scenario: str, broker_rss: RssFn) -> RunResult:
+    """Synchronous queue.bind + queue.unbind pairs with fresh keys for -z seconds (default 10)."""
+    duration = args.time_s or 10.0
+    started_at = now_iso()
+    rates: list[tuple[int, int, int]] = []
+    with AMQPClient(args.uri).connect() as c:
+        existed = c.queue_exists(args.queue)
+        c.exchange_declare(args.exchange, "direct")
+        c.queue_declare(args.queue)
+        try:
+            t0 = time.monotonic()
+            pairs = 0
+            last = 0
+            tick = 1
+            while (el := time.monotonic() - t0) < duration:
+                key = f"k{pairs}"
+                c.queue_bind(args.queue, args.exchange, key)
+                c.queue_unbind(args.queue, args.exchange, key)
+                pairs += 1
+                if el >= tick:
+                    rates.append((tick, pairs - last, 0))
+                    last, tick = pairs, tick + 1
+            took = time.monotonic() - t0
+        finally:
+            c.exchange_delete(args.exchange)
+            if not existed:
+                c.queue_delete(args.queue)
+        rss = broker_rss()
+    extra = {"bind_unbind_pairs": pairs, "pairs_per_s": round(pairs / took, 1)}
+    return _result(args, broker, scenario, started_at, took, extra, rss, rates)
+
+
+def _churn_worker(uri: str, duration: float, counter: Any, errors: Any) -> None:
+    t0 = time.monotonic()
+    n = 0
+    while time.monotonic() - t0 < duration:
+        try:
+            AMQPClient(uri).connect().close()
+            n += 1
+            counter.value = n
+        except (AMQPClosed, OSError):
+            errors.value += 1
+            time.sleep(0.01)
+
+
+def connection_churn(args: argparse.Namespace, *, broker: str, scenario: str, broker_rss: RssFn) -> RunResult:
+    """Connections opened (full handshake + channel.open) and closed per second, in -x processes."""
+    duration = args.time_s or 10.0
+    ctx = multiprocessing.get_context("fork")
+    counters = [ctx.RawValue("q", 0) for _ in range(args.parallel)]
+    errs = [ctx.RawValue("q", 0) for _ in range(args.parallel)]
+    started_at = now_iso()
+    procs = [ctx.Process(target=_churn_worker, args=(args.uri, duration, counters[i], errs[i]), daemon=True)
+             for i in range(args.parallel)]
+    t0 = time.monotonic()
+    for p in procs:
+        p.start()
+    rates: list[tuple[int, int, int]] = []
+    last = 0
+    tick = 1
+    while any(p.is_alive() for p in procs):
+        time.sleep(0.05)
+        if time.monotonic() - t0 >= tick:
+            now = sum(c.value for c in counters)
+            rates.append((tick, now - last, 0))
+            last, tick = now, tick + 1
+        if time.monotonic() - t0 > duration + 30:
+            for p in procs:
+                p.terminate()
+    for p in procs:
+        p.join()
+    took = time.monotonic() - t0
+    total = sum(c.value for c in counters)
+    extra = {"connections": total, "connections_per_s": round(total / took, 1),
+             "errors": sum(e.value for e in errs)}
+    return _result(args, broker, scenario, started_at, took, extra, broker_rss(), rates)
