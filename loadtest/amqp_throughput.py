@@ -77,7 +77,8 @@ class ThroughputOptions:
     time_s: float = 0.0  # 0 = none (a default of 10 s applies when no count limit is set either)
     verify: bool = False
     keep: bool = False
-    drain_timeout_s: float = 10.0
+    drain_timeout_s: float = 10.0  # after publishers finish, wait at most this long for consumers...
+    drain_idle_s: float = 2.0  # ...and stop early once they receive nothing for this long
 
     def validate(self) -> None:
         if self.publishers < 0 or self.consumers < 0 or self.publishers + self.consumers == 0:
@@ -271,7 +272,8 @@ def _consumer(idx: int, base: int, o: ThroughputOptions, sh: _Shared) -> dict[st
         client.basic_consume(queue, no_ack=no_ack, consumer_tag=f"perf-{os.getpid()}-{idx}")
         return _consume_loop(client, base, o, sh, no_ack)
     finally:
-        client.close()
+        # close-ok queues behind deliveries still in flight; a consumer loses nothing by not waiting
+        client.close(timeout=0.5)
 
 
 def _consume_loop(client: AMQPClient, base: int, o: ThroughputOptions, sh: _Shared,
@@ -614,6 +616,7 @@ class ThroughputRun:
             next_tick = 1
             next_progress = 0.0
             drain_deadline: float | None = None
+            drain_seen = (0, 0.0)  # (consumed, when it last changed) while draining
             pub_stop_at: float | None = None
             while True:
                 time.sleep(0.05)
@@ -634,6 +637,8 @@ class ThroughputRun:
                     break
                 if o.time_s and el >= o.time_s and not sh.stop_pub.value:
                     sh.stop_pub.value = 1
+                    if not (o.verify or o.cmessages):
+                        sh.stop_con.value = 1  # count consumption over the same window as publishing
                 pubs_done = all(s != _STATE_READY for s in pst)
                 cons_done = all(s != _STATE_READY for s in cst)
                 if pubs_done and pub_stop_at is None:
@@ -648,10 +653,15 @@ class ThroughputRun:
                     # drain only when the counts matter (verify / cmessages); otherwise stop now
                     if not (o.verify or o.cmessages) or not o.consumers:
                         break
+                    now_s = time.monotonic()
                     if drain_deadline is None:
-                        drain_deadline = time.monotonic() + o.drain_timeout_s
+                        drain_deadline = now_s + o.drain_timeout_s
+                        drain_seen = (consumed, now_s)
+                    if consumed != drain_seen[0]:
+                        drain_seen = (consumed, now_s)
                     expected = published * (o.consumers if self.fanout else 1)
-                    if consumed >= expected or time.monotonic() > drain_deadline:
+                    if (consumed >= expected or now_s > drain_deadline
+                            or now_s - drain_seen[1] > o.drain_idle_s):
                         break
             sh.stop_pub.value = sh.stop_con.value = 1
             deadline = time.monotonic() + 15
