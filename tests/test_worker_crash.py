@@ -1,0 +1,283 @@
+"""kill -9 of one worker process under load: the node restarts it, clients see a clean close, nothing
+confirmed is lost.
+
+Bodies carry a unique id so the queue's content after the crash can be checked against the
+publisher's record of confirmed messages (duplicates of unconfirmed ones are allowed).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pika
+import pika.exceptions
+import pytest
+
+from broker.definitions import queue_shard
+from tests.harness import Node
+
+PERSISTENT = pika.BasicProperties(delivery_mode=2)
+CLOSE_BOUND_S = 10.0  # a client must learn of the crash within this; a hang would exceed it
+
+
+def name_on_shard(prefix: str, shard: int, shards: int) -> str:
+    for i in range(1000):
+        name = f"{prefix}-{i}"
+        if queue_shard("/", name, shards) == shard:
+            return name
+    raise AssertionError("no name found")
+
+
+def connect_retry(node: Node, timeout: float = 15.0) -> pika.BlockingConnection:
+    """Connect, retrying while a restarted frontend is not listening yet."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return node.connect(socket_timeout=2, stack_timeout=3)
+        except pika.exceptions.AMQPConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def drain_ids(node: Node, queue: str) -> list[bytes]:
+    conn = connect_retry(node)
+    ch = conn.channel()
+    out = []
+    while True:
+        method, _p, body = ch.basic_get(queue, auto_ack=True)
+        if method is None:
+            break
+        out.append(body)
+    conn.close()
+    return out
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+class ConfirmPublisher(threading.Thread):
+    """Publishes persistent, uniquely numbered messages in confirm mode until stopped.
+
+    pika's basic_publish returns only after the broker's ack, so ``confirmed`` is exactly the set
+    of messages the broker promised to keep. A connection error is recorded with its time, then
+    the publisher reconnects and goes on.
+    """
+
+    def __init__(self, node: Node, queue: str) -> None:
+        super().__init__(daemon=True)
+        self.node = node
+        self.queue = queue
+        self.confirmed: list[bytes] = []
+        self.errors: list[tuple[float, Exception]] = []
+        self.confirmed_after_error = 0
+        self.stop = threading.Event()
+        self.crashed: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # surfaced by the test
+            self.crashed = exc
+
+    def _loop(self) -> None:
+        seq = 0
+        conn = None
+        while not self.stop.is_set():
+            if conn is None or not conn.is_open:
+                conn = connect_retry(self.node)
+                ch = conn.channel()
+                ch.confirm_delivery()
+            body = b"id-%07d" % seq
+            seq += 1
+            try:
+                ch.basic_publish("", self.queue, body, PERSISTENT)
+            except (pika.exceptions.AMQPError, OSError) as exc:
+                self.errors.append((time.monotonic(), exc))
+                try:
+                    if conn.is_open:
+                        conn.close()
+                except Exception:
+                    pass
+                conn = None
+                continue
+            self.confirmed.append(body)
+            if self.errors:
+                self.confirmed_after_error += 1
+        if conn is not None and conn.is_open:
+            conn.close()
+
+
+def _publish_through_kill(node: Node, queue: str, role: str, index: int) -> ConfirmPublisher:
+    pub = ConfirmPublisher(node, queue)
+    pub.start()
+    try:
+        wait_until(lambda: len(pub.confirmed) >= 200 or pub.crashed, 20, "200 confirms")
+        killed_at = time.monotonic()
+        old = node.kill_worker(role, index)
+        wait_until(lambda: pub.errors or pub.crashed, CLOSE_BOUND_S, "the publisher to see the crash")
+        assert pub.errors[0][0] - killed_at < CLOSE_BOUND_S
+        node.wait_worker_restarted(role, index, old)
+        wait_until(lambda: pub.confirmed_after_error >= 50 or pub.crashed, 20, "confirms after reconnect")
+    finally:
+        pub.stop.set()
+        pub.join(10)
+    assert pub.crashed is None, repr(pub.crashed)
+    assert not pub.is_alive()
+    return pub
+
+
+def test_kill_shard_during_confirmed_publishing_loses_nothing_confirmed(node_factory):
+    node = node_factory(frontends=1, shards=2)
+    queue = name_on_shard("pubq", 1, 2)
+    conn = node.connect()
+    conn.channel().queue_declare(queue, durable=True)
+    conn.close()
+    pub = _publish_through_kill(node, queue, "shard", 1)
+    first = pub.errors[0][1]
+    # A clean close by the frontend, not a reset: connection.close 320 CONNECTION_FORCED.
+    assert isinstance(first, pika.exceptions.ConnectionClosedByBroker), repr(first)
+    assert first.reply_code == 320
+    stored = drain_ids(node, queue)
+    missing = set(pub.confirmed) - set(stored)
+    assert not missing, f"{len(missing)} confirmed messages lost, e.g. {sorted(missing)[:5]}"
+
+
+def test_kill_frontend_during_confirmed_publishing_loses_nothing_confirmed(node_factory):
+    node = node_factory(frontends=1, shards=2)
+    queue = "feq"
+    conn = node.connect()
+    conn.channel().queue_declare(queue, durable=True)
+    conn.close()
+    pub = _publish_through_kill(node, queue, "frontend", 0)
+    assert isinstance(pub.errors[0][1], pika.exceptions.AMQPConnectionError), repr(pub.errors[0][1])
+    stored = drain_ids(node, queue)
+    missing = set(pub.confirmed) - set(stored)
+    assert not missing, f"{len(missing)} confirmed messages lost, e.g. {sorted(missing)[:5]}"
+
+
+def _publish_n(node: Node, queue: str, n: int) -> list[bytes]:
+    conn = node.connect()
+    ch = conn.channel()
+    ch.queue_declare(queue, durable=True)
+    ch.confirm_delivery()
+    bodies = [b"id-%07d" % i for i in range(n)]
+    for body in bodies:
+        ch.basic_publish("", queue, body, PERSISTENT)
+    conn.close()
+    return bodies
+
+
+def test_kill_shard_during_consumption(node_factory):
+    node = node_factory(frontends=1, shards=2)
+    queue = name_on_shard("consq", 0, 2)
+    bodies = _publish_n(node, queue, 400)
+    conn = node.connect()
+    ch = conn.channel()
+    ch.basic_qos(prefetch_count=50)
+    acked: list[bytes] = []
+    killed: list[tuple[int, float]] = []
+
+    def on_message(c, method, _props, body):
+        c.basic_ack(method.delivery_tag)
+        acked.append(body)
+        if len(acked) == 150 and not killed:
+            killed.append((node.kill_worker("shard", 0), time.monotonic()))
+
+    ch.basic_consume(queue, on_message)
+    deadline = time.monotonic() + 20
+    with pytest.raises(pika.exceptions.ConnectionClosedByBroker) as info:
+        while time.monotonic() < deadline:
+            conn.process_data_events(time_limit=0.05)
+    assert info.value.reply_code == 320
+    assert killed and time.monotonic() - killed[0][1] < CLOSE_BOUND_S
+    node.wait_worker_restarted("shard", 0, killed[0][0])
+
+    rest = drain_ids(node, queue)
+    # Nothing is lost; acks the dead shard had not applied may come back (at-least-once).
+    assert set(acked) | set(rest) == set(bodies)
+    assert len(rest) >= len(bodies) - len(acked)
+    assert len(rest) <= len(bodies) - 150 + 50 + 1  # at most the acks of one prefetch window were in flight
+
+
+def test_kill_frontend_requeues_unacked_and_drops_exclusive_queues(node_factory):
+    node = node_factory(frontends=1, shards=2)
+    bodies = _publish_n(node, "unackedq", 100)
+    conn = node.connect()
+    ch = conn.channel()
+    ch.queue_declare("excl", exclusive=True)
+    ch.basic_qos(prefetch_count=30)
+    got: list[bytes] = []
+    ch.basic_consume("unackedq", lambda _c, _m, _p, b: got.append(b))
+    deadline = time.monotonic() + 10
+    while len(got) < 30 and time.monotonic() < deadline:
+        conn.process_data_events(time_limit=0.05)
+    assert got == bodies[:30]
+
+    old = node.kill_worker("frontend", 0)
+    killed_at = time.monotonic()
+    with pytest.raises(pika.exceptions.AMQPConnectionError):
+        while time.monotonic() - killed_at < 20:
+            conn.process_data_events(time_limit=0.05)
+    assert time.monotonic() - killed_at < CLOSE_BOUND_S
+    node.wait_worker_restarted("frontend", 0, old)
+
+    conn = connect_retry(node)
+    ch = conn.channel()
+    # The shard requeued the dead frontend's unacked messages; the node deleted its exclusive queue.
+    wait_until(lambda: ch.queue_declare("unackedq", passive=True).method.message_count == 100, 10,
+               "unacked messages to be ready again")
+    with pytest.raises(pika.exceptions.ChannelClosedByBroker) as info:
+        ch.queue_declare("excl", passive=True)
+    assert info.value.reply_code == 404
+    conn.close()
+    assert sorted(drain_ids(node, "unackedq")) == bodies
+
+
+def test_shard_kill_closes_only_connections_that_used_it(node_factory):
+    node = node_factory(frontends=1, shards=2)
+    qa = name_on_shard("qa", 0, 2)
+    qb = name_on_shard("qb", 1, 2)
+    setup = node.connect()
+    sch = setup.channel()
+    sch.queue_declare(qa, durable=True)
+    sch.queue_declare(qb, durable=True)
+    setup.close()
+
+    a = node.connect()  # consumes from shard 0
+    ach = a.channel()
+    ach.basic_consume(qa, lambda *_: None)
+    b = node.connect()  # consumes from and publishes to shard 1 only
+    bch = b.channel()
+    bgot: list[bytes] = []
+    bch.basic_consume(qb, lambda c, m, _p, body: (bgot.append(body), c.basic_ack(m.delivery_tag)))
+    bpub = b.channel()
+    bpub.confirm_delivery()
+    bpub.basic_publish("", qb, b"before", PERSISTENT)
+    idle = node.connect()  # opened a channel, touched no queue
+    idle_ch = idle.channel()
+
+    old = node.kill_worker("shard", 0)
+    killed_at = time.monotonic()
+    with pytest.raises(pika.exceptions.ConnectionClosedByBroker) as info:
+        while time.monotonic() - killed_at < 20:
+            a.process_data_events(time_limit=0.05)
+    assert info.value.reply_code == 320
+    node.wait_worker_restarted("shard", 0, old)
+
+    # b and idle keep working as if nothing happened.
+    bpub.basic_publish("", qb, b"after", PERSISTENT)
+    deadline = time.monotonic() + 10
+    while len(bgot) < 2 and time.monotonic() < deadline:
+        b.process_data_events(time_limit=0.05)
+    assert bgot == [b"before", b"after"]
+    assert b.is_open
+    idle_ch.queue_declare(qa, passive=True)
+    assert idle.is_open
+    idle.close()
+    b.close()
