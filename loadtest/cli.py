@@ -4,6 +4,7 @@
     shardmq-perf amqp queue-count | connection-count | bind-churn | connection-churn
     shardmq-perf amqp sink-ceiling      (the tool's own ceiling against a built-in fake broker)
     shardmq-perf mqtt throughput
+    shardmq-perf bench ... | report RESULTS_DIR   (loadtest/bench.py, loadtest/report.py)
 
 Exit status: 0 ok, 1 --verify found loss/duplicates, 2 usage error, 3 broker/connection error.
 """
@@ -221,9 +222,10 @@ def cmd_scenario(args: argparse.Namespace) -> int:
 def cmd_mqtt_throughput(args: argparse.Namespace) -> int:
     from loadtest import mqtt_throughput
 
-    result, verify, errors = mqtt_throughput.run(
-        args, broker=args.broker_name, scenario=args.scenario or "mqtt-throughput",
-        broker_rss=lambda: broker_rss_bytes(args.broker_pid))
+    with Progress(not args.json and sys.stdout.isatty()) as progress:
+        result, verify, errors = mqtt_throughput.run(
+            args, broker=args.broker_name, scenario=args.scenario or "mqtt-throughput",
+            broker_rss=lambda: broker_rss_bytes(args.broker_pid), progress=progress.update)
     from loadtest.amqp_throughput import print_human
 
     extra: dict[str, Any] = {}
@@ -242,6 +244,11 @@ def cmd_mqtt_throughput(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     from loadtest.amqp_client import AMQPClosed
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["bench"], ["report"]):  # the side-by-side bench and the Spark report (loadtest/)
+        import importlib
+
+        return int(importlib.import_module(f"loadtest.{argv[0]}").main(argv[1:]) or 0)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

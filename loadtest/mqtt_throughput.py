@@ -385,10 +385,11 @@ class MQTTThroughputRun(ThroughputRun):
 
 
 def run(args: argparse.Namespace, *, broker: str, scenario: str,
-        broker_rss: Callable[[], int | None]) -> tuple[RunResult, VerifyReport | None, list[str]]:
+        broker_rss: Callable[[], int | None],
+        progress: Callable[[dict[str, Any]], None] | None = None) -> tuple[RunResult, VerifyReport | None, list[str]]:
     opts = MQTTOptions(uri=args.uri, publishers=args.publishers, consumers=args.consumers, size=args.size,
                        rate=args.rate, pmessages=args.pmessages, cmessages=args.cmessages,
                        time_s=args.time_s, verify=args.verify, qos=args.qos, topic=args.topic)
-    r = MQTTThroughputRun(opts, broker=broker, scenario=scenario, broker_rss=broker_rss)
+    r = MQTTThroughputRun(opts, broker=broker, scenario=scenario, broker_rss=broker_rss, progress=progress)
     result = r.run()
     return result, r.verify, r.errors
