@@ -23,6 +23,8 @@ from broker import contract
 
 OnBatch = Callable[[bytes | None, Any, list], None]
 
+_BATCHES_PER_TURN = 8
+
 
 def make_socket(ctx: zmq.Context, kind: int, identity: bytes | None = None) -> zmq.Socket:
     sock = ctx.socket(kind)
@@ -42,7 +44,8 @@ def make_socket(ctx: zmq.Context, kind: int, identity: bytes | None = None) -> z
 class BatchSocket:
     """A ROUTER (dest = peer identity) or DEALER (dest = None) with per-turn batching."""
 
-    __slots__ = ("loop", "sock", "on_batch", "is_router", "header_for", "_pending", "_scheduled", "_closed")
+    __slots__ = ("loop", "sock", "on_batch", "is_router", "header_for", "_pending", "_scheduled", "_closed",
+                 "_resume_scheduled")
 
     def __init__(
         self,
@@ -59,6 +62,7 @@ class BatchSocket:
         self._pending: dict[bytes | None, list] = {}
         self._scheduled = False
         self._closed = False
+        self._resume_scheduled = False
         loop.add_reader(sock.getsockopt(zmq.FD), self._on_readable)
         # Messages may already be waiting (the FD only signals edges).
         loop.call_soon(self._on_readable)
@@ -104,7 +108,16 @@ class BatchSocket:
         sock = self.sock
         on_batch = self.on_batch
         is_router = self.is_router
+        # Handle a bounded number of batches per loop turn: a peer that keeps the socket full
+        # (a publish flood) must not starve the callbacks that deliver, flush and return credit.
+        budget = _BATCHES_PER_TURN
         while not self._closed:
+            budget -= 1
+            if budget < 0:
+                if not self._resume_scheduled:
+                    self._resume_scheduled = True
+                    self.loop.call_soon(self._resume)
+                return
             try:
                 if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                     return
@@ -121,6 +134,10 @@ class BatchSocket:
             except ValueError:
                 continue
             on_batch(ident, header, items)
+
+    def _resume(self) -> None:
+        self._resume_scheduled = False
+        self._on_readable()
 
     def close(self) -> None:
         if self._closed:
