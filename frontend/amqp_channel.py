@@ -38,6 +38,9 @@ from frontend.replies import error_from_reply, plain
 if TYPE_CHECKING:
     from frontend.amqp_connection import AMQPConnection
 
+# A client that keeps sending while its channel waits for a reply is paused past this many events.
+BACKLOG_PAUSE = 10_000
+
 OPEN = 1
 CLOSING = 2  # we sent channel.close and wait for close-ok
 CLOSED = 3
@@ -91,9 +94,13 @@ class Channel:
     # ------------------------------------------------------------------ dispatch
     def submit(self, event: Any) -> None:
         if self.state == OPEN:
-            self.backlog.submit(event)
-            if len(self.backlog) > 10_000:
-                self.conn.backlog_grew()
+            backlog = self.backlog
+            if backlog.busy or backlog.events:
+                backlog.events.append(event)
+                if len(backlog.events) > BACKLOG_PAUSE:
+                    self.conn.backlog_grew()
+            else:
+                self.handle(event)
         elif self.state == CLOSING and event.__class__ is E.MethodFrame:
             # After our channel.close only close/close-ok matter (spec 2.2.2 / RabbitMQ).
             method = event.method

@@ -32,7 +32,7 @@ from broker.amqp.encoder import encode_heartbeat, encode_method, encode_protocol
 from broker.amqp.errors import AMQPChannelError, AMQPConnectionError, AMQPError
 from broker.amqp.parser import FrameParser
 from broker.auth import authenticate, check_vhost_access
-from frontend.amqp_channel import CLOSED, OPEN, Channel
+from frontend.amqp_channel import BACKLOG_PAUSE, CLOSED, OPEN, Channel
 from frontend.replies import reply_text
 
 if TYPE_CHECKING:
@@ -54,7 +54,6 @@ _STATE_NAMES = {AWAIT_HEADER: "starting", AWAIT_START_OK: "starting", AWAIT_TUNE
 
 HANDSHAKE_TIMEOUT = 10.0
 CLOSE_TIMEOUT = 2.0
-BACKLOG_PAUSE = 10_000
 
 _PUBLISH = E.Publish
 _ACK = E.Ack
@@ -238,7 +237,10 @@ class AMQPConnection(asyncio.Protocol):
         if out:
             self._out = []
             if transport is not None and not transport.is_closing():
-                transport.write(out[0] if len(out) == 1 else b"".join(out))
+                if len(out) == 1:
+                    transport.write(out[0])
+                else:
+                    transport.writelines(out)
                 self._wrote = True
         if self._credit and not self._write_paused and self.state != CLOSED_STATE:
             put = self.worker.shard_put
