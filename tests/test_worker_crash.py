@@ -14,10 +14,13 @@ import pika
 import pika.exceptions
 import pytest
 
+from broker.amqp import encoder, events
 from broker.definitions import queue_shard
+from loadtest.amqp_client import AMQPClient, AMQPClosed
 from tests.harness import Node
 
 PERSISTENT = pika.BasicProperties(delivery_mode=2)
+PERSISTENT_RAW = b"\x10\x00\x02"  # property flags: delivery-mode only; delivery-mode 2
 CLOSE_BOUND_S = 10.0  # a client must learn of the crash within this; a hang would exceed it
 
 
@@ -281,3 +284,109 @@ def test_shard_kill_closes_only_connections_that_used_it(node_factory):
     assert idle.is_open
     idle.close()
     b.close()
+
+
+class WindowPublisher(threading.Thread):
+    """Raw-socket confirm-mode publisher with up to ``window`` unconfirmed messages in flight.
+
+    Round-robins over ``queues`` (default exchange), so one connection has messages on several
+    shards in flight; ``confirmed`` holds the bodies whose basic.ack (single or multiple) arrived.
+    Stops at the first connection error and records it in ``error``.
+    """
+
+    def __init__(self, node: Node, queues: list[str], window: int = 300) -> None:
+        super().__init__(daemon=True)
+        self.client = AMQPClient(node.url, timeout=5.0).connect()
+        self.client.confirm_select()
+        self.queues = queues
+        self.window = window
+        self.confirmed: list[bytes] = []
+        self.error: BaseException | None = None
+        self.error_at = 0.0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        c = self.client
+        sent: dict[int, bytes] = {}
+        next_seq = 1
+        low = 1  # lowest sequence number not yet confirmed
+        try:
+            while not self.stop.is_set():
+                batch = []
+                while next_seq - low < self.window and len(batch) < 50:
+                    body = b"id-%07d" % next_seq
+                    sent[next_seq] = body
+                    q = self.queues[next_seq % len(self.queues)]
+                    batch.append(encoder.encode_publish(1, "", q, False, PERSISTENT_RAW, body))
+                    next_seq += 1
+                if batch:
+                    c.send(b"".join(batch))
+                ev = c.next_event()
+                c._handle_close(ev)
+                if isinstance(ev, events.Ack):
+                    tags = range(low, ev.delivery_tag + 1) if ev.multiple else (ev.delivery_tag,)
+                    for tag in tags:
+                        body = sent.pop(tag, None)
+                        if body is not None:
+                            self.confirmed.append(body)
+                    while low < next_seq and low not in sent:
+                        low += 1
+                elif isinstance(ev, events.Nack):
+                    raise AssertionError(f"unexpected basic.nack {ev}")
+        except (AMQPClosed, OSError) as exc:  # a socket timeout is an OSError
+            self.error = exc
+            self.error_at = time.monotonic()
+        finally:
+            if self.client.sock is not None:
+                self.client.sock.close()
+                self.client.sock = None
+
+
+def _run_until_killed(pub: WindowPublisher, kill) -> float:
+    pub.start()
+    try:
+        wait_until(lambda: len(pub.confirmed) >= 3000 or pub.error, 30, "3000 confirms")
+        assert pub.error is None, repr(pub.error)
+        killed_at = time.monotonic()
+        kill()
+        pub.join(CLOSE_BOUND_S)
+        assert not pub.is_alive(), "publisher still running after the kill: no close reached it"
+    finally:
+        pub.stop.set()
+        pub.join(5)
+    return killed_at
+
+
+def test_kill_shard_with_a_confirm_window_in_flight_on_two_shards(node_factory):
+    node = node_factory(frontends=1, shards=2)
+    queues = [name_on_shard("winq", 0, 2), name_on_shard("winq", 1, 2)]
+    conn = node.connect()
+    for q in queues:
+        conn.channel().queue_declare(q, durable=True)
+    conn.close()
+    pub = WindowPublisher(node, queues)
+    killed: list[int] = []
+    _run_until_killed(pub, lambda: killed.append(node.kill_worker("shard", 1)))
+    assert isinstance(pub.error, AMQPClosed) and pub.error.code == 320, repr(pub.error)
+    node.wait_worker_restarted("shard", 1, killed[0])
+    stored = set(drain_ids(node, queues[0])) | set(drain_ids(node, queues[1]))
+    missing = set(pub.confirmed) - stored
+    print(f"confirmed {len(pub.confirmed)} stored {len(stored)} error {pub.error!r}")
+    assert not missing, f"{len(missing)} of {len(pub.confirmed)} confirmed lost, e.g. {sorted(missing)[:5]}"
+
+
+def test_kill9_node_with_a_confirm_window_in_flight(node_factory):
+    node = node_factory(frontends=2, shards=2)
+    queues = [name_on_shard("nodeq", 0, 2), name_on_shard("nodeq", 1, 2)]
+    conn = node.connect()
+    for q in queues:
+        conn.channel().queue_declare(q, durable=True)
+    conn.close()
+    pub = WindowPublisher(node, queues)
+    _run_until_killed(pub, node.kill9)
+    assert pub.error is not None
+    node.restart()
+    stored = set(drain_ids(node, queues[0])) | set(drain_ids(node, queues[1]))
+    missing = set(pub.confirmed) - stored
+    print(f"confirmed {len(pub.confirmed)} stored {len(stored)} error {pub.error!r}")
+    assert not missing, f"{len(missing)} of {len(pub.confirmed)} confirmed lost, e.g. {sorted(missing)[:5]}"
