@@ -59,6 +59,7 @@ _PUBLISH = E.Publish
 _ACK = E.Ack
 _METHOD = E.MethodFrame
 _CREDIT = contract.CREDIT
+_CLOSE_OK_FRAME = encode_method(0, C.Connection.CloseOk())
 
 try:
     from importlib.metadata import version as _pkg_version
@@ -144,6 +145,12 @@ class AMQPConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self._received = True
         if self.state == CLOSED_STATE:
+            return
+        if self.parser.dead:
+            # After a framing/syntax error the parser reads nothing more, but the client's
+            # close-ok is still a well-formed frame: close as soon as it shows up, not at the timeout.
+            if self.state == CLOSING and _CLOSE_OK_FRAME in data:
+                self._close_transport()
             return
         try:
             for ev in self.parser.feed(data):
