@@ -18,6 +18,7 @@ from broker import contract
 from broker.amqp import events as E
 from broker.amqp.constants import (
     ACCESS_REFUSED,
+    COMMAND_INVALID,
     CONNECTION_LEVEL_CODES,
     NO_ROUTE,
     NOT_ALLOWED,
@@ -127,9 +128,9 @@ class Channel:
             elif cls is E.MethodFrame:
                 handler = self._handlers.get(event.method.__class__)
                 if handler is None:
+                    # rabbit_channel's catch-all for methods a client may not send (basic.deliver, *-ok)
                     cid, mid = _ids(event.method)
-                    raise AMQPConnectionError(
-                        NOT_IMPLEMENTED, f"method {event.method.name} not supported", cid, mid)
+                    raise AMQPConnectionError(COMMAND_INVALID, "unimplemented method", cid, mid)
                 handler(self, event.method)
             elif cls is E.Nack:
                 if self.tx is not None:
@@ -145,6 +146,10 @@ class Channel:
                 raise AMQPChannelError(event.code, event.text, event.class_id, event.method_id)
             elif cls is E.Heartbeat:
                 pass
+            else:  # content the client may not send (deliver, get-ok, return)
+                method = getattr(event, "method", None)
+                cid, mid = _ids(method) if method is not None else (60, 60)
+                raise AMQPConnectionError(COMMAND_INVALID, "unimplemented method", cid, mid)
         except AMQPChannelError as exc:
             if exc.code in CONNECTION_LEVEL_CODES:
                 raise AMQPConnectionError(exc.code, exc.text, exc.class_id, exc.method_id) from None

@@ -6,7 +6,9 @@ refuse to (bad headers, garbage, nowait methods, odd tune values); the rest uses
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import socket
 import time
 
@@ -442,3 +444,48 @@ def test_channel_close_requeues_unacked(conn):
     m = ch2.basic_get(q, auto_ack=True)
     assert m[2] == b"m" and m[0].redelivered
     ch2.queue_delete(q)
+
+
+def test_method_a_client_may_not_send_is_503(raw):
+    c = raw().open()
+    c.send(1, C.Channel.Open())
+    c.expect(C.Channel.OpenOk)
+    c.send(1, C.Basic.ConsumeOk(consumer_tag="x"))
+    _, close = c.expect(C.Connection.Close)
+    assert close.reply_code == 503
+
+
+# ------------------------------------------------------ node and shard events
+
+
+def test_shard_restart_closes_only_connections_with_state_on_it(node_factory):
+    node = node_factory(name="restart", frontends=1, shards=2)
+    q0 = next(f"k{i}" for i in range(100) if queue_shard("/", f"k{i}", 2) == 0)
+    q1 = next(f"k{i}" for i in range(100) if queue_shard("/", f"k{i}", 2) == 1)
+    consumer = node.connect()
+    consumer.channel().queue_declare(q0, durable=True)
+    consumer.channel().basic_consume(q0, lambda *a: None)
+    bystander = node.connect()
+    ch = bystander.channel()
+    ch.queue_declare(q1, durable=True)
+    pids = json.loads((node.data_dir / "run" / "pids.json").read_text())
+    os.kill(int(pids["shard"]["0"]), signal.SIGKILL)
+    with pytest.raises(pika.exceptions.ConnectionClosedByBroker) as err:
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            consumer.process_data_events(0.1)
+    assert err.value.reply_code == 320
+    ch.basic_publish("", q1, b"x")
+    assert ch.queue_declare(q1, passive=True).method.message_count == 1
+    bystander.close()
+
+
+def test_node_stop_closes_clients_with_320(node_factory):
+    node = node_factory(name="stop", frontends=1, shards=1)
+    conn = node.connect()
+    conn.channel()
+    node.stop()
+    with pytest.raises(pika.exceptions.ConnectionClosedByBroker) as err:
+        conn.process_data_events(2)
+    assert err.value.reply_code == 320
+    assert err.value.reply_text == "CONNECTION_FORCED - broker shutdown"
