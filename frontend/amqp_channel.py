@@ -30,7 +30,7 @@ from broker.amqp.constants import (
 )
 from broker.amqp.encoder import encode_content, encode_deliver, encode_method
 from broker.amqp.errors import AMQPChannelError, AMQPConnectionError, AMQPError
-from broker.amqp.properties import delivery_mode
+from broker.amqp.properties import decode_properties, delivery_mode
 from frontend.backlog import Backlog
 from frontend.confirms import ConfirmTracker
 from frontend.delivery_tags import DeliveryTags, group_by_shard
@@ -252,6 +252,9 @@ class Channel:
         props_raw = ev.props_raw
         try:
             persistent = delivery_mode(props_raw) == 2
+            # Flag 0x0010 (low byte of the first flag word) = user-id; rare, so decoded only when set.
+            if len(props_raw) > 1 and props_raw[1] & 0x10:
+                self._check_user_id(decode_properties(props_raw).user_id)
         except ValueError as exc:
             raise AMQPConnectionError(SYNTAX_ERROR, f"malformed content properties: {exc}", 60, 40) from None
         queues = defs.route(vhost, exchange, ev.routing_key, props_raw)
@@ -288,6 +291,14 @@ class Channel:
                 worker.shard_put(shard, [_PUBLISH, vhost, names, exchange, ev.routing_key, props_raw,
                                          ev.body, persistent, conn_id, self.number, seq])
                 conn.confirm_shards.add(shard)
+
+    def _check_user_id(self, user_id: str | None) -> None:
+        """RabbitMQ's validated user-id: a publish may only claim the user it authenticated as."""
+        user = self.conn.user
+        if user_id is not None and user_id != user:
+            raise AMQPChannelError(
+                PRECONDITION_FAILED,
+                f"user_id property set to '{user_id}' but authenticated user was '{user}'", 60, 40)
 
     def on_confirm(self, seqs: list[int], ok: bool) -> None:
         confirm = self.confirm
