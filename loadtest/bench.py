@@ -44,7 +44,8 @@ class Scenario:
     timeout_s: float = 240.0
 
 
-# Every scenario is bounded: throughput runs by --time, count-bounded runs by --time as a cap too.
+# Every scenario is bounded: throughput runs by --time (D = --duration), count-bounded runs by a
+# --time cap so a slow broker shows up as fewer done in the cap rather than a run that never ends.
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario("1p1c-16b-transient-autoack",
              ("throughput", "--publishers", "1", "--consumers", "1", "--size", "16", "--time", DURATION),
@@ -54,11 +55,11 @@ SCENARIOS: tuple[Scenario, ...] = (
              "1 publisher, no consumer, 16 B transient: ingest rate into a growing queue"),
     Scenario("consume-only-drain-1m",
              ("throughput", "--publishers", "0", "--consumers", "1", "--queue", "bench-drain",
-              "--cmessages", "1000000", "--time", "120"),
+              "--cmessages", "1000000", "--time", "60"),
              "a 1M-message backlog (16 B, filled unmeasured beforehand) drained by 1 no-ack consumer: "
              "consume msgs/s = 1M / drain time",
              prefill=("throughput", "--publishers", "1", "--consumers", "0", "--size", "16", "--queue",
-                      "bench-drain", "--pmessages", "1000000", "--time", "120", "--keep")),
+                      "bench-drain", "--pmessages", "1000000", "--time", "60", "--keep")),
     Scenario("1p1c-1kib-persistent-confirm1000-ack-prefetch1000",
              ("throughput", "--publishers", "1", "--consumers", "1", "--size", "1024", "--persistent",
               "--confirm", "1000", "--ack-every", "1", "--prefetch", "1000", "--time", DURATION),
@@ -74,11 +75,11 @@ SCENARIOS: tuple[Scenario, ...] = (
              "1 publisher to a fanout exchange bound to 4 queues, 1 no-ack consumer per queue "
              "(consume rate counts every copy)"),
     Scenario("idle-connections-1000",
-             ("connection-count", "--count", "1000", "--hold", "5"),
+             ("connection-count", "--count", "1000", "--hold", "5", "--time", "60"),
              "1000 idle AMQP connections held 5 s: broker RSS"),
     Scenario("queues-10000",
-             ("queue-count", "--count", "10000"),
-             "declare 10000 queues: time, declares/s and broker RSS"),
+             ("queue-count", "--count", "10000", "--time", "60"),
+             "declare 10000 queues (capped at 60 s; `queues` shows how many were declared): time, declares/s, RSS"),
     Scenario("bindings-per-second",
              ("bind-churn", "--time", DURATION),
              "queue.bind + queue.unbind round trips on one channel: bindings/s"),

@@ -308,14 +308,28 @@ def fmt_bytes(v: float) -> str:
     return f"{v / 1048576:.1f} MiB"
 
 
+def fmt_size(v: float) -> str:
+    return f"{v / 1024:.1f} KiB" if abs(v) < 1048576 else fmt_bytes(v)
+
+
+def _fmt_for(metric: str):  # noqa: ANN202
+    return fmt_size if metric.endswith("_bytes") else fmt_num
+
+
+def metric_label(metric: str) -> str:
+    """Display name: ``extra.rss_after_bytes`` -> ``rss_after`` (its cells carry KiB/MiB units)."""
+    return metric.removeprefix("extra.").removesuffix("_bytes")
+
+
 def _cell(metric: str, c: Cell | None) -> str:
     if c is None:
         return "—"
+    fmt = _fmt_for(metric)
     if metric == "latency min–max µs":
-        return f"{fmt_num(c.min)}–{fmt_num(c.max)}"
+        return f"{fmt(c.min)}–{fmt(c.max)}"
     if metric.startswith("latency "):
-        return fmt_num(c.median)
-    return f"{fmt_num(c.median)} ({fmt_num(c.min)}–{fmt_num(c.max)})"
+        return fmt(c.median)
+    return f"{fmt(c.median)} ({fmt(c.min)}–{fmt(c.max)})"
 
 
 def label(broker: str) -> str:
@@ -339,7 +353,7 @@ def render_markdown(s: Summary, results_dir: str = "") -> str:
         for i, metric in enumerate(s.metrics.get(scenario, [])):
             cells = s.cells[(scenario, metric)]
             ratio = s.ratio(scenario, metric)
-            row = [scenario if i == 0 else "", metric]
+            row = [scenario if i == 0 else "", metric_label(metric)]
             row += [_cell(metric, cells.get(b)) for b in columns]
             row += ["—" if ratio is None or metric == "latency min–max µs" else f"{ratio:.2f}×"]
             row += [rss_text if i == 0 else ""]
