@@ -289,6 +289,8 @@ def render_doc(machine: dict[str, str], command: str, table: str | None, when: s
         command,
         "```",
         "",
+        "(`python -m loadtest.bench` takes the same arguments.)",
+        "",
         "Both brokers run on the same host on free loopback ports, each from an empty temp dir: ShardMQ as",
         "`.venv/bin/shardmq --data-dir TMP --port FREE`, RabbitMQ as Debian's `rabbitmq-server` with its own",
         "mnesia/log dirs, node name and epmd. Every scenario runs `--repeats` times per broker, alternating",
