@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BROKERS = ("shardmq", "rabbitmq")
 SCENARIOS = ("1p1c-16b", "fanout-4q")
 RUNS = 3
+ONE_BROKER = "queues-1000"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -78,6 +79,24 @@ def _make_results(root: Path) -> dict:
                 g["con"].append(con)
                 g["rss"].append(rss)
                 g["lat"].extend(lat)
+    # A count-style scenario measured on one broker only: no rates, no latency samples, extra numbers.
+    for r in range(RUNS):
+        d = root / f"run-queues-{r}"
+        d.mkdir()
+        rate = 500.0 + 100 * r
+        (d / "run.json").write_text(json.dumps({
+            "run_id": d.name, "broker": "shardmq", "scenario": ONE_BROKER, "params": {},
+            "started_at": "2024-01-01T00:00:00+00:00", "duration_s": 2.0, "published": 0, "consumed": 0,
+            "confirmed": 0, "publish_rate": 0.0, "consume_rate": 0.0,
+            "latency_us": {"min": None, "p50": None, "p95": None, "p99": None, "max": None},
+            "broker_rss_bytes": 100 * 1048576,
+            "extra": {"queues": 1000, "declares_per_s": rate, "rss_per_queue_bytes": 4096 * (r + 1)},
+        }))
+        (d / "rates.jsonl").write_text("")
+        (d / "latency.jsonl").write_text("")
+        truth.setdefault((ONE_BROKER, "shardmq"), {"declares": [], "rss_per_queue": []})
+        truth[(ONE_BROKER, "shardmq")]["declares"].append(rate)
+        truth[(ONE_BROKER, "shardmq")]["rss_per_queue"].append(4096 * (r + 1))
     return truth
 
 
@@ -177,3 +196,18 @@ def test_plots_are_valid_pngs(report: tuple[dict, Path]) -> None:
         width, height = struct.unpack(">II", data[16:24])
         assert width >= 300 and height >= 200
         assert data[-8:-4] == b"IEND"
+
+
+def test_one_broker_scenario_with_extra_measurements(report: tuple[dict, Path]) -> None:
+    truth, out = report
+    rows = _parse_table((out / "report.md").read_text())
+    metrics = {m for (s, m) in rows if s == ONE_BROKER}
+    assert metrics == {"declares_per_s", "queues", "rss_per_queue"}  # zero rates and no latency: no rows
+    cells = rows[(ONE_BROKER, "declares_per_s")]
+    declares = truth[(ONE_BROKER, "shardmq")]["declares"]
+    assert _median_cell(cells[2]) == (statistics.median(declares), min(declares), max(declares))
+    assert cells[3] == "—" and cells[4] == "—"  # no RabbitMQ runs, so no ratio
+    per_queue = sorted(truth[(ONE_BROKER, "shardmq")]["rss_per_queue"])
+    assert rows[(ONE_BROKER, "rss_per_queue")][2] == (
+        f"{per_queue[1] / 1024:.1f} KiB ({per_queue[0] / 1024:.1f} KiB–{per_queue[2] / 1024:.1f} KiB)")
+    assert not (out / f"latency-cdf-{ONE_BROKER}.png").exists()
