@@ -359,6 +359,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def _reproduce_command(argv: list[str]) -> str:
     return "shardmq-perf bench" + ("" if not argv else " " + shlex.join(argv))
 
@@ -382,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     log = results_dir / "bench.log"
     print(f"results: {results_dir}  (perf output: {log})", file=sys.stderr)
 
+    # A SIGTERM must still reach the finally below that stops both brokers.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
     brokers: list = []
     outcomes: list[RunOutcome] = []
     rabbit_version: str | None = None

@@ -4,6 +4,11 @@ node's start/stop (for real, when rabbitmq-server is installed) and the benchmar
 from __future__ import annotations
 
 import os
+import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -94,3 +99,30 @@ def test_private_rabbitmq_starts_on_loopback_and_stops_by_pid() -> None:
     assert not _alive(beam)
     assert not _alive(epmd)
     assert not data.exists()
+
+
+@pytest.mark.skipif(not os.path.exists(RABBITMQ_SERVER), reason="rabbitmq-server not installed")
+def test_sigterm_during_a_run_still_stops_the_broker(tmp_path: Path) -> None:
+    pytest.importorskip("loadtest.cli")
+    err = open(tmp_path / "bench.err", "w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loadtest.bench", "--brokers", "rabbitmq", "--scenarios", "bindings-per-second",
+         "--repeats", "1", "--duration", "60", "--results-dir", str(tmp_path / "r"), "--doc", ""],
+        cwd=bench.ROOT, stdout=subprocess.DEVNULL, stderr=err)
+    beam = None
+    try:
+        deadline = time.monotonic() + 90
+        while beam is None and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+            m = re.search(r"rabbitmq up at \S+ \(pid (\d+)", (tmp_path / "bench.err").read_text())
+            beam = int(m[1]) if m else None
+        assert beam is not None, (tmp_path / "bench.err").read_text()
+        time.sleep(1)  # let the perf run start
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 1  # no run finished
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        err.close()
+    assert not _alive(beam)
