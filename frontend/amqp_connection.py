@@ -54,6 +54,8 @@ _STATE_NAMES = {AWAIT_HEADER: "starting", AWAIT_START_OK: "starting", AWAIT_TUNE
 
 HANDSHAKE_TIMEOUT = 10.0
 CLOSE_TIMEOUT = 2.0
+# How long a client's connection.close may wait for its channels' pending work (RabbitMQ: 30 s).
+DRAIN_TIMEOUT = 30.0
 
 _PUBLISH = E.Publish
 _ACK = E.Ack
@@ -134,6 +136,7 @@ class AMQPConnection(asyncio.Protocol):
         self._received = False
         self._wrote = False
         self._missed = 0
+        self._close_requested = False  # client sent connection.close; channels still finishing
 
     # ------------------------------------------------------------- transport
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -265,6 +268,8 @@ class AMQPConnection(asyncio.Protocol):
 
     # --------------------------------------------------------------- dispatch
     def _dispatch(self, ev: Any) -> None:
+        if self._close_requested:
+            return  # the client said connection.close: nothing it sends after that counts
         cls = ev.__class__
         if self.state == CLOSING and not (cls is _METHOD and ev.channel == 0):
             return  # after our connection.close only close/close-ok matter
@@ -351,10 +356,13 @@ class AMQPConnection(asyncio.Protocol):
                 self._close_after_flush = True
             return
         if isinstance(method, C.Connection.Close):
-            self._release()
-            self.send_method(0, C.Connection.CloseOk())
-            self._close_after_flush = True
-            self.state = CLOSED_STATE
+            if state == RUNNING and self._channels_busy():
+                # RabbitMQ shuts the channels down behind what they already received and answers
+                # close-ok after: a publish pipelined behind a declare must not be dropped.
+                self._close_requested = True
+                self._close_timer = self.worker.loop.call_later(DRAIN_TIMEOUT, self._finish_client_close)
+                return
+            self._finish_client_close()
             return
         if state == AWAIT_START_OK and isinstance(method, C.Connection.StartOk):
             self._start_ok(method)
@@ -370,6 +378,20 @@ class AMQPConnection(asyncio.Protocol):
             raise AMQPConnectionError(
                 CHANNEL_ERROR, f"unexpected method in connection state {_STATE_NAMES[state]}",
                 index >> 16, index & 0xFFFF)
+
+    def _channels_busy(self) -> bool:
+        return any(ch.backlog.busy or ch.backlog.events for ch in self.channels.values() if ch.state == OPEN)
+
+    def _finish_client_close(self) -> None:
+        if self.state in (CLOSING, CLOSED_STATE):
+            return
+        if self._close_timer is not None:
+            self._close_timer.cancel()
+            self._close_timer = None
+        self._release()
+        self.send_method(0, C.Connection.CloseOk())
+        self._close_after_flush = True
+        self.state = CLOSED_STATE
 
     def _start(self) -> None:
         self.state = AWAIT_START_OK
@@ -476,6 +498,8 @@ class AMQPConnection(asyncio.Protocol):
                 ch.fail(exc)
             if self._read_pause:
                 self._check_backlog()
+            if self._close_requested and not self._channels_busy():
+                self._finish_client_close()
         except AMQPConnectionError as exc:
             self.fail(exc.code, exc.text, exc.class_id, exc.method_id)
         except Exception as exc:

@@ -468,3 +468,29 @@ def test_reopening_an_open_channel_is_504(shared_node):
     finally:
         raw.close()
     _assert_node_serves(shared_node)
+
+
+def test_close_pipelined_behind_pending_work_loses_nothing(shared_node):
+    """declare, publish, connection.close in one write: the publish must land before close-ok."""
+    q = _uid("pipelined")
+    raw = RawClient(shared_node.port)
+    try:
+        raw.handshake()
+        raw.open_channel(1)
+        raw.send_method(1, C.Queue.Declare(queue=q))  # the channel waits for the node here
+        for i in range(3):
+            raw.publish(1, "", q, f"m{i}".encode())
+        raw.send_method(0, C.Connection.Close(reply_code=200, reply_text="bye", class_id=0, method_id=0))
+        raw.expect(C.Queue.DeclareOk, channel=1)
+        raw.expect(C.Connection.CloseOk, channel=0)
+        assert raw.read_until_eof(5.0)
+    finally:
+        raw.close()
+    conn = shared_node.connect()
+    try:
+        ch = conn.channel()
+        bodies = [ch.basic_get(q, auto_ack=True)[2] for _ in range(3)]
+        assert bodies == [b"m0", b"m1", b"m2"]
+        ch.queue_delete(q)
+    finally:
+        conn.close()
