@@ -254,17 +254,29 @@ class ShardWorker:
         flags = 1 if persistent else 0
         queues = self.queues
         needs_sync = False
+        rejected = False
         for name in names:
             q = queues.get((vhost, name))
             if q is None:
                 continue  # deleted between routing and arrival: as if unroutable
-            q.store.append(ts, flags, exchange, routing_key, props_raw, body)
+            if q.max_length is None and q.max_bytes is None:
+                q.store.append(ts, flags, exchange, routing_key, props_raw, body)
+            elif q.reject_publish and q.full():
+                rejected = True
+                continue
+            else:
+                q.store.append(ts, flags, exchange, routing_key, props_raw, body)
+                if not q.reject_publish:
+                    q.drop_overflow()
             self._dirty_queues.add(q)
             if persistent and q.durable and self._fsync:
                 needs_sync = True
                 self._sync_stores.add(q.store)
         if seq is not None:
-            if needs_sync:
+            if rejected:
+                # One queue refused it (x-overflow reject-publish): the publisher gets basic.nack.
+                self.data.put(fe, [contract.CONFIRM_NACK, conn_id, channel, [seq]])
+            elif needs_sync:
                 self._sync_waiting.append((fe, conn_id, channel, seq))
                 self._start_sync()
             else:

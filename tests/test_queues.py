@@ -332,3 +332,38 @@ def test_deleted_queue_loses_messages_and_bindings(conn, ch):
     ch.basic_publish("amq.fanout", "", b"after")
     assert message_count(ch, name) == 0
     ch.queue_delete(name)
+
+
+# ---------------------------------------------------------------------- limits
+def test_max_length_drops_from_the_head(ch):
+    name = ch.queue_declare(uid(), exclusive=True, arguments={"x-max-length": 3}).method.queue
+    publish(ch, name, 5)
+    assert message_count(ch, name) == 3
+    assert [ch.basic_get(name, auto_ack=True)[2] for _ in range(3)] == [b"m2", b"m3", b"m4"]
+
+
+def test_max_length_counts_ready_messages_only(ch):
+    name = ch.queue_declare(uid(), exclusive=True, arguments={"x-max-length": 2}).method.queue
+    publish(ch, name, 2)
+    held = ch.basic_get(name, auto_ack=False)[0]  # unacked: no longer counted
+    ch.basic_publish("", name, b"m2")
+    assert message_count(ch, name) == 2
+    ch.basic_ack(held.delivery_tag)
+    assert [ch.basic_get(name, auto_ack=True)[2] for _ in range(2)] == [b"m1", b"m2"]
+
+
+def test_max_length_bytes_drops_from_the_head(ch):
+    name = ch.queue_declare(uid(), exclusive=True, arguments={"x-max-length-bytes": 10}).method.queue
+    for body in (b"aaaa", b"bbbb", b"cccc"):
+        ch.basic_publish("", name, body)
+    assert message_count(ch, name) == 2
+    assert ch.basic_get(name, auto_ack=True)[2] == b"bbbb"
+
+
+def test_reject_publish_keeps_the_oldest(ch):
+    args = {"x-max-length": 2, "x-overflow": "reject-publish"}
+    name = ch.queue_declare(uid(), exclusive=True, arguments=args).method.queue
+    publish(ch, name, 2)
+    with pytest.raises(pika.exceptions.NackError):
+        ch.basic_publish("", name, b"refused")
+    assert [ch.basic_get(name, auto_ack=True)[2] for _ in range(2)] == [b"m0", b"m1"]
