@@ -12,7 +12,11 @@ Sockets (all ``ipc://`` under the node's run directory):
   to the node, node queries to shards, worker up/down events, stop.
 * ``shard-N.sock`` - shard N binds a ROUTER; every frontend connects a DEALER
   with its worker id as identity. Data traffic: publishes, consumes, acks
-  one way; deliveries, confirms, replies the other way.
+  one way; deliveries, confirms, replies the other way. Every other shard
+  connects a DEALER too (identity ``sh-M``) and sends PUBLISH items only:
+  dead-lettered messages whose target queues live on shard N. Their header
+  is ``[target_epoch, seq]`` like a frontend's (epochs from SNAPSHOT and
+  SHARD_UP); the PROCESSED answers are ignored by the sending shard.
 
 One ZeroMQ message is one *batch*: ``msgpack([header, items])``. Items are
 lists whose first element is a kind (small int). Senders collect items during
@@ -50,7 +54,7 @@ QUERY_REPLY = 4  # [QUERY_REPLY, query_id, ok(bool), result]  (shard answering a
 SNAPSHOT = 10  # [SNAPSHOT, defs_version, definitions(dict), shard_epochs({index: epoch}), settings(dict)]
 DEFS = 11  # [DEFS, defs_version, ops(list)]   ops are applied in order with Definitions.apply
 REPLY = 12  # [REPLY, req_id, ok(bool), result]  result is a dict when ok, [reply_code, text, class_id, method_id] when not
-SHARD_UP = 13  # [SHARD_UP, index, epoch]      a shard (re)started; frontends use the new epoch
+SHARD_UP = 13  # [SHARD_UP, index, epoch]      a shard (re)started; frontends and shards use the new epoch
 WORKER_DOWN = 14  # [WORKER_DOWN, role, index]  a worker died; shards drop a dead frontend's consumers
 QUERY = 15  # [QUERY, query_id, op(str), args(dict)]  node asks a shard (queue_info, ...)
 STOP = 16  # [STOP]  graceful shutdown: finish the current turn, sync, exit 0
@@ -69,6 +73,7 @@ REQUEST_OPS = (
     "queue.delete",
     "connection.closed",  # {"owner": [fe, conn]}: delete that connection's exclusive queues
     "queue.auto_delete",  # shard -> node: last consumer of an auto-delete queue went away
+    "queue.expire",  # shard -> node: an x-expires queue was unused that long; delete it if still unused
 )
 
 # Queries the node sends to a shard (QUERY op names).
@@ -79,7 +84,8 @@ QUERY_OPS = (
 # --------------------------------------------------------------------------
 # Data plane: frontend -> shard (shard-N.sock)
 # --------------------------------------------------------------------------
-# PUBLISH: a message routed to one or more queues of this shard.
+# PUBLISH: a message routed to one or more queues of this shard (from a frontend, or a dead
+# letter from another shard: then conn_id/channel/confirm_seq are None).
 #   [PUBLISH, vhost, queues(list[str]), exchange, routing_key, props_raw(bytes), body(bytes),
 #    persistent(bool), conn_id|None, channel|None, confirm_seq|None]
 # conn_id/channel/seq are set when the channel is in confirm mode; the shard answers CONFIRM

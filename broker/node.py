@@ -115,9 +115,10 @@ class Node:
         self._check_apply_waiters()
         if worker.role == "shard":
             # The restarted shard gets a new epoch: batches meant for the dead one are dropped,
-            # and frontends close the client connections that had state on it.
+            # frontends close the client connections that had state on it, and other shards
+            # address their forwarded dead letters to the new epoch.
             self.epochs[worker.index] += 1
-            self._broadcast("frontend", [contract.SHARD_UP, worker.index, self.epochs[worker.index]])
+            self._broadcast(None, [contract.SHARD_UP, worker.index, self.epochs[worker.index]])
             for fut in list(self._queries.values()):
                 if not fut.done():
                     fut.set_result(None)
@@ -168,7 +169,7 @@ class Node:
 
     def _shard_up(self, w: WorkerProcess) -> None:
         """A (re)started shard has loaded its queues: frontends may send it data."""
-        self._broadcast("frontend", [contract.SHARD_UP, w.index, self.epochs[w.index]])
+        self._broadcast(None, [contract.SHARD_UP, w.index, self.epochs[w.index]])
         if all(x.connected and x.applied >= 0 for x in self.sup.workers if x.role == "shard"):
             self._shards_ready.set()
 
@@ -230,6 +231,14 @@ class Node:
         if op == "queue.auto_delete":
             q = defs.queue(vhost, a["queue"])
             if q is not None and q.auto_delete:
+                info = await self._queue_info(vhost, a["queue"])
+                if info is not None and info["consumers"] == 0:
+                    await self._commit(defs.plan_queue_delete(vhost, a["queue"], False, False, None, 0, 0))
+            return {}
+        if op == "queue.expire":
+            # x-expires ran out on the shard; a consumer may have come meanwhile.
+            q = defs.queue(vhost, a["queue"])
+            if q is not None and q.arguments.get("x-expires"):
                 info = await self._queue_info(vhost, a["queue"])
                 if info is not None and info["consumers"] == 0:
                     await self._commit(defs.plan_queue_delete(vhost, a["queue"], False, False, None, 0, 0))

@@ -22,7 +22,7 @@ _DELIVER = contract.DELIVER
 class Queue:
     __slots__ = (
         "qid", "vhost", "name", "durable", "auto_delete", "arguments", "store", "consumers", "unacked",
-        "_rr", "had_consumers", "exclusive_consumer", "deleted", "max_length", "max_bytes", "reject_publish",
+        "_rr", "had_consumers", "exclusive_consumer", "deleted",
     )
 
     def __init__(self, qid: int, vhost: str, name: str, defn: Any, store: QueueStore) -> None:
@@ -40,25 +40,6 @@ class Queue:
         self.had_consumers = False
         self.exclusive_consumer = False
         self.deleted = False
-        # x-max-length / x-max-length-bytes count ready messages only, as in RabbitMQ; None = no limit.
-        self.max_length = _limit(self.arguments.get("x-max-length"))
-        self.max_bytes = _limit(self.arguments.get("x-max-length-bytes"))
-        self.reject_publish = self.arguments.get("x-overflow") in ("reject-publish", "reject-publish-dlx")
-
-    def full(self) -> bool:
-        """reject-publish: no room for one more message (checked before the append)."""
-        store = self.store
-        return ((self.max_length is not None and store.ready >= self.max_length)
-                or (self.max_bytes is not None and store.ready_bytes >= self.max_bytes))
-
-    def drop_overflow(self) -> None:
-        """drop-head: discard the oldest ready messages until the queue is within its limits."""
-        store = self.store
-        max_length = self.max_length
-        max_bytes = self.max_bytes
-        while store.ready and ((max_length is not None and store.ready > max_length)
-                               or (max_bytes is not None and store.ready_bytes > max_bytes)):
-            store.drop_head()
 
     # ----------------------------------------------------------------- consumers
     def add_consumer(self, consumer: Consumer) -> None:
@@ -159,7 +140,3 @@ class Queue:
 
     def info(self) -> dict:
         return {"messages": self.store.ready, "consumers": len(self.consumers)}
-
-
-def _limit(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None

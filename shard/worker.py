@@ -21,8 +21,11 @@ from broker import contract
 from broker.definitions import Definitions
 from broker.zmqio import BatchSocket, make_socket
 from shard.consumers import ChannelRef, Consumer
+from shard.deadletter import dead_letter_props, has_expiration, is_cycle
+from shard.feature_queue import FeatureQueue, needs_features
 from shard.queue import Queue
 from shard.store import QueueStore, queue_dir
+from shard.timers import TimerHeap
 
 log = logging.getLogger("shardmq.shard")
 
@@ -58,6 +61,12 @@ class ShardWorker:
         self._node_req = 0
         self.node: BatchSocket | None = None
         self.data: BatchSocket | None = None
+        # TTL, queue expiry and consumer timeouts of every queue here: one heap, one loop timer.
+        self.timers = TimerHeap(loop)
+        # Dead-lettered messages for queues of other shards go over a DEALER to each of them.
+        self.epochs: dict[int, int] = {}
+        self.peers: dict[int, BatchSocket] = {}
+        self._peer_seq: dict[int, int] = {}
 
     # ------------------------------------------------------------------ startup
     async def start(self) -> None:
@@ -86,6 +95,8 @@ class ShardWorker:
                     self._frontend_gone(contract.worker_id("frontend", item[2]))
             elif kind == contract.STOP:
                 self.loop.create_task(self.stop())
+            elif kind == contract.SHARD_UP:
+                self.epochs[int(item[1])] = int(item[2])
             elif kind == contract.REPLY:
                 pass  # answers to our auto-delete requests need no action
 
@@ -93,7 +104,9 @@ class ShardWorker:
         _, version, defs_dict, epochs, settings = item
         self.settings = settings
         self.epoch = int(epochs.get(self.index, epochs.get(str(self.index), 0)))
+        self.epochs = {int(k): int(v) for k, v in epochs.items()}
         self.defs = Definitions.from_dict(defs_dict)
+        self._connect_peers()
         # A restarted shard opens (and recovers) every queue placed on it.
         for v in self.defs.vhosts.values():
             for name, q in v.queues.items():
@@ -123,7 +136,14 @@ class ShardWorker:
         defn = self.defs.queue(vhost, name)
         path = queue_dir(self.settings["data_dir"], vhost, name)
         store = QueueStore(path, segment_size=int(self.settings.get("segment_size", 8 << 20)))
-        q = Queue(self._next_qid, vhost, name, defn, store)
+        if needs_features(defn.arguments):
+            q = FeatureQueue(self._next_qid, vhost, name, defn, store, self)
+        else:
+            q = Queue(self._next_qid, vhost, name, defn, store)
+            if store.ready:
+                head = store.peek()
+                if head is not None and has_expiration(head[6]):
+                    q = FeatureQueue.upgrade(q, defn, self)  # recovered messages with a per-message TTL
         self._next_qid += 1
         self.queues[(vhost, name)] = q
         self.by_qid[q.qid] = q
@@ -255,19 +275,17 @@ class ShardWorker:
         queues = self.queues
         needs_sync = False
         rejected = False
+        if len(props_raw) > 1 and props_raw[0] & 1:  # per-message TTL: the queues need FeatureQueue
+            self._upgrade_queues(vhost, names)
         for name in names:
             q = queues.get((vhost, name))
             if q is None:
                 continue  # deleted between routing and arrival: as if unroutable
-            if q.max_length is None and q.max_bytes is None:
+            if q.__class__ is Queue:
                 q.store.append(ts, flags, exchange, routing_key, props_raw, body)
-            elif q.reject_publish and q.full():
-                rejected = True
+            elif not q.publish(ts, flags, exchange, routing_key, props_raw, body):
+                rejected = True  # x-overflow reject-publish: the publisher gets basic.nack
                 continue
-            else:
-                q.store.append(ts, flags, exchange, routing_key, props_raw, body)
-                if not q.reject_publish:
-                    q.drop_overflow()
             self._dirty_queues.add(q)
             if persistent and q.durable and self._fsync:
                 needs_sync = True
@@ -286,6 +304,93 @@ class ShardWorker:
                     self._confirms[key] = [seq]
                 else:
                     seqs.append(seq)
+
+    # ----------------------------------------------------------- features
+    def _upgrade_queues(self, vhost: str, names: list[str]) -> None:
+        for name in names:
+            q = self.queues.get((vhost, name))
+            if q is not None and q.__class__ is Queue:
+                defn = self.defs.queue(vhost, name)
+                if defn is not None:
+                    self._replace_queue(q, FeatureQueue.upgrade(q, defn, self))
+
+    def _replace_queue(self, old: Queue, new: Queue) -> None:
+        self.queues[(old.vhost, old.name)] = new
+        self.by_qid[old.qid] = new
+        for key, (q, c) in list(self.consumers.items()):
+            if q is old:
+                self.consumers[key] = (new, c)
+        if old in self._dirty_queues:
+            self._dirty_queues.discard(old)
+            self._dirty_queues.add(new)
+        old.deleted = True  # a pending timer or delivery of the old object does nothing
+
+    def mark_dirty(self, q: Queue) -> None:
+        self._dirty_queues.add(q)
+        self._schedule_deliver()
+
+    def request_node(self, op: str, args: dict) -> None:
+        self._request_node(op, args)
+
+    def dead_letter(self, q: FeatureQueue, reason: str, flags: int, exchange: str, routing_key: str,
+                    props_raw: bytes, body: bytes) -> None:
+        """Republish a message that left `q` for `reason` to its dead-letter exchange."""
+        try:
+            props, keys, deaths = dead_letter_props(props_raw, q.name, reason, exchange, routing_key,
+                                                    time.time())
+        except ValueError:
+            log.warning("shard %d: cannot dead-letter a message with malformed properties from %r",
+                        self.index, q.name)
+            return
+        vhost = q.vhost
+        dlx = q.dlx
+        rk = q.dlrk if q.dlrk is not None else routing_key
+        targets: dict[str, None] = {}
+        route = self.defs.route
+        for key in ([q.dlrk] if q.dlrk is not None else keys):
+            targets.update(dict.fromkeys(route(vhost, dlx, key, props)))
+        remote: dict[int, list[str]] = {}
+        ts = int(time.time() * 1000)
+        for name in targets:
+            if is_cycle(name, deaths):
+                log.debug("shard %d: dead-letter cycle to %r dropped", self.index, name)
+                continue
+            defn = self.defs.queue(vhost, name)
+            if defn is None:
+                continue
+            if defn.shard != self.index:
+                remote.setdefault(defn.shard, []).append(name)
+                continue
+            target = self.queues.get((vhost, name))
+            if target is None or target.deleted:
+                continue
+            if target.__class__ is Queue:
+                target.store.append(ts, flags, dlx, rk, props, body)
+            elif not target.publish(ts, flags, dlx, rk, props, body):
+                continue
+            self.mark_dirty(target)
+            if flags & 1 and target.durable:
+                self._sync_stores.add(target.store)
+        for shard, names in remote.items():
+            peer = self.peers.get(shard)
+            if peer is not None:
+                peer.put(None, [contract.PUBLISH, vhost, names, dlx, rk, props, body, bool(flags & 1),
+                                None, None, None])
+
+    def _connect_peers(self) -> None:
+        for i in range(int(self.settings.get("shards", 1))):
+            if i == self.index or i in self.peers:
+                continue
+            sock = make_socket(self.ctx, zmq.DEALER, self.ident)
+            sock.connect(contract.shard_address(self.run_dir, i))
+            self._peer_seq[i] = 0
+            self.peers[i] = BatchSocket(self.loop, sock, _ignore_batch, header_for=self._peer_header(i))
+
+    def _peer_header(self, shard: int) -> Callable[[bytes | None], list]:
+        def header(_dest: bytes | None) -> list:
+            self._peer_seq[shard] += 1
+            return [self.epochs.get(shard, 0), self._peer_seq[shard]]
+        return header
 
     @property
     def _fsync(self) -> bool:
@@ -421,10 +526,17 @@ class ShardWorker:
         await self.loop.run_in_executor(None, _sync_all, stores)
         for s in stores:
             s.close()
+        self.timers.close()
+        for peer in self.peers.values():
+            peer.close()
         self.data.close()
         self.node.close()
         log.info("shard %d stopped", self.index)
         self.stopped.set()
+
+
+def _ignore_batch(_ident: bytes | None, _header, _items: list) -> None:
+    """PROCESSED answers of other shards to forwarded dead letters: nothing waits on them."""
 
 
 def _sync_all(stores: list[QueueStore]) -> None:

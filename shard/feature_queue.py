@@ -1,0 +1,385 @@
+"""A queue with RabbitMQ's optional behaviours: TTL, dead-lettering, length limits,
+delivery limit, consumer timeout and queue expiry.
+
+Chosen when a queue is opened (``needs_features``) or, for a plain queue that
+receives a message carrying a per-message ``expiration``, swapped in for it
+(``upgrade``): a queue without any of these keeps running ``Queue``'s code
+untouched.
+
+Semantics follow RabbitMQ's classic queues:
+
+* TTL: a message expires ``min(x-message-ttl, expiration)`` ms after it was
+  enqueued (the record timestamp, so also across restarts). Expiry happens at
+  the head of the queue (a per-message TTL behind a longer-lived message waits
+  until it reaches the head), on the shard's timer heap at the head's
+  deadline, with or without consumers. TTL 0: delivered if a consumer can take
+  it in the turn it arrives, else expired.
+* Limits count ready messages (not unacked ones). ``drop-head`` dead-letters
+  the oldest (reason ``maxlen``); ``reject-publish`` refuses the new message
+  (confirm nack); ``reject-publish-dlx`` also dead-letters it.
+* ``x-delivery-limit`` (and ``x-queue-type: quorum``): each return of a
+  delivered message (nack/reject with requeue, channel closed) counts; the
+  redelivery carries ``x-delivery-count``; a message returned more than the
+  limit is dead-lettered (``delivery_limit``). Counts live in memory.
+* ``x-consumer-timeout``: an unacked delivery older than that closes its
+  channel with 406 (the frontend then requeues it through CHANNEL_CLOSED).
+* ``x-expires``: with no consumers and no basic.get for that long, the shard
+  asks the node to delete the queue.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from broker import contract
+from broker.amqp.properties import decode_properties, encode_properties
+from shard.consumers import ChannelRef, Consumer
+from shard.deadletter import DELIVERY_LIMIT, EXPIRED, MAXLEN, REJECTED, expiration_ms
+from shard.queue import Queue, Send
+from shard.store import QueueStore
+from shard.timers import now_ms
+
+if TYPE_CHECKING:
+    from shard.worker import ShardWorker
+
+_DELIVER = contract.DELIVER
+_CLOSE_CHANNEL = contract.CLOSE_CHANNEL
+
+# Queue arguments that need this class; a queue with none of them is a plain Queue.
+FEATURE_ARGS = frozenset((
+    "x-message-ttl", "x-expires", "x-dead-letter-exchange", "x-max-length", "x-max-length-bytes",
+    "x-delivery-limit", "x-consumer-timeout",
+))
+
+
+def needs_features(arguments: dict | None) -> bool:
+    if not arguments:
+        return False
+    return any(k in FEATURE_ARGS for k in arguments) or arguments.get("x-queue-type") == "quorum"
+
+
+def _int_arg(arguments: dict, key: str) -> int | None:
+    v = arguments.get(key)
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
+def _with_delivery_count(props_raw: bytes, count: int) -> bytes:
+    props = decode_properties(props_raw)
+    headers = dict(props.headers or {})
+    headers["x-delivery-count"] = count
+    props.headers = headers
+    return encode_properties(props)
+
+
+class FeatureQueue(Queue):
+    __slots__ = (
+        "shard", "ttl", "dlx", "dlrk", "max_length", "max_bytes", "overflow", "delivery_limit",
+        "count_returns", "returns", "consumer_timeout", "delivered_at", "expires", "last_used",
+        "_expire_requested", "_fresh_from", "_wake_at",
+    )
+
+    def __init__(self, qid: int, vhost: str, name: str, defn: Any, store: QueueStore,
+                 shard: ShardWorker) -> None:
+        super().__init__(qid, vhost, name, defn, store)
+        a = self.arguments
+        self.shard = shard
+        self.ttl = _int_arg(a, "x-message-ttl")
+        dlx = a.get("x-dead-letter-exchange")
+        self.dlx = dlx if isinstance(dlx, str) else None
+        dlrk = a.get("x-dead-letter-routing-key")
+        self.dlrk = dlrk if isinstance(dlrk, str) else None
+        self.max_length = _int_arg(a, "x-max-length")
+        self.max_bytes = _int_arg(a, "x-max-length-bytes")
+        self.overflow = a.get("x-overflow") or "drop-head"
+        self.delivery_limit = _int_arg(a, "x-delivery-limit")
+        self.count_returns = self.delivery_limit is not None or a.get("x-queue-type") == "quorum"
+        self.returns: dict[int, int] = {}  # msg_id -> times returned to the queue
+        self.consumer_timeout = _int_arg(a, "x-consumer-timeout")
+        self.delivered_at: dict[int, int] = {}  # msg_id -> delivery time (ms), oldest first
+        self.expires = _int_arg(a, "x-expires")
+        self.last_used = now_ms()
+        self._expire_requested = False
+        # Id of the first message appended in this turn: TTL 0 messages may still go to a consumer.
+        self._fresh_from: int | None = None
+        self._wake_at: int | None = None
+        if self.expires:
+            self._arm(self.last_used + self.expires)
+        if store.ready:
+            self._arm(now_ms())  # recovered messages may have expired while the node was down
+
+    @classmethod
+    def upgrade(cls, q: Queue, defn: Any, shard: ShardWorker) -> FeatureQueue:
+        """The same queue, with features (a plain queue got a message with a per-message TTL)."""
+        fq = cls(q.qid, q.vhost, q.name, defn, q.store, shard)
+        fq.consumers = q.consumers
+        fq.unacked = q.unacked
+        fq._rr = q._rr
+        fq.had_consumers = q.had_consumers
+        fq.exclusive_consumer = q.exclusive_consumer
+        return fq
+
+    # ----------------------------------------------------------------- publish
+    def publish(self, ts: int, flags: int, exchange: str, routing_key: str, props_raw: bytes,
+                body: bytes) -> bool:
+        """Enqueue one message; False when x-overflow refused it."""
+        store = self.store
+        limited = self.max_length is not None or self.max_bytes is not None
+        if limited and self.overflow != "drop-head" and self._full():
+            if self.overflow == "reject-publish-dlx":
+                self.shard.dead_letter(self, MAXLEN, flags, exchange, routing_key, props_raw, body)
+            return False
+        msg_id = store.append(ts, flags, exchange, routing_key, props_raw, body)
+        if self._fresh_from is None:
+            self._fresh_from = msg_id
+        if limited and self.overflow == "drop-head":
+            self._drop_overflow()
+        return True
+
+    def _full(self) -> bool:
+        store = self.store
+        return ((self.max_length is not None and store.ready >= self.max_length)
+                or (self.max_bytes is not None and store.ready_bytes >= self.max_bytes))
+
+    def _drop_overflow(self) -> None:
+        store = self.store
+        max_length, max_bytes = self.max_length, self.max_bytes
+        while store.ready and ((max_length is not None and store.ready > max_length)
+                               or (max_bytes is not None and store.ready_bytes > max_bytes)):
+            msg = store.drop_head()
+            if msg is None:
+                break
+            self.returns.pop(msg[0], None)
+            self._dead(MAXLEN, msg)
+
+    # ----------------------------------------------------------------- delivery
+    def deliver(self, send: Send) -> None:
+        now = now_ms()
+        consumers = self.consumers
+        store = self.store
+        if consumers and store.ready:
+            self._deliver_to(consumers, send, now)
+        self._fresh_from = None
+        head = self._expire_head(now)
+        self._arm_next(now, head)
+
+    def _deliver_to(self, consumers: list[Consumer], send: Send, now: int) -> None:
+        store = self.store
+        n = len(consumers)
+        unacked = self.unacked
+        qid = self.qid
+        fresh = self._fresh_from
+        returns = self.returns
+        timing = self.consumer_timeout is not None
+        idle = 0
+        i = self._rr
+        while idle < n and store.ready:
+            if i >= n:
+                i = 0
+            c = consumers[i]
+            i += 1
+            if not c.can_take():
+                idle += 1
+                continue
+            msg = store.shift()
+            if msg is None:
+                break
+            msg_id, redelivered, ts, _flags, exchange, routing_key, props_raw, body = msg
+            deadline = self._deadline(ts, props_raw)
+            if deadline is not None and deadline <= now and (fresh is None or msg_id < fresh or redelivered):
+                store.ack(msg_id)
+                returns.pop(msg_id, None)
+                self._dead(EXPIRED, msg)
+                i -= 1  # this consumer did not get anything: it keeps its turn
+                continue
+            idle = 0
+            if returns:
+                count = returns.get(msg_id)
+                if count:
+                    props_raw = _with_delivery_count(props_raw, count)
+            c.credit -= 1
+            if c.no_ack:
+                store.ack(msg_id)
+                returns.pop(msg_id, None)
+            else:
+                c.unacked += 1
+                c.chan.unacked += 1
+                unacked[msg_id] = c
+                if timing:
+                    self.delivered_at[msg_id] = now
+            send(c.fe, [_DELIVER, c.conn_id, c.channel, c.tag, qid, msg_id, redelivered,
+                        exchange, routing_key, props_raw, body])
+        self._rr = i
+
+    def get(self, chan: ChannelRef, no_ack: bool) -> list | None:
+        now = now_ms()
+        self._touch(now)
+        self._expire_head(now)
+        msg = self.store.shift()
+        if msg is None:
+            return None
+        msg_id, redelivered, _ts, _flags, exchange, routing_key, props_raw, body = msg
+        count = self.returns.get(msg_id)
+        if count:
+            props_raw = _with_delivery_count(props_raw, count)
+        if no_ack:
+            self.store.ack(msg_id)
+            self.returns.pop(msg_id, None)
+        else:
+            chan.unacked += 1
+            self.unacked[msg_id] = chan
+            if self.consumer_timeout is not None:
+                self.delivered_at[msg_id] = now
+        return [self.qid, msg_id, redelivered, exchange, routing_key, props_raw, body, self.store.ready]
+
+    # ----------------------------------------------------------------- settlement
+    def ack(self, msg_id: int, fe: bytes, conn_id: int, channel: int) -> bool:
+        if not super().ack(msg_id, fe, conn_id, channel):
+            return False
+        self.returns.pop(msg_id, None)
+        self.delivered_at.pop(msg_id, None)
+        return True
+
+    def nack(self, msg_id: int, fe: bytes, conn_id: int, channel: int, requeue: bool) -> bool:
+        owner = self.unacked.get(msg_id)
+        if owner is None or owner.conn_id != conn_id or owner.channel != channel or owner.fe != fe:
+            return False
+        del self.unacked[msg_id]
+        owner.settle()
+        self.delivered_at.pop(msg_id, None)
+        if requeue:
+            self._return(msg_id)
+        else:
+            self._dead_by_id(msg_id, REJECTED)
+        return True
+
+    def requeue_owned(self, match) -> int:
+        gone = [mid for mid, owner in self.unacked.items() if match(owner)]
+        for mid in sorted(gone):
+            owner = self.unacked.pop(mid)
+            owner.settle()
+            self.delivered_at.pop(mid, None)
+            self._return(mid)
+        return len(gone)
+
+    def purge(self) -> int:
+        unacked = self.unacked
+        self.returns = {k: v for k, v in self.returns.items() if k in unacked}
+        return super().purge()
+
+    def _return(self, msg_id: int) -> None:
+        if self.count_returns:
+            count = self.returns.get(msg_id, 0) + 1
+            limit = self.delivery_limit
+            if limit is not None and count > limit:
+                self.returns.pop(msg_id, None)
+                self._dead_by_id(msg_id, DELIVERY_LIMIT)
+                return
+            self.returns[msg_id] = count
+        self.store.requeue(msg_id)
+
+    # ----------------------------------------------------------------- consumers
+    def add_consumer(self, consumer: Consumer) -> None:
+        super().add_consumer(consumer)
+        self._expire_requested = False
+
+    def remove_consumer(self, consumer: Consumer) -> None:
+        super().remove_consumer(consumer)
+        if not self.consumers:
+            self._touch(now_ms())
+
+    # ----------------------------------------------------------------- dead-lettering
+    def _dead(self, reason: str, msg: tuple) -> None:
+        """A message that has left the queue for `reason`: to the DLX if there is one."""
+        if self.dlx is not None:
+            _id, _red, _ts, flags, exchange, routing_key, props_raw, body = msg
+            self.shard.dead_letter(self, reason, flags, exchange, routing_key, props_raw, body)
+
+    def _dead_by_id(self, msg_id: int, reason: str) -> None:
+        if self.dlx is not None:
+            _ts, flags, exchange, routing_key, props_raw, body = self.store.read(msg_id)
+            self.store.ack(msg_id)
+            self.shard.dead_letter(self, reason, flags, exchange, routing_key, props_raw, body)
+        else:
+            self.store.ack(msg_id)
+
+    # ----------------------------------------------------------------- time
+    def _deadline(self, ts: int, props_raw: bytes) -> int | None:
+        ttl = self.ttl
+        if len(props_raw) >= 2 and props_raw[0] & 0x01:  # expiration flag: decode only then
+            exp = expiration_ms(props_raw)
+            if exp is not None and (ttl is None or exp < ttl):
+                ttl = exp
+        return None if ttl is None else ts + ttl
+
+    def _expire_head(self, now: int) -> int | None:
+        """Dead-letter expired messages at the head; the head's deadline if it has one."""
+        store = self.store
+        fresh = self._fresh_from
+        while True:
+            msg = store.peek()
+            if msg is None:
+                return None
+            msg_id, redelivered, ts, _flags, _ex, _rk, props_raw, _body = msg
+            deadline = self._deadline(ts, props_raw)
+            if deadline is None or deadline > now:
+                return deadline
+            if fresh is not None and msg_id >= fresh and not redelivered:
+                return None  # arrived this turn: deliver() decides after offering it to consumers
+            store.drop_head()
+            self.returns.pop(msg_id, None)
+            self._dead(EXPIRED, msg)
+
+    def _touch(self, now: int) -> None:
+        self.last_used = now
+        self._expire_requested = False
+        if self.expires:
+            self._arm(now + self.expires)
+
+    def _arm(self, when: int) -> None:
+        if self._wake_at is None or when < self._wake_at:
+            self._wake_at = when
+            self.shard.timers.schedule(when, self._wake)
+
+    def _arm_next(self, now: int, head_deadline: int | None) -> None:
+        if head_deadline is not None:
+            self._arm(head_deadline)
+        if self.delivered_at:
+            self._arm(next(iter(self.delivered_at.values())) + self.consumer_timeout)
+        if self.expires and not self.consumers and not self._expire_requested:
+            self._arm(self.last_used + self.expires)
+
+    def _wake(self) -> None:
+        self._wake_at = None
+        if self.deleted:
+            return
+        now = now_ms()
+        if self.delivered_at:
+            self._check_consumer_timeout(now)
+        if self.expires and not self.consumers and not self._expire_requested \
+                and now >= self.last_used + self.expires:
+            self._expire_requested = True
+            self.shard.request_node("queue.expire", {"vhost": self.vhost, "queue": self.name})
+        self.shard.mark_dirty(self)  # deliver() expires the head and arms the next wake-up
+
+    def _check_consumer_timeout(self, now: int) -> None:
+        timeout = self.consumer_timeout
+        delivered_at = self.delivered_at
+        late = []
+        for msg_id, at in delivered_at.items():
+            if at + timeout > now:
+                break
+            late.append(msg_id)
+        closed = set()
+        for msg_id in late:
+            del delivered_at[msg_id]
+            owner = self.unacked.get(msg_id)
+            if owner is None:
+                continue
+            key = (owner.fe, owner.conn_id, owner.channel)
+            if key in closed:
+                continue
+            closed.add(key)
+            text = (f"PRECONDITION_FAILED - delivery acknowledgement on channel {owner.channel} timed out. "
+                    f"Timeout value used: {timeout} ms. This timeout value can be configured, see "
+                    "consumers doc guide to learn more")
+            self.shard.data.put(owner.fe, [_CLOSE_CHANNEL, owner.conn_id, owner.channel, 406, text])

@@ -1,0 +1,239 @@
+"""Dead-lettering on a real node with pika: reasons, x-death, routing, cycles, other shards, restart.
+
+The node has 2 shards; queue names are chosen so that source and dead-letter
+queues land on different shards where the test says so (placement is
+crc32(vhost NUL name) % shards, broker.definitions.queue_shard).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pika
+import pytest
+
+from broker.definitions import queue_shard
+
+WAIT = 10.0
+
+
+def uid(prefix: str = "q") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+def uid_on(shard: int, prefix: str = "q", shards: int = 2) -> str:
+    while True:
+        name = uid(prefix)
+        if queue_shard("/", name, shards) == shard:
+            return name
+
+
+@pytest.fixture
+def conn(shared_node):
+    connection = shared_node.connect()
+    yield connection
+    if connection.is_open:
+        connection.close()
+
+
+@pytest.fixture
+def ch(conn):
+    channel = conn.channel()
+    channel.confirm_delivery()
+    return channel
+
+
+def get_one(ch, queue: str, timeout: float = WAIT):
+    """basic.get until a message arrives (bounded); (method, properties, body)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        method, props, body = ch.basic_get(queue, auto_ack=True)
+        if method is not None:
+            return method, props, body
+        assert time.monotonic() < deadline, f"nothing arrived in {queue} within {timeout}s"
+        time.sleep(0.02)
+
+
+def count(ch, queue: str) -> int:
+    return ch.queue_declare(queue, passive=True).method.message_count
+
+
+def dlx_pair(ch, *, source_shard: int | None = None, dl_shard: int | None = None, **source_args):
+    """A fanout DLX bound to a dead-letter queue, and a source queue using it."""
+    dlx = uid("dlx")
+    ch.exchange_declare(dlx, "fanout", auto_delete=False)
+    dlq = uid_on(dl_shard) if dl_shard is not None else uid("dlq")
+    ch.queue_declare(dlq)
+    ch.queue_bind(dlq, dlx)
+    src = uid_on(source_shard) if source_shard is not None else uid("src")
+    ch.queue_declare(src, arguments={"x-dead-letter-exchange": dlx, **source_args})
+    return src, dlx, dlq
+
+
+def test_reject_without_requeue_dead_letters_with_x_death(ch):
+    src, dlx, dlq = dlx_pair(ch)
+    ch.basic_publish("", src, b"m1", pika.BasicProperties(headers={"app": "yes"}, message_id="id-1"))
+    method, _props, _body = get_one_unacked(ch, src)
+    ch.basic_reject(method.delivery_tag, requeue=False)
+    method, props, body = get_one(ch, dlq)
+    assert body == b"m1"
+    assert props.message_id == "id-1" and props.headers["app"] == "yes"
+    assert method.exchange == dlx and method.routing_key == src
+    death = props.headers["x-death"]
+    assert len(death) == 1
+    d = death[0]
+    assert d["count"] == 1 and d["reason"] == "rejected" and d["queue"] == src and d["exchange"] == ""
+    assert d["routing-keys"] == [src]
+    assert abs(d["time"].timestamp() - time.time()) < 60
+    assert "original-expiration" not in d
+    h = props.headers
+    assert (h["x-first-death-reason"], h["x-first-death-queue"], h["x-first-death-exchange"]) == ("rejected", src, "")
+    assert (h["x-last-death-reason"], h["x-last-death-queue"]) == ("rejected", src)
+    assert count(ch, src) == 0
+
+
+def get_one_unacked(ch, queue: str):
+    deadline = time.monotonic() + WAIT
+    while True:
+        method, props, body = ch.basic_get(queue, auto_ack=False)
+        if method is not None:
+            return method, props, body
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def test_nack_requeue_true_does_not_dead_letter(ch):
+    src, _dlx, dlq = dlx_pair(ch)
+    ch.basic_publish("", src, b"m")
+    method, _p, _b = get_one_unacked(ch, src)
+    ch.basic_nack(method.delivery_tag, requeue=True)
+    method, _p, body = get_one(ch, src)
+    assert method.redelivered and body == b"m"
+    assert count(ch, dlq) == 0
+
+
+def test_dead_letter_routing_key_replaces_the_routing_key(ch):
+    dlx = uid("dlx")
+    ch.exchange_declare(dlx, "direct")
+    dlq = uid("dlq")
+    ch.queue_declare(dlq)
+    ch.queue_bind(dlq, dlx, routing_key="dead")
+    src = uid("src")
+    ch.queue_declare(src, arguments={"x-dead-letter-exchange": dlx, "x-dead-letter-routing-key": "dead"})
+    ch.basic_publish("", src, b"x")
+    method, _p, _b = get_one_unacked(ch, src)
+    ch.basic_nack(method.delivery_tag, requeue=False)
+    method, props, body = get_one(ch, dlq)
+    assert body == b"x" and method.routing_key == "dead"
+    assert props.headers["x-death"][0]["routing-keys"] == [src]
+
+
+def test_default_exchange_as_dlx_routes_by_original_key_and_cc(ch):
+    """x-dead-letter-exchange "" with no routing key: routed by the original key and CC keys."""
+    dlq1, dlq2 = uid("dlq"), uid("dlq")
+    ch.queue_declare(dlq1)
+    ch.queue_declare(dlq2)
+    x = uid("x")
+    ch.exchange_declare(x, "direct")
+    src = uid("src")
+    ch.queue_declare(src, arguments={"x-dead-letter-exchange": "", "x-message-ttl": 0})
+    ch.queue_bind(src, x, routing_key=dlq1)
+    ch.queue_bind(src, x, routing_key=dlq2)
+    # Reaches src through dlq1's key (and CC dlq2's, deduplicated); expires at once (TTL 0, no consumer).
+    ch.basic_publish(x, dlq1, b"cc", pika.BasicProperties(headers={"CC": [dlq2]}))
+    for q in (dlq1, dlq2):
+        _m, props, body = get_one(ch, q)
+        assert body == b"cc"
+        assert props.headers["x-death"][0]["routing-keys"] == [dlq1, dlq2]
+        assert props.headers["x-death"][0]["reason"] == "expired"
+
+
+@pytest.mark.parametrize("placement", [(0, 1), (1, 0), (0, 0)], ids=["0to1", "1to0", "same"])
+def test_dead_letters_cross_shards(ch, placement):
+    src, _dlx, dlq = dlx_pair(ch, source_shard=placement[0], dl_shard=placement[1])
+    for i in range(20):
+        ch.basic_publish("", src, f"m{i}".encode())
+    for i in range(20):
+        method, _p, _b = get_one_unacked(ch, src)
+        ch.basic_reject(method.delivery_tag, requeue=False)
+    bodies = [get_one(ch, dlq)[2] for _ in range(20)]
+    assert bodies == [f"m{i}".encode() for i in range(20)]
+
+
+def test_missing_dlx_drops_the_message(ch):
+    src = uid("src")
+    ch.queue_declare(src, arguments={"x-dead-letter-exchange": uid("nonexistent")})
+    ch.basic_publish("", src, b"gone")
+    method, _p, _b = get_one_unacked(ch, src)
+    ch.basic_reject(method.delivery_tag, requeue=False)
+    assert count(ch, src) == 0
+
+
+def test_x_death_count_increments_and_moves_to_front(ch):
+    """Reject in A, dead-letter to B, reject in B back to A, reject in A again: A/rejected count 2, first."""
+    a, b = uid("a"), uid("b")
+    ch.queue_declare(a, arguments={"x-dead-letter-exchange": "", "x-dead-letter-routing-key": b})
+    ch.queue_declare(b, arguments={"x-dead-letter-exchange": "", "x-dead-letter-routing-key": a})
+    ch.basic_publish("", a, b"loop")
+    for q in (a, b, a):
+        method, _p, _b = get_one_unacked(ch, q)
+        ch.basic_reject(method.delivery_tag, requeue=False)
+    _m, props, body = get_one(ch, b)
+    deaths = props.headers["x-death"]
+    assert [(d["queue"], d["reason"], d["count"]) for d in deaths] == [(a, "rejected", 2), (b, "rejected", 1)]
+    assert props.headers["x-first-death-queue"] == a
+    assert props.headers["x-last-death-queue"] == a
+
+
+def test_expired_cycle_is_dropped(ch):
+    """A -> B -> A by TTL with no rejection: RabbitMQ drops it on the way back into A."""
+    a, b = uid("a"), uid("b")
+    ch.queue_declare(a, arguments={"x-dead-letter-exchange": "", "x-dead-letter-routing-key": b,
+                                   "x-message-ttl": 50})
+    ch.queue_declare(b, arguments={"x-dead-letter-exchange": "", "x-dead-letter-routing-key": a,
+                                   "x-message-ttl": 50})
+    ch.basic_publish("", a, b"cyc")
+    deadline = time.monotonic() + WAIT
+    while count(ch, a) + count(ch, b):
+        assert time.monotonic() < deadline, "the cycling message was never dropped"
+        time.sleep(0.05)
+    time.sleep(0.2)  # one more round would have put it back
+    assert count(ch, a) + count(ch, b) == 0
+
+
+def test_self_dead_letter_after_reject_is_not_a_cycle(ch):
+    """Dead-lettered back into the same queue after a client reject: kept (a client was involved)."""
+    a = uid("a")
+    ch.queue_declare(a, arguments={"x-dead-letter-exchange": "", "x-dead-letter-routing-key": a})
+    ch.basic_publish("", a, b"again")
+    method, _p, _b = get_one_unacked(ch, a)
+    ch.basic_reject(method.delivery_tag, requeue=False)
+    _m, props, body = get_one(ch, a)
+    assert body == b"again" and props.headers["x-death"][0]["reason"] == "rejected"
+
+
+def test_dead_lettered_message_survives_restart_with_x_death(node):
+    conn = node.connect()
+    ch = conn.channel()
+    ch.confirm_delivery()
+    dlq = uid_on(1, "dlq")
+    ch.queue_declare(dlq, durable=True)
+    src = uid_on(0, "src")
+    ch.queue_declare(src, durable=True, arguments={"x-dead-letter-exchange": "",
+                                                    "x-dead-letter-routing-key": dlq})
+    ch.basic_publish("", src, b"keep", pika.BasicProperties(delivery_mode=2))
+    method, _p, _b = get_one_unacked(ch, src)
+    ch.basic_reject(method.delivery_tag, requeue=False)
+    deadline = time.monotonic() + WAIT
+    while count(ch, dlq) != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    conn.close()
+    node.restart()
+    conn = node.connect()
+    ch = conn.channel()
+    _m, props, body = get_one(ch, dlq)
+    assert body == b"keep" and props.delivery_mode == 2
+    assert props.headers["x-death"][0]["queue"] == src
+    conn.close()
