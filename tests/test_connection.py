@@ -272,7 +272,8 @@ def test_channel_above_channel_max_closes_the_connection(shared_node):
         raw.open_channel(10)
         raw.send_method(11, C.Channel.Open())
         close = raw.connection_close()
-        # rabbit_reader: "channel number N is higher than the negotiated channel_max" is NOT_ALLOWED
+        # rabbit_reader:create_channel refuses a channel over channel_max with 530 NOT_ALLOWED (it
+        # counts open channels; the node also refuses a number above the max, with the same code)
         assert (close.reply_code, close.class_id, close.method_id) == (530, 20, 10)
         assert "channel_max" in close.reply_text
         assert raw.read_until_eof(5.0)
