@@ -229,6 +229,7 @@ class FeatureQueue(Queue):
             self.unacked[msg_id] = chan
             if self.consumer_timeout is not None:
                 self.delivered_at[msg_id] = now
+        self._arm_next(now, self._expire_head(now))  # a new head: its deadline
         return [self.qid, msg_id, redelivered, exchange, routing_key, props_raw, body, self.store.ready]
 
     # ----------------------------------------------------------------- settlement

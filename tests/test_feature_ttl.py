@@ -1,0 +1,214 @@
+"""Message TTL and queue expiry on a real node with pika.
+
+TTLs are small (100-300 ms); every wait for the broker to act is a bounded poll.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pika
+import pytest
+from pika.exceptions import ChannelClosedByBroker
+
+WAIT = 10.0
+
+
+def uid(prefix: str = "q") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def conn(shared_node):
+    connection = shared_node.connect()
+    yield connection
+    if connection.is_open:
+        connection.close()
+
+
+@pytest.fixture
+def ch(conn):
+    channel = conn.channel()
+    channel.confirm_delivery()
+    return channel
+
+
+def count(ch, queue: str) -> int:
+    return ch.queue_declare(queue, passive=True).method.message_count
+
+
+def wait_count(ch, queue: str, want: int, timeout: float = WAIT) -> None:
+    deadline = time.monotonic() + timeout
+    while (n := count(ch, queue)) != want:
+        assert time.monotonic() < deadline, f"{queue} has {n} messages, expected {want}"
+        time.sleep(0.02)
+
+
+def get_one(ch, queue: str, timeout: float = WAIT):
+    deadline = time.monotonic() + timeout
+    while True:
+        method, props, body = ch.basic_get(queue, auto_ack=True)
+        if method is not None:
+            return method, props, body
+        assert time.monotonic() < deadline, f"nothing arrived in {queue} within {timeout}s"
+        time.sleep(0.02)
+
+
+def test_queue_ttl_expires_without_a_consumer(ch):
+    q = uid()
+    ch.queue_declare(q, arguments={"x-message-ttl": 200})
+    for i in range(5):
+        ch.basic_publish("", q, b"x%d" % i)
+    assert count(ch, q) == 5  # confirmed well within 200 ms of each other on loopback
+    wait_count(ch, q, 0)
+
+
+def test_queue_ttl_keeps_fresh_messages(ch):
+    q = uid()
+    ch.queue_declare(q, arguments={"x-message-ttl": 60_000})
+    ch.basic_publish("", q, b"fresh")
+    time.sleep(0.3)
+    assert count(ch, q) == 1
+
+
+def test_expired_messages_are_dead_lettered_with_reason_expired(ch):
+    dlq = uid("dlq")
+    ch.queue_declare(dlq)
+    q = uid()
+    ch.queue_declare(q, arguments={"x-message-ttl": 100, "x-dead-letter-exchange": "",
+                                   "x-dead-letter-routing-key": dlq})
+    ch.basic_publish("", q, b"old", pika.BasicProperties(expiration="50"))
+    _m, props, body = get_one(ch, dlq)
+    assert body == b"old"
+    d = props.headers["x-death"][0]
+    assert d["reason"] == "expired" and d["queue"] == q
+    # The per-message TTL is kept as original-expiration and removed from the message.
+    assert d["original-expiration"] == "50"
+    assert props.expiration is None
+    assert count(ch, q) == 0
+
+
+def test_per_message_expiration_on_a_plain_queue(ch):
+    q = uid()
+    ch.queue_declare(q)
+    ch.basic_publish("", q, b"short", pika.BasicProperties(expiration="150"))
+    ch.basic_publish("", q, b"plain")
+    wait_count(ch, q, 1)
+    _m, _p, body = get_one(ch, q)
+    assert body == b"plain"
+
+
+def test_per_message_ttl_expires_at_the_head_only(ch):
+    """A short per-message TTL behind a long-lived message waits for the head (RabbitMQ semantics)."""
+    q = uid()
+    ch.queue_declare(q)
+    ch.basic_publish("", q, b"long", pika.BasicProperties(expiration="60000"))
+    ch.basic_publish("", q, b"short", pika.BasicProperties(expiration="100"))
+    time.sleep(0.3)
+    assert count(ch, q) == 2
+    _m, _p, body = get_one(ch, q)
+    assert body == b"long"
+    # "short" is at the head now and long past its TTL: gone before it can be fetched.
+    wait_count(ch, q, 0)
+    assert ch.basic_get(q, auto_ack=True)[0] is None
+
+
+def test_lower_of_queue_and_message_ttl_applies(ch):
+    q = uid()
+    ch.queue_declare(q, arguments={"x-message-ttl": 60_000})
+    ch.basic_publish("", q, b"m", pika.BasicProperties(expiration="100"))
+    wait_count(ch, q, 0)
+
+
+def test_ttl_zero_expires_without_consumer(ch):
+    q = uid()
+    ch.queue_declare(q, arguments={"x-message-ttl": 0})
+    ch.basic_publish("", q, b"now-or-never")
+    wait_count(ch, q, 0)
+
+
+def test_ttl_zero_is_delivered_to_a_waiting_consumer(conn, ch):
+    q = uid()
+    ch.queue_declare(q, arguments={"x-message-ttl": 0})
+    got = []
+    cch = conn.channel()
+    cch.basic_consume(q, lambda c, m, p, b: got.append(b), auto_ack=True)
+    for i in range(5):
+        ch.basic_publish("", q, b"n%d" % i)
+    deadline = time.monotonic() + WAIT
+    while len(got) < 5:
+        assert time.monotonic() < deadline, got
+        conn.process_data_events(time_limit=0.05)
+    assert got == [b"n%d" % i for i in range(5)]
+
+
+def test_requeued_message_keeps_its_expiry(ch):
+    q = uid()
+    ch.queue_declare(q, arguments={"x-message-ttl": 300})
+    ch.basic_publish("", q, b"r")
+    method, _p, _b = ch.basic_get(q, auto_ack=False)
+    assert method is not None
+    time.sleep(0.4)
+    ch.basic_nack(method.delivery_tag, requeue=True)
+    wait_count(ch, q, 0)
+
+
+def test_x_expires_deletes_an_unused_queue(conn, ch):
+    q = uid()
+    ch.queue_declare(q, arguments={"x-expires": 200})
+    deadline = time.monotonic() + WAIT
+    while True:
+        probe = conn.channel()
+        try:
+            probe.queue_declare(q, passive=True)
+        except ChannelClosedByBroker as exc:
+            assert exc.reply_code == 404
+            break
+        probe.close()
+        assert time.monotonic() < deadline, "x-expires queue still there"
+        time.sleep(0.05)
+
+
+def test_x_expires_waits_while_a_consumer_is_attached(conn, ch):
+    q = uid()
+    ch.queue_declare(q, arguments={"x-expires": 150})
+    tag = ch.basic_consume(q, lambda *a: None, auto_ack=True)
+    time.sleep(0.4)
+    assert ch.queue_declare(q, passive=True).method.consumer_count == 1
+    ch.basic_cancel(tag)
+    deadline = time.monotonic() + WAIT
+    while True:
+        probe = conn.channel()
+        try:
+            probe.queue_declare(q, passive=True)
+        except ChannelClosedByBroker:
+            break
+        probe.close()
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_ttl_still_applies_after_restart(node):
+    conn = node.connect()
+    ch = conn.channel()
+    ch.confirm_delivery()
+    q, dlq = uid(), uid("dlq")
+    ch.queue_declare(dlq, durable=True)
+    ch.queue_declare(q, durable=True, arguments={"x-message-ttl": 1500, "x-dead-letter-exchange": "",
+                                                 "x-dead-letter-routing-key": dlq})
+    ch.basic_publish("", q, b"t", pika.BasicProperties(delivery_mode=2))
+    p = uid()
+    ch.queue_declare(p, durable=True)
+    ch.basic_publish("", p, b"p", pika.BasicProperties(delivery_mode=2, expiration="1500"))
+    conn.close()
+    node.stop()
+    time.sleep(1.6)  # both expired while the node was down
+    node.start()
+    conn = node.connect()
+    ch = conn.channel()
+    wait_count(ch, q, 0)
+    wait_count(ch, p, 0)
+    _m, props, body = get_one(ch, dlq)
+    assert body == b"t" and props.headers["x-death"][0]["reason"] == "expired"
+    conn.close()
