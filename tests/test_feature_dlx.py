@@ -154,7 +154,7 @@ def test_dead_letters_cross_shards(ch, placement):
     src, _dlx, dlq = dlx_pair(ch, source_shard=placement[0], dl_shard=placement[1])
     for i in range(20):
         ch.basic_publish("", src, f"m{i}".encode())
-    for i in range(20):
+    for _ in range(20):
         method, _p, _b = get_one_unacked(ch, src)
         ch.basic_reject(method.delivery_tag, requeue=False)
     bodies = [get_one(ch, dlq)[2] for _ in range(20)]

@@ -1,0 +1,137 @@
+"""x-delivery-limit / x-delivery-count and x-consumer-timeout on a real node (pika, aio-pika)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import aio_pika
+import pytest
+from pika.exceptions import ChannelClosedByBroker
+
+WAIT = 10.0
+
+
+def uid(prefix: str = "q") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def conn(shared_node):
+    connection = shared_node.connect()
+    yield connection
+    if connection.is_open:
+        connection.close()
+
+
+@pytest.fixture
+def ch(conn):
+    channel = conn.channel()
+    channel.confirm_delivery()
+    return channel
+
+
+def get_unacked(ch, queue: str):
+    deadline = time.monotonic() + WAIT
+    while True:
+        method, props, body = ch.basic_get(queue, auto_ack=False)
+        if method is not None:
+            return method, props, body
+        assert time.monotonic() < deadline, f"nothing in {queue}"
+        time.sleep(0.02)
+
+
+def count(ch, queue: str) -> int:
+    return ch.queue_declare(queue, passive=True).method.message_count
+
+
+def test_delivery_count_header_and_limit_dead_letters(ch):
+    dlq = uid("dlq")
+    ch.queue_declare(dlq)
+    q = uid()
+    ch.queue_declare(q, arguments={"x-delivery-limit": 2, "x-dead-letter-exchange": "",
+                                   "x-dead-letter-routing-key": dlq})
+    ch.basic_publish("", q, b"poison")
+    seen = []
+    for _ in range(3):  # delivered limit + 1 times
+        method, props, body = get_unacked(ch, q)
+        seen.append((props.headers or {}).get("x-delivery-count"))
+        ch.basic_nack(method.delivery_tag, requeue=True)
+    assert seen == [None, 1, 2]
+    method, props, body = get_unacked(ch, dlq)
+    assert body == b"poison"
+    assert props.headers["x-death"][0]["reason"] == "delivery_limit"
+    assert props.headers["x-death"][0]["queue"] == q
+    assert count(ch, q) == 0
+
+
+def test_delivery_limit_counts_channel_close_returns(conn, ch):
+    q = uid()
+    ch.queue_declare(q, arguments={"x-delivery-limit": 0})
+    ch.basic_publish("", q, b"once")
+    other = conn.channel()
+    method, _p, _b = get_unacked(other, q)
+    other.close()  # returned once: more than 0, dropped (no DLX)
+    deadline = time.monotonic() + WAIT
+    while count(ch, q) != 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    time.sleep(0.1)
+    assert ch.basic_get(q, auto_ack=True)[0] is None
+
+
+def test_quorum_type_redelivery_carries_delivery_count(ch):
+    q = uid()
+    ch.queue_declare(q, durable=True, arguments={"x-queue-type": "quorum"})
+    ch.basic_publish("", q, b"qq")
+    method, props, _b = get_unacked(ch, q)
+    assert not (props.headers or {}).get("x-delivery-count")
+    ch.basic_reject(method.delivery_tag, requeue=True)
+    method, props, _b = get_unacked(ch, q)
+    assert method.redelivered and props.headers["x-delivery-count"] == 1
+    ch.basic_ack(method.delivery_tag)
+
+
+def test_consumer_timeout_closes_the_channel_with_406(conn, ch):
+    q = uid()
+    ch.queue_declare(q, arguments={"x-consumer-timeout": 200})
+    ch.basic_publish("", q, b"slow")
+    cch = conn.channel()
+    got = []
+    with pytest.raises(ChannelClosedByBroker) as info:
+        for method, _props, _body in cch.consume(q, inactivity_timeout=WAIT):
+            assert method is not None, "the channel was not closed"
+            got.append(method.delivery_tag)
+    assert got, "the message was never delivered"
+    assert info.value.reply_code == 406
+    assert info.value.reply_text.startswith(f"PRECONDITION_FAILED - delivery acknowledgement on channel "
+                                            f"{cch.channel_number} timed out")
+    # The unacked message went back to the queue with the channel.
+    deadline = time.monotonic() + WAIT
+    while count(ch, q) != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def test_consumer_timeout_spares_a_consumer_that_acks(shared_node):
+    async def run() -> list[bytes]:
+        connection = await aio_pika.connect(shared_node.url)
+        async with connection:
+            channel = await connection.channel()
+            await channel.set_qos(prefetch_count=1)  # the timeout runs per delivery, from its delivery
+            q = await channel.declare_queue(uid(), arguments={"x-consumer-timeout": 300})
+            for i in range(5):
+                await channel.default_exchange.publish(aio_pika.Message(b"a%d" % i), routing_key=q.name)
+            got = []
+            async with q.iterator() as it:
+                async for message in it:
+                    await asyncio.sleep(0.1)  # each within the timeout; together well past it
+                    await message.ack()
+                    got.append(message.body)
+                    if len(got) == 5:
+                        break
+            assert not channel.is_closed
+            return got
+
+    assert asyncio.run(asyncio.wait_for(run(), WAIT)) == [b"a%d" % i for i in range(5)]
