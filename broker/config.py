@@ -60,6 +60,10 @@ class Settings:
     # "fsync": confirm after a batched fsync; "none": confirm after the page-cache write.
     sync: str = "fsync"
     log_level: str = "info"
+    # RabbitMQ-style definitions JSON (policies, operator policies, vhost limits), re-read on SIGHUP.
+    definitions: str | None = None
+    # 1: the frontend sets the timestamp property (seconds) of a published message that has none.
+    set_timestamp: int = 0
     config_file: str | None = None
 
     @property
@@ -110,6 +114,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("sync", "str", "main", "confirm after a batched fsync or after the page-cache write",
            choices=SYNC_POLICIES),
     Option("log_level", "str", "main", "log level of the node and its workers", choices=LOG_LEVELS),
+    Option("definitions", "path", "main",
+           "definitions JSON (policies, operator_policies, vhost-limits) loaded at boot and on SIGHUP"),
     Option("bind", "str", "amqp", "address the AMQP listener binds"),
     Option("port", "int", "amqp", "AMQP port", 1, 65535),
     Option("heartbeat", "int", "amqp", "heartbeat seconds offered to clients (0 = off)", 0, 65535),
@@ -121,6 +127,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("default_pass", "str", "amqp", "password of the user created on first boot", has_flag=False),
     Option("loopback_users", "list", "amqp",
            "users that may log in from loopback only ('none' = no one)"),
+    Option("set_timestamp", "int", "amqp", "1 = stamp published messages that have no timestamp", 0, 1),
 )
 OPTIONS_BY_NAME = {opt.name: opt for opt in OPTIONS}
 INI_SECTIONS = ("main", "amqp")
@@ -179,7 +186,8 @@ def _describe_default(opt: Option) -> str:
 
 
 _METAVARS = {"int": "N", "path": "DIR", "list": "USERS", "str": "VALUE", "bind": "ADDR",
-             "default_user": "USER", "sync": "POLICY", "log_level": "LEVEL"}
+             "default_user": "USER", "sync": "POLICY", "log_level": "LEVEL",
+             "definitions": "FILE"}
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):

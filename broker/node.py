@@ -21,10 +21,11 @@ from typing import Any
 import zmq
 
 from broker import contract
-from broker.amqp.errors import AMQPError
+from broker.amqp.errors import AMQPConnectionError, AMQPError
 from broker.config import Settings
 from broker.datadir import DataDir, DataDirLocked
 from broker.definitions import Definitions
+from broker.definitions_file import plan_from_file, read_definitions_file
 from broker.defstore import DefStore
 from broker.process import install_uvloop
 from broker.supervisor import Supervisor, WorkerProcess
@@ -55,6 +56,9 @@ class Node:
         self._tasks: set[asyncio.Task] = set()
         self.stopped = asyncio.Event()
         self._shards_ready = asyncio.Event()
+        # Connections counted against max-connections: vhost -> {(frontend, conn_id)}. Frontends
+        # register a connection only while its vhost has that limit (see docs/features.md).
+        self.vhost_conns: dict[str, set[tuple]] = {}
 
     # ------------------------------------------------------------------ life
     async def start(self) -> None:
@@ -63,6 +67,11 @@ class Node:
         self.defs = self.defstore.load(default_user=s.default_user, default_pass=s.default_pass)
         self.defs.loopback_users = tuple(s.loopback_users)
         self.defs.rebalance(s.shards)
+        if s.definitions:
+            ops = plan_from_file(self.defs, read_definitions_file(s.definitions))
+            self.defs.apply_all(ops)
+            self.defstore.record(ops)
+            self.defstore.sync()
         # After load only durable queues exist: every other queue directory is left over.
         self.datadir.remove_stale_queues(
             {(v.name, q) for v in self.defs.vhosts.values() for q in v.queues})
@@ -124,6 +133,8 @@ class Node:
                     fut.set_result(None)
         else:
             self._broadcast("shard", [contract.WORKER_DOWN, "frontend", worker.index])
+            for owners in self.vhost_conns.values():
+                owners.difference_update([o for o in owners if o[0] == worker.index])
             ops = self.defs.ops_for_owner_gone([worker.index])
             if ops:
                 self._spawn_task(self._commit(ops))
@@ -259,11 +270,52 @@ class Node:
             ops = plan(vhost, a.get("source", ""), "exchange", a.get("destination", ""),
                        a.get("routing_key", ""), a.get("arguments") or {}, owner)
         elif op == "connection.closed":
+            for owners in self.vhost_conns.values():
+                owners.discard(tuple(owner))
             ops = defs.ops_for_owner_gone(list(owner))
+        elif op == "connection.open":
+            return self._count_connection(vhost, tuple(owner), a.get("user", ""))
         else:
             raise AMQPError(540, f"NOT_IMPLEMENTED - unknown request {op}")
         await self._commit(ops)
         return {}
+
+    def _count_connection(self, vhost: str, owner: tuple, user: str) -> dict:
+        limit = self.defs.vhost_limits(vhost).get("max-connections")
+        owners = self.vhost_conns.setdefault(vhost, set())
+        if limit is not None and owner not in owners and len(owners) >= limit:
+            raise AMQPConnectionError(530, f"access to vhost '{vhost}' refused for user '{user}': "
+                                           f"connection limit ({limit}) is reached", 10, 40)
+        owners.add(owner)
+        return {}
+
+    # ------------------------------------------------- policies, limits (Python API)
+    async def set_policy(self, vhost: str, name: str, pattern: str, definition: dict, priority: int = 0,
+                         apply_to: str = "all", operator: bool = False) -> None:
+        """Set a policy (or operator policy); applied to existing queues/exchanges on every worker."""
+        await self._commit(self.defs.plan_policy_put(vhost, name, pattern, definition, priority, apply_to,
+                                                     operator))
+
+    async def delete_policy(self, vhost: str, name: str, operator: bool = False) -> None:
+        await self._commit(self.defs.plan_policy_delete(vhost, name, operator))
+
+    async def set_vhost_limits(self, vhost: str, limits: dict) -> None:
+        """Set max-connections / max-queues of a vhost (a negative value removes a limit)."""
+        await self._commit(self.defs.plan_vhost_limits(vhost, limits))
+
+    async def reload_definitions(self) -> None:
+        """Re-read the --definitions file (SIGHUP) and apply what changed."""
+        path = self.settings.definitions
+        if not path:
+            log.warning("SIGHUP: no definitions file configured")
+            return
+        try:
+            ops = plan_from_file(self.defs, read_definitions_file(path))
+        except (OSError, ValueError, KeyError) as exc:
+            log.error("definitions file %s not applied: %s", path, exc)
+            return
+        await self._commit(ops)
+        log.info("definitions file %s applied (%d changes)", path, len(ops))
 
     async def _queue_info(self, vhost: str, name: str) -> dict | None:
         q = self.defs.queue(vhost, name)
@@ -333,6 +385,7 @@ async def _main(settings: Settings) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: loop.create_task(node.stop()))
+    loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(node.reload_definitions()))
     try:
         await node.start()
     except DataDirLocked as exc:

@@ -25,6 +25,7 @@ Semantics follow RabbitMQ:
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 Dest = tuple[str, str]
@@ -282,18 +283,117 @@ class HeadersTable:
         return _entry(found)
 
 
+def _jump_hash(key: int, buckets: int) -> int:
+    """Jump consistent hash (Lamping & Veach): the bucket of a 64-bit key among ``buckets``."""
+    b, j = -1, 0
+    while j < buckets:
+        b = j
+        key = (key * 2862933555777941757 + 1) & 0xFFFFFFFFFFFFFFFF
+        j = int((b + 1) * ((1 << 31) / ((key >> 33) + 1)))
+    return b
+
+
+def consistent_hash_weight(routing_key: str) -> int | None:
+    """The weight a consistent-hash binding key stands for, or None when it is not a positive integer."""
+    try:
+        weight = int(routing_key)
+    except (TypeError, ValueError):
+        return None
+    return weight if weight > 0 else None
+
+
+class ConsistentHashTable:
+    """RabbitMQ's x-consistent-hash: each binding owns ``weight`` buckets (its key is the weight).
+
+    The routing key, or the header named by the exchange's ``hash-header`` (or
+    ``x-hash-on``) argument, is hashed (CRC32 folded to 64 bits) and placed
+    with jump consistent hashing, so the same key always reaches the same
+    destination while the bindings stay the same, and destinations receive
+    shares proportional to their weights.
+    """
+
+    __slots__ = ("_bindings", "_buckets", "header")
+
+    def __init__(self, arguments: dict | None = None) -> None:
+        args = arguments or {}
+        header = args.get("hash-header", args.get("x-hash-on"))
+        if isinstance(header, (bytes, bytearray)):
+            header = bytes(header).decode("utf-8", "replace")
+        self.header: str | None = header if isinstance(header, str) and header else None
+        self._bindings: list[tuple[Dest, str]] = []
+        self._buckets: list[Entry] = []
+
+    def _rebuild(self) -> None:
+        buckets: list[Entry] = []
+        for dest, routing_key in sorted(self._bindings):
+            entry = _entry({dest: 1})
+            buckets.extend([entry] * (consistent_hash_weight(routing_key) or 0))
+        self._buckets = buckets
+
+    def add(self, dest: Dest, routing_key: str, arguments: dict | None) -> None:
+        self._bindings.append((dest, routing_key))
+        self._rebuild()
+
+    def remove(self, dest: Dest, routing_key: str, arguments: dict | None) -> None:
+        try:
+            self._bindings.remove((dest, routing_key))
+        except ValueError:
+            return
+        self._rebuild()
+
+    def match(self, routing_key: str, headers: dict | None = None) -> Entry:
+        buckets = self._buckets
+        if not buckets:
+            return EMPTY
+        if self.header is not None:
+            value = (headers or {}).get(self.header)
+            if value is None:
+                return EMPTY
+            data = value if isinstance(value, (bytes, bytearray)) else str(value).encode()
+        else:
+            data = routing_key.encode()
+        h = zlib.crc32(data)
+        key = (h << 32) | zlib.crc32(data, h)
+        return buckets[_jump_hash(key, len(buckets))]
+
+
 TABLES = {
     "direct": DirectTable,
     "fanout": FanoutTable,
     "topic": TopicTable,
     "headers": HeadersTable,
+    "x-consistent-hash": ConsistentHashTable,
 }
 
-EXCHANGE_TYPES = tuple(TABLES)
+DELAYED_TYPE = "x-delayed-message"
+EXCHANGE_TYPES = (*TABLES, DELAYED_TYPE)
 
 
-def new_table(exchange_type: str) -> DirectTable | FanoutTable | TopicTable | HeadersTable:
-    return TABLES[exchange_type]()
+def delayed_type_error(arguments: dict | None) -> str | None:
+    """RabbitMQ's refusal text when an x-delayed-message exchange lacks a valid x-delayed-type."""
+    value = (arguments or {}).get("x-delayed-type")
+    if isinstance(value, (bytes, bytearray)):
+        value = bytes(value).decode("utf-8", "replace")
+    if value in TABLES:
+        return None
+    return "Invalid argument, 'x-delayed-type' must be an existing exchange type"
+
+
+def routing_type(exchange_type: str, arguments: dict | None = None) -> str:
+    """The type whose table routes for an exchange (a delayed exchange routes as its x-delayed-type)."""
+    if exchange_type == DELAYED_TYPE:
+        value = (arguments or {}).get("x-delayed-type", "direct")
+        if isinstance(value, (bytes, bytearray)):
+            value = bytes(value).decode("utf-8", "replace")
+        return value if value in TABLES else "direct"
+    return exchange_type
+
+
+def new_table(exchange_type: str, arguments: dict | None = None) -> Any:
+    kind = routing_type(exchange_type, arguments)
+    if kind == "x-consistent-hash":
+        return ConsistentHashTable(arguments)
+    return TABLES[kind]()
 
 
 def x_match_error(arguments: dict | None) -> str | None:

@@ -87,7 +87,8 @@ SAMPLES = {
     "data_dir": "/tmp/shardmq-sample", "frontends": "3", "shards": "7", "segment_size": "1048576",
     "sync": "none", "log_level": "debug", "bind": "0.0.0.0", "port": "4000", "heartbeat": "5",
     "frame_max": "8192", "channel_max": "16", "max_message_size": "1000", "default_user": "bob",
-    "default_pass": "secret", "loopback_users": "none",
+    "default_pass": "secret", "loopback_users": "none", "definitions": "/tmp/shardmq-defs.json",
+    "set_timestamp": "1",
 }
 
 
