@@ -135,3 +135,26 @@ def test_consumer_timeout_spares_a_consumer_that_acks(shared_node):
             return got
 
     assert asyncio.run(asyncio.wait_for(run(), WAIT)) == [b"a%d" % i for i in range(5)]
+
+
+@pytest.mark.parametrize("qtype, kwargs, text", [
+    ("stream", {"durable": True}, "invalid arg 'x-queue-type' for queue '{q}' in vhost '/': stream queues"),
+    ("fancy", {"durable": True}, "invalid arg 'x-queue-type' for queue '{q}' in vhost '/': unsupported queue type"),
+    ("quorum", {"durable": False}, "invalid property 'non-durable' for queue '{q}' in vhost '/'"),
+    ("quorum", {"durable": True, "exclusive": True}, "invalid property 'exclusive-owner' for queue '{q}'"),
+    ("quorum", {"durable": True, "auto_delete": True}, "invalid property 'auto-delete' for queue '{q}'"),
+])
+def test_unsupported_queue_types_are_refused_with_406(conn, qtype, kwargs, text):
+    q = uid()
+    channel = conn.channel()
+    with pytest.raises(ChannelClosedByBroker) as info:
+        channel.queue_declare(q, arguments={"x-queue-type": qtype}, **kwargs)
+    assert info.value.reply_code == 406
+    assert info.value.reply_text.startswith("PRECONDITION_FAILED - " + text.format(q=q)), info.value.reply_text
+
+
+def test_classic_queue_type_is_accepted(ch):
+    q = uid()
+    ch.queue_declare(q, arguments={"x-queue-type": "classic"})
+    ch.basic_publish("", q, b"c")
+    assert count(ch, q) == 1
