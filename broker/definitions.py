@@ -55,11 +55,24 @@ from decimal import Decimal
 from typing import Any
 
 from broker.amqp.errors import AMQPChannelError, AMQPConnectionError
+from broker.policies import (
+    POLICY_OPS,
+    Policy,
+    best_match,
+    effective_exchange_arguments,
+    effective_queue_arguments,
+    merge_operator,
+    policy_attrs,
+)
 from broker.routing import (
+    DELAYED_TYPE,
     EXCHANGE_TYPES,
     _norm,
     amqp_type_name,
+    consistent_hash_weight,
+    delayed_type_error,
     new_table,
+    routing_type,
     x_match_error,
 )
 
@@ -121,7 +134,7 @@ BindingKey = tuple  # (source, dest_kind, dest, routing_key, normalized argument
 
 class Exchange:
     __slots__ = ("name", "type", "durable", "auto_delete", "internal", "arguments", "table", "alternate",
-                 "bindings")
+                 "bindings", "needs_headers", "delayed")
 
     def __init__(self, name: str, type: str, durable: bool, auto_delete: bool, internal: bool,
                  arguments: dict) -> None:
@@ -131,10 +144,21 @@ class Exchange:
         self.auto_delete = auto_delete
         self.internal = internal
         self.arguments = arguments
-        self.table = new_table(type)
-        alt = arguments.get("alternate-exchange")
-        self.alternate: str | None = alt if isinstance(alt, str) else None
+        self.table = new_table(type, arguments)
+        kind = routing_type(type, arguments)
+        # Routing decodes the message headers only for tables that look at them.
+        self.needs_headers = kind == "headers" or getattr(self.table, "header", None) is not None
+        self.alternate: str | None = None
+        self.delayed = False  # messages with an x-delay header wait in a shard first
+        self.set_policy({})
         self.bindings: set[BindingKey] = set()  # bindings with this exchange as source
+
+    def set_policy(self, policy: dict) -> None:
+        """Recompute what a policy can change: the alternate exchange and delayed routing."""
+        eff = effective_exchange_arguments(self.arguments, policy)
+        alt = eff.get("alternate-exchange")
+        self.alternate = alt if isinstance(alt, str) else None
+        self.delayed = self.type == DELAYED_TYPE or eff.get("delayed-message") is True
 
     def attrs(self) -> dict:
         return {"type": self.type, "durable": self.durable, "auto_delete": self.auto_delete,
@@ -174,10 +198,13 @@ class User:
 
 
 class VHost:
-    __slots__ = ("name", "exchanges", "queues", "bindings", "by_dest")
+    __slots__ = ("name", "exchanges", "queues", "bindings", "by_dest", "policies", "operator_policies", "limits")
 
     def __init__(self, name: str) -> None:
         self.name = name
+        self.policies: dict[str, Policy] = {}
+        self.operator_policies: dict[str, Policy] = {}
+        self.limits: dict[str, int] = {}  # "max-connections", "max-queues"
         self.exchanges: dict[str, Exchange] = {}
         self.queues: dict[str, Queue] = {}
         self.bindings: dict[BindingKey, dict] = {}  # key -> arguments as given
@@ -356,7 +383,7 @@ class Definitions:
         x = v.exchanges.get(exchange)
         if x is None:
             return ()
-        if x.type == "headers":
+        if x.needs_headers:
             entry = x.table.match(routing_key, _headers_of(props_raw))
         else:
             entry = x.table.match(routing_key)
@@ -381,7 +408,7 @@ class Definitions:
             x2 = v.exchanges.get(name)
             if x2 is None or not name:
                 continue
-            if x2.type == "headers":
+            if x2.needs_headers:
                 if headers is seen:
                     headers = _headers_of(props_raw)
                 q2, e2 = x2.table.match(routing_key, headers)
@@ -393,6 +420,104 @@ class Definitions:
             if not q2 and not e2 and x2.alternate is not None:
                 work.append(x2.alternate)
         return list(found)
+
+    # ----------------------------------------------------------------- policies
+    @staticmethod
+    def _policy_of(v: VHost, kind: str, name: str) -> dict:
+        """The merged policy definition applying to an entity (operator policies on top, queues only)."""
+        p = best_match(v.policies.values(), kind, name)
+        definition = p.definition if p is not None else {}
+        if kind == "queue" and v.operator_policies:
+            op = best_match(v.operator_policies.values(), kind, name)
+            if op is not None:
+                definition = merge_operator(definition, op.definition)
+        return definition
+
+    def effective_policy(self, vhost: str, kind: str, name: str) -> dict:
+        """The merged policy definition (policy keys, no x- prefix) for a "queue" or "exchange"."""
+        v = self.vhosts.get(vhost)
+        return self._policy_of(v, kind, name) if v is not None else {}
+
+    def effective_arguments(self, vhost: str, kind: str, name: str) -> dict:
+        """Arguments of a queue or exchange with the applying policies combined in.
+
+        Queues: the declared arguments plus the policy keys under their ``x-``
+        names (``x-max-length``, ``x-message-ttl``, ``x-expires``,
+        ``x-overflow``, ``x-dead-letter-exchange``, ``x-dead-letter-routing-key``,
+        ``x-delivery-limit``, ``x-max-age``); numeric limits take the smaller
+        value, other keys the queue's own argument. Exchanges: the arguments
+        plus ``alternate-exchange``/``delayed-message`` from the policy when
+        the argument is absent. {} when the entity does not exist.
+        """
+        v = self.vhosts.get(vhost)
+        if v is None:
+            return {}
+        if kind == "queue":
+            q = v.queues.get(name)
+            if q is None:
+                return {}
+            return effective_queue_arguments(q.arguments, self._policy_of(v, "queue", name))
+        x = v.exchanges.get(name)
+        if x is None:
+            return {}
+        return effective_exchange_arguments(x.arguments, self._policy_of(v, "exchange", name))
+
+    def policies(self, vhost: str, operator: bool = False) -> dict[str, dict]:
+        v = self.vhosts.get(vhost)
+        if v is None:
+            return {}
+        table = v.operator_policies if operator else v.policies
+        return {n: p.attrs() for n, p in table.items()}
+
+    def vhost_limits(self, vhost: str) -> dict[str, int]:
+        v = self.vhosts.get(vhost)
+        return dict(v.limits) if v is not None else {}
+
+    def plan_policy_put(self, vhost: str, name: str, pattern: str, definition: dict, priority: int = 0,
+                        apply_to: str = "all", operator: bool = False) -> list[list]:
+        """Ops setting a (operator) policy; raises ValueError on an invalid one, KeyError on no vhost."""
+        if vhost not in self.vhosts:
+            raise KeyError(f"no vhost '{vhost}'")
+        attrs = policy_attrs(pattern, plain(definition), priority, apply_to, operator)
+        return [["operator_policy.put" if operator else "policy.put", vhost, name, attrs]]
+
+    def plan_policy_delete(self, vhost: str, name: str, operator: bool = False) -> list[list]:
+        v = self.vhosts.get(vhost)
+        table = (v.operator_policies if operator else v.policies) if v is not None else {}
+        if name not in table:
+            return []
+        return [["operator_policy.delete" if operator else "policy.delete", vhost, name]]
+
+    def plan_vhost_limits(self, vhost: str, limits: dict) -> list[list]:
+        """Ops setting a vhost's limits (max-connections, max-queues; a negative value removes one)."""
+        if vhost not in self.vhosts:
+            raise KeyError(f"no vhost '{vhost}'")
+        clean = {}
+        for key, value in limits.items():
+            if key not in ("max-connections", "max-queues"):
+                raise ValueError(f"unknown vhost limit '{key}'")
+            if not _is_int(value):
+                raise ValueError(f"vhost limit '{key}' must be an integer, got {value!r}")
+            if value >= 0:
+                clean[key] = value
+        return [["vhost.limits", vhost, clean]]
+
+    def _apply_policy(self, op: Sequence) -> None:
+        v = self.vhosts.get(op[1])
+        if v is None:
+            return
+        table = v.operator_policies if op[0].startswith("operator_") else v.policies
+        if op[0].endswith(".put"):
+            table[op[2]] = Policy.from_attrs(op[2], op[3])
+        else:
+            table.pop(op[2], None)
+        for x in v.exchanges.values():
+            x.set_policy(self._policy_of(v, "exchange", x.name))
+
+    def _apply_vhost_limits(self, op: Sequence) -> None:
+        v = self.vhosts.get(op[1])
+        if v is not None:
+            v.limits = {k: int(n) for k, n in (op[2] or {}).items()}
 
     # -------------------------------------------------------------------- apply
     def apply(self, op: Sequence) -> None:
@@ -445,6 +570,7 @@ class Definitions:
         x = Exchange(name, a["type"], bool(a.get("durable")), bool(a.get("auto_delete")),
                      bool(a.get("internal")), dict(a.get("arguments") or {}))
         v.exchanges[name] = x
+        x.set_policy(self._policy_of(v, "exchange", name))
         if old is not None:
             x.bindings = old.bindings
             for key in old.bindings:
@@ -546,7 +672,10 @@ class Definitions:
                     if not (src.durable and dst.durable):
                         continue
                 bindings.append([key[0], key[1], key[2], key[3], args])
-            vhosts[vname] = {"exchanges": exchanges, "queues": queues, "bindings": bindings}
+            vhosts[vname] = {"exchanges": exchanges, "queues": queues, "bindings": bindings,
+                             "policies": {n: p.attrs() for n, p in v.policies.items()},
+                             "operator_policies": {n: p.attrs() for n, p in v.operator_policies.items()},
+                             "limits": dict(v.limits)}
         return {
             "version": self.version,
             "vhosts": vhosts,
@@ -561,6 +690,11 @@ class Definitions:
         defs.vhosts = {}
         for vname, vd in d.get("vhosts", {}).items():
             defs._apply_vhost_put(["vhost.put", vname])
+            for pname, attrs in vd.get("policies", {}).items():
+                defs._apply_policy(["policy.put", vname, pname, attrs])
+            for pname, attrs in vd.get("operator_policies", {}).items():
+                defs._apply_policy(["operator_policy.put", vname, pname, attrs])
+            defs._apply_vhost_limits(["vhost.limits", vname, vd.get("limits", {})])
             for xname, attrs in vd.get("exchanges", {}).items():
                 defs._apply_exchange_declare(["exchange.declare", vname, xname, attrs])
             for qname, attrs in vd.get("queues", {}).items():
@@ -611,6 +745,10 @@ class Definitions:
             return []
         if name.startswith("amq."):
             raise _channel(ACCESS_REFUSED, f"exchange name '{name}' contains reserved prefix 'amq.*'", method)
+        if type == DELAYED_TYPE:
+            err = delayed_type_error(args)
+            if err is not None:
+                raise _channel(PRECONDITION_FAILED, err, method)
         ae = args.get("alternate-exchange")
         if ae is not None and not isinstance(ae, str):
             raise _channel(PRECONDITION_FAILED, f"invalid type '{amqp_type_name(ae)}' for arg "
@@ -703,6 +841,10 @@ class Definitions:
             self._check_args_equivalence(q.arguments, args, where, QUEUE_EQUIVALENCE_ARGS, method)
             return [], name
         _check_queue_args(name, vhost, args, eff_durable, exclusive, bool(auto_delete))
+        limit = v.limits.get("max-queues")
+        if limit is not None and len(v.queues) >= limit:
+            raise _channel(PRECONDITION_FAILED, f"cannot declare queue '{name}': queue limit in vhost "
+                           f"'{vhost}' ({limit}) is reached", method)
         attrs = {"durable": eff_durable, "exclusive_owner": list(want_owner) if want_owner else None,
                  "auto_delete": bool(auto_delete), "arguments": args,
                  "shard": queue_shard(vhost, name, shard_count)}
@@ -777,10 +919,13 @@ class Definitions:
         method = QUEUE_BIND if dest_kind == "queue" else EXCHANGE_BIND
         self._check_binding_ends(v, source, dest_kind, dest, tuple(owner) if owner is not None else None, method)
         args = plain(arguments or {})
-        if v.exchanges[source].type == "headers":
+        kind = routing_type(v.exchanges[source].type, v.exchanges[source].arguments)
+        if kind == "headers":
             err = x_match_error(args)
             if err is not None:
                 raise _channel(PRECONDITION_FAILED, err, method)
+        elif kind == "x-consistent-hash" and consistent_hash_weight(routing_key) is None:
+            raise _channel(PRECONDITION_FAILED, f"The binding key must be an integer: '{routing_key}'", method)
         if binding_key(source, dest_kind, dest, routing_key, args) in v.bindings:
             return []
         return [["bind", vhost, source, dest_kind, dest, routing_key, args]]
@@ -881,4 +1026,6 @@ _APPLY = {
     "queue.shard": Definitions._apply_queue_shard,
     "bind": Definitions._apply_bind,
     "unbind": Definitions._apply_unbind,
+    "vhost.limits": Definitions._apply_vhost_limits,
+    **{name: Definitions._apply_policy for name in POLICY_OPS},
 }
