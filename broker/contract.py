@@ -105,7 +105,10 @@ RECOVER = 27  # [RECOVER, conn_id, channel]  requeue this channel's unacked mess
 CHANNEL_CLOSED = 28  # [CHANNEL_CLOSED, conn_id, channel]  cancel its consumers, requeue its unacked
 CONNECTION_CLOSED = 29  # [CONNECTION_CLOSED, conn_id]
 PURGE = 30  # [PURGE, req_id, vhost, queue] -> REPLY_DATA {"messages": purged_count}
-CREDIT = 31  # [CREDIT, conn_id, channel, consumer_tag, n]  frontend wrote n no-ack deliveries out
+CREDIT = 31  # [CREDIT, conn_id, channel, consumer_tag, n]  frontend wrote n deliveries out
+# QUEUE_INFO: [QUEUE_INFO, req_id, vhost, queue] -> REPLY_DATA {"messages", "consumers"}. Asked on the
+# data path (not through the node) so the counts include every publish this frontend sent before.
+QUEUE_INFO = 32
 
 # --------------------------------------------------------------------------
 # Data plane: shard -> frontend

@@ -47,6 +47,7 @@ CLOSING = 2  # we sent channel.close and wait for close-ok
 CLOSED = 3
 
 _PUBLISH = contract.PUBLISH
+_QUEUE_INFO = contract.QUEUE_INFO
 _ACK = contract.ACK
 _NACK = contract.NACK
 
@@ -439,14 +440,24 @@ class Channel:
         if method.exclusive:
             conn.had_exclusive = True
 
+        def declare_ok(name: str, info: dict) -> None:
+            if not nowait:
+                self._send(C.Queue.DeclareOk(name, int(info.get("messages", 0)), int(info.get("consumers", 0))))
+
         def ok(result: dict) -> None:
             name = result.get("queue", method.queue)
             self.last_queue = name
             if method.exclusive and not method.passive:
                 conn.exclusive_queues.add(name)
-            if not nowait:
-                self._send(C.Queue.DeclareOk(name, int(result.get("messages", 0)),
-                                             int(result.get("consumers", 0))))
+            q = conn.worker.defs.queue(conn.vhost, name)
+            if nowait or q is None:
+                declare_ok(name, result)
+                return
+            # The node's counts may miss publishes this frontend has not yet delivered to the
+            # shard; asking the shard on the same (ordered) socket as those publishes includes them.
+            vhost = conn.vhost
+            self._shard_request(q.shard, lambda req_id: [_QUEUE_INFO, req_id, vhost, name],
+                                lambda info: declare_ok(name, info), method)
 
         self._node_request("queue.declare", method, ok)
 

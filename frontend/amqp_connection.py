@@ -487,11 +487,15 @@ class AMQPConnection(asyncio.Protocol):
             return
         try:
             try:
+                # on_ok may chain another request (which blocks the backlog again): only drain
+                # the backlog when it did not.
+                ch.backlog.busy = False
                 if ok:
                     on_ok(result if isinstance(result, dict) else {})
                 else:
                     ch.reply_error(result, class_id, method_id)
-                ch.reply_done()
+                if not ch.backlog.busy:
+                    ch.reply_done()
             except AMQPChannelError as exc:
                 if exc.code in CONNECTION_LEVEL_CODES:
                     raise AMQPConnectionError(exc.code, exc.text, exc.class_id, exc.method_id) from None

@@ -19,6 +19,7 @@ import zmq
 
 from broker import contract
 from broker.definitions import Definitions
+from broker.policies import POLICY_OPS
 from broker.zmqio import BatchSocket, make_socket
 from shard.consumers import ChannelRef, Consumer
 from shard.deadletter import dead_letter_props, has_expiration, is_cycle
@@ -130,14 +131,17 @@ class ShardWorker:
                     self._open_queue(vhost, name)
             elif kind == "queue.delete":
                 self._delete_queue(op[1], op[2])
+            elif kind in POLICY_OPS:
+                self._apply_policies(op[1])
         self.node.put(None, [contract.APPLIED, version])
 
     def _open_queue(self, vhost: str, name: str) -> None:
         defn = self.defs.queue(vhost, name)
         path = queue_dir(self.settings["data_dir"], vhost, name)
         store = QueueStore(path, segment_size=int(self.settings.get("segment_size", 8 << 20)))
-        if needs_features(defn.arguments):
-            q = FeatureQueue(self._next_qid, vhost, name, defn, store, self)
+        args = self.defs.effective_arguments(vhost, "queue", name)
+        if needs_features(args):
+            q = FeatureQueue(self._next_qid, vhost, name, defn, store, self, args)
         else:
             q = Queue(self._next_qid, vhost, name, defn, store)
             if store.ready:
@@ -255,6 +259,14 @@ class ShardWorker:
             self._requeue_where(lambda o: o.fe == fe and o.conn_id == conn_id)
             for key in [k for k in self.channels if k[0] == fe and k[1] == conn_id]:
                 del self.channels[key]
+        elif kind == contract.QUEUE_INFO:
+            _, req_id, vhost, name = item
+            q = self.queues.get((vhost, name))
+            if q is None:
+                self.data.put(fe, [contract.REPLY_DATA, req_id, False,
+                                   [404, f"NOT_FOUND - no queue '{name}' in vhost '{vhost}'", 50, 10]])
+            else:
+                self.data.put(fe, [contract.REPLY_DATA, req_id, True, q.info()])
         elif kind == contract.PURGE:
             _, req_id, vhost, name = item
             q = self.queues.get((vhost, name))
@@ -324,6 +336,19 @@ class ShardWorker:
             self._dirty_queues.discard(old)
             self._dirty_queues.add(new)
         old.deleted = True  # a pending timer or delivery of the old object does nothing
+
+    def _apply_policies(self, vhost: str) -> None:
+        """A policy changed in `vhost`: queues here take their new effective arguments."""
+        for (qv, name), q in list(self.queues.items()):
+            if qv != vhost:
+                continue
+            args = self.defs.effective_arguments(vhost, "queue", name)
+            if q.__class__ is Queue:
+                if needs_features(args):
+                    self._replace_queue(q, FeatureQueue.upgrade(q, self.defs.queue(vhost, name), self, args))
+            else:
+                q.configure(args)
+                self.mark_dirty(q)
 
     def mark_dirty(self, q: Queue) -> None:
         self._dirty_queues.add(q)
