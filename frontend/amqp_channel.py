@@ -34,6 +34,7 @@ from broker.amqp.properties import decode_properties, delivery_mode
 from frontend.backlog import Backlog
 from frontend.confirms import ConfirmTracker
 from frontend.delivery_tags import DeliveryTags, group_by_shard
+from frontend.publish_extras import delay_ms, may_have_cc, sender_routes, with_timestamp
 from frontend.replies import error_from_reply, plain
 
 if TYPE_CHECKING:
@@ -72,7 +73,7 @@ class Consumer:
 class Channel:
     __slots__ = (
         "conn", "number", "state", "backlog", "confirm", "tags", "consumers", "prefetch_count",
-        "global_prefetch", "held", "shards", "last_queue", "tx", "_handlers",
+        "global_prefetch", "held", "shards", "last_queue", "tx", "tx_commit", "extras", "_handlers",
     )
 
     def __init__(self, conn: AMQPConnection, number: int) -> None:
@@ -91,6 +92,9 @@ class Channel:
         self.shards: set[int] = set()
         self.last_queue: str | None = None
         self.tx: list | None = None  # events buffered in tx mode
+        self.tx_commit: ConfirmTracker | None = None  # publishes of a tx.commit not yet confirmed
+        # Publishes need the slow path (server timestamp on, direct reply-to consumer on this channel).
+        self.extras = bool(conn.worker.settings.get("set_timestamp"))
         self._handlers = _HANDLERS
 
     # ------------------------------------------------------------------ dispatch
@@ -258,7 +262,12 @@ class Channel:
                 self._check_user_id(decode_properties(props_raw).user_id)
         except ValueError as exc:
             raise AMQPConnectionError(SYNTAX_ERROR, f"malformed content properties: {exc}", 60, 40) from None
-        queues = defs.route(vhost, exchange, ev.routing_key, props_raw)
+        if self.extras or ex.delayed or may_have_cc(props_raw):
+            props_raw, queues = self._publish_extras(ex, ev, props_raw)
+            if queues is None:
+                return  # delayed: handed to a shard
+        else:
+            queues = defs.route(vhost, exchange, ev.routing_key, props_raw)
         confirm = self.confirm
         if not queues:
             if ev.mandatory:
@@ -293,6 +302,35 @@ class Channel:
                                          ev.body, persistent, conn_id, self.number, seq])
                 conn.confirm_shards.add(shard)
 
+    def _publish_extras(self, ex: Any, ev: E.Publish, props_raw: bytes) -> tuple[bytes, Any]:
+        """CC/BCC, server timestamp, delayed exchanges: (properties, queues or None if delayed)."""
+        conn = self.conn
+        try:
+            if conn.worker.settings.get("set_timestamp"):
+                props_raw = with_timestamp(props_raw)
+            keys: list[str] = []
+            if may_have_cc(props_raw):
+                props_raw, keys = sender_routes(props_raw)
+        except ValueError as exc:
+            raise AMQPConnectionError(SYNTAX_ERROR, f"malformed content properties: {exc}", 60, 40) from None
+        if ex.delayed:
+            delay = delay_ms(props_raw)
+            if delay is not None and delay > 0:
+                self._publish_delayed(ex, ev, props_raw, delay)
+                return props_raw, None
+        route = conn.worker.defs.route
+        vhost = conn.vhost
+        queues = route(vhost, ev.exchange, ev.routing_key, props_raw)
+        if keys:
+            found = dict.fromkeys(queues)
+            for key in keys:
+                found.update(dict.fromkeys(route(vhost, ev.exchange, key, props_raw)))
+            queues = list(found)
+        return props_raw, queues
+
+    def _publish_delayed(self, ex: Any, ev: E.Publish, props_raw: bytes, delay: int) -> None:
+        raise AMQPConnectionError(NOT_IMPLEMENTED, "x-delay is not supported yet", 60, 40)
+
     def _check_user_id(self, user_id: str | None) -> None:
         """RabbitMQ's validated user-id: a publish may only claim the user it authenticated as."""
         user = self.conn.user
@@ -306,6 +344,18 @@ class Channel:
         if confirm is not None and self.state == OPEN:
             confirm.confirm(seqs, ok)
             self.conn.confirm_dirty(self)
+        elif self.tx_commit is not None:
+            self.tx_commit.confirm(seqs, ok)
+            self._maybe_commit_ok()
+
+    def _maybe_commit_ok(self) -> None:
+        tracker = self.tx_commit
+        if tracker is None or tracker.unconfirmed:
+            return
+        self.tx_commit = None
+        if self.state == OPEN:
+            self._send(C.Tx.CommitOk())
+            self.backlog.unblock()
 
     def emit_confirms(self) -> None:
         confirm = self.confirm
@@ -602,6 +652,8 @@ class Channel:
             raise AMQPChannelError(PRECONDITION_FAILED, "channel is not transactional", 90, 20)
         pending = self.tx
         self.tx = None
+        # Publishes go out as in confirm mode (internally): commit-ok waits for every shard's confirm.
+        tracker = self.confirm = ConfirmTracker()
         try:
             for ev in pending:
                 cls = ev.__class__
@@ -614,9 +666,14 @@ class Channel:
                 elif cls is E.Reject:
                     self.nack(ev.delivery_tag, False, ev.requeue, 60, 90)
         finally:
+            self.confirm = None
             if self.state == OPEN:
                 self.tx = []
-        self._send(C.Tx.CommitOk())
+        if self.state != OPEN:
+            return
+        self.tx_commit = tracker
+        self.backlog.block()
+        self._maybe_commit_ok()
 
     def m_tx_rollback(self, method: C.Tx.Rollback) -> None:
         if self.tx is None:

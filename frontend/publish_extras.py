@@ -1,0 +1,102 @@
+"""Publish-time features that need the message properties decoded.
+
+Kept off the plain path: the channel calls into this module only when a cheap
+byte test says it may be needed (the headers flag plus a ``CC``/``BCC`` key in
+the raw table, the reply-to flag plus the pseudo-queue name, a delay header on
+a delayed exchange, or the server-timestamp setting). Everything here decodes
+the properties with pamqp and re-encodes them only when they must change.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from broker.amqp.properties import decode_headers, decode_properties, encode_properties
+
+# First flag octet of props_raw: headers (0x2000) and reply-to (0x0200) are in it; the
+# second octet holds timestamp (0x0040).
+HEADERS_BIT = 0x20
+REPLY_TO_BIT = 0x02
+TIMESTAMP_BIT = 0x40
+
+REPLY_TO_QUEUE = "amq.rabbitmq.reply-to"
+_CC_MARK = b"\x02CC"
+_BCC_MARK = b"\x03BCC"
+_REPLY_MARK = REPLY_TO_QUEUE.encode()
+_DELAY_MARK = b"\x07x-delay"
+
+
+def may_have_cc(props_raw: bytes) -> bool:
+    """False when the message certainly carries no CC/BCC header (a memmem, no decoding)."""
+    return (len(props_raw) > 1 and props_raw[0] & HEADERS_BIT != 0
+            and (_CC_MARK in props_raw or _BCC_MARK in props_raw))
+
+
+def may_reply_to_pseudo_queue(props_raw: bytes) -> bool:
+    return len(props_raw) > 1 and props_raw[0] & REPLY_TO_BIT != 0 and _REPLY_MARK in props_raw
+
+
+def _strs(value: Any) -> list[str]:
+    if not isinstance(value, (list, tuple)):
+        return []
+    out = []
+    for v in value:
+        if isinstance(v, (bytes, bytearray)):
+            out.append(bytes(v).decode("utf-8", "replace"))
+        elif isinstance(v, str):
+            out.append(v)
+    return out
+
+
+def sender_routes(props_raw: bytes) -> tuple[bytes, list[str]]:
+    """(properties to store, extra routing keys) for sender-selected distribution.
+
+    The CC and BCC headers (arrays of strings) add routing keys on the same
+    exchange; BCC is removed from the stored properties, so properties are
+    re-encoded only when BCC is present.
+    """
+    headers = decode_headers(props_raw) or {}
+    keys = _strs(headers.get("CC")) + _strs(headers.get("BCC"))
+    if "BCC" in headers:
+        props = decode_properties(props_raw)
+        hdrs = dict(props.headers or {})
+        hdrs.pop("BCC", None)
+        props.headers = hdrs
+        props_raw = encode_properties(props)
+    return props_raw, keys
+
+
+def with_timestamp(props_raw: bytes) -> bytes:
+    """Properties with the timestamp set to now when the message has none."""
+    if len(props_raw) > 1 and props_raw[1] & TIMESTAMP_BIT:
+        return props_raw
+    props = decode_properties(props_raw)
+    props.timestamp = datetime.fromtimestamp(int(time.time()), UTC)
+    return encode_properties(props)
+
+
+def with_reply_to(props_raw: bytes, reply_to: str) -> bytes:
+    props = decode_properties(props_raw)
+    props.reply_to = reply_to
+    return encode_properties(props)
+
+
+def reply_to_of(props_raw: bytes) -> str | None:
+    return decode_properties(props_raw).reply_to
+
+
+def delay_ms(props_raw: bytes) -> int | None:
+    """The x-delay header in milliseconds, or None when absent or not a number."""
+    if len(props_raw) < 2 or not props_raw[0] & HEADERS_BIT or _DELAY_MARK not in props_raw:
+        return None
+    value = (decode_headers(props_raw) or {}).get("x-delay")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, (bytes, str)):
+            try:
+                return int(value)
+            except ValueError:
+                return None
+        return None
+    return int(value)

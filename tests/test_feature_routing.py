@@ -1,0 +1,169 @@
+"""Routing features on a real node: CC/BCC, consistent-hash exchange, server timestamp.
+
+(Alternate exchanges by argument are covered in tests/test_exchanges.py; by policy in
+tests/test_feature_policies.py.)
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pika
+import pytest
+
+
+def uid(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def conn(shared_node):
+    c = shared_node.connect()
+    yield c
+    if c.is_open:
+        c.close()
+
+
+@pytest.fixture
+def ch(conn):
+    return conn.channel()
+
+
+def get_all(ch, queue: str, limit: int = 10_000) -> list:
+    out = []
+    while len(out) < limit:
+        method, props, body = ch.basic_get(queue, auto_ack=True)
+        if method is None:
+            return out
+        out.append((props, body))
+    return out
+
+
+def wait_count(ch, queue: str, n: int, timeout: float = 10.0) -> int:
+    deadline = time.monotonic() + timeout
+    while True:
+        count = ch.queue_declare(queue, passive=True).method.message_count
+        if count >= n or time.monotonic() > deadline:
+            return count
+        time.sleep(0.02)
+
+
+# ------------------------------------------------------------------ CC / BCC
+def test_cc_and_bcc_add_routing_keys_and_bcc_is_stripped(ch):
+    x = uid("ccx")
+    ch.exchange_declare(x, "direct", auto_delete=True)
+    qs = {k: ch.queue_declare(uid(k), exclusive=True).method.queue for k in ("main", "cc1", "cc2", "bcc", "none")}
+    for key, q in qs.items():
+        ch.queue_bind(q, x, key)
+    ch.confirm_delivery()
+    headers = {"CC": ["cc1", "cc2", "main"], "BCC": ["bcc"], "other": "kept"}
+    ch.basic_publish(x, "main", b"hello", pika.BasicProperties(headers=headers, message_id="m1"))
+    for key in ("main", "cc1", "cc2", "bcc"):
+        got = get_all(ch, qs[key])
+        assert [b for _, b in got] == [b"hello"], key  # one copy each, also for "main" listed twice
+        props = got[0][0]
+        assert props.message_id == "m1"
+        assert "BCC" not in props.headers
+        assert props.headers["CC"] == ["cc1", "cc2", "main"]
+        assert props.headers["other"] == "kept"
+    assert get_all(ch, qs["none"]) == []
+
+
+def test_cc_only_keeps_properties_byte_identical_and_topic_cc(ch):
+    x = uid("cct")
+    ch.exchange_declare(x, "topic", auto_delete=True)
+    qa = ch.queue_declare(uid("a"), exclusive=True).method.queue
+    qb = ch.queue_declare(uid("b"), exclusive=True).method.queue
+    ch.queue_bind(qa, x, "a.#")
+    ch.queue_bind(qb, x, "b.*")
+    ch.confirm_delivery()
+    ch.basic_publish(x, "a.x", b"1", pika.BasicProperties(headers={"CC": ["b.y"]}))
+    ch.basic_publish(x, "a.x", b"2", pika.BasicProperties(headers={"CC": "not-an-array"}))
+    assert [b for _, b in get_all(ch, qa)] == [b"1", b"2"]
+    got = get_all(ch, qb)
+    assert [b for _, b in got] == [b"1"]
+    assert got[0][0].headers == {"CC": ["b.y"]}
+
+
+def test_bcc_only_routes_to_default_exchange_queue(ch):
+    q1 = ch.queue_declare(uid("d1"), exclusive=True).method.queue
+    q2 = ch.queue_declare(uid("d2"), exclusive=True).method.queue
+    ch.confirm_delivery()
+    ch.basic_publish("", q1, b"x", pika.BasicProperties(headers={"BCC": [q2]}))
+    for q in (q1, q2):
+        got = get_all(ch, q)
+        assert [b for _, b in got] == [b"x"]
+        assert got[0][0].headers == {}
+
+
+# ------------------------------------------------------------ consistent hash
+def test_consistent_hash_weighted_distribution_and_stability(ch):
+    x = uid("chx")
+    ch.exchange_declare(x, "x-consistent-hash", auto_delete=True)
+    weights = [1, 1, 2, 4]
+    qs = []
+    for w in weights:
+        q = ch.queue_declare(uid(f"ch{w}"), exclusive=True).method.queue
+        ch.queue_bind(q, x, str(w))
+        qs.append(q)
+    ch.confirm_delivery()
+    n = 4000
+    for i in range(n):
+        ch.basic_publish(x, f"key-{i}", b"%d" % i)
+    counts = [len(get_all(ch, q)) for q in qs]
+    assert sum(counts) == n  # every message reaches exactly one queue
+    total_w = sum(weights)
+    for w, c in zip(weights, counts, strict=True):
+        expected = n * w / total_w
+        assert 0.6 * expected < c < 1.4 * expected, (weights, counts)
+    # The same routing key always lands in the same queue.
+    for _ in range(20):
+        ch.basic_publish(x, "sticky-key", b"s")
+    assert sorted(len(get_all(ch, q)) for q in qs) == [0, 0, 0, 20]
+
+
+def test_consistent_hash_on_header_and_bad_weight(conn, ch):
+    x = uid("chh")
+    ch.exchange_declare(x, "x-consistent-hash", auto_delete=True, arguments={"hash-header": "user"})
+    qs = [ch.queue_declare(uid("hh"), exclusive=True).method.queue for _ in range(3)]
+    for q in qs:
+        ch.queue_bind(q, x, "10")
+    ch.confirm_delivery()
+    for i in range(30):
+        # Different routing keys, same header: one queue gets them all.
+        ch.basic_publish(x, f"rk-{i}", b"u", pika.BasicProperties(headers={"user": "alice"}))
+    ch.basic_publish(x, "rk", b"no header")  # unrouted without the header
+    counts = sorted(len(get_all(ch, q)) for q in qs)
+    assert counts == [0, 0, 30]
+    ch2 = conn.channel()
+    with pytest.raises(pika.exceptions.ChannelClosedByBroker) as err:
+        ch2.queue_bind(qs[0], x, "heavy")
+    assert err.value.reply_code == 406
+
+
+# ------------------------------------------------------------ server timestamp
+def test_set_timestamp_setting(node_factory):
+    node = node_factory(name="ts", frontends=1, shards=1, extra_args=["--set-timestamp", "1"])
+    c = node.connect()
+    try:
+        ch = c.channel()
+        q = ch.queue_declare("", exclusive=True).method.queue
+        ch.confirm_delivery()
+        before = int(time.time())
+        ch.basic_publish("", q, b"a", pika.BasicProperties(content_type="text/plain"))
+        ch.basic_publish("", q, b"b", pika.BasicProperties(timestamp=12345))
+        got = get_all(ch, q)
+        after = int(time.time())
+        assert before <= got[0][0].timestamp <= after
+        assert got[0][0].content_type == "text/plain"
+        assert got[1][0].timestamp == 12345  # a client's own timestamp is kept
+    finally:
+        c.close()
+
+
+def test_no_timestamp_by_default(ch):
+    q = ch.queue_declare("", exclusive=True).method.queue
+    ch.confirm_delivery()
+    ch.basic_publish("", q, b"a")
+    assert get_all(ch, q)[0][0].timestamp is None
