@@ -79,10 +79,22 @@ class FeatureQueue(Queue):
     )
 
     def __init__(self, qid: int, vhost: str, name: str, defn: Any, store: QueueStore,
-                 shard: ShardWorker) -> None:
+                 shard: ShardWorker, arguments: dict | None = None) -> None:
         super().__init__(qid, vhost, name, defn, store)
-        a = self.arguments
         self.shard = shard
+        self.returns: dict[int, int] = {}  # msg_id -> times returned to the queue
+        self.delivered_at: dict[int, int] = {}  # msg_id -> delivery time (ms), oldest first
+        self.last_used = now_ms()
+        self._expire_requested = False
+        # Id of the first message appended in this turn: TTL 0 messages may still go to a consumer.
+        self._fresh_from: int | None = None
+        self._wake_at: int | None = None
+        self.configure(self.arguments if arguments is None else arguments)
+        if store.ready:
+            self._arm(now_ms())  # recovered messages may have expired while the node was down
+
+    def configure(self, a: dict) -> None:
+        """Take the (effective: arguments with policies folded in) settings; may be called again."""
         self.ttl = _int_arg(a, "x-message-ttl")
         dlx = a.get("x-dead-letter-exchange")
         self.dlx = dlx if isinstance(dlx, str) else None
@@ -93,24 +105,16 @@ class FeatureQueue(Queue):
         self.overflow = a.get("x-overflow") or "drop-head"
         self.delivery_limit = _int_arg(a, "x-delivery-limit")
         self.count_returns = self.delivery_limit is not None or a.get("x-queue-type") == "quorum"
-        self.returns: dict[int, int] = {}  # msg_id -> times returned to the queue
         self.consumer_timeout = _int_arg(a, "x-consumer-timeout")
-        self.delivered_at: dict[int, int] = {}  # msg_id -> delivery time (ms), oldest first
         self.expires = _int_arg(a, "x-expires")
-        self.last_used = now_ms()
-        self._expire_requested = False
-        # Id of the first message appended in this turn: TTL 0 messages may still go to a consumer.
-        self._fresh_from: int | None = None
-        self._wake_at: int | None = None
         if self.expires:
             self._arm(self.last_used + self.expires)
-        if store.ready:
-            self._arm(now_ms())  # recovered messages may have expired while the node was down
+        self._arm(now_ms())  # a shorter TTL or a lower limit applies to what is queued already
 
     @classmethod
-    def upgrade(cls, q: Queue, defn: Any, shard: ShardWorker) -> FeatureQueue:
-        """The same queue, with features (a plain queue got a message with a per-message TTL)."""
-        fq = cls(q.qid, q.vhost, q.name, defn, q.store, shard)
+    def upgrade(cls, q: Queue, defn: Any, shard: ShardWorker, arguments: dict | None = None) -> FeatureQueue:
+        """The same queue, with features (a per-message TTL arrived, or a policy now applies)."""
+        fq = cls(q.qid, q.vhost, q.name, defn, q.store, shard, arguments)
         fq.consumers = q.consumers
         fq.unacked = q.unacked
         fq._rr = q._rr
@@ -354,6 +358,8 @@ class FeatureQueue(Queue):
         if self.deleted:
             return
         now = now_ms()
+        if (self.max_length is not None or self.max_bytes is not None) and self.overflow == "drop-head":
+            self._drop_overflow()
         if self.delivered_at:
             self._check_consumer_timeout(now)
         if self.expires and not self.consumers and not self._expire_requested \

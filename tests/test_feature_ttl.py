@@ -212,3 +212,32 @@ def test_ttl_still_applies_after_restart(node):
     _m, props, body = get_one(ch, dlq)
     assert body == b"t" and props.headers["x-death"][0]["reason"] == "expired"
     conn.close()
+
+
+def test_policy_message_ttl_and_dead_letter_exchange(node_factory, tmp_path):
+    """Policy keys message-ttl / dead-letter-exchange / dead-letter-routing-key apply like arguments,
+    also to a queue that existed before the policy (SIGHUP re-reads the definitions file)."""
+    import json
+    import os
+    import signal
+
+    defs = tmp_path / "definitions.json"
+    defs.write_text(json.dumps({"policies": []}))
+    node = node_factory(frontends=1, shards=2, extra_args=["--definitions", str(defs)])
+    conn = node.connect()
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.queue_declare("pol.dead")
+    ch.queue_declare("pol.src")
+    ch.basic_publish("", "pol.src", b"before")
+    defs.write_text(json.dumps({"policies": [{
+        "vhost": "/", "name": "ttl", "pattern": r"^pol\.src$", "apply-to": "queues", "priority": 0,
+        "definition": {"message-ttl": 100, "dead-letter-exchange": "", "dead-letter-routing-key": "pol.dead"},
+    }]}))
+    os.kill(node.pid, signal.SIGHUP)
+    _m, props, body = get_one(ch, "pol.dead")
+    assert body == b"before" and props.headers["x-death"][0]["reason"] == "expired"
+    ch.basic_publish("", "pol.src", b"after")
+    _m, props, body = get_one(ch, "pol.dead")
+    assert body == b"after"
+    conn.close()
