@@ -9,9 +9,9 @@ Understood parts of the file (everything else is ignored):
 * ``"parameters": [{"vhost", "component": "vhost-limits", "value": {"max-connections": N,
   "max-queues": N}}, ...]``.
 
-The file is the source of truth for what it lists: on every load, policies
-(and operator policies) of a vhost the file mentions that the file no longer
-has are deleted, and limits of such a vhost are replaced by the file's.
+The file is the source of truth for policies and limits: on every load,
+policies (and operator policies) the file does not have are deleted, and the
+limits of every vhost are replaced by the file's (none when it has none).
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ def plan_from_file(defs: Definitions, data: dict) -> list[list]:
             ops += defs.plan_vhost_put(name)
     scratch = Definitions.from_dict(defs.to_dict())
     scratch.apply_all(ops)
+    vhosts |= set(scratch.vhosts)
     policies, operator = _policy_rows(data)
     for rows, is_op in ((policies, False), (operator, True)):
         wanted: dict[str, set[str]] = {}

@@ -443,6 +443,25 @@ class AMQPConnection(asyncio.Protocol):
         except AMQPError as exc:
             raise AMQPConnectionError(exc.code, exc.text, 10, 40) from None
         self.vhost = vhost
+        if self.worker.defs.vhost_limits(vhost).get("max-connections") is not None:
+            # Counted by the node across frontends; had_exclusive makes _release tell it when we go.
+            self.had_exclusive = True
+            worker = self.worker
+            worker.node_request("connection.open", {"vhost": vhost, "user": self.user,
+                                                    "owner": [worker.index, self.conn_id]}, self._open_counted)
+            return
+        self._opened()
+
+    def _open_counted(self, ok: bool, result: Any) -> None:
+        if self.state != AWAIT_OPEN or self.transport is None:
+            return
+        if ok:
+            self._opened()
+        else:
+            self.fail(int(result[0]), str(result[1]), 10, 40)
+
+    def _opened(self) -> None:
+        vhost = self.vhost
         self.state = RUNNING
         self.send_method(0, C.Connection.OpenOk())
         if self._timer is not None:
