@@ -8,7 +8,9 @@ exactly what was routed to it and an empty ``basic_get`` proves nothing arrived.
 
 from __future__ import annotations
 
+import time
 import uuid
+import zlib
 
 import pika
 import pytest
@@ -388,3 +390,79 @@ def test_publish_to_missing_exchange_is_404(conn):
 
     code, text = channel_error(conn, publish)
     assert code == 404 and text.startswith("NOT_FOUND - no exchange")
+
+
+# ----------------------------------------------------------- across processes
+def names_on_different_shards(prefix: str, shards: int = 2) -> list[str]:
+    """One queue name per shard: placement is crc32(vhost + NUL + name) % shards (docs/architecture.md)."""
+    found: dict[int, str] = {}
+    i = 0
+    while len(found) < shards:
+        name = f"{prefix}-{i}"
+        found.setdefault(zlib.crc32(f"/\0{name}".encode()) % shards, name)
+        i += 1
+    return [found[s] for s in range(shards)]
+
+
+def connections_on_two_frontends(node, attempts: int = 40):
+    """Two pika connections served by different frontend processes (SO_REUSEPORT spreads them)."""
+    by_frontend = {}
+    for _ in range(attempts):
+        connection = node.connect()
+        frontend = connection._impl.server_properties["shardmq_frontend"]
+        if frontend in by_frontend:
+            connection.close()
+            continue
+        by_frontend[frontend] = connection
+        if len(by_frontend) == 2:
+            return list(by_frontend.values())
+    for connection in by_frontend.values():
+        connection.close()
+    pytest.fail(f"{attempts} connections all landed on frontend(s) {sorted(by_frontend)}")
+
+
+def test_publish_on_another_frontend_right_after_bind_ok_is_routed(shared_node):
+    binder, publisher = connections_on_two_frontends(shared_node)
+    try:
+        assert (binder._impl.server_properties["shardmq_frontend"]
+                != publisher._impl.server_properties["shardmq_frontend"])
+        bch = binder.channel()
+        pch = publisher.channel()
+        pch.confirm_delivery()
+        x = uid("xfe")
+        bch.exchange_declare(x, "direct")
+        for i in range(50):
+            q = bch.queue_declare(uid(f"xfe{i}"), exclusive=True).method.queue
+            bch.queue_bind(q, x, f"k{i}")
+            # mandatory + confirms: an unroutable publish raises UnroutableError here.
+            pch.basic_publish(x, f"k{i}", b"%d" % i, mandatory=True)
+            assert bch.basic_get(q, auto_ack=True)[2] == b"%d" % i
+            bch.queue_unbind(q, x, f"k{i}")
+            with pytest.raises(pika.exceptions.UnroutableError):
+                pch.basic_publish(x, f"k{i}", b"after unbind", mandatory=True)
+            bch.queue_delete(q)
+        bch.exchange_delete(x)
+    finally:
+        binder.close()
+        publisher.close()
+
+
+def test_fanout_over_queues_on_different_shards(conn, ch):
+    x = uid("fan2")
+    ch.exchange_declare(x, "fanout", auto_delete=True)
+    queues = names_on_different_shards(uid("fs")) + names_on_different_shards(uid("ft"))
+    for q in queues:
+        new_queue(ch, q)
+        ch.queue_bind(q, x)
+    sent = [b"f%d" % i for i in range(200)]
+    for body in sent:
+        ch.basic_publish(x, "", body)
+    consumer = conn.channel()
+    got: dict[str, list[bytes]] = {q: [] for q in queues}
+    for q in queues:
+        consumer.basic_consume(q, lambda _c, m, _p, b, q=q: got[q].append(b), auto_ack=True)
+    deadline = time.monotonic() + 10
+    while any(len(v) < len(sent) for v in got.values()):
+        assert time.monotonic() < deadline, {q: len(v) for q, v in got.items()}
+        conn.process_data_events(0.02)
+    assert all(v == sent for v in got.values())
