@@ -49,6 +49,10 @@ HELLO = 1  # [HELLO, contract_version, role("frontend"|"shard"), index, pid]
 APPLIED = 2  # [APPLIED, defs_version]
 REQUEST = 3  # [REQUEST, req_id, op(str), args(dict)]   (op list: see REQUEST_OPS)
 QUERY_REPLY = 4  # [QUERY_REPLY, query_id, ok(bool), result]  (shard answering a node QUERY)
+# FORWARD: [FORWARD, frontend_index, payload]  the node passes payload on to that frontend as
+# FORWARDED (low-rate frontend-to-frontend traffic: direct reply-to answers published on another
+# frontend). payload: ["reply", routing_key, exchange, props_raw, body]
+FORWARD = 5
 
 # node -> worker
 SNAPSHOT = 10  # [SNAPSHOT, defs_version, definitions(dict), shard_epochs({index: epoch}), settings(dict)]
@@ -59,6 +63,7 @@ WORKER_DOWN = 14  # [WORKER_DOWN, role, index]  a worker died; shards drop a dea
 QUERY = 15  # [QUERY, query_id, op(str), args(dict)]  node asks a shard (queue_info, ...)
 STOP = 16  # [STOP]  graceful shutdown: finish the current turn, sync, exit 0
 CLOSE_CONNECTIONS = 17  # [CLOSE_CONNECTIONS, vhost or None, reply_code, text]  frontends close matching connections
+FORWARDED = 18  # [FORWARDED, payload]  see FORWARD
 
 # Requests a frontend or shard sends to the node (REQUEST op names). Args are dicts
 # with the AMQP method's fields plus "vhost" and, for frontends, "owner" = [frontend_index, conn_id].

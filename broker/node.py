@@ -161,6 +161,10 @@ class Node:
                     self._shard_up(w)
             elif kind == contract.REQUEST:
                 self._spawn_task(self._handle_request(ident, item[1], item[2], item[3]))
+            elif kind == contract.FORWARD:
+                target = self.by_ident.get(contract.worker_id("frontend", int(item[1])))
+                if target is not None and target.connected:
+                    self.ctl.put(contract.worker_id("frontend", int(item[1])), [contract.FORWARDED, item[2]])
             elif kind == contract.QUERY_REPLY:
                 fut = self._queries.pop(item[1], None)
                 if fut is not None and not fut.done():

@@ -34,7 +34,17 @@ from broker.amqp.properties import decode_properties, delivery_mode
 from frontend.backlog import Backlog
 from frontend.confirms import ConfirmTracker
 from frontend.delivery_tags import DeliveryTags, group_by_shard
-from frontend.publish_extras import delay_ms, may_have_cc, sender_routes, with_timestamp
+from frontend.direct_reply import PREFIX as REPLY_PREFIX
+from frontend.direct_reply import PSEUDO_QUEUE, new_reply_name, route_reply
+from frontend.publish_extras import (
+    delay_ms,
+    may_have_cc,
+    may_reply_to_pseudo_queue,
+    reply_to_of,
+    sender_routes,
+    with_reply_to,
+    with_timestamp,
+)
 from frontend.replies import error_from_reply, plain
 
 if TYPE_CHECKING:
@@ -73,7 +83,8 @@ class Consumer:
 class Channel:
     __slots__ = (
         "conn", "number", "state", "backlog", "confirm", "tags", "consumers", "prefetch_count",
-        "global_prefetch", "held", "shards", "last_queue", "tx", "tx_commit", "extras", "_handlers",
+        "global_prefetch", "held", "shards", "last_queue", "tx", "tx_commit", "extras", "reply_consumer",
+        "_handlers",
     )
 
     def __init__(self, conn: AMQPConnection, number: int) -> None:
@@ -95,6 +106,7 @@ class Channel:
         self.tx_commit: ConfirmTracker | None = None  # publishes of a tx.commit not yet confirmed
         # Publishes need the slow path (server timestamp on, direct reply-to consumer on this channel).
         self.extras = bool(conn.worker.settings.get("set_timestamp"))
+        self.reply_consumer: tuple[str, str] | None = None  # (consumer tag, direct reply-to name)
         self._handlers = _HANDLERS
 
     # ------------------------------------------------------------------ dispatch
@@ -182,6 +194,7 @@ class Channel:
         self.tags = DeliveryTags()
         self.held.clear()
         self.confirm = None
+        self.reply_consumer = None
 
     # ------------------------------------------------------------- requests
     def _node_request(self, op: str, method: Any, on_ok) -> None:
@@ -262,7 +275,9 @@ class Channel:
                 self._check_user_id(decode_properties(props_raw).user_id)
         except ValueError as exc:
             raise AMQPConnectionError(SYNTAX_ERROR, f"malformed content properties: {exc}", 60, 40) from None
-        if self.extras or ex.delayed or may_have_cc(props_raw):
+        # Plain path: one flag test. 0x22 = headers (CC/BCC) or reply-to (direct reply-to) present.
+        if self.extras or ex.delayed or (props_raw and props_raw[0] & 0x22 and (
+                may_have_cc(props_raw) or may_reply_to_pseudo_queue(props_raw))):
             props_raw, queues = self._publish_extras(ex, ev, props_raw)
             if queues is None:
                 return  # delayed: handed to a shard
@@ -270,7 +285,9 @@ class Channel:
             queues = defs.route(vhost, exchange, ev.routing_key, props_raw)
         confirm = self.confirm
         if not queues:
-            if ev.mandatory:
+            if not exchange and ev.routing_key.startswith(REPLY_PREFIX):
+                route_reply(conn.worker, ev.routing_key, exchange, props_raw, ev.body)
+            elif ev.mandatory:
                 conn.write(encode_content(
                     self.number, C.Basic.Return(NO_ROUTE, "NO_ROUTE", exchange, ev.routing_key),
                     props_raw, ev.body, conn.frame_max))
@@ -311,6 +328,10 @@ class Channel:
             keys: list[str] = []
             if may_have_cc(props_raw):
                 props_raw, keys = sender_routes(props_raw)
+            if may_reply_to_pseudo_queue(props_raw) and reply_to_of(props_raw) == PSEUDO_QUEUE:
+                if self.reply_consumer is None:
+                    raise AMQPChannelError(PRECONDITION_FAILED, "fast reply consumer does not exist", 60, 40)
+                props_raw = with_reply_to(props_raw, self.reply_consumer[1])
         except ValueError as exc:
             raise AMQPConnectionError(SYNTAX_ERROR, f"malformed content properties: {exc}", 60, 40) from None
         if ex.delayed:
@@ -560,6 +581,9 @@ class Channel:
         self._send(C.Basic.QosOk())
 
     def m_basic_consume(self, method: C.Basic.Consume) -> None:
+        if method.queue == PSEUDO_QUEUE:
+            self._consume_replies(method)
+            return
         name = self._queue_name(method.queue, method)
         q = self._local_queue(name, method)
         tag = method.consumer_tag
@@ -590,8 +614,24 @@ class Channel:
 
         self._shard_request(q.shard, build, ok, method)
 
+    def _consume_replies(self, method: C.Basic.Consume) -> None:
+        if not method.no_ack:
+            raise AMQPChannelError(PRECONDITION_FAILED, "reply consumer cannot acknowledge", 60, 20)
+        if self.reply_consumer is not None:
+            raise AMQPChannelError(PRECONDITION_FAILED, "reply consumer already set", 60, 20)
+        tag = method.consumer_tag or "amq.ctag-" + secrets.token_urlsafe(16)
+        if tag in self.consumers:
+            raise AMQPConnectionError(NOT_ALLOWED, f"attempt to reuse consumer tag '{tag}'", 60, 20)
+        conn = self.conn
+        self.reply_consumer = (tag, new_reply_name(conn.worker.index, conn.conn_id, self.number))
+        self.extras = True
+        if not method.nowait:
+            self._send(C.Basic.ConsumeOk(tag))
+
     def m_basic_cancel(self, method: C.Basic.Cancel) -> None:
         tag = method.consumer_tag
+        if self.reply_consumer is not None and self.reply_consumer[0] == tag:
+            self.reply_consumer = None
         consumer = self.consumers.pop(tag, None)
         if consumer is not None:
             self.conn.worker.shard_put(consumer.shard, [contract.CANCEL, self.conn.conn_id, self.number, tag])

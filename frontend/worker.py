@@ -22,6 +22,7 @@ from broker.amqp.constants import CONNECTION_FORCED
 from broker.definitions import Definitions
 from broker.zmqio import BatchSocket, make_socket
 from frontend.amqp_connection import AMQPConnection
+from frontend.direct_reply import deliver_reply
 
 log = logging.getLogger("shardmq.frontend")
 
@@ -127,6 +128,10 @@ class FrontendWorker:
                     for conn in list(self.conns.values()):
                         if vhost is None or conn.vhost == vhost:
                             conn.fail(code, text)
+                elif kind == contract.FORWARDED:
+                    payload = item[1]
+                    if payload[0] == "reply":
+                        deliver_reply(self, *payload[1:])
                 elif kind == contract.STOP:
                     self.loop.create_task(self.stop())
             except Exception:

@@ -167,3 +167,80 @@ def test_no_timestamp_by_default(ch):
     ch.confirm_delivery()
     ch.basic_publish("", q, b"a")
     assert get_all(ch, q)[0][0].timestamp is None
+
+
+# ------------------------------------------------------------ direct reply-to
+def connections_on_two_frontends(node, attempts: int = 40):
+    by_frontend: dict = {}
+    extra = []
+    for _ in range(attempts):
+        c = node.connect()
+        fe = c._impl.server_properties["shardmq_frontend"]
+        if fe in by_frontend:
+            extra.append(c)
+        else:
+            by_frontend[fe] = c
+        if len(by_frontend) == 2:
+            break
+    for c in extra:
+        c.close()
+    assert len(by_frontend) == 2, "SO_REUSEPORT kept every connection on one frontend"
+    return list(by_frontend.values())
+
+
+@pytest.mark.parametrize("cross_frontend", [False, True])
+def test_direct_reply_to_rpc(shared_node, cross_frontend):
+    if cross_frontend:
+        client, server = connections_on_two_frontends(shared_node)
+    else:
+        client = shared_node.connect()
+        server = client
+    try:
+        sch = server.channel()
+        rpc_q = sch.queue_declare(uid("rpc"), exclusive=True).method.queue
+        cch = client.channel()
+        replies = []
+        cch.basic_consume("amq.rabbitmq.reply-to", lambda _c, m, p, b: replies.append((m, p, b)),
+                          auto_ack=True)
+        for i in range(5):
+            cch.basic_publish("", rpc_q, b"req%d" % i,
+                              pika.BasicProperties(reply_to="amq.rabbitmq.reply-to", correlation_id=str(i)))
+        reply_names = set()
+        for _ in range(5):
+            deadline = time.monotonic() + 5
+            method = None
+            while method is None and time.monotonic() < deadline:
+                method, props, body = sch.basic_get(rpc_q, auto_ack=True)
+            assert method is not None
+            assert props.reply_to.startswith("amq.rabbitmq.reply-to.")
+            reply_names.add(props.reply_to)
+            sch.basic_publish("", props.reply_to, b"re:" + body,
+                              pika.BasicProperties(correlation_id=props.correlation_id))
+        assert len(reply_names) == 1
+        deadline = time.monotonic() + 5
+        while len(replies) < 5 and time.monotonic() < deadline:
+            client.process_data_events(time_limit=0.05)
+        assert [b for _, _, b in replies] == [b"re:req%d" % i for i in range(5)]
+        assert [p.correlation_id for _, p, _ in replies] == [str(i) for i in range(5)]
+        # The consumer goes away: a late reply is dropped without any error for the server.
+        cch.close()
+        sch.confirm_delivery()
+        sch.basic_publish("", reply_names.pop(), b"too late")
+        assert sch.is_open
+    finally:
+        client.close()
+        if server is not client:
+            server.close()
+
+
+def test_direct_reply_to_errors(conn):
+    ch = conn.channel()
+    with pytest.raises(pika.exceptions.ChannelClosedByBroker) as err:
+        ch.basic_publish("", "anything", b"x", pika.BasicProperties(reply_to="amq.rabbitmq.reply-to"))
+        ch.queue_declare("", exclusive=True)  # the publish error arrives before this reply
+    assert err.value.reply_code == 406
+    assert "fast reply consumer does not exist" in err.value.reply_text
+    ch2 = conn.channel()
+    with pytest.raises(pika.exceptions.ChannelClosedByBroker) as err:
+        ch2.basic_consume("amq.rabbitmq.reply-to", lambda *a: None, auto_ack=False)
+    assert err.value.reply_code == 406
