@@ -244,3 +244,19 @@ def test_direct_reply_to_errors(conn):
     with pytest.raises(pika.exceptions.ChannelClosedByBroker) as err:
         ch2.basic_consume("amq.rabbitmq.reply-to", lambda *a: None, auto_ack=False)
     assert err.value.reply_code == 406
+
+
+# ------------------------------------------------------------ delayed exchange (declare/route only)
+def test_delayed_exchange_declare_and_undelayed_routing(conn, ch):
+    x = uid("dx")
+    ch.exchange_declare(x, "x-delayed-message", auto_delete=True, arguments={"x-delayed-type": "topic"})
+    q = ch.queue_declare(uid("dq"), exclusive=True).method.queue
+    ch.queue_bind(q, x, "a.*")
+    ch.confirm_delivery()
+    ch.basic_publish(x, "a.b", b"now", pika.BasicProperties(headers={"x-delay": 0}))
+    ch.basic_publish(x, "z.b", b"unrouted")
+    assert [b for _, b in get_all(ch, q)] == [b"now"]
+    ch2 = conn.channel()
+    with pytest.raises(pika.exceptions.ChannelClosedByBroker) as err:
+        ch2.exchange_declare(uid("dbad"), "x-delayed-message", arguments={"x-delayed-type": "nope"})
+    assert err.value.reply_code == 406
