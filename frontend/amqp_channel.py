@@ -663,6 +663,10 @@ class Channel:
         self._shard_request(shard, lambda req_id: [contract.GET, req_id, *tail], ok, method)
 
     def m_basic_recover(self, method: Any) -> None:
+        if not method.requeue:
+            # As rabbit_channel: redelivering to the same consumer is all RabbitMQ (and we) do.
+            cid, mid = _ids(method)
+            raise AMQPConnectionError(NOT_IMPLEMENTED, "requeue=false", cid, mid)
         self.tags.take_all()
         self.held.clear()
         conn = self.conn

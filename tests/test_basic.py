@@ -521,3 +521,55 @@ def test_order_of_10000_messages_with_manual_acks(conn, pub):
     assert got == list(range(n))
     ch.close()
     assert ready(pub, q) == 0
+
+
+def test_order_of_10000_messages_no_ack_unlimited_prefetch(conn, pub):
+    # No prefetch limit: only the shard->frontend credit window paces the deliveries.
+    n = 10_000
+    q = new_queue(pub)
+    raw = conn.channel()
+    for i in range(n):
+        raw.basic_publish("", q, i.to_bytes(4, "big"))
+    ch = conn.channel()
+    inbox = Inbox()
+    ch.basic_consume(q, inbox, auto_ack=True)
+    wait_for(conn, lambda: len(inbox) >= n, "all 10,000 messages", timeout=60)
+    assert [int.from_bytes(b, "big") for b in inbox.bodies] == list(range(n))
+
+
+def test_recover_without_requeue_is_not_implemented(shared_node):
+    connection = shared_node.connect()
+    ch = connection.channel()
+    with pytest.raises(pika.exceptions.ConnectionClosedByBroker) as info:
+        ch.basic_recover(requeue=False)
+    assert info.value.reply_code == 540
+    assert info.value.reply_text == "NOT_IMPLEMENTED - requeue=false"
+
+
+def test_bodies_split_into_small_frames(shared_node):
+    # frame_max 4096: a 300 KB body is ~75 frames each way.
+    connection = shared_node.connect(frame_max=4096)
+    try:
+        ch = connection.channel()
+        q = ch.queue_declare("", exclusive=True).method.queue
+        body = bytes(range(256)) * 1200
+        ch.basic_publish("", q, body, pika.BasicProperties(headers={"pad": "x" * 1000}))
+        inbox = Inbox()
+        ch.basic_consume(q, inbox, auto_ack=True)
+        wait_for(connection, lambda: inbox.items, "the delivery")
+        assert inbox.bodies == [body]
+        assert inbox.items[0][1].headers == {"pad": "x" * 1000}
+    finally:
+        connection.close()
+
+
+def test_ack_after_the_queue_was_deleted_is_fine(conn, pub):
+    q = pub.queue_declare(uid(), auto_delete=False).method.queue
+    fill(pub, q, 3)
+    ch = conn.channel()
+    inbox = consume_all(conn, ch, q, 3)
+    pub.queue_delete(q)
+    ch.basic_ack(inbox.items[0][0].delivery_tag)
+    ch.basic_nack(inbox.items[2][0].delivery_tag, multiple=True, requeue=True)
+    # The tags were valid when delivered; the channel stays open (a 406 would close it here).
+    assert ch.basic_get(new_queue(pub)) == (None, None, None)

@@ -466,3 +466,20 @@ def test_fanout_over_queues_on_different_shards(conn, ch):
         assert time.monotonic() < deadline, {q: len(v) for q, v in got.items()}
         conn.process_data_events(0.02)
     assert all(v == sent for v in got.values())
+
+
+def test_auto_delete_counts_only_bindings_from_the_exchange(conn, ch):
+    # RabbitMQ deletes an auto-delete exchange when its last binding *as source* goes;
+    # a binding that has it as destination does not keep it alive and goes with it.
+    upstream, ad = uid("up-x"), uid("ad-x")
+    ch.exchange_declare(upstream, "fanout")
+    ch.exchange_declare(ad, "fanout", auto_delete=True)
+    ch.exchange_bind(destination=ad, source=upstream)
+    q = new_queue(ch)
+    ch.queue_bind(q, ad)
+    ch.basic_publish(upstream, "", b"through")
+    assert drain(ch, q) == [b"through"]
+    ch.queue_unbind(q, ad)
+    code, _ = channel_error(conn, lambda c: c.exchange_declare(ad, passive=True))
+    assert code == 404
+    ch.exchange_delete(upstream, if_unused=True)  # the upstream->ad binding went with ad
