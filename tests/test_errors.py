@@ -364,3 +364,24 @@ def test_540_publish_immediate(shared_node):
 # 541 is what the node sends when its own code fails (frontend AMQPConnection.internal_error, the
 # parser's catch-all). No valid or invalid client input should reach it, so there is no legitimate
 # way to trigger it here; tests/test_fuzz.py checks the opposite: hostile input never produces 541.
+
+
+@pytest.mark.xfail(strict=True, reason="known bug: the node checks properties only up to delivery-mode, so a "
+                   "malformed headers table is stored and breaks the consumer's client (RabbitMQ decodes the "
+                   "properties on publish and refuses them)")
+def test_malformed_headers_table_is_refused_at_publish(shared_node):
+    raw = RawClient(shared_node.port)
+    try:
+        raw.handshake()
+        raw.open_channel(1)
+        q = _uid("poison")
+        raw.send_method(1, C.Queue.Declare(queue=q, auto_delete=True))
+        raw.expect(C.Queue.DeclareOk)
+        raw.send_method(1, C.Basic.Publish(exchange="", routing_key=q))
+        props = struct.pack(">HI", 0x2000, 3) + b"\x01Z\xff"  # headers: one entry of field kind 0xff
+        raw.send(frame(2, 1, struct.pack(">HHQ", 60, 0, 1) + props) + frame(3, 1, b"x"))
+        raw.send_method(1, C.Basic.Get(queue=q, no_ack=True))
+        got = raw.next_frame(5.0)
+        assert got is not None and isinstance(got[1], C.Connection.Close), f"node accepted it: {got!r}"
+    finally:
+        raw.close()
