@@ -432,6 +432,18 @@ class Channel:
                 continue
             self._write_deliver(consumer, shard, item)
 
+    def _return_held(self, tag: str) -> None:
+        """Give back what the global prefetch held for a consumer that is gone; nothing else would."""
+        keep: deque = deque()
+        put = self.conn.worker.shard_put
+        conn_id = self.conn.conn_id
+        for shard, item in self.held:
+            if item[3] == tag:
+                put(shard, [_NACK, conn_id, self.number, True, [item[4], item[5]]])
+            else:
+                keep.append((shard, item))
+        self.held = keep
+
     def cancel_notify(self, tag: str) -> None:
         consumer = self.consumers.pop(tag, None)
         if consumer is not None and self.state == OPEN:
@@ -638,6 +650,8 @@ class Channel:
             for shard, item in consumer.early:
                 self.conn.worker.shard_put(
                     shard, [_NACK, self.conn.conn_id, self.number, True, [item[4], item[5]]])
+            if self.held:
+                self._return_held(tag)
         if not method.nowait:
             self._send(C.Basic.CancelOk(tag))
 

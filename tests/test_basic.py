@@ -573,3 +573,28 @@ def test_ack_after_the_queue_was_deleted_is_fine(conn, pub):
     ch.basic_nack(inbox.items[2][0].delivery_tag, multiple=True, requeue=True)
     # The tags were valid when delivered; the channel stays open (a 406 would close it here).
     assert ch.basic_get(new_queue(pub)) == (None, None, None)
+
+
+def test_cancel_returns_deliveries_held_back_by_global_prefetch(conn, pub):
+    """With a channel-wide limit over two shards the frontend holds back what a shard sent beyond
+    it; cancelling a consumer must hand its held-back messages back to the queue at once."""
+    limit = 2
+    q1, q2 = (new_queue(pub, name) for name in names_on_different_shards(uid("held")))
+    fill(pub, q1, 5, prefix="a")
+    fill(pub, q2, 5, prefix="b")
+    ch = conn.channel()
+    ch.basic_qos(prefetch_count=limit, global_qos=True)
+    inbox = Inbox()
+    ch.basic_consume(q1, inbox)
+    tag2 = ch.basic_consume(q2, inbox)
+    wait_for(conn, lambda: len(inbox) >= limit, f"{limit} deliveries")
+    settle(conn)
+    ch.basic_cancel(tag2)
+    from_q2 = sum(1 for b in inbox.bodies if b.startswith(b"b"))
+    # Nothing is acked: the held-back q2 messages must become ready without any further ack.
+    deadline = time.monotonic() + WAIT
+    while ready(pub, q2) != 5 - from_q2:
+        assert time.monotonic() < deadline, f"q2 has {ready(pub, q2)} ready, want {5 - from_q2}"
+        conn.process_data_events(0.05)
+    other = conn.channel()
+    assert other.basic_get(q2, auto_ack=True)[0] is not None
