@@ -12,7 +12,13 @@ import uuid
 
 import pika
 import pytest
+from pamqp import body as pbody
+from pamqp import commands as C
+from pamqp import frame as pframe
+from pamqp import header as pheader
 from pika.exceptions import ChannelClosedByBroker
+
+from tests.test_confirms import RawClient
 
 WAIT = 10.0
 
@@ -367,3 +373,41 @@ def test_reject_publish_keeps_the_oldest(ch):
     with pytest.raises(pika.exceptions.NackError):
         ch.basic_publish("", name, b"refused")
     assert [ch.basic_get(name, auto_ack=True)[2] for _ in range(2)] == [b"m0", b"m1"]
+
+
+# ------------------------------------------------------------------ raw wire
+def test_nowait_declare_bind_then_publish_in_one_write(shared_node):
+    """A pipelined declare(nowait) + bind(nowait) + publish + get: each waits for the one before."""
+    raw = RawClient(shared_node.port)
+    try:
+        raw.open_channel(1)
+        name, x = uid("nowait"), uid("nowait-x")
+        raw.sock.sendall(b"".join((
+            pframe.marshal(C.Exchange.Declare(exchange=x, exchange_type="direct", auto_delete=True,
+                                              nowait=True), 1),
+            pframe.marshal(C.Queue.Declare(queue=name, exclusive=True, nowait=True), 1),
+            pframe.marshal(C.Queue.Bind(queue=name, exchange=x, routing_key="k", nowait=True), 1),
+            raw.publish_frames(1, x, "k", b"pipelined"),
+            pframe.marshal(C.Basic.Get(queue=name, no_ack=True), 1),
+        )))
+        raw.expect(1, C.Basic.GetOk)
+        raw.expect(1, pheader.ContentHeader)
+        assert raw.expect(1, pbody.ContentBody).value == b"pipelined"
+    finally:
+        raw.close()
+
+
+@pytest.mark.parametrize("kind", ["exclusive", "auto_delete"])
+def test_queue_goes_when_its_connection_drops_without_close(shared_node, conn, kind):
+    raw = RawClient(shared_node.port)
+    raw.open_channel(1)
+    name = uid(kind)
+    if kind == "exclusive":
+        raw.send(1, C.Queue.Declare(queue=name, exclusive=True))
+    else:
+        raw.send(1, C.Queue.Declare(queue=name, auto_delete=True))
+    raw.expect(1, C.Queue.DeclareOk)
+    raw.send(1, C.Basic.Consume(queue=name, consumer_tag="c"))
+    raw.expect(1, C.Basic.ConsumeOk)
+    raw.sock.close()  # no connection.close: the frontend sees EOF
+    wait_gone(conn, name)
