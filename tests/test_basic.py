@@ -18,6 +18,8 @@ import pika
 import pytest
 from pika.exceptions import ChannelClosedByBroker
 
+from tests.test_exchanges import connections_on_two_frontends
+
 WAIT = 10.0
 GRACE = 0.3  # how long "no further delivery" is watched for
 
@@ -598,3 +600,38 @@ def test_cancel_returns_deliveries_held_back_by_global_prefetch(conn, pub):
         conn.process_data_events(0.05)
     other = conn.channel()
     assert other.basic_get(q2, auto_ack=True)[0] is not None
+
+
+def test_queue_deleted_from_another_frontend_cancels_the_consumer(shared_node):
+    consumer_conn, deleter_conn = connections_on_two_frontends(shared_node)
+    try:
+        ch = consumer_conn.channel()
+        q = ch.queue_declare(uid(), auto_delete=False).method.queue
+        ch.basic_publish("", q, b"unacked")
+        cancelled = []
+        ch.add_on_cancel_callback(lambda frame: cancelled.append(frame.method.consumer_tag))
+        inbox = Inbox()
+        tag = ch.basic_consume(q, inbox)
+        wait_for(consumer_conn, lambda: inbox.items, "the delivery")
+        assert deleter_conn.channel().queue_delete(q).method.message_count == 0  # 1 unacked, 0 ready
+        wait_for(consumer_conn, lambda: cancelled, "basic.cancel from the server")
+        assert cancelled == [tag]
+        ch.basic_ack(inbox.items[0][0].delivery_tag)  # still a valid tag on this channel
+        assert ch.basic_get(ch.queue_declare("", exclusive=True).method.queue) == (None, None, None)
+    finally:
+        consumer_conn.close()
+        deleter_conn.close()
+
+
+def test_exclusive_queue_locked_across_frontends(shared_node):
+    owner, other = connections_on_two_frontends(shared_node)
+    try:
+        q = owner.channel().queue_declare(uid("excl"), exclusive=True).method.queue
+        with pytest.raises(ChannelClosedByBroker) as info:
+            other.channel().basic_consume(q, lambda *a: None)
+        assert info.value.reply_code == 405
+        assert (owner._impl.server_properties["shardmq_frontend"]
+                != other._impl.server_properties["shardmq_frontend"])
+    finally:
+        owner.close()
+        other.close()

@@ -442,6 +442,17 @@ def test_publish_on_another_frontend_right_after_bind_ok_is_routed(shared_node):
                 pch.basic_publish(x, f"k{i}", b"after unbind", mandatory=True)
             bch.queue_delete(q)
         bch.exchange_delete(x)
+        for i in range(20):
+            # A declare is visible on the other frontend once its -ok is seen, too.
+            q = bch.queue_declare(uid(f"xfd{i}"), exclusive=True).method.queue
+            pch.basic_publish("", q, b"default", mandatory=True)
+            fresh = uid(f"xfe{i}")
+            bch.exchange_declare(fresh, "fanout")
+            bch.queue_bind(q, fresh)
+            pch.basic_publish(fresh, "", b"fresh", mandatory=True)  # 404 if the exchange were unknown there
+            assert [bch.basic_get(q, auto_ack=True)[2] for _ in range(2)] == [b"default", b"fresh"]
+            bch.exchange_delete(fresh)
+            bch.queue_delete(q)
     finally:
         binder.close()
         publisher.close()
