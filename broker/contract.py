@@ -134,10 +134,21 @@ CLOSE_CHANNEL = 46  # [CLOSE_CHANNEL, conn_id, channel, reply_code, text]  e.g. 
 # Flow control. Every consumer starts with CREDIT_WINDOW credits on its shard; each DELIVER
 # spends one; the frontend returns credit (CREDIT items) once it has written deliveries to a
 # client socket that is not paused, so a slow client never makes a frontend buffer unboundedly.
-CREDIT_WINDOW = 1000
-# A frontend stops reading from its client sockets while more than this many data batches
-# to any one shard are not yet answered by PROCESSED.
-MAX_BATCHES_IN_FLIGHT = 32
+CREDIT_WINDOW = 2000
+# A frontend stops reading from its client sockets while more than this many publish-lane
+# batches to any one shard are not yet answered by PROCESSED.
+MAX_BATCHES_IN_FLIGHT = 8
+
+# Lanes. Each frontend connects TWO DEALERs to every shard: the publish lane (identity
+# "fe-K") carries PUBLISH and everything that must stay ordered with publishes (GET, PURGE,
+# QUEUE_INFO); the control lane (identity "fe-K" + CONTROL_LANE_SUFFIX) carries acks, credit,
+# consume/cancel and channel/connection ends. The shard's ROUTER fair-queues between the two,
+# so under a publish flood acks and credit are not stuck behind thousands of queued publishes.
+# Control-lane batches carry header [epoch, None] and get no PROCESSED answer; every reply
+# goes to the publish-lane identity.
+CONTROL_LANE_SUFFIX = b"+"
+CONTROL_LANE_KINDS = frozenset((23, 24, 31, 21, 22, 26, 27, 28, 29))  # ACK NACK CREDIT CONSUME CANCEL QOS
+#                                                                        RECOVER CHANNEL_CLOSED CONNECTION_CLOSED
 
 
 _packer = msgpack.Packer(use_bin_type=True, autoreset=True)
@@ -175,3 +186,7 @@ def worker_id(role: str, index: int) -> bytes:
 def parse_worker_id(ident: bytes) -> tuple[str, int]:
     prefix, _, idx = ident.decode().partition("-")
     return ("frontend" if prefix == "fe" else "shard"), int(idx)
+
+
+assert CONTROL_LANE_KINDS == frozenset((ACK, NACK, CREDIT, CONSUME, CANCEL, QOS, RECOVER, CHANNEL_CLOSED,
+                                        CONNECTION_CLOSED))

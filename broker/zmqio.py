@@ -23,7 +23,10 @@ from broker import contract
 
 OnBatch = Callable[[bytes | None, Any, list], None]
 
-_BATCHES_PER_TURN = 8
+# Together these bound the work one loop turn does for a socket to about 1,000 items, so
+# deliveries, confirms and credit interleave with a publish flood instead of waiting behind it.
+_BATCHES_PER_TURN = 2
+MAX_BATCH_ITEMS = 512
 
 
 def make_socket(ctx: zmq.Context, kind: int, identity: bytes | None = None) -> zmq.Socket:
@@ -73,6 +76,9 @@ class BatchSocket:
             self._pending[dest] = [item]
         else:
             items.append(item)
+            if len(items) >= MAX_BATCH_ITEMS:
+                del self._pending[dest]
+                self._send(dest, contract.pack(self.header_for(dest), items))
         if not self._scheduled:
             self._scheduled = True
             self.loop.call_soon(self.flush)

@@ -36,6 +36,8 @@ _PROCESSED = contract.PROCESSED
 _CANCEL_NOTIFY = contract.CANCEL_NOTIFY
 _CLOSE_CHANNEL = contract.CLOSE_CHANNEL
 _MAX_IN_FLIGHT = contract.MAX_BATCHES_IN_FLIGHT
+_PUBLISH = contract.PUBLISH
+_CONTROL_LANE_KINDS = contract.CONTROL_LANE_KINDS
 
 
 class FrontendWorker:
@@ -50,7 +52,8 @@ class FrontendWorker:
         self.settings: dict = {}
         self.shard_count = 0
         self.epochs: list[int] = []
-        self.shards: list[BatchSocket] = []
+        self.shards: list[BatchSocket] = []  # publish lanes
+        self.control: list[BatchSocket] = []  # control lanes (see contract.CONTROL_LANE_KINDS)
         self._sent: list[int] = []  # last batch_seq flushed per shard
         self._processed: list[int] = []  # highest batch_seq a shard answered with PROCESSED
         self.pressure = False  # reading paused on all clients: a shard is behind
@@ -85,6 +88,9 @@ class FrontendWorker:
             sock = make_socket(self.ctx, zmq.DEALER, self.ident)
             sock.connect(contract.shard_address(self.run_dir, i))
             self.shards.append(BatchSocket(self.loop, sock, self._shard_handler(i), self._header_for(i)))
+            ctl = make_socket(self.ctx, zmq.DEALER, self.ident + contract.CONTROL_LANE_SUFFIX)
+            ctl.connect(contract.shard_address(self.run_dir, i))
+            self.control.append(BatchSocket(self.loop, ctl, self._shard_handler(i), self._control_header_for(i)))
         self.node.put(None, [contract.APPLIED, version])
         bind = settings.get("bind") or "0.0.0.0"
         port = int(settings.get("port", 5672))
@@ -103,6 +109,10 @@ class FrontendWorker:
             return [self.epochs[shard], seq]
 
         return header
+
+    def _control_header_for(self, shard: int) -> Callable[[bytes | None], list]:
+        epochs = self.epochs
+        return lambda _dest: [epochs[shard], None]
 
     # -------------------------------------------------------------- node side
     def _on_node(self, _ident: bytes | None, _header: Any, items: list) -> None:
@@ -159,14 +169,18 @@ class FrontendWorker:
 
     # ------------------------------------------------------------- shard side
     def shard_put(self, shard: int, item: list) -> None:
-        self.shards[shard].put(None, item)
+        kind = item[0]
+        if kind != _PUBLISH and kind in _CONTROL_LANE_KINDS:
+            self.control[shard].put(None, item)
+        else:
+            self.shards[shard].put(None, item)
 
     def shard_request(self, shard: int, build: Callable[[int], list], conn: AMQPConnection,
                       callback: Callback) -> None:
         self._next_req += 1
         req_id = self._next_req
         self._shard_pending[req_id] = (shard, conn, callback)
-        self.shards[shard].put(None, build(req_id))
+        self.shard_put(shard, build(req_id))
 
     def _shard_handler(self, shard: int) -> Callable[[bytes | None, Any, list], None]:
         return lambda _ident, _header, items: self._on_shard(shard, items)
@@ -276,7 +290,7 @@ class FrontendWorker:
         for conn in list(self.conns.values()):
             if conn.transport is not None:
                 conn.transport.close()
-        for sock in self.shards:
+        for sock in (*self.shards, *self.control):
             sock.close()
         if self.node is not None:
             self.node.close()

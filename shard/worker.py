@@ -30,6 +30,8 @@ from shard.timers import TimerHeap
 
 log = logging.getLogger("shardmq.shard")
 
+_CONTROL_LANE_SUFFIX = contract.CONTROL_LANE_SUFFIX
+
 _PERIODIC_SYNC_S = 1.0
 
 
@@ -189,13 +191,16 @@ class ShardWorker:
             epoch, batch_seq = header
         except (TypeError, ValueError):
             return
+        if fe[-1:] == _CONTROL_LANE_SUFFIX:
+            fe = fe[:-1]  # same frontend, control lane: state is keyed by the publish-lane identity
         if epoch == self.epoch and self.defs is not None:
             for item in items:
                 try:
                     self._handle(fe, item)
                 except Exception:  # one bad item must not take the shard down
                     log.exception("shard %d: failed to handle item kind %r", self.index, item[:1])
-        self.data.put(fe, [contract.PROCESSED, batch_seq])
+        if batch_seq is not None:
+            self.data.put(fe, [contract.PROCESSED, batch_seq])
         if self._confirms:
             self._flush_confirms()
         self._schedule_deliver()
