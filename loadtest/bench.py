@@ -278,7 +278,8 @@ def machine_info(rabbitmq_version: str | None = None) -> dict[str, str]:
 
 
 def render_doc(machine: dict[str, str], command: str, table: str | None, when: str | None,
-               failures: list[RunOutcome], results_dir: str | None) -> str:
+               failures: list[RunOutcome], results_dir: str | None, notes: list[str] | None = None) -> str:
+    """The whole benchmarks page; ``notes`` are extra lines printed above the results table."""
     lines = [
         "# Benchmarks: ShardMQ vs RabbitMQ",
         "",
@@ -311,7 +312,8 @@ def render_doc(machine: dict[str, str], command: str, table: str | None, when: s
         lines.append(f"| {s.name} | `amqp {argv}`{pre} | {s.measures} |")
     lines += ["", "`D` is `--duration` (seconds, default 15).", "", "## Results", ""]
     if table:
-        lines += [f"Measured {when}; raw results in `{results_dir}`.", "", table.rstrip(), ""]
+        lines += [f"Measured {when}; raw results in `{results_dir}`.", ""]
+        lines += [*(notes or []), *([""] if notes else []), table.rstrip(), ""]
     else:
         lines += ["**Not yet measured.** No numbers have been recorded on this machine yet; run the command",
                   "above to fill this section.", ""]
