@@ -38,7 +38,6 @@ Message = tuple[int, bool, int, int, str, str, bytes, bytes]
 Record = tuple[int, int, str, str, bytes, bytes]
 
 _POS_MASK = 0xFFFFFFFF
-_pack_u32 = struct.Struct("<I").pack
 _encode_payload = record.encode_payload
 _write_record = record.write
 _read_record = record.read
@@ -101,6 +100,7 @@ class QueueStore:
         self._dir_dirty = False  # files created or removed since the last sync
         self._sync_fds: list[int] = []  # sealed msgs fds and meta fds: sync them, then close them
         self._ack_fds: set[int] = set()
+        self._ack_pending: dict[Segment, list[int]] = {}  # acks not yet written (see flush_acks)
         self._syncing = 0
         self._deferred_close: list[int] = []
         os.makedirs(path, exist_ok=True)
@@ -123,7 +123,8 @@ class QueueStore:
 
     @property
     def dirty(self) -> bool:
-        return self._wdirty or self._acks_dirty or self._dir_dirty or bool(self._sync_fds)
+        return (self._wdirty or self._acks_dirty or self._dir_dirty or bool(self._sync_fds)
+                or bool(self._ack_pending))
 
     # ------------------------------------------------------------ hot path
     def append(
@@ -188,11 +189,12 @@ class QueueStore:
         elif pos in acked:
             return False
         acked.add(pos)
-        fd = seg.ack_fd
-        if fd < 0:
-            fd = self._open_acks(seg)
-        os.write(fd, _pack_u32(pos))
-        self._acks_dirty = True
+        # Positions reach the ack file in flush_acks (once per loop turn), not one write per ack.
+        pend = self._ack_pending.get(seg)
+        if pend is None:
+            self._ack_pending[seg] = [pos]
+        else:
+            pend.append(pos)
         seg.live -= 1
         if seg.live == 0 and seg.sealed:
             self._drop(seg)
@@ -323,6 +325,7 @@ class QueueStore:
         """Release maps and fds. Does not sync: call sync() first for a clean shutdown."""
         if self._closed:
             return
+        self.flush_acks()
         self._closed = True
         for seg in self._segs.values():
             seg.close_map()
@@ -417,6 +420,19 @@ class QueueStore:
             self._dir_dirty = True
         return fd
 
+    def flush_acks(self) -> None:
+        """Write the ack positions collected since the last call (loop thread; before sync())."""
+        if not self._ack_pending:
+            return
+        pending = self._ack_pending
+        self._ack_pending = {}
+        for seg, positions in pending.items():
+            fd = seg.ack_fd
+            if fd < 0:
+                fd = self._open_acks(seg)
+            os.write(fd, struct.pack(f"<{len(positions)}I", *positions))
+        self._acks_dirty = True
+
     def _remove_many(self, seg: Segment, positions: list[int]) -> int:
         if not positions:
             return 0
@@ -438,6 +454,7 @@ class QueueStore:
     def _drop(self, seg: Segment) -> None:
         """Forget a sealed segment with no live records and delete its files."""
         del self._segs[seg.no]
+        self._ack_pending.pop(seg, None)
         if seg is self._rseg:
             self._rseg = self._next_seg(seg)
             self._rpos = DATA_START

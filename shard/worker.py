@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 
 import zmq
@@ -33,6 +34,15 @@ log = logging.getLogger("shardmq.shard")
 _CONTROL_LANE_SUFFIX = contract.CONTROL_LANE_SUFFIX
 
 _PERIODIC_SYNC_S = 1.0
+_FLOW_BACKLOG = 4 * contract.CREDIT_WINDOW  # ready messages before publishers are paced
+_FLOW_MAX_HOLD_S = 0.5
+
+
+def _waiting_for_credit(consumers: list) -> bool:
+    for c in consumers:
+        if c.credit <= 0 and c.active:
+            return True
+    return False
 
 
 class ShardWorker:
@@ -60,6 +70,9 @@ class ShardWorker:
         self._confirms: dict[tuple[bytes, int, int], list[int]] = {}
         self.stopped = asyncio.Event()
         self._stopping = False
+        self._behind = False  # see _hold_processed
+        self._held: deque[tuple[float, bytes, int, int]] = deque()
+        self._hold_timer_armed = False
         self._ready = asyncio.Event()
         self._node_req = 0
         self.node: BatchSocket | None = None
@@ -200,7 +213,10 @@ class ShardWorker:
                 except Exception:  # one bad item must not take the shard down
                     log.exception("shard %d: failed to handle item kind %r", self.index, item[:1])
         if batch_seq is not None:
-            self.data.put(fe, [contract.PROCESSED, batch_seq])
+            if self._behind:
+                self._hold_processed(fe, batch_seq, len(items))
+            else:
+                self.data.put(fe, [contract.PROCESSED, batch_seq])
         if self._confirms:
             self._flush_confirms()
         self._schedule_deliver()
@@ -495,9 +511,51 @@ class ShardWorker:
         dirty = self._dirty_queues
         self._dirty_queues = set()
         put = self.data.put
+        delivered = 0
+        behind = False
         for q in dirty:
             if not q.deleted:
+                store = q.store
+                ready = store.ready
                 q.deliver(put)
+                delivered += ready - store.ready
+                store.flush_acks()
+                if store.ready > _FLOW_BACKLOG and q.consumers and _waiting_for_credit(q.consumers):
+                    behind = True
+        self._behind = behind
+        if self._held:
+            self._release_processed(delivered)
+
+    # ------------------------------------------------------ publisher flow control
+    # While a queue's consumers cannot keep up (a large backlog and a consumer waiting for
+    # credit), PROCESSED answers are released at the pace of deliveries, so the frontends
+    # slow the publishers down to what the consumers take, as RabbitMQ's flow control does.
+    # No batch is held longer than _FLOW_MAX_HOLD_S: a stuck consumer cannot stop publishers.
+    def _hold_processed(self, fe: bytes, batch_seq: int, n: int) -> None:
+        self._held.append((self.loop.time(), fe, batch_seq, n))
+        if not self._hold_timer_armed:
+            self._hold_timer_armed = True
+            self.loop.call_later(_FLOW_MAX_HOLD_S, self._release_old)
+
+    def _release_processed(self, budget: int) -> None:
+        held = self._held
+        put = self.data.put
+        while held and (not self._behind or budget > 0):
+            _t, fe, seq, n = held.popleft()
+            put(fe, [contract.PROCESSED, seq])
+            budget -= n
+
+    def _release_old(self) -> None:
+        self._hold_timer_armed = False
+        held = self._held
+        deadline = self.loop.time() - _FLOW_MAX_HOLD_S
+        put = self.data.put
+        while held and held[0][0] <= deadline:
+            _t, fe, seq, _n = held.popleft()
+            put(fe, [contract.PROCESSED, seq])
+        if held:
+            self._hold_timer_armed = True
+            self.loop.call_later(_FLOW_MAX_HOLD_S, self._release_old)
 
     # ----------------------------------------------------------------- confirms
     def _flush_confirms(self) -> None:
@@ -515,6 +573,8 @@ class ShardWorker:
         stores = self._sync_stores
         self._sync_waiting = []
         self._sync_stores = set()
+        for store in stores:
+            store.flush_acks()  # on the loop thread: the sync thread only fsyncs
         fut = self.loop.run_in_executor(None, _sync_all, list(stores))
         fut.add_done_callback(lambda f: self._sync_done(f, waiting))
 
@@ -553,6 +613,8 @@ class ShardWorker:
         self._stopping = True
         self.data.flush()
         stores = [q.store for q in self.queues.values()]
+        for store in stores:
+            store.flush_acks()
         await self.loop.run_in_executor(None, _sync_all, stores)
         for s in stores:
             s.close()

@@ -393,6 +393,7 @@ def test_dirty_and_sync(tmp_path):
     assert not s.dirty
     s.ack(s.shift()[0])
     assert s.dirty
+    s.flush_acks()  # the shard writes acks once per loop turn, on its loop thread
     s.sync()
     assert not s.dirty
     s.close()

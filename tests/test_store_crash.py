@@ -22,6 +22,7 @@ CHILD = textwrap.dedent(
             m = s.shift()
             if m is not None:
                 s.ack(m[0])
+                s.flush_acks()  # what the shard does at the end of each loop turn
         if i % 500 == 0:
             sys.stdout.write("%d\\n" % i)
             sys.stdout.flush()
