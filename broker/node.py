@@ -56,8 +56,7 @@ class Node:
         self._tasks: set[asyncio.Task] = set()
         self.stopped = asyncio.Event()
         self._shards_ready = asyncio.Event()
-        # Connections counted against max-connections: vhost -> {(frontend, conn_id)}. Frontends
-        # register a connection only while its vhost has that limit (see docs/features.md).
+        # Open connections per vhost, counted against max-connections: vhost -> {(frontend, conn_id)}.
         self.vhost_conns: dict[str, set[tuple]] = {}
 
     # ------------------------------------------------------------------ life
@@ -133,6 +132,8 @@ class Node:
                     fut.set_result(None)
         else:
             self._broadcast("shard", [contract.WORKER_DOWN, "frontend", worker.index])
+            for owners in self.vhost_conns.values():
+                owners.difference_update([o for o in owners if o[0] == worker.index])
             for owners in self.vhost_conns.values():
                 owners.difference_update([o for o in owners if o[0] == worker.index])
             ops = self.defs.ops_for_owner_gone([worker.index])

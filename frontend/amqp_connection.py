@@ -443,14 +443,13 @@ class AMQPConnection(asyncio.Protocol):
         except AMQPError as exc:
             raise AMQPConnectionError(exc.code, exc.text, 10, 40) from None
         self.vhost = vhost
-        if self.worker.defs.vhost_limits(vhost).get("max-connections") is not None:
-            # Counted by the node across frontends; had_exclusive makes _release tell it when we go.
-            self.had_exclusive = True
-            worker = self.worker
-            worker.node_request("connection.open", {"vhost": vhost, "user": self.user,
-                                                    "owner": [worker.index, self.conn_id]}, self._open_counted)
-            return
-        self._opened()
+        # Every connection is counted by the node across frontends, so a max-connections limit set
+        # later counts the connections that are already open (had_exclusive makes _release tell the
+        # node when we go).
+        self.had_exclusive = True
+        worker = self.worker
+        worker.node_request("connection.open", {"vhost": vhost, "user": self.user,
+                                                "owner": [worker.index, self.conn_id]}, self._open_counted)
 
     def _open_counted(self, ok: bool, result: Any) -> None:
         if self.state != AWAIT_OPEN or self.transport is None:
