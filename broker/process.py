@@ -31,3 +31,38 @@ def install_uvloop() -> None:
     except ImportError:  # pragma: no cover - uvloop is a hard dependency, but keep the node up
         return
     uvloop.install()
+
+
+def run_worker(role: str, argv: list[str] | None, load_worker) -> int:
+    """Common entry point of a worker process: `python -m <role>.main --index N --run-dir DIR`.
+
+    ``load_worker()`` returns the worker class (imported late so the process has set up logging
+    and uvloop first); it is built as ``cls(index, run_dir, loop)`` and must provide ``start()``,
+    ``stop()`` and a ``stopped`` event.
+    """
+    import argparse
+    import asyncio
+
+    from broker.config import setup_logging
+
+    parser = argparse.ArgumentParser(prog=f"shardmq-{role}")
+    parser.add_argument("--index", type=int, required=True)
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--log-level", default="info")
+    args = parser.parse_args(argv)
+    die_with_parent()
+    install_uvloop()
+    setup_logging(args.log_level, f"{role}-{args.index}")
+
+    async def serve() -> int:
+        loop = asyncio.get_running_loop()
+        worker = load_worker()(args.index, args.run_dir, loop)
+        # The node stops workers with STOP; SIGTERM from outside does the same. Ctrl-C in a
+        # terminal reaches the whole process group: the node decides, not us.
+        loop.add_signal_handler(signal.SIGTERM, lambda: loop.create_task(worker.stop()))
+        loop.add_signal_handler(signal.SIGINT, lambda: None)
+        await worker.start()
+        await worker.stopped.wait()
+        return 0
+
+    return asyncio.run(serve())
