@@ -59,6 +59,8 @@ CLOSED = 3
 
 _PUBLISH = contract.PUBLISH
 _QUEUE_INFO = contract.QUEUE_INFO
+_NO_PROPS = b"\x00\x00"  # property flags: none
+_MODE_ONLY = b"\x10\x00"  # property flags: delivery-mode only
 _ACK = contract.ACK
 _NACK = contract.NACK
 
@@ -270,9 +272,15 @@ class Channel:
         props_raw = ev.props_raw
         try:
             persistent = delivery_mode(props_raw) == 2
-            # Flag 0x0010 (low byte of the first flag word) = user-id; rare, so decoded only when set.
-            if len(props_raw) > 1 and props_raw[1] & 0x10:
-                self._check_user_id(decode_properties(props_raw).user_id)
+            # Properties other than delivery-mode are decoded once here, as RabbitMQ does, so a
+            # malformed headers table or string is refused at publish instead of being stored and
+            # breaking every consumer's client later. Empty or delivery-mode-only properties (the
+            # bulk of high-rate traffic) are fully checked by delivery_mode() alone.
+            n = len(props_raw)
+            if not ((n == 2 and props_raw == _NO_PROPS) or (n == 3 and props_raw[:2] == _MODE_ONLY)):
+                props = decode_properties(props_raw)
+                if props.user_id is not None:
+                    self._check_user_id(props.user_id)
         except ValueError as exc:
             raise AMQPConnectionError(SYNTAX_ERROR, f"malformed content properties: {exc}", 60, 40) from None
         # Plain path: one flag test. 0x22 = headers (CC/BCC) or reply-to (direct reply-to) present.

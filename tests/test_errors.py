@@ -366,9 +366,6 @@ def test_540_publish_immediate(shared_node):
 # way to trigger it here; tests/test_fuzz.py checks the opposite: hostile input never produces 541.
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: the node checks properties only up to delivery-mode, so a "
-                   "malformed headers table is stored and breaks the consumer's client (RabbitMQ decodes the "
-                   "properties on publish and refuses them)")
 def test_malformed_headers_table_is_refused_at_publish(shared_node):
     raw = RawClient(shared_node.port)
     try:
