@@ -24,8 +24,17 @@ apt_install() {
         _APT_UPDATED=1
     fi
     log "apt-get install ${missing[*]}"
+    # Packages with services (rabbitmq-server) must not start a system instance: tests and the bench
+    # run private brokers on their own ports. policy-rc.d exit 101 = "action forbidden".
+    local policy=/usr/sbin/policy-rc.d own_policy=0
+    if [ ! -e "$policy" ]; then
+        printf '#!/bin/sh\nexit 101\n' > "$policy" && chmod +x "$policy" && own_policy=1
+    fi
+    local rc=0
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
-        || die "apt-get install ${missing[*]} failed"
+        || rc=$?
+    [ "$own_policy" -eq 1 ] && rm -f "$policy"
+    [ "$rc" -eq 0 ] || die "apt-get install ${missing[*]} failed"
 }
 
 # ensure_venv: .venv with a Python >= 3.11 (installs python3-venv when the venv module is missing).

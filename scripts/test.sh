@@ -7,6 +7,8 @@ source "$(dirname "$0")/_common.sh"
 APT_PACKAGES=()
 # pyspark needs a Java runtime (17+ for pyspark 4; Debian 12's default is 17).
 command -v java >/dev/null || APT_PACKAGES+=(default-jre-headless)
+# The bench tests start a private RabbitMQ (loadtest/rabbitmq.py) side by side with ShardMQ.
+[ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || APT_PACKAGES+=(rabbitmq-server)
 [ "${#APT_PACKAGES[@]}" -eq 0 ] || apt_install "${APT_PACKAGES[@]}"
 
 ensure_venv
