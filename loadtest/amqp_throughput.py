@@ -77,8 +77,11 @@ class ThroughputOptions:
     time_s: float = 0.0  # 0 = none (a default of 10 s applies when no count limit is set either)
     verify: bool = False
     keep: bool = False
-    drain_timeout_s: float = 10.0  # after publishers finish, wait at most this long for consumers...
-    drain_idle_s: float = 2.0  # ...and stop early once they receive nothing for this long
+    # after publishers finish, wait at most drain_timeout_s for consumers and stop early once they
+    # received nothing for drain_idle_s. Consume-only runs (no publishers) end at --cmessages, -z, or
+    # drain_idle_s after the last delivery; without -z, also when nothing came within drain_timeout_s.
+    drain_timeout_s: float = 10.0
+    drain_idle_s: float = 2.0
 
     def validate(self) -> None:
         if self.publishers < 0 or self.consumers < 0 or self.publishers + self.consumers == 0:
@@ -647,8 +650,18 @@ class ThroughputRun:
                     sh.stop_pub.value = 1  # consumers reached --cmessages: nothing left to measure
                 if cons_done and (pubs_done or not o.publishers):
                     break
-                if o.time_s and el >= o.time_s and not o.publishers:
-                    break
+                if not o.publishers:  # consume-only: drain a backlog that exists before the run
+                    if o.time_s and el >= o.time_s:
+                        break
+                    now_s = time.monotonic()
+                    if consumed != drain_seen[0]:
+                        drain_seen = (consumed, now_s)
+                    # idle only counts once messages flowed: the first delivery may take a while
+                    if consumed and now_s - drain_seen[1] > o.drain_idle_s:
+                        break
+                    if not consumed and not o.time_s and el > o.drain_timeout_s:
+                        break  # no -z and nothing to drain: still a bounded run
+                    continue
                 if pubs_done:
                     # drain only when the counts matter (verify / cmessages); otherwise stop now
                     if not (o.verify or o.cmessages) or not o.consumers:

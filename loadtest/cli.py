@@ -96,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p, amqp_uri)
     p.add_argument("-x", "--parallel", type=int, default=1, help="churning processes (default 1)")
 
+    # listed for --help only: main() hands these to loadtest.bench / loadtest.report before parsing
+    proto.add_parser("bench", add_help=False, help="side-by-side ShardMQ vs RabbitMQ scenarios (bench --help)")
+    proto.add_parser("report", add_help=False, help="Spark report over a results dir (report --help)")
+
     mqtt = proto.add_parser("mqtt", help="MQTT 3.1.1 scenarios").add_subparsers(dest="command", required=True)
     p = mqtt.add_parser("throughput", help="MQTT publish/subscribe throughput (QoS 0/1)")
     _common(p, "mqtt://127.0.0.1:1883")

@@ -78,22 +78,59 @@ def _encode(method: Any, channel: int = 1) -> bytes:
     return encoder.encode_method(channel, method)
 
 
-def connection_count(args: argparse.Namespace, *, broker: str, scenario: str, broker_rss: RssFn) -> RunResult:
-    """Open ``--count`` idle connections (handshake + channel), report RSS, hold, close them all."""
+def _settled_rss(broker_rss: RssFn, settle_s: float, samples: int = 3, gap_s: float = 0.2) -> list[int] | None:
+    """``samples`` RSS readings ``gap_s`` apart after ``settle_s``: a single reading right after the
+    last handshake misses memory the broker has yet to fault in and jitters with its GC/allocator."""
+    time.sleep(settle_s)
+    got: list[int] = []
+    for i in range(samples):
+        if i:
+            time.sleep(gap_s)
+        rss = broker_rss()
+        if rss is None:
+            return None
+        got.append(rss)
+    return got
+
+
+def rss_growth(before: list[int] | None, after: list[int] | None, count: int) -> dict[str, Any]:
+    """Per-item RSS growth from two sample sets (max of each), clamped at 0.
+
+    The noise is the larger spread within one sample set; a growth not above it is reported as
+    ``rss_delta_within_noise`` (and a negative one as 0 per item) rather than as a measurement.
+    """
+    if before is None or after is None or not count:
+        return {"rss_before_bytes": max(before) if before else None,
+                "rss_after_bytes": max(after) if after else None, "rss_per_connection_bytes": None}
+    delta = max(after) - max(before)
+    noise = max(max(before) - min(before), max(after) - min(after))
+    return {"rss_before_bytes": max(before), "rss_after_bytes": max(after), "rss_delta_bytes": delta,
+            "rss_noise_bytes": noise, "rss_delta_within_noise": delta <= noise,
+            "rss_per_connection_bytes": max(0, delta) // count}
+
+
+def connection_count(args: argparse.Namespace, *, broker: str, scenario: str, broker_rss: RssFn,
+                     settle_s: float = 1.0) -> RunResult:
+    """Open ``--count`` idle connections (handshake + channel), report RSS, hold, close them all.
+
+    RSS is sampled (max of 3, 0.2 s apart) before the first connection and again ``settle_s``
+    after the last one completed its handshake; ``rss_after_bytes`` is the total with N open.
+    """
     _raise_nofile(args.count + 256)
     started_at = now_iso()
     conns: list[AMQPClient] = []
-    rss_before = broker_rss()
+    rss_before = _settled_rss(broker_rss, 0.0)
     t0 = time.monotonic()
     deadline = t0 + (args.time_s or 600)
     try:
         for _ in range(args.count):
-            conns.append(AMQPClient(args.uri).connect())
+            conns.append(AMQPClient(args.uri).connect())  # returns after connection + channel open-ok
             if time.monotonic() > deadline:
                 break
         open_s = time.monotonic() - t0
-        time.sleep(min(args.hold, args.time_s or args.hold))
-        rss_after = broker_rss()
+        rss_after = _settled_rss(broker_rss, settle_s)
+        held = settle_s + 0.4
+        time.sleep(max(0.0, min(args.hold, args.time_s or args.hold) - held))
     finally:
         for c in conns:
             try:
@@ -102,10 +139,8 @@ def connection_count(args: argparse.Namespace, *, broker: str, scenario: str, br
                 pass
     extra = {"connections": len(conns), "open_s": round(open_s, 4),
              "connections_per_s": round(len(conns) / open_s, 1) if open_s else None,
-             "rss_before_bytes": rss_before, "rss_after_bytes": rss_after,
-             "rss_per_connection_bytes": (rss_after - rss_before) // len(conns)
-             if rss_before is not None and rss_after is not None and conns else None}
-    return _result(args, broker, scenario, started_at, open_s, extra, rss_after)
+             **rss_growth(rss_before, rss_after, len(conns))}
+    return _result(args, broker, scenario, started_at, open_s, extra, extra["rss_after_bytes"])
 
 
 def bind_churn(args: argparse.Namespace, *, broker: str, scenario: str, broker_rss: RssFn) -> RunResult:

@@ -10,12 +10,15 @@ import os
 import socket
 import struct
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
+from broker.amqp import encoder
 from loadtest import results
 from loadtest.amqp_client import AMQPClient, AMQPUri
+from loadtest.amqp_throughput import TRANSIENT_PROPS, ThroughputOptions, ThroughputRun
 from loadtest.cli import EXIT_ERROR, EXIT_OK, EXIT_VERIFY, main
 from loadtest.mqtt_throughput import (
     PUBACK,
@@ -28,6 +31,7 @@ from loadtest.mqtt_throughput import (
     encode_varint,
     split_packets,
 )
+from loadtest.scenarios_amqp import rss_growth
 from loadtest.sink import SinkProcess
 
 
@@ -96,6 +100,87 @@ def test_publish_only_and_consume_only_are_bounded(sink, capsys):
     assert rc == EXIT_OK and r["published"] == r["confirmed"] == 400 and r["consumed"] == 0
     rc, r = run_json(capsys, ["amqp", "throughput", "--uri", sink.uri, "-x", "0", "-z", "0.5"])
     assert rc == EXIT_OK and r["published"] == 0
+
+
+def _prefill(sink, capsys, queue: str, n: int) -> None:
+    rc, r = run_json(capsys, ["amqp", "throughput", "--uri", sink.uri, "-y", "0", "--pmessages", str(n),
+                              "--queue", queue, "--keep"])
+    assert rc == EXIT_OK and r["published"] == n
+
+
+def _publish_raw(uri: str, queue: str, n: int) -> None:
+    """n stamped publishes from this thread (no worker processes: forking from a thread is unsafe)."""
+    with AMQPClient(uri).connect() as c:
+        for _ in range(n):
+            body = struct.pack(">QQ", time.monotonic_ns(), 0xFFFF << 48)
+            c.send(encoder.encode_publish(1, "", queue, False, TRANSIENT_PROPS, body, c.frame_max))
+
+
+def test_consume_only_drains_a_backlog_to_cmessages(sink, capsys):
+    _prefill(sink, capsys, "backlog", 1500)
+    rc, r = run_json(capsys, ["amqp", "throughput", "--uri", sink.uri, "--publishers", "0", "--consumers", "1",
+                              "--queue", "backlog", "--cmessages", "1500", "-z", "60",
+                              "--consume-rate", "3000"])  # paced, so the drain outlasts the first check
+    assert rc == EXIT_OK, r
+    assert (r["published"], r["consumed"]) == (0, 1500)
+    assert r["latency_us"]["max"] is not None
+
+
+def test_consume_only_stops_when_consumers_go_idle_after_receiving(sink, capsys):
+    _prefill(sink, capsys, "short-backlog", 300)
+    opts = ThroughputOptions(uri=sink.uri, publishers=0, consumers=2, queue="short-backlog", cmessages=1000,
+                             time_s=60, drain_idle_s=0.3, consume_rate=1000)
+    result = ThroughputRun(opts).run()
+    assert result.consumed == 300 and result.published == 0
+
+
+def test_consume_only_on_an_empty_queue_waits_for_the_first_message(sink, capsys):
+    # idleness before the first delivery is no reason to stop: only -z (or, without -z, the drain
+    # timeout) ends it, and the messages published meanwhile are still drained.
+    opts = ThroughputOptions(uri=sink.uri, publishers=0, consumers=1, queue="late", cmessages=50,
+                             time_s=60, drain_idle_s=0.1)
+    run = ThroughputRun(opts)
+    timer = threading.Timer(0.6, _publish_raw, (sink.uri, "late", 50))
+    timer.start()
+    try:
+        result = run.run()
+    finally:
+        timer.join()
+    assert result.consumed == 50
+    opts = ThroughputOptions(uri=sink.uri, publishers=0, consumers=1, queue="empty", cmessages=10,
+                             drain_timeout_s=0.3)
+    assert ThroughputRun(opts).run().consumed == 0  # no -z: still bounded
+
+
+def test_rss_growth_is_clamped_and_flags_noise():
+    g = rss_growth([1000, 1200, 1100], [51_200, 51_000, 51_100], 50)
+    assert g["rss_per_connection_bytes"] == (51_200 - 1200) // 50 and not g["rss_delta_within_noise"]
+    assert g["rss_after_bytes"] == 51_200
+    g = rss_growth([10_000, 10_400, 10_200], [9_900, 10_000, 9_950], 10)
+    assert g["rss_delta_bytes"] == -400 and g["rss_per_connection_bytes"] == 0 and g["rss_delta_within_noise"]
+    g = rss_growth([10_000] * 3, [10_100] * 3, 10)
+    assert g["rss_per_connection_bytes"] == 10 and not g["rss_delta_within_noise"]
+    assert rss_growth(None, None, 10)["rss_per_connection_bytes"] is None
+
+
+def test_connection_count_samples_rss_with_all_connections_open(sink, capsys):
+    # our own pid as the "broker": this process holds the client sockets, so its RSS is what grows
+    rc, r = run_json(capsys, ["amqp", "connection-count", "--uri", sink.uri, "-n", "30",
+                              "--broker-pid", str(os.getpid())])
+    assert rc == EXIT_OK
+    e = r["extra"]
+    assert e["connections"] == 30
+    assert e["rss_before_bytes"] > 0 and e["rss_after_bytes"] == r["broker_rss_bytes"] > 0
+    assert e["rss_per_connection_bytes"] >= 0
+    assert e["rss_delta_bytes"] == e["rss_after_bytes"] - e["rss_before_bytes"]
+    assert isinstance(e["rss_delta_within_noise"], bool)
+
+
+def test_bench_and_report_subcommands_dispatch(capsys, tmp_path):
+    assert main(["bench", "--scenarios", "nope", "--results-dir", str(tmp_path), "--doc", ""]) == 2
+    assert "shardmq-perf bench: unknown scenario" in capsys.readouterr().err
+    assert main(["report", str(tmp_path / "missing")]) == 2
+    assert "shardmq-perf report: no such directory" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("fault", ["drop_every", "dup_every"])
