@@ -35,6 +35,23 @@ def shared_node(tmp_path_factory):
         factory.cleanup()
 
 
+@pytest.fixture
+def conn(shared_node):
+    """A pika connection to the module's shared node (modules may override it)."""
+    connection = shared_node.connect()
+    yield connection
+    if connection.is_open:
+        connection.close()
+
+
+@pytest.fixture
+def ch(conn):
+    """A confirm-mode channel: a queue's count is settled when basic_publish returns."""
+    channel = conn.channel()
+    channel.confirm_delivery()
+    return channel
+
+
 def _nodes_of(item) -> list[Node]:
     nodes: list[Node] = []
     for value in getattr(item, "funcargs", {}).values():

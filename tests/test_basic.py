@@ -11,40 +11,14 @@ from __future__ import annotations
 import datetime
 import decimal
 import time
-import uuid
-import zlib
 
 import pika
 import pytest
 from pika.exceptions import ChannelClosedByBroker
 
-from tests.test_exchanges import connections_on_two_frontends
+from tests.helpers import WAIT, connections_on_two_frontends, names_on_different_shards, uid
 
-WAIT = 10.0
 GRACE = 0.3  # how long "no further delivery" is watched for
-
-
-def uid(prefix: str = "q") -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:10]}"
-
-
-def names_on_different_shards(prefix: str, shards: int = 2) -> list[str]:
-    """One queue name per shard: placement is crc32(vhost + NUL + name) % shards (docs/architecture.md)."""
-    found: dict[int, str] = {}
-    i = 0
-    while len(found) < shards:
-        name = f"{prefix}-{i}"
-        found.setdefault(zlib.crc32(f"/\0{name}".encode()) % shards, name)
-        i += 1
-    return [found[s] for s in range(shards)]
-
-
-@pytest.fixture
-def conn(shared_node):
-    connection = shared_node.connect()
-    yield connection
-    if connection.is_open:
-        connection.close()
 
 
 @pytest.fixture

@@ -8,8 +8,6 @@ basic.return and basic.ack for an unroutable mandatory message.
 from __future__ import annotations
 
 import socket
-import uuid
-import zlib
 
 import pika
 import pytest
@@ -19,21 +17,9 @@ from pamqp import frame as pframe
 from pamqp import header as pheader
 from pamqp import heartbeat as pheartbeat
 
+from tests.helpers import names_on_different_shards, uid
+
 TIMEOUT = 10.0
-
-
-def uid(prefix: str = "q") -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:10]}"
-
-
-def names_on_different_shards(prefix: str, shards: int = 2) -> list[str]:
-    found: dict[int, str] = {}
-    i = 0
-    while len(found) < shards:
-        name = f"{prefix}-{i}"
-        found.setdefault(zlib.crc32(f"/\0{name}".encode()) % shards, name)
-        i += 1
-    return [found[s] for s in range(shards)]
 
 
 class RawClient:

@@ -9,31 +9,11 @@ exactly what was routed to it and an empty ``basic_get`` proves nothing arrived.
 from __future__ import annotations
 
 import time
-import uuid
-import zlib
 
 import pika
 import pytest
-from pika.exceptions import ChannelClosedByBroker
 
-
-def uid(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:10]}"
-
-
-@pytest.fixture
-def conn(shared_node):
-    connection = shared_node.connect()
-    yield connection
-    if connection.is_open:
-        connection.close()
-
-
-@pytest.fixture
-def ch(conn):
-    channel = conn.channel()
-    channel.confirm_delivery()
-    return channel
+from tests.helpers import channel_error, connections_on_two_frontends, names_on_different_shards, uid
 
 
 def drain(ch, queue: str) -> list[bytes]:
@@ -47,14 +27,6 @@ def drain(ch, queue: str) -> list[bytes]:
 
 def new_queue(ch, name: str | None = None) -> str:
     return ch.queue_declare(name or uid("q"), auto_delete=False, exclusive=True).method.queue
-
-
-def channel_error(conn, action) -> tuple[int, str]:
-    """Run ``action(channel)`` on a fresh channel and return the channel.close code and text."""
-    channel = conn.channel()
-    with pytest.raises(ChannelClosedByBroker) as info:
-        action(channel)
-    return info.value.reply_code, info.value.reply_text
 
 
 # ---------------------------------------------------------------- declare / delete
@@ -393,34 +365,6 @@ def test_publish_to_missing_exchange_is_404(conn):
 
 
 # ----------------------------------------------------------- across processes
-def names_on_different_shards(prefix: str, shards: int = 2) -> list[str]:
-    """One queue name per shard: placement is crc32(vhost + NUL + name) % shards (docs/architecture.md)."""
-    found: dict[int, str] = {}
-    i = 0
-    while len(found) < shards:
-        name = f"{prefix}-{i}"
-        found.setdefault(zlib.crc32(f"/\0{name}".encode()) % shards, name)
-        i += 1
-    return [found[s] for s in range(shards)]
-
-
-def connections_on_two_frontends(node, attempts: int = 40):
-    """Two pika connections served by different frontend processes (SO_REUSEPORT spreads them)."""
-    by_frontend = {}
-    for _ in range(attempts):
-        connection = node.connect()
-        frontend = connection._impl.server_properties["shardmq_frontend"]
-        if frontend in by_frontend:
-            connection.close()
-            continue
-        by_frontend[frontend] = connection
-        if len(by_frontend) == 2:
-            return list(by_frontend.values())
-    for connection in by_frontend.values():
-        connection.close()
-    pytest.fail(f"{attempts} connections all landed on frontend(s) {sorted(by_frontend)}")
-
-
 def test_publish_on_another_frontend_right_after_bind_ok_is_routed(shared_node):
     binder, publisher = connections_on_two_frontends(shared_node)
     try:

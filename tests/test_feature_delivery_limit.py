@@ -4,46 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 
 import aio_pika
 import pytest
 from pika.exceptions import ChannelClosedByBroker
 
-WAIT = 10.0
-
-
-def uid(prefix: str = "q") -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:10]}"
-
-
-@pytest.fixture
-def conn(shared_node):
-    connection = shared_node.connect()
-    yield connection
-    if connection.is_open:
-        connection.close()
-
-
-@pytest.fixture
-def ch(conn):
-    channel = conn.channel()
-    channel.confirm_delivery()
-    return channel
+from tests.helpers import WAIT, count, get_one, uid
 
 
 def get_unacked(ch, queue: str):
-    deadline = time.monotonic() + WAIT
-    while True:
-        method, props, body = ch.basic_get(queue, auto_ack=False)
-        if method is not None:
-            return method, props, body
-        assert time.monotonic() < deadline, f"nothing in {queue}"
-        time.sleep(0.02)
-
-
-def count(ch, queue: str) -> int:
-    return ch.queue_declare(queue, passive=True).method.message_count
+    return get_one(ch, queue, auto_ack=False)
 
 
 def test_delivery_count_header_and_limit_dead_letters(ch):

@@ -8,18 +8,12 @@ crc32(vhost NUL name) % shards, broker.definitions.queue_shard).
 from __future__ import annotations
 
 import time
-import uuid
 
 import pika
 import pytest
 
 from broker.definitions import queue_shard
-
-WAIT = 10.0
-
-
-def uid(prefix: str = "q") -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+from tests.helpers import WAIT, count, get_one, uid
 
 
 def uid_on(shard: int, prefix: str = "q", shards: int = 2) -> str:
@@ -27,36 +21,6 @@ def uid_on(shard: int, prefix: str = "q", shards: int = 2) -> str:
         name = uid(prefix)
         if queue_shard("/", name, shards) == shard:
             return name
-
-
-@pytest.fixture
-def conn(shared_node):
-    connection = shared_node.connect()
-    yield connection
-    if connection.is_open:
-        connection.close()
-
-
-@pytest.fixture
-def ch(conn):
-    channel = conn.channel()
-    channel.confirm_delivery()
-    return channel
-
-
-def get_one(ch, queue: str, timeout: float = WAIT):
-    """basic.get until a message arrives (bounded); (method, properties, body)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        method, props, body = ch.basic_get(queue, auto_ack=True)
-        if method is not None:
-            return method, props, body
-        assert time.monotonic() < deadline, f"nothing arrived in {queue} within {timeout}s"
-        time.sleep(0.02)
-
-
-def count(ch, queue: str) -> int:
-    return ch.queue_declare(queue, passive=True).method.message_count
 
 
 def dlx_pair(ch, *, source_shard: int | None = None, dl_shard: int | None = None, **source_args):
@@ -94,13 +58,7 @@ def test_reject_without_requeue_dead_letters_with_x_death(ch):
 
 
 def get_one_unacked(ch, queue: str):
-    deadline = time.monotonic() + WAIT
-    while True:
-        method, props, body = ch.basic_get(queue, auto_ack=False)
-        if method is not None:
-            return method, props, body
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    return get_one(ch, queue, auto_ack=False)
 
 
 def test_nack_requeue_true_does_not_dead_letter(ch):

@@ -6,44 +6,11 @@ dead-lettering of what overflow removes, reject-publish-dlx, and publishes witho
 
 from __future__ import annotations
 
-import time
-import uuid
-
 import pika
 import pytest
 from pika.exceptions import NackError
 
-WAIT = 10.0
-
-
-def uid(prefix: str = "q") -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:10]}"
-
-
-@pytest.fixture
-def conn(shared_node):
-    connection = shared_node.connect()
-    yield connection
-    if connection.is_open:
-        connection.close()
-
-
-@pytest.fixture
-def ch(conn):
-    channel = conn.channel()
-    channel.confirm_delivery()
-    return channel
-
-
-def count(ch, queue: str) -> int:
-    return ch.queue_declare(queue, passive=True).method.message_count
-
-
-def wait_count(ch, queue: str, want: int, timeout: float = WAIT) -> None:
-    deadline = time.monotonic() + timeout
-    while (n := count(ch, queue)) != want:
-        assert time.monotonic() < deadline, f"{queue} has {n} messages, expected {want}"
-        time.sleep(0.02)
+from tests.helpers import count, uid, wait_count
 
 
 def drain(ch, queue: str) -> list[tuple[bytes, dict]]:

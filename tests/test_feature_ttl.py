@@ -6,53 +6,11 @@ TTLs are small (100-300 ms); every wait for the broker to act is a bounded poll.
 from __future__ import annotations
 
 import time
-import uuid
 
 import pika
-import pytest
 from pika.exceptions import ChannelClosedByBroker
 
-WAIT = 10.0
-
-
-def uid(prefix: str = "q") -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:10]}"
-
-
-@pytest.fixture
-def conn(shared_node):
-    connection = shared_node.connect()
-    yield connection
-    if connection.is_open:
-        connection.close()
-
-
-@pytest.fixture
-def ch(conn):
-    channel = conn.channel()
-    channel.confirm_delivery()
-    return channel
-
-
-def count(ch, queue: str) -> int:
-    return ch.queue_declare(queue, passive=True).method.message_count
-
-
-def wait_count(ch, queue: str, want: int, timeout: float = WAIT) -> None:
-    deadline = time.monotonic() + timeout
-    while (n := count(ch, queue)) != want:
-        assert time.monotonic() < deadline, f"{queue} has {n} messages, expected {want}"
-        time.sleep(0.02)
-
-
-def get_one(ch, queue: str, timeout: float = WAIT):
-    deadline = time.monotonic() + timeout
-    while True:
-        method, props, body = ch.basic_get(queue, auto_ack=True)
-        if method is not None:
-            return method, props, body
-        assert time.monotonic() < deadline, f"nothing arrived in {queue} within {timeout}s"
-        time.sleep(0.02)
+from tests.helpers import WAIT, count, get_one, uid, wait_count
 
 
 def test_queue_ttl_expires_without_a_consumer(ch):

@@ -8,7 +8,6 @@ awaited with a bounded poll.
 from __future__ import annotations
 
 import time
-import uuid
 
 import pika
 import pytest
@@ -18,35 +17,8 @@ from pamqp import frame as pframe
 from pamqp import header as pheader
 from pika.exceptions import ChannelClosedByBroker
 
+from tests.helpers import WAIT, channel_error, uid
 from tests.test_confirms import RawClient
-
-WAIT = 10.0
-
-
-def uid(prefix: str = "q") -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:10]}"
-
-
-@pytest.fixture
-def conn(shared_node):
-    connection = shared_node.connect()
-    yield connection
-    if connection.is_open:
-        connection.close()
-
-
-@pytest.fixture
-def ch(conn):
-    channel = conn.channel()
-    channel.confirm_delivery()
-    return channel
-
-
-def channel_error(conn, action) -> tuple[int, str]:
-    channel = conn.channel()
-    with pytest.raises(ChannelClosedByBroker) as info:
-        action(channel)
-    return info.value.reply_code, info.value.reply_text
 
 
 def exists(conn, name: str) -> bool:

@@ -1,0 +1,77 @@
+"""Helpers shared by the pika tests on a real node: names, counts and bounded polls.
+
+The ``conn`` and ``ch`` fixtures that go with them live in tests/conftest.py.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+import zlib
+
+import pytest
+from pika.exceptions import ChannelClosedByBroker
+
+WAIT = 10.0
+
+
+def uid(prefix: str = "q") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+def names_on_different_shards(prefix: str, shards: int = 2) -> list[str]:
+    """One queue name per shard: placement is crc32(vhost + NUL + name) % shards (docs/architecture.md)."""
+    found: dict[int, str] = {}
+    i = 0
+    while len(found) < shards:
+        name = f"{prefix}-{i}"
+        found.setdefault(zlib.crc32(f"/\0{name}".encode()) % shards, name)
+        i += 1
+    return [found[s] for s in range(shards)]
+
+
+def count(ch, queue: str) -> int:
+    return ch.queue_declare(queue, passive=True).method.message_count
+
+
+def wait_count(ch, queue: str, want: int, timeout: float = WAIT) -> None:
+    deadline = time.monotonic() + timeout
+    while (n := count(ch, queue)) != want:
+        assert time.monotonic() < deadline, f"{queue} has {n} messages, expected {want}"
+        time.sleep(0.02)
+
+
+def get_one(ch, queue: str, timeout: float = WAIT, auto_ack: bool = True):
+    """basic.get until a message arrives (bounded); (method, properties, body)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        method, props, body = ch.basic_get(queue, auto_ack=auto_ack)
+        if method is not None:
+            return method, props, body
+        assert time.monotonic() < deadline, f"nothing arrived in {queue} within {timeout}s"
+        time.sleep(0.02)
+
+
+def channel_error(conn, action) -> tuple[int, str]:
+    """Run ``action(channel)`` on a fresh channel and return the channel.close code and text."""
+    channel = conn.channel()
+    with pytest.raises(ChannelClosedByBroker) as info:
+        action(channel)
+    return info.value.reply_code, info.value.reply_text
+
+
+def connections_on_two_frontends(node, attempts: int = 40):
+    """Two pika connections served by different frontend processes (SO_REUSEPORT spreads them)."""
+    by_frontend = {}
+    for _ in range(attempts):
+        connection = node.connect()
+        frontend = connection._impl.server_properties["shardmq_frontend"]
+        if frontend in by_frontend:
+            connection.close()
+            continue
+        by_frontend[frontend] = connection
+        if len(by_frontend) == 2:
+            return list(by_frontend.values())
+    for connection in by_frontend.values():
+        connection.close()
+    pytest.fail(f"{attempts} connections all landed on frontend(s) {sorted(by_frontend)}")
