@@ -15,11 +15,9 @@ import kombu
 import pika
 import pytest
 
+from tests.helpers import uid
+
 TIMEOUT = 10.0
-
-
-def uid(prefix: str = "q") -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:10]}"
 
 
 # -------------------------------------------------------------------------- pika

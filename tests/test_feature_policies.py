@@ -11,14 +11,9 @@ import json
 import os
 import signal
 import time
-import uuid
 
 import pika
 import pytest
-
-
-def uid(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:10]}"
 
 
 def write_defs(path, policies=(), operator_policies=(), limits=None) -> None:

@@ -7,22 +7,11 @@ tests/test_feature_policies.py.)
 from __future__ import annotations
 
 import time
-import uuid
 
 import pika
 import pytest
 
-
-def uid(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:10]}"
-
-
-@pytest.fixture
-def conn(shared_node):
-    c = shared_node.connect()
-    yield c
-    if c.is_open:
-        c.close()
+from tests.helpers import connections_on_two_frontends, uid
 
 
 @pytest.fixture
@@ -170,24 +159,6 @@ def test_no_timestamp_by_default(ch):
 
 
 # ------------------------------------------------------------ direct reply-to
-def connections_on_two_frontends(node, attempts: int = 40):
-    by_frontend: dict = {}
-    extra = []
-    for _ in range(attempts):
-        c = node.connect()
-        fe = c._impl.server_properties["shardmq_frontend"]
-        if fe in by_frontend:
-            extra.append(c)
-        else:
-            by_frontend[fe] = c
-        if len(by_frontend) == 2:
-            break
-    for c in extra:
-        c.close()
-    assert len(by_frontend) == 2, "SO_REUSEPORT kept every connection on one frontend"
-    return list(by_frontend.values())
-
-
 @pytest.mark.parametrize("cross_frontend", [False, True])
 def test_direct_reply_to_rpc(shared_node, cross_frontend):
     if cross_frontend:

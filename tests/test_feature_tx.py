@@ -2,26 +2,10 @@
 
 from __future__ import annotations
 
-import uuid
-
 import pika
 import pytest
 
-
-def uid(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:10]}"
-
-
-@pytest.fixture
-def conn(shared_node):
-    c = shared_node.connect()
-    yield c
-    if c.is_open:
-        c.close()
-
-
-def count(ch, queue: str) -> int:
-    return ch.queue_declare(queue, passive=True).method.message_count
+from tests.helpers import count, uid
 
 
 def test_publishes_are_invisible_until_commit_and_dropped_on_rollback(conn):

@@ -279,14 +279,6 @@ def test_nowait_bind_then_publish_routes_through_the_binding(raw):
 # --------------------------------------------------------------- with pika
 
 
-@pytest.fixture
-def conn(shared_node):
-    c = shared_node.connect()
-    yield c
-    if c.is_open:
-        c.close()
-
-
 def test_unknown_delivery_tag_is_406(conn):
     ch = conn.channel()
     ch.basic_ack(42)
