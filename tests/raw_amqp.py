@@ -170,3 +170,72 @@ def frame(ftype: int, channel: int, payload: bytes, end: int = 0xCE) -> bytes:
 
 def method_payload(class_id: int, method_id: int, args: bytes = b"") -> bytes:
     return struct.pack(">HH", class_id, method_id) + args
+
+
+class FrameClient:
+    """A minimal blocking AMQP 0-9-1 client on pamqp frames, already past connection.open-ok.
+
+    Unlike ``RawClient`` it does the handshake itself and speaks in whole frames per channel;
+    nothing hidden, nothing retried.
+    """
+
+    def __init__(self, port: int, timeout: float = 10.0) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+        self.buf = bytearray()
+        self.sock.sendall(b"AMQP\x00\x00\x09\x01")
+        start = self.expect(0, C.Connection.Start)
+        self.server_properties = start.server_properties
+        self.send(0, C.Connection.StartOk(client_properties={"product": "raw-test"}, mechanism="PLAIN",
+                                          response="\0guest\0guest", locale="en_US"))
+        tune = self.expect(0, C.Connection.Tune)
+        self.frame_max = tune.frame_max
+        self.send(0, C.Connection.TuneOk(channel_max=tune.channel_max, frame_max=tune.frame_max, heartbeat=0))
+        self.send(0, C.Connection.Open(virtual_host="/"))
+        self.expect(0, C.Connection.OpenOk)
+
+    def send(self, channel: int, *frames) -> None:
+        self.sock.sendall(b"".join(pframe.marshal(f, channel) for f in frames))
+
+    def publish_frames(self, channel: int, exchange: str, routing_key: str, body: bytes,
+                       props: C.Basic.Properties | None = None, mandatory: bool = False) -> bytes:
+        return b"".join((
+            pframe.marshal(C.Basic.Publish(exchange=exchange, routing_key=routing_key, mandatory=mandatory),
+                           channel),
+            pframe.marshal(pheader.ContentHeader(0, len(body), props or C.Basic.Properties()), channel),
+            pframe.marshal(ContentBody(body), channel) if body else b"",
+        ))
+
+    def recv(self):
+        """The next (channel, frame); heartbeats are skipped."""
+        while True:
+            if len(self.buf) >= 7:
+                size = int.from_bytes(self.buf[3:7], "big")
+                if len(self.buf) >= size + 8:
+                    consumed, channel, frame = pframe.unmarshal(bytes(self.buf[: size + 8]))
+                    del self.buf[:consumed]
+                    if isinstance(frame, Heartbeat):
+                        continue
+                    return channel, frame
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise ConnectionError("server closed the socket")
+            self.buf += chunk
+
+    def expect(self, channel: int, cls):
+        got_channel, frame = self.recv()
+        assert (got_channel, type(frame)) == (channel, cls), f"expected {cls.__name__} on {channel}: {frame}"
+        return frame
+
+    def open_channel(self, channel: int = 1) -> None:
+        self.send(channel, C.Channel.Open())
+        self.expect(channel, C.Channel.OpenOk)
+
+    def close(self) -> None:
+        try:
+            self.send(0, C.Connection.Close(200, "bye", 0, 0))
+            while not isinstance(self.recv()[1], C.Connection.CloseOk):
+                pass
+        except OSError:
+            pass
+        finally:
+            self.sock.close()

@@ -7,105 +7,35 @@ basic.return and basic.ack for an unroutable mandatory message.
 
 from __future__ import annotations
 
-import socket
-
 import pika
 import pytest
 from pamqp import body as pbody
 from pamqp import commands as C
-from pamqp import frame as pframe
 from pamqp import header as pheader
-from pamqp import heartbeat as pheartbeat
 
 from tests.helpers import names_on_different_shards, uid
-
-TIMEOUT = 10.0
-
-
-class RawClient:
-    """A minimal blocking AMQP 0-9-1 client on pamqp frames: nothing hidden, nothing retried."""
-
-    def __init__(self, port: int, timeout: float = TIMEOUT) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
-        self.buf = bytearray()
-        self.sock.sendall(b"AMQP\x00\x00\x09\x01")
-        start = self.expect(0, C.Connection.Start)
-        self.server_properties = start.server_properties
-        self.send(0, C.Connection.StartOk(client_properties={"product": "raw-test"}, mechanism="PLAIN",
-                                          response="\0guest\0guest", locale="en_US"))
-        tune = self.expect(0, C.Connection.Tune)
-        self.frame_max = tune.frame_max
-        self.send(0, C.Connection.TuneOk(channel_max=tune.channel_max, frame_max=tune.frame_max, heartbeat=0))
-        self.send(0, C.Connection.Open(virtual_host="/"))
-        self.expect(0, C.Connection.OpenOk)
-
-    def send(self, channel: int, *frames) -> None:
-        self.sock.sendall(b"".join(pframe.marshal(f, channel) for f in frames))
-
-    def publish_frames(self, channel: int, exchange: str, routing_key: str, body: bytes,
-                       props: C.Basic.Properties | None = None, mandatory: bool = False) -> bytes:
-        return b"".join((
-            pframe.marshal(C.Basic.Publish(exchange=exchange, routing_key=routing_key, mandatory=mandatory),
-                           channel),
-            pframe.marshal(pheader.ContentHeader(0, len(body), props or C.Basic.Properties()), channel),
-            pframe.marshal(pbody.ContentBody(body), channel) if body else b"",
-        ))
-
-    def recv(self):
-        """The next (channel, frame); heartbeats are skipped."""
-        while True:
-            if len(self.buf) >= 7:
-                size = int.from_bytes(self.buf[3:7], "big")
-                if len(self.buf) >= size + 8:
-                    consumed, channel, frame = pframe.unmarshal(bytes(self.buf[: size + 8]))
-                    del self.buf[:consumed]
-                    if isinstance(frame, pheartbeat.Heartbeat):
-                        continue
-                    return channel, frame
-            chunk = self.sock.recv(65536)
-            if not chunk:
-                raise ConnectionError("server closed the socket")
-            self.buf += chunk
-
-    def expect(self, channel: int, cls):
-        got_channel, frame = self.recv()
-        assert (got_channel, type(frame)) == (channel, cls), f"expected {cls.__name__} on {channel}: {frame}"
-        return frame
-
-    def open_channel(self, channel: int = 1) -> None:
-        self.send(channel, C.Channel.Open())
-        self.expect(channel, C.Channel.OpenOk)
-
-    def close(self) -> None:
-        try:
-            self.send(0, C.Connection.Close(200, "bye", 0, 0))
-            while not isinstance(self.recv()[1], C.Connection.CloseOk):
-                pass
-        except OSError:
-            pass
-        finally:
-            self.sock.close()
+from tests.raw_amqp import FrameClient
 
 
 @pytest.fixture
 def raw(shared_node):
-    client = RawClient(shared_node.port)
+    client = FrameClient(shared_node.port)
     client.open_channel(1)
     yield client
     client.close()
 
 
-def declare(raw: RawClient, name: str, channel: int = 1, **kw) -> str:
+def declare(raw: FrameClient, name: str, channel: int = 1, **kw) -> str:
     raw.send(channel, C.Queue.Declare(queue=name, **kw))
     return raw.expect(channel, C.Queue.DeclareOk).queue
 
 
-def select(raw: RawClient, channel: int = 1) -> None:
+def select(raw: FrameClient, channel: int = 1) -> None:
     raw.send(channel, C.Confirm.Select())
     raw.expect(channel, C.Confirm.SelectOk)
 
 
-def collect_confirms(raw: RawClient, n: int, channel: int = 1) -> tuple[list, list]:
+def collect_confirms(raw: FrameClient, n: int, channel: int = 1) -> tuple[list, list]:
     """Read basic.ack/nack frames until tags 1..n are all settled; return (frames, settled-in-order)."""
     frames = []
     settled: list[int] = []
@@ -121,7 +51,7 @@ def collect_confirms(raw: RawClient, n: int, channel: int = 1) -> tuple[list, li
     return frames, settled
 
 
-def message_count(raw: RawClient, name: str, channel: int = 1) -> int:
+def message_count(raw: FrameClient, name: str, channel: int = 1) -> int:
     raw.send(channel, C.Queue.Declare(queue=name, passive=True))
     return raw.expect(channel, C.Queue.DeclareOk).message_count
 
@@ -288,7 +218,7 @@ def test_nack_when_one_of_two_shards_rejects(raw):
     assert (message_count(raw, full), message_count(raw, free)) == (0, 1)
 
 
-def collect_confirms_from(raw: RawClient, tag: int, channel: int = 1) -> tuple[list, list]:
+def collect_confirms_from(raw: FrameClient, tag: int, channel: int = 1) -> tuple[list, list]:
     ch, frame = raw.recv()
     assert ch == channel and isinstance(frame, (C.Basic.Ack, C.Basic.Nack)) and frame.delivery_tag == tag, frame
     return [frame], [tag]

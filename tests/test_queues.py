@@ -18,7 +18,7 @@ from pamqp import header as pheader
 from pika.exceptions import ChannelClosedByBroker
 
 from tests.helpers import WAIT, channel_error, uid
-from tests.test_confirms import RawClient
+from tests.raw_amqp import FrameClient
 
 
 def exists(conn, name: str) -> bool:
@@ -350,7 +350,7 @@ def test_reject_publish_keeps_the_oldest(ch):
 # ------------------------------------------------------------------ raw wire
 def test_nowait_declare_bind_then_publish_in_one_write(shared_node):
     """A pipelined declare(nowait) + bind(nowait) + publish + get: each waits for the one before."""
-    raw = RawClient(shared_node.port)
+    raw = FrameClient(shared_node.port)
     try:
         raw.open_channel(1)
         name, x = uid("nowait"), uid("nowait-x")
@@ -371,7 +371,7 @@ def test_nowait_declare_bind_then_publish_in_one_write(shared_node):
 
 @pytest.mark.parametrize("kind", ["exclusive", "auto_delete"])
 def test_queue_goes_when_its_connection_drops_without_close(shared_node, conn, kind):
-    raw = RawClient(shared_node.port)
+    raw = FrameClient(shared_node.port)
     raw.open_channel(1)
     name = uid(kind)
     if kind == "exclusive":
