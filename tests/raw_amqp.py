@@ -36,6 +36,12 @@ class RawClient:
         self.eof = False
         self.frame_max = 131072
 
+    def __enter__(self) -> RawClient:
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.close()
+
     # -------------------------------------------------------------- sending
     def send(self, data: bytes) -> None:
         self.sock.sendall(data)

@@ -48,37 +48,28 @@ def _assert_node_serves(node) -> None:
     b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
 ])
 def test_wrong_protocol_header_gets_ours_back_and_the_socket_closed(shared_node, header):
-    raw = RawClient(shared_node.port)
-    try:
+    with RawClient(shared_node.port) as raw:
         raw.send(header)
         deadline = time.monotonic() + 5.0
         while not raw.eof and time.monotonic() < deadline:
             raw._fill(deadline)
         assert raw.eof, "node kept the socket open after a bad protocol header"
         assert raw.buf == PROTOCOL_HEADER
-    finally:
-        raw.close()
 
 
 def test_header_in_pieces_is_accepted(shared_node):
-    raw = RawClient(shared_node.port)
-    try:
+    with RawClient(shared_node.port) as raw:
         for byte in PROTOCOL_HEADER:
             raw.send(bytes((byte,)))
         start = raw.expect(C.Connection.Start)
         assert (start.version_major, start.version_minor) == (0, 9)
-    finally:
-        raw.close()
 
 
 # ------------------------------------------------------------------ start / start-ok
 def test_start_advertises_mechanisms_locales_and_capabilities(shared_node):
-    raw = RawClient(shared_node.port)
-    try:
+    with RawClient(shared_node.port) as raw:
         raw.send_header()
         start = raw.expect(C.Connection.Start)
-    finally:
-        raw.close()
     assert set(start.mechanisms.split()) == {"PLAIN", "AMQPLAIN"}
     assert "en_US" in start.locales.split()
     props = start.server_properties
@@ -104,14 +95,11 @@ def _amqplain(login: str, password: str) -> bytes:
 
 
 def test_amqplain_login_over_a_raw_socket(shared_node):
-    raw = RawClient(shared_node.port)
-    try:
+    with RawClient(shared_node.port) as raw:
         raw.handshake(mechanism="AMQPLAIN", response=_amqplain("guest", "guest"))
         raw.open_channel(1)
         raw.send_method(1, C.Queue.Declare(queue=_uid("amqplain"), auto_delete=True))
         assert raw.expect(C.Queue.DeclareOk, channel=1).message_count == 0
-    finally:
-        raw.close()
 
 
 @pytest.mark.parametrize("mechanism,response", [
@@ -123,8 +111,7 @@ def test_amqplain_login_over_a_raw_socket(shared_node):
     ("EXTERNAL", b""),
 ])
 def test_refused_login_is_403_connection_close(shared_node, mechanism, response):
-    raw = RawClient(shared_node.port)
-    try:
+    with RawClient(shared_node.port) as raw:
         raw.send_header()
         raw.expect(C.Connection.Start)
         raw.send_start_ok(mechanism, response)
@@ -133,8 +120,6 @@ def test_refused_login_is_403_connection_close(shared_node, mechanism, response)
         assert close.reply_text.startswith("ACCESS_REFUSED - ")
         assert (close.class_id, close.method_id) == (10, 11)
         assert raw.read_until_eof(5.0)
-    finally:
-        raw.close()
 
 
 def test_pika_bad_password_raises_authentication_error(shared_node):
@@ -153,8 +138,7 @@ def test_unknown_vhost_is_530_not_allowed(shared_node):
     with pytest.raises(pika.exceptions.ProbableAccessDeniedError) as info:
         pika.BlockingConnection(params)
     assert "530" in str(info.value) and "NOT_ALLOWED" in str(info.value)
-    raw = RawClient(shared_node.port)
-    try:
+    with RawClient(shared_node.port) as raw:
         raw.send_header()
         raw.expect(C.Connection.Start)
         raw.send_start_ok()
@@ -164,8 +148,6 @@ def test_unknown_vhost_is_530_not_allowed(shared_node):
         close = raw.connection_close()
         assert (close.reply_code, close.class_id, close.method_id) == (530, 10, 40)
         assert "no-such-vhost" in close.reply_text
-    finally:
-        raw.close()
 
 
 def _non_loopback_local_address() -> str | None:
@@ -193,15 +175,12 @@ def test_loopback_user_is_accepted_from_127_0_0_1_and_refused_from_elsewhere(nod
         pytest.skip("this host has no non-loopback address to bind a client socket to")
     # Destination stays 127.0.0.1 (the packets never leave the lo device), but the node sees a
     # peer address that is not loopback: exactly the case loopback_users exists for.
-    raw = RawClient(node.port, source=source)
-    try:
+    with RawClient(node.port, source=source) as raw:
         raw.send_header()
         raw.expect(C.Connection.Start)
         raw.send_start_ok()
         close = raw.connection_close()
         assert (close.reply_code, close.class_id, close.method_id) == (403, 10, 11)
-    finally:
-        raw.close()
     # the same credentials from 127.0.0.1 still work: the refusal was the loopback rule
     _assert_node_serves(node)
 
@@ -224,8 +203,7 @@ def test_small_client_frame_max_splits_a_1mib_delivery(shared_node):
 
 
 def test_deliveries_respect_the_negotiated_frame_max_on_the_wire(shared_node):
-    raw = RawClient(shared_node.port)
-    try:
+    with RawClient(shared_node.port) as raw:
         raw.handshake(frame_max=4096)
         raw.open_channel(1)
         q = _uid("frames")
@@ -244,15 +222,12 @@ def test_deliveries_respect_the_negotiated_frame_max_on_the_wire(shared_node):
             assert len(part.value) <= 4096 - 8, f"body frame of {len(part.value)} bytes over frame_max 4096"
             got += part.value
         assert got == body
-    finally:
-        raw.close()
 
 
 @pytest.mark.parametrize("frame_max,expected", [(1024, "lower than the minimum"), (0, "higher than the maximum"),
                                                 (1 << 30, "higher than the maximum")])
 def test_tune_ok_frame_max_outside_limits_is_530(shared_node, frame_max, expected):
-    raw = RawClient(shared_node.port)
-    try:
+    with RawClient(shared_node.port) as raw:
         raw.send_header()
         raw.expect(C.Connection.Start)
         raw.send_start_ok()
@@ -261,13 +236,10 @@ def test_tune_ok_frame_max_outside_limits_is_530(shared_node, frame_max, expecte
         close = raw.connection_close()
         assert (close.reply_code, close.class_id, close.method_id) == (530, 10, 30)
         assert expected in close.reply_text
-    finally:
-        raw.close()
 
 
 def test_channel_above_channel_max_closes_the_connection(shared_node):
-    raw = RawClient(shared_node.port)
-    try:
+    with RawClient(shared_node.port) as raw:
         raw.handshake(channel_max=10)
         raw.open_channel(10)
         raw.send_method(11, C.Channel.Open())
@@ -277,8 +249,6 @@ def test_channel_above_channel_max_closes_the_connection(shared_node):
         assert (close.reply_code, close.class_id, close.method_id) == (530, 20, 10)
         assert "channel_max" in close.reply_text
         assert raw.read_until_eof(5.0)
-    finally:
-        raw.close()
     conn = shared_node.connect(channel_max=3)
     try:
         assert conn._impl.params.channel_max == 3
@@ -302,8 +272,7 @@ def test_heartbeat_1_keeps_an_idle_pika_connection_alive(shared_node):
 
 
 def test_silent_client_is_dropped_after_missed_heartbeats(shared_node):
-    raw = RawClient(shared_node.port)
-    try:
+    with RawClient(shared_node.port) as raw:
         raw.handshake(heartbeat=1)
         heartbeats = 0
         deadline = time.monotonic() + 8.0
@@ -315,14 +284,11 @@ def test_silent_client_is_dropped_after_missed_heartbeats(shared_node):
                 heartbeats += 1
         assert raw.eof, "node kept a client that sent nothing for 8 heartbeat intervals"
         assert heartbeats >= 1, "node sent no heartbeat while the client was idle"
-    finally:
-        raw.close()
     _assert_node_serves(shared_node)
 
 
 def test_client_sending_heartbeats_is_kept(shared_node):
-    raw = RawClient(shared_node.port)
-    try:
+    with RawClient(shared_node.port) as raw:
         raw.handshake(heartbeat=1)
         end = time.monotonic() + 3.5
         while time.monotonic() < end:
@@ -331,8 +297,6 @@ def test_client_sending_heartbeats_is_kept(shared_node):
             assert not raw.eof, "node dropped a client that sent heartbeats"
             assert got is None or got[1].__class__.__name__ == "Heartbeat"
         raw.open_channel(1)
-    finally:
-        raw.close()
 
 
 # ------------------------------------------------------------------ handshake timeout
@@ -358,15 +322,12 @@ def test_clients_stuck_in_the_handshake_are_closed_after_the_timeout(shared_node
 
 # ------------------------------------------------------------------ close
 def test_client_initiated_close_gets_close_ok_then_eof(shared_node):
-    raw = RawClient(shared_node.port)
-    try:
+    with RawClient(shared_node.port) as raw:
         raw.handshake()
         raw.open_channel(1)
         raw.send_method(0, C.Connection.Close(reply_code=200, reply_text="bye", class_id=0, method_id=0))
         raw.expect(C.Connection.CloseOk, channel=0)
         assert raw.read_until_eof(5.0)
-    finally:
-        raw.close()
     conn = shared_node.connect()
     conn.channel()
     conn.close()
@@ -374,8 +335,7 @@ def test_client_initiated_close_gets_close_ok_then_eof(shared_node):
 
 
 def test_node_initiated_close_waits_for_close_ok(shared_node):
-    raw = RawClient(shared_node.port)
-    try:
+    with RawClient(shared_node.port) as raw:
         raw.handshake()
         raw.send_method(5, C.Queue.Declare(queue="x"))  # channel 5 never opened
         close = raw.connection_close(answer=False)
@@ -385,20 +345,15 @@ def test_node_initiated_close_waits_for_close_ok(shared_node):
         assert raw.next_frame(0.3) is None and not raw.eof, "node did not wait for close-ok"
         raw.send_method(0, C.Connection.CloseOk())
         assert raw.read_until_eof(5.0)
-    finally:
-        raw.close()
 
 
 def test_node_closes_the_socket_when_close_ok_never_comes(shared_node):
-    raw = RawClient(shared_node.port)
-    try:
+    with RawClient(shared_node.port) as raw:
         raw.handshake()
         raw.send_method(0, C.Basic.Qos(prefetch_count=1))  # a basic method on channel 0
         close = raw.connection_close(answer=False)
         assert close.reply_code in (503, 504)
         assert raw.read_until_eof(10.0), "node waited forever for close-ok"
-    finally:
-        raw.close()
 
 
 def test_pika_close_is_clean(shared_node):
@@ -443,8 +398,7 @@ def test_two_hundred_channels_on_one_connection(shared_node):
 
 
 def test_channel_flow(shared_node):
-    raw = RawClient(shared_node.port)
-    try:
+    with RawClient(shared_node.port) as raw:
         raw.handshake()
         raw.open_channel(1)
         raw.send_method(1, C.Channel.Flow(active=True))
@@ -453,29 +407,23 @@ def test_channel_flow(shared_node):
         close = raw.connection_close()
         # rabbit_channel: flow active=false is not implemented (540) since 3.3
         assert (close.reply_code, close.class_id, close.method_id) == (540, 20, 20)
-    finally:
-        raw.close()
 
 
 def test_reopening_an_open_channel_is_504(shared_node):
-    raw = RawClient(shared_node.port)
-    try:
+    with RawClient(shared_node.port) as raw:
         raw.handshake()
         raw.open_channel(3)
         raw.send_method(3, C.Channel.Open())
         close = raw.connection_close()
         assert (close.reply_code, close.class_id, close.method_id) == (504, 20, 10)
         assert "second 'channel.open' seen" in close.reply_text
-    finally:
-        raw.close()
     _assert_node_serves(shared_node)
 
 
 def test_close_pipelined_behind_pending_work_loses_nothing(shared_node):
     """declare, publish, connection.close in one write: the publish must land before close-ok."""
     q = _uid("pipelined")
-    raw = RawClient(shared_node.port)
-    try:
+    with RawClient(shared_node.port) as raw:
         raw.handshake()
         raw.open_channel(1)
         raw.send_method(1, C.Queue.Declare(queue=q))  # the channel waits for the node here
@@ -485,8 +433,6 @@ def test_close_pipelined_behind_pending_work_loses_nothing(shared_node):
         raw.expect(C.Queue.DeclareOk, channel=1)
         raw.expect(C.Connection.CloseOk, channel=0)
         assert raw.read_until_eof(5.0)
-    finally:
-        raw.close()
     conn = shared_node.connect()
     try:
         ch = conn.channel()
