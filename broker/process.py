@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
 
@@ -61,6 +62,11 @@ def run_worker(role: str, argv: list[str] | None, load_worker) -> int:
         # terminal reaches the whole process group: the node decides, not us.
         loop.add_signal_handler(signal.SIGTERM, lambda: loop.create_task(worker.stop()))
         loop.add_signal_handler(signal.SIGINT, lambda: None)
+        # SIGUSR1 logs the worker's internal state (flow control, pending syncs) for diagnosis.
+        state = getattr(worker, "debug_state", None)
+        if state is not None:
+            log = logging.getLogger(f"shardmq.{role}")
+            loop.add_signal_handler(signal.SIGUSR1, lambda: log.warning("state: %s", state()))
         await worker.start()
         await worker.stopped.wait()
         return 0

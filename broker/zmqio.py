@@ -86,15 +86,21 @@ class BatchSocket:
     def send_now(self, dest: bytes | None, items: list, header: Any = 0) -> None:
         """Send one batch immediately (control messages outside the per-turn batch)."""
         self._send(dest, contract.pack(header, items))
+        if not self._scheduled:  # re-check for input after the send (see flush)
+            self._scheduled = True
+            self.loop.call_soon(self.flush)
 
     def flush(self) -> None:
         self._scheduled = False
-        if self._closed or not self._pending:
+        if self._closed:
             return
-        pending = self._pending
-        self._pending = {}
-        for dest, items in pending.items():
-            self._send(dest, contract.pack(self.header_for(dest), items))
+        if self._pending:
+            pending = self._pending
+            self._pending = {}
+            for dest, items in pending.items():
+                self._send(dest, contract.pack(self.header_for(dest), items))
+        # Always, even when put() already sent everything (a full batch goes out at once): any
+        # send may have consumed the FD's edge, and a missed edge leaves replies unread forever.
         self._on_readable()
 
     def _send(self, dest: bytes | None, payload: bytes) -> None:

@@ -114,6 +114,11 @@ class FrontendWorker:
         epochs = self.epochs
         return lambda _dest: [epochs[shard], None]
 
+    def debug_state(self) -> dict:
+        return {"pressure": self.pressure, "sent": list(self._sent), "processed": list(self._processed),
+                "connections": len(self.conns), "shard_pending": len(self._shard_pending),
+                "node_pending": len(self._node_pending)}
+
     # -------------------------------------------------------------- node side
     def _on_node(self, _ident: bytes | None, _header: Any, items: list) -> None:
         for item in items:

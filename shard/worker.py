@@ -526,6 +526,17 @@ class ShardWorker:
         if self._held:
             self._release_processed(delivered)
 
+    def debug_state(self) -> dict:
+        return {
+            "queues": {f"{v}/{n}": q.info() | {"unacked": len(q.unacked)} for (v, n), q in self.queues.items()},
+            "behind": self._behind, "held": len(self._held), "hold_timer": self._hold_timer_armed,
+            "sync_running": self._sync_running, "sync_waiting": len(self._sync_waiting),
+            "sync_stores": len(self._sync_stores), "dirty": len(self._dirty_queues),
+            "deliver_scheduled": self._deliver_scheduled,
+            "consumers": {f"{k[1]}/{k[2]}/{k[3]}": [c.credit, c.unacked, c.prefetch] for k, (_q, c)
+                          in self.consumers.items()},
+        }
+
     # ------------------------------------------------------ publisher flow control
     # While a queue's consumers cannot keep up (a large backlog and a consumer waiting for
     # credit), PROCESSED answers are released at the pace of deliveries, so the frontends
