@@ -37,3 +37,22 @@ def test_connection_count_rss_on_node(node, capsys):
     assert e["connections"] == 100
     assert e["rss_after_bytes"] == r["broker_rss_bytes"] > e["rss_before_bytes"] > 0
     assert e["rss_per_connection_bytes"] == (e["rss_after_bytes"] - e["rss_before_bytes"]) // 100 > 0
+
+
+def test_persistent_confirm_and_ack_flood_keeps_flowing(node):
+    # Regression: with full 512-item batches sent from put(), a ZeroMQ FD edge could be consumed
+    # by the send and confirms/PROCESSED were then never read: this exact scenario hung 4 runs in 6.
+    # Each run is a subprocess with a hard bound, so a hang fails the test instead of the suite.
+    import subprocess
+    import sys
+
+    for i in range(3):
+        proc = subprocess.run(
+            [sys.executable, "-m", "loadtest.cli", "amqp", "throughput", "--uri", node.url, "-x", "1", "-y", "1",
+             "-s", "1024", "--persistent", "-c", "1000", "-a", "1", "-q", "1000", "-z", "2",
+             "--queue", f"flood-{i}", "--json"],
+            capture_output=True, text=True, timeout=60)
+        assert proc.returncode == EXIT_OK, proc.stderr[-2000:]
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert r["published"] == r["confirmed"] > 0, r
+        assert r["consumed"] > 0, r
