@@ -137,6 +137,7 @@ class AMQPConnection(asyncio.Protocol):
         self._wrote = False
         self._missed = 0
         self._close_requested = False  # client sent connection.close; channels still finishing
+        self._open_pending: list | None = None  # events that arrived while connection.open awaits the node
 
     # ------------------------------------------------------------- transport
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -270,6 +271,11 @@ class AMQPConnection(asyncio.Protocol):
     def _dispatch(self, ev: Any) -> None:
         if self._close_requested:
             return  # the client said connection.close: nothing it sends after that counts
+        if self._open_pending is not None:
+            # connection.open waits for the node (connection count); clients may pipeline
+            # channel.open and more behind it: keep them in order until open-ok is sent.
+            self._open_pending.append(ev)
+            return
         cls = ev.__class__
         if self.state == CLOSING and not (cls is _METHOD and ev.channel == 0):
             return  # after our connection.close only close/close-ok matter
@@ -447,17 +453,31 @@ class AMQPConnection(asyncio.Protocol):
         # later counts the connections that are already open (had_exclusive makes _release tell the
         # node when we go).
         self.had_exclusive = True
+        self._open_pending = []
         worker = self.worker
         worker.node_request("connection.open", {"vhost": vhost, "user": self.user,
                                                 "owner": [worker.index, self.conn_id]}, self._open_counted)
 
     def _open_counted(self, ok: bool, result: Any) -> None:
+        pending = self._open_pending or []
+        self._open_pending = None
         if self.state != AWAIT_OPEN or self.transport is None:
             return
-        if ok:
-            self._opened()
-        else:
+        if not ok:
             self.fail(int(result[0]), str(result[1]), 10, 40)
+            return
+        self._opened()
+        try:
+            for ev in pending:
+                try:
+                    self._dispatch(ev)
+                except AMQPConnectionError as exc:
+                    self.fail(exc.code, exc.text, exc.class_id, exc.method_id)
+                if self.state == CLOSED_STATE:
+                    return
+        except Exception as exc:
+            self.internal_error(exc)
+        self._mark_dirty()
 
     def _opened(self) -> None:
         vhost = self.vhost
