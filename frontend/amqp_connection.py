@@ -157,7 +157,16 @@ class AMQPConnection(asyncio.Protocol):
                 self._close_transport()
             return
         try:
-            for ev in self.parser.feed(data):
+            events = self.parser.feed(data)
+        except Exception as exc:  # the parser is fuzzed never to raise; still never a crash
+            self.internal_error(exc)
+            return
+        self._dispatch_all(events)
+
+    def _dispatch_all(self, events: list) -> None:
+        """Handle events in order; a connection error closes us, a bug is a 541, never a crash."""
+        try:
+            for ev in events:
                 try:
                     self._dispatch(ev)
                 except AMQPConnectionError as exc:
@@ -467,17 +476,7 @@ class AMQPConnection(asyncio.Protocol):
             self.fail(int(result[0]), str(result[1]), 10, 40)
             return
         self._opened()
-        try:
-            for ev in pending:
-                try:
-                    self._dispatch(ev)
-                except AMQPConnectionError as exc:
-                    self.fail(exc.code, exc.text, exc.class_id, exc.method_id)
-                if self.state == CLOSED_STATE:
-                    return
-        except Exception as exc:
-            self.internal_error(exc)
-        self._mark_dirty()
+        self._dispatch_all(pending)
 
     def _opened(self) -> None:
         vhost = self.vhost
