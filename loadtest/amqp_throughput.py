@@ -144,6 +144,15 @@ def _worker(kind: str, fn: WorkerFn, idx: int, slot: int, opts: ThroughputOption
     sh.results.put(result)
 
 
+def wait_for_go(sh: _Shared) -> bool:
+    """Block until the parent starts the run; False if it stopped publishers first."""
+    while not sh.go.value:
+        if sh.stop_pub.value:
+            return False
+        time.sleep(0.001)
+    return True
+
+
 def _poll_confirms(client: AMQPClient, state: list[int], singles: set[int], block: bool) -> None:
     """Read whatever the broker sent (non-blocking unless ``block``) and account confirms.
 
@@ -213,10 +222,8 @@ def _publisher(idx: int, base: int, o: ThroughputOptions, sh: _Shared) -> dict[s
         assert sock is not None
         sock.settimeout(None)
         counters[base + _STATE] = _STATE_READY
-        while not sh.go.value:
-            if sh.stop_pub.value:
-                return {"published": 0, "confirmed": 0, "nacked": 0, "t_last": 0}
-            time.sleep(0.001)
+        if not wait_for_go(sh):
+            return {"published": 0, "confirmed": 0, "nacked": 0, "t_last": 0}
         started = time.monotonic()
         seq = 0
         limit = o.pmessages or (1 << 62)

@@ -34,6 +34,7 @@ from loadtest.amqp_throughput import (
     ThroughputRun,
     VerifyReport,
     _Shared,
+    wait_for_go,
 )
 from loadtest.results import RunResult
 
@@ -218,10 +219,8 @@ def _publisher(idx: int, base: int, o: MQTTOptions, sh: _Shared) -> dict[str, An
         buf = bytearray(one * batch)
         view = memoryview(buf)
         counters[base + _STATE] = _STATE_READY
-        while not sh.go.value:
-            if sh.stop_pub.value:
-                return {"published": 0, "confirmed": 0, "nacked": 0, "t_last": 0}
-            time.sleep(0.001)
+        if not wait_for_go(sh):
+            return {"published": 0, "confirmed": 0, "nacked": 0, "t_last": 0}
         started = time.monotonic()
         seq = 0
         acked = 0

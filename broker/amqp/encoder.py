@@ -80,6 +80,8 @@ def encode_deliver(
     rk = routing_key if routing_key.__class__ is bytes else routing_key.encode()
     size = len(body)
     try:
+        # The common case (one body frame) is one join of a literal tuple; sharing the header parts
+        # with the split path below through a helper measured 0.92 -> 1.86 us per deliver.
         if size and (size <= frame_max - 8 or not frame_max):  # the common case: one body frame
             return b"".join((
                 _DELIVER_HEAD.pack(1, channel, 16 + len(ct) + len(ex) + len(rk), 60, 60, len(ct)),
