@@ -117,7 +117,8 @@ CREDIT = 31  # [CREDIT, conn_id, channel, consumer_tag, n]  frontend wrote n del
 # data path (not through the node) so the counts include every publish this frontend sent before.
 QUEUE_INFO = 32
 # DEDUP_PUBLISH: a publish to a deduplicating exchange (x-message-deduplication), sent by the
-# frontend to the exchange's owner shard (broker.dedup.exchange_shard) only, instead of PUBLISHes:
+# frontend to the exchange's owner shard (broker.dedup.exchange_shard) only, instead of PUBLISHes
+# (also by a shard dead-lettering to such an exchange, over its peer DEALER, unconfirmed):
 #   [DEDUP_PUBLISH, vhost, exchange, routing_key, props_raw(bytes), body(bytes), persistent(bool),
 #    conn_id|None, channel|None, confirm_seq|None, key|None, ttl_ms|None, groups]
 # key: the dedup header's value (str, bytes, int, or a tagged str for other field types), None

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from broker import contract
-from broker.dedup import DEFAULT_CACHE_SIZE, DedupSettings, dedup_key
+from broker.dedup import DEFAULT_CACHE_SIZE, DedupSettings, dedup_key, exchange_shard
 from broker.zmqio import BatchSocket, make_socket
 
 if TYPE_CHECKING:
@@ -171,6 +171,28 @@ class ExchangeDedup:
             # conn_id/channel 0 + seq = token: the shard answers CONFIRM [0, 0, [token]] to us.
             sock.put(None, [contract.PUBLISH, vhost, names, exchange, routing_key, props_raw, body, persistent,
                             None if token is None else 0, None if token is None else 0, token])
+
+    def dead_letter(self, x: Any, vhost: str, routing_key: str, props_raw: bytes, body: bytes, persistent: bool,
+                    queues: list[str]) -> None:
+        """A message dead-lettered to deduplicating exchange `x`: to its owner, unconfirmed."""
+        if not queues:
+            return
+        worker = self.worker
+        groups: dict[int, list[str]] = {}
+        for name in queues:
+            defn = worker.defs.queue(vhost, name)
+            if defn is not None:
+                groups.setdefault(defn.shard, []).append(name)
+        key, ttl = dedup_key(props_raw, x.dedup)
+        item = [contract.DEDUP_PUBLISH, vhost, x.name, routing_key, props_raw, body, persistent, None, None, None,
+                key, ttl, [[shard, names] for shard, names in groups.items()]]
+        owner = exchange_shard(vhost, x.name, int(worker.settings.get("shards", 1)))
+        if owner == worker.index:
+            self.publish(worker.ident, item)
+        else:
+            peer = worker.peers.get(owner)
+            if peer is not None:
+                peer.put(None, item)
 
     def _cache(self, vhost: str, exchange: str) -> DedupCache | None:
         x = self.worker.defs.exchange(vhost, exchange)

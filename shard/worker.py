@@ -403,6 +403,11 @@ class ShardWorker:
         route = self.defs.route
         for key in ([q.dlrk] if q.dlrk is not None else keys):
             targets.update(dict.fromkeys(route(vhost, dlx, key, props)))
+        x = self.defs.exchange(vhost, dlx)
+        if x is not None and x.dedup is not None:  # the exchange's owner shard decides, as for a publish
+            self.exchange_dedup.dead_letter(x, vhost, rk, props, body, bool(flags & 1),
+                                            [n for n in targets if not is_cycle(n, deaths)])
+            return
         remote: dict[int, list[str]] = {}
         ts = int(time.time() * 1000)
         for name in targets:

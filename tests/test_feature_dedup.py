@@ -12,7 +12,9 @@ import time
 
 import pika
 import pytest
+from pika.exceptions import NackError
 
+from broker.dedup import exchange_shard
 from tests.helpers import (
     channel_error,
     connections_on_two_frontends,
@@ -158,8 +160,8 @@ def test_dead_letters_from_another_shard_are_deduplicated(ch):
 
 
 # -------------------------------------------------------------------------- exchanges
-def dedup_exchange(ch, queues: list[str], kind: str = "fanout", **args) -> str:
-    x = uid("x")
+def dedup_exchange(ch, queues: list[str], kind: str = "fanout", x: str | None = None, **args) -> str:
+    x = x or uid("x")
     ch.exchange_declare(x, kind, arguments={**DEDUP, **args})
     for q in queues:
         ch.queue_declare(q)
@@ -243,4 +245,57 @@ def test_restart_forgets_the_caches(node):
         ch.basic_publish(x, "", b"after", pika.BasicProperties(**persistent))
     for name in [q, *xqs]:
         assert bodies(ch, name) == [b"before", b"after"], name
+    connection.close()
+
+
+def test_dead_letters_to_a_dedup_exchange_are_deduplicated(ch):
+    queues = names_on_different_shards(uid("dq"))
+    x = dedup_exchange(ch, queues)
+    src = uid()
+    ch.queue_declare(src, arguments={"x-dead-letter-exchange": x})
+    for body, key in ((b"one", "same"), (b"two", "same"), (b"three", "other"), (b"four", None)):
+        ch.basic_publish("", src, body, props(key))
+    for _ in range(4):
+        method, _p, _b = ch.basic_get(src)
+        ch.basic_reject(method.delivery_tag, requeue=False)
+    for q in queues:
+        wait_count(ch, q, 3)
+        assert bodies(ch, q) == [b"one", b"three", b"four"], q
+
+
+def test_owner_keeps_its_cache_when_another_shard_restarts(node):
+    x = next(n for i in range(100) if exchange_shard("/", n := f"x-owner-{i}", 2) == 0)
+    queues = names_on_different_shards(uid("sq"))
+    connection = node.connect()
+    ch = connection.channel()
+    ch.confirm_delivery()
+    dedup_exchange(ch, queues, x=x)
+    ch.basic_publish(x, "rk", b"k1", props("k1"))
+    connection.close()
+    old = node.kill_worker("shard", 1)
+    node.wait_worker_restarted("shard", 1, old)
+    # Until the owner and the frontends have seen shard 1's new epoch, publishes may be nacked
+    # (the owner nacks what the restarted shard never confirmed) or the connection refused.
+    deadline = time.monotonic() + 20
+    while True:
+        assert time.monotonic() < deadline, "shard 1 never took publishes again"
+        connection = None
+        try:
+            connection = node.connect()
+            ch = connection.channel()
+            ch.confirm_delivery()
+            ch.basic_publish(x, "rk", b"probe", props())
+            if count(ch, queues[1]) > 0:
+                break
+        except (pika.exceptions.AMQPError, NackError):
+            pass
+        if connection is not None and connection.is_open:
+            connection.close()
+        time.sleep(0.1)
+    for q in queues:
+        bodies(ch, q)
+    ch.basic_publish(x, "rk", b"k1-again", props("k1"))  # the owner (shard 0) still remembers k1
+    ch.basic_publish(x, "rk", b"k2", props("k2"))
+    for q in queues:
+        assert bodies(ch, q) == [b"k2"], q
     connection.close()
