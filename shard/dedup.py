@@ -204,6 +204,11 @@ class ExchangeDedup:
         if found is not None and found[0] is x:
             found[1].size = settings.size
             return found[1]
+        # A new cache is rare (a declare): drop those of exchanges deleted or redeclared since.
+        defs = self.worker.defs
+        for (v, name), (old, _c) in list(self.caches.items()):
+            if defs.exchange(v, name) is not old:
+                del self.caches[(v, name)]
         cache = DedupCache(settings.size)
         self.caches[(vhost, exchange)] = (x, cache)
         return cache
