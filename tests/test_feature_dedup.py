@@ -299,3 +299,30 @@ def test_owner_keeps_its_cache_when_another_shard_restarts(node):
     for q in queues:
         assert bodies(ch, q) == [b"k2"], q
     connection.close()
+
+
+def test_a_nacked_message_leaves_the_cache_so_its_retry_passes(ch):
+    full = {"x-max-length": 1, "x-overflow": "reject-publish"}
+    # Queue level: a message refused by reject-publish is not remembered.
+    q = dedup_queue(ch, **full)
+    ch.basic_publish("", q, b"m1", props("k1"))
+    with pytest.raises(NackError):
+        ch.basic_publish("", q, b"m2", props("k2"))
+    ch.queue_purge(q)
+    ch.basic_publish("", q, b"m2-retry", props("k2"))
+    assert bodies(ch, q) == [b"m2-retry"]
+    # Exchange level: one refusing queue nacks the message; the owner forgets its key.
+    roomy, tight = names_on_different_shards(uid("nq"))
+    x = dedup_exchange(ch, [roomy])
+    ch.queue_declare(tight, arguments=full)
+    ch.queue_bind(tight, x)
+    ch.basic_publish(x, "rk", b"m1", props("k1"))
+    with pytest.raises(NackError):
+        ch.basic_publish(x, "rk", b"m2", props("k2"))
+    ch.queue_purge(tight)
+    ch.basic_publish(x, "rk", b"m2-retry", props("k2"))
+    with pytest.raises(NackError):  # tight is full again; k1 is still remembered, so no nack for it
+        ch.basic_publish(x, "rk", b"m3", props("k3"))
+    ch.basic_publish(x, "rk", b"m1-dup", props("k1"))
+    assert bodies(ch, tight) == [b"m2-retry"]
+    assert bodies(ch, roomy) == [b"m1", b"m2", b"m2-retry", b"m3"]
