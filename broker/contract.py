@@ -14,9 +14,11 @@ Sockets (all ``ipc://`` under the node's run directory):
   with its worker id as identity. Data traffic: publishes, consumes, acks
   one way; deliveries, confirms, replies the other way. Every other shard
   connects a DEALER too (identity ``sh-M``) and sends PUBLISH items only:
-  dead-lettered messages whose target queues live on shard N. Their header
-  is ``[target_epoch, seq]`` like a frontend's (epochs from SNAPSHOT and
-  SHARD_UP); the PROCESSED answers are ignored by the sending shard.
+  dead-lettered messages whose target queues live on shard N, and messages of
+  a deduplicating exchange that shard M owns (M also connects one to itself
+  for those). Their header is ``[target_epoch, seq]`` like a frontend's
+  (epochs from SNAPSHOT and SHARD_UP); PROCESSED answers are ignored by the
+  sending shard, CONFIRMs settle the forwarded exchange publishes.
 
 One ZeroMQ message is one *batch*: ``msgpack([header, items])``. Items are
 lists whose first element is a kind (small int). Senders collect items during
@@ -114,6 +116,18 @@ CREDIT = 31  # [CREDIT, conn_id, channel, consumer_tag, n]  frontend wrote n del
 # QUEUE_INFO: [QUEUE_INFO, req_id, vhost, queue] -> REPLY_DATA {"messages", "consumers"}. Asked on the
 # data path (not through the node) so the counts include every publish this frontend sent before.
 QUEUE_INFO = 32
+# DEDUP_PUBLISH: a publish to a deduplicating exchange (x-message-deduplication), sent by the
+# frontend to the exchange's owner shard (broker.dedup.exchange_shard) only, instead of PUBLISHes
+# (also by a shard dead-lettering to such an exchange, over its peer DEALER, unconfirmed):
+#   [DEDUP_PUBLISH, vhost, exchange, routing_key, props_raw(bytes), body(bytes), persistent(bool),
+#    conn_id|None, channel|None, confirm_seq|None, key|None, ttl_ms|None, groups]
+# key: the dedup header's value (str, bytes, int, or a tagged str for other field types), None
+# when the message has none; ttl_ms: how long the key is remembered (None = until evicted);
+# groups: [[shard, [queue, ...]], ...] the routed queues by shard. The owner drops a duplicate
+# and forwards the rest as PUBLISH items (conn_id 0, channel 0, seq = owner token) to those
+# shards, itself included; they answer CONFIRM to the owner's sh-N identity, and the owner
+# answers the frontend's confirm_seq once all of them have (one CONFIRM or CONFIRM_NACK).
+DEDUP_PUBLISH = 34
 
 # --------------------------------------------------------------------------
 # Data plane: shard -> frontend

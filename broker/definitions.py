@@ -55,6 +55,7 @@ from decimal import Decimal
 from typing import Any
 
 from broker.amqp.errors import AMQPChannelError, AMQPConnectionError
+from broker.dedup import DEDUP_ARGS, dedup_args_error, dedup_settings
 from broker.policies import (
     POLICY_OPS,
     Policy,
@@ -126,15 +127,16 @@ QUEUE_EQUIVALENCE_ARGS = (
     "x-initial-cluster-size",
     "x-queue-leader-locator",
     "x-delivery-limit",
+    *DEDUP_ARGS,  # LavinMQ compares all arguments; a live cache cannot change its settings silently
 )
-EXCHANGE_EQUIVALENCE_ARGS = ("alternate-exchange",)
+EXCHANGE_EQUIVALENCE_ARGS = ("alternate-exchange", *DEDUP_ARGS)
 
 BindingKey = tuple  # (source, dest_kind, dest, routing_key, normalized arguments)
 
 
 class Exchange:
     __slots__ = ("name", "type", "durable", "auto_delete", "internal", "arguments", "table", "alternate",
-                 "bindings", "needs_headers", "delayed")
+                 "bindings", "needs_headers", "delayed", "dedup")
 
     def __init__(self, name: str, type: str, durable: bool, auto_delete: bool, internal: bool,
                  arguments: dict) -> None:
@@ -150,6 +152,7 @@ class Exchange:
         self.needs_headers = kind == "headers" or getattr(self.table, "header", None) is not None
         self.alternate: str | None = None
         self.delayed = False  # messages with an x-delay header wait in a shard first
+        self.dedup = dedup_settings(arguments)  # x-message-deduplication: checked in one shard
         self.set_policy({})
         self.bindings: set[BindingKey] = set()  # bindings with this exchange as source
 
@@ -303,6 +306,9 @@ def _check_queue_args(name: str, vhost: str, args: dict, durable: bool = True, e
         fail("x-overflow", "invalid_overflow")
     if "x-single-active-consumer" in args and not isinstance(args["x-single-active-consumer"], bool):
         fail("x-single-active-consumer", f"{{unacceptable_type,{amqp_type_name(args['x-single-active-consumer'])}}}")
+    dedup_err = dedup_args_error(args)
+    if dedup_err is not None:
+        fail(*dedup_err)
     qtype = args.get("x-queue-type", "classic")
     if qtype == "stream":
         fail("x-queue-type", "stream queues are not supported yet")
@@ -749,6 +755,10 @@ class Definitions:
             err = delayed_type_error(args)
             if err is not None:
                 raise _channel(PRECONDITION_FAILED, err, method)
+        dedup_err = dedup_args_error(args)
+        if dedup_err is not None:
+            raise _channel(PRECONDITION_FAILED, f"invalid arg '{dedup_err[0]}' for "
+                           f"{_rs('exchange', name, vhost)}: {dedup_err[1]}", method)
         ae = args.get("alternate-exchange")
         if ae is not None and not isinstance(ae, str):
             raise _channel(PRECONDITION_FAILED, f"invalid type '{amqp_type_name(ae)}' for arg "

@@ -33,6 +33,7 @@ from broker.amqp.errors import AMQPChannelError, AMQPConnectionError, AMQPError
 from broker.amqp.properties import decode_properties, delivery_mode
 from frontend.backlog import Backlog
 from frontend.confirms import ConfirmTracker
+from frontend.dedup_publish import publish_dedup
 from frontend.delivery_tags import DeliveryTags, group_by_shard
 from frontend.direct_reply import PREFIX as REPLY_PREFIX
 from frontend.direct_reply import PSEUDO_QUEUE, new_reply_name, route_reply
@@ -284,11 +285,11 @@ class Channel:
         except ValueError as exc:
             raise AMQPConnectionError(SYNTAX_ERROR, f"malformed content properties: {exc}", 60, 40) from None
         # Plain path: one flag test. 0x22 = headers (CC/BCC) or reply-to (direct reply-to) present.
-        if self.extras or ex.delayed or (props_raw and props_raw[0] & 0x22 and (
+        if self.extras or ex.delayed or ex.dedup or (props_raw and props_raw[0] & 0x22 and (
                 may_have_cc(props_raw) or may_reply_to_pseudo_queue(props_raw))):
             props_raw, queues = self._publish_extras(ex, ev, props_raw)
             if queues is None:
-                return  # delayed: handed to a shard
+                return  # delayed or deduplicated: handed to a shard
         else:
             queues = defs.route(vhost, exchange, ev.routing_key, props_raw)
         confirm = self.confirm
@@ -328,7 +329,8 @@ class Channel:
                 conn.confirm_shards.add(shard)
 
     def _publish_extras(self, ex: Any, ev: E.Publish, props_raw: bytes) -> tuple[bytes, Any]:
-        """CC/BCC, server timestamp, delayed exchanges: (properties, queues or None if delayed)."""
+        """CC/BCC, server timestamp, delayed and deduplicating exchanges: (properties, queues, or
+        None when the message was handed to a shard)."""
         conn = self.conn
         try:
             if conn.worker.settings.get("set_timestamp"):
@@ -355,6 +357,9 @@ class Channel:
             for key in keys:
                 found.update(dict.fromkeys(route(vhost, ev.exchange, key, props_raw)))
             queues = list(found)
+        if ex.dedup and queues:
+            publish_dedup(self, ex, ev.exchange, ev.routing_key, props_raw, ev.body, queues)
+            return props_raw, None
         return props_raw, queues
 
     def _publish_delayed(self, ex: Any, ev: E.Publish, props_raw: bytes, delay: int) -> None:

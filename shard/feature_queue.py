@@ -25,6 +25,8 @@ Semantics follow RabbitMQ's classic queues:
   channel with 406 (the frontend then requeues it through CHANNEL_CLOSED).
 * ``x-expires``: with no consumers and no basic.get for that long, the shard
   asks the node to delete the queue.
+* ``x-message-deduplication``: a message whose key is in the queue's cache is
+  not enqueued (shard/dedup.py); the publisher's confirm is an ack.
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ from typing import TYPE_CHECKING, Any
 
 from broker import contract
 from broker.amqp.properties import decode_properties, encode_properties
+from broker.dedup import dedup_settings
 from shard.consumers import ChannelRef, Consumer
 from shard.deadletter import DELIVERY_LIMIT, EXPIRED, MAXLEN, REJECTED, expiration_ms
+from shard.dedup import QueueDedup
 from shard.queue import Queue, Send
 from shard.store import QueueStore
 from shard.timers import now_ms
@@ -48,7 +52,7 @@ _CLOSE_CHANNEL = contract.CLOSE_CHANNEL
 # Queue arguments that need this class; a queue with none of them is a plain Queue.
 FEATURE_ARGS = frozenset((
     "x-message-ttl", "x-expires", "x-dead-letter-exchange", "x-max-length", "x-max-length-bytes",
-    "x-delivery-limit", "x-consumer-timeout",
+    "x-delivery-limit", "x-consumer-timeout", "x-message-deduplication",
 ))
 
 
@@ -75,7 +79,7 @@ class FeatureQueue(Queue):
     __slots__ = (
         "shard", "ttl", "dlx", "dlrk", "max_length", "max_bytes", "overflow", "delivery_limit",
         "count_returns", "returns", "consumer_timeout", "delivered_at", "expires", "last_used",
-        "_expire_requested", "_fresh_from", "_wake_at",
+        "_expire_requested", "_fresh_from", "_wake_at", "dedup",
     )
 
     def __init__(self, qid: int, vhost: str, name: str, defn: Any, store: QueueStore,
@@ -89,6 +93,7 @@ class FeatureQueue(Queue):
         # Id of the first message appended in this turn: TTL 0 messages may still go to a consumer.
         self._fresh_from: int | None = None
         self._wake_at: int | None = None
+        self.dedup: QueueDedup | None = None
         self.configure(self.arguments if arguments is None else arguments)
         if store.ready:
             self._arm(now_ms())  # recovered messages may have expired while the node was down
@@ -107,6 +112,13 @@ class FeatureQueue(Queue):
         self.count_returns = self.delivery_limit is not None or a.get("x-queue-type") == "quorum"
         self.consumer_timeout = _int_arg(a, "x-consumer-timeout")
         self.expires = _int_arg(a, "x-expires")
+        dedup = dedup_settings(a)
+        if dedup is None:
+            self.dedup = None
+        elif self.dedup is None:
+            self.dedup = QueueDedup(dedup)
+        else:
+            self.dedup.configure(dedup)
         if self.expires:
             self._arm(self.last_used + self.expires)
         self._arm(now_ms())  # a shorter TTL or a lower limit applies to what is queued already
@@ -125,7 +137,12 @@ class FeatureQueue(Queue):
     # ----------------------------------------------------------------- publish
     def publish(self, ts: int, flags: int, exchange: str, routing_key: str, props_raw: bytes,
                 body: bytes) -> bool:
-        """Enqueue one message; False when x-overflow refused it."""
+        """Enqueue one message; False when x-overflow refused it (a duplicate counts as accepted)."""
+        dedup = self.dedup
+        if dedup is not None:
+            seen = dedup.check(props_raw)
+            if seen is None:
+                return True  # dropped; its confirm still waits for this queue's sync, as the original's
         store = self.store
         limited = self.max_length is not None or self.max_bytes is not None
         if limited and self.overflow != "drop-head" and self._full():
@@ -133,6 +150,8 @@ class FeatureQueue(Queue):
                 self.shard.dead_letter(self, MAXLEN, flags, exchange, routing_key, props_raw, body)
             return False
         msg_id = store.append(ts, flags, exchange, routing_key, props_raw, body)
+        if dedup is not None:
+            dedup.remember(seen)  # only what was enqueued: a refused message's retry may pass
         if self._fresh_from is None:
             self._fresh_from = msg_id
         if limited and self.overflow == "drop-head":

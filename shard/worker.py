@@ -24,6 +24,7 @@ from broker.policies import POLICY_OPS
 from broker.zmqio import BatchSocket, make_socket
 from shard.consumers import ChannelRef, Consumer
 from shard.deadletter import dead_letter_props, has_expiration, is_cycle
+from shard.dedup import ExchangeDedup
 from shard.feature_queue import FeatureQueue, needs_features
 from shard.queue import Queue
 from shard.store import QueueStore, queue_dir
@@ -83,6 +84,8 @@ class ShardWorker:
         self.epochs: dict[int, int] = {}
         self.peers: dict[int, BatchSocket] = {}
         self._peer_seq: dict[int, int] = {}
+        # Caches of the deduplicating exchanges this shard owns (broker/dedup.py exchange_shard).
+        self.exchange_dedup = ExchangeDedup(self)
 
     # ------------------------------------------------------------------ startup
     async def start(self) -> None:
@@ -112,7 +115,10 @@ class ShardWorker:
             elif kind == contract.STOP:
                 self.loop.create_task(self.stop())
             elif kind == contract.SHARD_UP:
-                self.epochs[int(item[1])] = int(item[2])
+                shard, epoch = int(item[1]), int(item[2])
+                if self.epochs.get(shard) != epoch:
+                    self.epochs[shard] = epoch
+                    self.exchange_dedup.shard_up(shard)
             elif kind == contract.REPLY:
                 pass  # answers to our auto-delete requests need no action
 
@@ -225,6 +231,8 @@ class ShardWorker:
         kind = item[0]
         if kind == contract.PUBLISH:
             self._publish(fe, item)
+        elif kind == contract.DEDUP_PUBLISH:
+            self.exchange_dedup.publish(fe, item)
         elif kind == contract.ACK:
             _, conn_id, channel, refs = item
             by_qid = self.by_qid
@@ -395,6 +403,11 @@ class ShardWorker:
         route = self.defs.route
         for key in ([q.dlrk] if q.dlrk is not None else keys):
             targets.update(dict.fromkeys(route(vhost, dlx, key, props)))
+        x = self.defs.exchange(vhost, dlx)
+        if x is not None and x.dedup is not None:  # the exchange's owner shard decides, as for a publish
+            self.exchange_dedup.dead_letter(x, vhost, rk, props, body, bool(flags & 1),
+                                            [n for n in targets if not is_cycle(n, deaths)])
+            return
         remote: dict[int, list[str]] = {}
         ts = int(time.time() * 1000)
         for name in targets:
@@ -430,7 +443,9 @@ class ShardWorker:
             sock = make_socket(self.ctx, zmq.DEALER, self.ident)
             sock.connect(contract.shard_address(self.run_dir, i))
             self._peer_seq[i] = 0
-            self.peers[i] = BatchSocket(self.loop, sock, _ignore_batch, header_for=self._peer_header(i))
+            # Answers: PROCESSED (ignored) and CONFIRMs of forwarded deduplicating-exchange publishes.
+            self.peers[i] = BatchSocket(self.loop, sock, self.exchange_dedup.peer_handler(i),
+                                        header_for=self._peer_header(i))
 
     def _peer_header(self, shard: int) -> Callable[[bytes | None], list]:
         def header(_dest: bytes | None) -> list:
@@ -632,14 +647,11 @@ class ShardWorker:
         self.timers.close()
         for peer in self.peers.values():
             peer.close()
+        self.exchange_dedup.close()
         self.data.close()
         self.node.close()
         log.info("shard %d stopped", self.index)
         self.stopped.set()
-
-
-def _ignore_batch(_ident: bytes | None, _header, _items: list) -> None:
-    """PROCESSED answers of other shards to forwarded dead letters: nothing waits on them."""
 
 
 def _sync_all(stores: list[QueueStore]) -> None:

@@ -1,0 +1,279 @@
+"""Deduplication caches in the shard: per queue (FeatureQueue) and per exchange (owner shard).
+
+Queue deduplication: a ``FeatureQueue`` with ``x-message-deduplication`` holds a
+``QueueDedup``; its publish drops a message whose key is in the cache (the publisher
+still gets its confirm, after the same group sync an enqueued message would wait for).
+Every way into the queue (frontend publishes, dead letters of this shard or of other
+shards, forwards of a deduplicating exchange) goes through that publish.
+
+Exchange deduplication: a publisher that reconnects may land on another frontend, so the
+check is made in ONE place per exchange: the shard ``exchange_shard(vhost, name)``
+(broker/dedup.py). The frontend routes as usual and sends one ``DEDUP_PUBLISH`` to that
+owner. The owner (``ExchangeDedup``) drops duplicates and forwards the rest as ordinary
+``PUBLISH`` items to every shard holding a routed queue - itself included, over a DEALER
+connected to its own ROUTER, so its own queues run the same code and answer the same way.
+Each forward carries a token as its confirm seq; the shards answer ``CONFIRM`` /
+``CONFIRM_NACK`` to the owner's identity, and the owner confirms the publisher once all of
+them have (so only after every append is written, and fsynced when it must be).
+
+A duplicate that arrives while the original is still unconfirmed waits for it and gets the
+same answer; an original that ends in a nack leaves the cache again, so a retry is accepted.
+The caches live in memory (as LavinMQ's): a restart of the shard forgets them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from broker import contract
+from broker.dedup import DEFAULT_CACHE_SIZE, DedupSettings, dedup_key, exchange_shard
+from broker.zmqio import BatchSocket, make_socket
+
+if TYPE_CHECKING:
+    from shard.worker import ShardWorker
+
+_MISSING = object()
+
+
+def _now_ms() -> int:
+    return int(time.monotonic() * 1000)  # entries live in memory only: a monotonic clock is enough
+
+
+class DedupCache:
+    """At most ``size`` keys, oldest inserted evicted first; expired entries go when looked up."""
+
+    __slots__ = ("size", "_store")
+
+    def __init__(self, size: int = DEFAULT_CACHE_SIZE) -> None:
+        self.size = size
+        self._store: OrderedDict[Any, int | None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+    def contains(self, key: Any, now: int) -> bool:
+        deadline = self._store.get(key, _MISSING)
+        if deadline is _MISSING:
+            return False
+        if deadline is None or deadline > now:
+            return True
+        del self._store[key]
+        return False
+
+    def insert(self, key: Any, ttl: int | None, now: int) -> None:
+        store = self._store
+        store.pop(key, None)
+        while len(store) >= self.size:
+            store.popitem(last=False)
+        store[key] = None if ttl is None else now + ttl
+
+    def discard(self, key: Any) -> None:
+        self._store.pop(key, None)
+
+
+class QueueDedup:
+    """The deduplication state of one queue."""
+
+    __slots__ = ("settings", "cache")
+
+    def __init__(self, settings: DedupSettings) -> None:
+        self.settings = settings
+        self.cache = DedupCache(settings.size)
+
+    def configure(self, settings: DedupSettings) -> None:
+        """New arguments (a policy change re-reads them): the remembered keys stay."""
+        self.settings = settings
+        self.cache.size = settings.size
+
+    def check(self, props_raw: bytes) -> tuple[Any, int | None, int] | None:
+        """None when the message is a duplicate, else (key or None, ttl, now) for ``remember``."""
+        key, ttl = dedup_key(props_raw, self.settings)
+        now = _now_ms()
+        if key is not None and self.cache.contains(key, now):
+            return None
+        return key, ttl, now
+
+    def remember(self, found: tuple[Any, int | None, int]) -> None:
+        key, ttl, now = found
+        if key is not None:
+            self.cache.insert(key, ttl, now)
+
+
+class _Pending:
+    """A forwarded exchange publish waiting for the shards it went to."""
+
+    __slots__ = ("fe", "conn_id", "channel", "seq", "cache_key", "shards", "ok", "waiters")
+
+    def __init__(self, fe: bytes, conn_id: Any, channel: Any, seq: Any, cache_key: tuple | None,
+                 shards: set[int]) -> None:
+        self.fe = fe
+        self.conn_id = conn_id
+        self.channel = channel
+        self.seq = seq
+        self.cache_key = cache_key  # (vhost, exchange, key) while the key is in flight
+        self.shards = shards
+        self.ok = True
+        self.waiters: list[tuple[bytes, Any, Any, Any]] = []  # duplicates that arrived meanwhile
+
+
+class ExchangeDedup:
+    """The caches of the deduplicating exchanges this shard owns, and their forwards."""
+
+    def __init__(self, worker: ShardWorker) -> None:
+        self.worker = worker
+        # (vhost, exchange) -> (the Exchange definition it was made for, cache): a redeclared
+        # exchange is a new object and starts with an empty cache, as in LavinMQ.
+        self.caches: dict[tuple[str, str], tuple[Any, DedupCache]] = {}
+        self.pending: dict[int, _Pending] = {}
+        self.inflight: dict[tuple, _Pending] = {}
+        self._token = 0
+        self._self_socket: BatchSocket | None = None
+        self._self_seq = 0
+
+    # ------------------------------------------------------------------ publish
+    def publish(self, fe: bytes, item: list) -> None:
+        """[DEDUP_PUBLISH, ...] from a frontend (field list in broker/contract.py)."""
+        (_, vhost, exchange, routing_key, props_raw, body, persistent, conn_id, channel, seq,
+         key, ttl, groups) = item
+        cache_key = None
+        if key is not None:
+            cache = self._cache(vhost, exchange)
+            if cache is not None:
+                now = _now_ms()
+                cache_key = (vhost, exchange, key)
+                if cache.contains(key, now):
+                    if seq is not None:
+                        original = self.inflight.get(cache_key)
+                        if original is not None:
+                            original.waiters.append((fe, conn_id, channel, seq))
+                        else:
+                            self._answer(fe, conn_id, channel, seq, True)
+                    return
+                cache.insert(key, ttl, now)
+        token = None
+        if seq is not None or cache_key is not None:
+            self._token += 1
+            token = self._token
+            pending = _Pending(fe, conn_id, channel, seq, cache_key, {int(s) for s, _ in groups})
+            self.pending[token] = pending
+            if cache_key is not None:
+                self.inflight[cache_key] = pending
+        for shard, names in groups:
+            sock = self._socket(int(shard))
+            if sock is None:
+                if token is not None:
+                    self._settle(token, int(shard), False)
+                continue
+            # conn_id/channel 0 + seq = token: the shard answers CONFIRM [0, 0, [token]] to us.
+            sock.put(None, [contract.PUBLISH, vhost, names, exchange, routing_key, props_raw, body, persistent,
+                            None if token is None else 0, None if token is None else 0, token])
+
+    def dead_letter(self, x: Any, vhost: str, routing_key: str, props_raw: bytes, body: bytes, persistent: bool,
+                    queues: list[str]) -> None:
+        """A message dead-lettered to deduplicating exchange `x`: to its owner, unconfirmed."""
+        if not queues:
+            return
+        worker = self.worker
+        groups: dict[int, list[str]] = {}
+        for name in queues:
+            defn = worker.defs.queue(vhost, name)
+            if defn is not None:
+                groups.setdefault(defn.shard, []).append(name)
+        key, ttl = dedup_key(props_raw, x.dedup)
+        item = [contract.DEDUP_PUBLISH, vhost, x.name, routing_key, props_raw, body, persistent, None, None, None,
+                key, ttl, [[shard, names] for shard, names in groups.items()]]
+        owner = exchange_shard(vhost, x.name, int(worker.settings.get("shards", 1)))
+        if owner == worker.index:
+            self.publish(worker.ident, item)
+        else:
+            peer = worker.peers.get(owner)
+            if peer is not None:
+                peer.put(None, item)
+
+    def _cache(self, vhost: str, exchange: str) -> DedupCache | None:
+        x = self.worker.defs.exchange(vhost, exchange)
+        settings = getattr(x, "dedup", None)
+        if settings is None:
+            self.caches.pop((vhost, exchange), None)
+            return None  # deleted (or redeclared without dedup) since the frontend routed it
+        found = self.caches.get((vhost, exchange))
+        if found is not None and found[0] is x:
+            found[1].size = settings.size
+            return found[1]
+        # A new cache is rare (a declare): drop those of exchanges deleted or redeclared since.
+        defs = self.worker.defs
+        for (v, name), (old, _c) in list(self.caches.items()):
+            if defs.exchange(v, name) is not old:
+                del self.caches[(v, name)]
+        cache = DedupCache(settings.size)
+        self.caches[(vhost, exchange)] = (x, cache)
+        return cache
+
+    def _socket(self, shard: int) -> BatchSocket | None:
+        worker = self.worker
+        if shard != worker.index:
+            return worker.peers.get(shard)
+        if self._self_socket is None:
+            sock = make_socket(worker.ctx, zmq.DEALER, worker.ident)
+            sock.connect(contract.shard_address(worker.run_dir, worker.index))
+            self._self_socket = BatchSocket(worker.loop, sock, self.peer_handler(worker.index),
+                                            header_for=self._self_header)
+        return self._self_socket
+
+    def _self_header(self, _dest: bytes | None) -> list:
+        self._self_seq += 1
+        return [self.worker.epoch, self._self_seq]
+
+    # ------------------------------------------------------------------ answers
+    def peer_handler(self, shard: int):
+        """The callback for the DEALER to `shard`: its CONFIRMs settle forwarded publishes."""
+        def on_batch(_ident: bytes | None, _header: Any, items: list) -> None:
+            for item in items:
+                kind = item[0]
+                if kind == contract.CONFIRM or kind == contract.CONFIRM_NACK:
+                    ok = kind == contract.CONFIRM
+                    for token in item[3]:
+                        self._settle(token, shard, ok)
+                # PROCESSED: nothing waits on it
+        return on_batch
+
+    def shard_up(self, shard: int) -> None:
+        """`shard` restarted: what it had not confirmed is lost, so those publishes are nacked."""
+        for token in [t for t, p in self.pending.items() if shard in p.shards]:
+            self._settle(token, shard, False)
+
+    def _settle(self, token: int, shard: int, ok: bool) -> None:
+        p = self.pending.get(token)
+        if p is None or shard not in p.shards:
+            return
+        p.shards.discard(shard)
+        if not ok:
+            p.ok = False
+        if p.shards:
+            return
+        del self.pending[token]
+        if p.cache_key is not None:
+            if self.inflight.get(p.cache_key) is p:
+                del self.inflight[p.cache_key]
+            if not p.ok:
+                # Not stored everywhere: a retry of this message must not be dropped as a duplicate.
+                found = self.caches.get(p.cache_key[:2])
+                if found is not None:
+                    found[1].discard(p.cache_key[2])
+        if p.seq is not None:
+            self._answer(p.fe, p.conn_id, p.channel, p.seq, p.ok)
+        for fe, conn_id, channel, seq in p.waiters:
+            self._answer(fe, conn_id, channel, seq, p.ok)
+
+    def _answer(self, fe: bytes, conn_id: Any, channel: Any, seq: int, ok: bool) -> None:
+        # BatchSocket.put gathers items per destination and sends once per loop turn.
+        self.worker.data.put(fe, [contract.CONFIRM if ok else contract.CONFIRM_NACK, conn_id, channel, [seq]])
+
+    def close(self) -> None:
+        if self._self_socket is not None:
+            self._self_socket.close()
+            self._self_socket = None
