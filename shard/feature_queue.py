@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 from broker import contract
 from broker.amqp.properties import decode_properties, encode_properties
+from shard.ack_timeouts import timeout_text
+from shard.consumer_order import deliver_ranked
 from shard.consumers import ChannelRef, Consumer
 from shard.deadletter import DELIVERY_LIMIT, EXPIRED, MAXLEN, REJECTED, expiration_ms
 from shard.queue import Queue, Send
@@ -118,6 +120,7 @@ class FeatureQueue(Queue):
         fq.consumers = q.consumers
         fq.unacked = q.unacked
         fq._rr = q._rr
+        fq.groups = q.groups
         fq.had_consumers = q.had_consumers
         fq.exclusive_consumer = q.exclusive_consumer
         return fq
@@ -161,12 +164,15 @@ class FeatureQueue(Queue):
         consumers = self.consumers
         store = self.store
         if consumers and store.ready:
-            self._deliver_to(consumers, send, now)
+            if self.groups is None:
+                self._rr = self._deliver_to(consumers, self._rr, send, now)
+            else:
+                deliver_ranked(self, send, now)
         self._fresh_from = None
         head = self._expire_head(now)
         self._arm_next(now, head)
 
-    def _deliver_to(self, consumers: list[Consumer], send: Send, now: int) -> None:
+    def _deliver_to(self, consumers: list[Consumer], i: int, send: Send, now: int) -> int:
         store = self.store
         n = len(consumers)
         unacked = self.unacked
@@ -175,7 +181,6 @@ class FeatureQueue(Queue):
         returns = self.returns
         timing = self.consumer_timeout is not None
         idle = 0
-        i = self._rr
         while idle < n and store.ready:
             if i >= n:
                 i = 0
@@ -212,7 +217,7 @@ class FeatureQueue(Queue):
                     self.delivered_at[msg_id] = now
             send(c.fe, [_DELIVER, c.conn_id, c.channel, c.tag, qid, msg_id, redelivered,
                         exchange, routing_key, props_raw, body])
-        self._rr = i
+        return i
 
     def get(self, chan: ChannelRef, no_ack: bool) -> list | None:
         now = now_ms()
@@ -334,6 +339,11 @@ class FeatureQueue(Queue):
             self.returns.pop(msg_id, None)
             self._dead(EXPIRED, msg)
 
+    def renew_lease(self) -> None:
+        """queue.declare of this queue: x-expires counts from now."""
+        if self.expires:
+            self._touch(now_ms())
+
     def _touch(self, now: int) -> None:
         self.last_used = now
         self._expire_requested = False
@@ -380,13 +390,11 @@ class FeatureQueue(Queue):
         for msg_id in late:
             del delivered_at[msg_id]
             owner = self.unacked.get(msg_id)
-            if owner is None:
-                continue
+            if owner is None or owner.timeout is not None:
+                continue  # a consumer's own x-consumer-timeout wins: shard/ack_timeouts.py times it
             key = (owner.fe, owner.conn_id, owner.channel)
             if key in closed:
                 continue
             closed.add(key)
-            text = (f"PRECONDITION_FAILED - delivery acknowledgement on channel {owner.channel} timed out. "
-                    f"Timeout value used: {timeout} ms. This timeout value can be configured, see "
-                    "consumers doc guide to learn more")
+            text = timeout_text(owner.channel, timeout)
             self.shard.data.put(owner.fe, [_CLOSE_CHANNEL, owner.conn_id, owner.channel, 406, text])

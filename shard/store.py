@@ -90,6 +90,8 @@ class QueueStore:
         self._keep_transient = keep_transient
         self._segs: dict[int, Segment] = {}
         self._requeued: list[int] = []  # heap of msg ids
+        # Ids requeued since the last consumer-timeout scan, while shard/ack_timeouts.py tracks this queue.
+        self.requeue_watch: set[int] | None = None
         self._ready = 0
         self._ready_bytes = 0
         self._closed = False
@@ -211,6 +213,8 @@ class QueueStore:
         if seg.mm is None:
             seg.map_readonly()
         heapq.heappush(self._requeued, msg_id)
+        if self.requeue_watch is not None:
+            self.requeue_watch.add(msg_id)
         self._ready += 1
         self._ready_bytes += record.body_len(seg.mm, pos)
         return True
