@@ -8,7 +8,7 @@ Instead, every tick the shard walks the unacked maps it already has and
 remembers, per message, the first tick that saw it unacked. A message is
 late once that stamp is older than its timeout. The plain deliver and ack
 loops do not change at all; the cost is O(unacked) per tick, and the tick
-is ``timeout / 8`` clamped to [50 ms, 5 s] for the smallest timeout in use,
+is ``timeout / 8`` clamped to [50 ms, 15 s] for the smallest timeout in use,
 so a channel is closed between ``timeout`` and ``timeout`` + two ticks
 after the delivery, never before. RabbitMQ checks on a periodic tick too
 (once a minute).
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from shard.worker import ShardWorker
 
 MIN_TICK_MS = 50
-MAX_TICK_MS = 5000
+MAX_TICK_MS = 15_000
 
 
 def timeout_text(channel: int, timeout: int) -> str:

@@ -20,7 +20,8 @@ Semantics follow RabbitMQ's classic queues:
 * ``x-delivery-limit`` (and ``x-queue-type: quorum``): each return of a
   delivered message (nack/reject with requeue, channel closed) counts; the
   redelivery carries ``x-delivery-count``; a message returned more than the
-  limit is dead-lettered (``delivery_limit``). Counts live in memory.
+  limit is dead-lettered (``delivery_limit``). Counts survive a restart
+  (shard/delivery_counts.py).
 * ``x-consumer-timeout``: an unacked delivery older than that closes its
   channel with 406 (the frontend then requeues it through CHANNEL_CLOSED).
 * ``x-expires``: with no consumers and no basic.get for that long, the shard
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from broker import contract
 from broker.amqp.properties import decode_properties, encode_properties
+from shard import delivery_counts
 from shard.ack_timeouts import timeout_text
 from shard.consumer_order import deliver_ranked
 from shard.consumers import ChannelRef, Consumer
@@ -77,14 +79,17 @@ class FeatureQueue(Queue):
     __slots__ = (
         "shard", "ttl", "dlx", "dlrk", "max_length", "max_bytes", "overflow", "delivery_limit",
         "count_returns", "returns", "consumer_timeout", "delivered_at", "expires", "last_used",
-        "_expire_requested", "_fresh_from", "_wake_at",
+        "_expire_requested", "_fresh_from", "_wake_at", "_returns_saved",
     )
 
     def __init__(self, qid: int, vhost: str, name: str, defn: Any, store: QueueStore,
                  shard: ShardWorker, arguments: dict | None = None) -> None:
         super().__init__(qid, vhost, name, defn, store)
         self.shard = shard
-        self.returns: dict[int, int] = {}  # msg_id -> times returned to the queue
+        # msg_id -> times returned to the queue; saved with the periodic sync (save_returns).
+        self.returns: dict[int, int] = {mid: n for mid, n in delivery_counts.load(store.path).items()
+                                        if store.holds(mid)}
+        self._returns_saved = dict(self.returns)
         self.delivered_at: dict[int, int] = {}  # msg_id -> delivery time (ms), oldest first
         self.last_used = now_ms()
         self._expire_requested = False
@@ -275,6 +280,12 @@ class FeatureQueue(Queue):
         unacked = self.unacked
         self.returns = {k: v for k, v in self.returns.items() if k in unacked}
         return super().purge()
+
+    def save_returns(self) -> None:
+        """Write the delivery counts if they changed since the last write (periodic sync, stop)."""
+        if self.returns != self._returns_saved and not self.deleted:
+            delivery_counts.save(self.store.path, self.returns)
+            self._returns_saved = dict(self.returns)
 
     def _return(self, msg_id: int) -> None:
         if self.count_returns:

@@ -239,6 +239,16 @@ class QueueStore:
             self.ack(msg[0])
         return msg
 
+    def holds(self, msg_id: int) -> bool:
+        """True while the message is stored and not removed (ready or outstanding)."""
+        seg = self._segs.get(msg_id >> 32)
+        if seg is None:
+            return False
+        pos = msg_id & _POS_MASK
+        if pos < DATA_START or pos >= seg.used:
+            return False
+        return seg.acked is None or pos not in seg.acked
+
     def read(self, msg_id: int) -> Record:
         """(ts_ms, flags, exchange, routing_key, props_raw, body) of a stored record; KeyError if gone."""
         seg = self._segs[msg_id >> 32]

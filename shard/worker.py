@@ -626,6 +626,8 @@ class ShardWorker:
             for q in self.queues.values():
                 if q.store.dirty:
                     self._sync_stores.add(q.store)
+                if q.__class__ is not Queue and q.count_returns:
+                    q.save_returns()
             self._start_sync()
             self.loop.call_later(_PERIODIC_SYNC_S, self._periodic_sync)
 
@@ -635,6 +637,9 @@ class ShardWorker:
             return
         self._stopping = True
         self.data.flush()
+        for q in self.queues.values():
+            if q.__class__ is not Queue and q.count_returns:
+                q.save_returns()
         stores = [q.store for q in self.queues.values()]
         for store in stores:
             store.flush_acks()
