@@ -350,6 +350,13 @@ class FeatureQueue(Queue):
             self.returns.pop(msg_id, None)
             self._dead(EXPIRED, msg)
 
+    def info(self) -> dict:
+        info = super().info()
+        if self.expires:
+            # The node asks before it deletes an expired queue: a declare may have renewed it since.
+            info["expired"] = not self.consumers and now_ms() >= self.last_used + self.expires
+        return info
+
     def renew_lease(self) -> None:
         """queue.declare of this queue: x-expires counts from now."""
         if self.expires:
