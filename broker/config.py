@@ -64,6 +64,10 @@ class Settings:
     definitions: str | None = None
     # 1: the frontend sets the timestamp property (seconds) of a published message that has none.
     set_timestamp: int = 0
+    # RabbitMQ's consumer_timeout (ms): an unacked delivery older than this closes its channel with
+    # 406. On by default like RabbitMQ's 30 minutes; it costs the plain path nothing (a periodic scan,
+    # see shard/ack_timeouts.py). 0 = off.
+    consumer_timeout: int = 1800000
     config_file: str | None = None
 
     @property
@@ -128,6 +132,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("loopback_users", "list", "amqp",
            "users that may log in from loopback only ('none' = no one)"),
     Option("set_timestamp", "int", "amqp", "1 = stamp published messages that have no timestamp", 0, 1),
+    Option("consumer_timeout", "int", "amqp",
+           "ms a delivery may stay unacked before its channel is closed with 406 (0 = off)", 0, 2**31 - 1),
 )
 OPTIONS_BY_NAME = {opt.name: opt for opt in OPTIONS}
 INI_SECTIONS = ("main", "amqp")

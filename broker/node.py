@@ -256,7 +256,8 @@ class Node:
             q = defs.queue(vhost, a["queue"])
             if q is not None and q.arguments.get("x-expires"):
                 info = await self._queue_info(vhost, a["queue"])
-                if info is not None and info["consumers"] == 0:
+                # "expired" is False when a redeclare renewed the lease after the shard asked.
+                if info is not None and info["consumers"] == 0 and info.get("expired", True):
                     await self._commit(defs.plan_queue_delete(vhost, a["queue"], False, False, None, 0, 0))
             return {}
         if op == "exchange.declare":

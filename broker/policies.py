@@ -23,7 +23,7 @@ from typing import Any
 APPLY_TO = ("queues", "exchanges", "all")
 
 QUEUE_KEYS = ("max-length", "max-length-bytes", "message-ttl", "expires", "overflow", "dead-letter-exchange",
-              "dead-letter-routing-key", "delivery-limit", "max-age")
+              "dead-letter-routing-key", "delivery-limit", "max-age", "consumer-timeout")
 EXCHANGE_KEYS = ("alternate-exchange", "delayed-message")
 POLICY_KEYS = QUEUE_KEYS + EXCHANGE_KEYS
 OPERATOR_KEYS = ("max-length", "max-length-bytes", "message-ttl", "expires", "delivery-limit", "overflow",
@@ -31,9 +31,11 @@ OPERATOR_KEYS = ("max-length", "max-length-bytes", "message-ttl", "expires", "de
 
 # Keys where a queue argument and a policy combine by the smaller value (res_min in RabbitMQ);
 # every other queue key takes the queue argument when both are set (res_arg).
-MIN_KEYS = frozenset(("max-length", "max-length-bytes", "message-ttl", "expires", "delivery-limit", "max-age"))
+MIN_KEYS = frozenset(("max-length", "max-length-bytes", "message-ttl", "expires", "delivery-limit", "max-age",
+                      "consumer-timeout"))
 
-_INT_KEYS = {"max-length": 0, "max-length-bytes": 0, "message-ttl": 0, "expires": 1, "delivery-limit": 0}
+_INT_KEYS = {"max-length": 0, "max-length-bytes": 0, "message-ttl": 0, "expires": 1, "delivery-limit": 0,
+             "consumer-timeout": 1}
 _OVERFLOW = ("drop-head", "reject-publish", "reject-publish-dlx")
 _AGE = re.compile(r"^(\d+)([YMDhms])$")
 _AGE_SECONDS = {"Y": 365 * 86400, "M": 30 * 86400, "D": 86400, "h": 3600, "m": 60, "s": 1}

@@ -31,6 +31,7 @@ from broker.amqp.constants import (
 from broker.amqp.encoder import encode_content, encode_deliver, encode_method
 from broker.amqp.errors import AMQPChannelError, AMQPConnectionError, AMQPError
 from broker.amqp.properties import decode_properties, delivery_mode
+from broker.consumer_args import check_consume_arguments
 from frontend.backlog import Backlog
 from frontend.confirms import ConfirmTracker
 from frontend.dedup_publish import publish_dedup
@@ -611,6 +612,7 @@ class Channel:
             return
         name = self._queue_name(method.queue, method)
         q = self._local_queue(name, method)
+        check_consume_arguments(name, self.conn.vhost, method.arguments)
         tag = method.consumer_tag
         if not tag:
             tag = "amq.ctag-" + secrets.token_urlsafe(16)

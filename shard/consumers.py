@@ -16,6 +16,9 @@ from broker import contract
 class ChannelRef:
     __slots__ = ("fe", "conn_id", "channel", "global_prefetch", "unacked")
 
+    # basic.get deliveries have no consumer argument: the queue's or the node's timeout applies.
+    timeout: int | None = None
+
     def __init__(self, fe: bytes, conn_id: int, channel: int) -> None:
         self.fe = fe
         self.conn_id = conn_id
@@ -34,7 +37,7 @@ class ChannelRef:
 class Consumer:
     __slots__ = (
         "fe", "conn_id", "channel", "tag", "no_ack", "exclusive", "prefetch", "unacked", "credit",
-        "chan", "arguments", "priority", "active",
+        "chan", "arguments", "priority", "active", "timeout",
     )
 
     def __init__(
@@ -46,6 +49,8 @@ class Consumer:
         prefetch: int,
         arguments: dict,
     ) -> None:
+        if not isinstance(arguments, dict):
+            arguments = {}
         self.chan = chan
         self.fe = chan.fe
         self.conn_id = chan.conn_id
@@ -57,7 +62,11 @@ class Consumer:
         self.unacked = 0
         self.credit = contract.CREDIT_WINDOW
         self.arguments = arguments
-        self.priority = int(arguments.get("x-priority", 0) or 0) if isinstance(arguments, dict) else 0
+        # The frontend refuses non-integer values (406); anything else here counts as the default.
+        self.priority = _int_or(arguments.get("x-priority"), 0)
+        # x-consumer-timeout (ms) overrides the queue's and the node's; 0 turns it off for this consumer.
+        self.timeout = _int_or(arguments.get("x-consumer-timeout"), None)
+        # False for a registered but idle consumer of a single-active-consumer queue.
         self.active = True
 
     def can_take(self) -> bool:
@@ -73,3 +82,7 @@ class Consumer:
     def settle(self) -> None:
         self.unacked -= 1
         self.chan.unacked -= 1
+
+
+def _int_or(value: object, default: int | None) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default

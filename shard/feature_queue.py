@@ -20,7 +20,8 @@ Semantics follow RabbitMQ's classic queues:
 * ``x-delivery-limit`` (and ``x-queue-type: quorum``): each return of a
   delivered message (nack/reject with requeue, channel closed) counts; the
   redelivery carries ``x-delivery-count``; a message returned more than the
-  limit is dead-lettered (``delivery_limit``). Counts live in memory.
+  limit is dead-lettered (``delivery_limit``). Counts survive a restart
+  (shard/delivery_counts.py).
 * ``x-consumer-timeout``: an unacked delivery older than that closes its
   channel with 406 (the frontend then requeues it through CHANNEL_CLOSED).
 * ``x-expires``: with no consumers and no basic.get for that long, the shard
@@ -36,6 +37,9 @@ from typing import TYPE_CHECKING, Any
 from broker import contract
 from broker.amqp.properties import decode_properties, encode_properties
 from broker.dedup import dedup_settings
+from shard import delivery_counts
+from shard.ack_timeouts import timeout_text
+from shard.consumer_order import deliver_ranked
 from shard.consumers import ChannelRef, Consumer
 from shard.deadletter import DELIVERY_LIMIT, EXPIRED, MAXLEN, REJECTED, expiration_ms
 from shard.dedup import QueueDedup
@@ -79,14 +83,17 @@ class FeatureQueue(Queue):
     __slots__ = (
         "shard", "ttl", "dlx", "dlrk", "max_length", "max_bytes", "overflow", "delivery_limit",
         "count_returns", "returns", "consumer_timeout", "delivered_at", "expires", "last_used",
-        "_expire_requested", "_fresh_from", "_wake_at", "dedup",
+        "_expire_requested", "_fresh_from", "_wake_at", "dedup", "_returns_saved",
     )
 
     def __init__(self, qid: int, vhost: str, name: str, defn: Any, store: QueueStore,
                  shard: ShardWorker, arguments: dict | None = None) -> None:
         super().__init__(qid, vhost, name, defn, store)
         self.shard = shard
-        self.returns: dict[int, int] = {}  # msg_id -> times returned to the queue
+        # msg_id -> times returned to the queue; saved with the periodic sync (save_returns).
+        self.returns: dict[int, int] = {mid: n for mid, n in delivery_counts.load(store.path).items()
+                                        if store.holds(mid)}
+        self._returns_saved = dict(self.returns)
         self.delivered_at: dict[int, int] = {}  # msg_id -> delivery time (ms), oldest first
         self.last_used = now_ms()
         self._expire_requested = False
@@ -130,6 +137,7 @@ class FeatureQueue(Queue):
         fq.consumers = q.consumers
         fq.unacked = q.unacked
         fq._rr = q._rr
+        fq.groups = q.groups
         fq.had_consumers = q.had_consumers
         fq.exclusive_consumer = q.exclusive_consumer
         return fq
@@ -180,12 +188,15 @@ class FeatureQueue(Queue):
         consumers = self.consumers
         store = self.store
         if consumers and store.ready:
-            self._deliver_to(consumers, send, now)
+            if self.groups is None:
+                self._rr = self._deliver_to(consumers, self._rr, send, now)
+            else:
+                deliver_ranked(self, send, now)
         self._fresh_from = None
         head = self._expire_head(now)
         self._arm_next(now, head)
 
-    def _deliver_to(self, consumers: list[Consumer], send: Send, now: int) -> None:
+    def _deliver_to(self, consumers: list[Consumer], i: int, send: Send, now: int) -> int:
         store = self.store
         n = len(consumers)
         unacked = self.unacked
@@ -194,7 +205,6 @@ class FeatureQueue(Queue):
         returns = self.returns
         timing = self.consumer_timeout is not None
         idle = 0
-        i = self._rr
         while idle < n and store.ready:
             if i >= n:
                 i = 0
@@ -231,7 +241,7 @@ class FeatureQueue(Queue):
                     self.delivered_at[msg_id] = now
             send(c.fe, [_DELIVER, c.conn_id, c.channel, c.tag, qid, msg_id, redelivered,
                         exchange, routing_key, props_raw, body])
-        self._rr = i
+        return i
 
     def get(self, chan: ChannelRef, no_ack: bool) -> list | None:
         now = now_ms()
@@ -289,6 +299,12 @@ class FeatureQueue(Queue):
         unacked = self.unacked
         self.returns = {k: v for k, v in self.returns.items() if k in unacked}
         return super().purge()
+
+    def save_returns(self) -> None:
+        """Write the delivery counts if they changed since the last write (periodic sync, stop)."""
+        if self.returns != self._returns_saved and not self.deleted:
+            delivery_counts.save(self.store.path, self.returns)
+            self._returns_saved = dict(self.returns)
 
     def _return(self, msg_id: int) -> None:
         if self.count_returns:
@@ -353,6 +369,18 @@ class FeatureQueue(Queue):
             self.returns.pop(msg_id, None)
             self._dead(EXPIRED, msg)
 
+    def info(self) -> dict:
+        info = super().info()
+        if self.expires:
+            # The node asks before it deletes an expired queue: a declare may have renewed it since.
+            info["expired"] = not self.consumers and now_ms() >= self.last_used + self.expires
+        return info
+
+    def renew_lease(self) -> None:
+        """queue.declare of this queue: x-expires counts from now."""
+        if self.expires:
+            self._touch(now_ms())
+
     def _touch(self, now: int) -> None:
         self.last_used = now
         self._expire_requested = False
@@ -399,13 +427,11 @@ class FeatureQueue(Queue):
         for msg_id in late:
             del delivered_at[msg_id]
             owner = self.unacked.get(msg_id)
-            if owner is None:
-                continue
+            if owner is None or owner.timeout is not None:
+                continue  # a consumer's own x-consumer-timeout wins: shard/ack_timeouts.py times it
             key = (owner.fe, owner.conn_id, owner.channel)
             if key in closed:
                 continue
             closed.add(key)
-            text = (f"PRECONDITION_FAILED - delivery acknowledgement on channel {owner.channel} timed out. "
-                    f"Timeout value used: {timeout} ms. This timeout value can be configured, see "
-                    "consumers doc guide to learn more")
+            text = timeout_text(owner.channel, timeout)
             self.shard.data.put(owner.fe, [_CLOSE_CHANNEL, owner.conn_id, owner.channel, 406, text])

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from broker import contract
+from shard import consumer_order
 from shard.consumers import ChannelRef, Consumer
 from shard.store import QueueStore
 
@@ -22,7 +23,7 @@ _DELIVER = contract.DELIVER
 class Queue:
     __slots__ = (
         "qid", "vhost", "name", "durable", "auto_delete", "arguments", "store", "consumers", "unacked",
-        "_rr", "had_consumers", "exclusive_consumer", "deleted",
+        "_rr", "had_consumers", "exclusive_consumer", "deleted", "groups", "sac",
     )
 
     def __init__(self, qid: int, vhost: str, name: str, defn: Any, store: QueueStore) -> None:
@@ -40,18 +41,20 @@ class Queue:
         self.had_consumers = False
         self.exclusive_consumer = False
         self.deleted = False
+        # Per-priority consumer groups, or only the single active consumer; None: plain round-robin
+        # over all consumers (see shard/consumer_order.py).
+        self.groups: list[list] | None = None
+        self.sac = self.arguments.get("x-single-active-consumer") is True
 
     # ----------------------------------------------------------------- consumers
     def add_consumer(self, consumer: Consumer) -> None:
-        self.consumers.append(consumer)
+        consumer_order.add(self, consumer)
         self.had_consumers = True
         if consumer.exclusive:
             self.exclusive_consumer = True
 
     def remove_consumer(self, consumer: Consumer) -> None:
-        try:
-            self.consumers.remove(consumer)
-        except ValueError:
+        if not consumer_order.remove(self, consumer):
             return
         if consumer.exclusive:
             self.exclusive_consumer = False
@@ -60,14 +63,20 @@ class Queue:
     def deliver(self, send: Send) -> None:
         """Hand ready messages to consumers that can take them, round-robin."""
         consumers = self.consumers
-        store = self.store
-        if not consumers or not store.ready:
+        if not consumers or not self.store.ready:
             return
+        if self.groups is None:
+            self._rr = self._deliver_to(consumers, self._rr, send, 0)
+        else:
+            consumer_order.deliver_ranked(self, send, 0)
+
+    def _deliver_to(self, consumers: list[Consumer], i: int, send: Send, _now: int) -> int:
+        """Round-robin over `consumers` from index i while one can take; the next index."""
+        store = self.store
         n = len(consumers)
         unacked = self.unacked
         qid = self.qid
         idle = 0
-        i = self._rr
         while idle < n and store.ready:
             if i >= n:
                 i = 0
@@ -90,7 +99,7 @@ class Queue:
                 unacked[msg_id] = c
             send(c.fe, [_DELIVER, c.conn_id, c.channel, c.tag, qid, msg_id, redelivered,
                         exchange, routing_key, props_raw, body])
-        self._rr = i
+        return i
 
     def get(self, chan: ChannelRef, no_ack: bool) -> list | None:
         msg = self.store.shift()

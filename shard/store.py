@@ -90,6 +90,8 @@ class QueueStore:
         self._keep_transient = keep_transient
         self._segs: dict[int, Segment] = {}
         self._requeued: list[int] = []  # heap of msg ids
+        # Ids requeued since the last consumer-timeout scan, while shard/ack_timeouts.py tracks this queue.
+        self.requeue_watch: set[int] | None = None
         self._ready = 0
         self._ready_bytes = 0
         self._closed = False
@@ -211,6 +213,8 @@ class QueueStore:
         if seg.mm is None:
             seg.map_readonly()
         heapq.heappush(self._requeued, msg_id)
+        if self.requeue_watch is not None:
+            self.requeue_watch.add(msg_id)
         self._ready += 1
         self._ready_bytes += record.body_len(seg.mm, pos)
         return True
@@ -234,6 +238,16 @@ class QueueStore:
         if msg is not None:
             self.ack(msg[0])
         return msg
+
+    def holds(self, msg_id: int) -> bool:
+        """True while the message is stored and not removed (ready or outstanding)."""
+        seg = self._segs.get(msg_id >> 32)
+        if seg is None:
+            return False
+        pos = msg_id & _POS_MASK
+        if pos < DATA_START or pos >= seg.used:
+            return False
+        return seg.acked is None or pos not in seg.acked
 
     def read(self, msg_id: int) -> Record:
         """(ts_ms, flags, exchange, routing_key, props_raw, body) of a stored record; KeyError if gone."""

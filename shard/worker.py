@@ -22,6 +22,7 @@ from broker import contract
 from broker.definitions import Definitions
 from broker.policies import POLICY_OPS
 from broker.zmqio import BatchSocket, make_socket
+from shard.ack_timeouts import AckTimeouts
 from shard.consumers import ChannelRef, Consumer
 from shard.deadletter import dead_letter_props, has_expiration, is_cycle
 from shard.dedup import ExchangeDedup
@@ -86,6 +87,7 @@ class ShardWorker:
         self._peer_seq: dict[int, int] = {}
         # Caches of the deduplicating exchanges this shard owns (broker/dedup.py exchange_shard).
         self.exchange_dedup = ExchangeDedup(self)
+        self.ack_timeouts: AckTimeouts | None = None  # consumer-argument and node-default timeouts
 
     # ------------------------------------------------------------------ startup
     async def start(self) -> None:
@@ -129,6 +131,8 @@ class ShardWorker:
         self.epochs = {int(k): int(v) for k, v in epochs.items()}
         self.defs = Definitions.from_dict(defs_dict)
         self._connect_peers()
+        if self.ack_timeouts is None:
+            self.ack_timeouts = AckTimeouts(self, int(settings.get("consumer_timeout") or 0))
         # A restarted shard opens (and recovers) every queue placed on it.
         for v in self.defs.vhosts.values():
             for name, q in v.queues.items():
@@ -139,6 +143,7 @@ class ShardWorker:
                  len(self.queues), self.epoch)
         self._ready.set()
         self._schedule_deliver_all()
+        self.ack_timeouts.schedule()
 
     def _apply_defs(self, version: int, ops: list) -> None:
         defs = self.defs
@@ -260,6 +265,7 @@ class ShardWorker:
             if found is not None:
                 q, c = found
                 q.remove_consumer(c)
+                self._dirty_queues.add(q)  # single active consumer: the next one may take over
                 self._maybe_auto_delete(q)
         elif kind == contract.GET:
             _, req_id, conn_id, channel, vhost, name, no_ack = item
@@ -295,6 +301,8 @@ class ShardWorker:
                 self.data.put(fe, [contract.REPLY_DATA, req_id, False,
                                    [404, f"NOT_FOUND - no queue '{name}' in vhost '{vhost}'", 50, 10]])
             else:
+                if q.__class__ is not Queue:
+                    q.renew_lease()  # a (re)declare counts as use for x-expires, as in RabbitMQ
                 self.data.put(fe, [contract.REPLY_DATA, req_id, True, q.info()])
         elif kind == contract.PURGE:
             _, req_id, vhost, name = item
@@ -464,7 +472,8 @@ class ShardWorker:
             self.data.put(fe, [contract.REPLY_DATA, req_id, False,
                                [404, f"NOT_FOUND - no queue '{name}' in vhost '{vhost}'", 60, 20]])
             return
-        if q.exclusive_consumer or (exclusive and q.consumers):
+        # RabbitMQ refuses an exclusive consumer on a single-active-consumer queue the same way.
+        if q.exclusive_consumer or (exclusive and (q.consumers or q.sac)):
             self.data.put(fe, [contract.REPLY_DATA, req_id, False,
                                [403, f"ACCESS_REFUSED - queue '{name}' in vhost '{vhost}' in exclusive use",
                                 60, 20]])
@@ -473,6 +482,8 @@ class ShardWorker:
         consumer = Consumer(chan, tag, bool(no_ack), bool(exclusive), int(prefetch or 0), arguments or {})
         q.add_consumer(consumer)
         self.consumers[(fe, conn_id, channel, tag)] = (q, consumer)
+        if consumer.timeout:
+            self.ack_timeouts.schedule()  # a shorter timeout than any before: scan more often
         # The reply goes out before any delivery for this consumer (same batch, earlier item).
         self.data.put(fe, [contract.REPLY_DATA, req_id, True, {}])
         self._dirty_queues.add(q)
@@ -491,6 +502,7 @@ class ShardWorker:
                 q.remove_consumer(c)
                 self.consumers.pop((c.fe, c.conn_id, c.channel, c.tag), None)
             if gone:
+                self._dirty_queues.add(q)  # single active consumer: the next one may take over
                 self._maybe_auto_delete(q)
 
     def _requeue_where(self, match: Callable) -> None:
@@ -629,6 +641,8 @@ class ShardWorker:
             for q in self.queues.values():
                 if q.store.dirty:
                     self._sync_stores.add(q.store)
+                if q.__class__ is not Queue and q.count_returns:
+                    q.save_returns()
             self._start_sync()
             self.loop.call_later(_PERIODIC_SYNC_S, self._periodic_sync)
 
@@ -638,6 +652,9 @@ class ShardWorker:
             return
         self._stopping = True
         self.data.flush()
+        for q in self.queues.values():
+            if q.__class__ is not Queue and q.count_returns:
+                q.save_returns()
         stores = [q.store for q in self.queues.values()]
         for store in stores:
             store.flush_acks()
@@ -645,6 +662,8 @@ class ShardWorker:
         for s in stores:
             s.close()
         self.timers.close()
+        if self.ack_timeouts is not None:
+            self.ack_timeouts.close()
         for peer in self.peers.values():
             peer.close()
         self.exchange_dedup.close()

@@ -10,7 +10,7 @@ import uuid
 import zlib
 
 import pytest
-from pika.exceptions import ChannelClosedByBroker
+from pika.exceptions import ChannelClosedByBroker, UnroutableError
 
 WAIT = 10.0
 
@@ -39,6 +39,21 @@ def wait_count(ch, queue: str, want: int, timeout: float = WAIT) -> None:
     while (n := count(ch, queue)) != want:
         assert time.monotonic() < deadline, f"{queue} has {n} messages, expected {want}"
         time.sleep(0.02)
+
+
+def wait_queue_gone(ch, queue: str, timeout: float = WAIT) -> None:
+    """Wait until `queue` is deleted, probing with mandatory publishes on the confirm-mode channel `ch`.
+
+    Not with a passive queue.declare: like RabbitMQ, a declare counts as use and renews x-expires.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            ch.basic_publish("", queue, b"probe", mandatory=True)
+        except UnroutableError:
+            return
+        assert time.monotonic() < deadline, f"{queue} is still there after {timeout}s"
+        time.sleep(0.05)
 
 
 def get_one(ch, queue: str, timeout: float = WAIT, auto_ack: bool = True):

@@ -88,7 +88,7 @@ SAMPLES = {
     "sync": "none", "log_level": "debug", "bind": "0.0.0.0", "port": "4000", "heartbeat": "5",
     "frame_max": "8192", "channel_max": "16", "max_message_size": "1000", "default_user": "bob",
     "default_pass": "secret", "loopback_users": "none", "definitions": "/tmp/shardmq-defs.json",
-    "set_timestamp": "1",
+    "set_timestamp": "1", "consumer_timeout": "60000",
 }
 
 
@@ -129,6 +129,9 @@ def test_lists_and_choices_are_normalised():
         ([], {"SHARDMQ_FRONTENDS": "0"}, "shardmq: error: SHARDMQ_FRONTENDS must be >= 1"),
         ([], {"SHARDMQ_PORT": "x1"}, "shardmq: error: SHARDMQ_PORT: invalid int 'x1'"),
         ([], {"SHARDMQ_SYNC": "sometimes"}, "shardmq: error: SHARDMQ_SYNC: invalid choice 'sometimes'"),
+        (["--consumer-timeout", "-1"], {}, "shardmq: error: --consumer-timeout must be >= 0"),
+        ([], {"SHARDMQ_CONSUMER_TIMEOUT": "30m"},
+         "shardmq: error: SHARDMQ_CONSUMER_TIMEOUT: invalid int '30m'"),
     ],
 )
 def test_invalid_values_exit_2_naming_the_source(capsys, argv, environ, message):
@@ -202,6 +205,11 @@ def test_readme_documents_every_setting():
         assert f"[{opt.section}] {opt.name}" in readme or f"`{opt.name}`" in readme, opt.name
         if opt.has_flag:
             assert opt.flag in readme, opt.flag
+
+
+def test_consumer_timeout_defaults_to_rabbitmqs_30_minutes_and_0_turns_it_off():
+    assert Settings().consumer_timeout == 30 * 60 * 1000
+    assert load_settings(["--consumer-timeout", "0"], {}).consumer_timeout == 0
 
 
 def test_settings_round_trip_through_msgpack(tmp_path):

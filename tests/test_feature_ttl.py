@@ -8,9 +8,8 @@ from __future__ import annotations
 import time
 
 import pika
-from pika.exceptions import ChannelClosedByBroker
 
-from tests.helpers import WAIT, count, get_one, uid, wait_count
+from tests.helpers import WAIT, channel_error, count, get_one, uid, wait_count, wait_queue_gone
 
 
 def test_queue_ttl_expires_without_a_consumer(ch):
@@ -115,17 +114,9 @@ def test_requeued_message_keeps_its_expiry(ch):
 def test_x_expires_deletes_an_unused_queue(conn, ch):
     q = uid()
     ch.queue_declare(q, arguments={"x-expires": 200})
-    deadline = time.monotonic() + WAIT
-    while True:
-        probe = conn.channel()
-        try:
-            probe.queue_declare(q, passive=True)
-        except ChannelClosedByBroker as exc:
-            assert exc.reply_code == 404
-            break
-        probe.close()
-        assert time.monotonic() < deadline, "x-expires queue still there"
-        time.sleep(0.05)
+    wait_queue_gone(ch, q)
+    code, _text = channel_error(conn, lambda c: c.queue_declare(q, passive=True))
+    assert code == 404
 
 
 def test_x_expires_waits_while_a_consumer_is_attached(conn, ch):
@@ -135,16 +126,7 @@ def test_x_expires_waits_while_a_consumer_is_attached(conn, ch):
     time.sleep(0.4)
     assert ch.queue_declare(q, passive=True).method.consumer_count == 1
     ch.basic_cancel(tag)
-    deadline = time.monotonic() + WAIT
-    while True:
-        probe = conn.channel()
-        try:
-            probe.queue_declare(q, passive=True)
-        except ChannelClosedByBroker:
-            break
-        probe.close()
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_queue_gone(ch, q)
 
 
 def test_ttl_still_applies_after_restart(node):
