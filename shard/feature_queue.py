@@ -86,7 +86,7 @@ class FeatureQueue(Queue):
         self.delivered_at: dict[int, int] = {}  # msg_id -> delivery time (ms), oldest first
         self.last_used = now_ms()
         self._expire_requested = False
-        # Id of the first message appended in this turn: TTL 0 messages may still go to a consumer.
+        # store.mark() before the first append of this turn: TTL 0 messages may still go to a consumer.
         self._fresh_from: int | None = None
         self._wake_at: int | None = None
         self.configure(self.arguments if arguments is None else arguments)
@@ -132,9 +132,9 @@ class FeatureQueue(Queue):
             if self.overflow == "reject-publish-dlx":
                 self.shard.dead_letter(self, MAXLEN, flags, exchange, routing_key, props_raw, body)
             return False
-        msg_id = store.append(ts, flags, exchange, routing_key, props_raw, body)
         if self._fresh_from is None:
-            self._fresh_from = msg_id
+            self._fresh_from = store.mark()
+        store.append(ts, flags, exchange, routing_key, props_raw, body)
         if limited and self.overflow == "drop-head":
             self._drop_overflow()
         return True
@@ -189,7 +189,8 @@ class FeatureQueue(Queue):
                 break
             msg_id, redelivered, ts, _flags, exchange, routing_key, props_raw, body = msg
             deadline = self._deadline(ts, props_raw)
-            if deadline is not None and deadline <= now and (fresh is None or msg_id < fresh or redelivered):
+            if deadline is not None and deadline <= now and (
+                    fresh is None or redelivered or not store.after(msg_id, fresh)):
                 store.ack(msg_id)
                 returns.pop(msg_id, None)
                 self._dead(EXPIRED, msg)
@@ -328,7 +329,7 @@ class FeatureQueue(Queue):
             deadline = self._deadline(ts, props_raw)
             if deadline is None or deadline > now:
                 return deadline
-            if fresh is not None and msg_id >= fresh and not redelivered:
+            if fresh is not None and not redelivered and store.after(msg_id, fresh):
                 return None  # arrived this turn: deliver() decides after offering it to consumers
             store.drop_head()
             self.returns.pop(msg_id, None)

@@ -25,6 +25,7 @@ from broker.zmqio import BatchSocket, make_socket
 from shard.consumers import ChannelRef, Consumer
 from shard.deadletter import dead_letter_props, has_expiration, is_cycle
 from shard.feature_queue import FeatureQueue, needs_features
+from shard.priority_store import open_store
 from shard.queue import Queue
 from shard.store import QueueStore, queue_dir
 from shard.timers import TimerHeap
@@ -153,8 +154,8 @@ class ShardWorker:
     def _open_queue(self, vhost: str, name: str) -> None:
         defn = self.defs.queue(vhost, name)
         path = queue_dir(self.settings["data_dir"], vhost, name)
-        store = QueueStore(path, segment_size=int(self.settings.get("segment_size", 8 << 20)))
         args = self.defs.effective_arguments(vhost, "queue", name)
+        store = open_store(path, args, int(self.settings.get("segment_size", 8 << 20)))
         if needs_features(args):
             q = FeatureQueue(self._next_qid, vhost, name, defn, store, self, args)
         else:
