@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from broker import contract
 from broker.amqp.properties import decode_properties, encode_properties
 from shard.consumers import ChannelRef, Consumer
-from shard.deadletter import DELIVERY_LIMIT, EXPIRED, MAXLEN, REJECTED, expiration_ms
+from shard.deadletter import DELIVERY_LIMIT, EXPIRED, MAXLEN, REJECTED, expiration_ms, has_dlx_header
 from shard.queue import Queue, Send
 from shard.store import QueueStore
 from shard.timers import now_ms
@@ -295,18 +295,16 @@ class FeatureQueue(Queue):
 
     # ----------------------------------------------------------------- dead-lettering
     def _dead(self, reason: str, msg: tuple) -> None:
-        """A message that has left the queue for `reason`: to the DLX if there is one."""
-        if self.dlx is not None:
-            _id, _red, _ts, flags, exchange, routing_key, props_raw, body = msg
+        """A message that has left the queue for `reason`: to the queue's or the message's own DLX."""
+        _id, _red, _ts, flags, exchange, routing_key, props_raw, body = msg
+        if self.dlx is not None or has_dlx_header(props_raw):
             self.shard.dead_letter(self, reason, flags, exchange, routing_key, props_raw, body)
 
     def _dead_by_id(self, msg_id: int, reason: str) -> None:
-        if self.dlx is not None:
-            _ts, flags, exchange, routing_key, props_raw, body = self.store.read(msg_id)
-            self.store.ack(msg_id)
+        _ts, flags, exchange, routing_key, props_raw, body = self.store.read(msg_id)
+        self.store.ack(msg_id)
+        if self.dlx is not None or has_dlx_header(props_raw):
             self.shard.dead_letter(self, reason, flags, exchange, routing_key, props_raw, body)
-        else:
-            self.store.ack(msg_id)
 
     # ----------------------------------------------------------------- time
     def _deadline(self, ts: int, props_raw: bytes) -> int | None:
