@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 LEVEL_SHIFT = 56
 _INNER_MASK = (1 << LEVEL_SHIFT) - 1
+_LAST_INNER_MARK = ((1 << (LEVEL_SHIFT - 32)) - 2) << 32 | 0xFFFFFFFF  # a roll may still add one segment
 MAX_PRIORITY = 255
 _LEVEL_DIR = re.compile(r"^p-(\d{3})$")
 
@@ -121,6 +122,9 @@ class PriorityStore:
         store = self._levels.get(level)
         if store is None:
             store = self._add_level(level)
+        if store.mark() > _LAST_INNER_MARK:
+            # Segment numbers of this level reached 2**24 - 1: an id would run into the level bits.
+            raise OverflowError(f"priority queue {self.path}: level {level} has used all its segment numbers")
         inner = store.append(ts_ms, flags, exchange, routing_key, props_raw, body)
         self._ready += 1
         self._ready_bytes += len(body)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from pamqp import commands
 
 from shard.priority_store import LEVEL_SHIFT, PriorityStore, max_priority_of, open_store
@@ -180,3 +181,19 @@ def test_open_store_and_max_priority_of(tmp_path):
     add(p, 1, None)
     assert p.levels == [0] and drain(p) == [0, 1]  # max 0: one level, plain FIFO
     p.close()
+
+
+def test_level_segment_numbers_exhausted_is_refused_not_aliased(tmp_path):
+    s = PriorityStore(str(tmp_path), 5)
+    add(s, 0, 1)
+    s.sync()
+    s.close()
+    level = tmp_path / "p-001"
+    os.rename(level / "msgs.0000000001", level / f"msgs.{2**24 - 1:010d}")
+    r = PriorityStore(str(tmp_path), 5)
+    assert r.ready == 1
+    with pytest.raises(OverflowError):
+        add(r, 1, 1)
+    add(r, 2, 2)  # other levels go on
+    assert drain(r) == [2, 0]
+    r.close()
