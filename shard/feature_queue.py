@@ -87,7 +87,7 @@ class FeatureQueue(Queue):
         self.last_used = now_ms()
         self._expire_requested = False
         # store.mark() before the first append of this turn: TTL 0 messages may still go to a consumer.
-        self._fresh_from: int | None = None
+        self._fresh_from: Any = None  # an int for QueueStore, a dict for PriorityStore
         self._wake_at: int | None = None
         self.configure(self.arguments if arguments is None else arguments)
         if store.ready:
