@@ -301,3 +301,13 @@ def test_ttl_zero_reaches_a_waiting_consumer_or_expires(ch):
         ch.connection.process_data_events(time_limit=0.05)
     ch.basic_cancel(tag)
     assert sorted(got) == [b"hi", b"lo"]
+
+
+def test_delete_and_redeclare_starts_empty(ch):
+    q = pq(ch)
+    publish_mixed(ch, q, [1, 2, 3])
+    assert ch.queue_delete(q).method.message_count == 3
+    ch.queue_declare(q, durable=True, arguments={"x-max-priority": 10})
+    assert count(ch, q) == 0
+    pub(ch, q, b"fresh", 2)
+    assert drain(ch, q) == [b"fresh"]
