@@ -24,10 +24,23 @@ MAXLEN = "maxlen"
 DELIVERY_LIMIT = "delivery_limit"
 
 _FLAG_EXPIRATION_HI = 0x01  # expiration is bit 8 of the first flag word: bit 0 of its high byte
+_FLAG_HEADERS_HI = 0x20  # headers: bit 13 of the first flag word
+DLX_HEADER = "x-dead-letter-exchange"
+DLRK_HEADER = "x-dead-letter-routing-key"
+_DLX_HEADER_B = DLX_HEADER.encode()
 
 
 def has_expiration(props_raw: bytes) -> bool:
     return len(props_raw) >= 2 and bool(props_raw[0] & _FLAG_EXPIRATION_HI)
+
+
+def has_dlx_header(props_raw: bytes) -> bool:
+    """Whether the message may carry a per-message ``x-dead-letter-exchange`` header (LavinMQ).
+
+    A flag-bit test, then a substring search only for messages with headers; a false
+    positive (the text inside a value) costs one properties decode later, nothing more.
+    """
+    return len(props_raw) >= 2 and bool(props_raw[0] & _FLAG_HEADERS_HI) and _DLX_HEADER_B in props_raw
 
 
 def expiration_ms(props_raw: bytes) -> int | None:
@@ -51,11 +64,20 @@ def routing_keys(routing_key: str, headers: dict | None) -> list[str]:
     return keys
 
 
-def dead_letter_props(props_raw: bytes, queue: str, reason: str, exchange: str, routing_key: str,
-                      now_s: float) -> tuple[bytes, list[str], list[tuple[str, str]]]:
-    """(new props_raw, routing keys of the original publish, deaths as [(queue, reason)], newest first)."""
+def dead_letter_props(
+    props_raw: bytes, queue: str, reason: str, exchange: str, routing_key: str, now_s: float
+) -> tuple[bytes, list[str], list[tuple[str, str]], str | None, str | None]:
+    """(new props_raw, routing keys of the original publish, deaths as [(queue, reason)] newest first,
+    the message's own dead-letter exchange and routing key headers or None).
+
+    The per-message ``x-dead-letter-exchange`` / ``x-dead-letter-routing-key`` headers are
+    taken out of the dead-lettered message, as LavinMQ does (so they do not apply again
+    wherever it is routed to).
+    """
     props = decode_properties(props_raw)
     headers = dict(props.headers or {})
+    msg_dlx = _str_or_none(headers.pop(DLX_HEADER, None))
+    msg_dlrk = _str_or_none(headers.pop(DLRK_HEADER, None))
     keys = routing_keys(routing_key, headers)
     deaths = headers.get("x-death")
     deaths = list(deaths) if isinstance(deaths, list) else []
@@ -90,7 +112,7 @@ def dead_letter_props(props_raw: bytes, queue: str, reason: str, exchange: str, 
     props.headers = headers
     props.expiration = None
     pairs = [(_s(d.get("queue")), _s(d.get("reason"))) for d in deaths if isinstance(d, dict)]
-    return encode_properties(props), keys, pairs
+    return encode_properties(props), keys, pairs, msg_dlx, msg_dlrk
 
 
 def is_cycle(target_queue: str, deaths: Sequence[tuple[str, str]]) -> bool:
@@ -106,6 +128,15 @@ def is_cycle(target_queue: str, deaths: Sequence[tuple[str, str]]) -> bool:
         if queue == target_queue:
             return True
     return False
+
+
+def _str_or_none(value) -> str | None:
+    if isinstance(value, bytes):
+        try:
+            return value.decode()
+        except UnicodeDecodeError:
+            return None
+    return value if isinstance(value, str) else None
 
 
 def _s(value) -> str:

@@ -41,7 +41,7 @@ from shard import delivery_counts
 from shard.ack_timeouts import timeout_text
 from shard.consumer_order import deliver_ranked
 from shard.consumers import ChannelRef, Consumer
-from shard.deadletter import DELIVERY_LIMIT, EXPIRED, MAXLEN, REJECTED, expiration_ms
+from shard.deadletter import DELIVERY_LIMIT, EXPIRED, MAXLEN, REJECTED, expiration_ms, has_dlx_header
 from shard.dedup import QueueDedup
 from shard.queue import Queue, Send
 from shard.store import QueueStore
@@ -97,8 +97,8 @@ class FeatureQueue(Queue):
         self.delivered_at: dict[int, int] = {}  # msg_id -> delivery time (ms), oldest first
         self.last_used = now_ms()
         self._expire_requested = False
-        # Id of the first message appended in this turn: TTL 0 messages may still go to a consumer.
-        self._fresh_from: int | None = None
+        # store.mark() before the first append of this turn: TTL 0 messages may still go to a consumer.
+        self._fresh_from: Any = None  # an int for QueueStore, a dict for PriorityStore
         self._wake_at: int | None = None
         self.dedup: QueueDedup | None = None
         self.configure(self.arguments if arguments is None else arguments)
@@ -157,11 +157,11 @@ class FeatureQueue(Queue):
             if self.overflow == "reject-publish-dlx":
                 self.shard.dead_letter(self, MAXLEN, flags, exchange, routing_key, props_raw, body)
             return False
-        msg_id = store.append(ts, flags, exchange, routing_key, props_raw, body)
+        if self._fresh_from is None:
+            self._fresh_from = store.mark()
+        store.append(ts, flags, exchange, routing_key, props_raw, body)
         if dedup is not None:
             dedup.remember(seen)  # only what was enqueued: a refused message's retry may pass
-        if self._fresh_from is None:
-            self._fresh_from = msg_id
         if limited and self.overflow == "drop-head":
             self._drop_overflow()
         return True
@@ -218,7 +218,8 @@ class FeatureQueue(Queue):
                 break
             msg_id, redelivered, ts, _flags, exchange, routing_key, props_raw, body = msg
             deadline = self._deadline(ts, props_raw)
-            if deadline is not None and deadline <= now and (fresh is None or msg_id < fresh or redelivered):
+            if deadline is not None and deadline <= now and (
+                    fresh is None or redelivered or not store.after(msg_id, fresh)):
                 store.ack(msg_id)
                 returns.pop(msg_id, None)
                 self._dead(EXPIRED, msg)
@@ -329,18 +330,16 @@ class FeatureQueue(Queue):
 
     # ----------------------------------------------------------------- dead-lettering
     def _dead(self, reason: str, msg: tuple) -> None:
-        """A message that has left the queue for `reason`: to the DLX if there is one."""
-        if self.dlx is not None:
-            _id, _red, _ts, flags, exchange, routing_key, props_raw, body = msg
+        """A message that has left the queue for `reason`: to the queue's or the message's own DLX."""
+        _id, _red, _ts, flags, exchange, routing_key, props_raw, body = msg
+        if self.dlx is not None or has_dlx_header(props_raw):
             self.shard.dead_letter(self, reason, flags, exchange, routing_key, props_raw, body)
 
     def _dead_by_id(self, msg_id: int, reason: str) -> None:
-        if self.dlx is not None:
-            _ts, flags, exchange, routing_key, props_raw, body = self.store.read(msg_id)
-            self.store.ack(msg_id)
+        _ts, flags, exchange, routing_key, props_raw, body = self.store.read(msg_id)
+        self.store.ack(msg_id)
+        if self.dlx is not None or has_dlx_header(props_raw):
             self.shard.dead_letter(self, reason, flags, exchange, routing_key, props_raw, body)
-        else:
-            self.store.ack(msg_id)
 
     # ----------------------------------------------------------------- time
     def _deadline(self, ts: int, props_raw: bytes) -> int | None:
@@ -363,7 +362,7 @@ class FeatureQueue(Queue):
             deadline = self._deadline(ts, props_raw)
             if deadline is None or deadline > now:
                 return deadline
-            if fresh is not None and msg_id >= fresh and not redelivered:
+            if fresh is not None and not redelivered and store.after(msg_id, fresh):
                 return None  # arrived this turn: deliver() decides after offering it to consumers
             store.drop_head()
             self.returns.pop(msg_id, None)

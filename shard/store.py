@@ -249,6 +249,15 @@ class QueueStore:
             return False
         return seg.acked is None or pos not in seg.acked
 
+    def mark(self) -> int:
+        """A point in append order: messages appended later have ids >= it (see `after`)."""
+        wseg = self._wseg
+        return wseg.no << 32 | wseg.used
+
+    def after(self, msg_id: int, mark: int) -> bool:
+        """Whether `msg_id` was appended after `mark` was taken (PriorityStore needs more than `>=`)."""
+        return msg_id >= mark
+
     def read(self, msg_id: int) -> Record:
         """(ts_ms, flags, exchange, routing_key, props_raw, body) of a stored record; KeyError if gone."""
         seg = self._segs[msg_id >> 32]

@@ -24,9 +24,10 @@ from broker.policies import POLICY_OPS
 from broker.zmqio import BatchSocket, make_socket
 from shard.ack_timeouts import AckTimeouts
 from shard.consumers import ChannelRef, Consumer
-from shard.deadletter import dead_letter_props, has_expiration, is_cycle
+from shard.deadletter import dead_letter_props, has_dlx_header, has_expiration, is_cycle
 from shard.dedup import ExchangeDedup
 from shard.feature_queue import FeatureQueue, needs_features
+from shard.priority_store import open_store
 from shard.queue import Queue
 from shard.store import QueueStore, queue_dir
 from shard.timers import TimerHeap
@@ -164,8 +165,8 @@ class ShardWorker:
     def _open_queue(self, vhost: str, name: str) -> None:
         defn = self.defs.queue(vhost, name)
         path = queue_dir(self.settings["data_dir"], vhost, name)
-        store = QueueStore(path, segment_size=int(self.settings.get("segment_size", 8 << 20)))
         args = self.defs.effective_arguments(vhost, "queue", name)
+        store = open_store(path, args, int(self.settings.get("segment_size", 8 << 20)))
         if needs_features(args):
             q = FeatureQueue(self._next_qid, vhost, name, defn, store, self, args)
         else:
@@ -255,7 +256,12 @@ class ShardWorker:
             _, conn_id, channel, requeue, refs = item
             for i in range(0, len(refs), 2):
                 q = self.by_qid.get(refs[i])
-                if q is not None and q.nack(refs[i + 1], fe, conn_id, channel, requeue):
+                if q is None:
+                    continue
+                mid = refs[i + 1]
+                if not requeue and q.__class__ is Queue and self._carries_dlx(q, mid):
+                    q = self._upgrade(q)  # a per-message DLX header: FeatureQueue dead-letters it
+                if q.nack(mid, fe, conn_id, channel, requeue):
                     self._dirty_queues.add(q)
         elif kind == contract.CONSUME:
             self._consume(fe, item)
@@ -363,6 +369,28 @@ class ShardWorker:
                 if defn is not None:
                     self._replace_queue(q, FeatureQueue.upgrade(q, defn, self))
 
+    @staticmethod
+    def _carries_dlx(q: Queue, msg_id: int) -> bool:
+        """A plain queue's rejected message with its own x-dead-letter-exchange header (LavinMQ).
+
+        Checked here, when a rejection is the only way a plain queue can dead-letter, rather than
+        on publish: publishes pay nothing and recovered messages are covered as well.
+        """
+        if msg_id not in q.unacked:
+            return False
+        try:
+            return has_dlx_header(q.store.read(msg_id)[4])
+        except KeyError:
+            return False
+
+    def _upgrade(self, q: Queue) -> Queue:
+        defn = self.defs.queue(q.vhost, q.name)
+        if defn is None:
+            return q
+        new = FeatureQueue.upgrade(q, defn, self)
+        self._replace_queue(q, new)
+        return new
+
     def _replace_queue(self, old: Queue, new: Queue) -> None:
         self.queues[(old.vhost, old.name)] = new
         self.by_qid[old.qid] = new
@@ -396,20 +424,29 @@ class ShardWorker:
 
     def dead_letter(self, q: FeatureQueue, reason: str, flags: int, exchange: str, routing_key: str,
                     props_raw: bytes, body: bytes) -> None:
-        """Republish a message that left `q` for `reason` to its dead-letter exchange."""
+        """Republish a message that left `q` for `reason` to its dead-letter exchange.
+
+        The message's own x-dead-letter-exchange / x-dead-letter-routing-key headers win over
+        the queue's (LavinMQ); the routing key falls back to the queue's, then the original keys.
+        """
+        if q.dlx is None and not has_dlx_header(props_raw):
+            return
         try:
-            props, keys, deaths = dead_letter_props(props_raw, q.name, reason, exchange, routing_key,
-                                                    time.time())
+            props, keys, deaths, msg_dlx, msg_dlrk = dead_letter_props(
+                props_raw, q.name, reason, exchange, routing_key, time.time())
         except ValueError:
             log.warning("shard %d: cannot dead-letter a message with malformed properties from %r",
                         self.index, q.name)
             return
         vhost = q.vhost
-        dlx = q.dlx
-        rk = q.dlrk if q.dlrk is not None else routing_key
+        dlx = msg_dlx if msg_dlx is not None else q.dlx
+        if dlx is None:
+            return
+        dlrk = msg_dlrk if msg_dlrk is not None else q.dlrk
+        rk = dlrk if dlrk is not None else routing_key
         targets: dict[str, None] = {}
         route = self.defs.route
-        for key in ([q.dlrk] if q.dlrk is not None else keys):
+        for key in ([dlrk] if dlrk is not None else keys):
             targets.update(dict.fromkeys(route(vhost, dlx, key, props)))
         x = self.defs.exchange(vhost, dlx)
         if x is not None and x.dedup is not None:  # the exchange's owner shard decides, as for a publish

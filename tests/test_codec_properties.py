@@ -14,6 +14,7 @@ from broker.amqp.properties import (
     decode_properties,
     delivery_mode,
     encode_properties,
+    priority,
 )
 from tests.test_codec_strategies import headers, prop_str, properties
 
@@ -77,3 +78,22 @@ def test_garbage_raises_only_value_error(raw):
             reader(raw)
         except ValueError:
             pass
+
+
+@SETTINGS
+@given(properties)
+def test_priority_reader_agrees_with_pamqp(props):
+    raw = encode_properties(props)
+    assert priority(raw) == (props.priority or 0)
+
+
+@SETTINGS
+@given(st.one_of(st.none(), prop_str), st.one_of(st.none(), headers), st.one_of(st.none(), st.sampled_from([1, 2])),
+       st.integers(0, 255))
+def test_priority_reader_truncated_raises_value_error(content_type, hdrs, mode, prio):
+    raw = commands.Basic.Properties(content_type=content_type, headers=hdrs, delivery_mode=mode,
+                                    priority=prio).marshal()
+    assert priority(raw) == prio
+    for cut in range(2, len(raw)):
+        with pytest.raises(ValueError):
+            priority(raw[:cut])

@@ -20,6 +20,7 @@ _FLAG_CONTENT_TYPE = 0x8000
 _FLAG_CONTENT_ENCODING = 0x4000
 _FLAG_HEADERS = 0x2000
 _FLAG_DELIVERY_MODE = 0x1000
+_FLAG_PRIORITY = 0x0800
 
 
 def _skip_flags(props_raw: bytes) -> tuple[int, int]:
@@ -73,6 +74,37 @@ def delivery_mode(props_raw: bytes) -> int:
         pos += 4 + _U32.unpack_from(props_raw, pos)[0]
     if pos >= n:
         raise ValueError("delivery-mode truncated")
+    return props_raw[pos]
+
+
+def priority(props_raw: bytes) -> int:
+    """The priority octet, or 0 when the property is absent. ValueError if truncated.
+
+    Priority comes right after delivery-mode; only the variable-length fields before it
+    (content-type, content-encoding, headers) need walking, and the two shapes clients
+    send most (priority alone, or with delivery-mode) are read at a fixed offset.
+    """
+    if len(props_raw) < 2 or not props_raw[0] & 0x08:
+        return 0
+    flags = (props_raw[0] << 8) | props_raw[1]
+    if flags == _FLAG_PRIORITY | _FLAG_DELIVERY_MODE:
+        if len(props_raw) < 4:
+            raise ValueError("priority truncated")
+        return props_raw[3]
+    if flags == _FLAG_PRIORITY:
+        if len(props_raw) < 3:
+            raise ValueError("priority truncated")
+        return props_raw[2]
+    flags, pos = _skip_to_headers(props_raw)
+    n = len(props_raw)
+    if flags & _FLAG_HEADERS:
+        if pos + 4 > n:
+            raise ValueError("headers table truncated")
+        pos += 4 + _U32.unpack_from(props_raw, pos)[0]
+    if flags & _FLAG_DELIVERY_MODE:
+        pos += 1
+    if pos >= n:
+        raise ValueError("priority truncated")
     return props_raw[pos]
 
 
