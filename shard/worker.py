@@ -27,6 +27,8 @@ from shard.deadletter import dead_letter_props, has_expiration, is_cycle
 from shard.feature_queue import FeatureQueue, needs_features
 from shard.queue import Queue
 from shard.store import QueueStore, queue_dir
+from shard.stream_queue import StreamQueue, consume_error, retention_args, segment_size
+from shard.stream_store import StreamStore
 from shard.timers import TimerHeap
 
 log = logging.getLogger("shardmq.shard")
@@ -153,8 +155,14 @@ class ShardWorker:
     def _open_queue(self, vhost: str, name: str) -> None:
         defn = self.defs.queue(vhost, name)
         path = queue_dir(self.settings["data_dir"], vhost, name)
-        store = QueueStore(path, segment_size=int(self.settings.get("segment_size", 8 << 20)))
         args = self.defs.effective_arguments(vhost, "queue", name)
+        if args.get("x-queue-type") == "stream":
+            seg_size = segment_size(args, int(self.settings.get("segment_size", 8 << 20)))
+            stream = StreamStore(path, segment_size=seg_size)
+            stream.configure(*retention_args(args))
+            self._add_queue(StreamQueue(self._next_qid, vhost, name, defn, stream, self, args))
+            return
+        store = QueueStore(path, segment_size=int(self.settings.get("segment_size", 8 << 20)))
         if needs_features(args):
             q = FeatureQueue(self._next_qid, vhost, name, defn, store, self, args)
         else:
@@ -163,8 +171,11 @@ class ShardWorker:
                 head = store.peek()
                 if head is not None and has_expiration(head[6]):
                     q = FeatureQueue.upgrade(q, defn, self)  # recovered messages with a per-message TTL
+        self._add_queue(q)
+
+    def _add_queue(self, q: Queue | StreamQueue) -> None:
         self._next_qid += 1
-        self.queues[(vhost, name)] = q
+        self.queues[(q.vhost, q.name)] = q
         self.by_qid[q.qid] = q
 
     def _delete_queue(self, vhost: str, name: str) -> None:
@@ -260,6 +271,11 @@ class ShardWorker:
                 self.data.put(fe, [contract.REPLY_DATA, req_id, False,
                                    [404, f"NOT_FOUND - no queue '{name}' in vhost '{vhost}'", 60, 70]])
                 return
+            if q.__class__ is StreamQueue:
+                self.data.put(fe, [contract.REPLY_DATA, req_id, False, [
+                    540, f"NOT_IMPLEMENTED - basic.get not supported by stream queues queue '{name}' in vhost "
+                    f"'{vhost}'", 60, 70]])
+                return
             msg = q.get(self._channel(fe, conn_id, channel), bool(no_ack))
             self.data.put(fe, [contract.REPLY_DATA, req_id, True, {"message": msg}])
         elif kind == contract.QOS:
@@ -294,6 +310,11 @@ class ShardWorker:
             if q is None:
                 self.data.put(fe, [contract.REPLY_DATA, req_id, False,
                                    [404, f"NOT_FOUND - no queue '{name}' in vhost '{vhost}'", 50, 30]])
+                return
+            if q.__class__ is StreamQueue:
+                self.data.put(fe, [contract.REPLY_DATA, req_id, False, [
+                    540, f"NOT_IMPLEMENTED - queue.purge not supported by queue '{name}' in vhost '{vhost}'",
+                    50, 30]])
                 return
             self.data.put(fe, [contract.REPLY_DATA, req_id, True, {"messages": q.purge()}])
             self._dirty_queues.add(q)
@@ -454,6 +475,11 @@ class ShardWorker:
                                [403, f"ACCESS_REFUSED - queue '{name}' in vhost '{vhost}' in exclusive use",
                                 60, 20]])
             return
+        if q.__class__ is StreamQueue:
+            refusal = consume_error(q, bool(no_ack), int(prefetch or 0), arguments or {})
+            if refusal is not None:
+                self.data.put(fe, [contract.REPLY_DATA, req_id, False, refusal])
+                return
         chan = self._channel(fe, conn_id, channel)
         consumer = Consumer(chan, tag, bool(no_ack), bool(exclusive), int(prefetch or 0), arguments or {})
         q.add_consumer(consumer)
