@@ -38,6 +38,7 @@ _CRC = struct.Struct("<I")
 SMETA_SIZE = _SMETA.size + _CRC.size
 SMETA_VERSION = 1
 OFFSETS_FILE = "offsets"
+TRACK_INTERVAL_S = 1.0
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _unpack_u32 = _U32.unpack_from
@@ -137,6 +138,7 @@ class StreamStore:
         self.tracked: dict[str, int] = {}
         self._tracked_changed = False
         self._tracked_blob: bytes | None = None  # snapshot for the next sync to write
+        self._tracked_at = -TRACK_INTERVAL_S  # monotonic time of the last snapshot
         self._lock = threading.Lock()
         self._wdirty = False
         self._dir_dirty = False
@@ -170,7 +172,8 @@ class StreamStore:
 
     @property
     def dirty(self) -> bool:
-        return self._wdirty or self._dir_dirty or bool(self._sync_fds) or self._tracked_changed
+        return (self._wdirty or self._dir_dirty or bool(self._sync_fds) or self._tracked_changed
+                or self._tracked_blob is not None)
 
     # ------------------------------------------------------------ writing
     def append(self, ts_ms: int, flags: int, exchange: str, routing_key: str, props_raw: bytes,
@@ -373,12 +376,23 @@ class StreamStore:
             self._tracked_changed = True
 
     def flush_acks(self) -> None:
-        """Snapshot changed tracked offsets for the next sync (loop thread; the worker calls this per turn)."""
+        """Snapshot changed tracked offsets for the next sync (loop thread; the worker calls this per turn).
+
+        At most one snapshot per TRACK_INTERVAL_S: the offsets file is rewritten and fsynced by
+        the sync thread at that pace however fast consumers ack (close() writes the last one).
+        """
         if self._tracked_changed:
+            now = time.monotonic()
+            if now - self._tracked_at < TRACK_INTERVAL_S:
+                return
+            self._tracked_at = now
             self._tracked_changed = False
-            blob = json.dumps({"version": 1, "offsets": self.tracked}, separators=(",", ":")).encode()
+            blob = self._tracked_json()
             with self._lock:
                 self._tracked_blob = blob
+
+    def _tracked_json(self) -> bytes:
+        return json.dumps({"version": 1, "offsets": self.tracked}, separators=(",", ":")).encode()
 
     def _load_tracked(self) -> None:
         try:
@@ -443,9 +457,16 @@ class StreamStore:
                     self._close_deferred()
 
     def close(self) -> None:
-        """Release maps and fds. Does not sync."""
+        """Release maps and fds. Does not sync the log, but writes tracked offsets not yet written."""
         if self._closed:
             return
+        if self._tracked_changed or self._tracked_blob is not None:
+            try:
+                self._write_tracked(self._tracked_json())
+            except OSError:
+                log.warning("stream %s: tracked offsets not saved", self.path, exc_info=True)
+            self._tracked_changed = False
+            self._tracked_blob = None
         for seg in self._segs:
             seg.close_map()
         with self._lock:
@@ -458,6 +479,8 @@ class StreamStore:
         self._cursors.clear()
 
     def delete(self) -> None:
+        self._tracked_changed = False
+        self._tracked_blob = None
         self.close()
         shutil.rmtree(self.path, ignore_errors=True)
 
