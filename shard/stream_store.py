@@ -204,17 +204,18 @@ class StreamStore:
         if old.count == 0:
             old.regrow(size)  # nothing in it yet: make it big enough
             return old
+        # Create first: if that fails (no space, no fds) the store is unchanged and can go on.
         new = self._create(old.no + 1, old.first + old.count, size)
-        with self._lock:
+        with self._lock:  # sync() reads the write segment's fd under this lock
             os.ftruncate(old.fd, old.used)
             old.sealed = True
             self._sync_fds.append(old.fd)
             self._sync_fds.append(old.write_smeta())
             old.fd = -1
+            self._segs.append(new)
+            self._firsts.append(new.first)
             self._wdirty = True
             self._dir_dirty = True
-        self._segs.append(new)
-        self._firsts.append(new.first)
         if not self._in_use(old):
             old.close_map()
         self.enforce_retention()

@@ -190,3 +190,55 @@ def test_garbage_files_never_prevent_open(tmp_path):
     assert s.tracked == {}
     assert not os.path.exists(tmp_path / "smeta.0000000123")
     s.close()
+
+
+def test_readers_map_only_the_segments_they_are_in(tmp_path):
+    s = StreamStore(str(tmp_path), segment_size=SEG)
+    fill(s, 1500)
+    segs = s._segs
+    assert len(segs) > 150
+    mapped = lambda: sum(1 for seg in segs if seg.mm is not None)  # noqa: E731
+    assert mapped() == 1  # only the write segment
+    a, b = s.cursor("first"), s.cursor("offset", 700)
+    most = 0
+    while s.read(a) is not None:
+        s.read(b)
+        most = max(most, mapped())
+    assert most <= 3  # a's segment, b's segment, the write segment
+    s.release(a)
+    s.release(b)
+    assert mapped() == 1
+    s.close()
+
+
+def test_record_bigger_than_a_segment_and_sync_while_appending(tmp_path):
+    import threading
+
+    s = StreamStore(str(tmp_path), segment_size=SEG)
+    s.append(1, 1, "", "", PROPS, b"a")
+    s.append(2, 1, "", "", PROPS, b"b" * 3000)
+    s.append(3, 1, "", "", PROPS, b"c")
+    assert [(o, len(b)) for o, b in read_all(s)] == [(0, 1), (1, 3000), (2, 1)]
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def syncer():
+        while not stop.is_set():
+            try:
+                s.sync()
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+    t = threading.Thread(target=syncer)
+    t.start()
+    try:
+        fill(s, 3000, start=3)
+    finally:
+        stop.set()
+        t.join()
+    assert errors == []
+    s.sync()
+    s.close()
+    s = StreamStore(str(tmp_path), segment_size=SEG)
+    assert s.next_offset == 3003
+    s.close()
