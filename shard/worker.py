@@ -160,7 +160,10 @@ class ShardWorker:
             seg_size = segment_size(args, int(self.settings.get("segment_size", 8 << 20)))
             stream = StreamStore(path, segment_size=seg_size)
             stream.configure(*retention_args(args))
-            self._add_queue(StreamQueue(self._next_qid, vhost, name, defn, stream, self, args))
+            sq = StreamQueue(self._next_qid, vhost, name, defn, stream, self, args)
+            self._next_qid += 1
+            self.queues[(vhost, name)] = sq
+            self.by_qid[sq.qid] = sq
             return
         store = QueueStore(path, segment_size=int(self.settings.get("segment_size", 8 << 20)))
         if needs_features(args):
@@ -171,11 +174,8 @@ class ShardWorker:
                 head = store.peek()
                 if head is not None and has_expiration(head[6]):
                     q = FeatureQueue.upgrade(q, defn, self)  # recovered messages with a per-message TTL
-        self._add_queue(q)
-
-    def _add_queue(self, q: Queue | StreamQueue) -> None:
         self._next_qid += 1
-        self.queues[(q.vhost, q.name)] = q
+        self.queues[(vhost, name)] = q
         self.by_qid[q.qid] = q
 
     def _delete_queue(self, vhost: str, name: str) -> None:
