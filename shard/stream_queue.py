@@ -186,6 +186,7 @@ class StreamQueue:
     __slots__ = (
         "qid", "vhost", "name", "durable", "auto_delete", "arguments", "store", "consumers", "unacked",
         "had_consumers", "exclusive_consumer", "deleted", "shard", "readers", "_next_id", "_track_dirty",
+        "_age_wake",
     )
 
     def __init__(self, qid: int, vhost: str, name: str, defn: Any, store: StreamStore, shard: ShardWorker,
@@ -207,11 +208,30 @@ class StreamQueue:
         self.deleted = False
         self._next_id = 1
         self._track_dirty: set[Reader] = set()
+        self._age_wake: int | None = None
+        self._age_check()
 
     def configure(self, arguments: dict) -> None:
         """Effective arguments changed (a policy): new retention limits."""
         self.arguments = dict(arguments)
         self.store.configure(*retention_args(arguments))
+        self._age_check()
+
+    def _age_check(self) -> None:
+        """Apply max-age now and keep a timer for the next segment to age out, so idle streams shrink too."""
+        store = self.store
+        if store.max_age_s is None:
+            return
+        store.enforce_retention()
+        when = store.age_deadline()
+        if when is not None and (self._age_wake is None or when < self._age_wake):
+            self._age_wake = when
+            self.shard.timers.schedule(when, self._age_fired)
+
+    def _age_fired(self) -> None:
+        self._age_wake = None
+        if not self.deleted:
+            self._age_check()
 
     # ----------------------------------------------------------------- consumers
     def add_consumer(self, consumer: Consumer) -> None:
@@ -265,7 +285,7 @@ class StreamQueue:
                 store.track(reader.tag, reader.resume_at())
             self._track_dirty.clear()
         if store.max_age_s is not None:
-            store.enforce_retention()
+            self._age_check()
         read = store.read
         unacked = self.unacked
         qid = self.qid

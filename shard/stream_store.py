@@ -256,6 +256,12 @@ class StreamStore:
             dropped += 1
         return dropped
 
+    def age_deadline(self) -> int | None:
+        """Wall-clock ms at which max-age next removes a segment (None: nothing can go)."""
+        if self.max_age_s is None or len(self._segs) < 2:
+            return None
+        return self._segs[0].last_ts + self.max_age_s * 1000 + 1
+
     def _drop_first(self) -> None:
         seg = self._segs.pop(0)
         self._firsts.pop(0)
