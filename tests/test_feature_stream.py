@@ -391,3 +391,24 @@ def test_confirmed_messages_and_tracked_offsets_survive_kill9(node):
     assert read(conn, q, 12, {"x-stream-offset": "first"}) == [(i, f"m{i}".encode()) for i in range(12)]
     assert [o for o, _ in read(conn, q, 1, track, tag="crash-reader", prefetch=1)] == [4]
     conn.close()
+
+
+def test_offset_header_keeps_other_properties_and_replaces_a_published_one(conn, ch):
+    q = uid("s")
+    declare(ch, q)
+    ch.basic_publish("", q, b"p0", pika.BasicProperties(content_type="text/plain", correlation_id="c-1"))
+    ch.basic_publish("", q, b"p1", pika.BasicProperties(
+        content_type="application/json", headers={"x-stream-offset": "forged", "k": "v"}, priority=3))
+    sub = conn.channel()
+    sub.basic_qos(prefetch_count=5)
+    got = []
+    sub.basic_consume(q, lambda c, m, p, b: got.append(p), arguments={"x-stream-offset": "first"})
+    deadline = time.monotonic() + WAIT
+    while len(got) < 2:
+        assert time.monotonic() < deadline
+        conn.process_data_events(time_limit=0.05)
+    assert (got[0].content_type, got[0].correlation_id, got[0].headers) == ("text/plain", "c-1",
+                                                                            {"x-stream-offset": 0})
+    assert (got[1].content_type, got[1].priority, got[1].headers) == ("application/json", 3,
+                                                                       {"k": "v", "x-stream-offset": 1})
+    sub.close()
