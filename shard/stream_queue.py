@@ -347,14 +347,23 @@ class StreamQueue:
         return self._settle(msg_id, fe, conn_id, channel)  # nothing leaves or re-enters a stream
 
     def requeue_owned(self, match: Callable[[Consumer | ChannelRef], bool]) -> int:
-        """Channel/connection gone or basic.recover: their deliveries stop counting against prefetch."""
+        """Channel/connection gone or basic.recover: their deliveries stop counting against prefetch.
+
+        A consumer still attached (basic.recover) reads again from its oldest released
+        delivery; a gone consumer's reader was already dropped by remove_consumer.
+        """
         gone = [did for did, owner in self.unacked.items() if match(owner)]
+        rewind: dict[Reader, int] = {}
         for did in gone:
             owner = self.unacked.pop(did)
             owner.settle()
             reader = self.readers.get(owner)  # type: ignore[arg-type]
             if reader is not None:
-                reader.pending.pop(did, None)
+                offset = reader.pending.pop(did, None)
+                if offset is not None and offset < rewind.get(reader, offset + 1):
+                    rewind[reader] = offset
+        for reader, offset in rewind.items():
+            self.store.seek(reader.cursor, offset)
         return len(gone)
 
     def purge(self) -> int:

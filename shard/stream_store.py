@@ -299,6 +299,15 @@ class StreamStore:
         self._cursors.add(c)
         return c
 
+    def seek(self, c: Cursor, offset: int) -> None:
+        """Move an existing reader to `offset` (clamped to the retained range)."""
+        if offset >= self.next_offset:
+            w = self._segs[-1]
+            self._place(c, w, w.used, self.next_offset)
+        else:
+            at = self._at_offset(max(offset, self.first_offset))
+            self._place(c, at.seg, at.pos, at.offset)
+
     def release(self, c: Cursor) -> None:
         self._cursors.discard(c)
         seg = c.seg

@@ -412,3 +412,27 @@ def test_offset_header_keeps_other_properties_and_replaces_a_published_one(conn,
     assert (got[1].content_type, got[1].priority, got[1].headers) == ("application/json", 3,
                                                                        {"k": "v", "x-stream-offset": 1})
     sub.close()
+
+
+def test_basic_recover_reads_unacked_deliveries_again(conn, ch):
+    q = uid("s")
+    declare(ch, q)
+    publish(ch, q, bodies(6))
+    sub = conn.channel()
+    sub.basic_qos(prefetch_count=3)
+    got = []
+    sub.basic_consume(q, lambda c, m, p, b: got.append((p.headers["x-stream-offset"], m.delivery_tag)),
+                      arguments={"x-stream-offset": "first"})
+    deadline = time.monotonic() + WAIT
+    while len(got) < 3:
+        assert time.monotonic() < deadline
+        conn.process_data_events(time_limit=0.05)
+    sub.basic_ack(got[0][1])  # offset 0 done; 1 and 2 are still unacked
+    conn.process_data_events(time_limit=0.1)
+    assert [o for o, _ in got] == [0, 1, 2, 3]
+    sub.basic_recover(requeue=True)
+    while len(got) < 7:
+        assert time.monotonic() < deadline, got
+        conn.process_data_events(time_limit=0.05)
+    assert [o for o, _ in got] == [0, 1, 2, 3, 1, 2, 3]
+    sub.close()
