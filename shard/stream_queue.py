@@ -91,7 +91,8 @@ def _parse_filters(value: Any) -> frozenset[str] | None:
         values = value
     else:
         raise ValueError("x-stream-filter must be a string or an array of strings")
-    return frozenset(v.strip() for v in values if v.strip())
+    filters = frozenset(v.strip() for v in values if v.strip())
+    return filters or None  # an empty filter filters nothing
 
 
 def _tracking_flag(value: Any) -> bool:
