@@ -62,6 +62,7 @@ from broker.policies import (
     best_match,
     effective_exchange_arguments,
     effective_queue_arguments,
+    max_age_seconds,
     merge_operator,
     policy_attrs,
 )
@@ -310,17 +311,42 @@ def _check_queue_args(name: str, vhost: str, args: dict, durable: bool = True, e
     if dedup_err is not None:
         fail(*dedup_err)
     qtype = args.get("x-queue-type", "classic")
-    if qtype == "stream":
-        fail("x-queue-type", "stream queues are not supported yet")
-    if qtype not in ("classic", "quorum"):
+    if qtype not in ("classic", "quorum", "stream"):
         fail("x-queue-type", f"unsupported queue type '{_val(qtype)}'")
-    if qtype == "quorum":
+    if qtype == "stream":
+        _check_stream_args(name, vhost, args, fail)
+    if qtype in ("quorum", "stream"):
         # A quorum queue here is a durable classic queue with delivery counting (shard/feature_queue.py);
-        # the properties RabbitMQ refuses for quorum queues are refused the same way.
+        # the properties RabbitMQ refuses for quorum and stream queues are refused the same way.
         for prop, bad in (("exclusive-owner", exclusive), ("auto-delete", auto_delete), ("non-durable", not durable)):
             if bad:
                 raise _channel(PRECONDITION_FAILED, f"invalid property '{prop}' for {_rs('queue', name, vhost)}",
                                QUEUE_DECLARE)
+
+
+# Arguments RabbitMQ refuses on a stream ("invalid arg ... of queue type rabbit_stream_queue").
+_NOT_FOR_STREAMS = ("x-message-ttl", "x-expires", "x-dead-letter-exchange", "x-dead-letter-routing-key",
+                    "x-max-priority", "x-overflow", "x-delivery-limit", "x-single-active-consumer",
+                    "x-consumer-timeout")
+
+
+def _check_stream_args(name: str, vhost: str, args: dict, fail: Any) -> None:
+    for key in _NOT_FOR_STREAMS:
+        if key in args:
+            raise _channel(PRECONDITION_FAILED, f"invalid arg '{key}' for {_rs('queue', name, vhost)} of queue "
+                           "type rabbit_stream_queue", QUEUE_DECLARE)
+    if "x-max-age" in args:
+        try:
+            max_age_seconds(args["x-max-age"])
+        except ValueError:
+            fail("x-max-age", f"{{invalid_max_age,{_val(args['x-max-age'])}}}")
+    key = "x-stream-max-segment-size-bytes"
+    if key in args:
+        v = args[key]
+        if not _is_int(v):
+            fail(key, '{unacceptable_type,"expected integer"}')
+        if v <= 0:
+            fail(key, f"{{value_not_positive,{v}}}")
 
 
 _decode_headers = None

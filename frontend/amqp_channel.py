@@ -47,7 +47,7 @@ from frontend.publish_extras import (
     with_reply_to,
     with_timestamp,
 )
-from frontend.replies import error_from_reply, plain
+from frontend.replies import consume_arguments, error_from_reply, plain
 
 if TYPE_CHECKING:
     from frontend.amqp_connection import AMQPConnection
@@ -623,7 +623,7 @@ class Channel:
         self.consumers[tag] = consumer
         nowait = method.nowait
         item_tail = [conn.conn_id, self.number, conn.vhost, name, tag, bool(method.no_ack),
-                     bool(method.exclusive), self.prefetch_count, plain(method.arguments or {})]
+                     bool(method.exclusive), self.prefetch_count, consume_arguments(method.arguments or {})]
 
         def ok(_result: dict) -> None:
             if self.consumers.get(tag) is not consumer:

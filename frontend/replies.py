@@ -42,3 +42,16 @@ def plain(value: Any) -> Any:
     if isinstance(value, datetime.datetime):
         return int(value.timestamp())
     return value
+
+
+def consume_arguments(arguments: dict) -> dict:
+    """basic.consume arguments for the shard: plain(), but an `x-stream-offset` timestamp is tagged.
+
+    plain() turns a timestamp into epoch seconds, which a stream could not tell from a
+    numeric offset; the shard reads {"timestamp": seconds} (shard/stream_queue.py).
+    """
+    args = plain(arguments)
+    offset = arguments.get("x-stream-offset")
+    if isinstance(offset, datetime.datetime):
+        args["x-stream-offset"] = {"timestamp": int(offset.timestamp())}
+    return args

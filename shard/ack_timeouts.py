@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from broker import contract
+from shard.stream_queue import StreamQueue
 from shard.timers import now_ms
 
 if TYPE_CHECKING:
@@ -92,8 +93,8 @@ class AckTimeouts:
         closed: set[tuple[bytes, int, int]] = set()
         for q in shard.queues.values():
             unacked = q.unacked
-            if not unacked or q.deleted:
-                continue
+            if not unacked or q.deleted or q.__class__ is StreamQueue:
+                continue  # stream deliveries are never requeued; RabbitMQ has no consumer timeout there
             # The queue's own consumer timeout is timed by FeatureQueue; only consumer arguments here.
             queue_default = None if getattr(q, "consumer_timeout", None) is not None else default
             old = old_ages.get(q.qid)

@@ -30,6 +30,8 @@ from shard.feature_queue import FeatureQueue, needs_features
 from shard.priority_store import open_store
 from shard.queue import Queue
 from shard.store import QueueStore, queue_dir
+from shard.stream_queue import StreamQueue, consume_error, retention_args, segment_size
+from shard.stream_store import StreamStore
 from shard.timers import TimerHeap
 
 log = logging.getLogger("shardmq.shard")
@@ -166,6 +168,15 @@ class ShardWorker:
         defn = self.defs.queue(vhost, name)
         path = queue_dir(self.settings["data_dir"], vhost, name)
         args = self.defs.effective_arguments(vhost, "queue", name)
+        if args.get("x-queue-type") == "stream":
+            seg_size = segment_size(args, int(self.settings.get("segment_size", 8 << 20)))
+            stream = StreamStore(path, segment_size=seg_size)
+            stream.configure(*retention_args(args))
+            sq = StreamQueue(self._next_qid, vhost, name, defn, stream, self, args)
+            self._next_qid += 1
+            self.queues[(vhost, name)] = sq
+            self.by_qid[sq.qid] = sq
+            return
         store = open_store(path, args, int(self.settings.get("segment_size", 8 << 20)))
         if needs_features(args):
             q = FeatureQueue(self._next_qid, vhost, name, defn, store, self, args)
@@ -280,6 +291,11 @@ class ShardWorker:
                 self.data.put(fe, [contract.REPLY_DATA, req_id, False,
                                    [404, f"NOT_FOUND - no queue '{name}' in vhost '{vhost}'", 60, 70]])
                 return
+            if q.__class__ is StreamQueue:
+                self.data.put(fe, [contract.REPLY_DATA, req_id, False, [
+                    540, f"NOT_IMPLEMENTED - basic.get not supported by stream queues queue '{name}' in vhost "
+                    f"'{vhost}'", 60, 70]])
+                return
             msg = q.get(self._channel(fe, conn_id, channel), bool(no_ack))
             self.data.put(fe, [contract.REPLY_DATA, req_id, True, {"message": msg}])
         elif kind == contract.QOS:
@@ -307,7 +323,7 @@ class ShardWorker:
                 self.data.put(fe, [contract.REPLY_DATA, req_id, False,
                                    [404, f"NOT_FOUND - no queue '{name}' in vhost '{vhost}'", 50, 10]])
             else:
-                if q.__class__ is not Queue:
+                if isinstance(q, FeatureQueue):
                     q.renew_lease()  # a (re)declare counts as use for x-expires, as in RabbitMQ
                 self.data.put(fe, [contract.REPLY_DATA, req_id, True, q.info()])
         elif kind == contract.PURGE:
@@ -316,6 +332,11 @@ class ShardWorker:
             if q is None:
                 self.data.put(fe, [contract.REPLY_DATA, req_id, False,
                                    [404, f"NOT_FOUND - no queue '{name}' in vhost '{vhost}'", 50, 30]])
+                return
+            if q.__class__ is StreamQueue:
+                self.data.put(fe, [contract.REPLY_DATA, req_id, False, [
+                    540, f"NOT_IMPLEMENTED - queue.purge not supported by queue '{name}' in vhost '{vhost}'",
+                    50, 30]])
                 return
             self.data.put(fe, [contract.REPLY_DATA, req_id, True, {"messages": q.purge()}])
             self._dirty_queues.add(q)
@@ -515,6 +536,11 @@ class ShardWorker:
                                [403, f"ACCESS_REFUSED - queue '{name}' in vhost '{vhost}' in exclusive use",
                                 60, 20]])
             return
+        if q.__class__ is StreamQueue:
+            refusal = consume_error(q, bool(no_ack), int(prefetch or 0), arguments or {})
+            if refusal is not None:
+                self.data.put(fe, [contract.REPLY_DATA, req_id, False, refusal])
+                return
         chan = self._channel(fe, conn_id, channel)
         consumer = Consumer(chan, tag, bool(no_ack), bool(exclusive), int(prefetch or 0), arguments or {})
         q.add_consumer(consumer)
@@ -678,7 +704,7 @@ class ShardWorker:
             for q in self.queues.values():
                 if q.store.dirty:
                     self._sync_stores.add(q.store)
-                if q.__class__ is not Queue and q.count_returns:
+                if isinstance(q, FeatureQueue) and q.count_returns:
                     q.save_returns()
             self._start_sync()
             self.loop.call_later(_PERIODIC_SYNC_S, self._periodic_sync)
@@ -690,7 +716,7 @@ class ShardWorker:
         self._stopping = True
         self.data.flush()
         for q in self.queues.values():
-            if q.__class__ is not Queue and q.count_returns:
+            if isinstance(q, FeatureQueue) and q.count_returns:
                 q.save_returns()
         stores = [q.store for q in self.queues.values()]
         for store in stores:

@@ -112,7 +112,7 @@ def test_consumer_timeout_spares_a_consumer_that_acks(shared_node):
 
 
 @pytest.mark.parametrize("qtype, kwargs, text", [
-    ("stream", {"durable": True}, "invalid arg 'x-queue-type' for queue '{q}' in vhost '/': stream queues"),
+    ("stream", {"durable": False}, "invalid property 'non-durable' for queue '{q}' in vhost '/'"),
     ("fancy", {"durable": True}, "invalid arg 'x-queue-type' for queue '{q}' in vhost '/': unsupported queue type"),
     ("quorum", {"durable": False}, "invalid property 'non-durable' for queue '{q}' in vhost '/'"),
     ("quorum", {"durable": True, "exclusive": True}, "invalid property 'exclusive-owner' for queue '{q}'"),

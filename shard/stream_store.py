@@ -1,0 +1,637 @@
+"""Durable storage of one stream queue: an append-only log of mmap'd segments read by many cursors.
+
+Unlike `shard.store.QueueStore` nothing is ever acked away: a message stays until
+retention removes its whole segment (oldest first). Every message has an offset
+(0, 1, 2, ... in append order) that never changes; each segment records the
+offset of its first message in a small `smeta` file so numbering survives
+retention and restarts. Readers are `Cursor`s (segment, position, offset), one
+per consumer, over the shared segment files: nothing is copied per consumer and
+memory depends on the number of segments and cursors, not on the stream length.
+
+Segment files (`msgs.N`) and records are exactly those of QueueStore
+(`shard.segment.Segment`, `shard.record`); see docs/storage.md for the `smeta`
+and `offsets` files.
+
+Threading is QueueStore's: everything on the loop thread except `sync()`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import os
+import shutil
+import struct
+import threading
+import time
+import zlib
+
+from shard import record
+from shard.segment import DATA_START, FORMAT_VERSION, VERSION_HEADER, Segment
+
+log = logging.getLogger(__name__)
+
+# smeta: version, sealed, first offset, count, used, first ts, last ts, body bytes | crc32 of those
+_SMETA = struct.Struct("<IIQQQQQQ")
+_CRC = struct.Struct("<I")
+SMETA_SIZE = _SMETA.size + _CRC.size
+SMETA_VERSION = 1
+OFFSETS_FILE = "offsets"
+TRACK_INTERVAL_S = 1.0
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_unpack_u32 = _U32.unpack_from
+_unpack_u64 = _U64.unpack_from
+_HEADER_SIZE = record.HEADER_SIZE
+_read_record = record.read
+
+# (offset, ts_ms, flags, exchange, routing_key, props_raw, body)
+StreamMessage = tuple[int, int, int, str, str, bytes, bytes]
+
+
+def _name(kind: str, no: int) -> str:
+    return f"{kind}.{no:010d}"
+
+
+def _parse(name: str) -> tuple[str, int] | None:
+    kind, dot, num = name.partition(".")
+    if dot and kind in ("msgs", "smeta") and len(num) == 10 and num.isdigit():
+        return kind, int(num)
+    return None
+
+
+class StreamSegment(Segment):
+    """A Segment plus what a stream needs: its first offset and the timestamps of its ends."""
+
+    __slots__ = ("first", "first_ts", "last_ts", "dropped")
+
+    def __init__(self, dir_path: str, no: int) -> None:
+        super().__init__(dir_path, no)
+        self.first = 0
+        self.first_ts = 0
+        self.last_ts = 0
+        self.dropped = False
+
+    def smeta(self) -> bytes:
+        fields = _SMETA.pack(SMETA_VERSION, int(self.sealed), self.first, self.count, self.used,
+                             self.first_ts, self.last_ts, self.body_bytes)
+        return fields + _CRC.pack(zlib.crc32(fields))
+
+    def write_smeta(self) -> int:
+        """Write the smeta file (unsynced); returns its fd for the next sync to fsync and close."""
+        fd = os.open(self.path("smeta"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        os.write(fd, self.smeta())
+        return fd
+
+    def read_smeta(self) -> tuple | None:
+        """(sealed, first, count, used, first_ts, last_ts, body_bytes), None unless valid."""
+        try:
+            with open(self.path("smeta"), "rb") as f:
+                data = f.read(SMETA_SIZE + 1)
+        except OSError:
+            return None
+        if len(data) != SMETA_SIZE:
+            return None
+        fields = data[:_SMETA.size]
+        if _CRC.unpack_from(data, _SMETA.size)[0] != zlib.crc32(fields):
+            return None
+        version, *rest = _SMETA.unpack(fields)
+        return tuple(rest) if version == SMETA_VERSION else None
+
+    def unlink_all(self) -> None:
+        for kind in ("msgs", "smeta"):
+            try:
+                os.unlink(self.path(kind))
+            except FileNotFoundError:
+                pass
+
+
+class Cursor:
+    """Where one reader is: the segment, the byte position and the offset of the next record."""
+
+    __slots__ = ("seg", "pos", "offset")
+
+    def __init__(self, seg: StreamSegment, pos: int, offset: int) -> None:
+        self.seg = seg
+        self.pos = pos
+        self.offset = offset
+
+
+class StreamStore:
+    """The log of one stream queue. See the module docstring and docs/storage.md."""
+
+    def __init__(self, path: str, *, segment_size: int = 8 << 20, max_length: int | None = None,
+                 max_bytes: int | None = None, max_age_s: int | None = None) -> None:
+        self.path = path
+        self._segment_size = max(int(segment_size), DATA_START + record.MIN_RECORD)
+        self.max_length = max_length
+        self.max_bytes = max_bytes
+        self.max_age_s = max_age_s
+        self._segs: list[StreamSegment] = []  # oldest first; the last one is the write segment
+        self._firsts: list[int] = []  # first offsets of _segs, for bisect
+        self.count = 0  # messages retained
+        self.bytes = 0  # bytes of retained segment files (what x-max-length-bytes limits)
+        self._cursors: set[Cursor] = set()
+        self._closed = False
+        # tracked consumer offsets: consumer tag -> next offset to deliver
+        self.tracked: dict[str, int] = {}
+        self._tracked_changed = False
+        self._tracked_blob: bytes | None = None  # snapshot for the next sync to write
+        self._tracked_at = -TRACK_INTERVAL_S  # monotonic time of the last snapshot
+        self._lock = threading.Lock()
+        self._wdirty = False
+        self._dir_dirty = False
+        self._sync_fds: list[int] = []
+        self._syncing = 0
+        self._deferred_close: list[int] = []
+        os.makedirs(path, exist_ok=True)
+        self._dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._recover()
+        self._load_tracked()
+        self.enforce_retention()
+
+    # ------------------------------------------------------------ counters
+    @property
+    def ready(self) -> int:
+        """Always 0: nothing waits to be taken off a stream (consumers read at their own cursors).
+
+        The shard's delivery accounting and publisher pacing use `ready`; a stream is not
+        a backlog to pace publishers by, as in RabbitMQ.
+        """
+        return 0
+
+    @property
+    def first_offset(self) -> int:
+        return self._segs[0].first
+
+    @property
+    def next_offset(self) -> int:
+        w = self._segs[-1]
+        return w.first + w.count
+
+    @property
+    def dirty(self) -> bool:
+        return (self._wdirty or self._dir_dirty or bool(self._sync_fds) or self._tracked_changed
+                or self._tracked_blob is not None)
+
+    # ------------------------------------------------------------ writing
+    def append(self, ts_ms: int, flags: int, exchange: str, routing_key: str, props_raw: bytes,
+               body: bytes) -> int:
+        """Append a message; returns its offset."""
+        payload = record.encode_payload(ts_ms, flags, exchange.encode(), routing_key.encode(), props_raw, body)
+        total = _HEADER_SIZE + len(payload)
+        seg = self._segs[-1]
+        pos = seg.used
+        if pos + total > seg.size:
+            seg = self._roll(total)
+            pos = seg.used
+        record.write(seg.mm, pos, payload)
+        seg.used = pos + total
+        if not seg.count:
+            seg.first_ts = ts_ms
+        seg.last_ts = ts_ms
+        seg.count += 1
+        seg.body_bytes += len(body)
+        self.count += 1
+        self.bytes += total
+        self._wdirty = True
+        return seg.first + seg.count - 1
+
+    def _roll(self, total: int) -> StreamSegment:
+        old = self._segs[-1]
+        size = max(self._segment_size, DATA_START + total)
+        if old.count == 0:
+            old.regrow(size)  # nothing in it yet: make it big enough
+            return old
+        # Create first: if that fails (no space, no fds) the store is unchanged and can go on.
+        new = self._create(old.no + 1, old.first + old.count, size)
+        with self._lock:  # sync() reads the write segment's fd under this lock
+            os.ftruncate(old.fd, old.used)
+            old.sealed = True
+            self._sync_fds.append(old.fd)
+            self._sync_fds.append(old.write_smeta())
+            old.fd = -1
+            self._segs.append(new)
+            self._firsts.append(new.first)
+            self._wdirty = True
+            self._dir_dirty = True
+        if not self._in_use(old):
+            old.close_map()
+        self.enforce_retention()
+        return new
+
+    def _create(self, no: int, first: int, size: int) -> StreamSegment:
+        seg = StreamSegment(self.path, no)
+        base = Segment.create(self.path, no, size)
+        seg.fd, seg.mm, seg.size = base.fd, base.mm, base.size
+        seg.first = first
+        with self._lock:
+            self._sync_fds.append(seg.write_smeta())  # the first offset must survive retention
+            self._dir_dirty = True
+        return seg
+
+    # ------------------------------------------------------------ retention
+    def configure(self, max_length: int | None, max_bytes: int | None, max_age_s: int | None) -> None:
+        self.max_length, self.max_bytes, self.max_age_s = max_length, max_bytes, max_age_s
+        self.enforce_retention()
+
+    def enforce_retention(self, now_ms: int | None = None) -> int:
+        """Remove whole sealed segments, oldest first, while a limit is exceeded; returns how many."""
+        segs = self._segs
+        max_length, max_bytes, max_age = self.max_length, self.max_bytes, self.max_age_s
+        if max_length is None and max_bytes is None and max_age is None:
+            return 0
+        cutoff = -1
+        if max_age is not None:
+            cutoff = (now_ms if now_ms is not None else int(time.time() * 1000)) - max_age * 1000
+        dropped = 0
+        while len(segs) > 1:
+            s = segs[0]
+            if not ((max_length is not None and self.count > max_length)
+                    or (max_bytes is not None and self.bytes > max_bytes)
+                    or s.last_ts < cutoff):
+                break
+            self._drop_first()
+            dropped += 1
+        return dropped
+
+    def age_deadline(self) -> int | None:
+        """Wall-clock ms at which max-age next removes a segment (None: nothing can go)."""
+        if self.max_age_s is None or len(self._segs) < 2:
+            return None
+        return self._segs[0].last_ts + self.max_age_s * 1000 + 1
+
+    def _drop_first(self) -> None:
+        seg = self._segs.pop(0)
+        self._firsts.pop(0)
+        nxt = self._segs[0]
+        seg.dropped = True
+        self.count -= seg.count
+        self.bytes -= seg.used - DATA_START
+        for c in self._cursors:
+            if c.seg is seg:  # a reader behind retention continues at the oldest retained message
+                self._place(c, nxt, DATA_START, nxt.first)
+        seg.close_map()
+        with self._lock:
+            if seg.fd >= 0:
+                self._release([seg.fd])
+                seg.fd = -1
+            self._dir_dirty = True
+        seg.unlink_all()
+
+    # ------------------------------------------------------------ reading
+    def cursor(self, kind: str, value: int = 0) -> Cursor:
+        """A new reader at "first", "last", "next", "offset" (value) or "timestamp" (value, ms)."""
+        segs = self._segs
+        w = segs[-1]
+        if kind == "first":
+            c = Cursor(segs[0], DATA_START, segs[0].first)
+        elif kind == "last" and self.count:
+            c = self._at_offset(self.next_offset - 1)
+        elif kind == "offset" and value < self.next_offset:
+            c = self._at_offset(max(value, self.first_offset))
+        elif kind == "timestamp":
+            c = self._at_time(value)
+        else:
+            c = Cursor(w, w.used, self.next_offset)
+        self._map(c.seg)
+        self._cursors.add(c)
+        return c
+
+    def seek(self, c: Cursor, offset: int) -> None:
+        """Move an existing reader to `offset` (clamped to the retained range)."""
+        if offset >= self.next_offset:
+            w = self._segs[-1]
+            self._place(c, w, w.used, self.next_offset)
+        else:
+            at = self._at_offset(max(offset, self.first_offset))
+            self._place(c, at.seg, at.pos, at.offset)
+
+    def release(self, c: Cursor) -> None:
+        self._cursors.discard(c)
+        seg = c.seg
+        if seg.sealed and not self._in_use(seg):
+            seg.close_map()
+
+    def read(self, c: Cursor) -> StreamMessage | None:
+        """The message at the cursor (the cursor moves past it), None at the end of the log."""
+        seg = c.seg
+        while c.pos >= seg.used:
+            if not seg.sealed and not seg.dropped:
+                return None
+            nxt = self._after(seg)
+            if nxt is None:
+                return None
+            self._place(c, nxt, DATA_START, nxt.first)
+            seg = nxt
+        ts, flags, ex, rk, props, body, nxt_pos = _read_record(seg.mm, c.pos)
+        offset = c.offset
+        c.pos = nxt_pos
+        c.offset = offset + 1
+        return offset, ts, flags, ex, rk, props, body
+
+    def _after(self, seg: StreamSegment) -> StreamSegment | None:
+        segs = self._segs
+        if seg.dropped:
+            return segs[0]
+        n = len(segs)
+        for j in range(bisect.bisect_left(self._firsts, seg.first), n):
+            if segs[j] is seg:
+                return segs[j + 1] if j + 1 < n else None
+        return None
+
+    def _place(self, c: Cursor, seg: StreamSegment, pos: int, offset: int) -> None:
+        old = c.seg
+        c.seg, c.pos, c.offset = seg, pos, offset
+        if old is not seg:
+            self._map(seg)
+            if old.sealed and not self._in_use(old):
+                old.close_map()
+
+    def _in_use(self, seg: StreamSegment) -> bool:
+        for c in self._cursors:
+            if c.seg is seg:
+                return True
+        return False
+
+    @staticmethod
+    def _map(seg: StreamSegment) -> None:
+        if seg.mm is None and not seg.dropped:
+            seg.map_readonly()
+
+    def _at_offset(self, offset: int) -> Cursor:
+        i = bisect.bisect_right(self._firsts, offset) - 1
+        seg = self._segs[max(i, 0)]
+        self._map(seg)
+        pos = DATA_START
+        mm = seg.mm
+        for _ in range(offset - seg.first):
+            pos += _HEADER_SIZE + _unpack_u32(mm, pos)[0]
+        return Cursor(seg, pos, offset)
+
+    def _at_time(self, ts_ms: int) -> Cursor:
+        """The first message stored at or after ts_ms (the end of the log when there is none)."""
+        for seg in self._segs:
+            if seg.count and seg.last_ts >= ts_ms:
+                self._map(seg)
+                mm = seg.mm
+                pos = DATA_START
+                offset = seg.first
+                while pos < seg.used and _unpack_u64(mm, pos + _HEADER_SIZE)[0] < ts_ms:
+                    pos += _HEADER_SIZE + _unpack_u32(mm, pos)[0]
+                    offset += 1
+                return Cursor(seg, pos, offset)
+        w = self._segs[-1]
+        return Cursor(w, w.used, self.next_offset)
+
+    # ------------------------------------------------------------ tracked consumer offsets
+    def track(self, tag: str, next_offset: int) -> None:
+        if self.tracked.get(tag) != next_offset:
+            self.tracked[tag] = next_offset
+            self._tracked_changed = True
+
+    def flush_acks(self) -> None:
+        """Snapshot changed tracked offsets for the next sync (loop thread; the worker calls this per turn).
+
+        At most one snapshot per TRACK_INTERVAL_S: the offsets file is rewritten and fsynced by
+        the sync thread at that pace however fast consumers ack (close() writes the last one).
+        """
+        if self._tracked_changed:
+            now = time.monotonic()
+            if now - self._tracked_at < TRACK_INTERVAL_S:
+                return
+            self._tracked_at = now
+            self._tracked_changed = False
+            blob = self._tracked_json()
+            with self._lock:
+                self._tracked_blob = blob
+
+    def _tracked_json(self) -> bytes:
+        return json.dumps({"version": 1, "offsets": self.tracked}, separators=(",", ":")).encode()
+
+    def _load_tracked(self) -> None:
+        try:
+            with open(os.path.join(self.path, OFFSETS_FILE), "rb") as f:
+                data = json.loads(f.read())
+            offsets = data["offsets"] if data.get("version") == 1 else {}
+            self.tracked = {str(k): int(v) for k, v in offsets.items()}
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            log.warning("stream %s: unreadable %s file ignored", self.path, OFFSETS_FILE, exc_info=True)
+
+    def _write_tracked(self, blob: bytes) -> None:
+        target = os.path.join(self.path, OFFSETS_FILE)
+        tmp = target + ".tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            os.write(fd, blob)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, target)
+
+    # ------------------------------------------------------------ durability
+    def sync(self) -> None:
+        """Make appends, new/removed segments and tracked offsets durable. Safe from a worker thread."""
+        with self._lock:
+            if self._closed:
+                return
+            fds = self._sync_fds
+            self._sync_fds = []
+            owned = len(fds)
+            if self._wdirty:
+                fds.append(self._segs[-1].fd)
+                self._wdirty = False
+            blob = self._tracked_blob
+            self._tracked_blob = None
+            dir_dirty = self._dir_dirty or blob is not None
+            self._dir_dirty = False
+            self._syncing += 1
+        done = False
+        try:
+            for fd in fds:
+                os.fdatasync(fd)
+            if blob is not None:
+                self._write_tracked(blob)
+            if dir_dirty:
+                os.fsync(self._dir_fd)
+            done = True
+        finally:
+            with self._lock:
+                if done:
+                    self._deferred_close.extend(fds[:owned])
+                else:
+                    self._sync_fds[:0] = fds[:owned]
+                    self._wdirty = True
+                    self._dir_dirty = self._dir_dirty or dir_dirty
+                    if blob is not None and self._tracked_blob is None:
+                        self._tracked_blob = blob
+                self._syncing -= 1
+                if not self._syncing:
+                    self._close_deferred()
+
+    def close(self) -> None:
+        """Release maps and fds. Does not sync the log, but writes tracked offsets not yet written."""
+        if self._closed:
+            return
+        if self._tracked_changed or self._tracked_blob is not None:
+            try:
+                self._write_tracked(self._tracked_json())
+            except OSError:
+                log.warning("stream %s: tracked offsets not saved", self.path, exc_info=True)
+            self._tracked_changed = False
+            self._tracked_blob = None
+        for seg in self._segs:
+            seg.close_map()
+        with self._lock:
+            self._closed = True
+            fds = [seg.fd for seg in self._segs if seg.fd >= 0]
+            fds.extend(self._sync_fds)
+            fds.append(self._dir_fd)
+            self._sync_fds = []
+            self._release(fds)
+        self._cursors.clear()
+
+    def delete(self) -> None:
+        self._tracked_changed = False
+        self._tracked_blob = None
+        self.close()
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def __del__(self) -> None:
+        try:
+            if not self._closed:
+                self.close()
+        except Exception:
+            pass
+
+    def _release(self, fds: list[int]) -> None:
+        """Close fds now or after the running sync. Call with the lock held."""
+        self._deferred_close.extend(fds)
+        if not self._syncing:
+            self._close_deferred()
+
+    def _close_deferred(self) -> None:
+        fds = self._deferred_close
+        self._deferred_close = []
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    # ------------------------------------------------------------ recovery
+    def _recover(self) -> None:
+        """Load the segments; never raises on garbage files (the node must start)."""
+        found: dict[str, set[int]] = {"msgs": set(), "smeta": set()}
+        for name in os.listdir(self.path):
+            parsed = _parse(name)
+            if parsed is not None:
+                found[parsed[0]].add(parsed[1])
+        for no in found["smeta"] - found["msgs"]:
+            self._unlink(_name("smeta", no))  # left by a crash while removing a segment
+        msgs = sorted(found["msgs"])
+        expect = 0  # first offset of the next segment, from the previous one
+        for i, no in enumerate(msgs):
+            last = i == len(msgs) - 1
+            try:
+                seg = self._recover_segment(no, last, expect)
+            except Exception:
+                log.warning("stream %s: segment %d unreadable, set aside", self.path, no, exc_info=True)
+                self._set_aside(no)
+                continue
+            if seg is None:
+                continue
+            expect = seg.first + seg.count
+            if not seg.sealed and not last:
+                seg.sealed = True
+            self._segs.append(seg)
+        if not self._segs or self._segs[-1].sealed:
+            no = (msgs[-1] if msgs else 0) + 1
+            self._segs.append(self._create(no, expect, self._segment_size))
+        self._firsts = [s.first for s in self._segs]
+        self.count = sum(s.count for s in self._segs)
+        self.bytes = sum(s.used - DATA_START for s in self._segs)
+
+    def _recover_segment(self, no: int, last: bool, expect: int) -> StreamSegment | None:
+        seg = StreamSegment(self.path, no)
+        msgs_path = seg.path("msgs")
+        size = os.stat(msgs_path).st_size
+        version = -1
+        if size >= DATA_START:
+            with open(msgs_path, "rb") as f:
+                version = VERSION_HEADER.unpack(f.read(DATA_START))[0]
+        meta = seg.read_smeta()
+        first = meta[1] if meta is not None else expect
+        if version != FORMAT_VERSION:
+            if last and (size < DATA_START or version == 0):
+                log.warning("stream %s: empty segment %d reinitialized", self.path, no)
+                self._dir_dirty = True
+                return self._create(no, first, self._segment_size)
+            log.warning("stream %s: segment %d has unknown format version %d, set aside", self.path, no, version)
+            self._set_aside(no)
+            return None
+        seg.first = first
+        if meta is not None and meta[0] and DATA_START <= meta[3] <= size:
+            _sealed, seg.first, seg.count, seg.used, seg.first_ts, seg.last_ts, seg.body_bytes = meta
+            seg.sealed = True
+            seg.size = seg.used
+            return seg
+        if last:
+            seg.open_mapped(writable=True)
+            cut = self._scan(seg, size)
+            if cut or size < self._segment_size:
+                seg.regrow(max(size, self._segment_size))
+                self._wdirty = True
+            if meta is None:
+                self._sync_fds.append(seg.write_smeta())
+                self._dir_dirty = True
+            return seg
+        # Sealed (not the last) but its final smeta never got written: scan, cut, write it.
+        seg.map_readonly()
+        self._scan(seg, size)
+        seg.close_map()
+        if seg.used < size:
+            os.truncate(msgs_path, seg.used)
+        seg.sealed = True
+        seg.size = seg.used
+        self._sync_fds.append(seg.write_smeta())
+        self._dir_dirty = True
+        return seg
+
+    def _scan(self, seg: StreamSegment, end: int) -> bool:
+        """Count the good records (CRC checked); True if a torn or corrupt tail was cut off."""
+        result = record.ScanResult()
+        mm = seg.mm
+        count = body = 0
+        first_ts = last_ts = 0
+        for pos, _flags, blen in record.scan(mm, DATA_START, end, True, result):
+            ts = _unpack_u64(mm, pos + _HEADER_SIZE)[0]
+            if not count:
+                first_ts = ts
+            last_ts = ts
+            count += 1
+            body += blen
+        if result.reason:
+            log.warning("stream %s: segment %d: %s; cut %d bytes from there",
+                        self.path, seg.no, result.reason, end - result.end)
+        seg.used = result.end
+        seg.count, seg.body_bytes, seg.first_ts, seg.last_ts = count, body, first_ts, last_ts
+        return bool(result.reason)
+
+    def _set_aside(self, no: int) -> None:
+        for kind in ("msgs", "smeta"):
+            name = _name(kind, no)
+            try:
+                os.replace(os.path.join(self.path, name), os.path.join(self.path, name + ".corrupt"))
+            except OSError:
+                pass
+        self._dir_dirty = True
+
+    def _unlink(self, name: str) -> None:
+        try:
+            os.unlink(os.path.join(self.path, name))
+        except OSError:
+            pass
