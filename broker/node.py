@@ -254,7 +254,8 @@ class Node:
         if op == "queue.expire":
             # x-expires ran out on the shard; a consumer may have come meanwhile.
             q = defs.queue(vhost, a["queue"])
-            if q is not None and q.arguments.get("x-expires"):
+            # The effective arguments: an `expires` policy counts as much as the x-expires argument.
+            if q is not None and defs.effective_arguments(vhost, "queue", a["queue"]).get("x-expires"):
                 info = await self._queue_info(vhost, a["queue"])
                 # "expired" is False when a redeclare renewed the lease after the shard asked.
                 if info is not None and info["consumers"] == 0 and info.get("expired", True):

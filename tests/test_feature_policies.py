@@ -166,3 +166,20 @@ def test_vhost_max_queues_and_max_connections(defs_node):
                                      "'/' (2) is reached")
     c1.close()
     c2.close()
+
+
+def test_expires_policy_deletes_an_unused_queue(node_factory, tmp_path):
+    """The node deletes a queue whose `expires` comes from a policy, not only from x-expires."""
+    from tests.helpers import wait_queue_gone
+
+    path = tmp_path / "definitions.json"
+    write_defs(path, [policy("exp", "^exp\\.", {"expires": 300}, apply_to="queues")])
+    node = node_factory(name="exp", frontends=1, shards=2, extra_args=["--definitions", str(path)])
+    c = node.connect()
+    ch = c.channel()
+    ch.confirm_delivery()
+    ch.queue_declare("exp.q")
+    ch.queue_declare("other.q")
+    wait_queue_gone(ch, "exp.q")
+    assert ch.queue_declare("other.q", passive=True).method.message_count >= 0  # untouched
+    c.close()
