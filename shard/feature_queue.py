@@ -59,6 +59,11 @@ FEATURE_ARGS = frozenset((
     "x-delivery-limit", "x-consumer-timeout", "x-message-deduplication",
 ))
 
+# A queue that ever received a message with a per-message TTL keeps this marker file, so after a
+# restart it is opened as a FeatureQueue: its head alone does not tell whether an expiring message
+# waits further back, and scanning every record at open would make boot time grow with queue length.
+EXPIRING_MARK = ".expiring"
+
 
 def needs_features(arguments: dict | None) -> bool:
     if not arguments:

@@ -109,6 +109,18 @@ class PriorityStore:
         """Levels with a store, highest first."""
         return [p for p, _ in self._order]
 
+    # ------------------------------------------------------------ markers
+    def has_marker(self, name: str) -> bool:
+        """Whether the empty marker file `name` exists in the queue directory."""
+        return os.path.exists(os.path.join(self.path, name))
+
+    def add_marker(self, name: str) -> None:
+        """Create the empty marker file `name`; durable with the next sync (its directory is synced)."""
+        path = os.path.join(self.path, name)
+        if not os.path.exists(path):
+            os.close(os.open(path, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o644))
+            self._dir_dirty = True
+
     # ------------------------------------------------------------ hot path
     def append(
         self, ts_ms: int, flags: int, exchange: str, routing_key: str, props_raw: bytes, body: bytes

@@ -26,7 +26,7 @@ from shard.ack_timeouts import AckTimeouts
 from shard.consumers import ChannelRef, Consumer
 from shard.deadletter import dead_letter_props, has_dlx_header, has_expiration, is_cycle
 from shard.dedup import ExchangeDedup
-from shard.feature_queue import FeatureQueue, needs_features
+from shard.feature_queue import EXPIRING_MARK, FeatureQueue, needs_features
 from shard.priority_store import open_store
 from shard.queue import Queue
 from shard.store import QueueStore, queue_dir
@@ -182,10 +182,8 @@ class ShardWorker:
             q = FeatureQueue(self._next_qid, vhost, name, defn, store, self, args)
         else:
             q = Queue(self._next_qid, vhost, name, defn, store)
-            if store.ready:
-                head = store.peek()
-                if head is not None and has_expiration(head[6]):
-                    q = FeatureQueue.upgrade(q, defn, self)  # recovered messages with a per-message TTL
+            if store.ready and (store.has_marker(EXPIRING_MARK) or has_expiration(store.peek()[6])):
+                q = FeatureQueue.upgrade(q, defn, self)  # recovered messages with a per-message TTL
         self._next_qid += 1
         self.queues[(vhost, name)] = q
         self.by_qid[q.qid] = q
@@ -388,6 +386,7 @@ class ShardWorker:
             if q is not None and q.__class__ is Queue:
                 defn = self.defs.queue(vhost, name)
                 if defn is not None:
+                    q.store.add_marker(EXPIRING_MARK)
                     self._replace_queue(q, FeatureQueue.upgrade(q, defn, self))
 
     @staticmethod

@@ -154,6 +154,30 @@ def test_ttl_still_applies_after_restart(node):
     conn.close()
 
 
+
+def test_expiring_message_behind_a_plain_head_still_expires_after_restart(node):
+    """After a restart, a message with a per-message TTL that is not at the head expires when it
+    gets there instead of being delivered late (the queue's .expiring marker reopens it with TTL
+    handling; its head alone has no expiration)."""
+    conn = node.connect()
+    ch = conn.channel()
+    ch.confirm_delivery()
+    q = uid()
+    ch.queue_declare(q, durable=True)
+    ch.basic_publish("", q, b"head", pika.BasicProperties(delivery_mode=2))
+    ch.basic_publish("", q, b"expiring", pika.BasicProperties(delivery_mode=2, expiration="300"))
+    ch.basic_publish("", q, b"tail", pika.BasicProperties(delivery_mode=2))
+    conn.close()
+    node.stop()
+    node.start()
+    conn = node.connect()
+    ch = conn.channel()
+    time.sleep(0.4)  # the second message's TTL has passed; the head keeps it from expiring yet
+    assert get_one(ch, q)[2] == b"head"
+    assert get_one(ch, q)[2] == b"tail"
+    wait_count(ch, q, 0)
+    conn.close()
+
 def test_policy_message_ttl_and_dead_letter_exchange(node_factory, tmp_path):
     """Policy keys message-ttl / dead-letter-exchange / dead-letter-routing-key apply like arguments,
     also to a queue that existed before the policy (SIGHUP re-reads the definitions file)."""
