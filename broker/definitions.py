@@ -128,6 +128,7 @@ QUEUE_EQUIVALENCE_ARGS = (
     "x-initial-cluster-size",
     "x-queue-leader-locator",
     "x-delivery-limit",
+    "x-stream-max-segment-size-bytes",
     *DEDUP_ARGS,  # LavinMQ compares all arguments; a live cache cannot change its settings silently
 )
 EXCHANGE_EQUIVALENCE_ARGS = ("alternate-exchange", *DEDUP_ARGS)
@@ -285,7 +286,7 @@ def _check_queue_args(name: str, vhost: str, args: dict, durable: bool = True, e
                        QUEUE_DECLARE)
 
     for key in ("x-max-length", "x-max-length-bytes", "x-max-priority", "x-message-ttl", "x-expires",
-                "x-delivery-limit"):
+                "x-delivery-limit", "x-consumer-timeout"):
         if key in args:
             v = args[key]
             if not _is_int(v):

@@ -360,3 +360,14 @@ def test_redeclare_renews_x_expires(conn, ch):
         assert time.monotonic() < deadline, "the queue outlived x-expires after the redeclares stopped"
         time.sleep(0.1)
     assert time.monotonic() - start >= 1.5 + 0.4
+
+
+@pytest.mark.parametrize("value, err", [
+    ("60000", '{unacceptable_type,"expected integer"}'),
+    (-5, "{value_negative,-5}"),
+])
+def test_bad_x_consumer_timeout_queue_argument_is_refused(conn, value, err):
+    q = uid()
+    code, text = channel_error(conn, lambda c: c.queue_declare(q, arguments={"x-consumer-timeout": value}))
+    assert (code, text) == (406, f"PRECONDITION_FAILED - invalid arg 'x-consumer-timeout' for queue '{q}' "
+                                 f"in vhost '/': {err}")

@@ -469,3 +469,10 @@ def test_streams_with_the_node_default_consumer_timeout_and_periodic_work(node_f
     conn.close()
     node.stop()
     assert "Traceback" not in node.log_text()
+
+
+def test_redeclare_with_another_segment_size_is_inequivalent(conn, ch):
+    q = uid("s")
+    declare(ch, q, **{"x-stream-max-segment-size-bytes": 1 << 20})
+    code, text = channel_error(conn, lambda c: declare(c, q, **{"x-stream-max-segment-size-bytes": 2 << 20}))
+    assert code == 406 and "inequivalent arg 'x-stream-max-segment-size-bytes'" in text, text
