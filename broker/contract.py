@@ -114,6 +114,14 @@ CREDIT = 31  # [CREDIT, conn_id, channel, consumer_tag, n]  frontend wrote n del
 # QUEUE_INFO: [QUEUE_INFO, req_id, vhost, queue] -> REPLY_DATA {"messages", "consumers"}. Asked on the
 # data path (not through the node) so the counts include every publish this frontend sent before.
 QUEUE_INFO = 32
+# DELAYED_PUBLISH: a message for a delayed exchange with a positive x-delay, sent to the shard that
+# keeps that exchange's delay store (routing.delay_store_shard). Publish lane, like PUBLISH.
+#   [DELAYED_PUBLISH, vhost, exchange, routing_key, props_raw(bytes), body(bytes), persistent(bool),
+#    delay_ms(int > 0), conn_id|None, channel|None, confirm_seq|None]
+# props_raw already carries x-delay = -delay_ms (what the consumer sees, as RabbitMQ's plugin) and
+# keeps CC/BCC: they are applied when the message is routed at its due time. CONFIRM is sent once
+# the message is in the delay store (synced first when persistent and the exchange durable).
+DELAYED_PUBLISH = 33
 
 # --------------------------------------------------------------------------
 # Data plane: shard -> frontend

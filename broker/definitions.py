@@ -158,7 +158,9 @@ class Exchange:
         eff = effective_exchange_arguments(self.arguments, policy)
         alt = eff.get("alternate-exchange")
         self.alternate = alt if isinstance(alt, str) else None
-        self.delayed = self.type == DELAYED_TYPE or eff.get("delayed-message") is True
+        # LavinMQ's x-delayed-exchange argument makes any exchange type delayed, as the policy key does.
+        self.delayed = (self.type == DELAYED_TYPE or eff.get("delayed-message") is True
+                        or eff.get("x-delayed-exchange") is True)
 
     def attrs(self) -> dict:
         return {"type": self.type, "durable": self.durable, "auto_delete": self.auto_delete,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any
 
 from broker.amqp.properties import decode_headers, decode_properties, encode_properties
@@ -87,16 +88,42 @@ def reply_to_of(props_raw: bytes) -> str | None:
     return decode_properties(props_raw).reply_to
 
 
+# RabbitMQ's plugin delays only 0 < x-delay <= 2^32 - 1 (its Erlang timer limit); anything else
+# is routed at once.
+MAX_DELAY_MS = 4294967295
+
+
 def delay_ms(props_raw: bytes) -> int | None:
-    """The x-delay header in milliseconds, or None when absent or not a number."""
+    """The x-delay header in milliseconds, or None when absent or not a number.
+
+    As rabbit_delayed_message_utils: integer types as they are, floats and decimals
+    truncated, strings parsed as integers; anything else (booleans, tables, text that is
+    not an integer) means no delay.
+    """
     if len(props_raw) < 2 or not props_raw[0] & HEADERS_BIT or _DELAY_MARK not in props_raw:
         return None
     value = (decode_headers(props_raw) or {}).get("x-delay")
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        if isinstance(value, (bytes, str)):
-            try:
-                return int(value)
-            except ValueError:
-                return None
+    if isinstance(value, bool):
         return None
-    return int(value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, (float, Decimal)):
+        try:
+            return int(value)
+        except (ValueError, OverflowError):  # nan, inf
+            return None
+    if isinstance(value, (bytes, str)):
+        try:
+            return int(value)
+        except ValueError:
+            return None
+    return None
+
+
+def with_delay(props_raw: bytes, value: int) -> bytes:
+    """Properties with the x-delay header set to ``value`` (a signed integer)."""
+    props = decode_properties(props_raw)
+    headers = dict(props.headers or {})
+    headers["x-delay"] = value
+    props.headers = headers
+    return encode_properties(props)

@@ -1,0 +1,235 @@
+"""Delayed-message exchanges: the shard keeps their messages until due, then routes them.
+
+A message published with a positive ``x-delay`` to a delayed exchange
+(``x-delayed-message``, the ``delayed-message`` policy key, or LavinMQ's
+``x-delayed-exchange: true`` argument) reaches the shard that owns the
+exchange's delay store (``broker.routing.delay_store_shard``) as one
+``DELAYED_PUBLISH`` item. The shard appends it to the exchange's delay store,
+a ``QueueStore`` under ``<data>/delayed/<sha1(vhost)>/<sha1(exchange)>/``,
+whose record timestamp is the **due time** (wall-clock ms), not the arrival
+time: recovery needs no header decoding and never disagrees with what the
+publish decided.
+
+In memory there is one heap of ``(due_ms, seq, store, msg_id)`` for the whole
+shard and at most one useful entry in the shard's ``TimerHeap``. When it
+fires, every due message is read back from its store and routed through the
+shard's replica of the definitions (the exchange routes as its
+``x-delayed-type``), with its CC/BCC keys, by ``ShardWorker.route_to_queues``,
+the same function dead-lettering uses. Its delay record is removed
+afterwards: at once when nothing has to be synced, otherwise after the group
+sync that makes the local appends durable, so neither a killed process nor a
+power loss between the two loses it (it may be delivered twice instead).
+
+The store's read cursor is moved past every record as soon as it is appended
+(``shift``), so any record can be removed (``ack``) in due order rather than
+append order.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import os
+from typing import TYPE_CHECKING
+
+from broker.datadir import DELAYED_DIR, name_hash
+from broker.routing import delay_store_shard
+from frontend.publish_extras import may_have_cc, sender_routes
+from shard.store import QueueStore, queue_dir
+from shard.timers import now_ms
+
+if TYPE_CHECKING:
+    from shard.worker import ShardWorker
+
+log = logging.getLogger("shardmq.shard")
+
+
+class DelayStore:
+    """The pending delayed messages of one exchange."""
+
+    __slots__ = ("vhost", "exchange", "durable", "store", "pending", "deleted")
+
+    def __init__(self, vhost: str, exchange: str, durable: bool, store: QueueStore) -> None:
+        self.vhost = vhost
+        self.exchange = exchange
+        self.durable = durable
+        self.store = store
+        self.pending = 0
+        self.deleted = False
+
+
+class DelayedMessages:
+    """Every delay store of one shard, one heap of due times, one timer."""
+
+    def __init__(self, worker: ShardWorker) -> None:
+        self.worker = worker
+        self.stores: dict[tuple[str, str], DelayStore] = {}
+        self._heap: list[tuple[int, int, DelayStore, int]] = []
+        self._seq = itertools.count()
+        self._armed_at: int | None = None  # due time of our earliest TimerHeap entry
+        self._peers_up: set[int] = set()
+        # Recovered messages may be due at once; they wait until every peer shard has loaded
+        # its definitions, or a peer still starting would drop what we forward to it.
+        self._peers_ready = False
+
+    # ----------------------------------------------------------------- setup
+    def _root(self) -> str:
+        return os.path.join(self.worker.settings["data_dir"], DELAYED_DIR)
+
+    def load(self) -> None:
+        """Open (and recover) the delay stores this shard owns under the current shard count."""
+        worker = self.worker
+        shards = int(worker.settings.get("shards", 1))
+        root = self._root()
+        if os.path.isdir(root):
+            for v in worker.defs.vhosts.values():
+                vdir = os.path.join(root, name_hash(v.name))
+                if not os.path.isdir(vdir):
+                    continue
+                for xname, x in v.exchanges.items():
+                    if (delay_store_shard(v.name, xname, shards) == worker.index
+                            and os.path.isdir(os.path.join(vdir, name_hash(xname)))):
+                        self._open(v.name, xname, x.durable)
+        self._check_peers()
+        if self._heap:
+            log.info("shard %d: %d delayed messages recovered", worker.index, len(self._heap))
+            self._arm(self._heap[0][0])
+
+    def _open(self, vhost: str, exchange: str, durable: bool) -> DelayStore:
+        path = queue_dir(self._root(), vhost, exchange)
+        store = QueueStore(path, segment_size=int(self.worker.settings.get("segment_size", 8 << 20)))
+        ds = self.stores[(vhost, exchange)] = DelayStore(vhost, exchange, durable, store)
+        heap = self._heap
+        seq = self._seq
+        while (msg := store.shift()) is not None:
+            heap.append((msg[2], next(seq), ds, msg[0]))
+            ds.pending += 1
+        heapq.heapify(heap)
+        return ds
+
+    def peer_up(self, index: int) -> None:
+        self._peers_up.add(index)
+        if not self._peers_ready:
+            self._check_peers()
+            if self._peers_ready and self._heap:
+                self._fire(None)
+
+    def _check_peers(self) -> None:
+        shards = int(self.worker.settings.get("shards", 1))
+        self._peers_ready = all(i in self._peers_up for i in range(shards) if i != self.worker.index)
+
+    # --------------------------------------------------------------- publish
+    def publish(self, fe: bytes, item: list) -> None:
+        (_, vhost, exchange, routing_key, props_raw, body, persistent, delay, conn_id, channel, seq) = item
+        worker = self.worker
+        x = worker.defs.exchange(vhost, exchange)
+        if x is None:
+            # Deleted between the frontend's routing and now: as an unroutable message.
+            worker.confirm_stored(fe, conn_id, channel, seq, None)
+            return
+        ds = self.stores.get((vhost, exchange))
+        if ds is None:
+            ds = self._open(vhost, exchange, x.durable)
+        due = now_ms() + int(delay)
+        store = ds.store
+        msg_id = store.append(due, 1 if persistent else 0, exchange, routing_key, props_raw, body)
+        store.shift()  # cursor past it: records are removed in due order, not append order
+        ds.pending += 1
+        heapq.heappush(self._heap, (due, next(self._seq), ds, msg_id))
+        self._arm(due)
+        sync = store if persistent and ds.durable and worker._fsync else None
+        worker.confirm_stored(fe, conn_id, channel, seq, sync)
+
+    # ------------------------------------------------------------------ timer
+    def _arm(self, due: int) -> None:
+        if self._armed_at is None or due < self._armed_at:
+            self._armed_at = due
+            self.worker.timers.schedule(due, lambda: self._fire(due))
+
+    def _fire(self, at: int | None) -> None:
+        """Route every message that is due, in due order, in this loop turn."""
+        if at is not None and at == self._armed_at:
+            self._armed_at = None
+        heap = self._heap
+        if not self._peers_ready:
+            return  # peer_up fires again once every peer is ready
+        worker = self.worker
+        now = now_ms()
+        done: dict[DelayStore, list[int]] = {}
+        after_sync: dict[DelayStore, list[int]] = {}
+        while heap and heap[0][0] <= now:
+            _due, _seq, ds, msg_id = heapq.heappop(heap)
+            if ds.deleted:
+                continue
+            try:
+                _ts, flags, exchange, routing_key, props, body = ds.store.read(msg_id)
+            except KeyError:
+                continue
+            synced = self._route(ds.vhost, flags, exchange, routing_key, props, body)
+            (after_sync if synced else done).setdefault(ds, []).append(msg_id)
+        for ds, ids in done.items():
+            self._remove(ds, ids)
+        for ds, ids in after_sync.items():
+            worker.after_sync(lambda ds=ds, ids=ids: self._remove(ds, ids))
+        if heap and (self._armed_at is None or heap[0][0] < self._armed_at):
+            self._arm(heap[0][0])
+
+    def _route(self, vhost: str, flags: int, exchange: str, routing_key: str, props: bytes, body: bytes) -> bool:
+        worker = self.worker
+        route = worker.defs.route
+        keys = [routing_key]
+        if may_have_cc(props):
+            try:
+                props, extra = sender_routes(props)
+            except ValueError:
+                extra = []
+            keys.extend(extra)
+        if len(keys) == 1:
+            names = route(vhost, exchange, routing_key, props)
+        else:
+            found: dict[str, None] = {}
+            for key in keys:
+                found.update(dict.fromkeys(route(vhost, exchange, key, props)))
+            names = list(found)
+        if not names:
+            return False  # unroutable when due: dropped (mandatory was not honoured at publish)
+        return worker.route_to_queues(vhost, names, flags, exchange, routing_key, props, body)
+
+    def _remove(self, ds: DelayStore, ids: list[int]) -> None:
+        if ds.deleted:
+            return
+        store = ds.store
+        for msg_id in ids:
+            if store.ack(msg_id):
+                ds.pending -= 1
+        store.flush_acks()
+
+    # ------------------------------------------------------------ definitions
+    def exchange_deleted(self, vhost: str, exchange: str) -> None:
+        ds = self.stores.pop((vhost, exchange), None)
+        if ds is not None:
+            self._drop([ds])
+
+    def vhost_deleted(self, vhost: str) -> None:
+        gone = [self.stores.pop(key) for key in [k for k in self.stores if k[0] == vhost]]
+        if gone:
+            self._drop(gone)
+
+    def _drop(self, gone: list[DelayStore]) -> None:
+        for ds in gone:
+            ds.deleted = True
+            self.worker.forget_store(ds.store)
+            ds.store.delete()
+        self._heap = [e for e in self._heap if not e[2].deleted]
+        heapq.heapify(self._heap)
+
+    # -------------------------------------------------------------- durability
+    def dirty_stores(self) -> list[QueueStore]:
+        return [ds.store for ds in self.stores.values() if ds.store.dirty]
+
+    def all_stores(self) -> list[QueueStore]:
+        return [ds.store for ds in self.stores.values()]
+
+    def info(self) -> dict:
+        return {f"{v}/{x}": ds.pending for (v, x), ds in self.stores.items()}
