@@ -14,9 +14,12 @@ Sockets (all ``ipc://`` under the node's run directory):
   with its worker id as identity. Data traffic: publishes, consumes, acks
   one way; deliveries, confirms, replies the other way. Every other shard
   connects a DEALER too (identity ``sh-M``) and sends PUBLISH items only:
-  dead-lettered messages whose target queues live on shard N. Their header
-  is ``[target_epoch, seq]`` like a frontend's (epochs from SNAPSHOT and
-  SHARD_UP); the PROCESSED answers are ignored by the sending shard.
+  dead-lettered messages and due delayed messages whose target queues live on
+  shard N. Their header is ``[target_epoch, seq]`` like a frontend's (epochs
+  from SNAPSHOT and SHARD_UP); the PROCESSED answers are ignored by the
+  sending shard. Due delayed messages carry conn_id 0, channel 0 and the
+  sending shard's own confirm_seq, and shard N answers CONFIRM/CONFIRM_NACK
+  to shard M exactly as to a frontend; dead letters carry no confirm fields.
 
 One ZeroMQ message is one *batch*: ``msgpack([header, items])``. Items are
 lists whose first element is a kind (small int). Senders collect items during
@@ -89,8 +92,9 @@ QUERY_OPS = (
 # --------------------------------------------------------------------------
 # Data plane: frontend -> shard (shard-N.sock)
 # --------------------------------------------------------------------------
-# PUBLISH: a message routed to one or more queues of this shard (from a frontend, or a dead
-# letter from another shard: then conn_id/channel/confirm_seq are None).
+# PUBLISH: a message routed to one or more queues of this shard (from a frontend; or from another
+# shard: a dead letter with conn_id/channel/confirm_seq None, or a due delayed message with
+# conn_id 0, channel 0 and that shard's confirm_seq).
 #   [PUBLISH, vhost, queues(list[str]), exchange, routing_key, props_raw(bytes), body(bytes),
 #    persistent(bool), conn_id|None, channel|None, confirm_seq|None]
 # conn_id/channel/seq are set when the channel is in confirm mode; the shard answers CONFIRM

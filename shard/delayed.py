@@ -59,6 +59,19 @@ class DelayStore:
         self.deleted = False
 
 
+class Forward:
+    """A due message routed to queues of other shards, kept until each of them confirmed it."""
+
+    __slots__ = ("seq", "ds", "msg_id", "items", "sync_pending")
+
+    def __init__(self, seq: int, ds: DelayStore, msg_id: int, items: dict[int, list], sync_pending: bool) -> None:
+        self.seq = seq
+        self.ds = ds
+        self.msg_id = msg_id
+        self.items = items  # shard -> PUBLISH item not yet confirmed by it (sent again if it restarts)
+        self.sync_pending = sync_pending  # local appends wait for the group sync
+
+
 class DelayedMessages:
     """Every delay store of one shard, one heap of due times, one timer."""
 
@@ -72,6 +85,8 @@ class DelayedMessages:
         # Recovered messages may be due at once; they wait until every peer shard has loaded
         # its definitions, or a peer still starting would drop what we forward to it.
         self._peers_ready = False
+        self._forwards: dict[int, Forward] = {}  # confirm seq of the PUBLISH items -> forward
+        self._forward_seq = itertools.count(1)
 
     # ----------------------------------------------------------------- setup
     def _root(self) -> str:
@@ -108,8 +123,16 @@ class DelayedMessages:
         heapq.heapify(heap)
         return ds
 
-    def peer_up(self, index: int) -> None:
+    def peer_up(self, index: int, restarted: bool) -> None:
+        """SHARD_UP: with a new epoch the peer died (its new incarnation is starting); with the
+        epoch we know it is ready, and gets again what it has not confirmed."""
         self._peers_up.add(index)
+        if not restarted and self._forwards:
+            worker = self.worker
+            for fwd in self._forwards.values():
+                item = fwd.items.get(index)
+                if item is not None:
+                    worker.forward(index, item)
         if not self._peers_ready:
             self._check_peers()
             if self._peers_ready and self._heap:
@@ -166,8 +189,14 @@ class DelayedMessages:
                 _ts, flags, exchange, routing_key, props, body = ds.store.read(msg_id)
             except KeyError:
                 continue
-            synced = self._route(ds.vhost, flags, exchange, routing_key, props, body)
-            (after_sync if synced else done).setdefault(ds, []).append(msg_id)
+            seq = next(self._forward_seq)
+            synced, sent = self._route(ds.vhost, flags, exchange, routing_key, props, body, seq)
+            if sent:
+                fwd = self._forwards[seq] = Forward(seq, ds, msg_id, sent, synced)
+                if synced:
+                    worker.after_sync(lambda fwd=fwd: self._settle(fwd, None))
+            else:
+                (after_sync if synced else done).setdefault(ds, []).append(msg_id)
         for ds, ids in done.items():
             self._remove(ds, ids)
         for ds, ids in after_sync.items():
@@ -175,7 +204,8 @@ class DelayedMessages:
         if heap and (self._armed_at is None or heap[0][0] < self._armed_at):
             self._arm(heap[0][0])
 
-    def _route(self, vhost: str, flags: int, exchange: str, routing_key: str, props: bytes, body: bytes) -> bool:
+    def _route(self, vhost: str, flags: int, exchange: str, routing_key: str, props: bytes, body: bytes,
+               seq: int) -> tuple[bool, dict[int, list]]:
         worker = self.worker
         route = worker.defs.route
         keys = [routing_key]
@@ -193,8 +223,23 @@ class DelayedMessages:
                 found.update(dict.fromkeys(route(vhost, exchange, key, props)))
             names = list(found)
         if not names:
-            return False  # unroutable when due: dropped (mandatory was not honoured at publish)
-        return worker.route_to_queues(vhost, names, flags, exchange, routing_key, props, body)
+            return False, {}  # unroutable when due: dropped (mandatory was not honoured at publish)
+        return worker.route_to_queues(vhost, names, flags, exchange, routing_key, props, body, seq)
+
+    def peer_confirmed(self, shard: int, seqs: list[int]) -> None:
+        """Another shard has stored (and synced, if it had to) forwarded due messages."""
+        for seq in seqs:
+            fwd = self._forwards.get(seq)
+            if fwd is not None:
+                self._settle(fwd, shard)
+
+    def _settle(self, fwd: Forward, shard: int | None) -> None:
+        if shard is None:
+            fwd.sync_pending = False
+        else:
+            fwd.items.pop(shard, None)
+        if not fwd.items and not fwd.sync_pending and self._forwards.pop(fwd.seq, None) is not None:
+            self._remove(fwd.ds, [fwd.msg_id])
 
     def _remove(self, ds: DelayStore, ids: list[int]) -> None:
         if ds.deleted:

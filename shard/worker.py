@@ -115,8 +115,10 @@ class ShardWorker:
             elif kind == contract.STOP:
                 self.loop.create_task(self.stop())
             elif kind == contract.SHARD_UP:
-                self.epochs[int(item[1])] = int(item[2])
-                self.delayed.peer_up(int(item[1]))
+                index, epoch = int(item[1]), int(item[2])
+                restarted = self.epochs.get(index) != epoch
+                self.epochs[index] = epoch
+                self.delayed.peer_up(index, restarted)
             elif kind == contract.REPLY:
                 pass  # answers to our auto-delete requests need no action
 
@@ -415,12 +417,14 @@ class ShardWorker:
         self.route_to_queues(vhost, names, flags, dlx, rk, props, body)
 
     def route_to_queues(self, vhost: str, names: list[str] | tuple, flags: int, exchange: str, routing_key: str,
-                        props: bytes, body: bytes) -> bool:
+                        props: bytes, body: bytes, confirm_seq: int | None = None) -> tuple[bool, dict[int, list]]:
         """Append a message the shard republishes itself (a dead letter, a due delayed message).
 
-        Queues here get it appended, queues of other shards a PUBLISH over the peer DEALERs
-        (not confirmed: lost if that shard is restarting at that moment). True when a local
-        append is persistent into a durable queue and waits for the next group sync.
+        Queues here get it appended, queues of other shards a PUBLISH over the peer DEALERs.
+        Returns (whether a local append is persistent into a durable queue and waits for the
+        next group sync, the PUBLISH item sent to each other shard). With ``confirm_seq`` the
+        other shards answer CONFIRM for it (see ``_on_peer``); without, a copy in flight to a
+        shard that is restarting is lost.
         """
         if len(props) > 1 and props[0] & 1:  # per-message TTL: plain queues here need FeatureQueue
             self._upgrade_queues(vhost, list(names))
@@ -445,12 +449,21 @@ class ShardWorker:
             if flags & 1 and target.durable:
                 self._sync_stores.add(target.store)
                 needs_sync = True
+        sent: dict[int, list] = {}
+        confirm_to = None if confirm_seq is None else 0
         for shard, names in remote.items():
             peer = self.peers.get(shard)
             if peer is not None:
-                peer.put(None, [contract.PUBLISH, vhost, names, exchange, routing_key, props, body,
-                                bool(flags & 1), None, None, None])
-        return needs_sync and self._fsync
+                item = sent[shard] = [contract.PUBLISH, vhost, names, exchange, routing_key, props, body,
+                                      bool(flags & 1), confirm_to, confirm_to, confirm_seq]
+                peer.put(None, item)
+        return needs_sync and self._fsync, sent
+
+    def forward(self, shard: int, item: list) -> None:
+        """Send a PUBLISH item built by route_to_queues to that shard again (it restarted)."""
+        peer = self.peers.get(shard)
+        if peer is not None:
+            peer.put(None, item)
 
     def confirm_stored(self, fe: bytes, conn_id: int | None, channel: int | None, seq: int | None,
                        sync_store: QueueStore | None) -> None:
@@ -479,7 +492,19 @@ class ShardWorker:
             sock = make_socket(self.ctx, zmq.DEALER, self.ident)
             sock.connect(contract.shard_address(self.run_dir, i))
             self._peer_seq[i] = 0
-            self.peers[i] = BatchSocket(self.loop, sock, _ignore_batch, header_for=self._peer_header(i))
+            self.peers[i] = BatchSocket(self.loop, sock, self._on_peer(i), header_for=self._peer_header(i))
+
+    def _on_peer(self, shard: int) -> Callable[[bytes | None, object, list], None]:
+        """Answers of another shard to our PUBLISH items: confirms of forwarded delayed messages.
+
+        PROCESSED answers are ignored; dead letters carry no confirm fields.
+        """
+        def on_batch(_ident: bytes | None, _header: object, items: list) -> None:
+            for item in items:
+                kind = item[0]
+                if kind == contract.CONFIRM or kind == contract.CONFIRM_NACK:
+                    self.delayed.peer_confirmed(shard, item[3])
+        return on_batch
 
     def _peer_header(self, shard: int) -> Callable[[bytes | None], list]:
         def header(_dest: bytes | None) -> list:
@@ -698,10 +723,6 @@ class ShardWorker:
         self.node.close()
         log.info("shard %d stopped", self.index)
         self.stopped.set()
-
-
-def _ignore_batch(_ident: bytes | None, _header, _items: list) -> None:
-    """PROCESSED answers of other shards to forwarded dead letters: nothing waits on them."""
 
 
 def _sync_all(stores: list[QueueStore]) -> None:

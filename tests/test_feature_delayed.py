@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import time
 from decimal import Decimal
 
@@ -305,4 +306,40 @@ def test_restart_with_another_shard_count_keeps_delayed_messages(node_factory):
     ch = c.channel()
     for x in exchanges:
         assert get_one(ch, queues[x])[2] == x.encode()
+    c.close()
+
+
+def test_due_messages_forwarded_to_a_restarting_shard_are_not_lost(node):
+    """Messages fall due on the store's shard while the shard of their queue restarts: the
+    forwarded copies are confirmed by that shard, and sent again once its new incarnation is up."""
+    x = uid("kx")
+    while delay_store_shard("/", x, 2) != 0:
+        x = uid("kx")
+    c = node.connect()
+    ch = c.channel()
+    ch.confirm_delivery()
+    delayed_exchange(ch, durable=True, name=x)
+    q = bound_queue(ch, x, durable=True, name=name_on(1, "kq"))
+    n = 30
+    for i in range(n):
+        ch.basic_publish(x, "k", str(i).encode(), delay_props(150 + 50 * i))
+    c.close()
+    old = node.worker_pid("shard", 1)
+    # Frozen first: what falls due meanwhile is forwarded into its socket and dies with it.
+    os.kill(old, signal.SIGSTOP)
+    time.sleep(0.6)
+    node.kill_worker("shard", 1)
+    node.wait_worker_restarted("shard", 1, old)
+    c = node.connect()
+    ch = c.channel()
+    seen: list[int] = []
+    deadline = time.monotonic() + WAIT
+    while len(set(seen)) < n and time.monotonic() < deadline:
+        method, _props, body = ch.basic_get(q, auto_ack=True)
+        if method is None:
+            time.sleep(0.02)
+        else:
+            seen.append(int(body))
+    # None lost. At least once: a copy the killed shard had stored but not yet confirmed comes twice.
+    assert sorted(set(seen)) == list(range(n))
     c.close()
