@@ -244,6 +244,9 @@ def test_delayed_messages_survive_a_restart_and_are_delivered_on_time(node):
     t_short = time.monotonic()
     ch.basic_publish(x, "k", b"short", delay_props(300))
     ch.basic_publish(x, "k", b"transient", delay_props(300, persistent=False))
+    gone = delayed_exchange(ch)  # not durable: it and its delay store do not survive the restart
+    ch.basic_publish(gone, "k", b"x", delay_props(60_000))
+    assert os.path.isdir(store_dir(node.data_dir, "/", gone))
     c.close()
     node.stop()
     time.sleep(max(0.0, t_short + 0.4 - time.monotonic()))  # "short" falls due while the node is down
@@ -254,6 +257,8 @@ def test_delayed_messages_survive_a_restart_and_are_delivered_on_time(node):
     for q in queues:  # right after start
         assert get_one(ch, q, timeout=1.0)[2] == b"short"
     assert time.monotonic() - started < 1.0
+    assert not os.path.exists(store_dir(node.data_dir, "/", gone))
+    assert os.path.isdir(store_dir(node.data_dir, "/", x))
     assert time.monotonic() < t_long + 4.0, "restart took too long for this test"
     arrivals = [Arrivals(c, q) for q in queues]
     for a in arrivals:
