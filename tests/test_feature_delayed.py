@@ -349,3 +349,30 @@ def test_due_messages_forwarded_to_a_restarting_shard_are_not_lost(node):
     # None lost. At least once: a copy the killed shard had stored but not yet confirmed comes twice.
     assert sorted(set(seen)) == list(range(n))
     c.close()
+
+
+def test_a_burst_falling_due_at_once_is_routed_whole(node):
+    """More messages due at once than one loop turn routes (2,000; here: all fell due while the
+    node was down), to queues on both shards: the rest follows in the next turns, none is lost
+    or doubled."""
+    c = node.connect()
+    ch = c.channel()
+    x = delayed_exchange(ch, "fanout", durable=True)
+    queues = [bound_queue(ch, x, "", durable=True, name=name_on(s, "bq")) for s in (0, 1)]
+    n = 2500
+    props = delay_props(200)
+    for i in range(n):
+        ch.basic_publish(x, "", b"%d" % i, props)
+    ch.confirm_delivery()
+    ch.basic_publish(x, "", b"last", delay_props(200))  # confirmed: every earlier publish is stored
+    c.close()
+    node.restart()
+    assert "more follow" in node.log_text()
+    c = node.connect()
+    ch = c.channel()
+    for q in queues:
+        wait_count(ch, q, n + 1)
+    time.sleep(0.3)
+    for q in queues:
+        assert count(ch, q) == n + 1
+    c.close()
