@@ -130,8 +130,9 @@ def with_delay(props_raw: bytes, value: int) -> bytes:
     """Properties with the x-delay header set to ``value`` (signed int, as RabbitMQ's plugin sets it).
 
     The raw headers table is spliced: only that entry changes, every other property and
-    header keeps its exact bytes (re-encoding with pamqp would fail on some values it decodes,
-    such as byte arrays). ValueError if there is no headers table or it is malformed.
+    header keeps its exact bytes (pamqp cannot re-encode some values it decodes, such as a
+    non-UTF-8 long string, and re-encoding changes integer widths and key order). ValueError
+    if there is no headers table or it is malformed.
     """
     pos = headers_offset(props_raw)
     if pos is None or pos + 4 > len(props_raw):

@@ -12,14 +12,17 @@ import hashlib
 import json
 import os
 import signal
+import struct
 import time
 from decimal import Decimal
 
 import pika
 import pytest
 
+from broker.amqp.properties import decode_properties
 from broker.definitions import queue_shard
 from broker.routing import delay_store_shard
+from frontend.publish_extras import delay_ms, with_delay
 from tests.helpers import WAIT, count, get_one, uid, wait_count
 
 ON_TIME_S = 0.1  # the issue's "delivered on time to within 0.1 s"
@@ -100,7 +103,7 @@ def test_confirm_arrives_before_delivery(shared_node, ch):
     x = delayed_exchange(ch, durable=True)
     q = bound_queue(ch, x, durable=True)
     t0 = time.monotonic()
-    # A byte-array header pamqp could not re-encode: x-delay is spliced into the raw table.
+    # Other headers keep their bytes: x-delay is spliced into the raw table.
     ch.basic_publish(x, "k", b"later", delay_props(1500, bin=b"\x00\xff"))  # returns once basic.ack is in
     confirmed = time.monotonic() - t0
     assert confirmed < 1.0
@@ -108,6 +111,21 @@ def test_confirm_arrives_before_delivery(shared_node, ch):
     _m, props, body = get_one(ch, q)
     assert body == b"later" and time.monotonic() - t0 >= 1.5
     assert props.headers["x-delay"] == -1500 and props.headers["bin"] == b"\x00\xff"
+
+
+def test_negating_x_delay_keeps_every_other_property_byte_for_byte():
+    """A non-UTF-8 longstr header decodes to bytes, which pamqp cannot encode again; the splice
+    never re-encodes anything but the x-delay entry."""
+    entries = (b"\x03raw" + b"S" + struct.pack(">I", 2) + b"\xff\xfe"
+               + b"\x07x-delay" + b"I" + struct.pack(">i", 300)
+               + b"\x01z" + b"l" + struct.pack(">q", 7))
+    raw = b"\xb0\x00" + b"\x0atext/plain" + struct.pack(">I", len(entries)) + entries + b"\x02"
+    assert delay_ms(raw) == 300
+    out = with_delay(raw, -300)
+    assert out == raw.replace(b"I" + struct.pack(">i", 300), b"I" + struct.pack(">i", -300))
+    big = with_delay(raw, -(2 ** 32 - 1))
+    assert decode_properties(big).headers["x-delay"] == -(2 ** 32 - 1)
+    assert decode_properties(big).delivery_mode == 2 and decode_properties(big).content_type == "text/plain"
 
 
 # ------------------------------------------------------------------ routing
