@@ -10,8 +10,9 @@ whose record timestamp is the **due time** (wall-clock ms), not the arrival
 time: recovery needs no header decoding and never disagrees with what the
 publish decided.
 
-In memory there is one heap of ``(due_ms, seq, store, msg_id)`` for the whole
-shard and at most one useful entry in the shard's ``TimerHeap``. When it
+In memory there is one heap for the whole shard, of one int per pending message
+(``due_ms << 96 | store number << 64 | msg_id``, about 52 bytes, a third of a
+tuple's cost), and at most one useful entry in the shard's ``TimerHeap``. When it
 fires, every due message is read back from its store and routed through the
 shard's replica of the definitions (the exchange routes as its
 ``x-delayed-type``), with its CC/BCC keys, by ``ShardWorker.route_to_queues``,
@@ -48,13 +49,20 @@ log = logging.getLogger("shardmq.shard")
 # acks and publishes instead of holding the loop (2,000 routings take a few ms).
 _ROUTE_PER_TURN = 2000
 
+# Heap keys: due_ms << 96 | store number << 64 | msg_id (segment << 32 | position).
+_DUE_SHIFT = 96
+_NO_SHIFT = 64
+_NO_MASK = (1 << 32) - 1
+_ID_MASK = (1 << 64) - 1
+
 
 class DelayStore:
     """The pending delayed messages of one exchange."""
 
-    __slots__ = ("vhost", "exchange", "durable", "store", "pending", "deleted")
+    __slots__ = ("no", "vhost", "exchange", "durable", "store", "pending", "deleted")
 
-    def __init__(self, vhost: str, exchange: str, durable: bool, store: QueueStore) -> None:
+    def __init__(self, no: int, vhost: str, exchange: str, durable: bool, store: QueueStore) -> None:
+        self.no = no  # its number in the heap keys
         self.vhost = vhost
         self.exchange = exchange
         self.durable = durable
@@ -82,8 +90,9 @@ class DelayedMessages:
     def __init__(self, worker: ShardWorker) -> None:
         self.worker = worker
         self.stores: dict[tuple[str, str], DelayStore] = {}
-        self._heap: list[tuple[int, int, DelayStore, int]] = []
-        self._seq = itertools.count()
+        self._heap: list[int] = []  # due_ms << 96 | store no << 64 | msg_id
+        self._by_no: dict[int, DelayStore] = {}
+        self._store_no = itertools.count(1)
         self._armed_at: int | None = None  # due time of our earliest TimerHeap entry
         self._peers_up: set[int] = set()
         # Recovered messages may be due at once; they wait until every peer shard has loaded
@@ -113,16 +122,17 @@ class DelayedMessages:
         self._check_peers()
         if self._heap:
             log.info("shard %d: %d delayed messages recovered", worker.index, len(self._heap))
-            self._arm(self._heap[0][0])
+            self._arm(self._heap[0] >> _DUE_SHIFT)
 
     def _open(self, vhost: str, exchange: str, durable: bool) -> DelayStore:
         path = queue_dir(self._root(), vhost, exchange)
         store = QueueStore(path, segment_size=int(self.worker.settings.get("segment_size", 8 << 20)))
-        ds = self.stores[(vhost, exchange)] = DelayStore(vhost, exchange, durable, store)
+        no = next(self._store_no)
+        ds = self.stores[(vhost, exchange)] = self._by_no[no] = DelayStore(no, vhost, exchange, durable, store)
         heap = self._heap
-        seq = self._seq
+        tag = no << _NO_SHIFT
         while (msg := store.shift()) is not None:
-            heap.append((msg[2], next(seq), ds, msg[0]))
+            heap.append(msg[2] << _DUE_SHIFT | tag | msg[0])
             ds.pending += 1
         heapq.heapify(heap)
         return ds
@@ -163,7 +173,7 @@ class DelayedMessages:
         msg_id = store.append(due, 1 if persistent else 0, exchange, routing_key, props_raw, body)
         store.shift()  # cursor past it: records are removed in due order, not append order
         ds.pending += 1
-        heapq.heappush(self._heap, (due, next(self._seq), ds, msg_id))
+        heapq.heappush(self._heap, due << _DUE_SHIFT | ds.no << _NO_SHIFT | msg_id)
         self._arm(due)
         sync = store if persistent and ds.durable and worker._fsync else None
         worker.confirm_stored(fe, conn_id, channel, seq, sync)
@@ -187,14 +197,18 @@ class DelayedMessages:
         after_sync: dict[DelayStore, list[int]] = {}
         budget = _ROUTE_PER_TURN
         more = False
-        while heap and heap[0][0] <= now:
+        limit = (now + 1) << _DUE_SHIFT  # keys below it are due
+        by_no = self._by_no
+        while heap and heap[0] < limit:
             budget -= 1
             if budget < 0:
                 more = True
                 break
-            _due, _seq, ds, msg_id = heapq.heappop(heap)
-            if ds.deleted:
-                continue
+            key = heapq.heappop(heap)
+            ds = by_no.get((key >> _NO_SHIFT) & _NO_MASK)
+            if ds is None:
+                continue  # its exchange was deleted
+            msg_id = key & _ID_MASK
             try:
                 _ts, flags, exchange, routing_key, props, body = ds.store.read(msg_id)
             except KeyError:
@@ -215,8 +229,8 @@ class DelayedMessages:
             log.debug("shard %d: %d due delayed messages routed this turn, more follow", worker.index,
                       _ROUTE_PER_TURN)
             worker.loop.call_soon(self._fire, None)
-        elif heap and (self._armed_at is None or heap[0][0] < self._armed_at):
-            self._arm(heap[0][0])
+        elif heap and (self._armed_at is None or heap[0] >> _DUE_SHIFT < self._armed_at):
+            self._arm(heap[0] >> _DUE_SHIFT)
 
     def _route(self, vhost: str, flags: int, exchange: str, routing_key: str, props: bytes, body: bytes,
                seq: int) -> tuple[bool, dict[int, list]]:
@@ -278,9 +292,11 @@ class DelayedMessages:
     def _drop(self, gone: list[DelayStore]) -> None:
         for ds in gone:
             ds.deleted = True
+            del self._by_no[ds.no]
             self.worker.forget_store(ds.store)
             ds.store.delete()
-        self._heap = [e for e in self._heap if not e[2].deleted]
+        by_no = self._by_no
+        self._heap = [k for k in self._heap if (k >> _NO_SHIFT) & _NO_MASK in by_no]
         heapq.heapify(self._heap)
 
     # -------------------------------------------------------------- durability
