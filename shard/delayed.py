@@ -189,9 +189,9 @@ class DelayedMessages:
         if at is not None and at == self._armed_at:
             self._armed_at = None
         heap = self._heap
-        if not self._peers_ready:
-            return  # peer_up fires again once every peer is ready
         worker = self.worker
+        if not self._peers_ready or worker._stopping:
+            return  # peer_up fires again once every peer is ready; a stopping shard routes nothing
         now = now_ms()
         done: dict[DelayStore, list[int]] = {}
         after_sync: dict[DelayStore, list[int]] = {}
