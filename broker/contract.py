@@ -42,7 +42,7 @@ from typing import Any
 
 import msgpack
 
-VERSION = 1
+VERSION = 2  # 2: DELAYED_PUBLISH; shards confirm forwarded delayed messages
 
 # --------------------------------------------------------------------------
 # Control plane: node <-> every worker (node.sock)
