@@ -14,11 +14,16 @@ Sockets (all ``ipc://`` under the node's run directory):
   with its worker id as identity. Data traffic: publishes, consumes, acks
   one way; deliveries, confirms, replies the other way. Every other shard
   connects a DEALER too (identity ``sh-M``) and sends PUBLISH items only:
-  dead-lettered messages whose target queues live on shard N, and messages of
-  a deduplicating exchange that shard M owns (M also connects one to itself
-  for those). Their header is ``[target_epoch, seq]`` like a frontend's
-  (epochs from SNAPSHOT and SHARD_UP); PROCESSED answers are ignored by the
-  sending shard, CONFIRMs settle the forwarded exchange publishes.
+  dead-lettered messages and due delayed messages whose target queues live on
+  shard N, and messages of a deduplicating exchange that shard M owns (M also
+  connects one to itself for those). Their header is ``[target_epoch, seq]``
+  like a frontend's (epochs from SNAPSHOT and SHARD_UP); PROCESSED answers are
+  ignored by the sending shard. Publishes a shard must see stored (due delayed
+  messages, forwarded deduplicating-exchange publishes) carry conn_id 0, the
+  channel PEER_CHANNEL_DELAYED or PEER_CHANNEL_DEDUP and the sending shard's own
+  confirm_seq; shard N answers CONFIRM/CONFIRM_NACK to shard M exactly as to a
+  frontend, and the channel tells M which of its parts waits for the answer.
+  Dead letters carry no confirm fields.
 
 One ZeroMQ message is one *batch*: ``msgpack([header, items])``. Items are
 lists whose first element is a kind (small int). Senders collect items during
@@ -41,7 +46,7 @@ from typing import Any
 
 import msgpack
 
-VERSION = 1
+VERSION = 2  # 2: DELAYED_PUBLISH; shards confirm forwarded delayed messages
 
 # --------------------------------------------------------------------------
 # Control plane: node <-> every worker (node.sock)
@@ -91,8 +96,9 @@ QUERY_OPS = (
 # --------------------------------------------------------------------------
 # Data plane: frontend -> shard (shard-N.sock)
 # --------------------------------------------------------------------------
-# PUBLISH: a message routed to one or more queues of this shard (from a frontend, or a dead
-# letter from another shard: then conn_id/channel/confirm_seq are None).
+# PUBLISH: a message routed to one or more queues of this shard (from a frontend; or from another
+# shard: a dead letter with conn_id/channel/confirm_seq None, or a due delayed message with
+# conn_id 0, channel 0 and that shard's confirm_seq).
 #   [PUBLISH, vhost, queues(list[str]), exchange, routing_key, props_raw(bytes), body(bytes),
 #    persistent(bool), conn_id|None, channel|None, confirm_seq|None]
 # conn_id/channel/seq are set when the channel is in confirm mode; the shard answers CONFIRM
@@ -116,6 +122,15 @@ CREDIT = 31  # [CREDIT, conn_id, channel, consumer_tag, n]  frontend wrote n del
 # QUEUE_INFO: [QUEUE_INFO, req_id, vhost, queue] -> REPLY_DATA {"messages", "consumers"}. Asked on the
 # data path (not through the node) so the counts include every publish this frontend sent before.
 QUEUE_INFO = 32
+# DELAYED_PUBLISH: a message for a delayed exchange with a positive x-delay, sent to the shard that
+# keeps that exchange's delay store (routing.delay_store_shard). Publish lane, like PUBLISH.
+#   [DELAYED_PUBLISH, vhost, exchange, routing_key, props_raw(bytes), body(bytes), persistent(bool),
+#    delay_ms(int > 0), conn_id|None, channel|None, confirm_seq|None]
+# props_raw already carries x-delay = -delay_ms (what the consumer sees, as RabbitMQ's plugin) and
+# keeps CC/BCC: they are applied when the message is routed at its due time. CONFIRM is sent once
+# the message is in the delay store (synced first when persistent and the exchange durable).
+DELAYED_PUBLISH = 33
+
 # DEDUP_PUBLISH: a publish to a deduplicating exchange (x-message-deduplication), sent by the
 # frontend to the exchange's owner shard (broker.dedup.exchange_shard) only, instead of PUBLISHes
 # (also by a shard dead-lettering to such an exchange, over its peer DEALER, unconfirmed):
@@ -124,10 +139,15 @@ QUEUE_INFO = 32
 # key: the dedup header's value (str, bytes, int, or a tagged str for other field types), None
 # when the message has none; ttl_ms: how long the key is remembered (None = until evicted);
 # groups: [[shard, [queue, ...]], ...] the routed queues by shard. The owner drops a duplicate
-# and forwards the rest as PUBLISH items (conn_id 0, channel 0, seq = owner token) to those
+# and forwards the rest as PUBLISH items (conn_id 0, channel PEER_CHANNEL_DEDUP, seq = owner token) to those
 # shards, itself included; they answer CONFIRM to the owner's sh-N identity, and the owner
 # answers the frontend's confirm_seq once all of them have (one CONFIRM or CONFIRM_NACK).
 DEDUP_PUBLISH = 34
+
+# Channel numbers of the confirmed PUBLISH items a shard sends to another shard (conn_id 0): the
+# CONFIRM answers come back to the sender's peer DEALER and are told apart by this number.
+PEER_CHANNEL_DEDUP = 0
+PEER_CHANNEL_DELAYED = 1
 
 # --------------------------------------------------------------------------
 # Data plane: shard -> frontend

@@ -11,6 +11,11 @@ import shutil
 
 log = logging.getLogger("shardmq.datadir")
 
+# Delay stores of delayed exchanges: <data>/delayed/<sha1(vhost)>/<sha1(exchange)>/ (shard/delayed.py).
+# Outside the vhost directories, so no queue name can collide with them and remove_stale_queues
+# leaves them alone.
+DELAYED_DIR = "delayed"
+
 
 class DataDirLocked(RuntimeError):
     pass
@@ -72,4 +77,25 @@ class DataDir:
                     removed += 1
         if removed:
             log.info("removed %d queue directories of non-durable or deleted queues", removed)
+        return removed
+
+    def remove_stale_delay_stores(self, keep: set[tuple[str, str]]) -> int:
+        """Delete delay stores whose exchange is gone (non-durable exchanges of the last run)."""
+        root = os.path.join(self.path, DELAYED_DIR)
+        if not os.path.isdir(root):
+            return 0
+        wanted: dict[str, set[str]] = {}
+        for vhost, exchange in keep:
+            wanted.setdefault(name_hash(vhost), set()).add(name_hash(exchange))
+        removed = 0
+        for entry in os.scandir(root):
+            if not entry.is_dir():
+                continue
+            keep_x = wanted.get(entry.name, set())
+            for xentry in os.scandir(entry.path):
+                if xentry.is_dir() and xentry.name not in keep_x:
+                    shutil.rmtree(xentry.path, ignore_errors=True)
+                    removed += 1
+        if removed:
+            log.info("removed %d delay stores of non-durable or deleted exchanges", removed)
         return removed

@@ -138,7 +138,7 @@ BindingKey = tuple  # (source, dest_kind, dest, routing_key, normalized argument
 
 class Exchange:
     __slots__ = ("name", "type", "durable", "auto_delete", "internal", "arguments", "table", "alternate",
-                 "bindings", "needs_headers", "delayed", "dedup")
+                 "bindings", "needs_headers", "delayed", "dedup", "extras")
 
     def __init__(self, name: str, type: str, durable: bool, auto_delete: bool, internal: bool,
                  arguments: dict) -> None:
@@ -163,7 +163,11 @@ class Exchange:
         eff = effective_exchange_arguments(self.arguments, policy)
         alt = eff.get("alternate-exchange")
         self.alternate = alt if isinstance(alt, str) else None
-        self.delayed = self.type == DELAYED_TYPE or eff.get("delayed-message") is True
+        # LavinMQ's x-delayed-exchange argument makes any exchange type delayed, as the policy key does.
+        self.delayed = (self.type == DELAYED_TYPE or eff.get("delayed-message") is True
+                        or eff.get("x-delayed-exchange") is True)
+        # One test on the plain publish path covers every exchange feature handled by the frontend.
+        self.extras = self.delayed or self.dedup is not None
 
     def attrs(self) -> dict:
         return {"type": self.type, "durable": self.durable, "auto_delete": self.auto_delete,

@@ -74,6 +74,8 @@ class Node:
         # After load only durable queues exist: every other queue directory is left over.
         self.datadir.remove_stale_queues(
             {(v.name, q) for v in self.defs.vhosts.values() for q in v.queues})
+        self.datadir.remove_stale_delay_stores(
+            {(v.name, x) for v in self.defs.vhosts.values() for x in v.exchanges})
         ctx = zmq.Context.instance()
         sock = make_socket(ctx, zmq.ROUTER)
         sock.bind(contract.node_address(self.datadir.run_dir))
@@ -181,6 +183,12 @@ class Node:
             return
         settings = dataclasses.asdict(self.settings)
         self.ctl.put(ident, [contract.SNAPSHOT, self.defs.version, self.defs.to_dict(), self.epochs, settings])
+        if w.role == "shard":
+            # Shards that came up before this one said hello: it would not hear of them otherwise, and
+            # it must know its peers are ready before it forwards recovered delayed messages to them.
+            for x in self.sup.workers:
+                if x.role == "shard" and x is not w and x.connected and x.applied >= 0:
+                    self.ctl.put(ident, [contract.SHARD_UP, x.index, self.epochs[x.index]])
         w.connected = True
 
     def _shard_up(self, w: WorkerProcess) -> None:

@@ -379,6 +379,15 @@ def delayed_type_error(arguments: dict | None) -> str | None:
     return "Invalid argument, 'x-delayed-type' must be an existing exchange type"
 
 
+def delay_store_shard(vhost: str, exchange: str, shard_count: int) -> int:
+    """The shard that keeps the delayed messages of an exchange (frontend and shards agree on it).
+
+    Computed, not stored: after a restart with another shard count the new owner opens the
+    store, whose directory does not depend on the count (shard/delayed.py).
+    """
+    return zlib.crc32(f"{vhost}\0{exchange}".encode()) % max(1, shard_count)
+
+
 def routing_type(exchange_type: str, arguments: dict | None = None) -> str:
     """The type whose table routes for an exchange (a delayed exchange routes as its x-delayed-type)."""
     if exchange_type == DELAYED_TYPE:

@@ -32,6 +32,7 @@ from broker.amqp.encoder import encode_content, encode_deliver, encode_method
 from broker.amqp.errors import AMQPChannelError, AMQPConnectionError, AMQPError
 from broker.amqp.properties import decode_properties, delivery_mode
 from broker.consumer_args import check_consume_arguments
+from broker.routing import delay_store_shard
 from frontend.backlog import Backlog
 from frontend.confirms import ConfirmTracker
 from frontend.dedup_publish import publish_dedup
@@ -39,11 +40,13 @@ from frontend.delivery_tags import DeliveryTags, group_by_shard
 from frontend.direct_reply import PREFIX as REPLY_PREFIX
 from frontend.direct_reply import PSEUDO_QUEUE, new_reply_name, route_reply
 from frontend.publish_extras import (
+    MAX_DELAY_MS,
     delay_ms,
     may_have_cc,
     may_reply_to_pseudo_queue,
     reply_to_of,
     sender_routes,
+    with_delay,
     with_reply_to,
     with_timestamp,
 )
@@ -60,6 +63,7 @@ CLOSING = 2  # we sent channel.close and wait for close-ok
 CLOSED = 3
 
 _PUBLISH = contract.PUBLISH
+_DELAYED_PUBLISH = contract.DELAYED_PUBLISH
 _QUEUE_INFO = contract.QUEUE_INFO
 _NO_PROPS = b"\x00\x00"  # property flags: none
 _MODE_ONLY = b"\x10\x00"  # property flags: delivery-mode only
@@ -286,7 +290,7 @@ class Channel:
         except ValueError as exc:
             raise AMQPConnectionError(SYNTAX_ERROR, f"malformed content properties: {exc}", 60, 40) from None
         # Plain path: one flag test. 0x22 = headers (CC/BCC) or reply-to (direct reply-to) present.
-        if self.extras or ex.delayed or ex.dedup or (props_raw and props_raw[0] & 0x22 and (
+        if self.extras or ex.extras or (props_raw and props_raw[0] & 0x22 and (
                 may_have_cc(props_raw) or may_reply_to_pseudo_queue(props_raw))):
             props_raw, queues = self._publish_extras(ex, ev, props_raw)
             if queues is None:
@@ -333,23 +337,30 @@ class Channel:
         """CC/BCC, server timestamp, delayed and deduplicating exchanges: (properties, queues, or
         None when the message was handed to a shard)."""
         conn = self.conn
+        delay = 0
         try:
+            if ex.delayed:
+                delay = delay_ms(props_raw) or 0
+                if not 0 < delay <= MAX_DELAY_MS:
+                    delay = 0
             if conn.worker.settings.get("set_timestamp"):
                 props_raw = with_timestamp(props_raw)
             keys: list[str] = []
-            if may_have_cc(props_raw):
+            if not delay and may_have_cc(props_raw):  # a delayed message's CC/BCC apply when it is due
                 props_raw, keys = sender_routes(props_raw)
             if may_reply_to_pseudo_queue(props_raw) and reply_to_of(props_raw) == PSEUDO_QUEUE:
                 if self.reply_consumer is None:
                     raise AMQPChannelError(PRECONDITION_FAILED, "fast reply consumer does not exist", 60, 40)
                 props_raw = with_reply_to(props_raw, self.reply_consumer[1])
+            if delay:
+                # Delivered with x-delay negated, as RabbitMQ's plugin does (so an exchange further
+                # down never delays it again, and consumers can tell it was delayed).
+                props_raw = with_delay(props_raw, -delay)
         except ValueError as exc:
             raise AMQPConnectionError(SYNTAX_ERROR, f"malformed content properties: {exc}", 60, 40) from None
-        if ex.delayed:
-            delay = delay_ms(props_raw)
-            if delay is not None and delay > 0:
-                self._publish_delayed(ex, ev, props_raw, delay)
-                return props_raw, None
+        if delay:
+            self._publish_delayed(ev, props_raw, delay)
+            return props_raw, None
         route = conn.worker.defs.route
         vhost = conn.vhost
         queues = route(vhost, ev.exchange, ev.routing_key, props_raw)
@@ -363,8 +374,25 @@ class Channel:
             return props_raw, None
         return props_raw, queues
 
-    def _publish_delayed(self, ex: Any, ev: E.Publish, props_raw: bytes, delay: int) -> None:
-        raise AMQPConnectionError(NOT_IMPLEMENTED, "x-delay is not supported yet", 60, 40)
+    def _publish_delayed(self, ev: E.Publish, props_raw: bytes, delay: int) -> None:
+        """Hand the message to the shard keeping this exchange's delay store (shard/delayed.py).
+
+        ``mandatory`` is not honoured: whether it is routable is known only when it is due
+        (RabbitMQ's plugin does the same).
+        """
+        conn = self.conn
+        worker = conn.worker
+        shard = delay_store_shard(conn.vhost, ev.exchange, worker.shard_count)
+        persistent = delivery_mode(props_raw) == 2
+        confirm = self.confirm
+        if confirm is None:
+            worker.shard_put(shard, [_DELAYED_PUBLISH, conn.vhost, ev.exchange, ev.routing_key, props_raw, ev.body,
+                                     persistent, delay, None, None, None])
+        else:
+            seq = confirm.publish(1)
+            worker.shard_put(shard, [_DELAYED_PUBLISH, conn.vhost, ev.exchange, ev.routing_key, props_raw, ev.body,
+                                     persistent, delay, conn.conn_id, self.number, seq])
+            conn.confirm_shards.add(shard)
 
     def _check_user_id(self, user_id: str | None) -> None:
         """RabbitMQ's validated user-id: a publish may only claim the user it authenticated as."""

@@ -170,7 +170,8 @@ class ExchangeDedup:
                 continue
             # conn_id/channel 0 + seq = token: the shard answers CONFIRM [0, 0, [token]] to us.
             sock.put(None, [contract.PUBLISH, vhost, names, exchange, routing_key, props_raw, body, persistent,
-                            None if token is None else 0, None if token is None else 0, token])
+                            None if token is None else 0,
+                            None if token is None else contract.PEER_CHANNEL_DEDUP, token])
 
     def dead_letter(self, x: Any, vhost: str, routing_key: str, props_raw: bytes, body: bytes, persistent: bool,
                     queues: list[str]) -> None:
@@ -220,7 +221,7 @@ class ExchangeDedup:
         if self._self_socket is None:
             sock = make_socket(worker.ctx, zmq.DEALER, worker.ident)
             sock.connect(contract.shard_address(worker.run_dir, worker.index))
-            self._self_socket = BatchSocket(worker.loop, sock, self.peer_handler(worker.index),
+            self._self_socket = BatchSocket(worker.loop, sock, worker.on_peer_answers(worker.index),
                                             header_for=self._self_header)
         return self._self_socket
 
@@ -229,17 +230,10 @@ class ExchangeDedup:
         return [self.worker.epoch, self._self_seq]
 
     # ------------------------------------------------------------------ answers
-    def peer_handler(self, shard: int):
-        """The callback for the DEALER to `shard`: its CONFIRMs settle forwarded publishes."""
-        def on_batch(_ident: bytes | None, _header: Any, items: list) -> None:
-            for item in items:
-                kind = item[0]
-                if kind == contract.CONFIRM or kind == contract.CONFIRM_NACK:
-                    ok = kind == contract.CONFIRM
-                    for token in item[3]:
-                        self._settle(token, shard, ok)
-                # PROCESSED: nothing waits on it
-        return on_batch
+    def peer_confirmed(self, shard: int, tokens: list[int], ok: bool) -> None:
+        """`shard`'s CONFIRM (ok) or CONFIRM_NACK for forwarded publishes (ShardWorker.on_peer_answers)."""
+        for token in tokens:
+            self._settle(token, shard, ok)
 
     def shard_up(self, shard: int) -> None:
         """`shard` restarted: what it had not confirmed is lost, so those publishes are nacked."""

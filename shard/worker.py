@@ -26,6 +26,7 @@ from shard.ack_timeouts import AckTimeouts
 from shard.consumers import ChannelRef, Consumer
 from shard.deadletter import dead_letter_props, has_dlx_header, has_expiration, is_cycle
 from shard.dedup import ExchangeDedup
+from shard.delayed import DelayedMessages
 from shard.feature_queue import EXPIRING_MARK, FeatureQueue, needs_features
 from shard.priority_store import open_store
 from shard.queue import Queue
@@ -72,6 +73,7 @@ class ShardWorker:
         self._sync_waiting: list[tuple[bytes, int, int, int]] = []
         self._sync_stores: set[QueueStore] = set()
         self._sync_running = False
+        self._after_sync: list[Callable[[], None]] = []  # run once the next group sync is done
         self._confirms: dict[tuple[bytes, int, int], list[int]] = {}
         self.stopped = asyncio.Event()
         self._stopping = False
@@ -91,6 +93,7 @@ class ShardWorker:
         # Caches of the deduplicating exchanges this shard owns (broker/dedup.py exchange_shard).
         self.exchange_dedup = ExchangeDedup(self)
         self.ack_timeouts: AckTimeouts | None = None  # consumer-argument and node-default timeouts
+        self.delayed = DelayedMessages(self)  # delay stores of delayed exchanges owned here
 
     # ------------------------------------------------------------------ startup
     async def start(self) -> None:
@@ -120,10 +123,12 @@ class ShardWorker:
             elif kind == contract.STOP:
                 self.loop.create_task(self.stop())
             elif kind == contract.SHARD_UP:
-                shard, epoch = int(item[1]), int(item[2])
-                if self.epochs.get(shard) != epoch:
-                    self.epochs[shard] = epoch
-                    self.exchange_dedup.shard_up(shard)
+                index, epoch = int(item[1]), int(item[2])
+                restarted = self.epochs.get(index) != epoch
+                self.epochs[index] = epoch
+                if restarted:
+                    self.exchange_dedup.shard_up(index)
+                self.delayed.peer_up(index, restarted)
             elif kind == contract.REPLY:
                 pass  # answers to our auto-delete requests need no action
 
@@ -141,6 +146,7 @@ class ShardWorker:
             for name, q in v.queues.items():
                 if q.shard == self.index:
                     self._open_queue(v.name, name)
+        self.delayed.load()
         self.node.put(None, [contract.APPLIED, version])
         log.info("shard %d (pid %d) ready: %d queues, epoch %d", self.index, os.getpid(),
                  len(self.queues), self.epoch)
@@ -160,6 +166,10 @@ class ShardWorker:
                     self._open_queue(vhost, name)
             elif kind == "queue.delete":
                 self._delete_queue(op[1], op[2])
+            elif kind == "exchange.delete":
+                self.delayed.exchange_deleted(op[1], op[2])
+            elif kind == "vhost.delete":
+                self.delayed.vhost_deleted(op[1])
             elif kind in POLICY_OPS:
                 self._apply_policies(op[1])
         self.node.put(None, [contract.APPLIED, version])
@@ -338,6 +348,8 @@ class ShardWorker:
                 return
             self.data.put(fe, [contract.REPLY_DATA, req_id, True, {"messages": q.purge()}])
             self._dirty_queues.add(q)
+        elif kind == contract.DELAYED_PUBLISH:
+            self.delayed.publish(fe, item)
         else:
             log.warning("shard %d: unknown item kind %r", self.index, kind)
 
@@ -473,12 +485,30 @@ class ShardWorker:
             self.exchange_dedup.dead_letter(x, vhost, rk, props, body, bool(flags & 1),
                                             [n for n in targets if not is_cycle(n, deaths)])
             return
-        remote: dict[int, list[str]] = {}
-        ts = int(time.time() * 1000)
+        names = []
         for name in targets:
             if is_cycle(name, deaths):
                 log.debug("shard %d: dead-letter cycle to %r dropped", self.index, name)
                 continue
+            names.append(name)
+        self.route_to_queues(vhost, names, flags, dlx, rk, props, body)
+
+    def route_to_queues(self, vhost: str, names: list[str] | tuple, flags: int, exchange: str, routing_key: str,
+                        props: bytes, body: bytes, confirm_seq: int | None = None) -> tuple[bool, dict[int, list]]:
+        """Append a message the shard republishes itself (a dead letter, a due delayed message).
+
+        Queues here get it appended, queues of other shards a PUBLISH over the peer DEALERs.
+        Returns (whether a local append is persistent into a durable queue and waits for the
+        next group sync, the PUBLISH item sent to each other shard). With ``confirm_seq`` the
+        other shards answer CONFIRM for it (see ``_on_peer``); without, a copy in flight to a
+        shard that is restarting is lost.
+        """
+        if len(props) > 1 and props[0] & 1:  # per-message TTL: plain queues here need FeatureQueue
+            self._upgrade_queues(vhost, list(names))
+        remote: dict[int, list[str]] = {}
+        ts = int(time.time() * 1000)
+        needs_sync = False
+        for name in names:
             defn = self.defs.queue(vhost, name)
             if defn is None:
                 continue
@@ -489,17 +519,48 @@ class ShardWorker:
             if target is None or target.deleted:
                 continue
             if target.__class__ is Queue:
-                target.store.append(ts, flags, dlx, rk, props, body)
-            elif not target.publish(ts, flags, dlx, rk, props, body):
+                target.store.append(ts, flags, exchange, routing_key, props, body)
+            elif not target.publish(ts, flags, exchange, routing_key, props, body):
                 continue
             self.mark_dirty(target)
             if flags & 1 and target.durable:
                 self._sync_stores.add(target.store)
+                needs_sync = True
+        sent: dict[int, list] = {}
+        conn_to, chan_to = (None, None) if confirm_seq is None else (0, contract.PEER_CHANNEL_DELAYED)
         for shard, names in remote.items():
             peer = self.peers.get(shard)
             if peer is not None:
-                peer.put(None, [contract.PUBLISH, vhost, names, dlx, rk, props, body, bool(flags & 1),
-                                None, None, None])
+                item = sent[shard] = [contract.PUBLISH, vhost, names, exchange, routing_key, props, body,
+                                      bool(flags & 1), conn_to, chan_to, confirm_seq]
+                peer.put(None, item)
+        return needs_sync and self._fsync, sent
+
+    def forward(self, shard: int, item: list) -> None:
+        """Send a PUBLISH item built by route_to_queues to that shard again (it restarted)."""
+        peer = self.peers.get(shard)
+        if peer is not None:
+            peer.put(None, item)
+
+    def confirm_stored(self, fe: bytes, conn_id: int | None, channel: int | None, seq: int | None,
+                       sync_store: QueueStore | None) -> None:
+        """A publish is stored: confirm it now, or after the next group sync of ``sync_store``."""
+        if sync_store is not None:
+            self._sync_stores.add(sync_store)
+            if seq is not None:
+                self._sync_waiting.append((fe, conn_id, channel, seq))
+                self._start_sync()
+        elif seq is not None:
+            self._confirms.setdefault((fe, conn_id, channel), []).append(seq)
+
+    def after_sync(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` once everything appended so far is durable (after the next group sync)."""
+        self._after_sync.append(callback)
+        self._start_sync()
+
+    def forget_store(self, store: QueueStore) -> None:
+        """A store is being deleted: the next group sync must not touch it."""
+        self._sync_stores.discard(store)
 
     def _connect_peers(self) -> None:
         for i in range(int(self.settings.get("shards", 1))):
@@ -508,9 +569,24 @@ class ShardWorker:
             sock = make_socket(self.ctx, zmq.DEALER, self.ident)
             sock.connect(contract.shard_address(self.run_dir, i))
             self._peer_seq[i] = 0
-            # Answers: PROCESSED (ignored) and CONFIRMs of forwarded deduplicating-exchange publishes.
-            self.peers[i] = BatchSocket(self.loop, sock, self.exchange_dedup.peer_handler(i),
-                                        header_for=self._peer_header(i))
+            self.peers[i] = BatchSocket(self.loop, sock, self.on_peer_answers(i), header_for=self._peer_header(i))
+
+    def on_peer_answers(self, shard: int) -> Callable[[bytes | None, object, list], None]:
+        """Answers of another shard (or our own, for dedup forwards) to our PUBLISH items.
+
+        CONFIRM/CONFIRM_NACK settle forwarded delayed messages or deduplicating-exchange publishes,
+        told apart by their channel (contract.PEER_CHANNEL_*); PROCESSED answers are ignored and dead
+        letters carry no confirm fields.
+        """
+        def on_batch(_ident: bytes | None, _header: object, items: list) -> None:
+            for item in items:
+                kind = item[0]
+                if kind == contract.CONFIRM or kind == contract.CONFIRM_NACK:
+                    if item[2] == contract.PEER_CHANNEL_DELAYED:
+                        self.delayed.peer_confirmed(shard, item[3])
+                    else:
+                        self.exchange_dedup.peer_confirmed(shard, item[3], kind == contract.CONFIRM)
+        return on_batch
 
     def _peer_header(self, shard: int) -> Callable[[bytes | None], list]:
         def header(_dest: bytes | None) -> list:
@@ -622,6 +698,7 @@ class ShardWorker:
             "sync_running": self._sync_running, "sync_waiting": len(self._sync_waiting),
             "sync_stores": len(self._sync_stores), "dirty": len(self._dirty_queues),
             "deliver_scheduled": self._deliver_scheduled,
+            "delayed": self.delayed.info(),
             "consumers": {f"{k[1]}/{k[2]}/{k[3]}": [c.credit, c.unacked, c.prefetch] for k, (_q, c)
                           in self.consumers.items()},
         }
@@ -666,19 +743,21 @@ class ShardWorker:
             put(fe, [contract.CONFIRM, conn_id, channel, seqs])
 
     def _start_sync(self) -> None:
-        if self._sync_running or not (self._sync_waiting or self._sync_stores):
+        if self._sync_running or not (self._sync_waiting or self._sync_stores or self._after_sync):
             return
         self._sync_running = True
         waiting = self._sync_waiting
         stores = self._sync_stores
+        after = self._after_sync
         self._sync_waiting = []
         self._sync_stores = set()
+        self._after_sync = []
         for store in stores:
             store.flush_acks()  # on the loop thread: the sync thread only fsyncs
         fut = self.loop.run_in_executor(None, _sync_all, list(stores))
-        fut.add_done_callback(lambda f: self._sync_done(f, waiting))
+        fut.add_done_callback(lambda f: self._sync_done(f, waiting, after))
 
-    def _sync_done(self, fut: asyncio.Future, waiting: list) -> None:
+    def _sync_done(self, fut: asyncio.Future, waiting: list, after: list) -> None:
         self._sync_running = False
         exc = fut.exception()
         if exc is not None:
@@ -686,6 +765,11 @@ class ShardWorker:
             for fe, conn_id, channel, seq in waiting:
                 self.data.put(fe, [contract.CONFIRM_NACK, conn_id, channel, [seq]])
         else:
+            for callback in after:
+                try:
+                    callback()
+                except Exception:
+                    log.exception("shard %d: after-sync callback failed", self.index)
             confirms = self._confirms
             for fe, conn_id, channel, seq in waiting:
                 key = (fe, conn_id, channel)
@@ -705,6 +789,7 @@ class ShardWorker:
                     self._sync_stores.add(q.store)
                 if isinstance(q, FeatureQueue) and q.count_returns:
                     q.save_returns()
+            self._sync_stores.update(self.delayed.dirty_stores())
             self._start_sync()
             self.loop.call_later(_PERIODIC_SYNC_S, self._periodic_sync)
 
@@ -717,7 +802,11 @@ class ShardWorker:
         for q in self.queues.values():
             if isinstance(q, FeatureQueue) and q.count_returns:
                 q.save_returns()
-        stores = [q.store for q in self.queues.values()]
+        after = self._after_sync
+        self._after_sync = []
+        for callback in after:  # the final sync below covers what they wait for
+            callback()
+        stores = [q.store for q in self.queues.values()] + self.delayed.all_stores()
         for store in stores:
             store.flush_acks()
         await self.loop.run_in_executor(None, _sync_all, stores)

@@ -167,3 +167,9 @@ def _checked_length(flags: int, data: bytes) -> None:
             pos += 8
         if pos > n:
             raise ValueError("property truncated")
+
+
+def headers_offset(props_raw: bytes) -> int | None:
+    """Offset of the headers table (its u32 length) in props_raw, None when absent. ValueError if truncated."""
+    flags, pos = _skip_to_headers(props_raw)
+    return pos if flags & _FLAG_HEADERS else None
