@@ -97,3 +97,18 @@ def test_priority_reader_truncated_raises_value_error(content_type, hdrs, mode, 
     for cut in range(2, len(raw)):
         with pytest.raises(ValueError):
             priority(raw[:cut])
+
+
+def test_a_long_string_that_is_not_utf8_survives_a_rewrite():
+    """pamqp decodes such a header to bytes and could not encode it back (TypeError)."""
+    import struct as _struct
+
+    from broker.amqp.properties import decode_properties, encode_properties
+
+    table = (b"\x01k" + b"S" + _struct.pack(">I", 2) + b"\xff\xfe"
+             + b"\x01a" + b"A" + _struct.pack(">I", 7) + b"S" + _struct.pack(">I", 2) + b"\x80x")
+    raw = _struct.pack(">HI", 0x2000, len(table)) + table
+    props = decode_properties(raw)
+    props.headers["added"] = 1
+    again = decode_properties(encode_properties(props))
+    assert again.headers == {"k": b"\xff\xfe", "a": [b"\x80x"], "added": 1}

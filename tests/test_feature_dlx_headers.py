@@ -160,3 +160,42 @@ def test_recovered_message_with_header_is_dead_lettered_after_restart(node):
     assert_dead(ch, dlq, b"later", "rejected", src, ex, "dead")
     assert count(ch, src) == 0
     conn.close()
+
+
+def test_rewrites_keep_a_header_that_is_not_utf8(shared_node, conn, ch):
+    """BCC stripping (frontend) and dead-lettering (shard) re-encode the properties; a long-string
+    ('S') header that is not UTF-8 comes out as it went in (pamqp alone raised TypeError)."""
+    import struct
+
+    from pamqp import commands as C
+    from pamqp import frame as pframe
+
+    from tests.raw_amqp import FrameClient
+
+    src, dlq, bcc = uid("src"), uid("dlq"), uid("bcc")
+    ch.queue_declare(dlq)
+    ch.queue_declare(bcc)
+    ch.queue_declare(src, arguments={"x-dead-letter-exchange": "", "x-dead-letter-routing-key": dlq})
+    # Built by hand: pamqp itself cannot encode the value.
+    bcc_value = b"A" + struct.pack(">I", 5 + len(bcc)) + b"S" + struct.pack(">I", len(bcc)) + bcc.encode()
+    table = b"\x03raw" + b"S" + struct.pack(">I", 2) + b"\xff\xfe" + b"\x03BCC" + bcc_value
+    props_raw = struct.pack(">HI", 0x2000, len(table)) + table
+    header = struct.pack(">HHQ", 60, 0, 1) + props_raw
+    raw = FrameClient(shared_node.port)
+    try:
+        raw.open_channel(1)
+        raw.send(1, C.Confirm.Select())
+        raw.expect(1, C.Confirm.SelectOk)
+        raw.sock.sendall(pframe.marshal(C.Basic.Publish(exchange="", routing_key=src), 1)
+                         + struct.pack(">BHI", 2, 1, len(header)) + header + b"\xce"
+                         + struct.pack(">BHI", 3, 1, 1) + b"m" + b"\xce")
+        raw.expect(1, C.Basic.Ack)
+    finally:
+        raw.close()
+    _m, props, _b = get_one(ch, bcc)
+    assert props.headers == {"raw": b"\xff\xfe"}  # BCC stripped, the rest kept
+    method, _p, _b = ch.basic_get(src, auto_ack=False)
+    ch.basic_reject(method.delivery_tag, requeue=False)
+    wait_count(ch, dlq, 1)
+    _m, props, _b = get_one(ch, dlq)
+    assert props.headers["raw"] == b"\xff\xfe" and props.headers["x-death"][0]["reason"] == "rejected"

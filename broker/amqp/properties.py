@@ -10,11 +10,27 @@ from __future__ import annotations
 import struct
 
 from pamqp import commands, decode
+from pamqp import encode as _pamqp_encode
 
 EMPTY_PROPS = b"\x00\x00"
 
 _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
+
+_pamqp_table_value = _pamqp_encode.encode_table_value
+
+
+def _table_value(value) -> bytes:
+    # pamqp decodes a long string ('S') that is not UTF-8 to bytes but cannot encode bytes back
+    # (TypeError): a valid message whose properties we must rewrite (BCC strip, x-death, timestamp,
+    # reply-to, x-delivery-count) would fail. Write such a value back as the 'S' it came as.
+    if value.__class__ is bytes:
+        return b"S" + _U32.pack(len(value)) + value
+    return _pamqp_table_value(value)
+
+
+# field_table and field_array look encode_table_value up as a module global on every value.
+_pamqp_encode.encode_table_value = _table_value
 
 _FLAG_CONTENT_TYPE = 0x8000
 _FLAG_CONTENT_ENCODING = 0x4000
