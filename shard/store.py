@@ -31,6 +31,7 @@ from shard.segment import (
     parse_name,
     read_acks,
 )
+from shard.segment_dir import SegmentDir
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +82,10 @@ def queue_dir(data_dir: str, vhost: str, name: str) -> str:
     return qdir
 
 
-class QueueStore:
+class QueueStore(SegmentDir):
     """The messages of one queue on disk. See the module docstring and docs/storage.md."""
+
+    SEGMENT_KINDS = ("msgs", "acks", "meta")
 
     def __init__(self, path: str, *, segment_size: int = 8 << 20, keep_transient: bool = False) -> None:
         self.path = path
@@ -506,21 +509,6 @@ class QueueStore:
             self._dir_dirty = True
         seg.unlink()
 
-    def _release(self, fds: list[int]) -> None:
-        """Close fds now, or after the running sync (which may be using them). Call with the lock held."""
-        self._deferred_close.extend(fds)
-        if not self._syncing:
-            self._close_deferred()
-
-    def _close_deferred(self) -> None:
-        fds = self._deferred_close
-        self._deferred_close = []
-        for fd in fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
     # ------------------------------------------------------------ recovery
     def _recover(self) -> None:
         """Load the segments in the dir; never raises on garbage files (the node must start)."""
@@ -672,19 +660,3 @@ class QueueStore:
             os.fsync(f.fileno())
         os.replace(tmp, seg.path("acks"))
         self._dir_dirty = True
-
-    def _set_aside(self, no: int) -> None:
-        """Rename an unreadable segment out of the way (kept for inspection, never loaded again)."""
-        for kind in ("msgs", "acks", "meta"):
-            name = f"{kind}.{no:010d}"
-            try:
-                os.replace(os.path.join(self.path, name), os.path.join(self.path, name + ".corrupt"))
-            except OSError:
-                pass
-        self._dir_dirty = True
-
-    def _unlink(self, name: str) -> None:
-        try:
-            os.unlink(os.path.join(self.path, name))
-        except OSError:
-            pass

@@ -29,6 +29,7 @@ import zlib
 
 from shard import record
 from shard.segment import DATA_START, FORMAT_VERSION, VERSION_HEADER, Segment
+from shard.segment_dir import SegmentDir
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +119,10 @@ class Cursor:
         self.offset = offset
 
 
-class StreamStore:
+class StreamStore(SegmentDir):
     """The log of one stream queue. See the module docstring and docs/storage.md."""
+
+    SEGMENT_KINDS = ("msgs", "smeta")
 
     def __init__(self, path: str, *, segment_size: int = 8 << 20, max_length: int | None = None,
                  max_bytes: int | None = None, max_age_s: int | None = None) -> None:
@@ -507,21 +510,6 @@ class StreamStore:
         except Exception:
             pass
 
-    def _release(self, fds: list[int]) -> None:
-        """Close fds now or after the running sync. Call with the lock held."""
-        self._deferred_close.extend(fds)
-        if not self._syncing:
-            self._close_deferred()
-
-    def _close_deferred(self) -> None:
-        fds = self._deferred_close
-        self._deferred_close = []
-        for fd in fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
     # ------------------------------------------------------------ recovery
     def _recover(self) -> None:
         """Load the segments; never raises on garbage files (the node must start)."""
@@ -620,18 +608,3 @@ class StreamStore:
         seg.used = result.end
         seg.count, seg.body_bytes, seg.first_ts, seg.last_ts = count, body, first_ts, last_ts
         return bool(result.reason)
-
-    def _set_aside(self, no: int) -> None:
-        for kind in ("msgs", "smeta"):
-            name = _name(kind, no)
-            try:
-                os.replace(os.path.join(self.path, name), os.path.join(self.path, name + ".corrupt"))
-            except OSError:
-                pass
-        self._dir_dirty = True
-
-    def _unlink(self, name: str) -> None:
-        try:
-            os.unlink(os.path.join(self.path, name))
-        except OSError:
-            pass

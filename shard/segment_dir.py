@@ -1,0 +1,53 @@
+"""What the on-disk stores (QueueStore, StreamStore) share about their directory of segment files.
+
+A sync runs in a worker thread and may still be using fds that the event loop has finished
+with (a sealed or dropped segment): those are closed only once no sync is running. Unreadable
+segments are renamed out of the way, never deleted, so they can be inspected.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+class SegmentDir:
+    """Base of a store owning one directory. Subclasses set ``path``, ``_dir_dirty``, ``_syncing``
+    and ``_deferred_close`` (both guarded by their ``_lock``) and name their per-segment file kinds
+    in ``SEGMENT_KINDS``."""
+
+    SEGMENT_KINDS: tuple[str, ...] = ()
+    path: str
+    _dir_dirty: bool
+    _syncing: int
+    _deferred_close: list[int]
+
+    def _release(self, fds: list[int]) -> None:
+        """Close fds now, or after the running sync (which may be using them). Call with the lock held."""
+        self._deferred_close.extend(fds)
+        if not self._syncing:
+            self._close_deferred()
+
+    def _close_deferred(self) -> None:
+        fds = self._deferred_close
+        self._deferred_close = []
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _set_aside(self, no: int) -> None:
+        """Rename an unreadable segment out of the way (kept for inspection, never loaded again)."""
+        for kind in self.SEGMENT_KINDS:
+            name = f"{kind}.{no:010d}"
+            try:
+                os.replace(os.path.join(self.path, name), os.path.join(self.path, name + ".corrupt"))
+            except OSError:
+                pass
+        self._dir_dirty = True
+
+    def _unlink(self, name: str) -> None:
+        try:
+            os.unlink(os.path.join(self.path, name))
+        except OSError:
+            pass
