@@ -33,6 +33,7 @@ import shutil
 import threading
 
 from broker.amqp.properties import priority as _priority
+from shard.segment_dir import MarkerFiles
 from shard.store import Message, QueueStore, Record
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ def open_store(path: str, arguments: dict | None, segment_size: int) -> QueueSto
     return PriorityStore(path, max_priority, segment_size=segment_size)
 
 
-class PriorityStore:
+class PriorityStore(MarkerFiles):
     """QueueStore's interface over one QueueStore per priority level (see the module docstring)."""
 
     def __init__(self, path: str, max_priority: int, *, segment_size: int = 8 << 20,
@@ -108,18 +109,6 @@ class PriorityStore:
     def levels(self) -> list[int]:
         """Levels with a store, highest first."""
         return [p for p, _ in self._order]
-
-    # ------------------------------------------------------------ markers
-    def has_marker(self, name: str) -> bool:
-        """Whether the empty marker file `name` exists in the queue directory."""
-        return os.path.exists(os.path.join(self.path, name))
-
-    def add_marker(self, name: str) -> None:
-        """Create the empty marker file `name`; durable with the next sync (its directory is synced)."""
-        path = os.path.join(self.path, name)
-        if not os.path.exists(path):
-            os.close(os.open(path, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o644))
-            self._dir_dirty = True
 
     # ------------------------------------------------------------ hot path
     def append(

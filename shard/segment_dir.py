@@ -10,7 +10,26 @@ from __future__ import annotations
 import os
 
 
-class SegmentDir:
+class MarkerFiles:
+    """Empty marker files in a store's directory (e.g. feature_queue.EXPIRING_MARK); needs ``path``
+    and ``_dir_dirty`` (the next sync then fsyncs the directory, which makes a new marker durable)."""
+
+    path: str
+    _dir_dirty: bool
+
+    def has_marker(self, name: str) -> bool:
+        """Whether the empty marker file `name` exists in the directory."""
+        return os.path.exists(os.path.join(self.path, name))
+
+    def add_marker(self, name: str) -> None:
+        """Create the empty marker file `name`; durable with the next sync."""
+        path = os.path.join(self.path, name)
+        if not os.path.exists(path):
+            os.close(os.open(path, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o644))
+            self._dir_dirty = True
+
+
+class SegmentDir(MarkerFiles):
     """Base of a store owning one directory. Subclasses set ``path``, ``_dir_dirty``, ``_syncing``
     and ``_deferred_close`` (both guarded by their ``_lock``) and name their per-segment file kinds
     in ``SEGMENT_KINDS``."""

@@ -131,18 +131,6 @@ class QueueStore(SegmentDir):
         return (self._wdirty or self._acks_dirty or self._dir_dirty or bool(self._sync_fds)
                 or bool(self._ack_pending))
 
-    # ------------------------------------------------------------ markers
-    def has_marker(self, name: str) -> bool:
-        """Whether the empty marker file `name` exists in the queue directory."""
-        return os.path.exists(os.path.join(self.path, name))
-
-    def add_marker(self, name: str) -> None:
-        """Create the empty marker file `name`; durable with the next sync (its directory is synced)."""
-        path = os.path.join(self.path, name)
-        if not os.path.exists(path):
-            os.close(os.open(path, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o644))
-            self._dir_dirty = True
-
     # ------------------------------------------------------------ hot path
     def append(
         self, ts_ms: int, flags: int, exchange: str, routing_key: str, props_raw: bytes, body: bytes
