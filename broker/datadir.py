@@ -63,18 +63,8 @@ class DataDir:
 
     def remove_stale_queues(self, keep: set[tuple[str, str]]) -> int:
         """Delete queue directories that no durable queue owns (transient queues of the last run)."""
-        wanted: dict[str, set[str]] = {}
-        for vhost, queue in keep:
-            wanted.setdefault(name_hash(vhost), set()).add(name_hash(queue))
-        removed = 0
-        for entry in os.scandir(self.path):
-            if not entry.is_dir() or len(entry.name) != 40 or not os.path.exists(os.path.join(entry.path, ".vhost")):
-                continue
-            keep_queues = wanted.get(entry.name, set())
-            for qentry in os.scandir(entry.path):
-                if qentry.is_dir() and qentry.name not in keep_queues:
-                    shutil.rmtree(qentry.path, ignore_errors=True)
-                    removed += 1
+        removed = _remove_unkept(self.path, keep, lambda e: len(e.name) == 40
+                                 and os.path.exists(os.path.join(e.path, ".vhost")))
         if removed:
             log.info("removed %d queue directories of non-durable or deleted queues", removed)
         return removed
@@ -84,18 +74,24 @@ class DataDir:
         root = os.path.join(self.path, DELAYED_DIR)
         if not os.path.isdir(root):
             return 0
-        wanted: dict[str, set[str]] = {}
-        for vhost, exchange in keep:
-            wanted.setdefault(name_hash(vhost), set()).add(name_hash(exchange))
-        removed = 0
-        for entry in os.scandir(root):
-            if not entry.is_dir():
-                continue
-            keep_x = wanted.get(entry.name, set())
-            for xentry in os.scandir(entry.path):
-                if xentry.is_dir() and xentry.name not in keep_x:
-                    shutil.rmtree(xentry.path, ignore_errors=True)
-                    removed += 1
+        removed = _remove_unkept(root, keep, lambda _e: True)
         if removed:
             log.info("removed %d delay stores of non-durable or deleted exchanges", removed)
         return removed
+
+
+def _remove_unkept(root: str, keep: set[tuple[str, str]], is_vhost_dir) -> int:
+    """Under root/<sha1(vhost)>/<sha1(name)>/, delete the name directories not in keep."""
+    wanted: dict[str, set[str]] = {}
+    for vhost, name in keep:
+        wanted.setdefault(name_hash(vhost), set()).add(name_hash(name))
+    removed = 0
+    for entry in os.scandir(root):
+        if not entry.is_dir() or not is_vhost_dir(entry):
+            continue
+        kept = wanted.get(entry.name, set())
+        for sub in os.scandir(entry.path):
+            if sub.is_dir() and sub.name not in kept:
+                shutil.rmtree(sub.path, ignore_errors=True)
+                removed += 1
+    return removed
