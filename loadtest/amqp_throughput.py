@@ -613,7 +613,8 @@ class ThroughputRun:
                 if any(st == _STATE_FAILED for st in states(range(n))):
                     break
                 time.sleep(0.005)
-            if any(st != _STATE_READY for st in states(range(n))):
+            # A consumer may drain a backlog and finish before "go" (pacing starts at go): DONE is ready too.
+            if any(st not in (_STATE_READY, _STATE_DONE) for st in states(range(n))):
                 sh.stop_pub.value = sh.stop_con.value = 1
                 collect(2.0)
                 self.errors += [r["error"] for r in results if r.get("error")]
