@@ -264,6 +264,8 @@ class Channel:
     # ------------------------------------------------------------- publish
     def publish(self, ev: E.Publish) -> None:
         conn = self.conn
+        if not conn.publisher:
+            conn.became_publisher()
         vhost = conn.vhost
         defs = conn.worker.defs
         exchange = ev.exchange

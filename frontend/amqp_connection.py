@@ -129,6 +129,9 @@ class AMQPConnection(asyncio.Protocol):
         self._credit: dict[tuple[int, int, str], int] = {}
         self._write_paused = False
         self._read_pause: set[str] = set()
+        # Set on the first basic.publish: only publishing connections are paused under shard
+        # back-pressure (as RabbitMQ's flow control), so consumers' acks are still read.
+        self.publisher = False
         self._close_after_flush = False
         self._released = False
         self._timer: asyncio.TimerHandle | None = None
@@ -198,6 +201,11 @@ class AMQPConnection(asyncio.Protocol):
         self._write_paused = False
         if self._credit:
             self._mark_dirty()
+
+    def became_publisher(self) -> None:
+        self.publisher = True
+        if self.worker.pressure:
+            self.pause_reading("pressure")
 
     def pause_reading(self, reason: str) -> None:
         if not self._read_pause and self.transport is not None and not self.transport.is_closing():

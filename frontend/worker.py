@@ -56,7 +56,7 @@ class FrontendWorker:
         self.control: list[BatchSocket] = []  # control lanes (see contract.CONTROL_LANE_KINDS)
         self._sent: list[int] = []  # last batch_seq flushed per shard
         self._processed: list[int] = []  # highest batch_seq a shard answered with PROCESSED
-        self.pressure = False  # reading paused on all clients: a shard is behind
+        self.pressure = False  # a shard is behind: reading paused on publishing connections
         self.node: BatchSocket | None = None
         self.server: asyncio.AbstractServer | None = None
         self.conns: dict[int, AMQPConnection] = {}
@@ -235,10 +235,10 @@ class FrontendWorker:
     def _set_pressure(self, on: bool) -> None:
         self.pressure = on
         for conn in self.conns.values():
-            if on:
-                conn.pause_reading("pressure")
-            else:
+            if not on:
                 conn.resume_reading("pressure")
+            elif conn.publisher:  # consumers keep being read: their acks are what relieves the shard
+                conn.pause_reading("pressure")
 
     def _update_pressure(self) -> None:
         sent = self._sent
@@ -254,8 +254,6 @@ class FrontendWorker:
 
     def add_connection(self, conn: AMQPConnection) -> None:
         self.conns[conn.conn_id] = conn
-        if self.pressure:
-            conn.pause_reading("pressure")
         if self._stopping:
             conn.fail(CONNECTION_FORCED, "broker shutdown")
 

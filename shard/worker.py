@@ -44,9 +44,11 @@ _FLOW_BACKLOG = 4 * contract.CREDIT_WINDOW  # ready messages before publishers a
 _FLOW_MAX_HOLD_S = 0.5
 
 
-def _waiting_for_credit(consumers: list) -> bool:
+def _consumer_waiting(consumers: list) -> bool:
+    """An active consumer that cannot take more now: out of credit, or at its prefetch limit (its
+    acks then have to get through while publishes flood the same processes)."""
     for c in consumers:
-        if c.credit <= 0 and c.active:
+        if c.active and not c.can_take():
             return True
     return False
 
@@ -685,7 +687,7 @@ class ShardWorker:
                 q.deliver(put)
                 delivered += ready - store.ready
                 store.flush_acks()
-                if store.ready > _FLOW_BACKLOG and q.consumers and _waiting_for_credit(q.consumers):
+                if store.ready > _FLOW_BACKLOG and q.consumers and _consumer_waiting(q.consumers):
                     behind = True
         self._behind = behind
         if self._held:

@@ -236,3 +236,22 @@ def test_error_from_reply_picks_level_by_code():
     exc = error_from_reply([530, "y", 0, 0], 60, 20)
     assert type(exc).__name__ == "AMQPConnectionError" and (exc.class_id, exc.method_id) == (60, 20)
     assert error_from_reply("garbage", 1, 2).code == 541
+
+
+def test_shard_paces_publishers_for_a_consumer_at_its_prefetch_limit_not_only_out_of_credit():
+    """shard.worker._consumer_waiting: the condition (besides a backlog) under which a shard holds
+    PROCESSED answers so that publishers slow down to what consumers take."""
+    from shard.consumers import ChannelRef, Consumer
+    from shard.worker import _consumer_waiting
+
+    chan = ChannelRef(b"fe-0", 1, 1)
+    c = Consumer(chan, "t", no_ack=False, exclusive=False, prefetch=10, arguments={})
+    assert not _consumer_waiting([c])  # room under its prefetch, credit left
+    c.unacked = 10
+    assert _consumer_waiting([c])  # at its prefetch limit: waits for its own acks
+    c.unacked, c.credit = 0, 0
+    assert _consumer_waiting([c])  # out of credit
+    c.credit, c.unacked, c.active = 5, 10, False
+    assert not _consumer_waiting([c])  # an idle single-active-consumer standby waits for nothing
+    free = Consumer(chan, "u", no_ack=True, exclusive=False, prefetch=0, arguments={})
+    assert not _consumer_waiting([free])
