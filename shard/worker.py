@@ -83,6 +83,7 @@ class ShardWorker:
         self._held: deque[tuple[float, bytes, int, int]] = deque()
         self._hold_timer_armed = False
         self._ready = asyncio.Event()
+        self._early: list[tuple] = []  # data batches that arrived before the snapshot
         self._node_req = 0
         self.node: BatchSocket | None = None
         self.data: BatchSocket | None = None
@@ -153,6 +154,9 @@ class ShardWorker:
         log.info("shard %d (pid %d) ready: %d queues, epoch %d", self.index, os.getpid(),
                  len(self.queues), self.epoch)
         self._ready.set()
+        early, self._early = self._early, []
+        for batch in early:
+            self._on_data(*batch)
         self._schedule_deliver_all()
         self.ack_timeouts.schedule()
 
@@ -233,6 +237,12 @@ class ShardWorker:
 
     # ------------------------------------------------------------------ data
     def _on_data(self, fe: bytes | None, header, items: list) -> None:
+        if self.defs is None:
+            # Not started yet: frontends learn our new epoch when the old shard dies and may send
+            # before our snapshot is loaded. Dropping those batches while answering PROCESSED lost
+            # publishes (a confirming publisher waited forever); they are handled once we are ready.
+            self._early.append((fe, header, items))
+            return
         try:
             epoch, batch_seq = header
         except (TypeError, ValueError):

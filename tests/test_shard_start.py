@@ -1,0 +1,75 @@
+"""A shard that is still starting gets data from frontends (they learn its new epoch as soon as the
+old shard dies): those batches must be handled once its snapshot is loaded, not dropped while
+PROCESSED is answered (which left a confirming publisher waiting forever).
+
+Drives a real ShardWorker over the real contract (broker/contract.py, ZeroMQ ipc sockets): the test
+plays the node (a ROUTER answering HELLO with SNAPSHOT, deliberately late) and a frontend (a DEALER
+that sends a confirmed PUBLISH before the shard has its snapshot)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import zmq
+import zmq.asyncio
+
+from broker import contract
+from broker.definitions import Definitions
+from shard.worker import ShardWorker
+
+
+async def _recv_items(sock: zmq.asyncio.Socket, timeout: float) -> tuple[bytes | None, list]:
+    frames = await asyncio.wait_for(sock.recv_multipart(), timeout)
+    ident = frames[0] if len(frames) > 1 else None
+    _header, items = contract.unpack(frames[-1])
+    return ident, items
+
+
+def test_a_publish_sent_before_the_snapshot_is_stored_and_confirmed(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    data_dir = tmp_path / "data"
+    defs = Definitions()
+    ops, _name = defs.plan_queue_declare("/", "q", False, True, False, False, {}, None, 1)
+    defs.apply_all(ops)
+    epoch = 3
+
+    async def scenario() -> list:
+        loop = asyncio.get_running_loop()
+        ctx = zmq.asyncio.Context()
+        node = ctx.socket(zmq.ROUTER)
+        node.setsockopt(zmq.LINGER, 0)
+        node.bind(contract.node_address(str(run_dir)))
+        fe = ctx.socket(zmq.DEALER)
+        fe.setsockopt(zmq.LINGER, 0)
+        fe.setsockopt(zmq.IDENTITY, contract.worker_id("frontend", 0))
+        fe.connect(contract.shard_address(str(run_dir), 0))  # queued by ZeroMQ until the shard binds
+        publish = [contract.PUBLISH, "/", ["q"], "", "q", b"\x00\x00", b"early", True, 1, 1, 7]
+        await fe.send(contract.pack([epoch, 1], [publish]))
+        shard = ShardWorker(0, str(run_dir), loop)
+        start = loop.create_task(shard.start())
+        ident, items = await _recv_items(node, 10)
+        assert items[0][0] == contract.HELLO
+        await asyncio.sleep(0.3)  # the shard has read the early batch by now
+        settings = {"data_dir": str(data_dir), "segment_size": 1 << 20, "sync": "fsync", "shards": 1,
+                    "consumer_timeout": 0}
+        await node.send_multipart([ident, contract.pack(0, [[contract.SNAPSHOT, defs.version, defs.to_dict(),
+                                                            {0: epoch}, settings]])])
+        await asyncio.wait_for(start, 10)
+        answers: list = []
+        while not any(a[0] == contract.CONFIRM for a in answers):
+            _ident, items = await _recv_items(fe, 10)
+            answers.extend(items)
+        await shard.stop()
+        for sock in (fe, node):
+            sock.close()
+        ctx.term()
+        return answers
+
+    answers = asyncio.run(scenario())
+    kinds = [a[0] for a in answers]
+    assert [a for a in answers if a[0] == contract.CONFIRM] == [[contract.CONFIRM, 1, 1, [7]]]
+    assert [contract.PROCESSED, 1] in answers and contract.CONFIRM_NACK not in kinds
+    qdir = [os.path.join(r, d) for r, ds, _f in os.walk(data_dir) for d in ds if len(d) == 40]
+    assert qdir, "the queue directory was not created"
