@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# A/B the broker at two revisions with shardmq-perf: a node (1 frontend, 1 shard) from a git worktree of
+# BASE_REV and one from this checkout, alternating, REPEATS times each, on loopback ports. Prints one
+# line per run; take medians. Used to check that features leave the plain path as fast as before.
+#   scripts/ab-perf.sh BASE_REV REPEATS -- SHARDMQ_PERF_THROUGHPUT_ARGS...
+#   e.g. scripts/ab-perf.sh 168545f 3 -- -x 1 -y 1 -s 16 -z 10
+set -euo pipefail
+source "$(dirname "$0")/_common.sh"
+[ $# -ge 3 ] && [ "$3" = "--" ] || die "usage: $0 BASE_REV REPEATS -- PERF_ARGS..."
+BASE_REV=$1 REPEATS=$2; shift 3
+ensure_venv
+ensure_project
+PY="$VENV/bin/python"
+BASE_TREE=$(mktemp -d /tmp/shardmq-ab-base.XXXXXX)
+git -C "$REPO_ROOT" worktree add -q --detach "$BASE_TREE" "$BASE_REV"
+pid=""
+cleanup() {
+    [ -n "$pid" ] && kill "$pid" 2>/dev/null && wait "$pid" 2>/dev/null
+    git -C "$REPO_ROOT" worktree remove --force "$BASE_TREE"
+}
+trap cleanup EXIT
+for r in $(seq 1 "$REPEATS"); do
+    for tree in "$BASE_TREE" "$REPO_ROOT"; do
+        port=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+        data=$(mktemp -d)
+        (cd "$tree" && exec "$PY" -m broker.cli --data-dir "$data" --port "$port" --frontends 1 --shards 1 \
+            --log-level warning) &
+        pid=$!
+        for _ in $(seq 1 100); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.1; done
+        out=$(cd "$REPO_ROOT" && "$PY" -m loadtest.cli amqp throughput \
+            --uri "amqp://guest:guest@127.0.0.1:$port/" --json "$@" 2>&1 | tail -1)
+        label=$([ "$tree" = "$REPO_ROOT" ] && echo "HEAD" || echo "$BASE_REV")
+        echo "$label run$r $(echo "$out" | "$PY" -c 'import json, sys; d = json.loads(sys.stdin.read()); print("publish %.0f consume %.0f msgs/s" % (d["publish_rate"], d["consume_rate"]))' 2>/dev/null || echo "$out")"
+        kill "$pid"; wait "$pid" 2>/dev/null || true; pid=""
+        rm -rf "$data"
+    done
+done
