@@ -8,6 +8,7 @@ segments are renamed out of the way, never deleted, so they can be inspected.
 from __future__ import annotations
 
 import os
+import shutil
 
 
 class MarkerFiles:
@@ -30,15 +31,33 @@ class MarkerFiles:
 
 
 class SegmentDir(MarkerFiles):
-    """Base of a store owning one directory. Subclasses set ``path``, ``_dir_dirty``, ``_syncing``
-    and ``_deferred_close`` (both guarded by their ``_lock``) and name their per-segment file kinds
-    in ``SEGMENT_KINDS``."""
+    """Base of a store owning one directory. Subclasses set ``path``, ``_dir_dirty``, ``_closed``,
+    ``_syncing`` and ``_deferred_close`` (the last two guarded by their ``_lock``), implement
+    ``close`` and name their per-segment file kinds in ``SEGMENT_KINDS``."""
 
     SEGMENT_KINDS: tuple[str, ...] = ()
     path: str
     _dir_dirty: bool
     _syncing: int
     _deferred_close: list[int]
+
+    _closed: bool
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def delete(self) -> None:
+        """Close and remove the directory with all its files."""
+        self.close()
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def __del__(self) -> None:
+        # Dropping an unclosed store is like a crash: written data is in the page cache, only fds leak.
+        try:
+            if not self._closed:
+                self.close()
+        except Exception:
+            pass
 
     def _release(self, fds: list[int]) -> None:
         """Close fds now, or after the running sync (which may be using them). Call with the lock held."""

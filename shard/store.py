@@ -17,7 +17,6 @@ import hashlib
 import heapq
 import logging
 import os
-import shutil
 import struct
 import threading
 
@@ -366,19 +365,6 @@ class QueueStore(SegmentDir):
             self._release(fds)
         self._requeued = []
         self._ready = self._ready_bytes = 0
-
-    def delete(self) -> None:
-        """Close and remove the queue directory with all its files."""
-        self.close()
-        shutil.rmtree(self.path, ignore_errors=True)
-
-    def __del__(self) -> None:
-        # Dropping an unclosed store is like a crash: written data is in the page cache, only fds leak.
-        try:
-            if not self._closed:
-                self.close()
-        except Exception:
-            pass
 
     # ------------------------------------------------------------ internals
     def _head(self) -> int:

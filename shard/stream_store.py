@@ -21,7 +21,6 @@ import bisect
 import json
 import logging
 import os
-import shutil
 import struct
 import threading
 import time
@@ -498,17 +497,9 @@ class StreamStore(SegmentDir):
         self._cursors.clear()
 
     def delete(self) -> None:
-        self._tracked_changed = False
+        self._tracked_changed = False  # the directory goes: nothing to save on close
         self._tracked_blob = None
-        self.close()
-        shutil.rmtree(self.path, ignore_errors=True)
-
-    def __del__(self) -> None:
-        try:
-            if not self._closed:
-                self.close()
-        except Exception:
-            pass
+        super().delete()
 
     # ------------------------------------------------------------ recovery
     def _recover(self) -> None:
