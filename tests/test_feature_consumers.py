@@ -8,9 +8,9 @@ import socket
 import time
 
 import pytest
-from pika.exceptions import ChannelClosedByBroker, UnroutableError
+from pika.exceptions import ChannelClosedByBroker
 
-from tests.helpers import WAIT, channel_error, connections_on_two_frontends, count, uid
+from tests.helpers import WAIT, channel_error, connections_on_two_frontends, count, uid, wait_queue_gone
 
 
 class Inbox:
@@ -350,15 +350,7 @@ def test_redeclare_renews_x_expires(conn, ch):
     while time.monotonic() - start < 1.5:
         assert ch.queue_declare(q, arguments=args).method.message_count == 1
         time.sleep(0.1)
-    # Redeclares stop: it goes. Probe with mandatory publishes, which do not count as use.
-    deadline = time.monotonic() + WAIT
-    while True:
-        try:
-            ch.basic_publish("", q, b"probe", mandatory=True)
-        except UnroutableError:
-            break
-        assert time.monotonic() < deadline, "the queue outlived x-expires after the redeclares stopped"
-        time.sleep(0.1)
+    wait_queue_gone(ch, q)  # redeclares stopped: it goes (mandatory probes do not count as use)
     assert time.monotonic() - start >= 1.5 + 0.4
 
 
