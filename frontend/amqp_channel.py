@@ -92,7 +92,7 @@ class Channel:
     __slots__ = (
         "conn", "number", "state", "backlog", "confirm", "tags", "consumers", "prefetch_count",
         "global_prefetch", "held", "shards", "last_queue", "tx", "tx_commit", "extras", "reply_consumer",
-        "_handlers",
+        "deleting", "deferred_cancels", "_handlers",
     )
 
     def __init__(self, conn: AMQPConnection, number: int) -> None:
@@ -115,6 +115,11 @@ class Channel:
         # Publishes need the slow path (server timestamp on, direct reply-to consumer on this channel).
         self.extras = bool(conn.worker.settings.get("set_timestamp"))
         self.reply_consumer: tuple[str, str] | None = None  # (consumer tag, direct reply-to name)
+        # The queue this channel's pending queue.delete removes: the shard's basic.cancel for our own
+        # consumers of it waits until delete-ok is written (RabbitMQ's order; py-amqp and amqplib
+        # break on a cancel that overtakes the reply they wait for).
+        self.deleting: str | None = None
+        self.deferred_cancels: list[str] = []
         self._handlers = _HANDLERS
 
     # ------------------------------------------------------------------ dispatch
@@ -227,6 +232,7 @@ class Channel:
         self.backlog.unblock()
 
     def reply_error(self, result: Any, class_id: int, method_id: int) -> None:
+        self._flush_deferred_cancels()
         exc = error_from_reply(result, class_id, method_id)
         if isinstance(exc, AMQPConnectionError):
             raise exc
@@ -491,7 +497,19 @@ class Channel:
     def cancel_notify(self, tag: str) -> None:
         consumer = self.consumers.pop(tag, None)
         if consumer is not None and self.state == OPEN:
-            self._send(C.Basic.Cancel(consumer_tag=tag, nowait=True))
+            if consumer.queue == self.deleting:
+                self.deferred_cancels.append(tag)
+            else:
+                self._send(C.Basic.Cancel(consumer_tag=tag, nowait=True))
+
+    def _flush_deferred_cancels(self) -> None:
+        self.deleting = None
+        tags = self.deferred_cancels
+        if tags:
+            self.deferred_cancels = []
+            if self.state == OPEN:
+                for tag in tags:
+                    self._send(C.Basic.Cancel(consumer_tag=tag, nowait=True))
 
     # --------------------------------------------------------------- acks
     def ack(self, tag: int, multiple: bool) -> None:
@@ -606,7 +624,9 @@ class Channel:
             conn.exclusive_queues.discard(name)
             if not nowait:
                 self._send(C.Queue.DeleteOk(int(result.get("messages", 0))))
+            self._flush_deferred_cancels()
 
+        self.deleting = name
         self._node_request("queue.delete", method, ok)
 
     def m_queue_purge(self, method: C.Queue.Purge) -> None:

@@ -54,6 +54,11 @@ _STATE_NAMES = {AWAIT_HEADER: "starting", AWAIT_START_OK: "starting", AWAIT_TUNE
 
 HANDSHAKE_TIMEOUT = 10.0
 CLOSE_TIMEOUT = 2.0
+# After close-ok the socket stays open for reading (bytes discarded) until the client closes it, at
+# most this long: a client may send connection.close ahead of publishes still in its own buffer
+# (Node.js amqplib does), and closing at once would reset its writes (ECONNRESET) and lose its
+# close-ok. RabbitMQ lingers the same way (up to 30 s or the heartbeat).
+LINGER_TIMEOUT = 10.0
 # How long a client's connection.close may wait for its channels' pending work (RabbitMQ: 30 s).
 DRAIN_TIMEOUT = 30.0
 
@@ -133,6 +138,7 @@ class AMQPConnection(asyncio.Protocol):
         # back-pressure (as RabbitMQ's flow control), so consumers' acks are still read.
         self.publisher = False
         self._close_after_flush = False
+        self._linger_after_flush = False  # close-ok sent: half-close and read until the client closes
         self._released = False
         self._timer: asyncio.TimerHandle | None = None
         self._close_timer: asyncio.TimerHandle | None = None
@@ -279,6 +285,22 @@ class AMQPConnection(asyncio.Protocol):
         self._dirty = False
         if self._close_after_flush and transport is not None:
             transport.close()
+        elif self._linger_after_flush and transport is not None:
+            self._linger_after_flush = False
+            self._linger(transport)
+
+    def _linger(self, transport: asyncio.Transport) -> None:
+        """close-ok is on its way: send FIN, keep reading (and discarding) until the client closes."""
+        if transport.is_closing():
+            return
+        if self._read_pause:
+            self._read_pause.clear()
+            transport.resume_reading()
+        if transport.can_write_eof():
+            transport.write_eof()
+        if self._close_timer is not None:
+            self._close_timer.cancel()
+        self._close_timer = self.worker.loop.call_later(LINGER_TIMEOUT, transport.close)
 
     @staticmethod
     def reply_text(code: int, text: str) -> str:
@@ -351,13 +373,12 @@ class AMQPConnection(asyncio.Protocol):
                                   f"type 1, channel {getattr(ev, 'channel', 0)} before the connection was opened")
 
     def _open_channel(self, number: int) -> None:
-        if number > self.channel_max or len(self.channels) >= self.channel_max:
+        # RabbitMQ limits how many channels are open, not their numbers (aiormq opens 65535 on
+        # purpose): rabbit_reader's 530 names the count, with class and method 0.
+        if len(self.channels) >= self.channel_max:
             raise AMQPConnectionError(
-                NOT_ALLOWED,
-                f"number of channels opened ({len(self.channels)}) has reached the negotiated "
-                f"channel_max ({self.channel_max})" if number <= self.channel_max else
-                f"channel number {number} is higher than the negotiated channel_max ({self.channel_max})",
-                20, 10)
+                NOT_ALLOWED, f"number of channels opened ({len(self.channels)}) has reached the negotiated "
+                f"channel_max ({self.channel_max})")
         ch = Channel(self, number)
         self.channels[number] = ch
         self.send_method(number, C.Channel.OpenOk())
@@ -376,7 +397,7 @@ class AMQPConnection(asyncio.Protocol):
                 self._close_transport()
             elif isinstance(method, C.Connection.Close):
                 self.send_method(0, C.Connection.CloseOk())
-                self._close_after_flush = True
+                self._linger_after_flush = True
             return
         if isinstance(method, C.Connection.Close):
             if state == RUNNING and self._channels_busy():
@@ -413,7 +434,7 @@ class AMQPConnection(asyncio.Protocol):
             self._close_timer = None
         self._release()
         self.send_method(0, C.Connection.CloseOk())
-        self._close_after_flush = True
+        self._linger_after_flush = True
         self.state = CLOSED_STATE
 
     def _start(self) -> None:
