@@ -90,14 +90,18 @@ class Consumer:
 
 class Channel:
     __slots__ = (
-        "conn", "number", "state", "backlog", "confirm", "tags", "consumers", "prefetch_count",
+        "conn", "number", "key", "state", "backlog", "confirm", "tags", "consumers", "prefetch_count",
         "global_prefetch", "held", "shards", "last_queue", "tx", "tx_commit", "extras", "reply_consumer",
         "deleting", "deferred_cancels", "_handlers",
     )
 
-    def __init__(self, conn: AMQPConnection, number: int) -> None:
+    def __init__(self, conn: AMQPConnection, number: int, generation: int = 0) -> None:
         self.conn = conn
         self.number = number
+        # What shards know this opening of the channel number by: number + 65536 * generation. A
+        # late DELIVER/CONFIRM/CANCEL_NOTIFY for an earlier opening of the same number (closed,
+        # then reopened by the client) carries the old key and is dropped, never misdelivered.
+        self.key = number | (generation << 16)
         self.state = OPEN
         self.backlog = Backlog(self.handle)
         self.confirm: ConfirmTracker | None = None
@@ -196,12 +200,31 @@ class Channel:
                                          exc.class_id, exc.method_id))
         self.release_resources()
 
-    def release_resources(self) -> None:
-        """Tell every shard this channel touched that it is gone (consumers off, unacked requeued)."""
+    def release_resources(self, on_done: Any = None) -> None:
+        """Tell every shard this channel touched that it is gone (consumers off, unacked requeued).
+
+        With on_done, each shard answers once it has done so, and on_done() runs after the last
+        answer (at once when no shard was touched).
+        """
         conn = self.conn
         worker = conn.worker
-        for shard in self.shards:
-            worker.shard_put(shard, [contract.CHANNEL_CLOSED, conn.conn_id, self.number])
+        conn_id, key = conn.conn_id, self.key
+        if on_done is None:
+            for shard in self.shards:
+                worker.shard_put(shard, [contract.CHANNEL_CLOSED, conn_id, key, None])
+        else:
+            waiting = [len(self.shards)]
+
+            def answered(_ok: bool, _result: Any) -> None:
+                waiting[0] -= 1
+                if waiting[0] == 0:
+                    on_done()
+
+            for shard in self.shards:
+                worker.shard_request(shard, lambda req_id: [contract.CHANNEL_CLOSED, conn_id, key, req_id],
+                                     conn, answered)
+            if not self.shards:
+                on_done()
         self.shards = set()
         self.consumers.clear()
         self.tags = DeliveryTags()
@@ -338,7 +361,7 @@ class Channel:
             conn_id = conn.conn_id
             for shard, names in groups.items():
                 worker.shard_put(shard, [_PUBLISH, vhost, names, exchange, ev.routing_key, props_raw,
-                                         ev.body, persistent, conn_id, self.number, seq])
+                                         ev.body, persistent, conn_id, self.key, seq])
                 conn.confirm_shards.add(shard)
 
     def _publish_extras(self, ex: Any, ev: E.Publish, props_raw: bytes) -> tuple[bytes, Any]:
@@ -399,7 +422,7 @@ class Channel:
         else:
             seq = confirm.publish(1)
             worker.shard_put(shard, [_DELAYED_PUBLISH, conn.vhost, ev.exchange, ev.routing_key, props_raw, ev.body,
-                                     persistent, delay, conn.conn_id, self.number, seq])
+                                     persistent, delay, conn.conn_id, self.key, seq])
             conn.confirm_shards.add(shard)
 
     def _check_user_id(self, user_id: str | None) -> None:
@@ -449,7 +472,7 @@ class Channel:
             # ignores the nack for a no-ack delivery it already settled).
             if self.state == OPEN:
                 self.conn.worker.shard_put(
-                    shard, [_NACK, self.conn.conn_id, self.number, True, [item[4], item[5]]])
+                    shard, [_NACK, self.conn.conn_id, self.key, True, [item[4], item[5]]])
             return
         if not consumer.ready:
             consumer.early.append((shard, item))
@@ -467,7 +490,7 @@ class Channel:
         tag = tags.skip() if consumer.no_ack else tags.add(shard, item[4], item[5])
         conn.write(encode_deliver(self.number, item[3], tag, item[6], item[7], item[8], item[9], item[10],
                                   conn.frame_max))
-        conn.add_credit(shard, self.number, item[3])
+        conn.add_credit(shard, self.key, item[3])
 
     def _release_held(self) -> None:
         held = self.held
@@ -478,7 +501,7 @@ class Channel:
             consumer = self.consumers.get(item[3])
             if consumer is None:
                 self.conn.worker.shard_put(
-                    shard, [_NACK, self.conn.conn_id, self.number, True, [item[4], item[5]]])
+                    shard, [_NACK, self.conn.conn_id, self.key, True, [item[4], item[5]]])
                 continue
             self._write_deliver(consumer, shard, item)
 
@@ -489,7 +512,7 @@ class Channel:
         conn_id = self.conn.conn_id
         for shard, item in self.held:
             if item[3] == tag:
-                put(shard, [_NACK, conn_id, self.number, True, [item[4], item[5]]])
+                put(shard, [_NACK, conn_id, self.key, True, [item[4], item[5]]])
             else:
                 keep.append((shard, item))
         self.held = keep
@@ -520,10 +543,10 @@ class Channel:
         put = conn.worker.shard_put
         if len(refs) == 1:
             shard, qid, mid = refs[0]
-            put(shard, [_ACK, conn.conn_id, self.number, [qid, mid]])
+            put(shard, [_ACK, conn.conn_id, self.key, [qid, mid]])
         else:
             for shard, flat in group_by_shard(refs).items():
-                put(shard, [_ACK, conn.conn_id, self.number, flat])
+                put(shard, [_ACK, conn.conn_id, self.key, flat])
         if self.held:
             self._release_held()
 
@@ -531,17 +554,25 @@ class Channel:
         refs = self.tags.take(tag, multiple, class_id, method_id)
         conn = self.conn
         for shard, flat in group_by_shard(refs).items():
-            conn.worker.shard_put(shard, [_NACK, conn.conn_id, self.number, bool(requeue), flat])
+            conn.worker.shard_put(shard, [_NACK, conn.conn_id, self.key, bool(requeue), flat])
         if self.held:
             self._release_held()
 
     # ------------------------------------------------------- channel class
     def m_channel_close(self, method: C.Channel.Close) -> None:
+        # As RabbitMQ: close-ok once every shard this channel used has cancelled its consumers and
+        # requeued its unacked messages, so a basic.get or consume right after close-ok sees them.
+        # Until then the channel stays in conn.channels (its number is not free yet) but CLOSED.
         self.state = CLOSED
         self.backlog.clear()
-        self.release_resources()
-        self._send(C.Channel.CloseOk())
-        self.conn.forget_channel(self)
+        conn = self.conn
+
+        def closed() -> None:
+            if conn.channels.get(self.number) is self:  # the connection did not end meanwhile
+                self._send(C.Channel.CloseOk())
+                conn.forget_channel(self)
+
+        self.release_resources(closed)
 
     def m_channel_close_ok(self, method: C.Channel.CloseOk) -> None:
         pass  # close-ok for a close we never sent: ignore, as RabbitMQ does
@@ -648,7 +679,7 @@ class Channel:
             conn = self.conn
             worker = conn.worker
             for shard in range(worker.shard_count):
-                worker.shard_put(shard, [contract.QOS, conn.conn_id, self.number, count])
+                worker.shard_put(shard, [contract.QOS, conn.conn_id, self.key, count])
                 self.shards.add(shard)
             if self.held:
                 self._release_held()
@@ -672,7 +703,7 @@ class Channel:
         consumer = Consumer(tag, name, q.shard, bool(method.no_ack))
         self.consumers[tag] = consumer
         nowait = method.nowait
-        item_tail = [conn.conn_id, self.number, conn.vhost, name, tag, bool(method.no_ack),
+        item_tail = [conn.conn_id, self.key, conn.vhost, name, tag, bool(method.no_ack),
                      bool(method.exclusive), self.prefetch_count, consume_arguments(method.arguments or {})]
 
         def ok(_result: dict) -> None:
@@ -707,18 +738,37 @@ class Channel:
 
     def m_basic_cancel(self, method: C.Basic.Cancel) -> None:
         tag = method.consumer_tag
+        nowait = method.nowait
         if self.reply_consumer is not None and self.reply_consumer[0] == tag:
             self.reply_consumer = None
-        consumer = self.consumers.pop(tag, None)
-        if consumer is not None:
-            self.conn.worker.shard_put(consumer.shard, [contract.CANCEL, self.conn.conn_id, self.number, tag])
+        consumer = self.consumers.get(tag)
+        if consumer is None:
+            if not nowait:
+                self._send(C.Basic.CancelOk(tag))
+            return
+
+        def cancelled(_result: Any = None) -> None:
+            # The shard has removed the consumer: nothing more comes for it. Deliveries it sent
+            # before were written to the client (as RabbitMQ's, between basic.cancel and
+            # cancel-ok), so a no-ack message is never lost in between.
+            if self.consumers.get(tag) is consumer:
+                del self.consumers[tag]
+            put = self.conn.worker.shard_put
             for shard, item in consumer.early:
-                self.conn.worker.shard_put(
-                    shard, [_NACK, self.conn.conn_id, self.number, True, [item[4], item[5]]])
+                put(shard, [_NACK, self.conn.conn_id, self.key, True, [item[4], item[5]]])
+            consumer.early = []
             if self.held:
                 self._return_held(tag)
-        if not method.nowait:
-            self._send(C.Basic.CancelOk(tag))
+            if not nowait and self.state == OPEN:
+                self._send(C.Basic.CancelOk(tag))
+
+        conn_id, key = self.conn.conn_id, self.key
+        build = lambda req_id: [contract.CANCEL, conn_id, key, tag, req_id]  # noqa: E731
+        if nowait:
+            self.conn.worker.shard_request(consumer.shard, build, self.conn,
+                                           lambda ok, result: cancelled() if self.state == OPEN else None)
+        else:
+            self._shard_request(consumer.shard, build, cancelled, method)
 
     def m_basic_get(self, method: C.Basic.Get) -> None:
         name = self._queue_name(method.queue, method)
@@ -726,7 +776,7 @@ class Channel:
         conn = self.conn
         no_ack = bool(method.no_ack)
         shard = q.shard
-        tail = [conn.conn_id, self.number, conn.vhost, name, no_ack]
+        tail = [conn.conn_id, self.key, conn.vhost, name, no_ack]
 
         def ok(result: dict) -> None:
             msg = result.get("message")
@@ -750,7 +800,7 @@ class Channel:
         self.held.clear()
         conn = self.conn
         for shard in self.shards:
-            conn.worker.shard_put(shard, [contract.RECOVER, conn.conn_id, self.number])
+            conn.worker.shard_put(shard, [contract.RECOVER, conn.conn_id, self.key])
         if isinstance(method, C.Basic.Recover):
             self._send(C.Basic.RecoverOk())
 

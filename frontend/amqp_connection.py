@@ -147,6 +147,7 @@ class AMQPConnection(asyncio.Protocol):
         self._missed = 0
         self._close_requested = False  # client sent connection.close; channels still finishing
         self._open_pending: list | None = None  # events that arrived while connection.open awaits the node
+        self._generation = 0  # channel openings so far: the generation part of Channel.key
 
     # ------------------------------------------------------------- transport
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -379,7 +380,8 @@ class AMQPConnection(asyncio.Protocol):
             raise AMQPConnectionError(
                 NOT_ALLOWED, f"number of channels opened ({len(self.channels)}) has reached the negotiated "
                 f"channel_max ({self.channel_max})")
-        ch = Channel(self, number)
+        self._generation += 1
+        ch = Channel(self, number, self._generation)
         self.channels[number] = ch
         self.send_method(number, C.Channel.OpenOk())
 
@@ -575,24 +577,27 @@ class AMQPConnection(asyncio.Protocol):
         except Exception as exc:
             self.internal_error(exc)
 
+    # Shards name a channel by its key (Channel.key: number + 65536 * generation); an item for an
+    # earlier opening of the same number finds a channel with another key and is dropped.
     def on_deliver(self, shard: int, item: list) -> None:
-        ch = self.channels.get(item[2])
-        if ch is not None:
+        key = item[2]
+        ch = self.channels.get(key & 0xFFFF)
+        if ch is not None and ch.key == key:
             ch.deliver(shard, item)
 
     def on_confirm(self, channel: int, seqs: list, ok: bool) -> None:
-        ch = self.channels.get(channel)
-        if ch is not None:
+        ch = self.channels.get(channel & 0xFFFF)
+        if ch is not None and ch.key == channel:
             ch.on_confirm(seqs, ok)
 
     def on_cancel_notify(self, channel: int, tag: str) -> None:
-        ch = self.channels.get(channel)
-        if ch is not None:
+        ch = self.channels.get(channel & 0xFFFF)
+        if ch is not None and ch.key == channel:
             ch.cancel_notify(tag)
 
     def on_close_channel(self, channel: int, code: int, text: str) -> None:
-        ch = self.channels.get(channel)
-        if ch is None or self.state != RUNNING:
+        ch = self.channels.get(channel & 0xFFFF)
+        if ch is None or ch.key != channel or self.state != RUNNING:
             return
         if code in CONNECTION_LEVEL_CODES:
             self.fail(code, text)

@@ -297,13 +297,15 @@ class ShardWorker:
         elif kind == contract.CONSUME:
             self._consume(fe, item)
         elif kind == contract.CANCEL:
-            _, conn_id, channel, tag = item
+            _, conn_id, channel, tag, req_id = item
             found = self.consumers.pop((fe, conn_id, channel, tag), None)
             if found is not None:
                 q, c = found
                 q.remove_consumer(c)
                 self._dirty_queues.add(q)  # single active consumer: the next one may take over
                 self._maybe_auto_delete(q)
+            # cancel-ok waits for this: no DELIVER for the consumer follows it on this socket
+            self.data.put(fe, [contract.REPLY_DATA, req_id, True, {}])
         elif kind == contract.GET:
             _, req_id, conn_id, channel, vhost, name, no_ack = item
             q = self.queues.get((vhost, name))
@@ -326,10 +328,12 @@ class ShardWorker:
             _, conn_id, channel = item
             self._requeue_where(lambda o: o.fe == fe and o.conn_id == conn_id and o.channel == channel)
         elif kind == contract.CHANNEL_CLOSED:
-            _, conn_id, channel = item
+            _, conn_id, channel, req_id = item
             self._drop_consumers(lambda c: c.fe == fe and c.conn_id == conn_id and c.channel == channel)
             self._requeue_where(lambda o: o.fe == fe and o.conn_id == conn_id and o.channel == channel)
             self.channels.pop((fe, conn_id, channel), None)
+            if req_id is not None:  # the client's channel.close: its close-ok waits for this answer
+                self.data.put(fe, [contract.REPLY_DATA, req_id, True, {}])
         elif kind == contract.CONNECTION_CLOSED:
             conn_id = item[1]
             self._drop_consumers(lambda c: c.fe == fe and c.conn_id == conn_id)
