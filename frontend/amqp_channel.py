@@ -57,6 +57,8 @@ if TYPE_CHECKING:
 
 # A client that keeps sending while its channel waits for a reply is paused past this many events.
 BACKLOG_PAUSE = 10_000
+# channel.close-ok waits at most this long for the shards' answers to CHANNEL_CLOSED.
+CLOSE_ANSWER_TIMEOUT = 5.0
 
 OPEN = 1
 CLOSING = 2  # we sent channel.close and wait for close-ok
@@ -214,16 +216,26 @@ class Channel:
                 worker.shard_put(shard, [contract.CHANNEL_CLOSED, conn_id, key, None])
         else:
             waiting = [len(self.shards)]
+            timer: list = []
 
-            def answered(_ok: bool, _result: Any) -> None:
+            def answered(_ok: bool = True, _result: Any = None) -> None:
                 waiting[0] -= 1
                 if waiting[0] == 0:
+                    if timer:
+                        timer[0].cancel()
                     on_done()
+
+            def give_up() -> None:  # a shard that never answers (a lost batch) must not hang the close
+                if waiting[0] > 0:
+                    waiting[0] = 1
+                    answered()
 
             for shard in self.shards:
                 worker.shard_request(shard, lambda req_id: [contract.CHANNEL_CLOSED, conn_id, key, req_id],
                                      conn, answered)
-            if not self.shards:
+            if self.shards:
+                timer.append(worker.loop.call_later(CLOSE_ANSWER_TIMEOUT, give_up))
+            else:
                 on_done()
         self.shards = set()
         self.consumers.clear()
