@@ -378,13 +378,22 @@ def test_a_burst_falling_due_at_once_is_routed_whole(node):
     x = delayed_exchange(ch, "fanout", durable=True)
     queues = [bound_queue(ch, x, "", durable=True, name=name_on(s, "bq")) for s in (0, 1)]
     n = 2500
-    props = delay_props(200)
+    # Every message is due at about the same moment, however long publishing takes on a busy
+    # machine (a fixed 200 ms delay spread the due times over the publishing time, and some fell due
+    # before the stop), and that moment passes while the node is down: the shard finds them all due
+    # at once when it starts.
+    due = time.monotonic() + 5.0
     for i in range(n):
-        ch.basic_publish(x, "", b"%d" % i, props)
+        ch.basic_publish(x, "", b"%d" % i, delay_props(max(1, int((due - time.monotonic()) * 1000))))
     ch.confirm_delivery()
-    ch.basic_publish(x, "", b"last", delay_props(200))  # confirmed: every earlier publish is stored
+    # confirmed: every earlier publish is stored
+    ch.basic_publish(x, "", b"last", delay_props(max(1, int((due - time.monotonic()) * 1000))))
     c.close()
-    node.restart()
+    assert time.monotonic() < due - 0.5, "publishing took so long that the burst fell due while the node was up"
+    assert node.stop() == 0
+    while time.monotonic() < due + 0.5:  # a known moment on the clock, not a guess at a state
+        time.sleep(0.05)
+    node.start()
     c = node.connect()
     # The shard routes the due burst in turns after it is ready (node.restart() may return first).
     deadline = time.monotonic() + WAIT
