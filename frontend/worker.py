@@ -21,8 +21,8 @@ from broker import contract
 from broker.amqp.constants import CONNECTION_FORCED
 from broker.definitions import Definitions
 from broker.zmqio import BatchSocket, make_socket
-from frontend.amqp_connection import AMQPConnection
-from frontend.direct_reply import deliver_reply
+from frontend.amqp.connection import AMQPConnection
+from frontend.amqp.direct_reply import deliver_reply
 
 log = logging.getLogger("shardmq.frontend")
 

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 from broker.datadir import DELAYED_DIR, name_hash
 from broker.routing import delay_store_shard
-from frontend.publish_extras import may_have_cc, sender_routes
+from frontend.amqp.publish_extras import may_have_cc, sender_routes
 from shard.store import QueueStore, queue_dir
 from shard.timers import now_ms
 

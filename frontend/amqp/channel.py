@@ -33,13 +33,13 @@ from broker.amqp.errors import AMQPChannelError, AMQPConnectionError, AMQPError
 from broker.amqp.properties import decode_properties, delivery_mode
 from broker.consumer_args import check_consume_arguments
 from broker.routing import delay_store_shard
-from frontend.backlog import Backlog
-from frontend.confirms import ConfirmTracker
-from frontend.dedup_publish import publish_dedup
-from frontend.delivery_tags import DeliveryTags, group_by_shard
-from frontend.direct_reply import PREFIX as REPLY_PREFIX
-from frontend.direct_reply import PSEUDO_QUEUE, new_reply_name, route_reply
-from frontend.publish_extras import (
+from frontend.amqp.backlog import Backlog
+from frontend.amqp.confirms import ConfirmTracker
+from frontend.amqp.dedup_publish import publish_dedup
+from frontend.amqp.delivery_tags import DeliveryTags, group_by_shard
+from frontend.amqp.direct_reply import PREFIX as REPLY_PREFIX
+from frontend.amqp.direct_reply import PSEUDO_QUEUE, new_reply_name, route_reply
+from frontend.amqp.publish_extras import (
     MAX_DELAY_MS,
     delay_ms,
     may_have_cc,
@@ -50,10 +50,10 @@ from frontend.publish_extras import (
     with_reply_to,
     with_timestamp,
 )
-from frontend.replies import consume_arguments, error_from_reply, plain
+from frontend.amqp.replies import consume_arguments, error_from_reply, plain
 
 if TYPE_CHECKING:
-    from frontend.amqp_connection import AMQPConnection
+    from frontend.amqp.connection import AMQPConnection
 
 # A client that keeps sending while its channel waits for a reply is paused past this many events.
 BACKLOG_PAUSE = 10_000
