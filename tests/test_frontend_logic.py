@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 
 from broker.amqp.errors import AMQPChannelError
 from frontend.amqp.backlog import Backlog
-from frontend.amqp.confirms import ConfirmTracker
 from frontend.amqp.delivery_tags import DeliveryTags, group_by_shard
 from frontend.amqp.replies import error_from_reply, reply_text
+from frontend.confirms import ConfirmTracker
 
 # ------------------------------------------------------------------ confirms
 
