@@ -13,8 +13,8 @@ from pamqp import frame as pframe
 
 from broker import contract
 from broker.amqp import events as E
-from frontend.amqp_channel import Consumer
-from frontend.amqp_connection import RUNNING, AMQPConnection
+from frontend.amqp.channel import Consumer
+from frontend.amqp.connection import RUNNING, AMQPConnection
 
 
 class RecordingWorker:
