@@ -13,7 +13,7 @@ Sockets (all ``ipc://`` under the node's run directory):
 * ``shard-N.sock`` - shard N binds a ROUTER; every frontend connects a DEALER
   with its worker id as identity. Data traffic: publishes, consumes, acks
   one way; deliveries, confirms, replies the other way. Every other shard
-  connects a DEALER too (identity ``sh-M``) and sends PUBLISH items only:
+  connects a DEALER too (identity ``sh-M``) and sends PUBLISH and DEDUP_PUBLISH items only:
   dead-lettered messages and due delayed messages whose target queues live on
   shard N, and messages of a deduplicating exchange that shard M owns (M also
   connects one to itself for those). Their header is ``[target_epoch, seq]``
@@ -83,6 +83,7 @@ FORWARDED = 18  # [FORWARDED, payload]  see FORWARD
 # Requests a frontend or shard sends to the node (REQUEST op names). Args are dicts
 # with the AMQP method's fields plus "vhost" and, for frontends, "owner" = [frontend_index, conn_id].
 REQUEST_OPS = (
+    "connection.open",  # {"vhost", "user", "owner"}: counted for max-connections; open-ok waits for it
     "exchange.declare",
     "exchange.delete",
     "exchange.bind",
@@ -227,11 +228,6 @@ def shard_address(run_dir: str, index: int) -> str:
 
 def worker_id(role: str, index: int) -> bytes:
     return f"{'fe' if role == 'frontend' else 'sh'}-{index}".encode()
-
-
-def parse_worker_id(ident: bytes) -> tuple[str, int]:
-    prefix, _, idx = ident.decode().partition("-")
-    return ("frontend" if prefix == "fe" else "shard"), int(idx)
 
 
 assert CONTROL_LANE_KINDS == frozenset((ACK, NACK, CREDIT, CONSUME, CANCEL, QOS, RECOVER, CHANNEL_CLOSED,

@@ -191,3 +191,19 @@ def test_pika_long_queue_name_error_stays_a_channel_error(shared_node):
         ch.queue_delete(name)
     finally:
         conn.close()
+
+
+# ------------------------------------------------- 7. what the server says it can do
+def test_server_capabilities_are_rabbitmqs(shared_node):
+    """Clients and tools read connection.start's capabilities: the same set and values as
+    RabbitMQ 3.10.8 (direct reply-to works, so it says so)."""
+    conn = shared_node.connect()
+    try:
+        caps = conn._impl.server_properties["capabilities"]
+    finally:
+        conn.close()
+    assert caps == {
+        "publisher_confirms": True, "exchange_exchange_bindings": True, "basic.nack": True,
+        "consumer_cancel_notify": True, "connection.blocked": True, "authentication_failure_close": True,
+        "per_consumer_qos": True, "consumer_priorities": True, "direct_reply_to": True,
+    }

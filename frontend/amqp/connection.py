@@ -91,7 +91,7 @@ def server_properties(frontend_index: int) -> dict:
             "authentication_failure_close": True,
             "per_consumer_qos": True,
             "consumer_priorities": True,
-            "direct_reply_to": False,
+            "direct_reply_to": True,
         },
         "shardmq_frontend": frontend_index,
     }
