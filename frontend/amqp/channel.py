@@ -395,7 +395,14 @@ class Channel:
             for key in keys:
                 found.update(dict.fromkeys(route(vhost, ev.exchange, key, props_raw)))
             queues = list(found)
-        if ex.dedup and queues:
+        if ex.dedup:
+            # Unroutable too: RabbitMQ's deduplication exchange caches the key before it routes, so
+            # a retry of an unroutable message stays a duplicate once a binding appears. The return
+            # of an unroutable mandatory message is known here; the owner only remembers the key.
+            if not queues and ev.mandatory:
+                conn.write(encode_content(
+                    self.number, C.Basic.Return(NO_ROUTE, "NO_ROUTE", ev.exchange, ev.routing_key),
+                    props_raw, ev.body, conn.frame_max))
             publish_dedup(self, ex, ev.exchange, ev.routing_key, props_raw, ev.body, queues)
             return props_raw, None
         return props_raw, queues

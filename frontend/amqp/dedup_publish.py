@@ -25,7 +25,7 @@ _DEDUP_PUBLISH = contract.DEDUP_PUBLISH
 
 def publish_dedup(channel: Channel, ex: Any, exchange: str, routing_key: str, props_raw: bytes, body: bytes,
                   queues: list[str] | tuple[str, ...]) -> None:
-    """Hand a routed publish (at least one queue) to the exchange's owner shard."""
+    """Hand a publish to the exchange's owner shard (queues may be empty: it remembers the key)."""
     conn = channel.conn
     worker = conn.worker
     defs = worker.defs
