@@ -207,3 +207,28 @@ def test_server_capabilities_are_rabbitmqs(shared_node):
         "consumer_cancel_notify": True, "connection.blocked": True, "authentication_failure_close": True,
         "per_consumer_qos": True, "consumer_priorities": True, "direct_reply_to": True,
     }
+
+
+def test_amq_default_is_not_an_exchange_name_over_amqp(shared_node):
+    """`amq.default` names the default exchange in RabbitMQ's management API only: over AMQP,
+    RabbitMQ 3.10.8 answers 404 to a publish or a passive declare and 403 to a declare or delete
+    (checked against a private RabbitMQ); ShardMQ answers the same."""
+    conn = shared_node.connect()
+    try:
+        expected = [
+            (lambda c: (c.basic_publish("amq.default", "q", b"x"), c.queue_declare("", exclusive=True)),
+             404, "NOT_FOUND - no exchange 'amq.default' in vhost '/'"),
+            (lambda c: c.exchange_declare("amq.default", passive=True),
+             404, "NOT_FOUND - no exchange 'amq.default' in vhost '/'"),
+            (lambda c: c.exchange_declare("amq.default", "direct", durable=True),
+             403, "ACCESS_REFUSED - exchange name 'amq.default' contains reserved prefix 'amq.*'"),
+            (lambda c: c.exchange_delete("amq.default"),
+             403, "ACCESS_REFUSED - deletion of system exchange 'amq.default' in vhost '/' not allowed"),
+        ]
+        for action, code, text in expected:
+            channel = conn.channel()
+            with pytest.raises(pika.exceptions.ChannelClosedByBroker) as err:
+                action(channel)
+            assert (err.value.reply_code, err.value.reply_text) == (code, text)
+    finally:
+        conn.close()
