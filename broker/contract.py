@@ -53,7 +53,8 @@ from typing import Any
 import msgpack
 
 # 2: DELAYED_PUBLISH; shards confirm forwarded delayed messages. 3: QUEUE_INFO, DEDUP_PUBLISH,
-# CHANNEL_CLOSED's and CANCEL's req_id, channel fields carry the channel key (number + 65536 * generation).
+# CHANNEL_CLOSED's and CANCEL's req_id, channel fields carry the channel key (number + 65536 * generation),
+# DEDUP_PUBLISH's return_to and RETURN.
 VERSION = 3
 
 # --------------------------------------------------------------------------
@@ -148,13 +149,15 @@ DELAYED_PUBLISH = 33
 # frontend to the exchange's owner shard (broker.dedup.exchange_shard) only, instead of PUBLISHes
 # (also by a shard dead-lettering to such an exchange, over its peer DEALER, unconfirmed):
 #   [DEDUP_PUBLISH, vhost, exchange, routing_key, props_raw(bytes), body(bytes), persistent(bool),
-#    conn_id|None, channel|None, confirm_seq|None, key|None, ttl_ms|None, groups]
+#    conn_id|None, channel|None, confirm_seq|None, key|None, ttl_ms|None, groups, return_to|None]
 # key: the dedup header's value (str, bytes, int, or a tagged str for other field types), None
 # when the message has none; ttl_ms: how long the key is remembered (None = until evicted);
 # groups: [[shard, [queue, ...]], ...] the routed queues by shard. The owner drops a duplicate
 # and forwards the rest as PUBLISH items (conn_id 0, channel PEER_CHANNEL_DEDUP, seq = owner token) to those
 # shards, itself included; they answer CONFIRM to the owner's sh-N identity, and the owner
 # answers the frontend's confirm_seq once all of them have (one CONFIRM or CONFIRM_NACK).
+# return_to: [conn_id, channel] of a mandatory publish: a duplicate routes nowhere, so the owner
+# sends it back as RETURN (before its CONFIRM), as RabbitMQ's deduplication exchange does.
 DEDUP_PUBLISH = 34
 
 # Channel numbers of the confirmed PUBLISH items a shard sends to another shard (conn_id 0): the
@@ -177,6 +180,9 @@ REPLY_DATA = 43
 CANCEL_NOTIFY = 44  # [CANCEL_NOTIFY, conn_id, channel, consumer_tag]  queue deleted under a consumer
 PROCESSED = 45  # [PROCESSED, batch_seq]  highest data batch from this frontend fully handled
 CLOSE_CHANNEL = 46  # [CLOSE_CHANNEL, conn_id, channel, reply_code, text]  e.g. consumer timeout
+# RETURN: [RETURN, conn_id, channel, reply_code, reply_text, exchange, routing_key, props_raw, body]
+# a mandatory message that routed nowhere after all (a deduplicating exchange's duplicate)
+RETURN = 47
 
 # Flow control. Every consumer starts with CREDIT_WINDOW credits on its shard; each DELIVER
 # spends one; the frontend returns credit (CREDIT items) once it has written deliveries to a

@@ -37,6 +37,9 @@ class Session(Protocol):
     def on_cancel_notify(self, channel: int, tag: str) -> None:
         """The shard dropped a consumer (its queue was deleted)."""
 
+    def on_return(self, channel: int, item: list) -> None:
+        """A contract RETURN item: a mandatory publish of this session routed nowhere after all."""
+
     def on_close_channel(self, channel: int, code: int, text: str) -> None:
         """A shard closes a channel/lane of this session with an error."""
 

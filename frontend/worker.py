@@ -34,6 +34,7 @@ _REPLY_DATA = contract.REPLY_DATA
 _PROCESSED = contract.PROCESSED
 _CANCEL_NOTIFY = contract.CANCEL_NOTIFY
 _CLOSE_CHANNEL = contract.CLOSE_CHANNEL
+_RETURN = contract.RETURN
 _MAX_IN_FLIGHT = contract.MAX_BATCHES_IN_FLIGHT
 _PUBLISH = contract.PUBLISH
 _CONTROL_LANE_KINDS = contract.CONTROL_LANE_KINDS
@@ -233,6 +234,10 @@ class FrontendWorker:
                     conn = conns.get(item[1])
                     if conn is not None:
                         conn.on_close_channel(item[2], item[3], item[4])
+                elif kind == _RETURN:
+                    conn = conns.get(item[1])
+                    if conn is not None:
+                        conn.on_return(item[2], item)
             except Exception as exc:
                 conn = conns.get(item[1]) if len(item) > 1 and isinstance(item[1], int) else None
                 if conn is not None and item[0] != _PROCESSED and item[0] != _REPLY_DATA:

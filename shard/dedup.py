@@ -138,7 +138,7 @@ class ExchangeDedup:
     def publish(self, fe: bytes, item: list) -> None:
         """[DEDUP_PUBLISH, ...] from a frontend (field list in broker/contract.py)."""
         (_, vhost, exchange, routing_key, props_raw, body, persistent, conn_id, channel, seq,
-         key, ttl, groups) = item
+         key, ttl, groups, return_to) = item
         cache_key = None
         if key is not None:
             cache = self._cache(vhost, exchange)
@@ -146,6 +146,9 @@ class ExchangeDedup:
                 now = _now_ms()
                 cache_key = (vhost, exchange, key)
                 if cache.contains(key, now):
+                    if return_to is not None:  # mandatory: a duplicate routes nowhere (before its confirm)
+                        self.worker.data.put(fe, [contract.RETURN, return_to[0], return_to[1], 312, "NO_ROUTE",
+                                                  exchange, routing_key, props_raw, body])
                     if seq is not None:
                         original = self.inflight.get(cache_key)
                         if original is not None:
@@ -190,7 +193,7 @@ class ExchangeDedup:
                 groups.setdefault(defn.shard, []).append(name)
         key, ttl = dedup_key(props_raw, x.dedup)
         item = [contract.DEDUP_PUBLISH, vhost, x.name, routing_key, props_raw, body, persistent, None, None, None,
-                key, ttl, [[shard, names] for shard, names in groups.items()]]
+                key, ttl, [[shard, names] for shard, names in groups.items()], None]
         owner = exchange_shard(vhost, x.name, int(worker.settings.get("shards", 1)))
         if owner == worker.index:
             self.publish(worker.ident, item)

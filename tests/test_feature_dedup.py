@@ -343,3 +343,17 @@ def test_exchange_remembers_the_key_of_an_unroutable_message(ch):
     ch.basic_publish(x, "rk", b"retry-2", props("k2"))
     ch.basic_publish(x, "rk", b"new", props("k3"))
     assert bodies(ch, q) == [b"new"]
+
+
+def test_a_mandatory_duplicate_is_returned_before_its_confirm(ch):
+    """A duplicate routes nowhere: a mandatory one comes back as basic.return (NO_ROUTE), as from
+    RabbitMQ's deduplication exchange; a non-mandatory one is confirmed and dropped."""
+    q = uid("xq")
+    x = dedup_exchange(ch, [q], "direct")
+    ch.basic_publish(x, "rk", b"first", props("k1"), mandatory=True)
+    with pytest.raises(pika.exceptions.UnroutableError) as returned:
+        ch.basic_publish(x, "rk", b"again", props("k1"), mandatory=True)
+    [message] = returned.value.messages
+    assert (message.method.reply_code, message.method.reply_text, message.body) == (312, "NO_ROUTE", b"again")
+    ch.basic_publish(x, "rk", b"quiet-dup", props("k1"))
+    assert bodies(ch, q) == [b"first"]

@@ -403,7 +403,7 @@ class Channel:
                 conn.write(encode_content(
                     self.number, C.Basic.Return(NO_ROUTE, "NO_ROUTE", ev.exchange, ev.routing_key),
                     props_raw, ev.body, conn.frame_max))
-            publish_dedup(self, ex, ev.exchange, ev.routing_key, props_raw, ev.body, queues)
+            publish_dedup(self, ex, ev.exchange, ev.routing_key, props_raw, ev.body, queues, ev.mandatory)
             return props_raw, None
         return props_raw, queues
 
@@ -518,6 +518,13 @@ class Channel:
             else:
                 keep.append((shard, item))
         self.held = keep
+
+    def on_return(self, item: list) -> None:
+        """A RETURN item: [RETURN, conn, ch, code, text, exchange, routing_key, props_raw, body]."""
+        if self.state == OPEN:
+            conn = self.conn
+            conn.write(encode_content(self.number, C.Basic.Return(item[3], item[4], item[5], item[6]),
+                                      item[7], item[8], conn.frame_max))
 
     def cancel_notify(self, tag: str) -> None:
         consumer = self.consumers.pop(tag, None)

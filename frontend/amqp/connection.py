@@ -595,6 +595,11 @@ class AMQPConnection(asyncio.Protocol):
         if ch is not None and ch.key == channel:
             ch.cancel_notify(tag)
 
+    def on_return(self, channel: int, item: list) -> None:
+        ch = self.channels.get(channel & 0xFFFF)
+        if ch is not None and ch.key == channel:
+            ch.on_return(item)
+
     def on_close_channel(self, channel: int, code: int, text: str) -> None:
         ch = self.channels.get(channel & 0xFFFF)
         if ch is None or ch.key != channel or self.state != RUNNING:

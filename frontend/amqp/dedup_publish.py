@@ -24,7 +24,7 @@ _DEDUP_PUBLISH = contract.DEDUP_PUBLISH
 
 
 def publish_dedup(channel: Channel, ex: Any, exchange: str, routing_key: str, props_raw: bytes, body: bytes,
-                  queues: list[str] | tuple[str, ...]) -> None:
+                  queues: list[str] | tuple[str, ...], mandatory: bool = False) -> None:
     """Hand a publish to the exchange's owner shard (queues may be empty: it remembers the key)."""
     conn = channel.conn
     worker = conn.worker
@@ -44,4 +44,5 @@ def publish_dedup(channel: Channel, ex: Any, exchange: str, routing_key: str, pr
         conn.confirm_shards.add(owner)
     worker.shard_put(owner, [_DEDUP_PUBLISH, vhost, exchange, routing_key, props_raw, body,
                              delivery_mode(props_raw) == 2, conn_id, number, seq, key, ttl,
-                             [[shard, names] for shard, names in groups.items()]])
+                             [[shard, names] for shard, names in groups.items()],
+                             [conn.conn_id, channel.key] if mandatory and groups else None])
