@@ -23,7 +23,7 @@ Sockets (all ``ipc://`` under the node's run directory):
   channel PEER_CHANNEL_DELAYED or PEER_CHANNEL_DEDUP and the sending shard's own
   confirm_seq; shard N answers CONFIRM/CONFIRM_NACK to shard M exactly as to a
   frontend, and the channel tells M which of its parts waits for the answer.
-  Dead letters carry no confirm fields.
+  Dead letters carry them too (PEER_CHANNEL_DLX): M sends them again to a restarted N.
 
 One ZeroMQ message is one *batch*: ``msgpack([header, items])``. Items are
 lists whose first element is a kind (small int). Senders collect items during
@@ -107,8 +107,8 @@ QUERY_OPS = (
 # Data plane: frontend -> shard (shard-N.sock)
 # --------------------------------------------------------------------------
 # PUBLISH: a message routed to one or more queues of this shard (from a frontend; or from another
-# shard: a dead letter with conn_id/channel/confirm_seq None, or a due delayed message with
-# conn_id 0, channel 0 and that shard's confirm_seq).
+# shard: a dead letter or a due delayed message with conn_id 0, channel PEER_CHANNEL_DLX or
+# PEER_CHANNEL_DELAYED and that shard's confirm_seq).
 #   [PUBLISH, vhost, queues(list[str]), exchange, routing_key, props_raw(bytes), body(bytes),
 #    persistent(bool), conn_id|None, channel|None, confirm_seq|None]
 # conn_id/channel/seq are set when the channel is in confirm mode; the shard answers CONFIRM
@@ -164,6 +164,7 @@ DEDUP_PUBLISH = 34
 # CONFIRM answers come back to the sender's peer DEALER and are told apart by this number.
 PEER_CHANNEL_DEDUP = 0
 PEER_CHANNEL_DELAYED = 1
+PEER_CHANNEL_DLX = 2  # dead letters for queues of another shard (shard/dead_letter_forwards.py)
 
 # --------------------------------------------------------------------------
 # Data plane: shard -> frontend

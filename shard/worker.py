@@ -24,6 +24,7 @@ from broker.policies import POLICY_OPS
 from broker.zmqio import BatchSocket, make_socket
 from shard.ack_timeouts import AckTimeouts
 from shard.consumers import ChannelRef, Consumer
+from shard.dead_letter_forwards import DeadLetterForwards
 from shard.deadletter import dead_letter_props, has_dlx_header, has_expiration, is_cycle
 from shard.dedup import ExchangeDedup
 from shard.delayed import DelayedMessages
@@ -98,6 +99,7 @@ class ShardWorker:
         self.exchange_dedup = ExchangeDedup(self)
         self.ack_timeouts: AckTimeouts | None = None  # consumer-argument and node-default timeouts
         self.delayed = DelayedMessages(self)  # delay stores of delayed exchanges owned here
+        self.dead_letters = DeadLetterForwards(self)  # cross-shard dead letters until confirmed
 
     # ------------------------------------------------------------------ startup
     async def start(self) -> None:
@@ -133,6 +135,7 @@ class ShardWorker:
                 if restarted:
                     self.exchange_dedup.shard_up(index)
                 self.delayed.peer_up(index, restarted)
+                self.dead_letters.peer_up(index, restarted)
             elif kind == contract.REPLY:
                 pass  # answers to our auto-delete requests need no action
 
@@ -513,10 +516,13 @@ class ShardWorker:
                 log.debug("shard %d: dead-letter cycle to %r dropped", self.index, name)
                 continue
             names.append(name)
-        self.route_to_queues(vhost, names, flags, dlx, rk, props, body)
+        seq = self.dead_letters.next_seq()
+        _sync, sent = self.route_to_queues(vhost, names, flags, dlx, rk, props, body, seq, contract.PEER_CHANNEL_DLX)
+        self.dead_letters.sent(seq, sent)
 
     def route_to_queues(self, vhost: str, names: list[str] | tuple, flags: int, exchange: str, routing_key: str,
-                        props: bytes, body: bytes, confirm_seq: int | None = None) -> tuple[bool, dict[int, list]]:
+                        props: bytes, body: bytes, confirm_seq: int | None = None,
+                        peer_channel: int = contract.PEER_CHANNEL_DELAYED) -> tuple[bool, dict[int, list]]:
         """Append a message the shard republishes itself (a dead letter, a due delayed message).
 
         Queues here get it appended, queues of other shards a PUBLISH over the peer DEALERs.
@@ -549,7 +555,7 @@ class ShardWorker:
                 self._sync_stores.add(target.store)
                 needs_sync = True
         sent: dict[int, list] = {}
-        conn_to, chan_to = (None, None) if confirm_seq is None else (0, contract.PEER_CHANNEL_DELAYED)
+        conn_to, chan_to = (None, None) if confirm_seq is None else (0, peer_channel)
         for shard, names in remote.items():
             peer = self.peers.get(shard)
             if peer is not None:
@@ -606,6 +612,8 @@ class ShardWorker:
                 if kind == contract.CONFIRM or kind == contract.CONFIRM_NACK:
                     if item[2] == contract.PEER_CHANNEL_DELAYED:
                         self.delayed.peer_confirmed(shard, item[3])
+                    elif item[2] == contract.PEER_CHANNEL_DLX:
+                        self.dead_letters.confirmed(shard, item[3])
                     else:
                         self.exchange_dedup.peer_confirmed(shard, item[3], kind == contract.CONFIRM)
         return on_batch
