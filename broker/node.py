@@ -155,8 +155,6 @@ class Node:
             self._broadcast("shard", [contract.WORKER_DOWN, "frontend", worker.index])
             for owners in self.vhost_conns.values():
                 owners.difference_update([o for o in owners if o[0] == worker.index])
-            for owners in self.vhost_conns.values():
-                owners.difference_update([o for o in owners if o[0] == worker.index])
             ops = self.defs.ops_for_owner_gone([worker.index])
             if ops:
                 self._spawn_task(self._commit(ops))
@@ -255,15 +253,13 @@ class Node:
         owner = a.get("owner")
         if op == "queue.declare":
             name = a.get("queue", "")
-            existed = bool(name) and defs.queue(vhost, name) is not None
             ops, name = defs.plan_queue_declare(
                 vhost, name, bool(a.get("passive")), bool(a.get("durable")), bool(a.get("exclusive")),
                 bool(a.get("auto_delete")), a.get("arguments") or {}, owner, self.settings.shards)
             await self._commit(ops)
-            info = {"messages": 0, "consumers": 0}
-            if existed:
-                info = await self._queue_info(vhost, name) or info
-            return {"queue": name, **info}
+            # No counts here: the frontend asks the shard over its publish lane (QUEUE_INFO), which
+            # also counts the publishes still in flight from it; asking here too cost a round trip.
+            return {"queue": name, "messages": 0, "consumers": 0}
         if op == "queue.delete":
             name = a.get("queue", "")
             info = await self._queue_info(vhost, name) or {"messages": 0, "consumers": 0}

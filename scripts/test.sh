@@ -9,6 +9,9 @@ APT_PACKAGES=()
 command -v java >/dev/null || APT_PACKAGES+=(default-jre-headless)
 # The bench tests start a private RabbitMQ (loadtest/rabbitmq.py) side by side with ShardMQ.
 [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || APT_PACKAGES+=(rabbitmq-server)
+# Node.js amqplib compatibility tests (tests/node_clients.py installs amqplib with npm).
+command -v node >/dev/null || APT_PACKAGES+=(nodejs)
+command -v npm >/dev/null || APT_PACKAGES+=(npm)
 [ "${#APT_PACKAGES[@]}" -eq 0 ] || apt_install "${APT_PACKAGES[@]}"
 
 ensure_venv

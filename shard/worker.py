@@ -84,6 +84,7 @@ class ShardWorker:
         self._hold_timer_armed = False
         self._ready = asyncio.Event()
         self._early: list[tuple] = []  # data batches that arrived before the snapshot
+        self._lane: bytes | None = None  # sender identity of the batch being handled
         self._node_req = 0
         self.node: BatchSocket | None = None
         self.data: BatchSocket | None = None
@@ -247,6 +248,7 @@ class ShardWorker:
             epoch, batch_seq = header
         except (TypeError, ValueError):
             return
+        self._lane = fe  # the identity this batch came from (CHANNEL_CLOSED answers on it)
         if fe[-1:] == _CONTROL_LANE_SUFFIX:
             fe = fe[:-1]  # same frontend, control lane: state is keyed by the publish-lane identity
         if epoch == self.epoch and self.defs is not None:
@@ -297,13 +299,15 @@ class ShardWorker:
         elif kind == contract.CONSUME:
             self._consume(fe, item)
         elif kind == contract.CANCEL:
-            _, conn_id, channel, tag = item
+            _, conn_id, channel, tag, req_id = item
             found = self.consumers.pop((fe, conn_id, channel, tag), None)
             if found is not None:
                 q, c = found
                 q.remove_consumer(c)
                 self._dirty_queues.add(q)  # single active consumer: the next one may take over
                 self._maybe_auto_delete(q)
+            # cancel-ok waits for this: no DELIVER for the consumer follows it on this socket
+            self.data.put(fe, [contract.REPLY_DATA, req_id, True, {}])
         elif kind == contract.GET:
             _, req_id, conn_id, channel, vhost, name, no_ack = item
             q = self.queues.get((vhost, name))
@@ -317,6 +321,7 @@ class ShardWorker:
                     f"'{vhost}'", 60, 70]])
                 return
             msg = q.get(self._channel(fe, conn_id, channel), bool(no_ack))
+            q.store.flush_acks()  # the delivered mark, before get-ok leaves (a slow path anyway)
             self.data.put(fe, [contract.REPLY_DATA, req_id, True, {"message": msg}])
         elif kind == contract.QOS:
             _, conn_id, channel, prefetch = item
@@ -326,10 +331,15 @@ class ShardWorker:
             _, conn_id, channel = item
             self._requeue_where(lambda o: o.fe == fe and o.conn_id == conn_id and o.channel == channel)
         elif kind == contract.CHANNEL_CLOSED:
-            _, conn_id, channel = item
+            _, conn_id, channel, req_id = item
             self._drop_consumers(lambda c: c.fe == fe and c.conn_id == conn_id and c.channel == channel)
             self._requeue_where(lambda o: o.fe == fe and o.conn_id == conn_id and o.channel == channel)
             self.channels.pop((fe, conn_id, channel), None)
+            if req_id is not None:
+                # The client's channel.close waits for this. Answered on the lane it came from:
+                # that DEALER is connected for sure, while after a shard restart the publish lane's
+                # may not have reconnected yet, and a ROUTER drops what it cannot route.
+                self.data.put(self._lane, [contract.REPLY_DATA, req_id, True, {}])
         elif kind == contract.CONNECTION_CLOSED:
             conn_id = item[1]
             self._drop_consumers(lambda c: c.fe == fe and c.conn_id == conn_id)
