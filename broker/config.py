@@ -71,6 +71,9 @@ class Settings:
     # The node's HTTP server (broker/http/): management API, UI and health checks on one port.
     http_port: int = 15672
     http_bind: str = "127.0.0.1"
+    # ms between the periodic statistics each worker sends the node (RabbitMQ's
+    # collect_statistics_interval): queue counts, connections, counters for the API and Prometheus.
+    stats_interval: int = 5000
     config_file: str | None = None
 
     @property
@@ -149,6 +152,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("http_port", "int", "http", "HTTP port: management API, UI, health checks (0 = off)", 0, 65535,
            key="port"),
     Option("http_bind", "str", "http", "address the HTTP listener binds", key="bind"),
+    Option("stats_interval", "int", "http", "ms between the statistics reports of the workers", 100, 3600000),
 )
 OPTIONS_BY_NAME = {opt.name: opt for opt in OPTIONS}
 INI_SECTIONS = ("main", "amqp", "mqtt", "tls", "ws", "http", "clustering")

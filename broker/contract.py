@@ -46,7 +46,7 @@ from typing import Any
 
 import msgpack
 
-VERSION = 2  # 2: DELAYED_PUBLISH; shards confirm forwarded delayed messages
+VERSION = 3  # 2: DELAYED_PUBLISH; shards confirm forwarded delayed messages. 3: STATS, CLOSE_CONNECTIONS by user/conn
 
 # --------------------------------------------------------------------------
 # Control plane: node <-> every worker (node.sock)
@@ -60,6 +60,16 @@ QUERY_REPLY = 4  # [QUERY_REPLY, query_id, ok(bool), result]  (shard answering a
 # FORWARDED (low-rate frontend-to-frontend traffic: direct reply-to answers published on another
 # frontend). payload: ["reply", routing_key, exchange, props_raw, body]
 FORWARD = 5
+# STATS: [STATS, payload(dict)]  every stats_interval ms (one item, never per message), for the
+# management API and Prometheus. A frontend's payload:
+#   {"connections": [[conn_id, peer_host, peer_port, user, vhost, client_properties(dict), connected_at_ms,
+#                     recv_oct, send_oct, blocked(bool), [[channel, prefetch, global_prefetch, consumers,
+#                     unacked, unconfirmed, confirm(bool), tx(bool)], ...]], ...],
+#    "consumers": [[conn_id, channel, tag, queue, no_ack, prefetch], ...],
+#    "counters": {"published": n, "delivered": n, "acked": n, "connections_opened": n, ...}}  (totals)
+# a shard's: {"queues": [[vhost, name, ready, unacked, consumers, published, delivered, acked, bytes], ...],
+#             "counters": {...}}  (queue counters are totals since the shard started)
+STATS = 6
 
 # node -> worker
 SNAPSHOT = 10  # [SNAPSHOT, defs_version, definitions(dict), shard_epochs({index: epoch}), settings(dict)]
@@ -69,7 +79,9 @@ SHARD_UP = 13  # [SHARD_UP, index, epoch]      a shard (re)started; frontends an
 WORKER_DOWN = 14  # [WORKER_DOWN, role, index]  a worker died; shards drop a dead frontend's consumers
 QUERY = 15  # [QUERY, query_id, op(str), args(dict)]  node asks a shard (queue_info, ...)
 STOP = 16  # [STOP]  graceful shutdown: finish the current turn, sync, exit 0
-CLOSE_CONNECTIONS = 17  # [CLOSE_CONNECTIONS, vhost or None, reply_code, text]  frontends close matching connections
+# [CLOSE_CONNECTIONS, vhost or None, reply_code, text, user or None, conn_id or None]  frontends close the
+# connections that match every field that is not None (conn_id: sent only to the frontend that has it)
+CLOSE_CONNECTIONS = 17
 FORWARDED = 18  # [FORWARDED, payload]  see FORWARD
 
 # Requests a frontend or shard sends to the node (REQUEST op names). Args are dicts
@@ -91,6 +103,9 @@ REQUEST_OPS = (
 # Queries the node sends to a shard (QUERY op names).
 QUERY_OPS = (
     "queue_info",  # {"vhost", "queue"} -> {"messages": int, "consumers": int}
+    "purge",  # management API, see shard/admin.py for these three
+    "get",
+    "publish",
 )
 
 # --------------------------------------------------------------------------

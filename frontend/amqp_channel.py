@@ -32,6 +32,7 @@ from broker.amqp.encoder import encode_content, encode_deliver, encode_method
 from broker.amqp.errors import AMQPChannelError, AMQPConnectionError, AMQPError
 from broker.amqp.properties import decode_properties, delivery_mode
 from broker.consumer_args import check_consume_arguments
+from broker.permissions import READ
 from broker.routing import delay_store_shard
 from frontend.backlog import Backlog
 from frontend.confirms import ConfirmTracker
@@ -211,6 +212,7 @@ class Channel:
         args.pop("ticket", None)
         args["vhost"] = conn.vhost
         args["owner"] = [conn.worker.index, conn.conn_id]
+        args["user"] = conn.user  # the node checks the user's configure/write/read permissions
         cid, mid = _ids(method)
         self.backlog.block()
         conn.worker.node_request(op, args, lambda ok, result: conn.on_reply(self, ok, result, on_ok, cid, mid))
@@ -272,6 +274,10 @@ class Channel:
         ex = defs.exchange(vhost, exchange)
         if ex is None:
             raise AMQPChannelError(NOT_FOUND, f"no exchange '{exchange}' in vhost '{vhost}'", 60, 40)
+        # RabbitMQ checks write permission first; the cache makes a permitted publish one set lookup.
+        access = conn.access
+        if exchange not in access.writable or access.version != defs.version or access.topics is not None:
+            access.check_publish(defs, ex, exchange, ev.routing_key)
         if ex.internal:
             raise AMQPChannelError(
                 ACCESS_REFUSED, f"cannot publish to internal exchange '{exchange}' in vhost '{vhost}'", 60, 40)
@@ -611,6 +617,7 @@ class Channel:
 
     def m_queue_purge(self, method: C.Queue.Purge) -> None:
         name = self._queue_name(method.queue, method)
+        self.conn.access.check(self.conn.worker.defs, READ, "queue", name, 50, 30)
         q = self._local_queue(name, method)
         vhost = self.conn.vhost
         nowait = method.nowait
@@ -641,6 +648,7 @@ class Channel:
             self._consume_replies(method)
             return
         name = self._queue_name(method.queue, method)
+        self.conn.access.check(self.conn.worker.defs, READ, "queue", name, 60, 20)
         q = self._local_queue(name, method)
         check_consume_arguments(name, self.conn.vhost, method.arguments)
         tag = method.consumer_tag
@@ -702,6 +710,7 @@ class Channel:
 
     def m_basic_get(self, method: C.Basic.Get) -> None:
         name = self._queue_name(method.queue, method)
+        self.conn.access.check(self.conn.worker.defs, READ, "queue", name, 60, 70)
         q = self._local_queue(name, method)
         conn = self.conn
         no_ack = bool(method.no_ack)

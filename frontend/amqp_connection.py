@@ -12,6 +12,7 @@ import asyncio
 import ipaddress
 import logging
 import platform
+import time
 from typing import TYPE_CHECKING, Any
 
 from pamqp import commands as C
@@ -32,8 +33,9 @@ from broker.amqp.encoder import encode_heartbeat, encode_method, encode_protocol
 from broker.amqp.errors import AMQPChannelError, AMQPConnectionError, AMQPError
 from broker.amqp.parser import FrameParser
 from broker.auth import authenticate, check_vhost_access
+from broker.permissions import Access
 from frontend.amqp_channel import BACKLOG_PAUSE, CLOSED, OPEN, Channel
-from frontend.replies import reply_text
+from frontend.replies import plain, reply_text
 
 if TYPE_CHECKING:
     from frontend.worker import FrontendWorker
@@ -118,7 +120,13 @@ class AMQPConnection(asyncio.Protocol):
         self.state = AWAIT_HEADER
         self.vhost = "/"
         self.user = ""
+        self.access = Access("", "/")  # replaced at connection.open: the user's permission checks
         self.peer = None
+        # For the management API's connection list (frontend/stats.py), sent in periodic STATS.
+        self.client_properties: dict = {}
+        self.connected_at = int(time.time() * 1000)
+        self.recv_oct = 0
+        self.send_oct = 0
         self.channels: dict[int, Channel] = {}
         self.exclusive_queues: set[str] = set()
         self.had_exclusive = False
@@ -151,6 +159,7 @@ class AMQPConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._received = True
+        self.recv_oct += len(data)
         if self.state == CLOSED_STATE:
             return
         if self.parser.dead:
@@ -267,8 +276,10 @@ class AMQPConnection(asyncio.Protocol):
             if transport is not None and not transport.is_closing():
                 if len(out) == 1:
                     transport.write(out[0])
+                    self.send_oct += len(out[0])
                 else:
                     transport.writelines(out)
+                    self.send_oct += sum(map(len, out))
                 self._wrote = True
         if self._credit and not self._write_paused and self.state != CLOSED_STATE:
             put = self.worker.shard_put
@@ -432,6 +443,7 @@ class AMQPConnection(asyncio.Protocol):
                                      tuple(loopback_users) if loopback_users is not None else None)
         except AMQPError as exc:
             raise AMQPConnectionError(ACCESS_REFUSED, exc.text, 10, 11) from None
+        self.client_properties = plain(method.client_properties or {})
         self.state = AWAIT_TUNE_OK
         self.send_method(0, C.Connection.Tune(self.channel_max, self.frame_max, self.heartbeat))
 
@@ -466,6 +478,7 @@ class AMQPConnection(asyncio.Protocol):
         except AMQPError as exc:
             raise AMQPConnectionError(exc.code, exc.text, 10, 40) from None
         self.vhost = vhost
+        self.access = Access(self.user, vhost)
         # Every connection is counted by the node across frontends, so a max-connections limit set
         # later counts the connections that are already open (had_exclusive makes _release tell the
         # node when we go).

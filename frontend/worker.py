@@ -23,6 +23,7 @@ from broker.definitions import Definitions
 from broker.zmqio import BatchSocket, make_socket
 from frontend.amqp_connection import AMQPConnection
 from frontend.direct_reply import deliver_reply
+from frontend.stats import frontend_stats
 
 log = logging.getLogger("shardmq.frontend")
 
@@ -97,6 +98,17 @@ class FrontendWorker:
         self.server = await self.loop.create_server(
             lambda: AMQPConnection(self), host=bind, port=port, reuse_port=True, backlog=1024)
         log.info("frontend %d (pid %d) listening on %s:%d", self.index, os.getpid(), bind, port)
+        self._send_stats()
+
+    def _send_stats(self) -> None:
+        """Connections, channels and consumers for the node's management API, once per stats_interval."""
+        if self._stopping:
+            return
+        try:
+            self.node.put(None, [contract.STATS, frontend_stats(self)])
+        except Exception:
+            log.exception("frontend %d: stats report failed", self.index)
+        self.loop.call_later(int(self.settings.get("stats_interval") or 5000) / 1000, self._send_stats)
 
     def _header_for(self, shard: int) -> Callable[[bytes | None], list]:
         sent = self._sent
@@ -140,8 +152,10 @@ class FrontendWorker:
                     self._shard_up(int(item[1]), int(item[2]))
                 elif kind == contract.CLOSE_CONNECTIONS:
                     vhost, code, text = item[1], item[2], item[3]
+                    user, conn_id = (item[4], item[5]) if len(item) > 5 else (None, None)
                     for conn in list(self.conns.values()):
-                        if vhost is None or conn.vhost == vhost:
+                        if ((vhost is None or conn.vhost == vhost) and (user is None or conn.user == user)
+                                and (conn_id is None or conn.conn_id == conn_id)):
                             conn.fail(code, text)
                 elif kind == contract.FORWARDED:
                     payload = item[1]

@@ -23,6 +23,7 @@ from broker.definitions import Definitions
 from broker.policies import POLICY_OPS
 from broker.zmqio import BatchSocket, make_socket
 from shard.ack_timeouts import AckTimeouts
+from shard.admin import admin_query
 from shard.consumers import ChannelRef, Consumer
 from shard.deadletter import dead_letter_props, has_dlx_header, has_expiration, is_cycle
 from shard.dedup import ExchangeDedup
@@ -30,6 +31,7 @@ from shard.delayed import DelayedMessages
 from shard.feature_queue import EXPIRING_MARK, FeatureQueue, needs_features
 from shard.priority_store import open_store
 from shard.queue import Queue
+from shard.stats import shard_stats
 from shard.store import QueueStore, queue_dir
 from shard.stream_queue import StreamQueue, consume_error, retention_args, segment_size
 from shard.stream_store import StreamStore
@@ -109,6 +111,18 @@ class ShardWorker:
         self.node.send_now(None, [[contract.HELLO, contract.VERSION, "shard", self.index, os.getpid()]])
         await self._ready.wait()
         self.loop.call_later(_PERIODIC_SYNC_S, self._periodic_sync)
+        self._send_stats()
+
+    def _send_stats(self) -> None:
+        """Queue counts for the node's management API and metrics, once per stats_interval."""
+        if self._stopping:
+            return
+        try:
+            self.node.put(None, [contract.STATS, shard_stats(self)])
+        except Exception:
+            log.exception("shard %d: stats report failed", self.index)
+        interval = int(self.settings.get("stats_interval") or 5000) / 1000
+        self.loop.call_later(interval, self._send_stats)
 
     # --------------------------------------------------------------- control
     def _on_control(self, _ident: bytes | None, _header, items: list) -> None:
@@ -228,6 +242,10 @@ class ShardWorker:
                 self.node.put(None, [contract.QUERY_REPLY, query_id, False, None])
             else:
                 self.node.put(None, [contract.QUERY_REPLY, query_id, True, q.info()])
+        elif op in ("purge", "get", "publish"):
+            # The management API's operations (low rate; see shard/admin.py).
+            ok, result = admin_query(self, op, args)
+            self.node.put(None, [contract.QUERY_REPLY, query_id, ok, result])
         else:
             self.node.put(None, [contract.QUERY_REPLY, query_id, False, f"unknown query {op}"])
 
