@@ -74,6 +74,8 @@ class Settings:
     # ms between the periodic statistics each worker sends the node (RabbitMQ's
     # collect_statistics_interval): queue counts, connections, counters for the API and Prometheus.
     stats_interval: int = 5000
+    # Prometheus /metrics and /metrics/per-object (broker/http/metrics.py), bound to http_bind; 0 = off.
+    prometheus_port: int = 15692
     config_file: str | None = None
 
     @property
@@ -152,6 +154,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("http_port", "int", "http", "HTTP port: management API, UI, health checks (0 = off)", 0, 65535,
            key="port"),
     Option("http_bind", "str", "http", "address the HTTP listener binds", key="bind"),
+    Option("prometheus_port", "int", "http", "Prometheus metrics port (0 = off)", 0, 65535),
     Option("stats_interval", "int", "http", "ms between the statistics reports of the workers", 100, 3600000),
 )
 OPTIONS_BY_NAME = {opt.name: opt for opt in OPTIONS}

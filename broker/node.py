@@ -27,6 +27,7 @@ from broker.datadir import DataDir, DataDirLocked
 from broker.definitions import Definitions
 from broker.definitions_file import plan_from_file, read_definitions_file
 from broker.defstore import DefStore
+from broker.http.metrics import MetricsServer
 from broker.http.server import HttpServer
 from broker.node_stats import NodeStats
 from broker.permissions import CONFIGURE, READ, WRITE, check, check_topic
@@ -71,6 +72,7 @@ class Node:
         self.is_leader = False
         self.alarms: list[str] = []
         self.http = HttpServer(self, settings.http_bind, settings.http_port)
+        self.metrics = MetricsServer(self, settings.http_bind, settings.prometheus_port)
 
     # ------------------------------------------------------------------ life
     async def start(self) -> None:
@@ -106,6 +108,7 @@ class Node:
         self.is_leader = True
         self.serving = True
         await self.http.start()
+        await self.metrics.start()
         log.info("node (pid %d) started %d shards and %d frontends; AMQP on %s:%d; data dir %s",
                  os.getpid(), s.shards, s.frontends, s.bind, s.port, self.datadir.path)
 
@@ -126,6 +129,7 @@ class Node:
         log.info("node stopping")
         self.serving = False
         await self.http.stop()
+        await self.metrics.stop()
         # Frontends first so no new work reaches the shards, then shards sync and exit.
         for role, timeout in (("frontend", 5.0), ("shard", 15.0)):
             for ident, w in self.by_ident.items():
