@@ -46,7 +46,7 @@ from typing import Any
 
 import msgpack
 
-VERSION = 3  # 2: DELAYED_PUBLISH; shards confirm forwarded delayed messages. 3: STATS, CLOSE_CONNECTIONS by user/conn
+VERSION = 3  # 2: DELAYED_PUBLISH; shards confirm forwarded delayed messages. 3: STATS, ALARMS, CLOSE_CONNECTIONS by user/conn
 
 # --------------------------------------------------------------------------
 # Control plane: node <-> every worker (node.sock)
@@ -83,6 +83,9 @@ STOP = 16  # [STOP]  graceful shutdown: finish the current turn, sync, exit 0
 # connections that match every field that is not None (conn_id: sent only to the frontend that has it)
 CLOSE_CONNECTIONS = 17
 FORWARDED = 18  # [FORWARDED, payload]  see FORWARD
+# [ALARMS, [name, ...]]  the resource alarms in effect ("disk", "memory"; [] = none), sent to frontends when
+# the set changes and after a frontend's SNAPSHOT: publishing connections are blocked while it is not empty
+ALARMS = 19
 
 # Requests a frontend or shard sends to the node (REQUEST op names). Args are dicts
 # with the AMQP method's fields plus "vhost" and, for frontends, "owner" = [frontend_index, conn_id].

@@ -21,6 +21,7 @@ from typing import Any
 import zmq
 
 from broker import contract
+from broker.alarms import CHECK_INTERVAL_S, ResourceMonitor, parse_disk_limit, parse_memory_watermark
 from broker.amqp.errors import AMQPConnectionError, AMQPError
 from broker.config import Settings
 from broker.datadir import DataDir, DataDirLocked
@@ -109,8 +110,32 @@ class Node:
         self.serving = True
         await self.http.start()
         await self.metrics.start()
+        self._start_alarms()
         log.info("node (pid %d) started %d shards and %d frontends; AMQP on %s:%d; data dir %s",
                  os.getpid(), s.shards, s.frontends, s.bind, s.port, self.datadir.path)
+
+    def _start_alarms(self) -> None:
+        s = self.settings
+        from broker.http.metrics import node_processes, rss_bytes
+
+        self.monitor = ResourceMonitor(
+            self.datadir.path, parse_disk_limit(s.disk_free_limit), parse_memory_watermark(s.vm_memory_high_watermark),
+            lambda: sum(rss_bytes(pid) for _, pid in node_processes(self)), self._alarms_changed)
+
+        def tick() -> None:
+            if self.sup.stopping:
+                return
+            try:
+                self.monitor.check()
+            except Exception:
+                log.exception("resource check failed")
+            self.loop.call_later(CHECK_INTERVAL_S, tick)
+
+        tick()
+
+    def _alarms_changed(self, names: list[str]) -> None:
+        self.alarms = list(names)
+        self._broadcast("frontend", [contract.ALARMS, self.alarms])
 
     @property
     def ready(self) -> bool:
@@ -222,6 +247,8 @@ class Node:
             return
         settings = dataclasses.asdict(self.settings)
         self.ctl.put(ident, [contract.SNAPSHOT, self.defs.version, self.defs.to_dict(), self.epochs, settings])
+        if w.role == "frontend" and self.alarms:
+            self.ctl.put(ident, [contract.ALARMS, self.alarms])
         if w.role == "shard":
             # Shards that came up before this one said hello: it would not hear of them otherwise, and
             # it must know its peers are ready before it forwards recovered delayed messages to them.

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from pamqp import commands as C
 
 from broker import contract
+from broker.alarms import REASONS
 from broker.amqp import events as E
 from broker.amqp.constants import (
     ACCESS_REFUSED,
@@ -127,6 +128,7 @@ class AMQPConnection(asyncio.Protocol):
         self.connected_at = int(time.time() * 1000)
         self.recv_oct = 0
         self.send_oct = 0
+        self._sent_blocked = False  # connection.blocked sent, unblocked owed
         self.channels: dict[int, Channel] = {}
         self.exclusive_queues: set[str] = set()
         self.had_exclusive = False
@@ -215,6 +217,27 @@ class AMQPConnection(asyncio.Protocol):
         self.publisher = True
         if self.worker.pressure:
             self.pause_reading("pressure")
+        if self.worker.alarms:
+            self.apply_alarms()
+
+    def apply_alarms(self) -> None:
+        """Block a publishing connection while a resource alarm is in effect (RabbitMQ's connection.blocked):
+        stop reading it, tell the client if it announced the capability; unblock once they clear."""
+        alarms = self.worker.alarms
+        if self.state in (CLOSING, CLOSED_STATE):
+            return
+        if alarms and self.publisher:
+            if "alarm" not in self._read_pause:
+                self.pause_reading("alarm")
+                caps = self.client_properties.get("capabilities") or {}
+                if isinstance(caps, dict) and caps.get("connection.blocked") and self.state == RUNNING:
+                    self._sent_blocked = True
+                    self.send_method(0, C.Connection.Blocked(", ".join(REASONS.get(a, a) for a in alarms)))
+        elif not alarms and "alarm" in self._read_pause:
+            self.resume_reading("alarm")
+            if self._sent_blocked:
+                self._sent_blocked = False
+                self.send_method(0, C.Connection.Unblocked())
 
     def pause_reading(self, reason: str) -> None:
         if not self._read_pause and self.transport is not None and not self.transport.is_closing():
@@ -523,7 +546,9 @@ class AMQPConnection(asyncio.Protocol):
         if self.state != RUNNING or self.transport is None:
             self._timer = None
             return
-        if self._received:
+        if self._received or self._read_pause:
+            # While we do not read the socket (blocked by an alarm, back-pressure) its heartbeats
+            # cannot be seen: not a dead peer (RabbitMQ pauses its heartbeat monitor likewise).
             self._received = False
             self._missed = 0
         else:

@@ -58,6 +58,7 @@ class FrontendWorker:
         self._sent: list[int] = []  # last batch_seq flushed per shard
         self._processed: list[int] = []  # highest batch_seq a shard answered with PROCESSED
         self.pressure = False  # a shard is behind: reading paused on publishing connections
+        self.alarms: list[str] = []  # resource alarms in effect (node ALARMS): publishers are blocked
         self.node: BatchSocket | None = None
         self.server: asyncio.AbstractServer | None = None
         self.conns: dict[int, AMQPConnection] = {}
@@ -157,6 +158,10 @@ class FrontendWorker:
                         if ((vhost is None or conn.vhost == vhost) and (user is None or conn.user == user)
                                 and (conn_id is None or conn.conn_id == conn_id)):
                             conn.fail(code, text)
+                elif kind == contract.ALARMS:
+                    self.alarms = list(item[1])
+                    for conn in list(self.conns.values()):
+                        conn.apply_alarms()
                 elif kind == contract.FORWARDED:
                     payload = item[1]
                     if payload[0] == "reply":
