@@ -9,6 +9,9 @@ APT_PACKAGES=()
 command -v java >/dev/null || APT_PACKAGES+=(default-jre-headless)
 # The bench tests start a private RabbitMQ (loadtest/rabbitmq.py) side by side with ShardMQ.
 [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || APT_PACKAGES+=(rabbitmq-server)
+# The management UI test drives a real headless Chromium through Selenium (tests/test_management_ui.py).
+command -v chromium >/dev/null || APT_PACKAGES+=(chromium)
+command -v chromedriver >/dev/null || APT_PACKAGES+=(chromium-driver)
 [ "${#APT_PACKAGES[@]}" -eq 0 ] || apt_install "${APT_PACKAGES[@]}"
 
 ensure_venv

@@ -34,9 +34,7 @@ def error(status: int, reason: str, kind: str | None = None) -> web.HTTPExceptio
         return web.HTTPInternalServerError(text=body, content_type="application/json")
     if cls is web.HTTPMethodNotAllowed:
         return cls("", [], text=body, content_type="application/json")
-    if cls is web.HTTPUnauthorized:
-        return cls(text=body, content_type="application/json",
-                   headers={"WWW-Authenticate": 'Basic realm="RabbitMQ Management"'})
+    # No WWW-Authenticate challenge: a browser would answer the UI's fetch() with its own login dialog.
     return cls(text=body, content_type="application/json")
 
 

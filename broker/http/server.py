@@ -19,6 +19,7 @@ ROUTE_MODULES: tuple[str, ...] = (
     "broker.http.resources",
     "broker.http.policies_api",
     "broker.http.definitions_api",
+    "broker.http.ui",
 )
 
 
