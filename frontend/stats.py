@@ -22,10 +22,10 @@ def frontend_stats(worker: FrontendWorker) -> dict:
     connections = []
     consumers = []
     for conn in worker.conns.values():
-        if not conn.user or conn.transport is None:
+        if not getattr(conn, "user", None) or conn.transport is None:
             continue  # still in the handshake (or gone): not a connection yet for the API
         channels = []
-        for number, ch in conn.channels.items():
+        for number, ch in getattr(conn, "channels", {}).items():
             confirm = ch.confirm
             channels.append([number, ch.prefetch_count, ch.global_prefetch, len(ch.consumers),
                              len(ch.tags), confirm.unconfirmed if confirm is not None else 0,
@@ -33,7 +33,8 @@ def frontend_stats(worker: FrontendWorker) -> dict:
             for tag, c in ch.consumers.items():
                 consumers.append([conn.conn_id, number, tag, c.queue, c.no_ack, ch.prefetch_count])
         host, port = _peer(conn.peer)
-        connections.append([conn.conn_id, host, port, conn.user, conn.vhost, conn.client_properties,
-                            conn.connected_at, conn.recv_oct, conn.send_oct, bool(conn._read_pause),
-                            channels])
+        connections.append([conn.conn_id, host, port, conn.user, conn.vhost,
+                            getattr(conn, "client_properties", {}), getattr(conn, "connected_at", 0),
+                            getattr(conn, "recv_oct", 0), getattr(conn, "send_oct", 0),
+                            bool(getattr(conn, "_read_pause", ())), channels])
     return {"connections": connections, "consumers": consumers}

@@ -35,8 +35,8 @@ from broker.amqp.errors import AMQPChannelError, AMQPConnectionError, AMQPError
 from broker.amqp.parser import FrameParser
 from broker.auth import authenticate, check_vhost_access
 from broker.permissions import Access
-from frontend.amqp_channel import BACKLOG_PAUSE, CLOSED, OPEN, Channel
-from frontend.replies import plain, reply_text
+from frontend.amqp.channel import BACKLOG_PAUSE, CLOSED, OPEN, Channel
+from frontend.amqp.replies import plain, reply_text
 
 if TYPE_CHECKING:
     from frontend.worker import FrontendWorker
