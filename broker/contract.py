@@ -65,10 +65,9 @@ FORWARD = 5
 #   {"connections": [[conn_id, peer_host, peer_port, user, vhost, client_properties(dict), connected_at_ms,
 #                     recv_oct, send_oct, blocked(bool), [[channel, prefetch, global_prefetch, consumers,
 #                     unacked, unconfirmed, confirm(bool), tx(bool)], ...]], ...],
-#    "consumers": [[conn_id, channel, tag, queue, no_ack, prefetch], ...],
-#    "counters": {"published": n, "delivered": n, "acked": n, "connections_opened": n, ...}}  (totals)
-# a shard's: {"queues": [[vhost, name, ready, unacked, consumers, published, delivered, acked, bytes], ...],
-#             "counters": {...}}  (queue counters are totals since the shard started)
+#    "consumers": [[conn_id, channel, tag, queue, no_ack, prefetch], ...]}
+# a shard's: {"queues": [[vhost, name, ready, unacked, consumers, ready_bytes, published, delivered, acked], ...]}
+#   (published/delivered/acked: totals since the shard started; the node turns them into rates)
 STATS = 6
 
 # node -> worker

@@ -1,7 +1,8 @@
 """The shard's periodic STATS report (broker/contract.py): the counts of the queues it owns.
 
 Read from counters the queues keep anyway (ready count and bytes, the unacked map, the
-consumer list), once per stats_interval: nothing is counted per message for it.
+consumer list) and three totals (published, delivered, acked: one integer add per message or per
+delivery turn), once per stats_interval.
 """
 
 from __future__ import annotations
@@ -18,5 +19,6 @@ def shard_stats(worker: ShardWorker) -> dict:
         info = q.info()
         ready = int(info.get("messages", 0))
         unacked = len(q.unacked)
-        queues.append([vhost, name, ready, unacked, len(q.consumers), int(getattr(q.store, "ready_bytes", 0) or 0)])
+        queues.append([vhost, name, ready, unacked, len(q.consumers), int(getattr(q.store, "ready_bytes", 0) or 0),
+                       q.n_published, q.n_delivered, q.n_acked])
     return {"queues": queues}

@@ -294,6 +294,7 @@ class ShardWorker:
             for i in range(0, len(refs), 2):
                 q = by_qid.get(refs[i])
                 if q is not None and q.ack(refs[i + 1], fe, conn_id, channel):
+                    q.n_acked += 1
                     self._dirty_queues.add(q)
         elif kind == contract.CREDIT:
             _, conn_id, channel, tag, n = item
@@ -335,6 +336,8 @@ class ShardWorker:
                     f"'{vhost}'", 60, 70]])
                 return
             msg = q.get(self._channel(fe, conn_id, channel), bool(no_ack))
+            if msg is not None:
+                q.n_delivered += 1
             self.data.put(fe, [contract.REPLY_DATA, req_id, True, {"message": msg}])
         elif kind == contract.QOS:
             _, conn_id, channel, prefetch = item
@@ -402,6 +405,7 @@ class ShardWorker:
             elif not q.publish(ts, flags, exchange, routing_key, props_raw, body):
                 rejected = True  # x-overflow reject-publish: the publisher gets basic.nack
                 continue
+            q.n_published += 1
             self._dirty_queues.add(q)
             if persistent and q.durable and self._fsync:
                 needs_sync = True
@@ -454,6 +458,7 @@ class ShardWorker:
         return new
 
     def _replace_queue(self, old: Queue, new: Queue) -> None:
+        new.n_published, new.n_delivered, new.n_acked = old.n_published, old.n_delivered, old.n_acked
         self.queues[(old.vhost, old.name)] = new
         self.by_qid[old.qid] = new
         for key, (q, c) in list(self.consumers.items()):
@@ -713,7 +718,9 @@ class ShardWorker:
                 store = q.store
                 ready = store.ready
                 q.deliver(put)
-                delivered += ready - store.ready
+                n = ready - store.ready
+                q.n_delivered += n  # per queue per turn, not per message (message_stats)
+                delivered += n
                 store.flush_acks()
                 if store.ready > _FLOW_BACKLOG and q.consumers and _consumer_waiting(q.consumers):
                     behind = True

@@ -179,6 +179,41 @@ def test_policies_limits_and_aliveness(mnode, api):
     assert api.get("/api/nodes")[0]["running"] is True
 
 
+def test_message_stats_totals_and_rates(mnode, api):
+    qn = uid("stats")
+    conn = mnode.connect()
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.queue_declare(qn)
+    for _ in range(20):
+        ch.basic_publish("", qn, b"m")
+    for _ in range(5):
+        method, _props, _body = ch.basic_get(qn)
+        ch.basic_ack(method.delivery_tag)
+    q = api.wait_for(f"/api/queues/%2F/{qn}", lambda d: d["message_stats"].get("ack") == 5)
+    stats = q["message_stats"]
+    assert (stats["publish"], stats["deliver_get"], stats["ack"]) == (20, 5, 5)
+    assert set(stats["publish_details"]) == {"rate"}
+    ov = api.get("/api/overview")
+    assert ov["message_stats"]["publish"] >= 20
+    conn.close()
+
+
+def test_rates_from_two_reports():
+    from broker.node_stats import NodeStats
+
+    st = NodeStats()
+    st.update("shard", 0, {"queues": [["/", "q", 0, 0, 0, 0, 100, 40, 30]]})
+    st.update("shard", 0, {"queues": [["/", "q", 0, 0, 0, 0, 300, 140, 30]]})
+    st.received_at[("shard", 0)] = st.previous[0][0] + 2.0  # the second report came 2 s later
+    st._prev_rows = None
+    ms = st.message_stats(st.queues()[("/", "q")])
+    assert ms["publish"] == 300 and ms["publish_details"] == {"rate": 100.0}
+    assert ms["deliver_get_details"] == {"rate": 50.0} and ms["ack_details"] == {"rate": 0.0}
+    st.update("shard", 0, {"queues": [["/", "q", 0, 0, 0, 0, 5, 0, 0]]})  # shard restarted: counters reset
+    assert st.message_stats(st.queues()[("/", "q")])["publish_details"]["rate"] == 0.0
+
+
 def test_overview_totals(mnode, api):
     qn = uid("ov")
     conn = mnode.connect()

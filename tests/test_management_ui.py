@@ -36,6 +36,7 @@ def browser(tmp_path):
                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage",
                 f"--user-data-dir={tmp_path / 'chromium-profile'}", "--window-size=1280,1300"):
         opts.add_argument(arg)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(service=Service(driver_path), options=opts)
     try:
         yield driver
@@ -63,6 +64,7 @@ def test_ui_login_queue_publish_get_delete(node_factory, browser):
     browser.find_element(By.ID, "login-button").click()
     wait.until(EC.text_to_be_present_in_element((By.ID, "whoami"), "guest"))
     wait.until(EC.text_to_be_present_in_element((By.ID, "total-queues"), "1"))
+    wait.until(EC.presence_of_element_located((By.ID, "rates")))
     browser.save_screenshot(str(SHOTS / "management-overview.png"))
 
     browser.find_element(By.ID, "nav-queues").click()
@@ -94,6 +96,9 @@ def test_ui_login_queue_publish_get_delete(node_factory, browser):
     wait.until(lambda d: d.current_url.endswith("#/queues"))
     wait.until(lambda d: not d.find_elements(By.XPATH, f"//a[text()='{qn}']"))
     conn.close()
+    # No script errors on any page we went through (the expected 401 of the wrong password aside).
+    errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE" and "401" not in e["message"]]
+    assert errors == []
     check = node.connect().channel()
     with pytest.raises(ChannelClosedByBroker) as info:
         check.queue_declare(qn, passive=True)

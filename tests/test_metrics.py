@@ -44,6 +44,7 @@ def test_aggregated_and_per_object_metrics(node_factory):
         assert time.monotonic() < deadline, m.get("rabbitmq_queue_messages_ready")
         time.sleep(0.05)
     assert value(m["rabbitmq_queues"]) == 1
+    assert value(m["rabbitmq_global_messages_routed"]) == 5  # the parser drops the _total suffix
     assert value(m["rabbitmq_channels"]) >= 1
     assert value(m["rabbitmq_queue_messages_ready_bytes"]) == 50
     assert value(m["rabbitmq_alarms_free_disk_space_watermark"]) == 0
@@ -54,6 +55,7 @@ def test_aggregated_and_per_object_metrics(node_factory):
     per = scrape(node, "/metrics/per-object")
     assert value(per["rabbitmq_queue_messages_ready"], vhost="/", queue=qn) == 5
     assert value(per["rabbitmq_queue_consumers"], vhost="/", queue=qn) == 0
+    assert value(per["rabbitmq_queue_messages_published"], vhost="/", queue=qn) == 5
     conn.close()
 
 

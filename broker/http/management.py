@@ -98,7 +98,8 @@ async def overview(request: web.Request) -> web.Response:
         "management_version": RABBITMQ_VERSION, "rabbitmq_version": RABBITMQ_VERSION,
         "product_name": PRODUCT, "product_version": RABBITMQ_VERSION, "cluster_name": node_name(),
         "node": node_name(), "erlang_version": "n/a", "statistics_db_event_queue": 0,
-        "message_stats": {},
+        "message_stats": node.stats.totals(None if who.sees_all else
+                                           {(vn, qn) for vn in visible for qn in defs.vhosts[vn].queues}),
         "queue_totals": {"messages": ready + unacked, "messages_ready": ready,
                          "messages_unacknowledged": unacked},
         "object_totals": {"connections": len(conns), "channels": sum(len(r[C_CHANNELS]) for r in conns),

@@ -21,15 +21,18 @@ from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from prometheus_client.core import CollectorRegistry, GaugeMetricFamily, Metric
+from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, Metric
 
 from broker.node_stats import (
     C_CHANNELS,
     C_RECV,
     C_SEND,
+    Q_ACKED,
     Q_BYTES,
     Q_CONSUMERS,
+    Q_DELIVERED,
     Q_NAME,
+    Q_PUBLISHED,
     Q_READY,
     Q_UNACKED,
     Q_VHOST,
@@ -89,6 +92,15 @@ class NodeCollector:
                         sum(r[Q_READY] + r[Q_UNACKED] for r in queues.values()))
         yield gauge("rabbitmq_queue_messages_ready_bytes", "Size in bytes of ready messages",
                     sum(r[Q_BYTES] for r in queues.values()))
+        # Totals since each shard started (a shard restart resets its part, as a counter reset).
+        # "routed" counts a message once per queue it reached.
+        for name, doc, i in (("rabbitmq_global_messages_routed", "Messages stored into queues", Q_PUBLISHED),
+                             ("rabbitmq_global_messages_delivered", "Messages delivered to consumers (and got)",
+                              Q_DELIVERED),
+                             ("rabbitmq_global_messages_acknowledged", "Messages acknowledged by consumers", Q_ACKED)):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], sum(r[i] for r in queues.values() if len(r) > i))
+            yield c
         yield gauge("rabbitmq_connection_incoming_bytes_total", "Total number of bytes received on connections",
                     sum(r[C_RECV] for _, r in conns))
         yield gauge("rabbitmq_connection_outgoing_bytes_total", "Total number of bytes sent on connections",
@@ -139,13 +151,21 @@ class NodeCollector:
                                           labels=labels),
             "consumers": GaugeMetricFamily("rabbitmq_queue_consumers", "Consumers on a queue", labels=labels),
         }
+        published = CounterMetricFamily("rabbitmq_queue_messages_published", "Messages published into a queue",
+                                        labels=labels)
+        acked = CounterMetricFamily("rabbitmq_queue_messages_acked", "Messages acknowledged on a queue", labels=labels)
         for row in queues.values():
             key = [row[Q_VHOST], row[Q_NAME]]
             families["ready"].add_metric(key, row[Q_READY])
             families["unacked"].add_metric(key, row[Q_UNACKED])
             families["messages"].add_metric(key, row[Q_READY] + row[Q_UNACKED])
             families["consumers"].add_metric(key, row[Q_CONSUMERS])
+            if len(row) > Q_ACKED:
+                published.add_metric(key, row[Q_PUBLISHED])
+                acked.add_metric(key, row[Q_ACKED])
         yield from families.values()
+        yield published
+        yield acked
 
 
 def _render(node: Any, per_object: bool) -> bytes:

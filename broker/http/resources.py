@@ -53,7 +53,8 @@ def queue_json(node: Any, vhost: str, q: Any, counts: list | None) -> dict:
             "type": _queue_type(q), "messages": ready + unacked, "messages_ready": ready,
             "messages_unacknowledged": unacked, "consumers": consumers, "message_bytes_ready": nbytes,
             "policy": p.name if p is not None else None, "effective_policy_definition": policy,
-            "exclusive_consumer_tag": None, "shard": q.shard}
+            "exclusive_consumer_tag": None, "shard": q.shard,
+            "message_stats": node.stats.message_stats(counts) if counts else {}}
 
 
 def _visible_queues(who: Caller, vhost: str | None) -> list[tuple[str, Any]]:

@@ -92,7 +92,9 @@ function table(id, columns, rows, opts = {}) {
 async function overview() {
   const ov = await api("GET", "/api/overview");
   const t = ov.object_totals, q = ov.queue_totals;
-  state.samples.push({ t: Date.now(), ready: q.messages_ready, unacked: q.messages_unacknowledged });
+  const rate = (k) => ((ov.message_stats || {})[k + "_details"] || { rate: 0 }).rate;
+  state.samples.push({ t: Date.now(), ready: q.messages_ready, unacked: q.messages_unacknowledged,
+    publish: rate("publish"), deliver: rate("deliver_get"), ack: rate("ack") });
   state.samples = state.samples.slice(-60);
   const totals = [["Connections", t.connections], ["Channels", t.channels], ["Exchanges", t.exchanges],
     ["Queues", t.queues], ["Consumers", t.consumers], ["Ready", q.messages_ready],
@@ -101,19 +103,20 @@ async function overview() {
     <p>${esc(ov.product_name)} ${esc(ov.product_version)} on node <b>${esc(ov.node)}</b></p>
     <div class="totals" id="totals">${totals.map(([k, v]) =>
       `<div class="total" id="total-${esc(k.toLowerCase().replace(/ /g, "-"))}"><b>${esc(v)}</b>${esc(k)}</div>`).join("")}</div>
-    <h3>Queued messages (sampled every 5 s)</h3><canvas id="chart" width="720" height="160"></canvas>
+    <h3>Queued messages (sampled every 5 s)</h3><canvas id="chart" width="720" height="140"></canvas>
+    <h3>Message rates (per second)</h3><canvas id="rates" width="720" height="140"></canvas>
     <h3>Listeners</h3>${table("listeners", [{ title: "Protocol", value: (l) => l.protocol },
       { title: "Address", value: (l) => l.ip_address }, { title: "Port", value: (l) => l.port, num: true }], ov.listeners)}`;
-  drawChart($("chart"), state.samples);
+  drawChart($("chart"), state.samples, [["ready", "#2d7be5"], ["unacked", "#e5892d"]]);
+  drawChart($("rates"), state.samples, [["publish", "#2d7be5"], ["deliver", "#1b7f3b"], ["ack", "#e5892d"]]);
 }
 
-function drawChart(canvas, samples) {
+function drawChart(canvas, samples, series) {
   const ctx = canvas.getContext("2d");
   const w = canvas.width, h = canvas.height, pad = 24;
   ctx.clearRect(0, 0, w, h);
-  const max = Math.max(1, ...samples.map((s) => s.ready + s.unacked));
+  const max = Math.max(1, ...samples.flatMap((s) => series.map(([k]) => s[k] || 0)));
   ctx.fillStyle = "#666"; ctx.font = "11px sans-serif"; ctx.fillText(String(max), 2, 12); ctx.fillText("0", 2, h - 4);
-  const series = [["ready", "#2d7be5"], ["unacked", "#e5892d"]];
   for (const [key, color] of series) {
     ctx.strokeStyle = color; ctx.lineWidth = 2; ctx.beginPath();
     samples.forEach((s, i) => {
@@ -123,8 +126,7 @@ function drawChart(canvas, samples) {
     });
     ctx.stroke();
   }
-  ctx.fillStyle = "#2d7be5"; ctx.fillText("ready", w - 110, 12);
-  ctx.fillStyle = "#e5892d"; ctx.fillText("unacked", w - 60, 12);
+  series.forEach(([key, color], i) => { ctx.fillStyle = color; ctx.fillText(key, w - 60 * (series.length - i), 12); });
 }
 
 // --------------------------------------------------------------- connections
