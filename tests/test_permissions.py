@@ -162,3 +162,22 @@ def test_channel_error_from_a_refusal_leaves_connection_usable(mnode, api):
         assert conn.channel().is_open
     finally:
         conn.close()
+
+
+def test_impersonator_may_publish_with_another_user_id(mnode, api):
+    qn = uid("imp")
+    api.add_user("plainuser", "pw")
+    api.add_user("imp", "pw", tags="impersonator")
+    for user, allowed in (("plainuser", False), ("imp", True)):
+        conn = connect(mnode, user, "pw")
+        ch = conn.channel()
+        ch.confirm_delivery()
+        ch.queue_declare(qn)
+        if allowed:
+            ch.basic_publish("", qn, b"as someone else", pika.BasicProperties(user_id="someone-else"))
+            assert get_one(ch, qn)[1].user_id == "someone-else"
+        else:
+            with pytest.raises(ChannelClosedByBroker) as info:
+                ch.basic_publish("", qn, b"x", pika.BasicProperties(user_id="someone-else"))
+            assert info.value.reply_code == 406
+        conn.close()

@@ -386,9 +386,13 @@ class Channel:
             conn.confirm_shards.add(shard)
 
     def _check_user_id(self, user_id: str | None) -> None:
-        """RabbitMQ's validated user-id: a publish may only claim the user it authenticated as."""
+        """RabbitMQ's validated user-id: a publish may only claim the user it authenticated as
+        (users tagged impersonator may claim any)."""
         user = self.conn.user
         if user_id is not None and user_id != user:
+            u = self.conn.worker.defs.users.get(user)
+            if u is not None and "impersonator" in u.tags:
+                return
             raise AMQPChannelError(
                 PRECONDITION_FAILED,
                 f"user_id property set to '{user_id}' but authenticated user was '{user}'", 60, 40)
