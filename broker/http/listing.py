@@ -60,7 +60,10 @@ def select_columns(item: dict, columns: list[str]) -> dict:
 
 def respond(request: web.Request, rows: Sequence[Any], name_of: Callable[[Any], str],
             build: Callable[[Any], dict], cheap_sorts: dict[str, Callable[[Any], Any]] | None = None) -> web.Response:
-    """The JSON answer for a list endpoint over rows (opaque), built with build(row)."""
+    """The JSON answer for a list endpoint over rows (opaque), built with build(row).
+
+    cheap_sorts: columns that can be sorted on without building the items (each returns values of
+    one type for every row)."""
     q = request.query
     total = len(rows)
     name = q.get("name")
@@ -79,7 +82,8 @@ def respond(request: web.Request, rows: Sequence[Any], name_of: Callable[[Any], 
     cheap.setdefault("name", name_of)
     built: list | None = None
     if sort and sort in cheap:
-        rows = sorted(rows, key=lambda r: _sort_key(cheap[sort](r)), reverse=reverse)
+        # cheap sort keys return one type (all ints or all strings): no per-row normalizing wrapper
+        rows = sorted(rows, key=cheap[sort], reverse=reverse)
     elif sort:
         built = sorted((build(r) for r in rows), key=lambda d: _sort_key(_get_path(d, sort)), reverse=reverse)
     elif reverse:
