@@ -31,7 +31,7 @@ from shard.delayed import DelayedMessages
 from shard.feature_queue import EXPIRING_MARK, FeatureQueue, needs_features
 from shard.priority_store import open_store
 from shard.queue import Queue
-from shard.stats import shard_stats
+from shard.stats import SyncHistogram, shard_stats
 from shard.store import QueueStore, queue_dir
 from shard.stream_queue import StreamQueue, consume_error, retention_args, segment_size
 from shard.stream_store import StreamStore
@@ -66,6 +66,7 @@ class ShardWorker:
         self.defs: Definitions | None = None
         self.settings: dict = {}
         self.queues: dict[tuple[str, str], Queue] = {}
+        self.sync_histogram = SyncHistogram()  # group sync durations, reported in STATS
         self.by_qid: dict[int, Queue] = {}
         self._next_qid = 1
         self.channels: dict[tuple[bytes, int, int], ChannelRef] = {}
@@ -791,11 +792,14 @@ class ShardWorker:
         self._after_sync = []
         for store in stores:
             store.flush_acks()  # on the loop thread: the sync thread only fsyncs
+        started = time.monotonic()
         fut = self.loop.run_in_executor(None, _sync_all, list(stores))
-        fut.add_done_callback(lambda f: self._sync_done(f, waiting, after))
+        fut.add_done_callback(lambda f: self._sync_done(f, waiting, after, started))
 
-    def _sync_done(self, fut: asyncio.Future, waiting: list, after: list) -> None:
+    def _sync_done(self, fut: asyncio.Future, waiting: list, after: list, started: float | None = None) -> None:
         self._sync_running = False
+        if started is not None:
+            self.sync_histogram.observe(time.monotonic() - started)
         exc = fut.exception()
         if exc is not None:
             log.error("shard %d: sync failed: %s", self.index, exc)

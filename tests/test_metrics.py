@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import urllib.request
 
+import pika
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -33,9 +34,9 @@ def test_aggregated_and_per_object_metrics(node_factory):
     conn = node.connect()
     ch = conn.channel()
     ch.confirm_delivery()
-    ch.queue_declare(qn)
-    for _ in range(5):
-        ch.basic_publish("", qn, b"x" * 10)
+    ch.queue_declare(qn, durable=True)
+    for _ in range(5):  # persistent into a durable queue, confirmed: each waits for a group sync
+        ch.basic_publish("", qn, b"x" * 10, pika.BasicProperties(delivery_mode=2))
     deadline = time.monotonic() + 10
     while True:
         m = scrape(node)
@@ -51,6 +52,9 @@ def test_aggregated_and_per_object_metrics(node_factory):
     assert value(m["rabbitmq_process_resident_memory_bytes"]) > 10 << 20
     assert {s.labels["process"] for s in m["shardmq_process_resident_memory_bytes"]} >= {"node"}
     assert sum(s.value for s in m["shardmq_shard_queues"]) == 1
+    assert sum(s.value for s in m["shardmq_shard_segment_bytes"]) > 50  # 5 records of 10-byte bodies
+    syncs = [s for s in m["shardmq_shard_fsync_seconds"] if s.name.endswith("_count")]
+    assert sum(s.value for s in syncs) >= 1
     assert all(not s.labels for s in m["rabbitmq_queue_messages_ready"])  # aggregate: no per-queue labels
     per = scrape(node, "/metrics/per-object")
     assert value(per["rabbitmq_queue_messages_ready"], vhost="/", queue=qn) == 5

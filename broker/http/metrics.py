@@ -21,7 +21,13 @@ from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CollectorRegistry,
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from broker.node_stats import (
     C_CHANNELS,
@@ -122,6 +128,21 @@ class NodeCollector:
         for index, payload in sorted(stats.shards.items()):
             per_shard.add_metric([str(index)], len(payload.get("queues", ())))
         yield per_shard
+        seg = GaugeMetricFamily("shardmq_shard_segment_bytes", "Bytes written into the segments of each shard's queues",
+                                labels=["shard"])
+        fsync = HistogramMetricFamily("shardmq_shard_fsync_seconds", "Duration of each group sync (fsync batch)",
+                                      labels=["shard"])
+        for index, payload in sorted(stats.shards.items()):
+            seg.add_metric([str(index)], payload.get("segment_bytes", 0))
+            h = payload.get("fsync")
+            if h:
+                cumulative, buckets = 0, []
+                for le, n in zip([*h["buckets"], float("inf")], h["counts"], strict=True):
+                    cumulative += n
+                    buckets.append(("+Inf" if le == float("inf") else repr(float(le)), cumulative))
+                fsync.add_metric([str(index)], buckets, h["sum"])
+        yield seg
+        yield fsync
         per_fe = GaugeMetricFamily("shardmq_frontend_connections", "Client connections per frontend",
                                    labels=["frontend"])
         fe_in = GaugeMetricFamily("shardmq_frontend_incoming_bytes", "Bytes received per frontend (open connections)",
