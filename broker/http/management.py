@@ -8,6 +8,7 @@ counts of queues, exchanges and bindings are in ``resources.py``; policies and l
 from __future__ import annotations
 
 import os
+import re
 import socket
 import time
 from typing import Any
@@ -24,7 +25,6 @@ from broker.http.common import (
     created,
     no_content,
     node_of,
-    truthy,
 )
 from broker.http.listing import respond
 from broker.node_stats import (
@@ -351,8 +351,6 @@ async def permission_get(request: web.Request) -> web.Response:
 
 
 def _check_pattern(name: str, value: Any) -> str:
-    import re
-
     if not isinstance(value, str):
         raise error(400, f"{name} must be a string")
     try:
@@ -566,4 +564,3 @@ def register(app: web.Application, _node: Any) -> None:
     r.add_get("/api/consumers/{vhost}", consumers_list)
 
 
-__all__ = ["register", "node_name", "truthy"]

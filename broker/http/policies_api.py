@@ -163,4 +163,3 @@ async def _empty(request: web.Request) -> web.Response:
     return web.json_response([])
 
 
-__all__ = ["register", "created"]

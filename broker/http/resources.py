@@ -16,7 +16,7 @@ from aiohttp import web
 from pamqp import commands as C
 
 from broker.amqp.properties import decode_properties, encode_properties
-from broker.definitions import PREDECLARED, plain
+from broker.definitions import plain
 from broker.http.auth import Caller, error
 from broker.http.common import body, caller, created, execute, no_content, node_of, truthy
 from broker.http.listing import respond
@@ -24,8 +24,6 @@ from broker.http.management import node_name
 from broker.node_stats import Q_BYTES, Q_CONSUMERS, Q_READY, Q_UNACKED
 from broker.permissions import READ, WRITE, permitted
 from broker.policies import best_match
-
-_PREDECLARED_NAMES = frozenset(n for n, _ in PREDECLARED)
 
 
 def _vhost_arg(request: web.Request, who: Caller) -> str | None:
@@ -464,4 +462,3 @@ def register(app: web.Application, _node: Any) -> None:
     r.add_delete("/api/bindings/{vhost}/e/{source}/{dkind}/{dest}/{props}", binding_delete)
 
 
-__all__ = ["register", "queue_json", "exchange_json", "binding_json", "properties_key", "_PREDECLARED_NAMES"]
