@@ -112,6 +112,10 @@ def test_queue_exchange_binding_crud_publish_get_purge(mnode, api):
     assert api.call("GET", f"/api/queues/%2F/{qn}")[0] == 404
     assert api.call("PUT", "/api/exchanges/%2F/bad", {"type": "nope"})[0] == 400
     assert api.call("PUT", "/api/queues/%2F/bad", "not an object")[0] == 400
+    assert api.call("PUT", "/api/exchanges/%2F/bad", {"type": "direct", "arguments": "x"})[0] == 400
+    for bad in ({"queues": [1]}, {"users": "x"}, [1, 2]):
+        status, body = api.call("POST", "/api/definitions", bad)
+        assert status == 400 and body["error"] == "bad_request", (bad, body)
 
 
 def test_connections_channels_consumers_and_close(mnode, api):

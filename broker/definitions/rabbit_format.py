@@ -140,6 +140,6 @@ def plan_import(defs: Definitions, data: dict, shard_count: int, vhost: str | No
                 raise ValueError(f"binding from '{b.get('source')}' to '{b.get('destination')}': {exc.text}") from None
     except KeyError as exc:
         raise ValueError(f"missing or unknown {exc}") from None
-    except TypeError as exc:
-        raise ValueError(str(exc)) from None
+    except (TypeError, AttributeError) as exc:
+        raise ValueError(f"malformed entry: {exc}") from None
     return ops

@@ -7,6 +7,7 @@ counts of queues, exchanges and bindings are in ``resources.py``; policies and l
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import socket
@@ -43,6 +44,8 @@ from broker.node_stats import (
     Q_READY,
     Q_UNACKED,
 )
+
+log = logging.getLogger("shardmq.http")
 
 HASHING = "rabbit_password_hashing_sha256"
 CONNECTION_FORCED = 320
@@ -524,7 +527,21 @@ async def consumers_list(request: web.Request) -> web.Response:
     return web.json_response(out)
 
 
+@web.middleware
+async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """A bug in a handler answers a JSON 500 (and is logged), never a traceback or an HTML page."""
+    try:
+        return await handler(request)
+    except web.HTTPException:
+        raise
+    except Exception:
+        log.exception("HTTP %s %s failed", request.method, request.path)
+        return web.json_response({"error": "internal_error", "reason": "internal error, see the node's log"},
+                                 status=500)
+
+
 def register(app: web.Application, _node: Any) -> None:
+    app.middlewares.append(json_errors)
     r = app.router
     r.add_get("/api/overview", overview)
     r.add_get("/api/nodes", nodes)

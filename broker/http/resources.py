@@ -258,6 +258,8 @@ async def exchange_put(request: web.Request) -> web.Response:
     data = await body(request)
     if "type" not in data:
         raise error(400, "type is required")
+    if not isinstance(data.get("arguments") or {}, dict):
+        raise error(400, "arguments must be an object")
     existed = who.defs.exchange(vhost, name) is not None
     await execute(request, who, "exchange.declare", {
         "vhost": vhost, "exchange": name, "exchange_type": str(data["type"]), "passive": False,
