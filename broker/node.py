@@ -439,6 +439,10 @@ class Node:
         """Apply definition ops as the single writer (what the management API changes)."""
         await self._commit(ops)
 
+    async def execute(self, op: str, args: dict) -> dict:
+        """A declare/delete/bind as a frontend would REQUEST it (args["user"] = whose permissions apply)."""
+        return await self._execute(op, args)
+
     def close_connections(self, code: int, text: str, vhost: str | None = None, user: str | None = None,
                           frontend: int | None = None, conn_id: int | None = None) -> None:
         """Close the client connections that match (all given fields) on every (or one) frontend."""

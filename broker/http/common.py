@@ -60,7 +60,7 @@ async def execute(request: web.Request, who: Caller, op: str, args: dict) -> dic
     """Run a declare/delete/bind request through the node's planner, checked against who's permissions."""
     node = node_of(request)
     try:
-        return await node._execute(op, {**args, "user": who.name})
+        return await node.execute(op, {**args, "user": who.name})
     except AMQPError as exc:
         raise amqp_to_http(exc) from None
 
