@@ -54,7 +54,8 @@ import msgpack
 
 # 2: DELAYED_PUBLISH; shards confirm forwarded delayed messages. 3: QUEUE_INFO, DEDUP_PUBLISH,
 # CHANNEL_CLOSED's and CANCEL's req_id, channel fields carry the channel key (number + 65536 * generation).
-VERSION = 3
+# 4: STATS, ALARMS, CLOSE_CONNECTIONS by user/conn.
+VERSION = 4
 
 # --------------------------------------------------------------------------
 # Control plane: node <-> every worker (node.sock)
@@ -68,6 +69,15 @@ QUERY_REPLY = 4  # [QUERY_REPLY, query_id, ok(bool), result]  (shard answering a
 # FORWARDED (low-rate frontend-to-frontend traffic: direct reply-to answers published on another
 # frontend). payload: ["reply", routing_key, exchange, props_raw, body]
 FORWARD = 5
+# STATS: [STATS, payload(dict)]  every stats_interval ms (one item, never per message), for the
+# management API and Prometheus. A frontend's payload:
+#   {"connections": [[conn_id, peer_host, peer_port, user, vhost, client_properties(dict), connected_at_ms,
+#                     recv_oct, send_oct, blocked(bool), [[channel, prefetch, global_prefetch, consumers,
+#                     unacked, unconfirmed, confirm(bool), tx(bool)], ...]], ...],
+#    "consumers": [[conn_id, channel, tag, queue, no_ack, prefetch], ...]}
+# a shard's: {"queues": [[vhost, name, ready, unacked, consumers, ready_bytes, published, delivered, acked], ...]}
+#   (published/delivered/acked: totals since the shard started; the node turns them into rates)
+STATS = 6
 
 # node -> worker
 SNAPSHOT = 10  # [SNAPSHOT, defs_version, definitions(dict), shard_epochs({index: epoch}), settings(dict)]
@@ -77,8 +87,13 @@ SHARD_UP = 13  # [SHARD_UP, index, epoch]      a shard (re)started; frontends an
 WORKER_DOWN = 14  # [WORKER_DOWN, role, index]  a worker died; shards drop a dead frontend's consumers
 QUERY = 15  # [QUERY, query_id, op(str), args(dict)]  node asks a shard (queue_info, ...)
 STOP = 16  # [STOP]  graceful shutdown: finish the current turn, sync, exit 0
-CLOSE_CONNECTIONS = 17  # [CLOSE_CONNECTIONS, vhost or None, reply_code, text]  frontends close matching connections
+# [CLOSE_CONNECTIONS, vhost or None, reply_code, text, user or None, conn_id or None]  frontends close the
+# connections that match every field that is not None (conn_id: sent only to the frontend that has it)
+CLOSE_CONNECTIONS = 17
 FORWARDED = 18  # [FORWARDED, payload]  see FORWARD
+# [ALARMS, [name, ...]]  the resource alarms in effect ("disk", "memory"; [] = none), sent to frontends when
+# the set changes and after a frontend's SNAPSHOT: publishing connections are blocked while it is not empty
+ALARMS = 19
 
 # Requests a frontend or shard sends to the node (REQUEST op names). Args are dicts
 # with the AMQP method's fields plus "vhost" and, for frontends, "owner" = [frontend_index, conn_id].
@@ -100,6 +115,9 @@ REQUEST_OPS = (
 # Queries the node sends to a shard (QUERY op names).
 QUERY_OPS = (
     "queue_info",  # {"vhost", "queue"} -> {"messages": int, "consumers": int}
+    "purge",  # management API, see shard/admin.py for these three
+    "get",
+    "publish",
 )
 
 # --------------------------------------------------------------------------

@@ -12,6 +12,9 @@ command -v java >/dev/null || APT_PACKAGES+=(default-jre-headless)
 # Node.js amqplib compatibility tests (tests/node_clients.py installs amqplib with npm).
 command -v node >/dev/null || APT_PACKAGES+=(nodejs)
 command -v npm >/dev/null || APT_PACKAGES+=(npm)
+# The management UI test drives a real headless Chromium through Selenium (tests/test_management_ui.py).
+command -v chromium >/dev/null || APT_PACKAGES+=(chromium)
+command -v chromedriver >/dev/null || APT_PACKAGES+=(chromium-driver)
 [ "${#APT_PACKAGES[@]}" -eq 0 ] || apt_install "${APT_PACKAGES[@]}"
 
 ensure_venv

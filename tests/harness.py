@@ -202,6 +202,7 @@ class Node:
         self.shards = shards
         self.port = port or free_port()
         self.http_port = free_port()
+        self.prometheus_port = free_port()
         self.extra_args = list(extra_args)
         self.env = env or {}
         self.log_level = log_level
@@ -233,6 +234,7 @@ class Node:
             "--shards", str(self.shards),
             "--log-level", self.log_level,
             "--http-port", str(self.http_port),
+            "--prometheus-port", str(self.prometheus_port),
             *self.extra_args,
         ]
 
