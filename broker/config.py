@@ -68,6 +68,12 @@ class Settings:
     # 406. On by default like RabbitMQ's 30 minutes; it costs the plain path nothing (a periodic scan,
     # see shard/ack_timeouts.py). 0 = off.
     consumer_timeout: int = 1800000
+    # MQTT 3.1.1 listener (frontend/mqtt/); 0 = off.
+    mqtt_port: int = 1883
+    # Largest MQTT packet accepted (bytes); a bigger one closes that connection.
+    mqtt_max_packet_size: int = 134217728
+    # QoS 1/2 messages sent to one MQTT client and not yet acknowledged by it (the consumer's prefetch).
+    mqtt_max_inflight: int = 100
     config_file: str | None = None
 
     @property
@@ -100,6 +106,11 @@ class Option:
     maximum: int | None = None
     choices: tuple[str, ...] | None = None
     has_flag: bool = True
+    key: str | None = None  # INI key when it differs from the name ([mqtt] port for mqtt_port)
+
+    @property
+    def ini_key(self) -> str:
+        return self.key or self.name
 
     @property
     def flag(self) -> str:
@@ -134,9 +145,15 @@ OPTIONS: tuple[Option, ...] = (
     Option("set_timestamp", "int", "amqp", "1 = stamp published messages that have no timestamp", 0, 1),
     Option("consumer_timeout", "int", "amqp",
            "ms a delivery may stay unacked before its channel is closed with 406 (0 = off)", 0, 2**31 - 1),
+    Option("mqtt_port", "int", "mqtt", "MQTT 3.1.1 port (0 = off)", 0, 65535, key="port"),
+    Option("mqtt_max_packet_size", "int", "mqtt", "largest MQTT packet accepted, bytes", 64, 268435455,
+           key="max_packet_size"),
+    Option("mqtt_max_inflight", "int", "mqtt", "unacknowledged QoS 1/2 messages per MQTT client", 1, 65535,
+           key="max_inflight"),
 )
 OPTIONS_BY_NAME = {opt.name: opt for opt in OPTIONS}
-INI_SECTIONS = ("main", "amqp")
+INI_SECTIONS = ("main", "amqp", "mqtt")
+OPTIONS_BY_INI = {(opt.section, opt.ini_key): opt for opt in OPTIONS}
 CONFIG_ENV = ENV_PREFIX + "CONFIG_FILE"
 
 
@@ -213,7 +230,7 @@ def option_table() -> list[tuple[str, str, str, str]]:
     """(flag, INI key, env var, default) for every setting: the --help epilog and the README show this."""
     rows = [("--config FILE", "-", CONFIG_ENV, "none")]
     for opt in OPTIONS:
-        rows.append((opt.flag if opt.has_flag else "-", f"[{opt.section}] {opt.name}", opt.env,
+        rows.append((opt.flag if opt.has_flag else "-", f"[{opt.section}] {opt.ini_key}", opt.env,
                      _describe_default(opt)))
     return rows
 
@@ -237,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter,
     )
     parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
-                        help="INI file with [main] and [amqp] sections")
+                        help="INI file with [main], [amqp] and [mqtt] sections")
     for opt in OPTIONS:
         if not opt.has_flag:
             continue
@@ -264,9 +281,9 @@ def _read_ini(parser: argparse.ArgumentParser, path: str, shown: str) -> dict[st
             parser.error(f"config file {shown}: unknown section [{section}] "
                          f"(known: {', '.join('[' + s + ']' for s in INI_SECTIONS)})")
         for key, raw in ini.items(section):
-            opt = OPTIONS_BY_NAME.get(key)
-            if opt is None or opt.section != section:
-                known = ", ".join(o.name for o in OPTIONS if o.section == section)
+            opt = OPTIONS_BY_INI.get((section, key))
+            if opt is None:
+                known = ", ".join(o.ini_key for o in OPTIONS if o.section == section)
                 parser.error(f"config file {shown}: unknown key [{section}] {key} (known: {known})")
             try:
                 values[opt.name] = _convert(opt, raw)

@@ -86,6 +86,7 @@ class Node:
         frontends: int = 2,
         shards: int = 2,
         port: int | None = None,
+        mqtt_port: int = 0,
         extra_args: Sequence[str] = (),
         env: dict[str, str] | None = None,
         log_level: str = "debug",
@@ -99,6 +100,7 @@ class Node:
         self.frontends = frontends
         self.shards = shards
         self.port = port or free_port()
+        self.mqtt_port = mqtt_port  # 0: off (the broker's default 1883 would be shared by every test node)
         self.extra_args = list(extra_args)
         self.env = env or {}
         self.log_level = log_level
@@ -125,6 +127,7 @@ class Node:
             *self.command,
             "--data-dir", str(self.data_dir),
             "--port", str(self.port),
+            "--mqtt-port", str(self.mqtt_port),
             "--frontends", str(self.frontends),
             "--shards", str(self.shards),
             "--log-level", self.log_level,
