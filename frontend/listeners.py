@@ -23,10 +23,12 @@ class Listener:
 
 LISTENERS: tuple[Listener, ...] = (
     Listener("amqp", "port", "frontend.amqp.connection:AMQPConnection"),
+    Listener("mqtt", "mqtt_port", "frontend.mqtt.connection:MQTTConnection"),
 )
 
 FORWARDED: dict[str, str] = {
     "reply": "frontend.amqp.direct_reply:deliver_reply",  # direct reply-to answered on another frontend
+    "mqtt.takeover": "frontend.mqtt.connection:forwarded_takeover",  # a client id connected elsewhere
 }
 
 
