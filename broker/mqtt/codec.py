@@ -176,6 +176,7 @@ class MQTTParser:
         out: list[Packet] = []
         pos = 0
         n = len(buf)
+        view = memoryview(buf)
         try:
             while pos + 2 <= n:
                 first = buf[pos]
@@ -199,9 +200,10 @@ class MQTTParser:
                     raise MQTTProtocolError(f"packet of {length} bytes exceeds the maximum packet size")
                 if i + length > n:
                     break
-                out.append(self._packet(first, memoryview(buf), i, i + length))
+                out.append(self._packet(first, view, i, i + length))
                 pos = i + length
         finally:
+            view.release()  # before the buffer is resized
             if pos:
                 del buf[:pos]
         return out

@@ -138,13 +138,16 @@ class MQTTConnection(asyncio.Protocol):
         self._timer = self.worker.loop.call_later(CONNECT_TIMEOUT, self._connect_timeout)
 
     def data_received(self, data: bytes) -> None:
-        if self.state == CLOSED:
-            return
+        if self.state == CLOSED or self._close_after_flush:
+            return  # closing: nothing the client sends counts any more
         self._received = True
         try:
             packets = self.parser.feed(data)
         except M.MQTTProtocolError as exc:
             self._protocol_error(str(exc))
+            return
+        except Exception as exc:  # the parser raises only MQTTProtocolError; still never a crash
+            self.internal_error(exc)
             return
         try:
             for packet in packets:
