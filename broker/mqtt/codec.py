@@ -343,7 +343,10 @@ def encode_publish(topic: bytes, payload: bytes, qos: int = 0, retain: bool = Fa
     head = _U16.pack(len(topic)) + topic
     if qos:
         head += _U16.pack(packet_id)
-    return bytes((first,)) + _remaining(len(head) + len(payload)) + head + payload
+    n = len(head) + len(payload)
+    if n < 128:  # the common small message: no varint loop
+        return b"".join((bytes((first, n)), head, payload))
+    return b"".join((bytes((first,)), _remaining(n), head, payload))
 
 
 def encode_ack(ptype: int, packet_id: int) -> bytes:

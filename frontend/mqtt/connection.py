@@ -56,7 +56,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("shardmq.mqtt")
 
 LANE = 1  # the contract's channel number for everything of an MQTT connection
-CONSUMER_TAG = "mqtt"
+# The session queue's consumer: without acks while every subscription is QoS 0 (the shard settles
+# at delivery, no ack round trip bounds the rate), with acks and the in-flight limit as prefetch once
+# one is QoS 1/2. Two tags, so a delivery says which consumer it came from across a switch.
+TAG_NO_ACK = "mqtt-qos0"
+TAG_ACK = "mqtt-qos1"
 CONNECT_TIMEOUT = 10.0
 BACKLOG_PAUSE = 10_000
 
@@ -115,11 +119,12 @@ class MQTTConnection(asyncio.Protocol):
         self.out2: set[int] = set()
         self._next_pid = 0
         self._sub_cache: dict[str, int] = {}
-        self._topic_cache: dict[str, bytes] = {}
+        self._topic_cache: dict[str, tuple[str, bytes]] = {}
         self._out: list[bytes] = []
         self._dirty = False
         self._acks: dict[int, list] = {}
-        self._credit: dict[int, int] = {}
+        self._credit: dict[tuple[int, str], int] = {}
+        self.consumer_tag: str | None = None
         self._backlog: deque = deque()
         self._busy = False
         self._read_pause: set[str] = set()
@@ -227,8 +232,8 @@ class MQTTConnection(asyncio.Protocol):
                 put(shard, [_ACK, self.conn_id, LANE, flat])
             self._acks = {}
         if self._credit and not self._write_paused and self.state != CLOSED:
-            for shard, n in self._credit.items():
-                put(shard, [_CREDIT, self.conn_id, LANE, CONSUMER_TAG, n])
+            for (shard, tag), n in self._credit.items():
+                put(shard, [_CREDIT, self.conn_id, LANE, tag, n])
             self._credit = {}
         if self._close_after_flush and transport is not None:
             transport.close()
@@ -592,7 +597,8 @@ class MQTTConnection(asyncio.Protocol):
                 self._save_state()
                 self._unblock()
 
-            if granted and not self.consuming:
+            if granted and (not self.consuming or (self.consumer_tag == TAG_NO_ACK and any(
+                    q for _f, q in granted))):
                 self._consume(finish)
             else:
                 finish()
@@ -634,12 +640,19 @@ class MQTTConnection(asyncio.Protocol):
                                       "arguments": {}}, one)
 
     def _consume(self, then: Callable[[], None]) -> None:
-        self.consuming = True
+        """Consume the session queue (again, with acks, when the first QoS 1/2 subscription comes)."""
         q = self.worker.defs.queue(self.vhost, self.queue)
         if q is None:
             raise RuntimeError(f"session queue {self.queue} is gone")
+        put = self.worker.shard_put
+        if self.consuming and self.consumer_tag is not None:
+            put(q.shard, [contract.CANCEL, self.conn_id, LANE, self.consumer_tag])
+        self.consuming = True
         self.queue_shard = q.shard
-        tail = [self.conn_id, LANE, self.vhost, self.queue, CONSUMER_TAG, False, False, self.max_inflight, {}]
+        no_ack = not any(self.subs.values())
+        tag = self.consumer_tag = TAG_NO_ACK if no_ack else TAG_ACK
+        tail = [self.conn_id, LANE, self.vhost, self.queue, tag, no_ack, False, 0 if no_ack else self.max_inflight,
+                {}]
 
         def consumed(ok: bool, result: Any) -> None:
             if not ok:
@@ -705,29 +718,35 @@ class MQTTConnection(asyncio.Protocol):
 
     def on_deliver(self, shard: int, item: list) -> None:
         """[DELIVER, conn, lane, tag, qid, mid, redelivered, exchange, routing_key, props, body]"""
+        tag = item[3]
+        key = (shard, tag)
         credit = self._credit
-        credit[shard] = credit.get(shard, 0) + 1
+        credit[key] = credit.get(key, 0) + 1
+        settled = tag == TAG_NO_ACK
         if self.state != RUNNING:
             return  # the shard requeues it when the connection's end reaches it
         rk = item[8]
-        topic_bytes = self._topic_cache.get(rk)
-        topic = key_to_topic(rk)
-        if topic_bytes is None:
-            topic_bytes = topic.encode()
+        cached = self._topic_cache.get(rk)
+        if cached is None:
+            topic = key_to_topic(rk)
             if len(self._topic_cache) > 10_000:
                 self._topic_cache.clear()
-            self._topic_cache[rk] = topic_bytes
+            cached = self._topic_cache[rk] = (topic, topic.encode())
+        topic, topic_bytes = cached
         best = self._sub_qos(topic)
         if best < 0:  # e.g. a $-topic that only a wildcard at the first level matched [MQTT-4.7.2-1]
-            self._ack(shard, item[4], item[5])
+            if not settled:
+                self._ack(shard, item[4], item[5])
             self._mark_dirty()
             return
-        qos = min(qos_of(item[9]), best)
+        qos = min(qos_of(item[9]), best) if best else 0
         if qos == 0:
-            self._ack(shard, item[4], item[5])
+            if not settled:
+                self._ack(shard, item[4], item[5])
             self.write(M.encode_publish(topic_bytes, item[10]))
             return
-        self._send_publish(topic_bytes, item[10], qos, False, bool(item[6]), (shard, item[4], item[5]))
+        self._send_publish(topic_bytes, item[10], qos, False, bool(item[6]),
+                           None if settled else (shard, item[4], item[5]))
 
     def _send_publish(self, topic: bytes, payload: bytes, qos: int, retain: bool, dup: bool,
                       ref: tuple | None) -> None:
