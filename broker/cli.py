@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import sys
 
-from broker.config import load_settings, setup_logging
+from broker.config import PROG, load_settings, setup_logging, tls_problem
 
 
 def main() -> None:
     settings = load_settings(sys.argv[1:])
+    problem = tls_problem(settings)  # here, not in load_settings: it reads the certificate files
+    if problem:
+        print(f"{PROG}: error: {problem}", file=sys.stderr)
+        sys.exit(2)
     setup_logging(settings.log_level, "node")
     # Imported late so `shardmq --help` and config errors do not pay for (or depend on) the node's imports.
     from broker.node import run

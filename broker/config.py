@@ -74,6 +74,14 @@ class Settings:
     mqtt_max_packet_size: int = 134217728
     # QoS 1/2 messages sent to one MQTT client and not yet acknowledged by it (the consumer's prefetch).
     mqtt_max_inflight: int = 100
+    # TLS listeners (AMQPS, MQTTS) are on when a certificate is set; 0 turns one off.
+    amqps_port: int = 5671
+    mqtts_port: int = 8883
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    # 1: clients must present a certificate signed by --tls-ca.
+    tls_verify_peer: int = 0
     config_file: str | None = None
 
     @property
@@ -150,9 +158,18 @@ OPTIONS: tuple[Option, ...] = (
            key="max_packet_size"),
     Option("mqtt_max_inflight", "int", "mqtt", "unacknowledged QoS 1/2 messages per MQTT client", 1, 65535,
            key="max_inflight"),
+    Option("amqps_port", "int", "amqp", "AMQP over TLS port, on when --tls-cert is set (0 = off)", 0, 65535,
+           key="tls_port"),
+    Option("mqtts_port", "int", "mqtt", "MQTT over TLS port, on when --tls-cert is set (0 = off)", 0, 65535,
+           key="tls_port"),
+    Option("tls_cert", "path", "tls", "server certificate chain (PEM) for the TLS listeners", key="cert"),
+    Option("tls_key", "path", "tls", "private key (PEM) of --tls-cert", key="key"),
+    Option("tls_ca", "path", "tls", "CA bundle (PEM) that client certificates must chain to", key="ca"),
+    Option("tls_verify_peer", "int", "tls", "1 = require a client certificate signed by --tls-ca", 0, 1,
+           key="verify_peer"),
 )
 OPTIONS_BY_NAME = {opt.name: opt for opt in OPTIONS}
-INI_SECTIONS = ("main", "amqp", "mqtt")
+INI_SECTIONS = ("main", "amqp", "mqtt", "tls")
 OPTIONS_BY_INI = {(opt.section, opt.ini_key): opt for opt in OPTIONS}
 CONFIG_ENV = ENV_PREFIX + "CONFIG_FILE"
 
@@ -210,7 +227,7 @@ def _describe_default(opt: Option) -> str:
 
 _METAVARS = {"int": "N", "path": "DIR", "list": "USERS", "str": "VALUE", "bind": "ADDR",
              "default_user": "USER", "sync": "POLICY", "log_level": "LEVEL",
-             "definitions": "FILE"}
+             "definitions": "FILE", "tls_cert": "FILE", "tls_key": "FILE", "tls_ca": "FILE"}
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -254,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter,
     )
     parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
-                        help="INI file with [main], [amqp] and [mqtt] sections")
+                        help="INI file with [main], [amqp], [mqtt] and [tls] sections")
     for opt in OPTIONS:
         if not opt.has_flag:
             continue
@@ -327,6 +344,29 @@ def load_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] 
     if "data_dir" not in values:
         values["data_dir"] = default_data_dir(environ)
     return Settings(**values)
+
+
+def tls_problem(s: Settings) -> str | None:
+    """Why the TLS settings cannot work (naming the flag), or None. Loads the files once to be sure."""
+    if not (s.tls_cert or s.tls_key or s.tls_ca or s.tls_verify_peer):
+        return None
+    if not s.tls_cert or not s.tls_key:
+        return "--tls-cert and --tls-key go together"
+    if s.tls_verify_peer and not s.tls_ca:
+        return "--tls-verify-peer needs --tls-ca"
+    import ssl
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(s.tls_cert, s.tls_key)
+    except (OSError, ssl.SSLError) as exc:
+        return f"--tls-cert/--tls-key: cannot load {s.tls_cert} / {s.tls_key}: {exc}"
+    if s.tls_ca:
+        try:
+            ctx.load_verify_locations(s.tls_ca)
+        except (OSError, ssl.SSLError) as exc:
+            return f"--tls-ca: cannot load {s.tls_ca}: {exc}"
+    return None
 
 
 LOG_FORMAT = "%(asctime)s %(levelname)s [%(processName)s] %(name)s: %(message)s"

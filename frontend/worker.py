@@ -22,6 +22,7 @@ from broker.definitions import Definitions
 from broker.zmqio import BatchSocket, make_socket
 from frontend.listeners import FORWARDED, LISTENERS, load
 from frontend.session import CONNECTION_FORCED, Session
+from frontend.tls import server_context
 
 log = logging.getLogger("shardmq.frontend")
 
@@ -93,13 +94,15 @@ class FrontendWorker:
             self.control.append(BatchSocket(self.loop, ctl, self._shard_handler(i), self._control_header_for(i)))
         self.node.put(None, [contract.APPLIED, version])
         bind = settings.get("bind") or "0.0.0.0"
+        tls = server_context(settings)
         for listener in LISTENERS:
             port = int(settings.get(listener.port_setting, 0) or 0)
-            if not port:
+            if not port or (listener.tls and tls is None):
                 continue
             session = load(listener.session)
             server = await self.loop.create_server(
-                lambda session=session: session(self), host=bind, port=port, reuse_port=True, backlog=1024)
+                lambda session=session: session(self), host=bind, port=port, reuse_port=True, backlog=1024,
+                ssl=tls if listener.tls else None)
             self.servers.append(server)
             log.info("frontend %d (pid %d) listening for %s on %s:%d", self.index, os.getpid(),
                      listener.protocol, bind, port)

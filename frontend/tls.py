@@ -1,0 +1,24 @@
+"""The TLS context of the frontends' TLS listeners (AMQPS, MQTTS): TLS 1.2 or later, the ssl module's defaults.
+
+Built once per frontend process from the node's settings (``--tls-cert``, ``--tls-key``,
+``--tls-ca``, ``--tls-verify-peer``; checked at start-up by ``broker.config.tls_problem``).
+"""
+
+from __future__ import annotations
+
+import ssl
+
+
+def server_context(settings: dict) -> ssl.SSLContext | None:
+    """None when no certificate is configured (the TLS listeners stay off)."""
+    cert, key = settings.get("tls_cert"), settings.get("tls_key")
+    if not cert or not key:
+        return None
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)  # secure cipher defaults, no compression
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(cert, key)
+    if settings.get("tls_ca"):
+        ctx.load_verify_locations(settings["tls_ca"])
+    if settings.get("tls_verify_peer"):
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
