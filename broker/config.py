@@ -82,6 +82,8 @@ class Settings:
     tls_ca: str | None = None
     # 1: clients must present a certificate signed by --tls-ca.
     tls_verify_peer: int = 0
+    # 1: every plain client listener expects a PROXY protocol v1/v2 header first (frontend/proxy.py).
+    proxy_protocol: int = 0
     config_file: str | None = None
 
     @property
@@ -167,6 +169,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("tls_ca", "path", "tls", "CA bundle (PEM) that client certificates must chain to", key="ca"),
     Option("tls_verify_peer", "int", "tls", "1 = require a client certificate signed by --tls-ca", 0, 1,
            key="verify_peer"),
+    Option("proxy_protocol", "int", "main",
+           "1 = plain client listeners require a PROXY protocol v1/v2 header (haproxy send-proxy)", 0, 1),
 )
 OPTIONS_BY_NAME = {opt.name: opt for opt in OPTIONS}
 INI_SECTIONS = ("main", "amqp", "mqtt", "tls")

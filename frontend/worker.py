@@ -21,6 +21,7 @@ from broker import contract
 from broker.definitions import Definitions
 from broker.zmqio import BatchSocket, make_socket
 from frontend.listeners import FORWARDED, LISTENERS, load
+from frontend.proxy import ProxyProtocolListener
 from frontend.session import CONNECTION_FORCED, Session
 from frontend.tls import server_context
 
@@ -95,17 +96,26 @@ class FrontendWorker:
         self.node.put(None, [contract.APPLIED, version])
         bind = settings.get("bind") or "0.0.0.0"
         tls = server_context(settings)
+        proxied = bool(settings.get("proxy_protocol"))
         for listener in LISTENERS:
             port = int(settings.get(listener.port_setting, 0) or 0)
             if not port or (listener.tls and tls is None):
                 continue
-            session = load(listener.session)
+            factory = self._protocol_factory(load(listener.session), proxied and not listener.tls)
             server = await self.loop.create_server(
-                lambda session=session: session(self), host=bind, port=port, reuse_port=True, backlog=1024,
-                ssl=tls if listener.tls else None)
+                factory, host=bind, port=port, reuse_port=True, backlog=1024, ssl=tls if listener.tls else None)
             self.servers.append(server)
             log.info("frontend %d (pid %d) listening for %s on %s:%d", self.index, os.getpid(),
                      listener.protocol, bind, port)
+
+    def _protocol_factory(self, session: Callable, proxied: bool) -> Callable[[], asyncio.Protocol]:
+        """What asyncio calls per accepted connection: the session, or the PROXY header reader before it."""
+        def make_session() -> asyncio.Protocol:
+            return session(self)
+
+        if not proxied:
+            return make_session
+        return lambda: ProxyProtocolListener(make_session, self.loop)
 
     def _header_for(self, shard: int) -> Callable[[bytes | None], list]:
         sent = self._sent

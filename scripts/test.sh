@@ -9,6 +9,8 @@ APT_PACKAGES=()
 command -v java >/dev/null || APT_PACKAGES+=(default-jre-headless)
 # The bench tests start a private RabbitMQ (loadtest/rabbitmq.py) side by side with ShardMQ.
 [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || APT_PACKAGES+=(rabbitmq-server)
+# The PROXY protocol tests put a real haproxy (send-proxy, send-proxy-v2) in front of a node.
+command -v haproxy >/dev/null || APT_PACKAGES+=(haproxy)
 [ "${#APT_PACKAGES[@]}" -eq 0 ] || apt_install "${APT_PACKAGES[@]}"
 
 ensure_venv

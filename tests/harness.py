@@ -164,8 +164,12 @@ class Node:
                 code = self.proc.returncode if self.proc else None
                 raise NodeError(f"node exited with status {code} during startup\n{self.log_tail()}")
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=min(1.0, left)):
-                    pass
+                with socket.create_connection(("127.0.0.1", self.port), timeout=min(1.0, left)) as sock:
+                    if self.proxied:  # pika cannot send a PROXY header: connection.start must come back
+                        sock.sendall(b"PROXY TCP4 127.0.0.1 127.0.0.1 1 2\r\nAMQP\x00\x00\x09\x01")
+                        if sock.recv(1)[:1] != b"\x01":
+                            raise NodeError("no connection.start")
+                        return
                 conn = self.connect(socket_timeout=min(2.0, left), stack_timeout=min(3.0, left))
                 conn.close()
                 return
@@ -176,6 +180,12 @@ class Node:
             f"node on port {self.port} not ready after {timeout or self.startup_timeout:.0f}s "
             f"(last error: {last_error!r})\n{self.log_tail()}"
         )
+
+    @property
+    def proxied(self) -> bool:
+        """Started with --proxy-protocol 1: clients must send a PROXY header first."""
+        args = self.extra_args
+        return "--proxy-protocol" in args and args[args.index("--proxy-protocol") + 1] == "1"
 
     def connect(self, **params) -> pika.BlockingConnection:
         """A pika connection as guest; keyword arguments become pika.ConnectionParameters."""

@@ -91,6 +91,7 @@ SAMPLES = {
     "set_timestamp": "1", "consumer_timeout": "60000", "mqtt_port": "0", "mqtt_max_packet_size": "4096",
     "mqtt_max_inflight": "7", "amqps_port": "0", "mqtts_port": "0", "tls_cert": "/tmp/c.pem",
     "tls_key": "/tmp/k.pem", "tls_ca": "/tmp/ca.pem", "tls_verify_peer": "1",
+    "proxy_protocol": "1",
 }
 
 
