@@ -84,6 +84,8 @@ class Settings:
     tls_verify_peer: int = 0
     # 1: every plain client listener expects a PROXY protocol v1/v2 header first (frontend/proxy.py).
     proxy_protocol: int = 0
+    # MQTT (/ws) and AMQP (/amqp) over WebSocket (frontend/ws.py); 0 = off.
+    ws_port: int = 15675
     config_file: str | None = None
 
     @property
@@ -171,9 +173,10 @@ OPTIONS: tuple[Option, ...] = (
            key="verify_peer"),
     Option("proxy_protocol", "int", "main",
            "1 = plain client listeners require a PROXY protocol v1/v2 header (haproxy send-proxy)", 0, 1),
+    Option("ws_port", "int", "ws", "WebSocket port: MQTT at /ws, AMQP at /amqp (0 = off)", 0, 65535, key="port"),
 )
 OPTIONS_BY_NAME = {opt.name: opt for opt in OPTIONS}
-INI_SECTIONS = ("main", "amqp", "mqtt", "tls")
+INI_SECTIONS = ("main", "amqp", "mqtt", "tls", "ws")
 OPTIONS_BY_INI = {(opt.section, opt.ini_key): opt for opt in OPTIONS}
 CONFIG_ENV = ENV_PREFIX + "CONFIG_FILE"
 
@@ -275,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter,
     )
     parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
-                        help="INI file with [main], [amqp], [mqtt] and [tls] sections")
+                        help="INI file with [main], [amqp], [mqtt], [tls] and [ws] sections")
     for opt in OPTIONS:
         if not opt.has_flag:
             continue

@@ -61,6 +61,7 @@ class FrontendWorker:
         self.node: BatchSocket | None = None
         self.servers: list[asyncio.AbstractServer] = []
         self._forwarded: dict[str, Callable] = {}
+        self._ws_runner: Any = None
         self.conns: dict[int, Session] = {}
         self._next_conn = 0
         self._next_req = 0
@@ -107,6 +108,12 @@ class FrontendWorker:
             self.servers.append(server)
             log.info("frontend %d (pid %d) listening for %s on %s:%d", self.index, os.getpid(),
                      listener.protocol, bind, port)
+        ws_port = int(settings.get("ws_port", 0) or 0)
+        if ws_port:
+            from frontend import ws  # aiohttp is imported only by frontends that serve WebSocket
+
+            self._ws_runner = await ws.start(self, bind, ws_port)
+            log.info("frontend %d (pid %d) listening for websocket on %s:%d", self.index, os.getpid(), bind, ws_port)
 
     def _protocol_factory(self, session: Callable, proxied: bool) -> Callable[[], asyncio.Protocol]:
         """What asyncio calls per accepted connection: the session, or the PROXY header reader before it."""
@@ -305,6 +312,8 @@ class FrontendWorker:
         self._stopping = True
         for server in self.servers:
             server.close()
+        if self._ws_runner is not None:
+            await self._ws_runner.shutdown()
         for conn in list(self.conns.values()):
             conn.fail(CONNECTION_FORCED, "broker shutdown")
         self._end_of_turn()
@@ -315,6 +324,8 @@ class FrontendWorker:
         for conn in list(self.conns.values()):
             if conn.transport is not None:
                 conn.transport.close()
+        if self._ws_runner is not None:
+            await self._ws_runner.cleanup()
         for sock in (*self.shards, *self.control):
             sock.close()
         if self.node is not None:

@@ -87,6 +87,7 @@ class Node:
         shards: int = 2,
         port: int | None = None,
         mqtt_port: int = 0,
+        ws_port: int = 0,
         extra_args: Sequence[str] = (),
         env: dict[str, str] | None = None,
         log_level: str = "debug",
@@ -101,6 +102,7 @@ class Node:
         self.shards = shards
         self.port = port or free_port()
         self.mqtt_port = mqtt_port  # 0: off (the broker's default 1883 would be shared by every test node)
+        self.ws_port = ws_port  # 0: off, as mqtt_port
         self.extra_args = list(extra_args)
         self.env = env or {}
         self.log_level = log_level
@@ -127,10 +129,11 @@ class Node:
             *self.command,
             "--data-dir", str(self.data_dir),
             "--port", str(self.port),
-            "--mqtt-port", str(self.mqtt_port),
             "--frontends", str(self.frontends),
             "--shards", str(self.shards),
             "--log-level", self.log_level,
+            "--mqtt-port", str(self.mqtt_port),
+            "--ws-port", str(self.ws_port),
             *self.extra_args,
         ]
 

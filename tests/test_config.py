@@ -91,7 +91,7 @@ SAMPLES = {
     "set_timestamp": "1", "consumer_timeout": "60000", "mqtt_port": "0", "mqtt_max_packet_size": "4096",
     "mqtt_max_inflight": "7", "amqps_port": "0", "mqtts_port": "0", "tls_cert": "/tmp/c.pem",
     "tls_key": "/tmp/k.pem", "tls_ca": "/tmp/ca.pem", "tls_verify_peer": "1",
-    "proxy_protocol": "1",
+    "proxy_protocol": "1", "ws_port": "0",
 }
 
 
@@ -158,7 +158,7 @@ def test_invalid_values_exit_2_naming_the_source(capsys, argv, environ, message)
         ("[main]\nfrontends = 0\n", "[main] frontends must be >= 1"),
         ("[main]\nport = 1\n", "unknown key [main] port (known: data_dir,"),
         ("[amqp]\nprot = 1\n", "unknown key [amqp] prot"),
-        ("[storage]\nx = 1\n", "unknown section [storage] (known: [main], [amqp], [mqtt], [tls])"),
+        ("[storage]\nx = 1\n", "unknown section [storage] (known: [main], [amqp], [mqtt], [tls], [ws])"),
         ("port = 1\n", "File contains no section headers"),
         ("[amqp]\nport = 1\nport = 2\n", "option 'port' in section 'amqp' already exists"),
     ],
