@@ -103,6 +103,7 @@ class Node:
         self.port = port or free_port()
         self.mqtt_port = mqtt_port  # 0: off (the broker's default 1883 would be shared by every test node)
         self.ws_port = ws_port  # 0: off, as mqtt_port
+        self.http_port = free_port()
         self.extra_args = list(extra_args)
         self.env = env or {}
         self.log_level = log_level
@@ -132,6 +133,7 @@ class Node:
             "--frontends", str(self.frontends),
             "--shards", str(self.shards),
             "--log-level", self.log_level,
+            "--http-port", str(self.http_port),
             "--mqtt-port", str(self.mqtt_port),
             "--ws-port", str(self.ws_port),
             *self.extra_args,
