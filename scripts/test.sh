@@ -11,6 +11,8 @@ command -v java >/dev/null || APT_PACKAGES+=(default-jre-headless)
 [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || APT_PACKAGES+=(rabbitmq-server)
 # The PROXY protocol tests put a real haproxy (send-proxy, send-proxy-v2) in front of a node.
 command -v haproxy >/dev/null || APT_PACKAGES+=(haproxy)
+# The MQTT perf-tool test runs shardmq-perf against a private mosquitto (loadtest/mosquitto.py).
+command -v mosquitto >/dev/null || [ -x /usr/sbin/mosquitto ] || APT_PACKAGES+=(mosquitto)
 [ "${#APT_PACKAGES[@]}" -eq 0 ] || apt_install "${APT_PACKAGES[@]}"
 
 ensure_venv
