@@ -73,7 +73,7 @@ class Settings:
     # Largest MQTT packet accepted (bytes); a bigger one closes that connection.
     mqtt_max_packet_size: int = 134217728
     # QoS 1/2 messages sent to one MQTT client and not yet acknowledged by it (the consumer's prefetch).
-    mqtt_max_inflight: int = 100
+    mqtt_max_inflight: int = 1000
     # TLS listeners (AMQPS, MQTTS) are on when a certificate is set; 0 turns one off.
     amqps_port: int = 5671
     mqtts_port: int = 8883

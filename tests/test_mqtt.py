@@ -24,7 +24,7 @@ def mq(tmp_path_factory):
     factory = NodeFactory(tmp_path_factory.mktemp("mqtt_node"))
     try:
         yield factory(name="node", frontends=2, shards=2, mqtt_port=free_port(),
-                      extra_args=["--mqtt-max-packet-size", "65536"])
+                      extra_args=["--mqtt-max-packet-size", "65536", "--mqtt-max-inflight", "100"])
     finally:
         factory.cleanup()
 
@@ -282,21 +282,42 @@ def test_keep_alive_is_kept_by_pings(mq):
     raw.disconnect()
 
 
+def _frontend_of(node, raw: RawMQTT, client_id: str) -> str:
+    """Which frontend logged this connection's CONNECT (SO_REUSEPORT picks one)."""
+    needle = f"('127.0.0.1', {raw.sock.getsockname()[1]})): client '{client_id}'"
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline:
+        for line in node.log_text().splitlines():
+            if needle in line:
+                return line.split("[", 1)[1].split("]", 1)[0]
+        time.sleep(0.05)
+    raise AssertionError(f"no log line for {needle}")
+
+
 def test_second_connection_with_the_same_client_id_takes_over(mq, clients):
+    """On the same frontend and across frontends (the takeover is forwarded through the node)."""
     t = topic()
     watcher = clients()
     watcher.subscribe((f"{t}/#", 1))
     name = cid("dup")
-    first = RawMQTT(mq.mqtt_port)
-    assert first.connect(name, will=M.Publish(f"{t}/will", b"taken over", 1, False)).return_code == 0
-    # Connect until the second lands on the other frontend at least once (SO_REUSEPORT spreads them).
-    second = RawMQTT(mq.mqtt_port)
-    assert second.connect(name).return_code == 0
-    assert first.closed_by_server()
-    assert watcher.get() == (f"{t}/will", b"taken over", 1, False)
-    second.send(bytes((M.PINGREQ << 4, 0)))
-    assert second.recv() == M.Simple(M.PINGRESP)
-    second.disconnect()
+    old = RawMQTT(mq.mqtt_port)
+    assert old.connect(name, will=M.Publish(f"{t}/will", b"taken over 0", 1, False)).return_code == 0
+    old_fe = _frontend_of(mq, old, name)
+    seen = set()
+    for i in range(1, 30):
+        new = RawMQTT(mq.mqtt_port)
+        assert new.connect(name, will=M.Publish(f"{t}/will", b"taken over %d" % i, 1, False)).return_code == 0
+        new_fe = _frontend_of(mq, new, name)
+        assert old.closed_by_server()
+        assert watcher.get() == (f"{t}/will", b"taken over %d" % (i - 1), 1, False)
+        seen.add(old_fe == new_fe)
+        old, old_fe = new, new_fe
+        if seen == {True, False}:
+            break
+    assert seen == {True, False}
+    old.send(bytes((M.PINGREQ << 4, 0)))
+    assert old.recv() == M.Simple(M.PINGRESP)
+    old.disconnect()
 
 
 # ------------------------------------------------------------------ CONNECT validation and errors

@@ -92,7 +92,7 @@ class MQTTConnection(asyncio.Protocol):
         self.worker = worker
         self.conn_id = worker.new_conn_id()
         settings = worker.settings
-        self.max_inflight = int(settings.get("mqtt_max_inflight", 100))
+        self.max_inflight = int(settings.get("mqtt_max_inflight", 1000))
         self.parser = M.MQTTParser(int(settings.get("mqtt_max_packet_size", 134217728)))
         self.transport: asyncio.Transport | None = None
         self.peer: Any = None
@@ -809,7 +809,7 @@ class MQTTConnection(asyncio.Protocol):
         self.close()
 
     def uses_shard(self, shard: int) -> bool:
-        return (self.consuming and self.queue_shard == shard) or shard in self.shards
+        return (self.consuming and self.queue_shard == shard) or (bool(self._pending) and shard in self.shards)
 
     def fail(self, code: int, text: str) -> None:
         if self.state == CLOSED or self._close_after_flush:
