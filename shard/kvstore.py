@@ -84,10 +84,13 @@ class KVStore:
         body = msgpack.packb([key, value], use_bin_type=True)
         os.write(self.fd, _HEAD.pack(len(body), zlib.crc32(body)) + body)
         self.records += 1
-        if self.records > 3 * len(self.items) + 64:
-            self._compact()
 
-    def _compact(self) -> None:
+    @property
+    def wants_compaction(self) -> bool:
+        return self.records > 3 * len(self.items) + 64
+
+    def compact(self) -> None:
+        """Rewrite the log with the live keys only. Not while a sync of this fd runs (KVStores sees to it)."""
         tmp = self.path + ".tmp"
         with open(tmp, "wb") as fh:
             for key, value in self.items.items():
@@ -127,6 +130,10 @@ class KVStores:
         _, req_id, vhost, space, key, value = item
         st = self.store(vhost, space)
         st.put(key, value)
+        if st.wants_compaction and not self._syncing:
+            # Small stores (retained messages, session records): the rewrite's fsync is short, and a
+            # sync thread never holds this fd at the same time.
+            st.compact()
         self._dirty.add(st)
         if req_id is not None:
             self._waiting.append((fe, req_id))
@@ -155,6 +162,9 @@ class KVStores:
 
     def _synced(self, fut: asyncio.Future, waiting: list) -> None:
         self._syncing = False
+        for st in self.stores.values():
+            if st.wants_compaction:
+                st.compact()
         exc = fut.exception()
         put = self.worker.data.put
         for fe, req_id in waiting:
