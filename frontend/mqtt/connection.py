@@ -119,6 +119,7 @@ class MQTTConnection(asyncio.Protocol):
         self.out2: set[int] = set()
         self._next_pid = 0
         self._sub_cache: dict[str, int] = {}
+        self._key_cache: dict[str, str] = {}  # topic -> routing key of this connection's publishes
         self._topic_cache: dict[str, tuple[str, bytes]] = {}
         self._out: list[bytes] = []
         self._dirty = False
@@ -485,7 +486,11 @@ class MQTTConnection(asyncio.Protocol):
         worker = self.worker
         defs = worker.defs
         vhost = self.vhost
-        key = topic_to_key(topic)
+        key = self._key_cache.get(topic)
+        if key is None:
+            if len(self._key_cache) > 10_000:
+                self._key_cache.clear()
+            key = self._key_cache[topic] = topic_to_key(topic)
         props = PROPS[qos]
         queues = defs.route(vhost, EXCHANGE, key, props)
         if not queues:
