@@ -13,6 +13,10 @@ command -v java >/dev/null || APT_PACKAGES+=(default-jre-headless)
 command -v haproxy >/dev/null || APT_PACKAGES+=(haproxy)
 # The MQTT perf-tool test runs shardmq-perf against a private mosquitto (loadtest/mosquitto.py).
 command -v mosquitto >/dev/null || [ -x /usr/sbin/mosquitto ] || APT_PACKAGES+=(mosquitto)
+# MQTT.js over WebSocket in headless Chromium (tests/browser.py installs MQTT.js with npm).
+command -v chromium >/dev/null || APT_PACKAGES+=(chromium)
+command -v chromedriver >/dev/null || APT_PACKAGES+=(chromium-driver)
+command -v npm >/dev/null || APT_PACKAGES+=(npm)
 [ "${#APT_PACKAGES[@]}" -eq 0 ] || apt_install "${APT_PACKAGES[@]}"
 
 ensure_venv
