@@ -171,6 +171,21 @@ def test_verify_peer_requires_a_valid_client_certificate(node_factory, pki):
     assert node.running()
 
 
+def test_mqtt_client_certificate_cn_is_the_user_when_verify_peer_is_on(node_factory, pki):
+    node = node_factory(name="verify", frontends=1, shards=1, extra_args=_tls_args(pki, verify=True))
+    connacks: queue.Queue = queue.Queue()
+    c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="by-cert", protocol=mqtt.MQTTv311)
+    c.tls_set_context(_client_ctx(pki["ca"], pki["client"]))  # CN=guest, no user name sent
+    c.on_connect = lambda _c, _u, _f, rc, _p: connacks.put(rc.value)
+    c.connect("localhost", _port(node, "--mqtts-port"))
+    c.loop_start()
+    try:
+        assert connacks.get(timeout=10) == 0
+    finally:
+        c.disconnect()
+        c.loop_stop()
+
+
 def test_bad_tls_settings_stop_the_cli_naming_the_flag(tmp_path, pki):
     def run(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "broker.cli", "--data-dir", str(tmp_path / "d"), *args],

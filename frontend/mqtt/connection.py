@@ -344,15 +344,23 @@ class MQTTConnection(asyncio.Protocol):
         if p.will is not None and not valid_topic_name(p.will.topic):
             raise M.MQTTProtocolError("invalid will topic")
         defs = self.worker.defs
-        if p.username is None:
+        cert_user = self._certificate_user()
+        if p.username is None and cert_user is None:
             self._refuse(M.REFUSED_NOT_AUTHORIZED)  # no anonymous login
             return
-        vhost, _, user = p.username.rpartition(":")
-        vhost = vhost or "/"
-        u = defs.users.get(user)
-        if u is None or p.password is None or not check_password(u, p.password):
-            self._refuse(M.REFUSED_BAD_CREDENTIALS)
-            return
+        if p.username is None:
+            # A verified client certificate is the credential: its CN is the user, vhost "/".
+            vhost, user = "/", cert_user
+            if defs.users.get(user) is None:
+                self._refuse(M.REFUSED_NOT_AUTHORIZED)
+                return
+        else:
+            vhost, _, user = p.username.rpartition(":")
+            vhost = vhost or "/"
+            u = defs.users.get(user)
+            if u is None or p.password is None or not check_password(u, p.password):
+                self._refuse(M.REFUSED_BAD_CREDENTIALS)
+                return
         loopback_users = self.worker.settings.get("loopback_users")
         restricted = defs.loopback_users if loopback_users is None else loopback_users
         if user in restricted and not _is_loopback(self.peer):
@@ -367,6 +375,17 @@ class MQTTConnection(asyncio.Protocol):
         self.keep_alive = p.keep_alive
         self._block()
         self._node("connection.open", {"user": user}, self._counted)
+
+    def _certificate_user(self) -> str | None:
+        """The CN of the client's certificate, when the TLS listener verified one (--tls-verify-peer)."""
+        if not self.worker.settings.get("tls_verify_peer") or self.transport is None:
+            return None
+        cert = self.transport.get_extra_info("peercert")
+        for rdn in (cert or {}).get("subject", ()):
+            for name, value in rdn:
+                if name == "commonName":
+                    return value
+        return None
 
     def _refuse(self, code: int) -> None:
         self.write(M.encode_connack(False, code))  # session present 0 with a refusal [MQTT-3.2.2-4]
