@@ -412,7 +412,8 @@ class MQTTConnection(asyncio.Protocol):
             return
 
         def loaded(ok: bool, result: Any) -> None:
-            state = result["items"][0][1] if ok and result.get("items") else {}
+            # A record without its queue (deleted by an operator) is no session: start empty.
+            state = result["items"][0][1] if ok and result.get("items") and exists else {}
             self.subs = {str(k): int(v) for k, v in (state.get("subs") or {}).items()}
             self.in2 = set(state.get("in2") or ())
             self.out2 = set(state.get("out2") or ())
