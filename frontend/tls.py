@@ -9,6 +9,14 @@ from __future__ import annotations
 import ssl
 
 
+def reload_certificate(ctx: ssl.SSLContext, settings: dict) -> None:
+    """Re-read the certificate, key and CA into the same context (SIGHUP): new handshakes use them,
+    established connections keep theirs. Raises ssl.SSLError/OSError and leaves the old ones on error."""
+    ctx.load_cert_chain(settings["tls_cert"], settings["tls_key"])
+    if settings.get("tls_ca"):
+        ctx.load_verify_locations(settings["tls_ca"])
+
+
 def server_context(settings: dict) -> ssl.SSLContext | None:
     """None when no certificate is configured (the TLS listeners stay off)."""
     cert, key = settings.get("tls_cert"), settings.get("tls_key")

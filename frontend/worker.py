@@ -23,7 +23,7 @@ from broker.zmqio import BatchSocket, make_socket
 from frontend.listeners import FORWARDED, LISTENERS, load
 from frontend.proxy import ProxyProtocolListener
 from frontend.session import CONNECTION_FORCED, Session
-from frontend.tls import server_context
+from frontend.tls import reload_certificate, server_context
 
 log = logging.getLogger("shardmq.frontend")
 
@@ -62,6 +62,7 @@ class FrontendWorker:
         self.servers: list[asyncio.AbstractServer] = []
         self._forwarded: dict[str, Callable] = {}
         self._ws_runner: Any = None
+        self.tls: Any = None  # the TLS listeners' ssl.SSLContext (frontend/tls.py), None without a certificate
         self.conns: dict[int, Session] = {}
         self._next_conn = 0
         self._next_req = 0
@@ -96,7 +97,7 @@ class FrontendWorker:
             self.control.append(BatchSocket(self.loop, ctl, self._shard_handler(i), self._control_header_for(i)))
         self.node.put(None, [contract.APPLIED, version])
         bind = settings.get("bind") or "0.0.0.0"
-        tls = server_context(settings)
+        tls = self.tls = server_context(settings)
         proxied = bool(settings.get("proxy_protocol"))
         for listener in LISTENERS:
             port = int(settings.get(listener.port_setting, 0) or 0)
@@ -123,6 +124,17 @@ class FrontendWorker:
         if not proxied:
             return make_session
         return lambda: ProxyProtocolListener(make_session, self.loop)
+
+    def reload(self) -> None:
+        """SIGHUP: re-read the TLS certificate files without dropping established connections."""
+        if self.tls is None:
+            return
+        try:
+            reload_certificate(self.tls, self.settings)
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+            log.error("frontend %d: TLS certificate not reloaded, keeping the old one: %s", self.index, exc)
+            return
+        log.info("frontend %d: TLS certificate reloaded", self.index)
 
     def _header_for(self, shard: int) -> Callable[[bytes | None], list]:
         sent = self._sent

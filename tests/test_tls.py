@@ -186,6 +186,41 @@ def test_mqtt_client_certificate_cn_is_the_user_when_verify_peer_is_on(node_fact
         c.loop_stop()
 
 
+def test_sighup_reloads_the_certificate_and_keeps_established_connections(node_factory, pki, tmp_path):
+    import os
+    import shutil
+    import signal
+    import time
+
+    cert, key = str(tmp_path / "live.pem"), str(tmp_path / "live.key")
+    shutil.copy(pki["server"][0], cert)
+    shutil.copy(pki["server"][1], key)
+    amqps = free_port()
+    node = node_factory(name="reload", frontends=2, shards=1, extra_args=[
+        "--tls-cert", cert, "--tls-key", key, "--amqps-port", str(amqps), "--mqtts-port", "0"])
+    params = pika.ConnectionParameters("127.0.0.1", amqps, ssl_options=pika.SSLOptions(_client_ctx(pki["ca"]),
+                                                                                         "localhost"))
+    established = pika.BlockingConnection(params)
+    ch = established.channel()
+    q = ch.queue_declare("", exclusive=True).method.queue
+    # A new CA and a server certificate from it, written over the files the node was started with.
+    new_ca_key, new_ca = _issue("Renewed CA", None, None, ca=True)
+    new_ca_path = _write(tmp_path / "newca", new_ca_key, new_ca)[0]
+    _write(tmp_path / "live", *_issue("localhost", new_ca_key, new_ca.subject, server=True))
+    os.kill(node.pid, signal.SIGHUP)
+    deadline = time.monotonic() + 15
+    while node.log_text().count("TLS certificate reloaded") < 2:  # both frontends
+        assert time.monotonic() < deadline, node.log_tail()
+        time.sleep(0.05)
+    for _ in range(6):  # whichever frontend takes the connection serves the renewed certificate
+        assert _amqps_round_trip(amqps, _client_ctx(new_ca_path)) == b"over tls"
+    ch.confirm_delivery()
+    ch.basic_publish("", q, b"still here")  # the connection made before the reload goes on
+    assert ch.basic_get(q, auto_ack=True)[2] == b"still here"
+    established.close()
+    assert node.running()
+
+
 def test_bad_tls_settings_stop_the_cli_naming_the_flag(tmp_path, pki):
     def run(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "broker.cli", "--data-dir", str(tmp_path / "d"), *args],
