@@ -30,3 +30,19 @@ def server_context(settings: dict) -> ssl.SSLContext | None:
     if settings.get("tls_verify_peer"):
         ctx.verify_mode = ssl.CERT_REQUIRED
     return ctx
+
+
+def peer_common_name(transport: object, settings: dict) -> str | None:
+    """The CN of a client certificate the TLS listener verified (--tls-verify-peer), else None.
+
+    It is the user of AMQP's EXTERNAL mechanism and of an MQTT CONNECT without a user name, as
+    RabbitMQ's rabbitmq_auth_mechanism_ssl and ssl_cert_login do.
+    """
+    if not settings.get("tls_verify_peer") or transport is None:
+        return None
+    cert = transport.get_extra_info("peercert")  # type: ignore[attr-defined]
+    for rdn in (cert or {}).get("subject", ()):
+        for name, value in rdn:
+            if name == "commonName":
+                return value
+    return None

@@ -171,8 +171,15 @@ def test_verify_peer_requires_a_valid_client_certificate(node_factory, pki):
     assert node.running()
 
 
-def test_mqtt_client_certificate_cn_is_the_user_when_verify_peer_is_on(node_factory, pki):
+def test_client_certificate_cn_is_the_user_for_amqp_external_and_mqtt(node_factory, pki):
     node = node_factory(name="verify", frontends=1, shards=1, extra_args=_tls_args(pki, verify=True))
+    # AMQP: the EXTERNAL mechanism logs in as the certificate's CN (guest)
+    params = pika.ConnectionParameters("127.0.0.1", _port(node, "--amqps-port"),
+                                       credentials=pika.credentials.ExternalCredentials(),
+                                       ssl_options=pika.SSLOptions(_client_ctx(pki["ca"], pki["client"]), "localhost"))
+    conn = pika.BlockingConnection(params)
+    assert conn.channel().queue_declare("", exclusive=True).method.queue
+    conn.close()
     connacks: queue.Queue = queue.Queue()
     c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="by-cert", protocol=mqtt.MQTTv311)
     c.tls_set_context(_client_ctx(pki["ca"], pki["client"]))  # CN=guest, no user name sent

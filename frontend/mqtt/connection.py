@@ -49,6 +49,7 @@ from frontend.mqtt.messages import (
 )
 from frontend.publish import put_publish, queues_by_shard
 from frontend.session import CONNECTION_FORCED
+from frontend.tls import peer_common_name
 
 if TYPE_CHECKING:
     from frontend.worker import FrontendWorker
@@ -344,7 +345,7 @@ class MQTTConnection(asyncio.Protocol):
         if p.will is not None and not valid_topic_name(p.will.topic):
             raise M.MQTTProtocolError("invalid will topic")
         defs = self.worker.defs
-        cert_user = self._certificate_user()
+        cert_user = peer_common_name(self.transport, self.worker.settings)
         if p.username is None and cert_user is None:
             self._refuse(M.REFUSED_NOT_AUTHORIZED)  # no anonymous login
             return
@@ -375,17 +376,6 @@ class MQTTConnection(asyncio.Protocol):
         self.keep_alive = p.keep_alive
         self._block()
         self._node("connection.open", {"user": user}, self._counted)
-
-    def _certificate_user(self) -> str | None:
-        """The CN of the client's certificate, when the TLS listener verified one (--tls-verify-peer)."""
-        if not self.worker.settings.get("tls_verify_peer") or self.transport is None:
-            return None
-        cert = self.transport.get_extra_info("peercert")
-        for rdn in (cert or {}).get("subject", ()):
-            for name, value in rdn:
-                if name == "commonName":
-                    return value
-        return None
 
     def _refuse(self, code: int) -> None:
         self.write(M.encode_connack(False, code))  # session present 0 with a refusal [MQTT-3.2.2-4]
