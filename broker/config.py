@@ -74,6 +74,9 @@ class Settings:
     mqtt_max_packet_size: int = 134217728
     # QoS 1/2 messages sent to one MQTT client and not yet acknowledged by it (the consumer's prefetch).
     mqtt_max_inflight: int = 1000
+    # 1: an MQTT CONNECT without a user name logs in as --default-user (vhost /), as RabbitMQ's
+    # mqtt.allow_anonymous; 0 refuses it with return code 5.
+    mqtt_allow_anonymous: int = 0
     # TLS listeners (AMQPS, MQTTS) are on when a certificate is set; 0 turns one off.
     amqps_port: int = 5671
     mqtts_port: int = 8883
@@ -169,6 +172,8 @@ OPTIONS: tuple[Option, ...] = (
            key="max_packet_size"),
     Option("mqtt_max_inflight", "int", "mqtt", "unacknowledged QoS 1/2 messages per MQTT client", 1, 65535,
            key="max_inflight"),
+    Option("mqtt_allow_anonymous", "int", "mqtt", "1 = MQTT clients without a user name log in as --default-user",
+           0, 1, key="allow_anonymous"),
     Option("amqps_port", "int", "amqp", "AMQP over TLS port, on when --tls-cert is set (0 = off)", 0, 65535,
            key="tls_port"),
     Option("mqtts_port", "int", "mqtt", "MQTT over TLS port, on when --tls-cert is set (0 = off)", 0, 65535,

@@ -381,6 +381,18 @@ def test_protocol_errors_after_connect_close_that_connection_only(mq, clients, p
     watcher.nothing_more(f"{t}/still-fine", pub)
 
 
+def test_anonymous_login_only_when_configured(node_factory):
+    node = node_factory(name="anon", frontends=1, shards=1, mqtt_port=free_port(),
+                        extra_args=["--mqtt-allow-anonymous", "1"])
+    raw = RawMQTT(node.mqtt_port)
+    assert raw.connect(cid(), username=None, password=None).return_code == 0  # as --default-user
+    assert raw.subscribe(1, [("anon/#", 0)]) == [0]
+    raw.disconnect()
+    raw = RawMQTT(node.mqtt_port)
+    assert raw.connect(cid(), password=b"wrong").return_code == M.REFUSED_BAD_CREDENTIALS  # names still checked
+    raw.close()
+
+
 def test_invalid_filters_are_refused_in_suback_and_valid_ones_granted(mq):
     raw = RawMQTT(mq.mqtt_port)
     assert raw.connect(cid()).return_code == 0

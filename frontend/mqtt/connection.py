@@ -345,12 +345,16 @@ class MQTTConnection(asyncio.Protocol):
         if p.will is not None and not valid_topic_name(p.will.topic):
             raise M.MQTTProtocolError("invalid will topic")
         defs = self.worker.defs
-        cert_user = peer_common_name(self.transport, self.worker.settings)
+        settings = self.worker.settings
+        cert_user = peer_common_name(self.transport, settings)
+        if cert_user is None and p.username is None and settings.get("mqtt_allow_anonymous"):
+            cert_user = settings.get("default_user") or "guest"  # configured anonymous login
         if p.username is None and cert_user is None:
-            self._refuse(M.REFUSED_NOT_AUTHORIZED)  # no anonymous login
+            self._refuse(M.REFUSED_NOT_AUTHORIZED)  # no anonymous login unless configured
             return
         if p.username is None:
-            # A verified client certificate is the credential: its CN is the user, vhost "/".
+            # A verified client certificate is the credential: its CN is the user, vhost "/" (or the
+            # configured anonymous user).
             vhost, user = "/", cert_user
             if defs.users.get(user) is None:
                 self._refuse(M.REFUSED_NOT_AUTHORIZED)
