@@ -163,7 +163,7 @@ def test_qos2_delivery_to_client_is_exactly_once(mnode, restart):
     assert sorted(delivered) == sorted(b"m%d" % i for i in range(N))
 
 
-def test_session_subscriptions_and_retained_messages_survive_a_restart(mnode):
+def test_session_subscriptions_retained_messages_and_retained_wills_survive_a_restart(mnode):
     raw = RawMQTT(mnode.mqtt_port)
     assert raw.connect("sleeper", clean=False).return_code == 0
     assert raw.subscribe(1, [("home/+/temp", 1)]) == [1]
@@ -173,6 +173,15 @@ def test_session_subscriptions_and_retained_messages_survive_a_restart(mnode):
     pub.publish("home/kitchen/temp", b"21", qos=1, pid=1, retain=True)
     assert pub.recv() == M.Ack(M.PUBACK, 1)
     pub.disconnect()
+    sensor = RawMQTT(mnode.mqtt_port)  # its retained will says it went offline
+    assert sensor.connect("sensor", will=M.Publish("status/sensor", b"offline", 1, True)).return_code == 0
+    sensor.close()
+    watch = RawMQTT(mnode.mqtt_port)
+    assert watch.connect("watch").return_code == 0
+    assert watch.subscribe(1, [("status/#", 0)]) == [0]
+    p = watch.recv()  # the will is in the retained store before the restart
+    assert (p.topic, p.payload, p.retain) == ("status/sensor", b"offline", True)
+    watch.disconnect()
     mnode.restart()
     raw = RawMQTT(mnode.mqtt_port)
     ack = raw.connect("sleeper", clean=False)
@@ -186,4 +195,7 @@ def test_session_subscriptions_and_retained_messages_survive_a_restart(mnode):
     assert late.subscribe(1, [("home/#", 0)]) == [0]
     p = late.recv()
     assert (p.topic, p.payload, p.qos, p.retain) == ("home/kitchen/temp", b"21", 0, True)
+    assert late.subscribe(2, [("status/+", 1)]) == [1]
+    p = late.recv()
+    assert (p.topic, p.payload, p.qos, p.retain) == ("status/sensor", b"offline", 1, True)
     late.disconnect()
