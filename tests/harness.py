@@ -174,9 +174,11 @@ class Node:
                         sock.sendall(b"PROXY TCP4 127.0.0.1 127.0.0.1 1 2\r\nAMQP\x00\x00\x09\x01")
                         if sock.recv(1)[:1] != b"\x01":
                             raise NodeError("no connection.start")
-                        return
-                conn = self.connect(socket_timeout=min(2.0, left), stack_timeout=min(3.0, left))
-                conn.close()
+                if not self.proxied:
+                    conn = self.connect(socket_timeout=min(2.0, left), stack_timeout=min(3.0, left))
+                    conn.close()
+                for port in self.listener_ports():  # MQTT, TLS, WebSocket listeners bind after AMQP's
+                    socket.create_connection(("127.0.0.1", port), timeout=min(1.0, left)).close()
                 return
             except Exception as exc:  # any failure means "not ready yet"; the deadline bounds it
                 last_error = exc
@@ -185,6 +187,15 @@ class Node:
             f"node on port {self.port} not ready after {timeout or self.startup_timeout:.0f}s "
             f"(last error: {last_error!r})\n{self.log_tail()}"
         )
+
+    def listener_ports(self) -> list[int]:
+        """The node's other client listeners that are on (besides AMQP on self.port)."""
+        ports = [p for p in (self.mqtt_port, self.ws_port) if p]
+        args = self.extra_args
+        for flag in ("--amqps-port", "--mqtts-port"):
+            if flag in args and int(args[args.index(flag) + 1]) and "--tls-cert" in args:
+                ports.append(int(args[args.index(flag) + 1]))
+        return ports
 
     @property
     def proxied(self) -> bool:
