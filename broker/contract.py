@@ -54,7 +54,7 @@ import msgpack
 
 # 2: DELAYED_PUBLISH; shards confirm forwarded delayed messages. 3: QUEUE_INFO, DEDUP_PUBLISH,
 # CHANNEL_CLOSED's and CANCEL's req_id, channel fields carry the channel key (number + 65536 * generation).
-# 4: STATS, ALARMS, CLOSE_CONNECTIONS by user/conn.
+# 4: STATS, ALARMS, CLOSE_CONNECTIONS by user/conn; KV_PUT, KV_GET (MQTT retained messages and sessions).
 VERSION = 4
 
 # --------------------------------------------------------------------------
@@ -67,7 +67,9 @@ REQUEST = 3  # [REQUEST, req_id, op(str), args(dict)]   (op list: see REQUEST_OP
 QUERY_REPLY = 4  # [QUERY_REPLY, query_id, ok(bool), result]  (shard answering a node QUERY)
 # FORWARD: [FORWARD, frontend_index, payload]  the node passes payload on to that frontend as
 # FORWARDED (low-rate frontend-to-frontend traffic: direct reply-to answers published on another
-# frontend). payload: ["reply", routing_key, exchange, props_raw, body]
+# frontend). payload: ["reply", routing_key, exchange, props_raw, body] or
+# ["mqtt.takeover", vhost, client_id, [frontend_index, conn_id]] (an MQTT client connected with that
+# client id there: every other connection holding it is closed, [MQTT-3.1.4-2]).
 FORWARD = 5
 # STATS: [STATS, payload(dict)]  every stats_interval ms (one item, never per message), for the
 # management API and Prometheus. A frontend's payload:
@@ -174,6 +176,15 @@ DELAYED_PUBLISH = 33
 # shards, itself included; they answer CONFIRM to the owner's sh-N identity, and the owner
 # answers the frontend's confirm_seq once all of them have (one CONFIRM or CONFIRM_NACK).
 DEDUP_PUBLISH = 34
+
+# KV_PUT / KV_GET: small durable key-value stores on a shard (shard/kvstore.py), one per (vhost, space):
+# MQTT retained messages (space "mqtt.retained", key = topic) and persistent-session state (space
+# "mqtt.session", key = client id). Publish lane, so a put is ordered with the publishes before it.
+#   [KV_PUT, req_id|None, vhost, space, key, value|None]  value None deletes; with a req_id the
+#       shard answers REPLY_DATA {} once the put is fsynced
+#   [KV_GET, req_id, vhost, space, key|None] -> REPLY_DATA {"items": [[key, value], ...]} (None: all keys)
+KV_PUT = 35
+KV_GET = 36
 
 # Channel numbers of the confirmed PUBLISH items a shard sends to another shard (conn_id 0): the
 # CONFIRM answers come back to the sender's peer DEALER and are told apart by this number.

@@ -539,7 +539,8 @@ async def _main(settings: Settings) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: loop.create_task(node.stop()))
-    loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(node.reload_definitions()))
+    loop.add_signal_handler(signal.SIGHUP, lambda: (loop.create_task(node.reload_definitions()),
+                                                    node.sup.signal_role("frontend", signal.SIGHUP)))
     try:
         await node.start()
     except DataDirLocked as exc:

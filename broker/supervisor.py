@@ -96,6 +96,15 @@ class Supervisor:
                 out[w.role][str(w.index)] = w.pid
         return out
 
+    def signal_role(self, role: str, sig: int) -> None:
+        """Send ``sig`` to the running workers of one role (SIGHUP: frontends re-read TLS certificates)."""
+        for w in self.workers:
+            if w.role == role and w.proc is not None and w.proc.returncode is None:
+                try:
+                    w.proc.send_signal(sig)
+                except ProcessLookupError:
+                    pass
+
     async def stop_role(self, role: str, timeout: float) -> None:
         procs = [w.proc for w in self.workers if w.role == role and w.proc and w.proc.returncode is None]
         if not procs:

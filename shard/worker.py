@@ -29,6 +29,7 @@ from shard.deadletter import dead_letter_props, has_dlx_header, has_expiration, 
 from shard.dedup import ExchangeDedup
 from shard.delayed import DelayedMessages
 from shard.feature_queue import EXPIRING_MARK, FeatureQueue, needs_features
+from shard.kvstore import KVStores
 from shard.priority_store import open_store
 from shard.queue import Queue
 from shard.stats import SyncHistogram, shard_stats
@@ -101,6 +102,7 @@ class ShardWorker:
         self.exchange_dedup = ExchangeDedup(self)
         self.ack_timeouts: AckTimeouts | None = None  # consumer-argument and node-default timeouts
         self.delayed = DelayedMessages(self)  # delay stores of delayed exchanges owned here
+        self.kv = KVStores(self)  # MQTT retained messages and session state placed here
 
     # ------------------------------------------------------------------ startup
     async def start(self) -> None:
@@ -394,6 +396,10 @@ class ShardWorker:
             self._dirty_queues.add(q)
         elif kind == contract.DELAYED_PUBLISH:
             self.delayed.publish(fe, item)
+        elif kind == contract.KV_PUT:
+            self.kv.handle_put(fe, item)
+        elif kind == contract.KV_GET:
+            self.kv.handle_get(fe, item)
         else:
             log.warning("shard %d: unknown item kind %r", self.index, kind)
 
@@ -869,6 +875,7 @@ class ShardWorker:
         for peer in self.peers.values():
             peer.close()
         self.exchange_dedup.close()
+        self.kv.close()
         self.data.close()
         self.node.close()
         log.info("shard %d stopped", self.index)

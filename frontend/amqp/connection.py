@@ -37,6 +37,7 @@ from broker.auth import authenticate, check_vhost_access
 from broker.permissions import Access
 from frontend.amqp.channel import BACKLOG_PAUSE, CLOSED, OPEN, Channel
 from frontend.amqp.replies import plain, reply_text
+from frontend.tls import peer_common_name
 
 if TYPE_CHECKING:
     from frontend.worker import FrontendWorker
@@ -476,13 +477,26 @@ class AMQPConnection(asyncio.Protocol):
     def _start(self) -> None:
         self.state = AWAIT_START_OK
         self.send_method(0, C.Connection.Start(
-            0, 9, server_properties(self.worker.index), "PLAIN AMQPLAIN", "en_US"))
+            0, 9, server_properties(self.worker.index),
+            "PLAIN AMQPLAIN EXTERNAL" if self._cert_user() else "PLAIN AMQPLAIN", "en_US"))
+
+    def _cert_user(self) -> str | None:
+        return peer_common_name(self.transport, self.worker.settings)
 
     def _start_ok(self, method: C.Connection.StartOk) -> None:
         response = method.response
         if isinstance(response, str):
             response = response.encode("utf-8", "surrogateescape")
         loopback_users = self.worker.settings.get("loopback_users")
+        if method.mechanism == "EXTERNAL" and self._cert_user():
+            # The verified client certificate is the credential; its CN must be a user of the broker.
+            if self._cert_user() not in self.worker.defs.users:
+                raise AMQPConnectionError(ACCESS_REFUSED, f"user '{self._cert_user()}' (certificate CN) unknown",
+                                          10, 11)
+            self.user = self._cert_user()
+            self.state = AWAIT_TUNE_OK
+            self.send_method(0, C.Connection.Tune(self.channel_max, self.frame_max, self.heartbeat))
+            return
         try:
             self.user = authenticate(self.worker.defs, method.mechanism, response or b"",
                                      _is_loopback(self.peer),
