@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import multiprocessing
 import os
+import socket
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -71,6 +72,17 @@ class Settings:
     # The node's HTTP server (broker/http/): management API, UI and health checks on one port.
     http_port: int = 15672
     http_bind: str = "127.0.0.1"
+    # Cluster (replication/): off = today's standalone node, no etcd needed.
+    cluster: bool = False
+    etcd_endpoints: list[str] = field(default_factory=lambda: ["127.0.0.1:2379"])
+    etcd_prefix: str = "shardmq"
+    node_name: str = field(default_factory=socket.gethostname)
+    # Host other nodes and proxies use to reach this node (its AMQP, replication and HTTP ports).
+    advertised_host: str = field(default_factory=socket.gethostname)
+    # Seconds of the node's etcd lease: a dead leader is replaced after at most this long.
+    lease_ttl: int = 10
+    # File holding the cluster's shared secret (SHARDMQ_CLUSTER_SECRET may hold the secret itself).
+    cluster_secret_file: str | None = None
     config_file: str | None = None
 
     @property
@@ -149,6 +161,15 @@ OPTIONS: tuple[Option, ...] = (
     Option("http_port", "int", "http", "HTTP port: management API, UI, health checks (0 = off)", 0, 65535,
            key="port"),
     Option("http_bind", "str", "http", "address the HTTP listener binds", key="bind"),
+    Option("cluster", "bool", "clustering", "run as a cluster member (etcd election, replication)",
+           key="enabled"),
+    Option("etcd_endpoints", "list", "clustering", "etcd endpoints HOST:PORT, comma separated"),
+    Option("etcd_prefix", "str", "clustering", "prefix of this cluster's keys in etcd"),
+    Option("node_name", "str", "clustering", "this node's name in the cluster (unique)"),
+    Option("advertised_host", "str", "clustering", "host the other nodes reach this node at"),
+    Option("lease_ttl", "int", "clustering", "seconds of the etcd lease (failover detection time)", 1, 3600),
+    Option("cluster_secret_file", "path", "clustering",
+           "file with the cluster's shared secret (or SHARDMQ_CLUSTER_SECRET)", key="secret_file"),
 )
 OPTIONS_BY_NAME = {opt.name: opt for opt in OPTIONS}
 INI_SECTIONS = ("main", "amqp", "mqtt", "tls", "ws", "http", "clustering")
@@ -199,7 +220,8 @@ def _convert(opt: Option, raw: str) -> Any:
         if raw not in opt.choices:
             raise _Invalid(f"invalid choice {raw!r} (choose from {', '.join(opt.choices)})")
         return raw
-    if opt.name in ("bind", "http_bind", "default_user") and not raw:
+    if opt.name in ("bind", "http_bind", "default_user", "etcd_prefix", "node_name", "advertised_host") \
+            and not raw:
         raise _Invalid("must not be empty")
     return raw
 
@@ -210,6 +232,9 @@ def _describe_default(opt: Option) -> str:
         "frontends": "CPU count",
         "shards": "CPU count",
         "loopback_users": "guest",
+        "node_name": "hostname",
+        "advertised_host": "hostname",
+        "etcd_endpoints": "127.0.0.1:2379",
     }
     if opt.name in defaults:
         return defaults[opt.name]
@@ -218,13 +243,14 @@ def _describe_default(opt: Option) -> str:
 
 _METAVARS = {"int": "N", "path": "DIR", "list": "USERS", "str": "VALUE", "bind": "ADDR", "http_bind": "ADDR",
              "default_user": "USER", "sync": "POLICY", "log_level": "LEVEL",
-             "definitions": "FILE"}
+             "definitions": "FILE", "etcd_endpoints": "HOSTS",
+             "cluster_secret_file": "FILE", "node_name": "NAME", "advertised_host": "HOST"}
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
     # Wide enough that every flag's help is one line.
     def __init__(self, prog: str) -> None:
-        super().__init__(prog, max_help_position=28, width=max(100, _terminal_width()))
+        super().__init__(prog, max_help_position=32, width=max(100, _terminal_width()))
 
 
 def _terminal_width() -> int:

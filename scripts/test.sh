@@ -9,6 +9,9 @@ APT_PACKAGES=()
 command -v java >/dev/null || APT_PACKAGES+=(default-jre-headless)
 # The bench tests start a private RabbitMQ (loadtest/rabbitmq.py) side by side with ShardMQ.
 [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || APT_PACKAGES+=(rabbitmq-server)
+# The cluster tests start private etcd servers (loadtest/etcd.py) and the drill puts haproxy in front.
+[ -x /usr/bin/etcd ] || APT_PACKAGES+=(etcd-server)
+command -v haproxy >/dev/null || APT_PACKAGES+=(haproxy)
 [ "${#APT_PACKAGES[@]}" -eq 0 ] || apt_install "${APT_PACKAGES[@]}"
 
 ensure_venv

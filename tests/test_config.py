@@ -89,6 +89,9 @@ SAMPLES = {
     "frame_max": "8192", "channel_max": "16", "max_message_size": "1000", "default_user": "bob",
     "default_pass": "secret", "loopback_users": "none", "definitions": "/tmp/shardmq-defs.json",
     "set_timestamp": "1", "consumer_timeout": "60000", "http_port": "8080", "http_bind": "0.0.0.0",
+    "cluster": "true", "etcd_endpoints": "10.0.0.1:2379,10.0.0.2:2379", "etcd_prefix": "mq1",
+    "node_name": "n1", "advertised_host": "n1.example", "lease_ttl": "3",
+    "cluster_secret_file": "/tmp/shardmq-secret",
 }
 
 
@@ -127,6 +130,8 @@ def test_lists_and_choices_are_normalised():
         (["--log-level", "loud"], {}, "shardmq: error: --log-level: invalid choice 'loud'"),
         (["--bind", " "], {}, "shardmq: error: --bind must not be empty"),
         (["--nope"], {}, "shardmq: error: unrecognized arguments: --nope"),
+        (["--lease-ttl", "0"], {}, "shardmq: error: --lease-ttl must be >= 1"),
+        ([], {"SHARDMQ_CLUSTER": "maybe"}, "shardmq: error: SHARDMQ_CLUSTER: invalid boolean 'maybe'"),
         ([], {"SHARDMQ_FRONTENDS": "0"}, "shardmq: error: SHARDMQ_FRONTENDS must be >= 1"),
         ([], {"SHARDMQ_PORT": "x1"}, "shardmq: error: SHARDMQ_PORT: invalid int 'x1'"),
         ([], {"SHARDMQ_SYNC": "sometimes"}, "shardmq: error: SHARDMQ_SYNC: invalid choice 'sometimes'"),
