@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import multiprocessing
 import os
+import socket
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -68,6 +69,18 @@ class Settings:
     # 406. On by default like RabbitMQ's 30 minutes; it costs the plain path nothing (a periodic scan,
     # see shard/ack_timeouts.py). 0 = off.
     consumer_timeout: int = 1800000
+    # Cluster (docs/cluster.md). Replication settings live in [clustering] of the INI file.
+    cluster: bool = False
+    node_name: str = field(default_factory=socket.gethostname)
+    replication_port: int = 5679
+    replication_bind: str = "127.0.0.1"
+    cluster_secret_file: str | None = None
+    # Confirms and declare-oks need at least this many in-sync followers (below: nacks, logged).
+    min_isr: int = 0
+    # A follower that is behind and has not acked for this many seconds is disconnected.
+    replication_ack_timeout: int = 3
+    # HOST:PORT: follow that leader's replication port without etcd (static/manual mode, tests).
+    follow: str | None = None
     config_file: str | None = None
 
     @property
@@ -93,13 +106,14 @@ class Settings:
 @dataclass(frozen=True)
 class Option:
     name: str  # Settings field
-    kind: str  # "int" | "str" | "list" | "path"
+    kind: str  # "int" | "str" | "list" | "path" | "bool" (a flag without value; 1/0/true/false elsewhere)
     section: str | None  # INI section, None when the option cannot be set from a file
     help: str
     minimum: int | None = None
     maximum: int | None = None
     choices: tuple[str, ...] | None = None
     has_flag: bool = True
+    ini_key: str | None = None  # the key in its INI section when it is not the setting's name
 
     @property
     def flag(self) -> str:
@@ -108,6 +122,10 @@ class Option:
     @property
     def env(self) -> str:
         return ENV_PREFIX + self.name.upper()
+
+    @property
+    def key(self) -> str:
+        return self.ini_key or self.name
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -134,9 +152,24 @@ OPTIONS: tuple[Option, ...] = (
     Option("set_timestamp", "int", "amqp", "1 = stamp published messages that have no timestamp", 0, 1),
     Option("consumer_timeout", "int", "amqp",
            "ms a delivery may stay unacked before its channel is closed with 406 (0 = off)", 0, 2**31 - 1),
+    Option("cluster", "bool", "clustering", "run as a cluster node (replication; see docs/cluster.md)",
+           ini_key="enabled"),
+    Option("node_name", "str", "clustering", "this node's name in the cluster"),
+    Option("replication_port", "int", "clustering", "replication stream port (leader)", 1, 65535, ini_key="port"),
+    Option("replication_bind", "str", "clustering", "address the replication listener binds", ini_key="bind"),
+    Option("cluster_secret_file", "path", "clustering",
+           "file holding the cluster's shared secret (or set SHARDMQ_CLUSTER_SECRET)", ini_key="secret_file"),
+    Option("min_isr", "int", "clustering", "confirms need this many in-sync followers (fewer: nack)", 0, 1000),
+    Option("replication_ack_timeout", "int", "clustering",
+           "seconds a lagging follower may go without acking before it is dropped", 1, 3600,
+           ini_key="ack_timeout"),
+    Option("follow", "str", "clustering",
+           "HOST:PORT of a leader to follow without etcd (static/manual mode, tests)"),
 )
 OPTIONS_BY_NAME = {opt.name: opt for opt in OPTIONS}
-INI_SECTIONS = ("main", "amqp")
+_BY_INI_KEY = {(opt.section, opt.key): opt for opt in OPTIONS if opt.section}
+INI_SECTIONS = ("main", "amqp", "clustering")
+SECRET_ENV = ENV_PREFIX + "CLUSTER_SECRET"
 CONFIG_ENV = ENV_PREFIX + "CONFIG_FILE"
 
 
@@ -161,6 +194,12 @@ def _convert(opt: Option, raw: str) -> Any:
         if opt.maximum is not None and value > opt.maximum:
             raise _Invalid(f"must be <= {opt.maximum}")
         return value
+    if opt.kind == "bool":
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off"):
+            return False
+        raise _Invalid(f"invalid boolean {raw!r} (use true or false)")
     if opt.kind == "list":
         if raw.lower() == "none":
             return []
@@ -174,7 +213,7 @@ def _convert(opt: Option, raw: str) -> Any:
         if raw not in opt.choices:
             raise _Invalid(f"invalid choice {raw!r} (choose from {', '.join(opt.choices)})")
         return raw
-    if opt.name in ("bind", "default_user") and not raw:
+    if opt.name in ("bind", "default_user", "node_name", "replication_bind") and not raw:
         raise _Invalid("must not be empty")
     return raw
 
@@ -185,6 +224,7 @@ def _describe_default(opt: Option) -> str:
         "frontends": "CPU count",
         "shards": "CPU count",
         "loopback_users": "guest",
+        "node_name": "hostname",
     }
     if opt.name in defaults:
         return defaults[opt.name]
@@ -193,13 +233,14 @@ def _describe_default(opt: Option) -> str:
 
 _METAVARS = {"int": "N", "path": "DIR", "list": "USERS", "str": "VALUE", "bind": "ADDR",
              "default_user": "USER", "sync": "POLICY", "log_level": "LEVEL",
-             "definitions": "FILE"}
+             "definitions": "FILE", "cluster_secret_file": "FILE", "follow": "HOST:PORT",
+             "node_name": "NAME", "replication_bind": "ADDR"}
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
     # Wide enough that every flag's help is one line.
     def __init__(self, prog: str) -> None:
-        super().__init__(prog, max_help_position=28, width=max(100, _terminal_width()))
+        super().__init__(prog, max_help_position=34, width=max(100, _terminal_width()))
 
 
 def _terminal_width() -> int:
@@ -213,7 +254,7 @@ def option_table() -> list[tuple[str, str, str, str]]:
     """(flag, INI key, env var, default) for every setting: the --help epilog and the README show this."""
     rows = [("--config FILE", "-", CONFIG_ENV, "none")]
     for opt in OPTIONS:
-        rows.append((opt.flag if opt.has_flag else "-", f"[{opt.section}] {opt.name}", opt.env,
+        rows.append((opt.flag if opt.has_flag else "-", f"[{opt.section}] {opt.key}", opt.env,
                      _describe_default(opt)))
     return rows
 
@@ -237,9 +278,13 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter,
     )
     parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
-                        help="INI file with [main] and [amqp] sections")
+                        help="INI file with [main], [amqp] and [clustering] sections")
     for opt in OPTIONS:
         if not opt.has_flag:
+            continue
+        if opt.kind == "bool":
+            parser.add_argument(opt.flag, dest=opt.name, action="store_const", const="true",
+                                default=argparse.SUPPRESS, help=opt.help)
             continue
         metavar = _METAVARS.get(opt.name) or _METAVARS[opt.kind]
         text = opt.help + (f" ({'|'.join(opt.choices)})" if opt.choices else "")
@@ -264,9 +309,9 @@ def _read_ini(parser: argparse.ArgumentParser, path: str, shown: str) -> dict[st
             parser.error(f"config file {shown}: unknown section [{section}] "
                          f"(known: {', '.join('[' + s + ']' for s in INI_SECTIONS)})")
         for key, raw in ini.items(section):
-            opt = OPTIONS_BY_NAME.get(key)
-            if opt is None or opt.section != section:
-                known = ", ".join(o.name for o in OPTIONS if o.section == section)
+            opt = _BY_INI_KEY.get((section, key))
+            if opt is None:
+                known = ", ".join(o.key for o in OPTIONS if o.section == section)
                 parser.error(f"config file {shown}: unknown key [{section}] {key} (known: {known})")
             try:
                 values[opt.name] = _convert(opt, raw)
@@ -309,7 +354,34 @@ def load_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] 
 
     if "data_dir" not in values:
         values["data_dir"] = default_data_dir(environ)
-    return Settings(**values)
+    settings = Settings(**values)
+    _check_cluster(parser, settings, environ)
+    return settings
+
+
+def _check_cluster(parser: argparse.ArgumentParser, s: Settings, environ: Mapping[str, str]) -> None:
+    if s.follow is not None:
+        host, sep, port = s.follow.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            parser.error(f"--follow: expected HOST:PORT, got {s.follow!r}")
+        if not s.cluster:
+            parser.error("--follow needs --cluster")
+    if s.cluster and not s.cluster_secret_file and not environ.get(SECRET_ENV):
+        parser.error(f"--cluster needs --cluster-secret-file (or {SECRET_ENV})")
+
+
+def cluster_secret(s: Settings, environ: Mapping[str, str] | None = None) -> bytes:
+    """The shared secret: $SHARDMQ_CLUSTER_SECRET, else the content of --cluster-secret-file (stripped)."""
+    environ = os.environ if environ is None else environ
+    if environ.get(SECRET_ENV):
+        return environ[SECRET_ENV].encode()
+    if not s.cluster_secret_file:
+        raise ValueError(f"no cluster secret: set --cluster-secret-file or {SECRET_ENV}")
+    with open(s.cluster_secret_file, "rb") as f:
+        secret = f.read().strip()
+    if not secret:
+        raise ValueError(f"cluster secret file {s.cluster_secret_file} is empty")
+    return secret
 
 
 LOG_FORMAT = "%(asctime)s %(levelname)s [%(processName)s] %(name)s: %(message)s"
