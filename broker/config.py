@@ -83,6 +83,14 @@ class Settings:
     lease_ttl: int = 10
     # File holding the cluster's shared secret (SHARDMQ_CLUSTER_SECRET may hold the secret itself).
     cluster_secret_file: str | None = None
+    replication_port: int = 5679
+    replication_bind: str = "127.0.0.1"
+    # Confirms and declare-oks need at least this many in-sync followers (below: nacks, logged).
+    min_isr: int = 0
+    # A follower that is behind and has not acked for this many seconds is disconnected.
+    replication_ack_timeout: int = 3
+    # HOST:PORT: follow that leader's replication port without etcd (static/manual mode, tests).
+    follow: str | None = None
     config_file: str | None = None
 
     @property
@@ -108,7 +116,7 @@ class Settings:
 @dataclass(frozen=True)
 class Option:
     name: str  # Settings field
-    kind: str  # "int" | "str" | "list" | "path"
+    kind: str  # "int" | "str" | "list" | "path" | "bool" (a flag without value; 1/0/true/false elsewhere)
     section: str | None  # INI section, None when the option cannot be set from a file
     help: str
     minimum: int | None = None
@@ -170,11 +178,20 @@ OPTIONS: tuple[Option, ...] = (
     Option("lease_ttl", "int", "clustering", "seconds of the etcd lease (failover detection time)", 1, 3600),
     Option("cluster_secret_file", "path", "clustering",
            "file with the cluster's shared secret (or SHARDMQ_CLUSTER_SECRET)", key="secret_file"),
+    Option("replication_port", "int", "clustering", "replication stream port (leader)", 1, 65535, key="port"),
+    Option("replication_bind", "str", "clustering", "address the replication listener binds", key="bind"),
+    Option("min_isr", "int", "clustering", "confirms need this many in-sync followers (fewer: nack)", 0, 1000),
+    Option("replication_ack_timeout", "int", "clustering",
+           "seconds a lagging follower may go without acking before it is dropped", 1, 3600,
+           key="ack_timeout"),
+    Option("follow", "str", "clustering",
+           "HOST:PORT of a leader to follow without etcd (static/manual mode, tests)"),
 )
 OPTIONS_BY_NAME = {opt.name: opt for opt in OPTIONS}
 INI_SECTIONS = ("main", "amqp", "mqtt", "tls", "ws", "http", "clustering")
 BOOL_TRUE = ("1", "true", "yes", "on")
 BOOL_FALSE = ("0", "false", "no", "off")
+SECRET_ENV = ENV_PREFIX + "CLUSTER_SECRET"
 CONFIG_ENV = ENV_PREFIX + "CONFIG_FILE"
 _INI_OPTIONS = {(opt.section, opt.ini_key): opt for opt in OPTIONS if opt.section}
 
@@ -220,7 +237,8 @@ def _convert(opt: Option, raw: str) -> Any:
         if raw not in opt.choices:
             raise _Invalid(f"invalid choice {raw!r} (choose from {', '.join(opt.choices)})")
         return raw
-    if opt.name in ("bind", "http_bind", "default_user", "etcd_prefix", "node_name", "advertised_host") \
+    if opt.name in ("bind", "http_bind", "default_user", "etcd_prefix", "node_name", "advertised_host",
+                    "replication_bind") \
             and not raw:
         raise _Invalid("must not be empty")
     return raw
@@ -244,13 +262,14 @@ def _describe_default(opt: Option) -> str:
 _METAVARS = {"int": "N", "path": "DIR", "list": "USERS", "str": "VALUE", "bind": "ADDR", "http_bind": "ADDR",
              "default_user": "USER", "sync": "POLICY", "log_level": "LEVEL",
              "definitions": "FILE", "etcd_endpoints": "HOSTS",
-             "cluster_secret_file": "FILE", "node_name": "NAME", "advertised_host": "HOST"}
+             "cluster_secret_file": "FILE", "node_name": "NAME", "advertised_host": "HOST",
+             "follow": "HOST:PORT", "replication_bind": "ADDR"}
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
     # Wide enough that every flag's help is one line.
     def __init__(self, prog: str) -> None:
-        super().__init__(prog, max_help_position=32, width=max(100, _terminal_width()))
+        super().__init__(prog, max_help_position=34, width=max(100, _terminal_width()))
 
 
 def _terminal_width() -> int:
@@ -365,7 +384,34 @@ def load_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] 
 
     if "data_dir" not in values:
         values["data_dir"] = default_data_dir(environ)
-    return Settings(**values)
+    settings = Settings(**values)
+    _check_cluster(parser, settings, environ)
+    return settings
+
+
+def _check_cluster(parser: argparse.ArgumentParser, s: Settings, environ: Mapping[str, str]) -> None:
+    if s.follow is not None:
+        host, sep, port = s.follow.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            parser.error(f"--follow: expected HOST:PORT, got {s.follow!r}")
+        if not s.cluster:
+            parser.error("--follow needs --cluster")
+    if s.cluster and not s.cluster_secret_file and not environ.get(SECRET_ENV):
+        parser.error(f"--cluster needs --cluster-secret-file (or {SECRET_ENV})")
+
+
+def cluster_secret(s: Settings, environ: Mapping[str, str] | None = None) -> bytes:
+    """The shared secret: $SHARDMQ_CLUSTER_SECRET, else the content of --cluster-secret-file (stripped)."""
+    environ = os.environ if environ is None else environ
+    if environ.get(SECRET_ENV):
+        return environ[SECRET_ENV].encode()
+    if not s.cluster_secret_file:
+        raise ValueError(f"no cluster secret: set --cluster-secret-file or {SECRET_ENV}")
+    with open(s.cluster_secret_file, "rb") as f:
+        secret = f.read().strip()
+    if not secret:
+        raise ValueError(f"cluster secret file {s.cluster_secret_file} is empty")
+    return secret
 
 
 LOG_FORMAT = "%(asctime)s %(levelname)s [%(processName)s] %(name)s: %(message)s"

@@ -12,6 +12,8 @@ import os
 import struct
 import zlib
 
+from broker import write_observer
+
 FORMAT_VERSION = 1
 VERSION_HEADER = struct.Struct("<I")
 DATA_START = VERSION_HEADER.size
@@ -147,6 +149,8 @@ class Segment:
             raise
         VERSION_HEADER.pack_into(seg.mm, 0, FORMAT_VERSION)
         seg.size = size
+        if write_observer.current is not None:
+            write_observer.current.append(seg.path("msgs"), 0, seg.mm[:DATA_START])
         return seg
 
     def open_mapped(self, writable: bool) -> None:
@@ -179,7 +183,10 @@ class Segment:
 
     def write_meta(self) -> int:
         fd = os.open(self.path("meta"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-        os.write(fd, Meta(self.count, self.transient, self.used, self.body_bytes).encode())
+        data = Meta(self.count, self.transient, self.used, self.body_bytes).encode()
+        os.write(fd, data)
+        if write_observer.current is not None:
+            write_observer.current.replace(self.path("meta"), data)
         return fd
 
     def read_meta(self) -> Meta | None:
@@ -212,8 +219,11 @@ class Segment:
             self.mm = None
 
     def unlink(self) -> None:
+        obs = write_observer.current
         for kind in ("msgs", "acks", "meta"):
             try:
                 os.unlink(self.path(kind))
             except FileNotFoundError:
-                pass
+                continue
+            if obs is not None:
+                obs.delete(self.path(kind))

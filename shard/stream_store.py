@@ -26,6 +26,7 @@ import threading
 import time
 import zlib
 
+from broker import write_observer
 from shard import record
 from shard.segment import DATA_START, FORMAT_VERSION, VERSION_HEADER, Segment
 from shard.segment_dir import SegmentDir
@@ -81,7 +82,10 @@ class StreamSegment(Segment):
     def write_smeta(self) -> int:
         """Write the smeta file (unsynced); returns its fd for the next sync to fsync and close."""
         fd = os.open(self.path("smeta"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-        os.write(fd, self.smeta())
+        data = self.smeta()
+        os.write(fd, data)
+        if write_observer.current is not None:
+            write_observer.current.replace(self.path("smeta"), data)
         return fd
 
     def read_smeta(self) -> tuple | None:
@@ -104,7 +108,9 @@ class StreamSegment(Segment):
             try:
                 os.unlink(self.path(kind))
             except FileNotFoundError:
-                pass
+                continue
+            if write_observer.current is not None:
+                write_observer.current.delete(self.path(kind))
 
 
 class Cursor:
@@ -190,6 +196,8 @@ class StreamStore(SegmentDir):
             pos = seg.used
         record.write(seg.mm, pos, payload)
         seg.used = pos + total
+        if write_observer.current is not None:
+            write_observer.current.append(seg.path("msgs"), pos, seg.mm[pos:pos + total])
         if not seg.count:
             seg.first_ts = ts_ms
         seg.last_ts = ts_ms
@@ -433,6 +441,8 @@ class StreamStore(SegmentDir):
         finally:
             os.close(fd)
         os.replace(tmp, target)
+        if write_observer.current is not None:
+            write_observer.current.replace(target, blob)
 
     # ------------------------------------------------------------ durability
     def sync(self) -> None:

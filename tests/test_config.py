@@ -91,20 +91,24 @@ SAMPLES = {
     "set_timestamp": "1", "consumer_timeout": "60000", "http_port": "8080", "http_bind": "0.0.0.0",
     "cluster": "true", "etcd_endpoints": "10.0.0.1:2379,10.0.0.2:2379", "etcd_prefix": "mq1",
     "node_name": "n1", "advertised_host": "n1.example", "lease_ttl": "3",
-    "cluster_secret_file": "/tmp/shardmq-secret",
+    "cluster_secret_file": "/tmp/shardmq-secret", "replication_port": "6000", "replication_bind": "0.0.0.0",
+    "min_isr": "2", "replication_ack_timeout": "7", "follow": "h1:5679",
 }
+# Settings some samples need to be valid (a cluster node needs a secret; --follow needs --cluster).
+NEEDS = {"cluster": {"SHARDMQ_CLUSTER_SECRET": "s"}, "follow": {"SHARDMQ_CLUSTER": "1", "SHARDMQ_CLUSTER_SECRET": "s"}}
 
 
 @pytest.mark.parametrize("opt", OPTIONS, ids=[o.name for o in OPTIONS])
 def test_every_option_settable_from_ini_env_and_flag(tmp_path, opt):
     raw = SAMPLES[opt.name]
+    base = NEEDS.get(opt.name, {})
     ini = write_ini(tmp_path, f"[{opt.section}]\n{opt.ini_key} = {raw}\n")
-    from_ini = getattr(load_settings(["--config", str(ini)], {}), opt.name)
-    from_env = getattr(load_settings([], {opt.env: raw}), opt.name)
+    from_ini = getattr(load_settings(["--config", str(ini)], base), opt.name)
+    from_env = getattr(load_settings([], {**base, opt.env: raw}), opt.name)
     assert from_ini == from_env != getattr(Settings(), opt.name)
     if opt.has_flag:
         argv = [opt.flag] if opt.kind == "bool" else [opt.flag, raw]
-        assert getattr(load_settings(argv, {}), opt.name) == from_env
+        assert getattr(load_settings(argv, base), opt.name) == from_env
     assert set(SAMPLES) == {o.name for o in OPTIONS}
 
 
