@@ -66,11 +66,42 @@ class Node:
         self.is_leader = False
         self.alarms: list[str] = []
         self.http = HttpServer(self, settings.http_bind, settings.http_port)
+        # In a cluster (--cluster): the etcd-driven role of this node (replication/cluster.py).
+        self.cluster: Any = None
+        self.replication_leader: Any = None  # replication/leader.py ReplicationLeader while leading
+        self.replication_follower: Any = None  # replication/follower.py ReplicationFollower while following
 
     # ------------------------------------------------------------------ life
     async def start(self) -> None:
         s = self.settings
         self.datadir.lock()
+        ctx = zmq.Context.instance()
+        sock = make_socket(ctx, zmq.ROUTER)
+        sock.bind(contract.node_address(self.datadir.run_dir))
+        self.ctl = BatchSocket(self.loop, sock, self._on_control)
+        if s.cluster:
+            # The role (leader, follower) is etcd's decision: replication/cluster.py drives
+            # become_leader / become_follower / step_down. Health answers meanwhile.
+            from replication.cluster import ClusterRole
+
+            await self.http.start()
+            self.cluster = ClusterRole(self)
+            await self.cluster.start()
+            log.info("node (pid %d) started as cluster member %s; data dir %s", os.getpid(), s.node_name,
+                     self.datadir.path)
+            return
+        await self._serve()
+        await self.http.start()
+
+    async def _serve(self) -> None:
+        """Load the data dir and start the workers: a standalone node's boot, a leader's promotion.
+
+        It is the warm start that ``kill -9`` recovery already exercises: definitions from the
+        DefStore, queues recovered by their shards.
+        """
+        s = self.settings
+        # A fresh DefStore: in a cluster the files were rewritten by replication since the last load.
+        self.defstore = DefStore(self.datadir.path)
         self.defs = self.defstore.load(default_user=s.default_user, default_pass=s.default_pass)
         self.defs.loopback_users = tuple(s.loopback_users)
         self.defs.rebalance(s.shards)
@@ -84,10 +115,7 @@ class Node:
             {(v.name, q) for v in self.defs.vhosts.values() for q in v.queues})
         self.datadir.remove_stale_delay_stores(
             {(v.name, x) for v in self.defs.vhosts.values() for x in v.exchanges})
-        ctx = zmq.Context.instance()
-        sock = make_socket(ctx, zmq.ROUTER)
-        sock.bind(contract.node_address(self.datadir.run_dir))
-        self.ctl = BatchSocket(self.loop, sock, self._on_control)
+        self._shards_ready.clear()
         for i in range(s.shards):
             self.epochs[i] = 1
             await self.sup.spawn(self._worker("shard", i))
@@ -100,13 +128,53 @@ class Node:
         # A standalone node serves clients itself: it is its own leader.
         self.is_leader = True
         self.serving = True
-        await self.http.start()
-        log.info("node (pid %d) started %d shards and %d frontends; AMQP on %s:%d; data dir %s",
+        log.info("node (pid %d) serving with %d shards and %d frontends; AMQP on %s:%d; data dir %s",
                  os.getpid(), s.shards, s.frontends, s.bind, s.port, self.datadir.path)
+
+    # ------------------------------------------------------------- cluster roles
+    async def become_leader(self, on_change: Any = None) -> None:
+        """Promotion: warm start of the (replicated) data dir, then serve clients.
+
+        cluster-repl: the ReplicationLeader starts here as ``self.replication_leader``, with
+        ``on_change`` (ClusterRole's ISR hook); the follower of ``become_follower`` stops first.
+        """
+        await self._serve()
+
+    async def become_follower(self, host: str, port: int) -> None:
+        """Follow the leader's replication stream at host:port; no worker serves clients.
+
+        cluster-repl: the ReplicationFollower starts here (into the data dir).
+        """
+
+    def fence(self) -> None:
+        """Stop confirming NOW: SIGKILL the frontends, which closes every client connection.
+
+        Synchronous and without I/O so it works however stuck etcd or the disk are. The kernel
+        closes the sockets; no confirm can reach a client after this returns.
+        """
+        self.serving = False
+        self.is_leader = False
+        self.sup.kill_role("frontend")
+
+    async def step_down(self) -> None:
+        """Leader -> nothing: fence, then stop the shards (their data is crash-safe) and forget them."""
+        self.fence()
+        await self.sup.forget_all()
+        self.by_ident.clear()
+        self.epochs.clear()
+        self._apply_waiters.clear()
+        self.vhost_conns.clear()
+        for fut in list(self._queries.values()):
+            if not fut.done():
+                fut.set_result(None)
+        self._queries.clear()
 
     @property
     def ready(self) -> bool:
-        """Serving, and every frontend has applied its snapshot (so it listens and routes)."""
+        """Serving, and every frontend has applied its snapshot (so it listens and routes); or, in a
+        cluster, proxying clients to the leader."""
+        if self.cluster is not None and self.cluster.proxying:
+            return True
         return self.serving and all(w.applied >= 0 for w in self.sup.workers if w.role == "frontend")
 
     def _worker(self, role: str, index: int) -> WorkerProcess:
@@ -121,6 +189,10 @@ class Node:
         log.info("node stopping")
         self.serving = False
         await self.http.stop()
+        if self.cluster is not None:
+            # Frontends first (no new confirms), then the lease goes: followers take over at once.
+            self.fence()
+            await self.cluster.stop()
         # Frontends first so no new work reaches the shards, then shards sync and exit.
         for role, timeout in (("frontend", 5.0), ("shard", 15.0)):
             for ident, w in self.by_ident.items():
@@ -130,7 +202,8 @@ class Node:
                 if w.role == role and w.proc and w.proc.returncode is None and not w.connected:
                     w.proc.send_signal(signal.SIGTERM)
             await self.sup.stop_role(role, timeout)
-        await self.loop.run_in_executor(None, self.defstore.sync)
+        if self.defs is not None:
+            await self.loop.run_in_executor(None, self.defstore.sync)
         if self.ctl is not None:
             self.ctl.close()
         self.datadir.unlock()

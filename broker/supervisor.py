@@ -54,6 +54,7 @@ class Supervisor:
         self.workers: list[WorkerProcess] = []
         self.stopping = False
         self._watchers: set[asyncio.Task] = set()
+        self._killed: list[asyncio.subprocess.Process] = []  # by kill_role, until forget_all reaps them
 
     async def spawn(self, worker: WorkerProcess) -> None:
         if worker not in self.workers:
@@ -73,7 +74,7 @@ class Supervisor:
 
     async def _watch(self, worker: WorkerProcess, proc: asyncio.subprocess.Process) -> None:
         code = await proc.wait()
-        if proc is not worker.proc:
+        if proc is not worker.proc or worker not in self.workers:
             return
         worker.connected = False
         if self.stopping:
@@ -95,6 +96,26 @@ class Supervisor:
             if w.pid is not None:
                 out[w.role][str(w.index)] = w.pid
         return out
+
+    def kill_role(self, role: str) -> None:
+        """SIGKILL every worker of ``role`` now, without restarting them (a leader's fence)."""
+        for w in self.workers:
+            if w.role == role and w.proc is not None and w.proc.returncode is None:
+                w.connected = False
+                try:
+                    w.proc.send_signal(signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self._killed.append(w.proc)
+        # Forgotten workers are not restarted (_watch checks membership).
+        self.workers = [w for w in self.workers if w.role != role]
+
+    async def forget_all(self) -> None:
+        """Kill and forget every worker and wait until all of them are gone (a node that steps down)."""
+        self.kill_role("frontend")
+        self.kill_role("shard")
+        killed, self._killed = self._killed, []
+        await asyncio.gather(*(p.wait() for p in killed), return_exceptions=True)
 
     async def stop_role(self, role: str, timeout: float) -> None:
         procs = [w.proc for w in self.workers if w.role == role and w.proc and w.proc.returncode is None]

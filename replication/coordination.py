@@ -71,6 +71,8 @@ class NodeInfo:
     http_port: int = 0
     # Other client listeners a follower proxies (e.g. {"mqtt": 1883}); added as they exist.
     listeners: dict[str, int] = dataclasses.field(default_factory=dict)
+    # The node accepts a PROXY protocol header on its client ports (followers then send one).
+    proxy_protocol: bool = False
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -198,6 +200,9 @@ class Coordinator:
         while not self._stop.is_set():
             lease_id = self.lease_id
             sent = time.monotonic()
+            if lease_id is None:  # between a lost lease and the next one
+                self._stop.wait(0.05)
+                continue
             ok = False
             try:
                 responses = self._call(lambda c, lid=lease_id: list(c.refresh_lease(lid)))
@@ -225,6 +230,17 @@ class Coordinator:
     async def leader(self) -> NodeInfo | None:
         raw, _meta = await self._run(lambda c: c.get(self.key("leader")))
         return NodeInfo.from_json(raw) if raw else None
+
+    async def leader_lease(self) -> tuple[NodeInfo | None, int]:
+        """The leader's record and the lease that holds it (0 when there is no leader)."""
+        raw, meta = await self._run(lambda c: c.get(self.key("leader")))
+        if not raw:
+            return None, 0
+        return NodeInfo.from_json(raw), meta.lease_id
+
+    async def revoke(self, lease_id: int) -> None:
+        """Revoke another lease: one of this node's previous incarnations, known dead."""
+        await self._run(lambda c: c.revoke_lease(lease_id))
 
     async def isr(self) -> list[str] | None:
         """The ISR as stored, or None when no leader ever wrote one (a new cluster)."""

@@ -100,6 +100,7 @@ class Node:
         self.shards = shards
         self.port = port or free_port()
         self.http_port = free_port()
+        self.replication_port = free_port()
         self.extra_args = list(extra_args)
         self.env = env or {}
         self.log_level = log_level
@@ -130,6 +131,7 @@ class Node:
             "--shards", str(self.shards),
             "--log-level", self.log_level,
             "--http-port", str(self.http_port),
+            "--replication-port", str(self.replication_port),
             *self.extra_args,
         ]
 

@@ -1,0 +1,105 @@
+"""Cluster coordination with a real etcd and real nodes: election, proxying, failover, fencing, status."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pika
+import pytest
+
+from loadtest.etcd import EtcdCluster
+from tests.cluster_helpers import Cluster, http_get, wait_for
+from tests.harness import REPO_ROOT
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    cluster = EtcdCluster(1, tmp_path_factory.mktemp("etcd"))
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def cluster(node_factory, etcd) -> Cluster:
+    return Cluster(node_factory, etcd.endpoints)
+
+
+def test_election_exactly_one_leader_and_health_on_one_node_only(cluster):
+    nodes = cluster.start(3)
+    leader = cluster.leader()
+    for node in nodes:
+        assert http_get(node.http_port, "/api/health/checks/ready")[0] == 200
+        code, body = http_get(node.http_port, "/api/cluster/status")
+        assert code == 200 and body["leader"] == leader.workdir.name and body["node"] == node.workdir.name
+        expected = 200 if node is leader else 503
+        assert http_get(node.http_port, "/api/health/checks/leader")[0] == expected
+    roles = sorted(http_get(n.http_port, "/api/cluster/status")[1]["role"] for n in nodes)
+    assert roles == ["follower", "follower", "leader"]
+
+
+def test_followers_proxy_clients_to_the_leader(cluster):
+    nodes = cluster.start(3)
+    cluster.leader()
+    # Declare through one node, publish through another, read through the third: one broker.
+    with nodes[0].connect() as conn:
+        conn.channel().queue_declare("proxied", durable=True)
+    for i, node in enumerate(nodes):
+        with node.connect() as conn:
+            ch = conn.channel()
+            ch.confirm_delivery()
+            ch.basic_publish("", "proxied", f"via {i}".encode(),
+                             pika.BasicProperties(delivery_mode=2), mandatory=True)
+    with nodes[2].connect() as conn:
+        ch = conn.channel()
+        bodies = sorted(ch.basic_get("proxied", auto_ack=True)[2] for _ in range(3))
+    assert bodies == [b"via 0", b"via 1", b"via 2"]
+
+
+def test_graceful_stop_of_the_leader_removes_its_key_at_once(cluster):
+    nodes = cluster.start(2)
+    leader = cluster.leader()
+    other = next(n for n in nodes if n is not leader)
+    leader.stop()
+    # Revoking the lease deletes the leader key at once (well within the 1 s TTL).
+    wait_for(lambda: http_get(other.http_port, "/api/cluster/status")[1].get("leader") != leader.workdir.name,
+             0.9, "the follower to see the leader key gone")
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "broker.cli", "cluster", *args], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=30,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+
+
+def test_cluster_status_cli_prints_leader_nodes_and_isr(cluster):
+    nodes = cluster.start(2)
+    leader = cluster.leader()
+    out = run_cli("status", "--etcd-endpoints", cluster.endpoints, "--etcd-prefix", cluster.prefix)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == f"leader: {leader.workdir.name}"
+    assert lines[1] == f"isr: {leader.workdir.name}"
+    rows = {line.split()[0]: line.split() for line in lines[3:]}
+    assert rows["node"][:2] == ["node", "role"]
+    for node in nodes:
+        row = rows[node.workdir.name]
+        assert row[1] == ("leader" if node is leader else "follower")
+        assert row[3] == str(node.port) and row[5] == str(node.http_port)
+        assert row[7] == ("yes" if node is leader else "no")
+    as_json = run_cli("status", "--etcd-endpoints", cluster.endpoints, "--etcd-prefix", cluster.prefix, "--json")
+    assert json.loads(as_json.stdout)["leader"] == leader.workdir.name
+
+
+def test_cluster_status_cli_errors_are_clear():
+    out = run_cli("status", "--etcd-endpoints", "127.0.0.1:1")
+    assert out.returncode == 1 and "etcd unreachable" in out.stderr and "Traceback" not in out.stderr
+    out = run_cli("stat")
+    assert out.returncode == 2 and "invalid choice" in out.stderr
