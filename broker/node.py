@@ -68,8 +68,11 @@ class Node:
         self.http = HttpServer(self, settings.http_bind, settings.http_port)
         # In a cluster (--cluster): the etcd-driven role of this node (replication/cluster.py).
         self.cluster: Any = None
-        self.replication_leader: Any = None  # replication/leader.py ReplicationLeader while leading
-        self.replication_follower: Any = None  # replication/follower.py ReplicationFollower while following
+        # cluster-repl's names: the replication side of the roles (replication/leader.py, follower.py).
+        self.repl_leader: Any = None
+        self.repl_follower: Any = None
+        self.repl_on_change: Any = None  # ClusterRole's ISR hook, given to ReplicationLeader
+        self.repl_auto_isr = True  # False once a coordinator drives the ISR (set_isr)
 
     # ------------------------------------------------------------------ life
     async def start(self) -> None:
@@ -79,7 +82,7 @@ class Node:
         sock = make_socket(ctx, zmq.ROUTER)
         sock.bind(contract.node_address(self.datadir.run_dir))
         self.ctl = BatchSocket(self.loop, sock, self._on_control)
-        if s.cluster:
+        if s.cluster and not getattr(s, "follow", None):
             # The role (leader, follower) is etcd's decision: replication/cluster.py drives
             # become_leader / become_follower / step_down. Health answers meanwhile.
             from replication.cluster import ClusterRole
@@ -132,11 +135,11 @@ class Node:
                  os.getpid(), s.shards, s.frontends, s.bind, s.port, self.datadir.path)
 
     # ------------------------------------------------------------- cluster roles
-    async def become_leader(self, on_change: Any = None) -> None:
+    async def become_leader(self) -> None:
         """Promotion: warm start of the (replicated) data dir, then serve clients.
 
-        cluster-repl: the ReplicationLeader starts here as ``self.replication_leader``, with
-        ``on_change`` (ClusterRole's ISR hook); the follower of ``become_follower`` stops first.
+        cluster-repl: the ReplicationLeader starts here as ``self.repl_leader`` with
+        ``self.repl_on_change``; the follower of ``become_follower`` stops first.
         """
         await self._serve()
 

@@ -97,7 +97,7 @@ class ClusterRole:
                 followers[name] = {k: getattr(st, k, None)
                                    for k in ("connected", "in_sync", "lag_bytes", "lag_seconds", "last_ack")}
             out["followers"] = followers
-        follower = getattr(self.node, "replication_follower", None)
+        follower = getattr(self.node, "repl_follower", None)
         if follower is not None and hasattr(follower, "status"):
             with contextlib.suppress(Exception):
                 out["replication"] = _plain(follower.status())
@@ -150,9 +150,10 @@ class ClusterRole:
         while not self._stopping and self.coord.lease_id is not None:
             leader, lease = await self.coord.leader_lease()
             if leader is not None and leader.name == self.name and lease != self.coord.lease_id:
-                # Our own record from a previous incarnation: we hold the data dir lock, so that
-                # process is dead. Revoke its lease instead of waiting for it to expire.
-                log.info("revoking the leader lease %x of this node's previous run", lease)
+                # Our own record under an older lease (a previous run: we hold the data dir lock, so
+                # that process is dead; or a lease this process gave up when fenced). Revoke it
+                # instead of waiting for it to expire.
+                log.info("revoking this node's older leader lease %x", lease)
                 await self.coord.revoke(lease)
                 continue
             if leader is not None:
@@ -207,13 +208,16 @@ class ClusterRole:
         # The frontends take the client ports: relayed connections to the old leader are dead anyway.
         await self.proxy.stop()
         self.proxy.set_target(None)
+        # The coordinator drives the ISR: the replication leader reports, etcd decides.
+        self.node.repl_on_change = self._isr_changed
+        self.node.repl_auto_isr = False
         try:
-            await self.node.become_leader(on_change=self._isr_changed)
+            await self.node.become_leader()
         except Exception:
             log.exception("promotion failed: stepping down")
             await self._step_down("promotion failed")
             return
-        self.replication = getattr(self.node, "replication_leader", None)
+        self.replication = getattr(self.node, "repl_leader", None)
         if self.replication is not None:
             self.replication.set_isr([n for n in self.isr if n != self.name])
         promoted = time.monotonic() - t0
@@ -261,8 +265,8 @@ class ClusterRole:
         if repl is not None:
             with contextlib.suppress(Exception):
                 await repl.stop()
-        if getattr(self.node, "replication_leader", None) is repl:
-            self.node.replication_leader = None
+        if getattr(self.node, "repl_leader", None) is repl:
+            self.node.repl_leader = None
 
     # ------------------------------------------------------------------- ISR
     def _isr_changed(self, *_args: Any) -> None:

@@ -197,6 +197,7 @@ class Coordinator:
 
     def _keepalive_loop(self) -> None:
         interval = self.ttl / 3
+        failing = False
         while not self._stop.is_set():
             lease_id = self.lease_id
             sent = time.monotonic()
@@ -215,8 +216,13 @@ class Coordinator:
                     if lease_id == self.lease_id:
                         self.renewed_at = sent
                     ok = True
+                    if failing:
+                        log.info("etcd keep-alive works again")
+                    failing = False
             except CoordinationError as exc:
-                log.warning("etcd keep-alive failed: %s", exc)
+                if not failing:  # once per outage: retries run every 50 ms
+                    log.warning("etcd keep-alive failed: %s", exc)
+                failing = True
             except Exception:  # a keep-alive thread that dies silently would fence the node forever
                 log.exception("etcd keep-alive")
             # After a failure retry soon: every try that succeeds within TTL/2 keeps us leading.

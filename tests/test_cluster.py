@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pika
 import pytest
 
 from loadtest.etcd import EtcdCluster
-from tests.cluster_helpers import Cluster, http_get, wait_for
+from tests.cluster_helpers import Cluster, http_get, is_leader, wait_for
 from tests.harness import REPO_ROOT
 
 pytestmark = pytest.mark.integration
@@ -103,3 +107,70 @@ def test_cluster_status_cli_errors_are_clear():
     assert out.returncode == 1 and "etcd unreachable" in out.stderr and "Traceback" not in out.stderr
     out = run_cli("stat")
     assert out.returncode == 2 and "invalid choice" in out.stderr
+
+
+@pytest.fixture
+def own_etcd(tmp_path):
+    cluster = EtcdCluster(1, tmp_path / "etcd")
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def publish_until_closed(node, timeout: float) -> tuple[int, float]:
+    """Publish with confirms until the connection breaks; returns (confirmed, seconds it lasted)."""
+    conn = node.connect(heartbeat=0, blocked_connection_timeout=timeout)
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.queue_declare("fence", durable=True)
+    confirmed = 0
+    t0 = time.monotonic()
+    try:
+        while time.monotonic() - t0 < timeout:
+            ch.basic_publish("", "fence", b"x", pika.BasicProperties(delivery_mode=2))
+            confirmed += 1
+    except (pika.exceptions.AMQPError, OSError):
+        return confirmed, time.monotonic() - t0
+    finally:
+        with contextlib.suppress(Exception):
+            conn.close()
+    raise AssertionError(f"the connection stayed open for {timeout}s")
+
+
+def test_leader_cut_off_from_etcd_stops_confirming_and_closes_clients_then_rejoins(node_factory, own_etcd):
+    cluster = Cluster(node_factory, own_etcd.endpoints)
+    (node,) = cluster.start(1)
+    cluster.leader()
+    with node.connect() as conn:
+        ch = conn.channel()
+        ch.confirm_delivery()
+        ch.queue_declare("fence", durable=True)
+        ch.basic_publish("", "fence", b"before", pika.BasicProperties(delivery_mode=2))
+    member = own_etcd.members[0]
+    result: dict = {}
+
+    def publisher():
+        result["value"] = publish_until_closed(node, 10)
+
+    thread = threading.Thread(target=publisher)
+    thread.start()
+    time.sleep(0.3)  # the publisher is confirming (asserted below by its count)
+    stopped_at = time.monotonic()
+    own_etcd.stop_member(member, signal.SIGKILL)
+    thread.join(15)
+    confirmed, _lasted = result["value"]
+    closed_after = time.monotonic() - stopped_at
+    assert confirmed > 0
+    # Fenced at half the 1 s TTL after the last renewal, i.e. before the lease could expire.
+    assert closed_after < 1.0, f"client connection closed {closed_after:.2f}s after etcd went away"
+    assert not is_leader(node)
+    assert "fenced" in node.log_text()
+    # etcd back: the node takes a new lease and (alone in the ISR) leads again; the data is there.
+    own_etcd.start_member(member)
+    wait_for(lambda: is_leader(node), 15, "the node to lead again")
+    node.wait_ready()
+    with node.connect() as conn:
+        count = conn.channel().queue_declare("fence", durable=True, passive=True).method.message_count
+    assert count >= confirmed + 1
