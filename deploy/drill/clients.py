@@ -72,7 +72,8 @@ class Consumer(threading.Thread):
         self.host, self.port = host, port
         self.received: dict[int, int] = {}  # seq -> times received
         self.acked_at: dict[int, float] = {}  # seq -> monotonic time its ack was sent
-        self.redelivered_after_ack: list[tuple[int, float]] = []  # (seq, seconds since its ack)
+        # (seq, when its ack was sent, when it came again)
+        self.redelivered_after_ack: list[tuple[int, float, float]] = []
         self.stop_event = threading.Event()
         self.last_receive = 0.0
 
@@ -96,7 +97,7 @@ class Consumer(threading.Thread):
                     now = time.monotonic()
                     self.last_receive = now
                     if seq in self.acked_at:
-                        self.redelivered_after_ack.append((seq, now - self.acked_at[seq]))
+                        self.redelivered_after_ack.append((seq, self.acked_at[seq], now))
                     self.received[seq] = self.received.get(seq, 0) + 1
                     ch.basic_ack(method.delivery_tag)
                     self.acked_at[seq] = time.monotonic()
