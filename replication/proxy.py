@@ -52,7 +52,8 @@ class ClientProxy:
         self.target: NodeInfo | None = None
         self._target_set = asyncio.Event()
         self._servers: list[asyncio.Server] = []
-        self._conns: set[asyncio.StreamWriter] = set()
+        self._conns: set[asyncio.StreamWriter] = set()  # both ends of relayed connections
+        self._waiting: set[asyncio.StreamWriter] = set()  # clients waiting for a leader
         self.relayed = 0  # connections relayed so far (status)
 
     @property
@@ -76,6 +77,9 @@ class ClientProxy:
         for server in servers:
             server.close()
         self.close_all()
+        for w in list(self._waiting):
+            w.transport.abort()
+        self._waiting.clear()
         for server in servers:
             with contextlib.suppress(Exception):
                 await server.wait_closed()
@@ -99,18 +103,25 @@ class ClientProxy:
         self._conns.clear()
 
     async def _relay(self, name: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._conns.add(writer)
         upstream: asyncio.StreamWriter | None = None
         try:
             if self.target is None:
+                self._waiting.add(writer)
                 try:
                     await asyncio.wait_for(self._target_set.wait(), self.wait_for_leader)
                 except TimeoutError:
                     return
+                finally:
+                    self._waiting.discard(writer)
+            if not self._servers:
+                return  # stopped while waiting
             target = self.target
-            port = target.listeners.get(name) if name != "amqp" else target.amqp_port
-            if not port or writer not in self._conns:
+            if target is None:
                 return
+            port = target.listeners.get(name) if name != "amqp" else target.amqp_port
+            if not port:
+                return
+            self._conns.add(writer)
             up_reader, upstream = await asyncio.open_connection(target.host, port)
             self._conns.add(upstream)
             if target is not self.target or writer not in self._conns:
