@@ -105,6 +105,8 @@ class ClusterRole:
 
     # ------------------------------------------------------------- life cycle
     async def start(self) -> None:
+        with contextlib.suppress(CoordinationError):  # etcd may come later: _run retries
+            await self.coord.start(self.info)
         self._watchdog = threading.Thread(target=self._watchdog_loop, name="fence-watchdog", daemon=True)
         self._watchdog.start()
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -127,10 +129,9 @@ class ClusterRole:
                 await self._connect()
                 await self._loop()
             except CoordinationError as exc:
+                # A follower keeps relaying to the leader it knows: etcd trouble alone says nothing
+                # about the leader (which fences itself if it is cut off).
                 log.warning("%s; retrying", exc)
-                if self.role == "follower":
-                    self.proxy.set_target(None)
-                    self.leader = None
                 await asyncio.sleep(self.poll)
             except asyncio.CancelledError:
                 raise
@@ -140,11 +141,8 @@ class ClusterRole:
 
     async def _connect(self) -> None:
         if self.coord.lease_id is None:
-            if self.coord._loop is None:
-                await self.coord.start(self.info)
-            else:
-                await self.coord.abandon_lease()
-                await self.coord.register(self.info)
+            await self.coord.abandon_lease()  # revokes nothing when there was no lease
+            await self.coord.register(self.info)
 
     async def _loop(self) -> None:
         while not self._stopping and self.coord.lease_id is not None:

@@ -169,11 +169,13 @@ class Coordinator:
     async def start(self, info: NodeInfo) -> None:
         """Grant this node's lease, start its keep-alive and publish the node's address record."""
         self._loop = asyncio.get_running_loop()
+        if self._keepalive is None:
+            # Started first: it idles while there is no lease, so a failed start can be retried.
+            self._stop.clear()
+            self._keepalive = threading.Thread(target=self._keepalive_loop, name="etcd-keepalive", daemon=True)
+            self._keepalive.start()
         await self.new_lease()
         await self.register(info)
-        self._stop.clear()
-        self._keepalive = threading.Thread(target=self._keepalive_loop, name="etcd-keepalive", daemon=True)
-        self._keepalive.start()
 
     async def new_lease(self) -> int:
         """Grant a fresh lease (at start, and after the old one was lost)."""

@@ -326,3 +326,18 @@ def test_paused_leader_never_confirms_beside_the_new_one(cluster):
     got = drain(new, "paused", expect)
     lost = expect - got.keys()
     assert not lost, f"{len(lost)} confirmed messages lost, e.g. {sorted(lost)[:10]}"
+
+
+def test_node_started_before_etcd_waits_for_it_then_leads(node_factory, tmp_path):
+    etcd = EtcdCluster(1, tmp_path / "late-etcd")
+    try:
+        cluster = Cluster(node_factory, etcd.endpoints)
+        node = cluster.add("n1", wait=False)
+        wait_for(lambda: http_get(node.http_port, "/api/cluster/status")[0] == 200, 15, "the HTTP port")
+        assert http_get(node.http_port, "/api/health/checks/ready")[0] == 503
+        assert node.running()
+        etcd.start()
+        wait_for(lambda: is_leader(node), 15, "the node to lead once etcd is up")
+        node.wait_ready()
+    finally:
+        etcd.stop()
