@@ -55,7 +55,7 @@ class ClusterRole:
             name=s.node_name, host=s.advertised_host, amqp_port=s.port,
             replication_port=getattr(s, "replication_port", 0), http_port=s.http_port,
             listeners={k: v for k, v in listeners.items() if v},
-            proxy_protocol=bool(getattr(s, "proxy_protocol", False)))
+            proxy_protocol=_accepts_proxy_protocol(getattr(s, "proxy_protocol", False)))
         self.proxy = ClientProxy({name: (s.bind, port) for name, port in listeners.items()},
                                  wait_for_leader=max(5.0, 2.0 * self.ttl))
         self.role = "starting"  # starting | follower | leader | fenced
@@ -354,6 +354,13 @@ class ClusterRole:
         except OSError as exc:
             log.warning("disk probe %s: %s", path, exc)
         self._probe_started = None
+
+
+def _accepts_proxy_protocol(value: Any) -> bool:
+    """--proxy-protocol may be a switch or a version ("v1", "v2"); "off"-like strings are off."""
+    if isinstance(value, str):
+        return value.strip().lower() not in ("", "0", "off", "false", "no", "none")
+    return bool(value)
 
 
 def _plain(value: Any) -> Any:

@@ -46,6 +46,14 @@ def _http(port: int, path: str, timeout: float = 0.5) -> int:
         return 0
 
 
+def _other_listeners_off() -> list[str]:
+    """``--X-port 0`` for every other listener this build has: three nodes share one machine."""
+    from broker.config import OPTIONS_BY_NAME
+
+    names = ("mqtt_port", "mqtts_port", "amqps_port", "ws_port", "prometheus_port")
+    return [arg for n in names if n in OPTIONS_BY_NAME for arg in (OPTIONS_BY_NAME[n].flag, "0")]
+
+
 class DrillNode:
     def __init__(self, name: str, workdir: Path, etcd: str, prefix: str, ttl: int, secret: Path) -> None:
         self.name = name
@@ -56,7 +64,7 @@ class DrillNode:
                      "--replication-port", str(self.repl_port), "--frontends", "1", "--shards", "1",
                      "--cluster", "--etcd-endpoints", etcd, "--etcd-prefix", prefix, "--node-name", name,
                      "--advertised-host", "127.0.0.1", "--lease-ttl", str(ttl),
-                     "--cluster-secret-file", str(secret)]
+                     "--cluster-secret-file", str(secret), *_other_listeners_off()]
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
