@@ -69,12 +69,22 @@ class Settings:
     # 406. On by default like RabbitMQ's 30 minutes; it costs the plain path nothing (a periodic scan,
     # see shard/ack_timeouts.py). 0 = off.
     consumer_timeout: int = 1800000
-    # Cluster (docs/cluster.md). Replication settings live in [clustering] of the INI file.
+    # The node's HTTP server (broker/http/): management API, UI and health checks on one port.
+    http_port: int = 15672
+    http_bind: str = "127.0.0.1"
+    # Cluster (replication/): off = today's standalone node, no etcd needed.
     cluster: bool = False
+    etcd_endpoints: list[str] = field(default_factory=lambda: ["127.0.0.1:2379"])
+    etcd_prefix: str = "shardmq"
     node_name: str = field(default_factory=socket.gethostname)
+    # Host other nodes and proxies use to reach this node (its AMQP, replication and HTTP ports).
+    advertised_host: str = field(default_factory=socket.gethostname)
+    # Seconds of the node's etcd lease: a dead leader is replaced after at most this long.
+    lease_ttl: int = 10
+    # File holding the cluster's shared secret (SHARDMQ_CLUSTER_SECRET may hold the secret itself).
+    cluster_secret_file: str | None = None
     replication_port: int = 5679
     replication_bind: str = "127.0.0.1"
-    cluster_secret_file: str | None = None
     # Confirms and declare-oks need at least this many in-sync followers (below: nacks, logged).
     min_isr: int = 0
     # A follower that is behind and has not acked for this many seconds is disconnected.
@@ -113,19 +123,23 @@ class Option:
     maximum: int | None = None
     choices: tuple[str, ...] | None = None
     has_flag: bool = True
-    ini_key: str | None = None  # the key in its INI section when it is not the setting's name
+    # INI key inside ``section`` when it differs from the field name (DESIGN: `[http] port` is
+    # --http-port, `[clustering] enabled` is --cluster).
+    key: str | None = None
+    # Flag spelling when it differs from the field name (--cluster for `cluster_enabled`).
+    flag_name: str | None = None
 
     @property
     def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
+        return "--" + (self.flag_name or self.name).replace("_", "-")
+
+    @property
+    def ini_key(self) -> str:
+        return self.key or self.name
 
     @property
     def env(self) -> str:
         return ENV_PREFIX + self.name.upper()
-
-    @property
-    def key(self) -> str:
-        return self.ini_key or self.name
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -152,25 +166,34 @@ OPTIONS: tuple[Option, ...] = (
     Option("set_timestamp", "int", "amqp", "1 = stamp published messages that have no timestamp", 0, 1),
     Option("consumer_timeout", "int", "amqp",
            "ms a delivery may stay unacked before its channel is closed with 406 (0 = off)", 0, 2**31 - 1),
-    Option("cluster", "bool", "clustering", "run as a cluster node (replication; see docs/cluster.md)",
-           ini_key="enabled"),
-    Option("node_name", "str", "clustering", "this node's name in the cluster"),
-    Option("replication_port", "int", "clustering", "replication stream port (leader)", 1, 65535, ini_key="port"),
-    Option("replication_bind", "str", "clustering", "address the replication listener binds", ini_key="bind"),
+    Option("http_port", "int", "http", "HTTP port: management API, UI, health checks (0 = off)", 0, 65535,
+           key="port"),
+    Option("http_bind", "str", "http", "address the HTTP listener binds", key="bind"),
+    Option("cluster", "bool", "clustering", "run as a cluster member (etcd election, replication)",
+           key="enabled"),
+    Option("etcd_endpoints", "list", "clustering", "etcd endpoints HOST:PORT, comma separated"),
+    Option("etcd_prefix", "str", "clustering", "prefix of this cluster's keys in etcd"),
+    Option("node_name", "str", "clustering", "this node's name in the cluster (unique)"),
+    Option("advertised_host", "str", "clustering", "host the other nodes reach this node at"),
+    Option("lease_ttl", "int", "clustering", "seconds of the etcd lease (failover detection time)", 1, 3600),
     Option("cluster_secret_file", "path", "clustering",
-           "file holding the cluster's shared secret (or set SHARDMQ_CLUSTER_SECRET)", ini_key="secret_file"),
+           "file with the cluster's shared secret (or SHARDMQ_CLUSTER_SECRET)", key="secret_file"),
+    Option("replication_port", "int", "clustering", "replication stream port (leader)", 1, 65535, key="port"),
+    Option("replication_bind", "str", "clustering", "address the replication listener binds", key="bind"),
     Option("min_isr", "int", "clustering", "confirms need this many in-sync followers (fewer: nack)", 0, 1000),
     Option("replication_ack_timeout", "int", "clustering",
            "seconds a lagging follower may go without acking before it is dropped", 1, 3600,
-           ini_key="ack_timeout"),
+           key="ack_timeout"),
     Option("follow", "str", "clustering",
            "HOST:PORT of a leader to follow without etcd (static/manual mode, tests)"),
 )
 OPTIONS_BY_NAME = {opt.name: opt for opt in OPTIONS}
-_BY_INI_KEY = {(opt.section, opt.key): opt for opt in OPTIONS if opt.section}
-INI_SECTIONS = ("main", "amqp", "clustering")
+INI_SECTIONS = ("main", "amqp", "mqtt", "tls", "ws", "http", "clustering")
+BOOL_TRUE = ("1", "true", "yes", "on")
+BOOL_FALSE = ("0", "false", "no", "off")
 SECRET_ENV = ENV_PREFIX + "CLUSTER_SECRET"
 CONFIG_ENV = ENV_PREFIX + "CONFIG_FILE"
+_INI_OPTIONS = {(opt.section, opt.ini_key): opt for opt in OPTIONS if opt.section}
 
 
 class _Invalid(ValueError):
@@ -195,9 +218,10 @@ def _convert(opt: Option, raw: str) -> Any:
             raise _Invalid(f"must be <= {opt.maximum}")
         return value
     if opt.kind == "bool":
-        if raw.lower() in ("1", "true", "yes", "on"):
+        low = raw.lower()
+        if low in BOOL_TRUE:
             return True
-        if raw.lower() in ("0", "false", "no", "off"):
+        if low in BOOL_FALSE:
             return False
         raise _Invalid(f"invalid boolean {raw!r} (use true or false)")
     if opt.kind == "list":
@@ -213,7 +237,9 @@ def _convert(opt: Option, raw: str) -> Any:
         if raw not in opt.choices:
             raise _Invalid(f"invalid choice {raw!r} (choose from {', '.join(opt.choices)})")
         return raw
-    if opt.name in ("bind", "default_user", "node_name", "replication_bind") and not raw:
+    if opt.name in ("bind", "http_bind", "default_user", "etcd_prefix", "node_name", "advertised_host",
+                    "replication_bind") \
+            and not raw:
         raise _Invalid("must not be empty")
     return raw
 
@@ -225,16 +251,19 @@ def _describe_default(opt: Option) -> str:
         "shards": "CPU count",
         "loopback_users": "guest",
         "node_name": "hostname",
+        "advertised_host": "hostname",
+        "etcd_endpoints": "127.0.0.1:2379",
     }
     if opt.name in defaults:
         return defaults[opt.name]
     return str(getattr(Settings, opt.name))
 
 
-_METAVARS = {"int": "N", "path": "DIR", "list": "USERS", "str": "VALUE", "bind": "ADDR",
+_METAVARS = {"int": "N", "path": "DIR", "list": "USERS", "str": "VALUE", "bind": "ADDR", "http_bind": "ADDR",
              "default_user": "USER", "sync": "POLICY", "log_level": "LEVEL",
-             "definitions": "FILE", "cluster_secret_file": "FILE", "follow": "HOST:PORT",
-             "node_name": "NAME", "replication_bind": "ADDR"}
+             "definitions": "FILE", "etcd_endpoints": "HOSTS",
+             "cluster_secret_file": "FILE", "node_name": "NAME", "advertised_host": "HOST",
+             "follow": "HOST:PORT", "replication_bind": "ADDR"}
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -254,7 +283,7 @@ def option_table() -> list[tuple[str, str, str, str]]:
     """(flag, INI key, env var, default) for every setting: the --help epilog and the README show this."""
     rows = [("--config FILE", "-", CONFIG_ENV, "none")]
     for opt in OPTIONS:
-        rows.append((opt.flag if opt.has_flag else "-", f"[{opt.section}] {opt.key}", opt.env,
+        rows.append((opt.flag if opt.has_flag else "-", f"[{opt.section}] {opt.ini_key}", opt.env,
                      _describe_default(opt)))
     return rows
 
@@ -278,16 +307,17 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter,
     )
     parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
-                        help="INI file with [main], [amqp] and [clustering] sections")
+                        help="INI file with [main], [amqp], [http], ... sections")
     for opt in OPTIONS:
         if not opt.has_flag:
             continue
+        text = opt.help + (f" ({'|'.join(opt.choices)})" if opt.choices else "")
         if opt.kind == "bool":
+            # A bare switch (`--cluster`); INI and env take true/false.
             parser.add_argument(opt.flag, dest=opt.name, action="store_const", const="true",
-                                default=argparse.SUPPRESS, help=opt.help)
+                                default=argparse.SUPPRESS, help=text.replace("%", "%%"))
             continue
         metavar = _METAVARS.get(opt.name) or _METAVARS[opt.kind]
-        text = opt.help + (f" ({'|'.join(opt.choices)})" if opt.choices else "")
         parser.add_argument(opt.flag, dest=opt.name, metavar=metavar, default=argparse.SUPPRESS,
                             help=text.replace("%", "%%"))
     return parser
@@ -309,9 +339,9 @@ def _read_ini(parser: argparse.ArgumentParser, path: str, shown: str) -> dict[st
             parser.error(f"config file {shown}: unknown section [{section}] "
                          f"(known: {', '.join('[' + s + ']' for s in INI_SECTIONS)})")
         for key, raw in ini.items(section):
-            opt = _BY_INI_KEY.get((section, key))
+            opt = _INI_OPTIONS.get((section, key))
             if opt is None:
-                known = ", ".join(o.key for o in OPTIONS if o.section == section)
+                known = ", ".join(o.ini_key for o in OPTIONS if o.section == section)
                 parser.error(f"config file {shown}: unknown key [{section}] {key} (known: {known})")
             try:
                 values[opt.name] = _convert(opt, raw)

@@ -27,6 +27,7 @@ from broker.datadir import DataDir, DataDirLocked
 from broker.definitions import Definitions
 from broker.definitions_file import plan_from_file, read_definitions_file
 from broker.defstore import DefStore
+from broker.http.server import HttpServer
 from broker.process import install_uvloop
 from broker.supervisor import Supervisor, WorkerProcess
 from broker.zmqio import BatchSocket, make_socket
@@ -66,6 +67,13 @@ class Node:
         self.repl_follower: ReplicationFollower | None = None
         self.repl_on_change = None  # the coordinator's callback for ReplicationLeader.on_change
         self.repl_auto_isr = True  # False once a coordinator drives the ISR (set_isr)
+        # What the health checks report (broker/http/health.py): ready once this node serves (or, in
+        # a cluster, proxies to the leader); is_leader on the node that serves clients; alarms names
+        # the resource alarms in effect.
+        self.serving = False
+        self.is_leader = False
+        self.alarms: list[str] = []
+        self.http = HttpServer(self, settings.http_bind, settings.http_port)
 
     # ------------------------------------------------------------------ life
     async def start(self) -> None:
@@ -74,10 +82,11 @@ class Node:
         if s.cluster and s.follow:
             host, _, port = s.follow.rpartition(":")
             await self.become_follower(host, int(port))
-            return
-        await self._serve()
-        if s.cluster:
-            await self._start_leader()
+        else:
+            await self._serve()
+            if s.cluster:
+                await self._start_leader()
+        await self.http.start()
 
     # ------------------------------------------------------------ cluster roles
     async def become_leader(self) -> None:
@@ -129,6 +138,7 @@ class Node:
                 if w.role == role and w.proc and w.proc.returncode is None and not w.connected:
                     w.proc.send_signal(signal.SIGTERM)
             await self.sup.stop_role(role, timeout)
+        self.is_leader = self.serving = False
         await self.loop.run_in_executor(None, self.defstore.sync)
         self.defstore.close()
         self.sup = Supervisor(self.datadir.run_dir, self.settings.log_level, self._on_worker_exit, self._on_spawn)
@@ -167,9 +177,17 @@ class Node:
             raise RuntimeError(f"shards did not start within {_STARTUP_TIMEOUT_S:.0f} s") from None
         for i in range(s.frontends):
             await self.sup.spawn(self._worker("frontend", i))
+        # A standalone node serves clients itself: it is its own leader.
+        self.is_leader = True
+        self.serving = True
         log.info("node (pid %d) started %d shards and %d frontends; AMQP on %s:%d; data dir %s",
                  os.getpid(), s.shards, s.frontends, s.bind, s.port, self.datadir.path)
         self.role = "leader" if s.cluster else "standalone"
+
+    @property
+    def ready(self) -> bool:
+        """Serving, and every frontend has applied its snapshot (so it listens and routes)."""
+        return self.serving and all(w.applied >= 0 for w in self.sup.workers if w.role == "frontend")
 
     def _worker(self, role: str, index: int) -> WorkerProcess:
         w = WorkerProcess(role, index)
@@ -185,6 +203,8 @@ class Node:
             await self.repl_leader.stop()
         if self.repl_follower is not None:
             await self.repl_follower.stop()
+        self.serving = False
+        await self.http.stop()
         # Frontends first so no new work reaches the shards, then shards sync and exit.
         for role, timeout in (("frontend", 5.0), ("shard", 15.0)):
             for ident, w in self.by_ident.items():

@@ -88,10 +88,11 @@ SAMPLES = {
     "sync": "none", "log_level": "debug", "bind": "0.0.0.0", "port": "4000", "heartbeat": "5",
     "frame_max": "8192", "channel_max": "16", "max_message_size": "1000", "default_user": "bob",
     "default_pass": "secret", "loopback_users": "none", "definitions": "/tmp/shardmq-defs.json",
-    "set_timestamp": "1", "consumer_timeout": "60000",
-    "cluster": "true", "node_name": "n9", "replication_port": "6000", "replication_bind": "0.0.0.0",
-    "cluster_secret_file": "/tmp/shardmq-secret", "min_isr": "2", "replication_ack_timeout": "7",
-    "follow": "h1:5679",
+    "set_timestamp": "1", "consumer_timeout": "60000", "http_port": "8080", "http_bind": "0.0.0.0",
+    "cluster": "true", "etcd_endpoints": "10.0.0.1:2379,10.0.0.2:2379", "etcd_prefix": "mq1",
+    "node_name": "n1", "advertised_host": "n1.example", "lease_ttl": "3",
+    "cluster_secret_file": "/tmp/shardmq-secret", "replication_port": "6000", "replication_bind": "0.0.0.0",
+    "min_isr": "2", "replication_ack_timeout": "7", "follow": "h1:5679",
 }
 # Settings some samples need to be valid (a cluster node needs a secret; --follow needs --cluster).
 NEEDS = {"cluster": {"SHARDMQ_CLUSTER_SECRET": "s"}, "follow": {"SHARDMQ_CLUSTER": "1", "SHARDMQ_CLUSTER_SECRET": "s"}}
@@ -101,7 +102,7 @@ NEEDS = {"cluster": {"SHARDMQ_CLUSTER_SECRET": "s"}, "follow": {"SHARDMQ_CLUSTER
 def test_every_option_settable_from_ini_env_and_flag(tmp_path, opt):
     raw = SAMPLES[opt.name]
     base = NEEDS.get(opt.name, {})
-    ini = write_ini(tmp_path, f"[{opt.section}]\n{opt.key} = {raw}\n")
+    ini = write_ini(tmp_path, f"[{opt.section}]\n{opt.ini_key} = {raw}\n")
     from_ini = getattr(load_settings(["--config", str(ini)], base), opt.name)
     from_env = getattr(load_settings([], {**base, opt.env: raw}), opt.name)
     assert from_ini == from_env != getattr(Settings(), opt.name)
@@ -133,6 +134,8 @@ def test_lists_and_choices_are_normalised():
         (["--log-level", "loud"], {}, "shardmq: error: --log-level: invalid choice 'loud'"),
         (["--bind", " "], {}, "shardmq: error: --bind must not be empty"),
         (["--nope"], {}, "shardmq: error: unrecognized arguments: --nope"),
+        (["--lease-ttl", "0"], {}, "shardmq: error: --lease-ttl must be >= 1"),
+        ([], {"SHARDMQ_CLUSTER": "maybe"}, "shardmq: error: SHARDMQ_CLUSTER: invalid boolean 'maybe'"),
         ([], {"SHARDMQ_FRONTENDS": "0"}, "shardmq: error: SHARDMQ_FRONTENDS must be >= 1"),
         ([], {"SHARDMQ_PORT": "x1"}, "shardmq: error: SHARDMQ_PORT: invalid int 'x1'"),
         ([], {"SHARDMQ_SYNC": "sometimes"}, "shardmq: error: SHARDMQ_SYNC: invalid choice 'sometimes'"),
@@ -152,7 +155,7 @@ def test_invalid_values_exit_2_naming_the_source(capsys, argv, environ, message)
         ("[main]\nfrontends = 0\n", "[main] frontends must be >= 1"),
         ("[main]\nport = 1\n", "unknown key [main] port (known: data_dir,"),
         ("[amqp]\nprot = 1\n", "unknown key [amqp] prot"),
-        ("[storage]\nx = 1\n", "unknown section [storage] (known: [main], [amqp], [clustering])"),
+        ("[storage]\nx = 1\n", "unknown section [storage] (known: [main], [amqp], [mqtt]"),
         ("port = 1\n", "File contains no section headers"),
         ("[amqp]\nport = 1\nport = 2\n", "option 'port' in section 'amqp' already exists"),
     ],
@@ -201,7 +204,7 @@ def test_cli_help_lists_every_flag_ini_section_and_env_var():
             help_lines = [line for line in out.splitlines() if line.strip().startswith(opt.flag + " ")]
             assert help_lines and len(help_lines[0].split(None, 2)) == 3, f"{opt.flag} has no one-line help"
         assert opt.env in out
-        assert f"[{opt.section}] {opt.key}" in out
+        assert f"[{opt.section}] {opt.ini_key}" in out
     assert "--config FILE" in out and "SHARDMQ_CONFIG_FILE" in out
 
 
@@ -209,7 +212,7 @@ def test_readme_documents_every_setting():
     readme = (REPO_ROOT / "README.md").read_text()
     for opt in OPTIONS:
         assert opt.env in readme, opt.env
-        assert f"[{opt.section}] {opt.key}" in readme or f"`{opt.name}`" in readme, opt.name
+        assert f"[{opt.section}] {opt.ini_key}" in readme or f"`{opt.name}`" in readme, opt.name
         if opt.has_flag:
             assert opt.flag in readme, opt.flag
 
