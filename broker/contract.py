@@ -46,7 +46,7 @@ from typing import Any
 
 import msgpack
 
-VERSION = 2  # 2: DELAYED_PUBLISH; shards confirm forwarded delayed messages
+VERSION = 3  # 2: DELAYED_PUBLISH; shards confirm forwarded delayed messages. 3: REPL_STATUS, REPL_ISR
 
 # --------------------------------------------------------------------------
 # Control plane: node <-> every worker (node.sock)
@@ -60,6 +60,11 @@ QUERY_REPLY = 4  # [QUERY_REPLY, query_id, ok(bool), result]  (shard answering a
 # FORWARDED (low-rate frontend-to-frontend traffic: direct reply-to answers published on another
 # frontend). payload: ["reply", routing_key, exchange, props_raw, body]
 FORWARD = 5
+# REPL_STATUS: [REPL_STATUS, {follower: [connected, in_sync, lag_bytes, lag_seconds, last_ack_monotonic]}]
+# a leader's shard reports its replication stream's followers (on every connect, disconnect or
+# in-sync change, and every second while followers are attached). A follower missing from the map
+# is not connected to that shard's stream.
+REPL_STATUS = 6
 
 # node -> worker
 SNAPSHOT = 10  # [SNAPSHOT, defs_version, definitions(dict), shard_epochs({index: epoch}), settings(dict)]
@@ -71,6 +76,10 @@ QUERY = 15  # [QUERY, query_id, op(str), args(dict)]  node asks a shard (queue_i
 STOP = 16  # [STOP]  graceful shutdown: finish the current turn, sync, exit 0
 CLOSE_CONNECTIONS = 17  # [CLOSE_CONNECTIONS, vhost or None, reply_code, text]  frontends close matching connections
 FORWARDED = 18  # [FORWARDED, payload]  see FORWARD
+# REPL_ISR: [REPL_ISR, followers(list[str]), min_isr]  the in-sync replica set a leader's shard must
+# wait for before it confirms (every one acked its stream past the record); with fewer than
+# min_isr followers it nacks. [] and 0: confirm after the local sync only (standalone, follower).
+REPL_ISR = 19
 
 # Requests a frontend or shard sends to the node (REQUEST op names). Args are dicts
 # with the AMQP method's fields plus "vhost" and, for frontends, "owner" = [frontend_index, conn_id].
@@ -211,6 +220,27 @@ def node_address(run_dir: str) -> str:
 
 def shard_address(run_dir: str, index: int) -> str:
     return "ipc://" + os.path.join(run_dir, f"shard-{index}.sock")
+
+
+def repl_handoff_path(run_dir: str, index: int) -> str:
+    """Unix datagram socket where shard ``index`` receives replication connections from the node
+    (``replication/handoff.py``): one datagram per connection, the socket as SCM_RIGHTS ancillary
+    data, the payload ``pack_handoff(follower_name)``."""
+    return os.path.join(run_dir, f"repl-shard-{index}.sock")
+
+
+def pack_handoff(follower: str) -> bytes:
+    return msgpack.packb([VERSION, follower], use_bin_type=True)
+
+
+def unpack_handoff(data: bytes) -> str:
+    try:
+        version, follower = msgpack.unpackb(data, raw=False)
+    except Exception as exc:
+        raise ValueError(f"malformed handoff: {exc}") from exc
+    if version != VERSION:
+        raise ValueError(f"handoff of contract version {version}")
+    return str(follower)
 
 
 def worker_id(role: str, index: int) -> bytes:

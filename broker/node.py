@@ -22,7 +22,7 @@ import zmq
 
 from broker import contract
 from broker.amqp.errors import AMQPConnectionError, AMQPError
-from broker.config import Settings
+from broker.config import Settings, cluster_secret
 from broker.datadir import DataDir, DataDirLocked
 from broker.definitions import Definitions
 from broker.definitions_file import plan_from_file, read_definitions_file
@@ -31,6 +31,8 @@ from broker.http.server import HttpServer
 from broker.process import install_uvloop
 from broker.supervisor import Supervisor, WorkerProcess
 from broker.zmqio import BatchSocket, make_socket
+from replication.follower import ReplicationFollower
+from replication.leader import ReplicationLeader
 
 log = logging.getLogger("shardmq.node")
 
@@ -59,6 +61,14 @@ class Node:
         self._shards_ready = asyncio.Event()
         # Open connections per vhost, counted against max-connections: vhost -> {(frontend, conn_id)}.
         self.vhost_conns: dict[str, set[tuple]] = {}
+        # Cluster roles (docs/cluster.md): a leader serves and replicates, a follower only replicates.
+        self.role = "standalone"
+        self.repl_leader: ReplicationLeader | None = None
+        self.repl_follower: ReplicationFollower | None = None
+        self.repl_on_change = None  # the coordinator's callback for ReplicationLeader.on_change
+        self.repl_auto_isr = True  # False once a coordinator drives the ISR (set_isr)
+        # The followers confirms wait for from the start of a promotion (ClusterRole: etcd's ISR).
+        self.repl_initial_isr: set[str] = set()
         # What the health checks report (broker/http/health.py): ready once this node serves (or, in
         # a cluster, proxies to the leader); is_leader on the node that serves clients; alarms names
         # the resource alarms in effect.
@@ -73,6 +83,8 @@ class Node:
         self.repl_follower: Any = None
         self.repl_on_change: Any = None  # ClusterRole's ISR hook, given to ReplicationLeader
         self.repl_auto_isr = True  # False once a coordinator drives the ISR (set_isr)
+        # The followers confirms wait for from the start of a promotion (ClusterRole: etcd's ISR).
+        self.repl_initial_isr: set[str] = set()
 
     # ------------------------------------------------------------------ life
     async def start(self) -> None:
@@ -93,8 +105,75 @@ class Node:
             log.info("node (pid %d) started as cluster member %s; data dir %s", os.getpid(), s.node_name,
                      self.datadir.path)
             return
-        await self._serve()
+        if s.cluster and s.follow:
+            # Static mode (tests, manual setups): follow that leader, no etcd.
+            host, _, port = s.follow.rpartition(":")
+            await self.become_follower(host, int(port))
+        else:
+            await self._serve()
+            if s.cluster:
+                await self._start_leader()
         await self.http.start()
+
+    # ------------------------------------------------------------ cluster roles
+    async def become_leader(self) -> None:
+        """Serve clients from this data dir (a warm start of what was replicated) and replicate it."""
+        if self.role == "leader":
+            return
+        if self.repl_follower is not None:
+            await self.repl_follower.stop()
+            self.repl_follower = None
+        await self._serve()
+        await self._start_leader()
+
+    async def become_follower(self, host: str, port: int) -> None:
+        """Stop serving (if leading) and keep the data dir a copy of the leader at host:port."""
+        if self.repl_leader is not None:
+            await self.repl_leader.stop()
+            self.repl_leader = None
+        if self.role == "leader":
+            await self._stop_workers()
+        if self.repl_follower is not None:
+            await self.repl_follower.stop()
+        s = self.settings
+        self.repl_follower = ReplicationFollower(s, self.datadir.path, cluster_secret(s), s.node_name, host, port)
+        await self.repl_follower.start()
+        self.role = "follower"
+        log.info("node (pid %d) %s follows %s:%d; data dir %s", os.getpid(), s.node_name, host, port,
+                 self.datadir.path)
+
+    async def _start_leader(self) -> None:
+        s = self.settings
+        self.repl_leader = ReplicationLeader(
+            s, self.datadir.path, cluster_secret(s), shards=s.shards, run_dir=self.datadir.run_dir,
+            broadcast_isr=self._broadcast_isr, on_change=self.repl_on_change, auto_isr=self.repl_auto_isr)
+        self.repl_leader.isr = set(self.repl_initial_isr)  # start() hands it to the shards again
+        await self.repl_leader.start()
+        self.role = "leader"
+
+    def _broadcast_isr(self, names: set[str], min_isr: int) -> None:
+        if self.ctl is not None:
+            self._broadcast("shard", [contract.REPL_ISR, sorted(names), min_isr])
+
+    async def _stop_workers(self) -> None:
+        """Stop frontends, then shards (they sync), and get ready to spawn them again."""
+        self.sup.stopping = True
+        for role, timeout in (("frontend", 5.0), ("shard", 15.0)):
+            for ident, w in self.by_ident.items():
+                if w.role == role and w.connected:
+                    self.ctl.send_now(ident, [[contract.STOP]])
+            for w in self.sup.workers:
+                if w.role == role and w.proc and w.proc.returncode is None and not w.connected:
+                    w.proc.send_signal(signal.SIGTERM)
+            await self.sup.stop_role(role, timeout)
+        self.is_leader = self.serving = False
+        await self.loop.run_in_executor(None, self.defstore.sync)
+        self.defstore.close()
+        self.sup = Supervisor(self.datadir.run_dir, self.settings.log_level, self._on_worker_exit, self._on_spawn)
+        self.by_ident = {}
+        self.epochs = {}
+        self._shards_ready = asyncio.Event()
+        self.vhost_conns = {}
 
     async def _serve(self) -> None:
         """Load the data dir and start the workers: a standalone node's boot, a leader's promotion.
@@ -133,22 +212,9 @@ class Node:
         self.serving = True
         log.info("node (pid %d) serving with %d shards and %d frontends; AMQP on %s:%d; data dir %s",
                  os.getpid(), s.shards, s.frontends, s.bind, s.port, self.datadir.path)
+        self.role = "leader" if s.cluster else "standalone"
 
-    # ------------------------------------------------------------- cluster roles
-    async def become_leader(self) -> None:
-        """Promotion: warm start of the (replicated) data dir, then serve clients.
-
-        cluster-repl: the ReplicationLeader starts here as ``self.repl_leader`` with
-        ``self.repl_on_change``; the follower of ``become_follower`` stops first.
-        """
-        await self._serve()
-
-    async def become_follower(self, host: str, port: int) -> None:
-        """Follow the leader's replication stream at host:port; no worker serves clients.
-
-        cluster-repl: the ReplicationFollower starts here (into the data dir).
-        """
-
+    # ------------------------------------------------------- fencing (ClusterRole)
     def fence(self) -> None:
         """Stop confirming NOW: SIGKILL the frontends, which closes every client connection.
 
@@ -160,17 +226,19 @@ class Node:
         self.sup.kill_role("frontend")
 
     async def step_down(self) -> None:
-        """Leader -> nothing: fence, then stop the shards (their data is crash-safe) and forget them."""
+        """Leader -> nothing: fence, stop replicating, kill the shards (their data is crash-safe)."""
         self.fence()
+        if self.repl_leader is not None:
+            await self.repl_leader.stop()
+            self.repl_leader = None
         await self.sup.forget_all()
-        self.by_ident.clear()
-        self.epochs.clear()
+        await self._stop_workers()  # nothing left to stop: DefStore synced and closed, fresh state
         self._apply_waiters.clear()
-        self.vhost_conns.clear()
         for fut in list(self._queries.values()):
             if not fut.done():
                 fut.set_result(None)
         self._queries.clear()
+        self.role = "fenced"
 
     @property
     def ready(self) -> bool:
@@ -190,6 +258,10 @@ class Node:
             return
         self.sup.stopping = True
         log.info("node stopping")
+        if self.repl_leader is not None:
+            await self.repl_leader.stop()
+        if self.repl_follower is not None:
+            await self.repl_follower.stop()
         self.serving = False
         await self.http.stop()
         if self.cluster is not None:
@@ -218,6 +290,8 @@ class Node:
 
     def _on_worker_exit(self, worker: WorkerProcess, _code: int) -> None:
         self._check_apply_waiters()
+        if worker.role == "shard" and self.repl_leader is not None:
+            self.repl_leader.shard_down(worker.index)
         if worker.role == "shard":
             # The restarted shard gets a new epoch: batches meant for the dead one are dropped,
             # frontends close the client connections that had state on it, and other shards
@@ -269,6 +343,9 @@ class Node:
                     fut.set_result(item[3] if item[2] else None)
             elif kind == contract.HELLO:
                 self._hello(ident, w, item)
+            elif kind == contract.REPL_STATUS:
+                if self.repl_leader is not None and w.role == "shard":
+                    self.repl_leader.shard_status(w.index, item[1])
 
     def _hello(self, ident: bytes, w: WorkerProcess, item: list) -> None:
         if item[1] != contract.VERSION:
@@ -284,6 +361,12 @@ class Node:
             for x in self.sup.workers:
                 if x.role == "shard" and x is not w and x.connected and x.applied >= 0:
                     self.ctl.put(ident, [contract.SHARD_UP, x.index, self.epochs[x.index]])
+            if self.repl_leader is not None:
+                self.ctl.put(ident, [contract.REPL_ISR, sorted(self.repl_leader.isr), self.repl_leader.min_isr])
+            elif self.repl_initial_isr:
+                # A promotion: the shards gate confirms on the ISR from etcd from their first
+                # publish on, before the replication leader runs (it starts after them).
+                self.ctl.put(ident, [contract.REPL_ISR, sorted(self.repl_initial_isr), self.settings.min_isr])
         w.connected = True
 
     def _shard_up(self, w: WorkerProcess) -> None:
@@ -459,6 +542,9 @@ class Node:
         if wrote:
             waits.append(self._durable())
         await asyncio.gather(*waits)
+        if wrote and self.repl_leader is not None:
+            # In a cluster the *-Ok also waits for the ISR followers to ack the node stream.
+            await self.repl_leader.node_stream_replicated()
 
     async def _wait_all_applied(self, version: int) -> None:
         fut = self.loop.create_future()

@@ -95,7 +95,9 @@ class ClusterRole:
             followers = {}
             for name, st in self.replication.followers().items():
                 followers[name] = {k: getattr(st, k, None)
-                                   for k in ("connected", "in_sync", "lag_bytes", "lag_seconds", "last_ack")}
+                                   for k in ("connected", "in_sync", "lag_bytes", "lag_seconds")}
+                last = getattr(st, "last_ack_monotonic", 0) or 0
+                followers[name]["last_ack_seconds_ago"] = round(time.monotonic() - last, 3) if last else None
             out["followers"] = followers
         follower = getattr(self.node, "repl_follower", None)
         if follower is not None and hasattr(follower, "status"):
@@ -209,6 +211,7 @@ class ClusterRole:
         # The coordinator drives the ISR: the replication leader reports, etcd decides.
         self.node.repl_on_change = self._isr_changed
         self.node.repl_auto_isr = False
+        self.node.repl_initial_isr = {n for n in self.isr if n != self.name}
         try:
             await self.node.become_leader()
         except Exception:
@@ -216,8 +219,6 @@ class ClusterRole:
             await self._step_down("promotion failed")
             return
         self.replication = getattr(self.node, "repl_leader", None)
-        if self.replication is not None:
-            self.replication.set_isr([n for n in self.isr if n != self.name])
         promoted = time.monotonic() - t0
         self.last_failover = {**self.last_failover, "promoted_at": time.time(), "promotion_seconds": promoted}
         log.info("leader %s serving after a %.3f s promotion; ISR %s", self.name, promoted, self.isr)
@@ -284,7 +285,7 @@ class ClusterRole:
             if repl is not None:
                 # Wait on the union while etcd changes: added ones are gated before they can win,
                 # removed ones until etcd no longer lets them win.
-                repl.set_isr(sorted((set(want) | set(self.isr)) - {self.name}))
+                repl.set_isr((set(want) | set(self.isr)) - {self.name})
             try:
                 ok = await self.coord.write_isr(want)
             except CoordinationError as exc:
@@ -299,7 +300,7 @@ class ClusterRole:
             log.info("ISR %s -> %s", self.isr, want)
             self.isr = want
             if repl is not None:
-                repl.set_isr([n for n in want if n != self.name])
+                repl.set_isr(set(want) - {self.name})
 
     # --------------------------------------------------------------- fencing
     def _on_lease_lost(self) -> None:

@@ -32,7 +32,7 @@ then actions, each with the CRC32 of its bytes, which the receiver checks before
     REPLACE path, crc32, data             (tmp + rename)
     DELETE  path                          (a file or a whole directory)
 
-and acks from the follower: ``ACK position`` where position counts the bytes of every action
+and acks from the follower: ``ACK position, flags`` (flag 1: the full sync is applied) where position counts the bytes of every action
 frame (header included) received since SYNC_DONE, acked once the follower has made them durable.
 """
 
@@ -55,6 +55,8 @@ NONCE_SIZE = 16
 _HEADER = struct.Struct("<IB")
 HEADER_SIZE = _HEADER.size
 _U64 = struct.Struct("<Q")
+_ACK = struct.Struct("<QB")  # position, flags
+ACK_SYNCED = 1  # the follower has applied the full sync (SYNC_DONE) durably
 _U16 = struct.Struct("<H")
 _APPEND = struct.Struct("<QI")  # offset, crc32
 _CRC = struct.Struct("<I")
@@ -170,6 +172,7 @@ class Delete:
 @dataclass(slots=True)
 class Ack:
     position: int
+    synced: bool = False
 
 
 Event = (Hello | Challenge | Auth | Welcome | Refused | FileList | FileRequest | FileData | SyncDone
@@ -260,8 +263,8 @@ def encode_delete(path: str) -> bytes:
     return _frame(DELETE, _path(path))
 
 
-def encode_ack(position: int) -> bytes:
-    return _frame(ACK, _U64.pack(position))
+def encode_ack(position: int, synced: bool = False) -> bytes:
+    return _frame(ACK, _ACK.pack(position, ACK_SYNCED if synced else 0))
 
 
 # ---------------------------------------------------------------- decoding
@@ -350,9 +353,10 @@ def _decode(kind: int, payload: bytes, size: int) -> Event:
                 raise ProtocolError("trailing bytes in DELETE")
             return Delete(path, size)
         if kind == ACK:
-            if len(payload) != _U64.size:
+            if len(payload) != _ACK.size:
                 raise ProtocolError("bad ACK")
-            return Ack(_U64.unpack(payload)[0])
+            position, flags = _ACK.unpack(payload)
+            return Ack(position, bool(flags & ACK_SYNCED))
         if kind == FILE_DATA:
             path, at = _split_path(payload, _DATA.size)
             offset, total, crc = _DATA.unpack_from(payload, at)
@@ -422,6 +426,6 @@ def encode(event: Event) -> bytes:
     if isinstance(event, Delete):
         return encode_delete(event.path)
     if isinstance(event, Ack):
-        return encode_ack(event.position)
+        return encode_ack(event.position, event.synced)
     raise TypeError(f"not a replication event: {event!r}")
 

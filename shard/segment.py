@@ -26,6 +26,11 @@ _U32 = struct.Struct("<I")
 pack_u32 = _U32.pack
 
 
+# Write segments open in this process by msgs path: replication's full sync lists their logical
+# size (``used``), not the sparse file's mapped size.
+open_write_segments: dict[str, Segment] = {}
+
+
 def file_name(kind: str, no: int) -> str:
     return f"{kind}.{no:010d}"
 
@@ -149,6 +154,7 @@ class Segment:
             raise
         VERSION_HEADER.pack_into(seg.mm, 0, FORMAT_VERSION)
         seg.size = size
+        open_write_segments[seg.path("msgs")] = seg
         if write_observer.current is not None:
             write_observer.current.append(seg.path("msgs"), 0, seg.mm[:DATA_START])
         return seg
@@ -165,6 +171,8 @@ class Segment:
             os.close(self.fd)
             self.fd = -1
             raise
+        if writable:
+            open_write_segments[self.path("msgs")] = self
 
     def regrow(self, size: int) -> None:
         """Cut the file at `used` (zeroing anything after it) and extend it to `size` (write segment)."""
@@ -179,7 +187,14 @@ class Segment:
         """Truncate to the used length and write the meta file; returns the meta file's fd (unsynced)."""
         os.ftruncate(self.fd, self.used)
         self.sealed = True
+        self.forget_write()
         return self.write_meta()
+
+    def forget_write(self) -> None:
+        """No longer the write segment (sealed, closed or deleted)."""
+        path = self.path("msgs")
+        if open_write_segments.get(path) is self:
+            del open_write_segments[path]
 
     def write_meta(self) -> int:
         fd = os.open(self.path("meta"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
@@ -217,8 +232,11 @@ class Segment:
         if self.mm is not None:
             self.mm.close()
             self.mm = None
+        if not self.sealed:
+            self.forget_write()
 
     def unlink(self) -> None:
+        self.forget_write()
         obs = write_observer.current
         for kind in ("msgs", "acks", "meta"):
             try:

@@ -28,7 +28,7 @@ import zlib
 
 from broker import write_observer
 from shard import record
-from shard.segment import DATA_START, FORMAT_VERSION, VERSION_HEADER, Segment
+from shard.segment import DATA_START, FORMAT_VERSION, VERSION_HEADER, Segment, open_write_segments
 from shard.segment_dir import SegmentDir
 
 log = logging.getLogger(__name__)
@@ -219,6 +219,7 @@ class StreamStore(SegmentDir):
         with self._lock:  # sync() reads the write segment's fd under this lock
             os.ftruncate(old.fd, old.used)
             old.sealed = True
+            old.forget_write()
             self._sync_fds.append(old.fd)
             self._sync_fds.append(old.write_smeta())
             old.fd = -1
@@ -235,6 +236,8 @@ class StreamStore(SegmentDir):
         seg = StreamSegment(self.path, no)
         base = Segment.create(self.path, no, size)
         seg.fd, seg.mm, seg.size = base.fd, base.mm, base.size
+        base.forget_write()
+        open_write_segments[seg.path("msgs")] = seg
         seg.first = first
         with self._lock:
             self._sync_fds.append(seg.write_smeta())  # the first offset must survive retention

@@ -33,7 +33,7 @@ events = st.one_of(
     st.builds(p.Append, paths, u64, data),
     st.builds(p.Replace, paths, data),
     st.builds(p.Delete, paths),
-    st.builds(p.Ack, u64),
+    st.builds(p.Ack, u64, st.booleans()),
 )
 
 
