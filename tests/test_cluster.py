@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import signal
@@ -20,11 +19,6 @@ from tests.cluster_helpers import Cluster, http_get, is_leader, one_leader, wait
 from tests.harness import REPO_ROOT
 
 pytestmark = pytest.mark.integration
-
-# Until cluster-repl's branch (replication/leader.py) is merged, no follower can enter the ISR.
-# TEMPORARY: removed at the merge; never in main.
-needs_replication = pytest.mark.skipif(importlib.util.find_spec("replication.leader") is None,
-                                       reason="replication/leader.py not merged yet")
 
 
 @pytest.fixture(scope="module")
@@ -91,21 +85,29 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 def test_cluster_status_cli_prints_leader_nodes_and_isr(cluster):
     nodes = cluster.start(2)
+    wait_isr(cluster, nodes)
     leader = cluster.leader()
+    follower = next(n for n in nodes if n is not leader)
     out = run_cli("status", "--etcd-endpoints", cluster.endpoints, "--etcd-prefix", cluster.prefix)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0] == f"leader: {leader.workdir.name}"
-    assert lines[1] == f"isr: {leader.workdir.name}"
+    assert lines[1] == "isr: " + ", ".join(sorted(n.workdir.name for n in nodes))
     rows = {line.split()[0]: line.split() for line in lines[3:]}
-    assert rows["node"][:2] == ["node", "role"]
+    assert rows["node"] == ["node", "role", "address", "amqp", "repl", "http", "ready", "in", "ISR", "lag",
+                            "bytes", "lag", "s"]
     for node in nodes:
         row = rows[node.workdir.name]
         assert row[1] == ("leader" if node is leader else "follower")
-        assert row[3] == str(node.port) and row[5] == str(node.http_port)
-        assert row[7] == ("yes" if node is leader else "no")
+        assert row[3] == str(node.port) and row[4] == str(node.replication_port) and row[5] == str(node.http_port)
+        assert row[6] == "yes" and row[7] == "yes"
+    # The follower's lag, in bytes and seconds, as the leader sees it (idle: caught up).
+    assert rows[follower.workdir.name][8:] == ["0", "0.000"]
+    assert rows[leader.workdir.name][8:] == ["-", "-"]
     as_json = run_cli("status", "--etcd-endpoints", cluster.endpoints, "--etcd-prefix", cluster.prefix, "--json")
-    assert json.loads(as_json.stdout)["leader"] == leader.workdir.name
+    state = json.loads(as_json.stdout)
+    assert state["leader"] == leader.workdir.name
+    assert {n["name"]: n["connected"] for n in state["nodes"]}[follower.workdir.name] is True
 
 
 def test_cluster_status_cli_errors_are_clear():
@@ -243,7 +245,6 @@ def drain(node, queue: str, expect: set[str], timeout: float = 30.0) -> dict[str
     return got
 
 
-@needs_replication
 def test_kill9_of_the_leader_under_confirms_loses_nothing_and_the_old_leader_rejoins(cluster):
     nodes = cluster.start(3)
     wait_isr(cluster, nodes)
@@ -286,7 +287,6 @@ def test_kill9_of_the_leader_under_confirms_loses_nothing_and_the_old_leader_rej
     assert not is_leader(leader)
 
 
-@needs_replication
 def test_paused_leader_never_confirms_beside_the_new_one(cluster):
     nodes = cluster.start(2)
     wait_isr(cluster, nodes)

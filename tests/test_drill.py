@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
 from deploy.drill.failover import run_drill
@@ -20,9 +18,6 @@ def test_haproxy_config_checks_the_leader_route_and_shuts_sessions_of_a_node_mar
     assert "/api/health/checks/ready" in render_config(5000, [], via_followers=True)
 
 
-# TEMPORARY until cluster-repl's replication is merged (no follower can enter the ISR before).
-@pytest.mark.skipif(importlib.util.find_spec("replication.leader") is None,
-                    reason="replication/leader.py not merged yet")
 def test_drill_one_kill_loses_nothing_and_confirms_again_quickly(tmp_path):
     lines: list[str] = []
     result = run_drill(tmp_path, kills=1, ttl=1, interval=1.5, log=lines.append)
