@@ -201,12 +201,21 @@ class Node:
         for i in range(s.shards):
             self.epochs[i] = 1
             await self.sup.spawn(self._worker("shard", i))
+        # A promotion is failover time: the frontends' interpreter start overlaps the shards'
+        # recovery (a frontend's batches wait in ZeroMQ until the shard binds, and a shard handles
+        # data that arrives before its snapshot once it is loaded). A standalone boot keeps the
+        # plain order.
+        overlap = bool(s.cluster)
+        if overlap:
+            for i in range(s.frontends):
+                await self.sup.spawn(self._worker("frontend", i))
         try:
             await asyncio.wait_for(self._shards_ready.wait(), _STARTUP_TIMEOUT_S)
         except TimeoutError:
             raise RuntimeError(f"shards did not start within {_STARTUP_TIMEOUT_S:.0f} s") from None
-        for i in range(s.frontends):
-            await self.sup.spawn(self._worker("frontend", i))
+        if not overlap:
+            for i in range(s.frontends):
+                await self.sup.spawn(self._worker("frontend", i))
         # A standalone node serves clients itself: it is its own leader.
         self.is_leader = True
         self.serving = True

@@ -63,7 +63,7 @@ class ClusterRole:
         self.leader_lease = 0
         self.isr: list[str] = []
         self.replication: Any = None  # the ReplicationLeader while leading
-        self.poll = min(0.25, self.ttl / 5)
+        self.poll = min(0.25, self.ttl / 10)
         # Disk probe: an fsync still running after this long means the disk is stalled.
         self.disk_bound = max(2.0, self.ttl / 2)
         self.last_failover: dict[str, float] = {}
@@ -219,10 +219,14 @@ class ClusterRole:
             await self._step_down("promotion failed")
             return
         self.replication = getattr(self.node, "repl_leader", None)
+        self._isr_changed()
+        # Promotion ends when clients can connect: every frontend listens.
+        deadline = time.monotonic() + 30
+        while not self.node.ready and time.monotonic() < deadline and not self._fenced.is_set():
+            await asyncio.sleep(0.01)
         promoted = time.monotonic() - t0
         self.last_failover = {**self.last_failover, "promoted_at": time.time(), "promotion_seconds": promoted}
         log.info("leader %s serving after a %.3f s promotion; ISR %s", self.name, promoted, self.isr)
-        self._isr_changed()
         # Lead until fenced (watchdog, lost lease) or the leader key is gone.
         while not self._stopping:
             with contextlib.suppress(TimeoutError):
