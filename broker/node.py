@@ -198,6 +198,7 @@ class Node:
         self.datadir.remove_stale_delay_stores(
             {(v.name, x) for v in self.defs.vhosts.values() for x in v.exchanges})
         self._shards_ready.clear()
+        self.sup.held.clear()
         for i in range(s.shards):
             self.epochs[i] = 1
             await self.sup.spawn(self._worker("shard", i))

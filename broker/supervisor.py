@@ -55,6 +55,8 @@ class Supervisor:
         self.stopping = False
         self._watchers: set[asyncio.Task] = set()
         self._killed: list[asyncio.subprocess.Process] = []  # by kill_role, until forget_all reaps them
+        # Roles whose dead workers are not restarted (a fenced leader's frontends); any thread may add.
+        self.held: set[str] = set()
 
     async def spawn(self, worker: WorkerProcess) -> None:
         if worker not in self.workers:
@@ -74,7 +76,7 @@ class Supervisor:
 
     async def _watch(self, worker: WorkerProcess, proc: asyncio.subprocess.Process) -> None:
         code = await proc.wait()
-        if proc is not worker.proc or worker not in self.workers:
+        if proc is not worker.proc or worker not in self.workers or worker.role in self.held:
             return
         worker.connected = False
         if self.stopping:
@@ -99,6 +101,7 @@ class Supervisor:
 
     def kill_role(self, role: str) -> None:
         """SIGKILL every worker of ``role`` now, without restarting them (a leader's fence)."""
+        self.held.add(role)
         for w in self.workers:
             if w.role == role and w.proc is not None and w.proc.returncode is None:
                 w.connected = False

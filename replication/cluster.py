@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Any
 
-from replication.coordination import CoordinationError, Coordinator, NodeInfo
+from replication.coordination import CoordinationError, Coordinator, NodeInfo, boost_thread_priority
 from replication.proxy import ClientProxy
 
 log = logging.getLogger("shardmq.cluster")
@@ -200,6 +200,9 @@ class ClusterRole:
             await self.coord.resign()
             return
         self.isr = sorted(isr)
+        # Spawning the workers keeps the CPUs busy: start it with a freshly renewed lease.
+        with contextlib.suppress(CoordinationError):
+            await self.coord.renew_now()
         self.role = "leader"
         self.leader = self.info
         self.leader_lease = self.coord.lease_id
@@ -319,7 +322,9 @@ class ClusterRole:
             self._fence_reason = reason
         self.node.is_leader = False
         self.node.serving = False
-        for w in list(self.node.sup.workers):
+        sup = self.node.sup
+        sup.held.add("frontend")  # before the kill: the supervisor must not restart them
+        for w in list(sup.workers):
             proc = w.proc
             if w.role == "frontend" and proc is not None and proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -329,6 +334,7 @@ class ClusterRole:
             self.node.loop.call_soon_threadsafe(self._fenced.set)
 
     def _watchdog_loop(self) -> None:
+        boost_thread_priority()
         probe_path = os.path.join(self.node.datadir.run_dir, _DISK_PROBE)
         next_probe = 0.0
         while not self._watch_stop.wait(0.02):
