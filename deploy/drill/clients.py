@@ -29,6 +29,8 @@ class Publisher(threading.Thread):
         self.host, self.port = host, port
         self.rate = rate  # messages per second, 0 = as fast as confirms come back
         self.confirmed: dict[int, float] = {}  # seq -> monotonic time of its confirm
+        self.connected_at: list[float] = []  # monotonic time each connection was opened
+        self.first_on_connection: dict[int, float] = {}  # connection index -> time of its first confirm
         self.unconfirmed: set[int] = set()  # published, then the connection broke before the confirm
         self.reconnects = 0
         self.stop_event = threading.Event()
@@ -42,6 +44,8 @@ class Publisher(threading.Thread):
             except _ERRORS:
                 time.sleep(0.05)
                 continue
+            self.connected_at.append(time.monotonic())
+            index = len(self.connected_at) - 1
             try:
                 ch = conn.channel()
                 ch.confirm_delivery()
@@ -53,7 +57,8 @@ class Publisher(threading.Thread):
                     self.unconfirmed.add(seq)
                     ch.basic_publish("", QUEUE, str(seq).encode(), props, mandatory=True)
                     self.unconfirmed.discard(seq)
-                    self.confirmed[seq] = time.monotonic()
+                    now = self.confirmed[seq] = time.monotonic()
+                    self.first_on_connection.setdefault(index, now)
                     if self.rate:
                         time.sleep(1.0 / self.rate)
             except _ERRORS as exc:
@@ -64,6 +69,19 @@ class Publisher(threading.Thread):
                     conn.close()
                 except _ERRORS:
                     pass
+
+
+    def first_confirm_after(self, t: float) -> float | None:
+        """When the first connection opened after ``t`` got its first confirm (a failover's end).
+
+        Confirms on the connection of before ``t`` can still arrive just after it (written by the
+        old leader before it died), so they do not count.
+        """
+        firsts = dict(self.first_on_connection)
+        for index, opened in enumerate(list(self.connected_at)):
+            if opened > t and index in firsts:
+                return firsts[index]
+        return None
 
 
 class Consumer(threading.Thread):
