@@ -192,7 +192,13 @@ class ReplicationLeader:
             nonce_l = p.new_nonce()
             await self.loop.sock_sendall(conn, p.encode_challenge(
                 nonce_l, p.leader_proof(self.secret, hello.stream, hello.nonce, nonce_l)))
-            auth = await asyncio.wait_for(self._recv_event(conn, dec, pending), HANDSHAKE_TIMEOUT_S)
+            try:
+                auth = await asyncio.wait_for(self._recv_event(conn, dec, pending), HANDSHAKE_TIMEOUT_S)
+            except ConnectionError:
+                self.refused += 1
+                log.warning("replication: follower %s at %s closed the handshake after our challenge "
+                            "(does it have another cluster secret?)", hello.name, addr)
+                return
             expected = p.follower_proof(self.secret, hello.stream, hello.name, nonce_l, hello.nonce)
             if not isinstance(auth, p.Auth) or not p.check_proof(expected, auth.proof):
                 await self._refuse(conn, addr, "authentication failed", name=hello.name)
