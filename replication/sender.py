@@ -37,6 +37,7 @@ log = logging.getLogger("shardmq.replication")
 
 _HIGH_WATER = 8 << 20
 _CHECK_S = 0.25
+FULL_SYNC_ACK_TIMEOUT_S = 60.0
 
 
 class _Link(asyncio.Protocol):
@@ -306,9 +307,12 @@ class StreamSender:
         """Drop a follower that is behind and has not acked for ack_timeout."""
         now = time.monotonic()
         for link in list(self.links.values()):
+            # During its full sync a follower hashes its files and receives whole files before it
+            # gets to the actions behind them: give it longer (LavinMQ: 60 s) before calling it stuck.
+            timeout = self.ack_timeout if link.synced else max(FULL_SYNC_ACK_TIMEOUT_S, self.ack_timeout)
             if link.acked >= self.seq:
                 link.last_ack = now  # nothing to ack: not late
-            elif now - link.last_ack > self.ack_timeout:
+            elif now - link.last_ack > timeout:
                 log.warning("replication %s: follower %s has not acked for %.1f s with %d bytes of lag: "
                             "disconnected", self.stream, link.name, now - link.last_ack, self.seq - link.acked)
                 link.close()
