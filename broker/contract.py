@@ -60,7 +60,8 @@ QUERY_REPLY = 4  # [QUERY_REPLY, query_id, ok(bool), result]  (shard answering a
 # FORWARDED (low-rate frontend-to-frontend traffic: direct reply-to answers published on another
 # frontend). payload: ["reply", routing_key, exchange, props_raw, body]
 FORWARD = 5
-# REPL_STATUS: [REPL_STATUS, {follower: [connected, in_sync, lag_bytes, lag_seconds, last_ack_monotonic]}]
+# REPL_STATUS: [REPL_STATUS, {follower: [connected, in_sync, lag_bytes, lag_seconds, last_ack_monotonic,
+#                                         acked_position]}]
 # a leader's shard reports its replication stream's followers (on every connect, disconnect or
 # in-sync change, and every second while followers are attached). A follower missing from the map
 # is not connected to that shard's stream.

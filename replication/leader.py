@@ -123,6 +123,16 @@ class ReplicationLeader:
             )
         return out
 
+    def stream_status(self) -> dict[str, dict[str, dict]]:
+        """Per stream and follower: connected, in_sync, lag_bytes, lag_seconds, last_ack_monotonic,
+        acked (bytes of that stream acked since the follower's full sync began)."""
+        keys = ("connected", "in_sync", "lag_bytes", "lag_seconds", "last_ack_monotonic", "acked")
+        out = {"node": {n: dict(zip(keys, v, strict=False)) for n, v in self.node_sender.status().items()}}
+        for i in range(self.shards):
+            st = self._shard_status.get(i, {})
+            out[f"shard-{i}"] = {n: dict(zip(keys, v, strict=False)) for n, v in st.items()}
+        return out
+
     def shard_status(self, index: int, status: dict[str, list]) -> None:
         """A shard's REPL_STATUS."""
         self._shard_status[index] = status

@@ -365,7 +365,7 @@ class StreamSender:
 
     # ------------------------------------------------------------ status
     def status(self) -> dict[str, list]:
-        """{follower: [connected, in_sync, lag_bytes, lag_seconds, last_ack_monotonic]}"""
+        """{follower: [connected, in_sync, lag_bytes, lag_seconds, last_ack_monotonic, acked_position]}"""
         now = time.monotonic()
         out = {}
         for name, link in self.links.items():
@@ -376,7 +376,7 @@ class StreamSender:
                     if seq > link.acked:
                         lag_s = now - t
                         break
-            out[name] = [True, link.synced, lag, round(lag_s, 3), link.last_ack]
+            out[name] = [True, link.synced, lag, round(lag_s, 3), link.last_ack, link.acked - link.base]
         return out
 
     def close(self) -> None:
