@@ -38,6 +38,8 @@ log = logging.getLogger("shardmq.replication")
 _HIGH_WATER = 8 << 20
 _CHECK_S = 0.25
 FULL_SYNC_ACK_TIMEOUT_S = 60.0
+# A follower whose unsent backlog passes this is dropped (it resyncs) rather than growing memory.
+MAX_BACKLOG = 256 << 20
 
 
 class _Link(asyncio.Protocol):
@@ -213,8 +215,13 @@ class StreamSender:
             return
         blob = b"".join(self._frames)
         self._frames = []
-        for link in self.links.values():
+        for link in list(self.links.values()):
             link.write(blob)
+            if link.transport is not None and link.transport.get_write_buffer_size() > MAX_BACKLOG:
+                log.warning("replication %s: follower %s is %d bytes behind on the wire: dropped",
+                            self.stream, link.name, link.transport.get_write_buffer_size())
+                link.close()
+                self._detach(link)
         self._marks.append((self.seq, time.monotonic()))
         if len(self._marks) > 4096:
             self._marks.popleft()
