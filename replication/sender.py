@@ -101,8 +101,9 @@ class _Link(asyncio.Protocol):
             self.transport.write(data)
 
     def close(self) -> None:
+        # abort, not close: a stuck follower's backlog would otherwise keep the socket open to drain.
         if not self.closed and self.transport is not None:
-            self.transport.close()
+            self.transport.abort()
         self.closed = True
 
 
