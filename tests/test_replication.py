@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -246,3 +247,71 @@ def _read_event(sock, dec):
         assert data, "connection closed"
         events = dec.feed(data)
     return events[0]
+
+
+class CorruptingRelay:
+    """A TCP relay between follower and leader that flips one byte of the first leader->follower
+    chunk containing ``marker`` (once), as a bad NIC or cable might."""
+
+    def __init__(self, target_port: int, marker: bytes) -> None:
+        self.target_port = target_port
+        self.marker = marker
+        self.flipped = threading.Event()
+        self.lsock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.lsock.getsockname()[1]
+        self.socks: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.lsock.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            self.socks += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, corrupt: bool) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                if corrupt and not self.flipped.is_set() and (i := data.find(self.marker)) >= 0:
+                    data = data[:i] + bytes([data[i] ^ 0x01]) + data[i + 1:]
+                    self.flipped.set()
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.lsock.close()
+        for s in self.socks:
+            s.close()
+
+
+def test_an_action_corrupted_in_transit_is_never_applied_and_the_file_is_resynced(node_factory):
+    leader = leader_node(node_factory)
+    relay = CorruptingRelay(leader.rport, b"CORRUPT-ME")
+    try:
+        follower = node_factory(name="n2", frontends=1, shards=2, env=SECRET, start=False,
+                                extra_args=["--cluster", "--node-name", "n2", "--follow", f"127.0.0.1:{relay.port}"])
+        follower.start(wait=False)
+        wait_in_sync(leader)
+        publish(leader, {"cq": 1})
+        conn = leader.connect()
+        ch = conn.channel()
+        ch.confirm_delivery()
+        ch.basic_publish("", "cq", b"CORRUPT-ME" * 100, pika.BasicProperties(delivery_mode=2))  # confirmed
+        conn.close()
+        assert relay.flipped.is_set()
+        wait_for(lambda: "CRC32 mismatch" in follower.log_text(), "the follower to refuse the action", node=follower)
+        wait_in_sync(leader, times=2)  # a new session: the segment differs by CRC32 and is sent whole
+        wait_identical(leader, follower)
+    finally:
+        relay.close()
