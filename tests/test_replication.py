@@ -315,3 +315,15 @@ def test_an_action_corrupted_in_transit_is_never_applied_and_the_file_is_resynce
         wait_identical(leader, follower)
     finally:
         relay.close()
+
+
+def test_a_leader_shard_that_dies_is_resynced_and_confirms_go_on(node_factory):
+    leader = leader_node(node_factory, extra=["--min-isr", "1"])
+    follower = follower_node(node_factory, leader)
+    wait_in_sync(leader)
+    publish(leader, {"k0": 20, "k1": 20})
+    old = leader.kill_worker("shard", 0)
+    leader.wait_worker_restarted("shard", 0, old)
+    wait_in_sync(leader, times=2)  # the follower's session broke with the shard's stream; it resynced
+    publish(leader, {"k0": 5, "k1": 5})  # min-isr 1: acked only because the follower is back in the ISR
+    wait_identical(leader, follower)
