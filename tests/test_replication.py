@@ -327,3 +327,69 @@ def test_a_leader_shard_that_dies_is_resynced_and_confirms_go_on(node_factory):
     wait_in_sync(leader, times=2)  # the follower's session broke with the shard's stream; it resynced
     publish(leader, {"k0": 5, "k1": 5})  # min-isr 1: acked only because the follower is back in the ISR
     wait_identical(leader, follower)
+
+
+def test_role_api_follower_promoted_by_become_leader_then_replicates_to_a_new_follower(node_factory, tmp_path,
+                                                                                       monkeypatch):
+    """The coordinator's entry points on an in-process Node: follow, then become_leader (warm start of
+    the replicated data dir), which also starts replicating to followers of its own."""
+    import asyncio
+
+    from broker.config import load_settings
+    from broker.node import Node
+
+    monkeypatch.setenv("SHARDMQ_CLUSTER_SECRET", SECRET["SHARDMQ_CLUSTER_SECRET"])
+    leader = leader_node(node_factory)
+    publish(leader, {"r": 10})
+    amqp_port, rport = free_port(), free_port()
+    settings = load_settings(
+        ["--data-dir", str(tmp_path / "n2"), "--port", str(amqp_port), "--http-port", "0", "--shards", "2",
+         "--frontends", "1", "--cluster", "--node-name", "n2", "--replication-port", str(rport),
+         "--follow", f"127.0.0.1:{leader.rport}"], dict(os.environ))
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+
+    def call(coro_fn, timeout=WAIT):
+        async def run():
+            return await coro_fn()
+        return asyncio.run_coroutine_threadsafe(run(), loop).result(timeout)
+
+    node = call(lambda: _make_node(Node, settings))
+    try:
+        call(node.start)
+        assert node.role == "follower"
+        wait_for(lambda: node.repl_follower.status()["in_sync"], "in-process follower in sync", node=leader)
+        publish(leader, {"r": 15})  # confirmed: on n2 too
+        leader.kill9()
+        call(node.become_leader, timeout=90)
+        assert node.role == "leader"
+        wait_for(lambda: node.ready, "the promoted node's frontends")
+        conn = _connect_when_listening(amqp_port)
+        assert conn.channel().queue_declare("r", passive=True).method.message_count == 25
+        conn.close()
+        n3 = node_factory(name="n3", frontends=1, shards=2, env=SECRET, start=False,
+                          extra_args=["--cluster", "--node-name", "n3", "--follow", f"127.0.0.1:{rport}"])
+        n3.start(wait=False)
+        wait_for(lambda: "n3" in call(lambda: _in_sync(node)), "n3 in sync with the promoted node", node=n3)
+    finally:
+        call(node.stop, timeout=60)
+        loop.call_soon_threadsafe(loop.stop)
+
+
+async def _make_node(node_cls, settings):
+    return node_cls(settings)
+
+
+async def _in_sync(node) -> set[str]:
+    return {f.name for f in node.repl_leader.followers().values() if f.in_sync}
+
+
+def _connect_when_listening(port: int) -> pika.BlockingConnection:
+    deadline = time.monotonic() + WAIT
+    while True:
+        try:
+            return pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", port, connection_attempts=1))
+        except pika.exceptions.AMQPConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
