@@ -94,8 +94,9 @@ class ReplicationLeader:
             self._lsock = None
         for t in list(self._tasks):
             t.cancel()
+        # The shards keep the ISR they have: they must never confirm without the followers because
+        # the leader is going away (they are stopped or killed next).
         self.node_sender.close()
-        self.broadcast_isr(set(), 0)
 
     # ------------------------------------------------------------ ISR and status
     def set_isr(self, names: set[str]) -> None:
