@@ -18,6 +18,8 @@ import pytest
 from replication import protocol as p
 from tests.harness import free_port
 
+pytestmark = pytest.mark.integration
+
 SECRET = {"SHARDMQ_CLUSTER_SECRET": "test-secret"}
 WAIT = 30.0
 
