@@ -68,6 +68,7 @@ class ReplicationLeader:
         self._tasks: set[asyncio.Task] = set()
         self.port = 0
         self.refused = 0  # connections refused at the handshake (tests, status)
+        self._stopping = False
 
     @property
     def streams(self) -> list[str]:
@@ -86,6 +87,9 @@ class ReplicationLeader:
                  c.replication_bind, self.port, len(self.streams), self.min_isr)
 
     async def stop(self) -> None:
+        # From here on followers only go away because we stop: that must not shrink the ISR (a
+        # graceful stop of the leader would otherwise leave no follower that may take over).
+        self._stopping = True
         if self._accept_task is not None:
             self._accept_task.cancel()
             await asyncio.gather(self._accept_task, return_exceptions=True)
@@ -144,6 +148,8 @@ class ReplicationLeader:
         self._recompute()
 
     def _recompute(self) -> None:
+        if self._stopping:
+            return
         in_sync = {f.name for f in self.followers().values() if f.in_sync}
         if in_sync == self._in_sync:
             return
