@@ -395,3 +395,13 @@ def _connect_when_listening(port: int) -> pika.BlockingConnection:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
+
+
+def test_a_graceful_stop_of_the_leader_leaves_its_followers_in_sync(node_factory):
+    """Followers go away because the leader stops: that must not shrink the ISR (with etcd the last
+    ISR write decides who may take over)."""
+    leader = leader_node(node_factory)
+    follower_node(node_factory, leader)
+    wait_in_sync(leader)
+    assert leader.stop() == 0
+    assert "follower n2 is out of sync" not in leader.log_text()
