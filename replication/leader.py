@@ -69,6 +69,8 @@ class ReplicationLeader:
         self.port = 0
         self.refused = 0  # connections refused at the handshake (tests, status)
         self._stopping = False
+        self._known: set[str] = set()
+        self._last_ack: dict[str, float] = {}
 
     @property
     def streams(self) -> list[str]:
@@ -114,7 +116,10 @@ class ReplicationLeader:
         names = set(node)
         for st in self._shard_status.values():
             names.update(st)
+        self._known |= names
         out = {}
+        for name in self._known - names:  # seen before, gone now (ISR members stay visible)
+            out[name] = FollowerStatus(name, False, False, 0, 0.0, self._last_ack.get(name, 0.0))
         for name in names:
             parts = [node.get(name)] + [self._shard_status.get(i, {}).get(name) for i in range(self.shards)]
             present = [x for x in parts if x is not None]
@@ -126,6 +131,7 @@ class ReplicationLeader:
                 lag_seconds=max((float(x[3]) for x in present), default=0.0),
                 last_ack_monotonic=min((float(x[4]) for x in present), default=0.0),
             )
+            self._last_ack[name] = out[name].last_ack_monotonic
         return out
 
     def stream_status(self) -> dict[str, dict[str, dict]]:
