@@ -60,11 +60,12 @@ QUERY_REPLY = 4  # [QUERY_REPLY, query_id, ok(bool), result]  (shard answering a
 # FORWARDED (low-rate frontend-to-frontend traffic: direct reply-to answers published on another
 # frontend). payload: ["reply", routing_key, exchange, props_raw, body]
 FORWARD = 5
-# REPL_STATUS: [REPL_STATUS, {follower: [connected, in_sync, lag_bytes, lag_seconds, last_ack_monotonic]}]
+# REPL_STATUS: [REPL_STATUS, {follower: [connected, in_sync, lag_bytes, lag_seconds, last_ack_monotonic,
+#                                         acked_position]}]
 # a leader's shard reports its replication stream's followers (on every connect, disconnect or
 # in-sync change, and every second while followers are attached). A follower missing from the map
 # is not connected to that shard's stream.
-REPL_STATUS = 6
+REPL_STATUS = 7  # (6 and 19 are STATS and ALARMS on branch mgmt)
 
 # node -> worker
 SNAPSHOT = 10  # [SNAPSHOT, defs_version, definitions(dict), shard_epochs({index: epoch}), settings(dict)]
@@ -79,7 +80,7 @@ FORWARDED = 18  # [FORWARDED, payload]  see FORWARD
 # REPL_ISR: [REPL_ISR, followers(list[str]), min_isr]  the in-sync replica set a leader's shard must
 # wait for before it confirms (every one acked its stream past the record); with fewer than
 # min_isr followers it nacks. [] and 0: confirm after the local sync only (standalone, follower).
-REPL_ISR = 19
+REPL_ISR = 8
 
 # Requests a frontend or shard sends to the node (REQUEST op names). Args are dicts
 # with the AMQP method's fields plus "vhost" and, for frontends, "owner" = [frontend_index, conn_id].

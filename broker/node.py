@@ -78,13 +78,6 @@ class Node:
         self.http = HttpServer(self, settings.http_bind, settings.http_port)
         # In a cluster (--cluster): the etcd-driven role of this node (replication/cluster.py).
         self.cluster: Any = None
-        # cluster-repl's names: the replication side of the roles (replication/leader.py, follower.py).
-        self.repl_leader: Any = None
-        self.repl_follower: Any = None
-        self.repl_on_change: Any = None  # ClusterRole's ISR hook, given to ReplicationLeader
-        self.repl_auto_isr = True  # False once a coordinator drives the ISR (set_isr)
-        # The followers confirms wait for from the start of a promotion (ClusterRole: etcd's ISR).
-        self.repl_initial_isr: set[str] = set()
 
     # ------------------------------------------------------------------ life
     async def start(self) -> None:
@@ -268,6 +261,9 @@ class Node:
             return
         self.sup.stopping = True
         log.info("node stopping")
+        if self.cluster is not None:
+            # From now on no ISR change reaches etcd: the in-sync followers stay electable.
+            self.cluster.stopping = True
         if self.repl_leader is not None:
             await self.repl_leader.stop()
         if self.repl_follower is not None:

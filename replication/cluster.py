@@ -70,7 +70,7 @@ class ClusterRole:
         self._probe_started: float | None = None
         self._fence_reason: str | None = None
         self._fenced = asyncio.Event()
-        self._stopping = False
+        self.stopping = False
         self._task: asyncio.Task | None = None
         self._isr_task: asyncio.Task | None = None
         self._isr_dirty = False
@@ -114,7 +114,7 @@ class ClusterRole:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
-        self._stopping = True
+        self.stopping = True
         self._watch_stop.set()
         if self._task is not None:
             self._task.cancel()
@@ -126,7 +126,7 @@ class ClusterRole:
         await self.coord.stop()
 
     async def _run(self) -> None:
-        while not self._stopping:
+        while not self.stopping:
             try:
                 await self._connect()
                 await self._loop()
@@ -147,7 +147,7 @@ class ClusterRole:
             await self.coord.register(self.info)
 
     async def _loop(self) -> None:
-        while not self._stopping and self.coord.lease_id is not None:
+        while not self.stopping and self.coord.lease_id is not None:
             leader, lease = await self.coord.leader_lease()
             if leader is not None and leader.name == self.name and lease != self.coord.lease_id:
                 # Our own record under an older lease (a previous run: we hold the data dir lock, so
@@ -231,7 +231,7 @@ class ClusterRole:
         self.last_failover = {**self.last_failover, "promoted_at": time.time(), "promotion_seconds": promoted}
         log.info("leader %s serving after a %.3f s promotion; ISR %s", self.name, promoted, self.isr)
         # Lead until fenced (watchdog, lost lease) or the leader key is gone.
-        while not self._stopping:
+        while not self.stopping:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._fenced.wait(), max(0.1, self.ttl / 3))
             if self._fenced.is_set():
@@ -242,7 +242,7 @@ class ClusterRole:
                     break
             except CoordinationError:
                 pass  # the lease watchdog decides; etcd may answer again in time
-        if not self._stopping:
+        if not self.stopping:
             await self._step_down(self._fence_reason or "fenced")
 
     async def _step_down(self, reason: str) -> None:
@@ -277,12 +277,14 @@ class ClusterRole:
     # ------------------------------------------------------------------- ISR
     def _isr_changed(self, *_args: Any) -> None:
         """ReplicationLeader.on_change: a follower caught up, or stopped acking, or left."""
+        if self.stopping:
+            return
         self._isr_dirty = True
         if self._isr_task is None or self._isr_task.done():
             self._isr_task = asyncio.get_running_loop().create_task(self._sync_isr())
 
     async def _sync_isr(self) -> None:
-        while self._isr_dirty and self.role == "leader":
+        while self._isr_dirty and self.role == "leader" and not self.stopping:
             self._isr_dirty = False
             repl = self.replication
             followers = repl.followers() if repl is not None else {}

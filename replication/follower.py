@@ -36,7 +36,9 @@ class ReplicationFollower:
         self.leader_port = leader_port
         self._task: asyncio.Task | None = None
         self._receivers: list[StreamReceiver] = []
-        self._crcs = CrcCache()  # survives sessions: unchanged files are not hashed again
+        # One per stream (their full syncs hash in parallel threads); they survive sessions, so
+        # unchanged files are not hashed again.
+        self._crcs: dict[str, CrcCache] = {}
         self.sessions = 0
         self.last_error = ""
 
@@ -70,6 +72,9 @@ class ReplicationFollower:
             "last_error": self.last_error,
         }
 
+    def _crc_cache(self, stream: str) -> CrcCache:
+        return self._crcs.setdefault(stream, CrcCache())
+
     async def _run(self) -> None:
         while True:
             delay = RETRY_S
@@ -95,7 +100,7 @@ class ReplicationFollower:
 
     async def _session(self) -> None:
         self.sessions += 1
-        node = StreamReceiver(self.data_dir, self.secret, self.node_name, "node", self._crcs)
+        node = StreamReceiver(self.data_dir, self.secret, self.node_name, "node", self._crc_cache("node"))
         self._receivers = [node]
         tasks: list[asyncio.Task] = []
         loop = asyncio.get_running_loop()
@@ -110,7 +115,7 @@ class ReplicationFollower:
             for stream in node.streams:
                 if stream == "node":
                     continue
-                rec = StreamReceiver(self.data_dir, self.secret, self.node_name, stream, self._crcs)
+                rec = StreamReceiver(self.data_dir, self.secret, self.node_name, stream, self._crc_cache(stream))
                 self._receivers.append(rec)
                 tasks.append(loop.create_task(rec.run(self.leader_host, self.leader_port)))
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)

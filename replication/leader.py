@@ -68,6 +68,9 @@ class ReplicationLeader:
         self._tasks: set[asyncio.Task] = set()
         self.port = 0
         self.refused = 0  # connections refused at the handshake (tests, status)
+        self._stopping = False
+        self._known: set[str] = set()
+        self._last_ack: dict[str, float] = {}
 
     @property
     def streams(self) -> list[str]:
@@ -86,6 +89,9 @@ class ReplicationLeader:
                  c.replication_bind, self.port, len(self.streams), self.min_isr)
 
     async def stop(self) -> None:
+        # From here on followers only go away because we stop: that must not shrink the ISR (a
+        # graceful stop of the leader would otherwise leave no follower that may take over).
+        self._stopping = True
         if self._accept_task is not None:
             self._accept_task.cancel()
             await asyncio.gather(self._accept_task, return_exceptions=True)
@@ -94,8 +100,9 @@ class ReplicationLeader:
             self._lsock = None
         for t in list(self._tasks):
             t.cancel()
+        # The shards keep the ISR they have: they must never confirm without the followers because
+        # the leader is going away (they are stopped or killed next).
         self.node_sender.close()
-        self.broadcast_isr(set(), 0)
 
     # ------------------------------------------------------------ ISR and status
     def set_isr(self, names: set[str]) -> None:
@@ -109,7 +116,10 @@ class ReplicationLeader:
         names = set(node)
         for st in self._shard_status.values():
             names.update(st)
+        self._known |= names
         out = {}
+        for name in self._known - names:  # seen before, gone now (ISR members stay visible)
+            out[name] = FollowerStatus(name, False, False, 0, 0.0, self._last_ack.get(name, 0.0))
         for name in names:
             parts = [node.get(name)] + [self._shard_status.get(i, {}).get(name) for i in range(self.shards)]
             present = [x for x in parts if x is not None]
@@ -121,6 +131,17 @@ class ReplicationLeader:
                 lag_seconds=max((float(x[3]) for x in present), default=0.0),
                 last_ack_monotonic=min((float(x[4]) for x in present), default=0.0),
             )
+            self._last_ack[name] = out[name].last_ack_monotonic
+        return out
+
+    def stream_status(self) -> dict[str, dict[str, dict]]:
+        """Per stream and follower: connected, in_sync, lag_bytes, lag_seconds, last_ack_monotonic,
+        acked (bytes of that stream acked since the follower's full sync began)."""
+        keys = ("connected", "in_sync", "lag_bytes", "lag_seconds", "last_ack_monotonic", "acked")
+        out = {"node": {n: dict(zip(keys, v, strict=False)) for n, v in self.node_sender.status().items()}}
+        for i in range(self.shards):
+            st = self._shard_status.get(i, {})
+            out[f"shard-{i}"] = {n: dict(zip(keys, v, strict=False)) for n, v in st.items()}
         return out
 
     def shard_status(self, index: int, status: dict[str, list]) -> None:
@@ -133,6 +154,8 @@ class ReplicationLeader:
         self._recompute()
 
     def _recompute(self) -> None:
+        if self._stopping:
+            return
         in_sync = {f.name for f in self.followers().values() if f.in_sync}
         if in_sync == self._in_sync:
             return
@@ -192,7 +215,13 @@ class ReplicationLeader:
             nonce_l = p.new_nonce()
             await self.loop.sock_sendall(conn, p.encode_challenge(
                 nonce_l, p.leader_proof(self.secret, hello.stream, hello.nonce, nonce_l)))
-            auth = await asyncio.wait_for(self._recv_event(conn, dec, pending), HANDSHAKE_TIMEOUT_S)
+            try:
+                auth = await asyncio.wait_for(self._recv_event(conn, dec, pending), HANDSHAKE_TIMEOUT_S)
+            except ConnectionError:
+                self.refused += 1
+                log.warning("replication: follower %s at %s closed the handshake after our challenge "
+                            "(does it have another cluster secret?)", hello.name, addr)
+                return
             expected = p.follower_proof(self.secret, hello.stream, hello.name, nonce_l, hello.nonce)
             if not isinstance(auth, p.Auth) or not p.check_proof(expected, auth.proof):
                 await self._refuse(conn, addr, "authentication failed", name=hello.name)

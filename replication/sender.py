@@ -37,6 +37,9 @@ log = logging.getLogger("shardmq.replication")
 
 _HIGH_WATER = 8 << 20
 _CHECK_S = 0.25
+FULL_SYNC_ACK_TIMEOUT_S = 60.0
+# A follower whose unsent backlog passes this is dropped (it resyncs) rather than growing memory.
+MAX_BACKLOG = 256 << 20
 
 
 class _Link(asyncio.Protocol):
@@ -98,8 +101,9 @@ class _Link(asyncio.Protocol):
             self.transport.write(data)
 
     def close(self) -> None:
+        # abort, not close: a stuck follower's backlog would otherwise keep the socket open to drain.
         if not self.closed and self.transport is not None:
-            self.transport.close()
+            self.transport.abort()
         self.closed = True
 
 
@@ -212,8 +216,13 @@ class StreamSender:
             return
         blob = b"".join(self._frames)
         self._frames = []
-        for link in self.links.values():
+        for link in list(self.links.values()):
             link.write(blob)
+            if link.transport is not None and link.transport.get_write_buffer_size() > MAX_BACKLOG:
+                log.warning("replication %s: follower %s is %d bytes behind on the wire: dropped",
+                            self.stream, link.name, link.transport.get_write_buffer_size())
+                link.close()
+                self._detach(link)
         self._marks.append((self.seq, time.monotonic()))
         if len(self._marks) > 4096:
             self._marks.popleft()
@@ -306,9 +315,12 @@ class StreamSender:
         """Drop a follower that is behind and has not acked for ack_timeout."""
         now = time.monotonic()
         for link in list(self.links.values()):
+            # During its full sync a follower hashes its files and receives whole files before it
+            # gets to the actions behind them: give it longer (LavinMQ: 60 s) before calling it stuck.
+            timeout = self.ack_timeout if link.synced else max(FULL_SYNC_ACK_TIMEOUT_S, self.ack_timeout)
             if link.acked >= self.seq:
                 link.last_ack = now  # nothing to ack: not late
-            elif now - link.last_ack > self.ack_timeout:
+            elif now - link.last_ack > timeout:
                 log.warning("replication %s: follower %s has not acked for %.1f s with %d bytes of lag: "
                             "disconnected", self.stream, link.name, now - link.last_ack, self.seq - link.acked)
                 link.close()
@@ -361,7 +373,7 @@ class StreamSender:
 
     # ------------------------------------------------------------ status
     def status(self) -> dict[str, list]:
-        """{follower: [connected, in_sync, lag_bytes, lag_seconds, last_ack_monotonic]}"""
+        """{follower: [connected, in_sync, lag_bytes, lag_seconds, last_ack_monotonic, acked_position]}"""
         now = time.monotonic()
         out = {}
         for name, link in self.links.items():
@@ -372,7 +384,7 @@ class StreamSender:
                     if seq > link.acked:
                         lag_s = now - t
                         break
-            out[name] = [True, link.synced, lag, round(lag_s, 3), link.last_ack]
+            out[name] = [True, link.synced, lag, round(lag_s, 3), link.last_ack, link.acked - link.base]
         return out
 
     def close(self) -> None:
