@@ -87,7 +87,7 @@ class Node:
         sock = make_socket(ctx, zmq.ROUTER)
         sock.bind(contract.node_address(self.datadir.run_dir))
         self.ctl = BatchSocket(self.loop, sock, self._on_control)
-        if s.cluster and not getattr(s, "follow", None):
+        if s.cluster and not s.follow and s.etcd_endpoints:
             # The role (leader, follower) is etcd's decision: replication/cluster.py drives
             # become_leader / become_follower / step_down. Health answers meanwhile.
             from replication.cluster import ClusterRole
@@ -99,7 +99,8 @@ class Node:
                      self.datadir.path)
             return
         if s.cluster and s.follow:
-            # Static mode (tests, manual setups): follow that leader, no etcd.
+            # Static mode (tests, manual setups): follow that leader, no etcd. (`--cluster
+            # --etcd-endpoints none` without --follow is a static leader.)
             host, _, port = s.follow.rpartition(":")
             await self.become_follower(host, int(port))
         else:
