@@ -53,9 +53,11 @@ from typing import Any
 import msgpack
 
 # 2: DELAYED_PUBLISH; shards confirm forwarded delayed messages. 3: QUEUE_INFO, DEDUP_PUBLISH,
-# CHANNEL_CLOSED's and CANCEL's req_id, channel fields carry the channel key (number + 65536 * generation),
-# DEDUP_PUBLISH's return_to and RETURN.
-VERSION = 3
+# CHANNEL_CLOSED's and CANCEL's req_id, channel fields carry the channel key (number + 65536 * generation).
+# 4: STATS, ALARMS, CLOSE_CONNECTIONS by user/conn; KV_PUT, KV_GET (MQTT retained messages and
+# sessions). 5: REPL_STATUS, REPL_ISR (cluster).
+# 6: DEDUP_PUBLISH's return_to and RETURN; PEER_CHANNEL_DLX (dead letters carry peer confirms).
+VERSION = 6
 
 # --------------------------------------------------------------------------
 # Control plane: node <-> every worker (node.sock)
@@ -67,8 +69,25 @@ REQUEST = 3  # [REQUEST, req_id, op(str), args(dict)]   (op list: see REQUEST_OP
 QUERY_REPLY = 4  # [QUERY_REPLY, query_id, ok(bool), result]  (shard answering a node QUERY)
 # FORWARD: [FORWARD, frontend_index, payload]  the node passes payload on to that frontend as
 # FORWARDED (low-rate frontend-to-frontend traffic: direct reply-to answers published on another
-# frontend). payload: ["reply", routing_key, exchange, props_raw, body]
+# frontend). payload: ["reply", routing_key, exchange, props_raw, body] or
+# ["mqtt.takeover", vhost, client_id, [frontend_index, conn_id]] (an MQTT client connected with that
+# client id there: every other connection holding it is closed, [MQTT-3.1.4-2]).
 FORWARD = 5
+# STATS: [STATS, payload(dict)]  every stats_interval ms (one item, never per message), for the
+# management API and Prometheus. A frontend's payload:
+#   {"connections": [[conn_id, peer_host, peer_port, user, vhost, client_properties(dict), connected_at_ms,
+#                     recv_oct, send_oct, blocked(bool), [[channel, prefetch, global_prefetch, consumers,
+#                     unacked, unconfirmed, confirm(bool), tx(bool)], ...]], ...],
+#    "consumers": [[conn_id, channel, tag, queue, no_ack, prefetch], ...]}
+# a shard's: {"queues": [[vhost, name, ready, unacked, consumers, ready_bytes, published, delivered, acked], ...]}
+#   (published/delivered/acked: totals since the shard started; the node turns them into rates)
+STATS = 6
+# REPL_STATUS: [REPL_STATUS, {follower: [connected, in_sync, lag_bytes, lag_seconds, last_ack_monotonic,
+#                                         acked_position]}]
+# a leader's shard reports its replication stream's followers (on every connect, disconnect or
+# in-sync change, and every second while followers are attached). A follower missing from the map
+# is not connected to that shard's stream.
+REPL_STATUS = 7  # (6 and 19 are STATS and ALARMS on branch mgmt)
 
 # node -> worker
 SNAPSHOT = 10  # [SNAPSHOT, defs_version, definitions(dict), shard_epochs({index: epoch}), settings(dict)]
@@ -78,8 +97,17 @@ SHARD_UP = 13  # [SHARD_UP, index, epoch]      a shard (re)started; frontends an
 WORKER_DOWN = 14  # [WORKER_DOWN, role, index]  a worker died; shards drop a dead frontend's consumers
 QUERY = 15  # [QUERY, query_id, op(str), args(dict)]  node asks a shard (queue_info, ...)
 STOP = 16  # [STOP]  graceful shutdown: finish the current turn, sync, exit 0
-CLOSE_CONNECTIONS = 17  # [CLOSE_CONNECTIONS, vhost or None, reply_code, text]  frontends close matching connections
+# [CLOSE_CONNECTIONS, vhost or None, reply_code, text, user or None, conn_id or None]  frontends close the
+# connections that match every field that is not None (conn_id: sent only to the frontend that has it)
+CLOSE_CONNECTIONS = 17
 FORWARDED = 18  # [FORWARDED, payload]  see FORWARD
+# [ALARMS, [name, ...]]  the resource alarms in effect ("disk", "memory"; [] = none), sent to frontends when
+# the set changes and after a frontend's SNAPSHOT: publishing connections are blocked while it is not empty
+ALARMS = 19
+# REPL_ISR: [REPL_ISR, followers(list[str]), min_isr]  the in-sync replica set a leader's shard must
+# wait for before it confirms (every one acked its stream past the record); with fewer than
+# min_isr followers it nacks. [] and 0: confirm after the local sync only (standalone, follower).
+REPL_ISR = 8
 
 # Requests a frontend or shard sends to the node (REQUEST op names). Args are dicts
 # with the AMQP method's fields plus "vhost" and, for frontends, "owner" = [frontend_index, conn_id].
@@ -101,6 +129,9 @@ REQUEST_OPS = (
 # Queries the node sends to a shard (QUERY op names).
 QUERY_OPS = (
     "queue_info",  # {"vhost", "queue"} -> {"messages": int, "consumers": int}
+    "purge",  # management API, see shard/admin.py for these three
+    "get",
+    "publish",
 )
 
 # --------------------------------------------------------------------------
@@ -117,7 +148,8 @@ PUBLISH = 20
 # CONSUME: [CONSUME, req_id, conn_id, channel, vhost, queue, consumer_tag, no_ack, exclusive,
 #           prefetch(int, 0 = unlimited), arguments(dict)]  -> REPLY_DATA {} or error
 CONSUME = 21
-# CANCEL: [CANCEL, conn_id, channel, consumer_tag, req_id] -> REPLY_DATA {} once the consumer is gone
+# CANCEL: [CANCEL, conn_id, channel, consumer_tag, req_id|None (or absent: MQTT)] -> REPLY_DATA {} once
+# the consumer is gone, when there is a req_id
 # (basic.cancel-ok waits for it; deliveries sent before the answer still reach the client).
 CANCEL = 22
 # ACK: [ACK, conn_id, channel, flat list q0, m0, q1, m1, ...]  (queue id, message id pairs)
@@ -159,6 +191,15 @@ DELAYED_PUBLISH = 33
 # return_to: [conn_id, channel] of a mandatory publish: a duplicate routes nowhere, so the owner
 # sends it back as RETURN (before its CONFIRM), as RabbitMQ's deduplication exchange does.
 DEDUP_PUBLISH = 34
+
+# KV_PUT / KV_GET: small durable key-value stores on a shard (shard/kvstore.py), one per (vhost, space):
+# MQTT retained messages (space "mqtt.retained", key = topic) and persistent-session state (space
+# "mqtt.session", key = client id). Publish lane, so a put is ordered with the publishes before it.
+#   [KV_PUT, req_id|None, vhost, space, key, value|None]  value None deletes; with a req_id the
+#       shard answers REPLY_DATA {} once the put is fsynced
+#   [KV_GET, req_id, vhost, space, key|None] -> REPLY_DATA {"items": [[key, value], ...]} (None: all keys)
+KV_PUT = 35
+KV_GET = 36
 
 # Channel numbers of the confirmed PUBLISH items a shard sends to another shard (conn_id 0): the
 # CONFIRM answers come back to the sender's peer DEALER and are told apart by this number.
@@ -231,6 +272,27 @@ def node_address(run_dir: str) -> str:
 
 def shard_address(run_dir: str, index: int) -> str:
     return "ipc://" + os.path.join(run_dir, f"shard-{index}.sock")
+
+
+def repl_handoff_path(run_dir: str, index: int) -> str:
+    """Unix datagram socket where shard ``index`` receives replication connections from the node
+    (``replication/handoff.py``): one datagram per connection, the socket as SCM_RIGHTS ancillary
+    data, the payload ``pack_handoff(follower_name)``."""
+    return os.path.join(run_dir, f"repl-shard-{index}.sock")
+
+
+def pack_handoff(follower: str) -> bytes:
+    return msgpack.packb([VERSION, follower], use_bin_type=True)
+
+
+def unpack_handoff(data: bytes) -> str:
+    try:
+        version, follower = msgpack.unpackb(data, raw=False)
+    except Exception as exc:
+        raise ValueError(f"malformed handoff: {exc}") from exc
+    if version != VERSION:
+        raise ValueError(f"handoff of contract version {version}")
+    return str(follower)
 
 
 def worker_id(role: str, index: int) -> bytes:

@@ -187,6 +187,8 @@ class Node:
         frontends: int = 2,
         shards: int = 2,
         port: int | None = None,
+        mqtt_port: int = 0,
+        ws_port: int = 0,
         extra_args: Sequence[str] = (),
         env: dict[str, str] | None = None,
         log_level: str = "debug",
@@ -201,7 +203,11 @@ class Node:
         self.frontends = frontends
         self.shards = shards
         self.port = port or free_port()
+        self.mqtt_port = mqtt_port  # 0: off (the broker's default 1883 would be shared by every test node)
+        self.ws_port = ws_port  # 0: off, as mqtt_port
         self.http_port = free_port()
+        self.prometheus_port = free_port()
+        self.replication_port = free_port()
         self.extra_args = list(extra_args)
         self.env = env or {}
         self.log_level = log_level
@@ -233,6 +239,10 @@ class Node:
             "--shards", str(self.shards),
             "--log-level", self.log_level,
             "--http-port", str(self.http_port),
+            "--prometheus-port", str(self.prometheus_port),
+            "--mqtt-port", str(self.mqtt_port),
+            "--ws-port", str(self.ws_port),
+            "--replication-port", str(self.replication_port),
             *self.extra_args,
         ]
 
@@ -267,10 +277,16 @@ class Node:
                 code = self.proc.returncode if self.proc else None
                 raise NodeError(f"node exited with status {code} during startup\n{self.log_tail()}")
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=min(1.0, left)):
-                    pass
-                conn = self.connect(socket_timeout=min(2.0, left), stack_timeout=min(3.0, left))
-                conn.close()
+                with socket.create_connection(("127.0.0.1", self.port), timeout=min(1.0, left)) as sock:
+                    if self.proxied:  # pika cannot send a PROXY header: connection.start must come back
+                        sock.sendall(b"PROXY TCP4 127.0.0.1 127.0.0.1 1 2\r\nAMQP\x00\x00\x09\x01")
+                        if sock.recv(1)[:1] != b"\x01":
+                            raise NodeError("no connection.start")
+                if not self.proxied:
+                    conn = self.connect(socket_timeout=min(2.0, left), stack_timeout=min(3.0, left))
+                    conn.close()
+                for port in self.listener_ports():  # MQTT, TLS, WebSocket listeners bind after AMQP's
+                    socket.create_connection(("127.0.0.1", port), timeout=min(1.0, left)).close()
                 return
             except Exception as exc:  # any failure means "not ready yet"; the deadline bounds it
                 last_error = exc
@@ -279,6 +295,21 @@ class Node:
             f"node on port {self.port} not ready after {timeout or self.startup_timeout:.0f}s "
             f"(last error: {last_error!r})\n{self.log_tail()}"
         )
+
+    def listener_ports(self) -> list[int]:
+        """The node's other client listeners that are on (besides AMQP on self.port)."""
+        ports = [p for p in (self.mqtt_port, self.ws_port) if p]
+        args = self.extra_args
+        for flag in ("--amqps-port", "--mqtts-port"):
+            if flag in args and int(args[args.index(flag) + 1]) and "--tls-cert" in args:
+                ports.append(int(args[args.index(flag) + 1]))
+        return ports
+
+    @property
+    def proxied(self) -> bool:
+        """Started with --proxy-protocol 1: clients must send a PROXY header first."""
+        args = self.extra_args
+        return "--proxy-protocol" in args and args[args.index("--proxy-protocol") + 1] == "1"
 
     def connect(self, **params) -> pika.BlockingConnection:
         """A pika connection as guest; keyword arguments become pika.ConnectionParameters."""

@@ -32,6 +32,7 @@ from broker.amqp.encoder import encode_content, encode_deliver, encode_method
 from broker.amqp.errors import AMQPChannelError, AMQPConnectionError, AMQPError
 from broker.amqp.properties import decode_properties, delivery_mode
 from broker.consumer_args import check_consume_arguments
+from broker.permissions import READ
 from broker.routing import delay_store_shard, may_have_cc, sender_routes
 from frontend.amqp.backlog import Backlog
 from frontend.amqp.dedup_publish import publish_dedup
@@ -249,6 +250,7 @@ class Channel:
         args.pop("ticket", None)
         args["vhost"] = conn.vhost
         args["owner"] = [conn.worker.index, conn.conn_id]
+        args["user"] = conn.user  # the node checks the user's configure/write/read permissions
         cid, mid = _ids(method)
         self.backlog.block()
         conn.worker.node_request(op, args, lambda ok, result: conn.on_reply(self, ok, result, on_ok, cid, mid))
@@ -311,6 +313,10 @@ class Channel:
         ex = defs.exchange(vhost, exchange)
         if ex is None:
             raise AMQPChannelError(NOT_FOUND, f"no exchange '{exchange}' in vhost '{vhost}'", 60, 40)
+        # RabbitMQ checks write permission first; the cache makes a permitted publish one set lookup.
+        access = conn.access
+        if exchange not in access.writable or access.version != defs.version or access.topics is not None:
+            access.check_publish(defs, ex, exchange, ev.routing_key)
         if ex.internal:
             raise AMQPChannelError(
                 ACCESS_REFUSED, f"cannot publish to internal exchange '{exchange}' in vhost '{vhost}'", 60, 40)
@@ -428,9 +434,13 @@ class Channel:
             conn.confirm_shards.add(shard)
 
     def _check_user_id(self, user_id: str | None) -> None:
-        """RabbitMQ's validated user-id: a publish may only claim the user it authenticated as."""
+        """RabbitMQ's validated user-id: a publish may only claim the user it authenticated as
+        (users tagged impersonator may claim any)."""
         user = self.conn.user
         if user_id is not None and user_id != user:
+            u = self.conn.worker.defs.users.get(user)
+            if u is not None and "impersonator" in u.tags:
+                return
             raise AMQPChannelError(
                 PRECONDITION_FAILED,
                 f"user_id property set to '{user_id}' but authenticated user was '{user}'", 60, 40)
@@ -671,6 +681,7 @@ class Channel:
 
     def m_queue_purge(self, method: C.Queue.Purge) -> None:
         name = self._queue_name(method.queue, method)
+        self.conn.access.check(self.conn.worker.defs, READ, "queue", name, 50, 30)
         q = self._local_queue(name, method)
         vhost = self.conn.vhost
         nowait = method.nowait
@@ -701,6 +712,7 @@ class Channel:
             self._consume_replies(method)
             return
         name = self._queue_name(method.queue, method)
+        self.conn.access.check(self.conn.worker.defs, READ, "queue", name, 60, 20)
         q = self._local_queue(name, method)
         check_consume_arguments(name, self.conn.vhost, method.arguments)
         tag = method.consumer_tag
@@ -781,6 +793,7 @@ class Channel:
 
     def m_basic_get(self, method: C.Basic.Get) -> None:
         name = self._queue_name(method.queue, method)
+        self.conn.access.check(self.conn.worker.defs, READ, "queue", name, 60, 70)
         q = self._local_queue(name, method)
         conn = self.conn
         no_ack = bool(method.no_ack)

@@ -12,11 +12,13 @@ import asyncio
 import ipaddress
 import logging
 import platform
+import time
 from typing import TYPE_CHECKING, Any
 
 from pamqp import commands as C
 
 from broker import contract
+from broker.alarms import REASONS
 from broker.amqp import events as E
 from broker.amqp.constants import (
     ACCESS_REFUSED,
@@ -32,8 +34,10 @@ from broker.amqp.encoder import encode_heartbeat, encode_method, encode_protocol
 from broker.amqp.errors import AMQPChannelError, AMQPConnectionError, AMQPError
 from broker.amqp.parser import FrameParser
 from broker.auth import authenticate, check_vhost_access
+from broker.permissions import Access
 from frontend.amqp.channel import BACKLOG_PAUSE, CLOSED, OPEN, Channel
-from frontend.amqp.replies import reply_text
+from frontend.amqp.replies import plain, reply_text
+from frontend.tls import peer_common_name
 
 if TYPE_CHECKING:
     from frontend.worker import FrontendWorker
@@ -123,7 +127,14 @@ class AMQPConnection(asyncio.Protocol):
         self.state = AWAIT_HEADER
         self.vhost = "/"
         self.user = ""
+        self.access = Access("", "/")  # replaced at connection.open: the user's permission checks
         self.peer = None
+        # For the management API's connection list (frontend/stats.py), sent in periodic STATS.
+        self.client_properties: dict = {}
+        self.connected_at = int(time.time() * 1000)
+        self.recv_oct = 0
+        self.send_oct = 0
+        self._sent_blocked = False  # connection.blocked sent, unblocked owed
         self.channels: dict[int, Channel] = {}
         self.exclusive_queues: set[str] = set()
         self.had_exclusive = False
@@ -158,6 +169,7 @@ class AMQPConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._received = True
+        self.recv_oct += len(data)
         if self.state == CLOSED_STATE:
             return
         if self.parser.dead:
@@ -213,6 +225,27 @@ class AMQPConnection(asyncio.Protocol):
         self.publisher = True
         if self.worker.pressure:
             self.pause_reading("pressure")
+        if self.worker.alarms:
+            self.apply_alarms()
+
+    def apply_alarms(self) -> None:
+        """Block a publishing connection while a resource alarm is in effect (RabbitMQ's connection.blocked):
+        stop reading it, tell the client if it announced the capability; unblock once they clear."""
+        alarms = self.worker.alarms
+        if self.state in (CLOSING, CLOSED_STATE):
+            return
+        if alarms and self.publisher:
+            if "alarm" not in self._read_pause:
+                self.pause_reading("alarm")
+                caps = self.client_properties.get("capabilities") or {}
+                if isinstance(caps, dict) and caps.get("connection.blocked") and self.state == RUNNING:
+                    self._sent_blocked = True
+                    self.send_method(0, C.Connection.Blocked(", ".join(REASONS.get(a, a) for a in alarms)))
+        elif not alarms and "alarm" in self._read_pause:
+            self.resume_reading("alarm")
+            if self._sent_blocked:
+                self._sent_blocked = False
+                self.send_method(0, C.Connection.Unblocked())
 
     def pause_reading(self, reason: str) -> None:
         if not self._read_pause and self.transport is not None and not self.transport.is_closing():
@@ -274,8 +307,10 @@ class AMQPConnection(asyncio.Protocol):
             if transport is not None and not transport.is_closing():
                 if len(out) == 1:
                     transport.write(out[0])
+                    self.send_oct += len(out[0])
                 else:
                     transport.writelines(out)
+                    self.send_oct += sum(map(len, out))
                 self._wrote = True
         if self._credit and not self._write_paused and self.state != CLOSED_STATE:
             put = self.worker.shard_put
@@ -442,19 +477,33 @@ class AMQPConnection(asyncio.Protocol):
     def _start(self) -> None:
         self.state = AWAIT_START_OK
         self.send_method(0, C.Connection.Start(
-            0, 9, server_properties(self.worker.index), "PLAIN AMQPLAIN", "en_US"))
+            0, 9, server_properties(self.worker.index),
+            "PLAIN AMQPLAIN EXTERNAL" if self._cert_user() else "PLAIN AMQPLAIN", "en_US"))
+
+    def _cert_user(self) -> str | None:
+        return peer_common_name(self.transport, self.worker.settings)
 
     def _start_ok(self, method: C.Connection.StartOk) -> None:
         response = method.response
         if isinstance(response, str):
             response = response.encode("utf-8", "surrogateescape")
         loopback_users = self.worker.settings.get("loopback_users")
+        if method.mechanism == "EXTERNAL" and self._cert_user():
+            # The verified client certificate is the credential; its CN must be a user of the broker.
+            if self._cert_user() not in self.worker.defs.users:
+                raise AMQPConnectionError(ACCESS_REFUSED, f"user '{self._cert_user()}' (certificate CN) unknown",
+                                          10, 11)
+            self.user = self._cert_user()
+            self.state = AWAIT_TUNE_OK
+            self.send_method(0, C.Connection.Tune(self.channel_max, self.frame_max, self.heartbeat))
+            return
         try:
             self.user = authenticate(self.worker.defs, method.mechanism, response or b"",
                                      _is_loopback(self.peer),
                                      tuple(loopback_users) if loopback_users is not None else None)
         except AMQPError as exc:
             raise AMQPConnectionError(ACCESS_REFUSED, exc.text, 10, 11) from None
+        self.client_properties = plain(method.client_properties or {})
         self.state = AWAIT_TUNE_OK
         self.send_method(0, C.Connection.Tune(self.channel_max, self.frame_max, self.heartbeat))
 
@@ -489,6 +538,7 @@ class AMQPConnection(asyncio.Protocol):
         except AMQPError as exc:
             raise AMQPConnectionError(exc.code, exc.text, 10, 40) from None
         self.vhost = vhost
+        self.access = Access(self.user, vhost)
         # Every connection is counted by the node across frontends, so a max-connections limit set
         # later counts the connections that are already open (had_exclusive makes _release tell the
         # node when we go).
@@ -533,7 +583,9 @@ class AMQPConnection(asyncio.Protocol):
         if self.state != RUNNING or self.transport is None:
             self._timer = None
             return
-        if self._received:
+        if self._received or self._read_pause:
+            # While we do not read the socket (blocked by an alarm, back-pressure) its heartbeats
+            # cannot be seen: not a dead peer (RabbitMQ pauses its heartbeat monitor likewise).
             self._received = False
             self._missed = 0
         else:
