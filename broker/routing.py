@@ -26,6 +26,7 @@ Semantics follow RabbitMQ:
 from __future__ import annotations
 
 import zlib
+from datetime import datetime
 from typing import Any
 
 from broker.amqp.properties import decode_headers, decode_properties, encode_properties
@@ -201,6 +202,10 @@ def _norm(value: Any) -> Any:
         return ("bool", value)
     if isinstance(value, (int, float)):
         return ("num", value)
+    if isinstance(value, datetime):
+        # A timestamp is an integer in Erlang: it equals a long of the same seconds (RabbitMQ 3.10.8
+        # routes both), and a binding's timestamp argument is stored as those seconds (plain()).
+        return ("num", int(value.timestamp()))
     if isinstance(value, (bytes, bytearray, memoryview)):
         raw = bytes(value)
         try:

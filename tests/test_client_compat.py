@@ -7,6 +7,7 @@ their order were checked against a private RabbitMQ (loadtest/rabbitmq.py) on th
 from __future__ import annotations
 
 import asyncio
+import datetime
 
 import aio_pika
 import aiormq
@@ -230,5 +231,30 @@ def test_amq_default_is_not_an_exchange_name_over_amqp(shared_node):
             with pytest.raises(pika.exceptions.ChannelClosedByBroker) as err:
                 action(channel)
             assert (err.value.reply_code, err.value.reply_text) == (code, text)
+    finally:
+        conn.close()
+
+
+# ------------------------------------------------- 6. timestamp-typed arguments
+def test_pika_headers_binding_with_a_timestamp_matches_timestamp_and_long_headers(shared_node):
+    """A headers binding whose argument is a timestamp: RabbitMQ 3.10.8 routes a message whose
+    header is that timestamp, and one whose header is a long of the same seconds (Erlang compares
+    the values); the binding's timestamp is stored as seconds (plain()), so the header's must too."""
+    ts = datetime.datetime(2024, 1, 2, 3, 4, 5, tzinfo=datetime.UTC)
+    conn = shared_node.connect()
+    try:
+        ch = conn.channel()
+        ch.confirm_delivery()
+        x = uid("ts-x")
+        ch.exchange_declare(x, "headers", auto_delete=True)
+        q = ch.queue_declare("", exclusive=True).method.queue
+        ch.queue_bind(q, x, arguments={"x-match": "all", "t": ts})
+        ch.basic_publish(x, "", b"timestamp", pika.BasicProperties(headers={"t": ts}))
+        ch.basic_publish(x, "", b"long", pika.BasicProperties(headers={"t": int(ts.timestamp())}))
+        ch.basic_publish(x, "", b"other", pika.BasicProperties(headers={"t": int(ts.timestamp()) + 1}))
+        got = []
+        while (message := ch.basic_get(q, auto_ack=True))[0] is not None:
+            got.append(message[2])
+        assert got == [b"timestamp", b"long"]
     finally:
         conn.close()
