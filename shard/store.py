@@ -489,7 +489,11 @@ class QueueStore(SegmentDir):
             with self._lock:
                 self._ack_fds.add(fd)  # closed by close() with the ack files
             self._dir_dirty = True
-        os.pwrite(fd, struct.pack("<Q", cursor), 0)
+        data = struct.pack("<Q", cursor)
+        os.pwrite(fd, data, 0)
+        obs = write_observer.current
+        if obs is not None:  # followers keep the mark too (a promoted follower redelivers rightly)
+            obs.append(os.path.join(self.path, DELIVERED_MARK), 0, data)
         self._mark = cursor
 
     def _remove_many(self, seg: Segment, positions: list[int]) -> int:
