@@ -13,6 +13,7 @@ Every test that uses one of these fixtures (directly or through another fixture)
 
 from __future__ import annotations
 
+import inspect
 import signal
 
 import pytest
@@ -86,13 +87,34 @@ def pytest_sessionfinish(session, exitstatus):
     sweep_own_nodes()  # whatever a failed teardown left
 
 
-# Fixtures that start real nodes: a test whose fixture closure holds one is an integration test.
+# Fixtures that start real nodes: a test whose fixture closure holds one is an integration test,
+# and so is one using a module's own node fixture (any fixture whose code makes a Node or NodeFactory).
 NODE_FIXTURES = frozenset({"node", "node_factory", "shared_node"})
+_STARTS_NODES: dict = {}
+
+
+def _fixture_starts_nodes(func) -> bool:
+    known = _STARTS_NODES.get(func)
+    if known is None:
+        try:
+            source = inspect.getsource(func)
+        except (OSError, TypeError):
+            source = ""
+        known = _STARTS_NODES[func] = "NodeFactory(" in source or "Node(" in source
+    return known
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if NODE_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        names = getattr(item, "fixturenames", ())
+        integration = bool(NODE_FIXTURES.intersection(names))
+        if not integration:
+            info = getattr(item, "_fixtureinfo", None)
+            for defs in (info.name2fixturedefs.values() if info is not None else ()):
+                if any(_fixture_starts_nodes(d.func) for d in defs):
+                    integration = True
+                    break
+        if integration:
             item.add_marker(pytest.mark.integration)
 
 
