@@ -2,9 +2,11 @@
 # Run the whole suite N times in a row on a clean clone of HEAD; stop at the first failure.
 #   scripts/test-loop.sh N [pytest args...]
 # The clone lives in a temp dir (kept on failure for its logs, removed on success) and gets its own
-# .venv, made by scripts/test.sh on the first run (that run's time includes the install). It never
-# shares this checkout's .venv: test.sh installs the project editable, which would repoint a shared
-# venv at the temporary clone. Each run's wall time is printed, then the total.
+# .venv, made by scripts/test.sh on the first run (that run's time includes the install). With
+# SHARDMQ_LOOP_VENV=/path/to/venv (one that has the test and spark extras installed) the clone uses
+# that venv instead and runs from source (SHARDMQ_SHARED_VENV=1: test.sh never installs into it,
+# which would repoint its editable install at the temporary clone). Each run's wall time is
+# printed, then the total.
 set -euo pipefail
 source "$(dirname "$0")/_common.sh"
 
@@ -19,6 +21,11 @@ work="$(mktemp -d "${TMPDIR:-/tmp}/shardmq-test-loop.XXXXXX")"
 log "cloning HEAD $head into $work/repo"
 git clone -q --no-hardlinks "$REPO_ROOT" "$work/repo"
 git -C "$work/repo" checkout -q --detach "$head"
+if [ -n "${SHARDMQ_LOOP_VENV:-}" ]; then
+    [ -x "$SHARDMQ_LOOP_VENV/bin/python" ] || die "SHARDMQ_LOOP_VENV=$SHARDMQ_LOOP_VENV has no bin/python"
+    ln -s "$(readlink -f "$SHARDMQ_LOOP_VENV")" "$work/repo/.venv"
+    export SHARDMQ_SHARED_VENV=1
+fi
 
 total_start=$(date +%s)
 for ((i = 1; i <= runs; i++)); do

@@ -24,7 +24,13 @@ command -v mosquitto >/dev/null || [ -x /usr/sbin/mosquitto ] || APT_PACKAGES+=(
 [ "${#APT_PACKAGES[@]}" -eq 0 ] || apt_install "${APT_PACKAGES[@]}"
 
 ensure_venv
-ensure_project "test,spark"
+if [ "${SHARDMQ_SHARED_VENV:-0}" = 1 ]; then
+    # .venv is shared with other checkouts (scripts/test-loop.sh with SHARDMQ_LOOP_VENV): never
+    # reinstall into it (that would repoint its editable install here); run this tree from source.
+    export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"
+else
+    ensure_project "test,spark"
+fi
 
 cd "$REPO_ROOT"
 status=0
