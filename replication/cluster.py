@@ -284,7 +284,7 @@ class ClusterRole:
             self._isr_task = asyncio.get_running_loop().create_task(self._sync_isr())
 
     async def _sync_isr(self) -> None:
-        while self._isr_dirty and self.role == "leader" and not self.stopping:
+        while self._isr_dirty and self.role == "leader" and not self.stopping and self._fence_reason is None:
             self._isr_dirty = False
             repl = self.replication
             followers = repl.followers() if repl is not None else {}
