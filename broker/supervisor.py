@@ -99,6 +99,14 @@ class Supervisor:
                 out[w.role][str(w.index)] = w.pid
         return out
 
+    def signal_role(self, role: str, sig: int) -> None:
+        """Send ``sig`` to the running workers of one role (SIGHUP: frontends re-read TLS certificates)."""
+        for w in self.workers:
+            if w.role == role and w.proc is not None and w.proc.returncode is None:
+                try:
+                    w.proc.send_signal(sig)
+                except ProcessLookupError:
+                    pass
     def kill_role(self, role: str) -> None:
         """SIGKILL every worker of ``role`` now, without restarting them (a leader's fence)."""
         self.held.add(role)
