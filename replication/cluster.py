@@ -50,7 +50,9 @@ class ClusterRole:
         self.ttl = s.lease_ttl
         self.coord = Coordinator(s.etcd_endpoints, s.etcd_prefix, s.node_name, s.lease_ttl,
                                  on_lease_lost=self._on_lease_lost)
-        listeners = {name: getattr(s, field, 0) or 0 for name, field in _LISTENER_FIELDS}
+        listeners = {name: getattr(s, field, 0) or 0 for name, field in _LISTENER_FIELDS
+                     # the TLS listeners exist only with a certificate (as in the frontends)
+                     if getattr(s, "tls_cert", None) or name not in ("amqps", "mqtts")}
         self.info = NodeInfo(
             name=s.node_name, host=s.advertised_host, amqp_port=s.port,
             replication_port=getattr(s, "replication_port", 0), http_port=s.http_port,

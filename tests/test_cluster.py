@@ -347,3 +347,25 @@ def test_node_started_before_etcd_waits_for_it_then_leads(node_factory, tmp_path
         node.wait_ready()
     finally:
         etcd.stop()
+
+
+def test_followers_proxy_mqtt_too(cluster):
+    from tests.harness import free_port
+    from tests.test_mqtt import Paho
+
+    names = ("n1", "n2")
+    nodes = [cluster.add(n, wait=False, mqtt_port=free_port()) for n in names]
+    for node in nodes:
+        node.wait_ready()
+    leader = cluster.leader()
+    follower = next(n for n in nodes if n is not leader)
+    pub = Paho(leader.mqtt_port)
+    sub = Paho(follower.mqtt_port)  # through the follower's proxy
+    try:
+        assert pub.subscribe(("cluster/other", 0)) == [0]
+        assert sub.subscribe(("cluster/t", 1)) == [1]
+        pub.publish("cluster/t", b"via the leader", qos=1)
+        assert sub.get()[:2] == ("cluster/t", b"via the leader")
+    finally:
+        sub.close()
+        pub.close()
