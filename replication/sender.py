@@ -252,6 +252,7 @@ class StreamSender:
         self.links[link.name] = link
         if len(self.links) == 1:
             write_observer.subscribe(self)
+        if self._timer is None:
             self._timer = self.loop.call_later(_CHECK_S, self._check)
         log.info("replication %s: follower %s attached (%d files listed)", self.stream, link.name, len(files))
         self.on_change()
@@ -264,6 +265,7 @@ class StreamSender:
                 write_observer.subscribe(None)
                 if self._timer is not None:
                     self._timer.cancel()
+                    self._timer = None
             self.on_change()
         self._check_waiters()
 
@@ -325,8 +327,7 @@ class StreamSender:
                             "disconnected", self.stream, link.name, now - link.last_ack, self.seq - link.acked)
                 link.close()
                 self._detach(link)
-        if self.links:
-            self._timer = self.loop.call_later(_CHECK_S, self._check)
+        self._timer = self.loop.call_later(_CHECK_S, self._check) if self.links else None
 
     def _spawn(self, coro) -> None:
         task = self.loop.create_task(coro)
@@ -391,6 +392,9 @@ class StreamSender:
         for link in list(self.links.values()):
             link.close()
         self.links.clear()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if write_observer.current is self:
             write_observer.subscribe(None)
         while self._waiters:
