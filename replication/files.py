@@ -134,6 +134,33 @@ class CrcCache:
             del self._cache[rel]
         return out
 
+    def fresh(self, root: str, rel: str) -> bool:
+        """Whether the cached CRC of ``rel`` still matches its size and mtime."""
+        hit = self._cache.get(rel)
+        if hit is None:
+            return False
+        try:
+            st = os.stat(os.path.join(root, rel))
+        except OSError:
+            return False
+        return hit[:2] == (st.st_size, st.st_mtime_ns)
+
+    @staticmethod
+    def compute(root: str, rels: list[str]) -> dict[str, tuple[int, int, int]]:
+        """CRC32s of whole files, for :meth:`merge`: safe in a worker thread (touches no cache)."""
+        out = {}
+        for rel in rels:
+            full = os.path.join(root, rel)
+            try:
+                st = os.stat(full)
+                out[rel] = (st.st_size, st.st_mtime_ns, crc_file(full, st.st_size))
+            except OSError:
+                continue
+        return out
+
+    def merge(self, entries: dict[str, tuple[int, int, int]]) -> None:
+        self._cache.update(entries)
+
 
 # ------------------------------------------------------------------ follower side
 class FileWriter:

@@ -231,7 +231,23 @@ class StreamSender:
     def attach_socket(self, sock: socket.socket, name: str) -> None:
         """Start replicating to an authenticated follower connection (its full sync begins)."""
         sock.setblocking(False)
-        self.loop.create_task(self.loop.connect_accepted_socket(lambda: _Link(self, name), sock))
+        self._spawn(self._attach_socket(sock, name))
+
+    async def _attach_socket(self, sock: socket.socket, name: str) -> None:
+        # First pass, off the loop: hash every file that is not a live write segment, so the list
+        # made in one loop turn by _attach (the second pass, the brief write pause) only hashes
+        # what changed since (write segments, new acks). Sealed segments then cost the loop nothing.
+        try:
+            dirs = self.owned_dirs()
+            rels = walk(self.root, dirs)
+            cold = [r for r in rels if self.logical_size(os.path.join(self.root, r)) is None
+                    and not self._crcs.fresh(self.root, r)]
+            if cold:
+                self._crcs.merge(await self.loop.run_in_executor(None, CrcCache.compute, self.root, cold))
+            await self.loop.connect_accepted_socket(lambda: _Link(self, name), sock)
+        except Exception:
+            log.exception("replication %s: cannot attach follower %s", self.stream, name)
+            sock.close()
 
     def _attach(self, link: _Link) -> None:
         old = self.links.pop(link.name, None)
