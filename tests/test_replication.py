@@ -405,3 +405,49 @@ def test_a_graceful_stop_of_the_leader_leaves_its_followers_in_sync(node_factory
     wait_in_sync(leader)
     assert leader.stop() == 0
     assert "follower n2 is out of sync" not in leader.log_text()
+
+
+def test_role_api_leader_becomes_follower_and_resyncs_to_the_new_leader(node_factory, tmp_path, monkeypatch):
+    """become_follower on a serving leader: its workers stop, and its data dir becomes the other
+    leader's (what that leader does not have is deleted: nothing it acked comes back)."""
+    import asyncio
+
+    from broker.config import load_settings
+    from broker.node import Node
+
+    monkeypatch.setenv("SHARDMQ_CLUSTER_SECRET", SECRET["SHARDMQ_CLUSTER_SECRET"])
+    other = leader_node(node_factory, name="n1")
+    publish(other, {"theirs": 7})
+    amqp_port = free_port()
+    data = tmp_path / "n2"
+    settings = load_settings(
+        ["--data-dir", str(data), "--port", str(amqp_port), "--http-port", "0", "--shards", "2", "--frontends", "1",
+         "--cluster", "--node-name", "n2", "--replication-port", str(free_port())], dict(os.environ))
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+
+    def call(coro_fn, timeout=WAIT):
+        async def run():
+            return await coro_fn()
+        return asyncio.run_coroutine_threadsafe(run(), loop).result(timeout)
+
+    node = call(lambda: _make_node(Node, settings))
+    try:
+        call(node.start)
+        assert node.role == "leader"
+        wait_for(lambda: node.ready, "n2 serving")
+        conn = _connect_when_listening(amqp_port)
+        ch = conn.channel()
+        ch.queue_declare("mine", durable=True)
+        ch.basic_publish("", "mine", b"only on n2", pika.BasicProperties(delivery_mode=2))
+        conn.close()
+        call(lambda: node.become_follower("127.0.0.1", other.rport), timeout=60)
+        assert node.role == "follower" and not node.is_leader
+        assert not any(w.proc and w.proc.returncode is None for w in node.sup.workers)
+        wait_in_sync(other)
+        fake = type("N", (), {"data_dir": data, "log_tail": lambda self: ""})()
+        wait_identical(other, fake)
+        assert "mine" not in {q.read_text() for q in data.rglob(".queue")}
+    finally:
+        call(node.stop, timeout=60)
+        loop.call_soon_threadsafe(loop.stop)
