@@ -137,6 +137,7 @@ class StreamSender:
         self._tasks: set[asyncio.Task] = set()
         self._timer: asyncio.TimerHandle | None = None
         self._nack_logged = 0.0
+        self._rels: dict[str, str | None] = {}  # absolute path -> stream path (appends repeat paths)
 
     # ------------------------------------------------------------ observer (any thread)
     def _rel(self, path: str) -> str | None:
@@ -151,7 +152,12 @@ class StreamSender:
         if threading.get_ident() != self._thread:
             self.loop.call_soon_threadsafe(self.append, path, offset, bytes(data))
             return
-        rel = self._rel(path)
+        try:
+            rel = self._rels[path]
+        except KeyError:
+            if len(self._rels) > 4096:
+                self._rels.clear()
+            rel = self._rels[path] = self._rel(path)
         if rel is None:
             return
         pend = self._pending

@@ -157,7 +157,7 @@ class QueueStore(SegmentDir):
         seg.used = pos + total
         obs = write_observer.current
         if obs is not None:
-            obs.append(seg.path("msgs"), pos, seg.mm[pos:pos + total])
+            obs.append(seg.msgs_path, pos, seg.mm[pos:pos + total])
         seg.count += 1
         seg.live += 1
         n = len(body)
