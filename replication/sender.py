@@ -195,12 +195,16 @@ class StreamSender:
     def _encode_pending(self) -> None:
         rel, offset, data = self._pending
         self._pending = None
-        # Frames stay below MAX_FRAME: a huge coalesced run is cut in pieces.
+        # Header and data go to the frame list separately (joined once per turn, no extra copy);
+        # frames stay below MAX_FRAME: a huge coalesced run is cut in pieces.
         step = p.MAX_FRAME // 2
+        view = memoryview(data)
         for i in range(0, len(data), step):
-            frame = p.encode_append(rel, offset + i, bytes(data[i:i + step]))
-            self._frames.append(frame)
-            self.seq += len(frame)
+            piece = view[i:i + step]
+            header = p.append_header(rel, offset + i, piece)
+            self._frames.append(header)
+            self._frames.append(piece)
+            self.seq += len(header) + len(piece)
 
     def _schedule_flush(self) -> None:
         if not self._flush_scheduled:
@@ -362,6 +366,9 @@ class StreamSender:
         return bool(self.isr) or self.min_isr > 0
 
     def set_isr(self, names: set[str], min_isr: int) -> None:
+        if set(names) != self.isr or min_isr != self.min_isr:
+            log.info("replication %s: confirms wait for ISR [%s] (min-isr %d)", self.stream,
+                     ",".join(sorted(names)), min_isr)
         self.isr = set(names)
         self.min_isr = min_isr
         self._check_waiters()

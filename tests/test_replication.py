@@ -57,6 +57,19 @@ def wait_in_sync(leader, name="n2", times=1):
     wait_for(lambda: log_count(leader, f"follower {name} is in sync") >= times, f"{name} in sync", node=leader)
 
 
+def wait_isr(leader, names: str, shards: int = 2):
+    """Wait until every shard of the leader gates its confirms on exactly ``names`` ("n2", "n2,n3")."""
+    def ok() -> bool:
+        text = leader.log_text()
+        for i in range(shards):
+            tag = f"replication shard-{i}: confirms wait for ISR ["
+            at = text.rfind(tag)
+            if at < 0 or not text.startswith(names + "]", at + len(tag)):
+                return False
+        return True
+    wait_for(ok, f"the shards' ISR to be [{names}]", node=leader)
+
+
 def listing(root: Path) -> dict[str, tuple[int, int]]:
     """(length, CRC32) of every replicated file, trailing zeros cut (a leader's write segment is a
     sparse file mapped at full size; a follower holds its used part)."""
@@ -199,6 +212,7 @@ def test_min_isr_nacks_until_a_follower_is_in_sync(node_factory):
     wait_for(lambda: "< min-isr 1: nacking confirms" in leader.log_text(), "the reason logged", node=leader)
     follower_node(node_factory, leader)
     wait_in_sync(leader)
+    wait_isr(leader, "n2")
     publish(leader, {"m": 3})  # raises on a nack
 
 
@@ -327,6 +341,7 @@ def test_a_leader_shard_that_dies_is_resynced_and_confirms_go_on(node_factory):
     old = leader.kill_worker("shard", 0)
     leader.wait_worker_restarted("shard", 0, old)
     wait_in_sync(leader, times=2)  # the follower's session broke with the shard's stream; it resynced
+    wait_isr(leader, "n2")
     publish(leader, {"k0": 5, "k1": 5})  # min-isr 1: acked only because the follower is back in the ISR
     wait_identical(leader, follower)
 
