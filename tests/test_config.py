@@ -89,6 +89,12 @@ SAMPLES = {
     "frame_max": "8192", "channel_max": "16", "max_message_size": "1000", "default_user": "bob",
     "default_pass": "secret", "loopback_users": "none", "definitions": "/tmp/shardmq-defs.json",
     "set_timestamp": "1", "consumer_timeout": "60000", "http_port": "8080", "http_bind": "0.0.0.0",
+    "stats_interval": "250", "prometheus_port": "9999", "disk_free_limit": "mem_relative:1.5",
+    "vm_memory_high_watermark": "2GB",
+    "mqtt_port": "0", "mqtt_max_packet_size": "4096",
+    "mqtt_max_inflight": "7", "mqtt_allow_anonymous": "1", "amqps_port": "0", "mqtts_port": "0", "tls_cert": "/tmp/c.pem",
+    "tls_key": "/tmp/k.pem", "tls_ca": "/tmp/ca.pem", "tls_verify_peer": "1",
+    "proxy_protocol": "1", "ws_port": "0",
     "cluster": "true", "etcd_endpoints": "10.0.0.1:2379,10.0.0.2:2379", "etcd_prefix": "mq1",
     "node_name": "n1", "advertised_host": "n1.example", "lease_ttl": "3",
     "cluster_secret_file": "/tmp/shardmq-secret", "replication_port": "6000", "replication_bind": "0.0.0.0",
@@ -110,6 +116,16 @@ def test_every_option_settable_from_ini_env_and_flag(tmp_path, opt):
         argv = [opt.flag] if opt.kind == "bool" else [opt.flag, raw]
         assert getattr(load_settings(argv, base), opt.name) == from_env
     assert set(SAMPLES) == {o.name for o in OPTIONS}
+
+
+def test_mqtt_section_uses_the_design_key_names(tmp_path):
+    ini = write_ini(tmp_path, "[mqtt]\nport = 1999\nmax_inflight = 3\n")
+    s = load_settings(["--config", str(ini)], {})
+    assert (s.mqtt_port, s.mqtt_max_inflight, s.port) == (1999, 3, 5672)
+    assert load_settings(["--mqtt-port", "0"], {}).mqtt_port == 0
+    bad = write_ini(tmp_path, "[mqtt]\nmqtt_port = 1\n")
+    result = run_cli("--config", str(bad))
+    assert result.returncode == 2 and "unknown key [mqtt] mqtt_port" in result.stderr
 
 
 def test_lists_and_choices_are_normalised():

@@ -27,7 +27,8 @@ WAIT = 30.0
 def leader_node(node_factory, name="n1", shards=2, extra=(), env=SECRET):
     rport = free_port()
     node = node_factory(name=name, frontends=1, shards=shards, env=env,
-                        extra_args=["--cluster", "--node-name", name, "--replication-port", str(rport), *extra])
+                        extra_args=["--cluster", "--etcd-endpoints", "none", "--node-name", name,
+                                    "--replication-port", str(rport), *extra])
     node.rport = rport
     return node
 
