@@ -77,6 +77,9 @@ def walk(root: str, rel_dirs: Iterable[str] | None) -> list[str]:
         return out
     for d in rel_dirs:
         base = os.path.join(root, d)
+        if os.path.isfile(base):  # a single file a stream owns (a shard's open KV store)
+            out.append(d)
+            continue
         for dirpath, _dirs, names in os.walk(base):
             reld = os.path.relpath(dirpath, root).replace(os.sep, "/")
             out.extend(f"{reld}/{n}" for n in names if not _is_temp(n))

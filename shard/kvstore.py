@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
-from broker import contract
+from broker import contract, write_observer
 from broker.datadir import name_hash
 
 if TYPE_CHECKING:
@@ -82,8 +82,11 @@ class KVStore:
         else:
             self.items[key] = value
         body = msgpack.packb([key, value], use_bin_type=True)
-        os.write(self.fd, _HEAD.pack(len(body), zlib.crc32(body)) + body)
+        data = _HEAD.pack(len(body), zlib.crc32(body)) + body
+        os.write(self.fd, data)
         self.records += 1
+        if write_observer.current is not None:
+            write_observer.current.append(self.path, os.lseek(self.fd, 0, os.SEEK_CUR) - len(data), data)
 
     @property
     def wants_compaction(self) -> bool:
@@ -92,13 +95,18 @@ class KVStore:
     def compact(self) -> None:
         """Rewrite the log with the live keys only. Not while a sync of this fd runs (KVStores sees to it)."""
         tmp = self.path + ".tmp"
+        parts = []
+        for key, value in self.items.items():
+            body = msgpack.packb([key, value], use_bin_type=True)
+            parts.append(_HEAD.pack(len(body), zlib.crc32(body)) + body)
+        data = b"".join(parts)
         with open(tmp, "wb") as fh:
-            for key, value in self.items.items():
-                body = msgpack.packb([key, value], use_bin_type=True)
-                fh.write(_HEAD.pack(len(body), zlib.crc32(body)) + body)
+            fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, self.path)
+        if write_observer.current is not None:
+            write_observer.current.replace(self.path, data)
         os.close(self.fd)
         self.fd = os.open(self.path, os.O_RDWR)
         os.lseek(self.fd, 0, os.SEEK_END)
