@@ -165,22 +165,32 @@ class KVStores:
         waiting = self._waiting
         self._dirty = set()
         self._waiting = []
+        # In a cluster the replies also wait for the ISR followers (as publish confirms do).
+        repl = self.worker.repl
+        target = repl.position() if waiting and repl is not None and repl.gating else -1
         fut = self.worker.loop.run_in_executor(None, _fsync_all, fds)
-        fut.add_done_callback(lambda f: self._synced(f, waiting))
+        fut.add_done_callback(lambda f: self._synced(f, waiting, target))
 
-    def _synced(self, fut: asyncio.Future, waiting: list) -> None:
+    def _synced(self, fut: asyncio.Future, waiting: list, target: int = -1) -> None:
         self._syncing = False
         for st in self.stores.values():
             if st.wants_compaction:
                 st.compact()
         exc = fut.exception()
+        repl = self.worker.repl
+        if exc is None and target >= 0 and waiting and repl is not None:
+            repl.when_replicated(target, lambda ok: self._reply(waiting, None if ok else "too few in-sync followers"))
+        else:
+            self._reply(waiting, None if exc is None else f"kv sync failed: {exc}")
+        self._start_sync()
+
+    def _reply(self, waiting: list, error: str | None) -> None:
         put = self.worker.data.put
         for fe, req_id in waiting:
-            if exc is None:
+            if error is None:
                 put(fe, [contract.REPLY_DATA, req_id, True, {}])
             else:
-                put(fe, [contract.REPLY_DATA, req_id, False, [541, f"INTERNAL_ERROR - kv sync failed: {exc}", 0, 0]])
-        self._start_sync()
+                put(fe, [contract.REPLY_DATA, req_id, False, [541, f"INTERNAL_ERROR - {error}", 0, 0]])
 
     def close(self) -> None:
         fds = [st.fd for st in self.stores.values()]

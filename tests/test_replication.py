@@ -24,9 +24,9 @@ SECRET = {"SHARDMQ_CLUSTER_SECRET": "test-secret"}
 WAIT = 30.0
 
 
-def leader_node(node_factory, name="n1", shards=2, extra=(), env=SECRET):
+def leader_node(node_factory, name="n1", shards=2, extra=(), env=SECRET, **kwargs):
     rport = free_port()
-    node = node_factory(name=name, frontends=1, shards=shards, env=env,
+    node = node_factory(name=name, frontends=1, shards=shards, env=env, **kwargs,
                         extra_args=["--cluster", "--etcd-endpoints", "none", "--node-name", name,
                                     "--replication-port", str(rport), *extra])
     node.rport = rport
@@ -479,3 +479,39 @@ def _collect(errors: list, fn, *args) -> None:
         fn(*args)
     except BaseException as exc:  # reported by the test thread
         errors.append(exc)
+
+
+def test_mqtt_retained_messages_and_sessions_are_replicated(node_factory):
+    """The MQTT KV stores (retained messages, persistent sessions) live in shards: their files reach
+    the follower, and a promoted copy still has them."""
+    from broker.mqtt import codec as M
+    from tests.raw_mqtt import RawMQTT
+
+    leader = leader_node(node_factory, mqtt_port=free_port())
+    follower = follower_node(node_factory, leader)
+    wait_in_sync(leader)
+    pub = RawMQTT(leader.mqtt_port)
+    assert pub.connect("pub").return_code == 0
+    pub.publish("home/kitchen/temp", b"21", qos=1, pid=1, retain=True)
+    assert pub.recv() == M.Ack(M.PUBACK, 1)
+    pub.disconnect()
+    sleeper = RawMQTT(leader.mqtt_port)
+    assert sleeper.connect("sleeper", clean=False).return_code == 0
+    assert sleeper.subscribe(1, [("home/#", 1)]) == [1]
+    sleeper.disconnect()
+    wait_identical(leader, follower)
+    assert any(p.parts[-3] == "kv" for p in Path(follower.data_dir).rglob("*.log"))
+    leader.kill9()
+    follower.stop()
+    promoted = node_factory(name="promoted", frontends=1, shards=2, start=False, mqtt_port=free_port())
+    promoted.data_dir = follower.data_dir
+    promoted.start()
+    late = RawMQTT(promoted.mqtt_port)
+    assert late.connect("late").return_code == 0
+    assert late.subscribe(1, [("home/#", 0)]) == [0]
+    p = late.recv()
+    assert (p.topic, p.payload, p.retain) == ("home/kitchen/temp", b"21", True)
+    late.disconnect()
+    again = RawMQTT(promoted.mqtt_port)
+    assert again.connect("sleeper", clean=False).session_present
+    again.disconnect()
