@@ -68,7 +68,9 @@ FORWARD = 5
 #    "consumers": [[conn_id, channel, tag, queue, no_ack, prefetch], ...],
 #    "counters": {"connections_opened": n, "connections_closed": n}}  (totals since the frontend started)
 # a shard's: {"queues": [[vhost, name, ready, unacked, consumers, ready_bytes, published, delivered, acked], ...]}
-#   (published/delivered/acked: totals since the shard started; the node turns them into rates)
+#   (published/delivered/acked: totals since the shard started; the node turns them into rates),
+#   "totals": [published, delivered, acked] summed over the shard's queues, "segment_bytes": n,
+#   "fsync": {"buckets": [le, ...], "counts": [n, ...], "sum": seconds, "count": n}
 STATS = 6
 
 # node -> worker
