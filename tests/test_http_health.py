@@ -23,7 +23,7 @@ def _get(port: int, path: str) -> tuple[int, dict]:
 
 
 def test_standalone_node_is_ready_leader_and_without_alarms(shared_node):
-    # wait_ready() saw one frontend answer; "ready" also waits for every frontend's snapshot: poll it.
+    # The harness is satisfied by one frontend's handshake; ready waits for every frontend.
     deadline = time.monotonic() + 10
     while _get(shared_node.http_port, "/api/health/checks/ready")[0] != 200:
         assert time.monotonic() < deadline, "node never became ready"

@@ -281,9 +281,17 @@ class PlanMixin:
 
     def plan_unbind(self, vhost: str, source: str, dest_kind: str, dest: str, routing_key: str,
                     arguments: dict | None, owner: Sequence | None) -> list[list]:
-        """Ops removing a binding; [] when it does not exist (RabbitMQ answers unbind-ok)."""
+        """Ops removing a binding; [] when it, its source or its destination does not exist.
+
+        RabbitMQ answers unbind-ok for all of these (unbind is idempotent: aio-pika's RPC
+        pattern unbinds from an auto-delete exchange that may already be gone); only the
+        default exchange (403) and another connection's exclusive queue (405) are refused.
+        """
         v = self._vhost(vhost)
         method = QUEUE_UNBIND if dest_kind == "queue" else EXCHANGE_UNBIND
+        dests = v.queues if dest_kind == "queue" else v.exchanges
+        if source and (dest or dest_kind == "queue") and (source not in v.exchanges or dest not in dests):
+            return []
         self._check_binding_ends(v, source, dest_kind, dest, tuple(owner) if owner is not None else None, method)
         args = plain(arguments or {})
         key = binding_key(source, dest_kind, dest, routing_key, args)
