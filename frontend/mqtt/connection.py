@@ -211,6 +211,14 @@ class MQTTConnection(asyncio.Protocol):
             if not self._read_pause and self.transport is not None and not self.transport.is_closing():
                 self.transport.resume_reading()
 
+    def apply_alarms(self) -> None:
+        """A resource alarm blocks publishing sessions: not read until it clears (MQTT has no
+        connection.blocked; consumers keep being read, as over AMQP)."""
+        if self.worker.alarms and self.publisher:
+            self.pause_reading("alarm")
+        else:
+            self.resume_reading("alarm")
+
     # ---------------------------------------------------------------- output
     def _mark_dirty(self) -> None:
         if not self._dirty:
@@ -462,7 +470,7 @@ class MQTTConnection(asyncio.Protocol):
         self._timer = None
         if self.state != RUNNING or self.transport is None:
             return
-        if not self._received:
+        if not self._received and not self._read_pause:  # not read (alarm, back-pressure): not a dead client
             log.info("mqtt connection %s (%s): keep-alive timeout (%ds)", self.conn_id, self.peer, self.keep_alive)
             self.transport.abort()
             return
@@ -488,6 +496,8 @@ class MQTTConnection(asyncio.Protocol):
             self.publisher = True
             if self.worker.pressure:
                 self.pause_reading("pressure")
+            if self.worker.alarms:
+                self.apply_alarms()
         qos = p.qos
         if qos == 2 and p.packet_id in self.in2:
             self.write(M.encode_ack(M.PUBREC, p.packet_id))  # a resend: routed once already [MQTT-4.3.3-2]
