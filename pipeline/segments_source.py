@@ -59,6 +59,8 @@ class SegmentsReader(DataSourceReader):
         return [SegmentPartition(s) for s in plan(self.path, self.vhost, self.queue)]
 
     def read(self, partition: SegmentPartition) -> Iterator[Any]:
+        if not isinstance(partition, SegmentPartition):
+            return  # Spark plans one placeholder partition when partitions() is empty
         seg = partition.seg
         builder = BatchBuilder(self.schema, self.body_format, segments=True)
         decode = PropsDecoder().decode

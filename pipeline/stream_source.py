@@ -155,6 +155,8 @@ class StreamBatchReader(DataSourceReader):
         return [RangePartition(s, e) for s, e in offsets.split(start, end, o.per_partition)]
 
     def read(self, partition: RangePartition) -> Iterator[Any]:
+        if not isinstance(partition, RangePartition):
+            return iter(())  # Spark plans one placeholder partition when partitions() is empty
         return read_partition(self.opts, self.schema, partition.start, partition.end)
 
 
@@ -228,6 +230,8 @@ class StreamStreamReader(DataSourceStreamReader):
         return [RangePartition(a, b) for a, b in offsets.split(s, e, self.opts.per_partition)]
 
     def read(self, partition: RangePartition) -> Iterator[Any]:
+        if not isinstance(partition, RangePartition):
+            return iter(())  # Spark plans one placeholder partition when partitions() is empty
         return read_partition(self.opts, self.schema, partition.start, partition.end)
 
     def commit(self, end: dict) -> None:
