@@ -37,6 +37,14 @@ from pipeline.amqp import DataLoss, StreamError, connect, read_range
 from pipeline.props import PropsDecoder
 from pipeline.schema import BatchBuilder, OptionError, body_options, schema_ddl
 
+try:
+    from pyspark.sql.streaming.datasource import SupportsTriggerAvailableNow
+except ImportError:  # pyspark < 4.2: no Trigger.AvailableNow for Python sources
+
+    class SupportsTriggerAvailableNow:  # type: ignore[no-redef]
+        pass
+
+
 log = logging.getLogger(__name__)
 BATCH_ROWS = 8192
 DEFAULT_PER_PARTITION = 100_000
@@ -160,7 +168,7 @@ class StreamBatchReader(DataSourceReader):
         return read_partition(self.opts, self.schema, partition.start, partition.end)
 
 
-class StreamStreamReader(DataSourceStreamReader):
+class StreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """Micro-batches over a stream queue; offsets live in Spark's checkpoint only."""
 
     def __init__(self, options: Any, schema: Any) -> None:
@@ -168,6 +176,7 @@ class StreamStreamReader(DataSourceStreamReader):
         self.schema = schema
         self._client: AMQPClient | None = None
         self._last_end: int | None = None  # for Spark versions that call latestOffset() without start
+        self._target: int | None = None  # Trigger.AvailableNow: never read past this offset
 
     def _call(self, fn: Any) -> Any:
         """Run fn(client), reconnecting with back-off when the connection is lost."""
@@ -200,6 +209,10 @@ class StreamStreamReader(DataSourceStreamReader):
 
         return {"offset": self._call(first)}
 
+    def prepareForTriggerAvailableNow(self) -> None:
+        o = self.opts
+        self._target = self._call(lambda client: offsets.bounds(client, o.queue)).next
+
     def getDefaultReadLimit(self) -> Any:
         from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
 
@@ -215,7 +228,7 @@ class StreamStreamReader(DataSourceStreamReader):
                 raise DataLoss(o.queue, begin, b.first)
             log.warning("shardmq: stream '%s': offsets %d..%d removed by retention before they were read; "
                         "continuing at %d (failOnDataLoss=false)", o.queue, begin, b.first - 1, b.first)
-        end = b.next
+        end = b.next if self._target is None else min(b.next, self._target)
         max_rows = getattr(limit, "max_rows", None) if limit is not None else o.per_trigger
         if max_rows is not None and begin is not None:
             end = min(end, max(begin, b.first) + int(max_rows))
