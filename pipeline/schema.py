@@ -82,6 +82,7 @@ class BatchBuilder:
 
     def __init__(self, schema: Any, body_format: str, segments: bool = False) -> None:
         import pyarrow as pa
+        import pyarrow.compute  # noqa: F401  (pa.compute)
         from pyspark.sql.pandas.types import to_arrow_schema
 
         self._pa = pa
@@ -101,28 +102,48 @@ class BatchBuilder:
 
     def _reset(self) -> None:
         self.offset: list = []
-        self.ts: list = []
+        self.ts: list = []  # ms since the epoch (segments); unused over AMQP (the timestamp property)
         self.rk: list = []
         self.ex: list = []
-        self.headers: list = []
-        self.props: list = []
+        self.pidx: list = []  # per row: index of its properties blob in `self.distinct`
         self.body: list = []
-        self.extra: list[list] = [[], [], [], [], []] if self.segments else []
+        self.position: list = []
+        self.acked: list = []  # segments: empty while no row is acked
+        # Distinct properties blobs of this batch and their decoded values: headers, properties and
+        # the AMQP timestamp are built once per blob and gathered with `take`, not converted per row.
+        self.pmap: dict[bytes, int] = {}
+        self.distinct: list = []
+
+    def new_props(self, props: bytes, decoded: Any) -> int:
+        """Index of a properties blob not seen in this batch yet (`decoded` = PropsDecoder.decode(props))."""
+        i = len(self.distinct)
+        self.pmap[props] = i
+        self.distinct.append(decoded)
+        return i
 
     def __len__(self) -> int:
-        return len(self.offset)
+        return len(self.pidx)
 
-    def flush(self) -> Any:
-        """The collected rows as one RecordBatch (and start over)."""
+    def flush(self, vhost: str | None = None, queue: str | None = None, segment: int | None = None) -> Any:
+        """The collected rows as one RecordBatch (and start over); the arguments fill the segment columns."""
         pa = self._pa
         sch = self.arrow_schema
+        n = len(self.pidx)
+        idx = pa.array(self.pidx, pa.int32())
+        headers = pa.array([d[0] for d in self.distinct], sch.field(4).type).take(idx)
+        props = pa.array([d[1] for d in self.distinct], sch.field(5).type).take(idx)
+        if self.segments:
+            ts = pa.array(self.ts, pa.int64())
+            ts = pa.compute.multiply(ts, 1000).cast(sch.field(1).type)
+        else:
+            ts = pa.array([d[1]["timestamp"] for d in self.distinct], pa.int64()).take(idx).cast(sch.field(1).type)
         cols = [
             pa.array(self.offset, sch.field(0).type),
-            pa.array(self.ts, pa.int64()).cast(sch.field(1).type),
+            ts,
             pa.array(self.rk, sch.field(2).type),
             pa.array(self.ex, sch.field(3).type),
-            pa.array(self.headers, sch.field(4).type),
-            pa.array(self.props, sch.field(5).type),
+            headers,
+            props,
         ]
         if self.body_format == "binary":
             cols.append(pa.array(self.body, pa.binary()))
@@ -132,7 +153,14 @@ class BatchBuilder:
             cols.extend(self._json_columns())
         if self.segments:
             base = len(cols)
-            cols.extend(pa.array(col, sch.field(base + i).type) for i, col in enumerate(self.extra))
+            cols.append(pa.repeat(pa.scalar(vhost, sch.field(base).type), n))
+            cols.append(pa.repeat(pa.scalar(queue, sch.field(base + 1).type), n))
+            cols.append(pa.repeat(pa.scalar(segment, sch.field(base + 2).type), n))
+            cols.append(pa.array(self.position, sch.field(base + 3).type))
+            if self.acked:
+                cols.append(pa.array(self.acked, sch.field(base + 4).type))
+            else:
+                cols.append(pa.repeat(pa.scalar(False, sch.field(base + 4).type), n))
         batch = pa.RecordBatch.from_arrays(cols, schema=sch)
         self._reset()
         return batch

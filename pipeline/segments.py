@@ -1,8 +1,8 @@
 """Reading a node's segment files directly (a stopped node's data dir, a follower's copy, a backup).
 
 Spark-free: `plan()` lists the segment files under a path, `read_segment()` yields their records.
-Records are found and checked with the storage's own reader (`shard.record.scan`, CRC32 of every
-record) and decoded with `shard.record.read`; files are mapped read-only and never changed (the
+Records are found, checked and decoded with the storage's own reader (`shard.record.scan_records`: CRC32 and
+field lengths of every record, the stop rules of `shard.record.scan`); files are mapped read-only and never changed (the
 node's recovery cuts and rewrites files, so its stores are not opened here).
 
 A record that fails its check is never returned as data. In PERMISSIVE mode it is counted and
@@ -265,21 +265,26 @@ def read_segment(seg: SegmentFile, mode: str = "PERMISSIVE", include_acked: bool
 def _records(mm: mmap.mmap, seg: SegmentFile, end: int, mode: str, include_acked: bool, acks: set[int],
              st: ScanStats) -> Iterator[SegmentRecord]:
     offset = seg.first_offset
-    read = record.read
     pos = DATA_START
     while True:
         result = record.ScanResult()
-        for p, _flags, _blen in record.scan(mm, pos, end, True, result):
-            acked = p in acks if acks else False
-            if offset is not None:
+        if not acks and offset is not None:  # a stream: nothing acked, offsets count on
+            first = offset
+            for p, ts, flags, ex, rk, props, body in record.scan_records(mm, pos, end, result):
+                yield offset, ts, flags, ex, rk, props, body, p, False
                 offset += 1
-            st.records += 1
-            if acked:
-                st.acked += 1
-                if not include_acked:
-                    continue
-            ts, flags, ex, rk, props, body, _ = read(mm, p)
-            yield (offset - 1 if offset is not None else None), ts, flags, ex, rk, props, body, p, acked
+            st.records += offset - first
+        else:
+            for p, ts, flags, ex, rk, props, body in record.scan_records(mm, pos, end, result):
+                st.records += 1
+                if offset is not None:
+                    offset += 1
+                acked = p in acks
+                if acked:
+                    st.acked += 1
+                    if not include_acked:
+                        continue
+                yield (offset - 1 if offset is not None else None), ts, flags, ex, rk, props, body, p, acked
         if not result.reason:
             return
         problem = f"{seg.path}: {result.reason}"

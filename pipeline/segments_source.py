@@ -65,32 +65,37 @@ class SegmentsReader(DataSourceReader):
         builder = BatchBuilder(self.schema, self.body_format, segments=True)
         decode = PropsDecoder().decode
         stats = ScanStats()
-        b_off, b_ts, b_rk, b_ex = builder.offset, builder.ts, builder.rk, builder.ex
-        b_h, b_p, b_body = builder.headers, builder.props, builder.body
-        e_vh, e_q, e_seg, e_pos, e_acked = builder.extra
-        vhost, queue, no = seg.vhost, seg.queue, seg.no
+        consts = (seg.vhost, seg.queue, seg.no)
+        any_acked = False
+        b_off, b_ts, b_rk, b_ex, b_idx, b_body, b_pos = (
+            builder.offset, builder.ts, builder.rk, builder.ex, builder.pidx, builder.body, builder.position)
+        pmap = builder.pmap
         for offset, ts, _flags, ex, rk, props, body, pos, acked in read_segment(
                 seg, self.mode, self.include_acked, stats):
-            headers, pvals = decode(props)
+            i = pmap.get(props)
+            if i is None:
+                i = builder.new_props(props, decode(props))
+            b_idx.append(i)
             b_off.append(offset)
-            b_ts.append(ts * 1000)
+            b_ts.append(ts)
             b_rk.append(rk)
             b_ex.append(ex)
-            b_h.append(headers)
-            b_p.append(pvals)
             b_body.append(body)
-            e_vh.append(vhost)
-            e_q.append(queue)
-            e_seg.append(no)
-            e_pos.append(pos)
-            e_acked.append(acked)
-            if len(b_off) >= BATCH_ROWS:
-                yield builder.flush()
-                b_off, b_ts, b_rk, b_ex = builder.offset, builder.ts, builder.rk, builder.ex
-                b_h, b_p, b_body = builder.headers, builder.props, builder.body
-                e_vh, e_q, e_seg, e_pos, e_acked = builder.extra
+            b_pos.append(pos)
+            if acked and not any_acked:  # the acked column is built only for batches holding acked rows
+                any_acked = True
+                builder.acked.extend([False] * (len(b_idx) - 1))
+            if any_acked:
+                builder.acked.append(acked)
+            if len(b_idx) >= BATCH_ROWS:
+                yield builder.flush(*consts)
+                any_acked = False
+                b_off, b_ts, b_rk, b_ex, b_idx, b_body, b_pos = (
+                    builder.offset, builder.ts, builder.rk, builder.ex, builder.pidx, builder.body,
+                    builder.position)
+                pmap = builder.pmap
         if len(builder):
-            yield builder.flush()
+            yield builder.flush(*consts)
         if stats.corrupt:
             log.warning("shardmq-segments: %s: %d corrupt record(s) skipped (mode PERMISSIVE): %s",
                         seg.path, stats.corrupt, "; ".join(stats.problems[:5]))

@@ -121,24 +121,28 @@ def read_partition(opts: ReadOptions, schema: Any, start: int, end: int) -> Iter
     unfiltered = opts.match_unfiltered
     client = connect(opts.uri, attempts=CONNECT_ATTEMPTS)
     try:
-        b_off, b_ts, b_rk, b_ex = builder.offset, builder.ts, builder.rk, builder.ex
-        b_h, b_p, b_body = builder.headers, builder.props, builder.body
+        b_off, b_rk, b_ex, b_idx, b_body = builder.offset, builder.rk, builder.ex, builder.pidx, builder.body
+        pmap = builder.pmap
         for offset, ex, rk, props, body in read_range(client, opts.queue, start, end,
                                                       fail_on_data_loss=opts.fail_on_data_loss):
-            headers, pvals = decode(props)
-            if filters is not None and not _passes(filters, unfiltered, headers):
+            i = pmap.get(props)
+            if i is None:
+                decoded = decode(props)
+                if filters is not None and not _passes(filters, unfiltered, decoded[0]):
+                    continue
+                i = builder.new_props(props, decoded)
+            elif filters is not None and not _passes(filters, unfiltered, builder.distinct[i][0]):
                 continue
+            b_idx.append(i)
             b_off.append(offset)
-            b_ts.append(pvals["timestamp"])
             b_rk.append(rk)
             b_ex.append(ex)
-            b_h.append(headers)
-            b_p.append(pvals)
             b_body.append(body)
-            if len(b_off) >= BATCH_ROWS:
+            if len(b_idx) >= BATCH_ROWS:
                 yield builder.flush()
-                b_off, b_ts, b_rk, b_ex = builder.offset, builder.ts, builder.rk, builder.ex
-                b_h, b_p, b_body = builder.headers, builder.props, builder.body
+                b_off, b_rk, b_ex, b_idx, b_body = (builder.offset, builder.rk, builder.ex, builder.pidx,
+                                                    builder.body)
+                pmap = builder.pmap
         if len(builder):
             yield builder.flush()
     finally:
