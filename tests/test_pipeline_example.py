@@ -30,7 +30,7 @@ def test_orders_pipeline_windows_parquet_exchange_replay_and_plot(spark, orders_
         want[(t, o["region"])][0] += 1
         want[(t, o["region"])][1] += o["amount"]
     results = str(tmp_path / "windows")
-    query = ex.run_streaming(spark, uri, results, str(tmp_path / "ck"), per_trigger=1000)
+    query = ex.run_streaming(spark, uri, results, str(tmp_path / "ck"), per_trigger=None)
     query.awaitTermination(120)
     assert not query.isActive, "the AvailableNow query did not finish"
     rows = spark.read.schema(ex.STATS_SCHEMA).parquet(results).collect()
