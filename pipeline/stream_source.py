@@ -114,39 +114,69 @@ def _passes(filters: frozenset[str], match_unfiltered: bool, headers: list | Non
 
 
 def read_partition(opts: ReadOptions, schema: Any, start: int, end: int) -> Iterator[Any]:
-    """Arrow batches of the messages with start <= offset < end (one connection, one consumer)."""
+    """Arrow batches of the messages with start <= offset < end (one consumer at a time, see resilient_range)."""
     builder = BatchBuilder(schema, opts.body_format)
     decode = PropsDecoder().decode
     filters = opts.filters
     unfiltered = opts.match_unfiltered
-    client = connect(opts.uri, attempts=CONNECT_ATTEMPTS)
-    try:
-        b_off, b_rk, b_ex, b_idx, b_body = builder.offset, builder.rk, builder.ex, builder.pidx, builder.body
-        pmap = builder.pmap
-        for offset, ex, rk, props, body in read_range(client, opts.queue, start, end,
-                                                      fail_on_data_loss=opts.fail_on_data_loss):
-            i = pmap.get(props)
-            if i is None:
-                decoded = decode(props)
-                if filters is not None and not _passes(filters, unfiltered, decoded[0]):
-                    continue
-                i = builder.new_props(props, decoded)
-            elif filters is not None and not _passes(filters, unfiltered, builder.distinct[i][0]):
+    b_off, b_rk, b_ex, b_idx, b_body = builder.offset, builder.rk, builder.ex, builder.pidx, builder.body
+    pmap = builder.pmap
+    for offset, ex, rk, props, body in resilient_range(opts, start, end):
+        i = pmap.get(props)
+        if i is None:
+            decoded = decode(props)
+            if filters is not None and not _passes(filters, unfiltered, decoded[0]):
                 continue
-            b_idx.append(i)
-            b_off.append(offset)
-            b_rk.append(rk)
-            b_ex.append(ex)
-            b_body.append(body)
-            if len(b_idx) >= BATCH_ROWS:
-                yield builder.flush()
-                b_off, b_rk, b_ex, b_idx, b_body = (builder.offset, builder.rk, builder.ex, builder.pidx,
-                                                    builder.body)
-                pmap = builder.pmap
-        if len(builder):
+            i = builder.new_props(props, decoded)
+        elif filters is not None and not _passes(filters, unfiltered, builder.distinct[i][0]):
+            continue
+        b_idx.append(i)
+        b_off.append(offset)
+        b_rk.append(rk)
+        b_ex.append(ex)
+        b_body.append(body)
+        if len(b_idx) >= BATCH_ROWS:
             yield builder.flush()
-    finally:
-        client.close()
+            b_off, b_rk, b_ex, b_idx, b_body = (builder.offset, builder.rk, builder.ex, builder.pidx,
+                                                builder.body)
+            pmap = builder.pmap
+    if len(builder):
+        yield builder.flush()
+
+
+def resilient_range(opts: ReadOptions, start: int, end: int) -> Iterator[tuple[int, str, str, bytes, bytes]]:
+    """read_range over a connection that is re-opened, with back-off, when the broker connection is lost.
+
+    A new consumer resumes at the offset after the last message returned, so nothing is returned
+    twice or skipped. Channel errors (a deleted queue) and data loss are not retried.
+    """
+    cur = start
+    failures = 0
+    delay = 0.5
+    while cur < end:
+        client = None
+        try:
+            client = connect(opts.uri, attempts=CONNECT_ATTEMPTS)
+            for item in read_range(client, opts.queue, cur, end, fail_on_data_loss=opts.fail_on_data_loss):
+                cur = item[0] + 1
+                failures = 0
+                yield item
+            return
+        except (OSError, AMQPClosed) as exc:
+            if isinstance(exc, AMQPClosed) and exc.channel:
+                raise
+            failures += 1
+            if failures >= CONNECT_ATTEMPTS:
+                raise
+            log.warning("shardmq: connection lost at offset %d (%s); resuming in %.1fs", cur, exc, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 8.0)
+        finally:
+            if client is not None:
+                try:
+                    client.close(timeout=0.5)
+                except Exception:
+                    pass
 
 
 class StreamBatchReader(DataSourceReader):

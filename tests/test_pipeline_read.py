@@ -104,3 +104,22 @@ def test_bad_options_and_missing_queue_are_clear_errors(spark, shared_node):
             _read(spark, shared_node, classic).count()
     finally:
         conn.close()
+
+
+def test_a_lost_connection_resumes_at_the_next_offset(node_factory, caplog):
+    from pipeline.stream_source import ReadOptions, resilient_range
+
+    node = node_factory(name="flaky", frontends=1, shards=1)
+    q = uid("flaky")
+    declare_stream(node.url, q)
+    publish(node.url, q, ((b"%d" % i, None) for i in range(30_000)))
+    opts = ReadOptions({"uri": node.url, "queue": q}, streaming=False)
+    got = []
+    old = None
+    for item in resilient_range(opts, 0, 30_000):
+        got.append(item[0])
+        if len(got) == 5000:
+            old = node.kill_worker("frontend", 0)  # the node restarts it; the reader reconnects
+    assert old is not None and node.wait_worker_restarted("frontend", 0, old)
+    assert got == list(range(30_000))
+    assert any("connection lost at offset" in r.getMessage() for r in caplog.records)
