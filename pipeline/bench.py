@@ -113,6 +113,34 @@ def _spark_stream(spark: Any, uri: str, queue: str, n: int) -> tuple[float, floa
     return rates[1], processed
 
 
+def _writes(spark: Any, uri: str, n: int, size: int) -> tuple[float, float]:
+    """(plain confirming Publisher loop, spark df.write.format("shardmq")) publish rates to a classic queue."""
+    from pipeline.amqp import Publisher
+
+    queue = f"bench-write-{int(time.time())}"
+    with AMQPClient(uri).connect() as c:
+        c.queue_declare(queue, durable=True)
+    props = commands.Basic.Properties(delivery_mode=2).marshal()
+    body = b"x" * size
+    with AMQPClient(uri).connect() as c:
+        pub = Publisher(c, "")
+        t = time.perf_counter()
+        for _ in range(n):
+            pub.publish(queue, props, body)
+        pub.flush()
+        plain = _rate(n, time.perf_counter() - t)
+    df = spark.range(n, numPartitions=2).selectExpr(f"repeat('x', {size}) AS body")
+    rates = []
+    for _ in range(2):
+        t = time.perf_counter()
+        df.write.format("shardmq").option("uri", uri).option("exchange", "").option("routingKey", queue) \
+            .mode("append").save()
+        rates.append(_rate(n, time.perf_counter() - t))
+    with AMQPClient(uri).connect() as c:
+        c.queue_delete(queue)
+    return plain, rates[1]
+
+
 def _segments_plain(files: list) -> float:
     t = time.perf_counter()
     got = 0
@@ -198,9 +226,13 @@ def main(args: Any) -> int:
         first, second = _spark_count(sdf, n)
         results[f"spark shardmq-segments ({args.master}, cold)"] = first
         results[f"spark shardmq-segments ({args.master})"] = second
+    w_plain, w_spark = _writes(spark, uri, min(n, 200_000), size)
     print(f"\nread rates, {n} records of {size} B (records/s):")
     for k, v in results.items():
         print(f"  {k:48} {v:12,.0f}")
+    print(f"\nwrite rates, {min(n, 200_000)} records of {size} B with confirms (records/s):")
+    print(f"  {'plain Publisher loop (1 connection)':48} {w_plain:12,.0f}")
+    print(f"  {'spark df.write.format(shardmq) (' + args.master + ', 2 partitions)':48} {w_spark:12,.0f}")
     if args.lag_rate:
         lag_q = f"{queue}-lag"
         with AMQPClient(uri).connect() as c:
