@@ -166,7 +166,7 @@ class QueueStore(SegmentDir):
         seg.used = pos + total
         obs = write_observer.current
         if obs is not None:
-            obs.append(seg.path("msgs"), pos, seg.mm[pos:pos + total])
+            obs.append(seg.msgs_path, pos, seg.mm[pos:pos + total])
         seg.count += 1
         seg.live += 1
         n = len(body)
@@ -491,10 +491,9 @@ class QueueStore(SegmentDir):
             self._dir_dirty = True
         data = struct.pack("<Q", cursor)
         os.pwrite(fd, data, 0)
-        obs = write_observer.current
-        if obs is not None:  # followers keep the mark too (a promoted follower redelivers rightly)
-            obs.append(os.path.join(self.path, DELIVERED_MARK), 0, data)
         self._mark = cursor
+        if write_observer.current is not None:
+            write_observer.current.append(os.path.join(self.path, DELIVERED_MARK), 0, data)
 
     def _remove_many(self, seg: Segment, positions: list[int]) -> int:
         if not positions:
