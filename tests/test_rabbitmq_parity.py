@@ -66,6 +66,20 @@ def _delete_under_own_consumer(port: int, q: str) -> list:
     return _drain(c)
 
 
+def _delete_under_consumer_of_a_client_without_cancel_notify(port: int, q: str) -> list:
+    """RabbitMQ sends basic.cancel only to clients that announced consumer_cancel_notify."""
+    c = RawClient(port)
+    c.handshake()
+    c.open_channel(1)
+    c.open_channel(2)
+    c.send_method(1, C.Queue.Declare(queue=q))
+    c.expect(C.Queue.DeclareOk)
+    c.send_method(2, C.Basic.Consume(queue=q, consumer_tag="t2"))
+    c.expect(C.Basic.ConsumeOk)
+    c.send_method(1, C.Queue.Delete(queue=q))
+    return _drain(c)
+
+
 def _unbind_what_is_gone(port: int, q: str) -> list:
     c = Client(port)
     c.handshake()
@@ -97,7 +111,8 @@ def _long_reply_text(port: int, q: str) -> list:
     return _drain(c)
 
 
-@pytest.mark.parametrize("scenario", [_delete_under_own_consumer, _unbind_what_is_gone,
+@pytest.mark.parametrize("scenario", [_delete_under_own_consumer,
+                                      _delete_under_consumer_of_a_client_without_cancel_notify, _unbind_what_is_gone,
                                       _more_channels_than_channel_max, _long_reply_text],
                          ids=lambda f: f.__name__.strip("_"))
 def test_same_frames_as_rabbitmq(rabbitmq_port, shared_node, scenario):

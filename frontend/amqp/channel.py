@@ -538,7 +538,7 @@ class Channel:
 
     def cancel_notify(self, tag: str) -> None:
         consumer = self.consumers.pop(tag, None)
-        if consumer is not None and self.state == OPEN:
+        if consumer is not None and self.state == OPEN and self.conn.cancel_notify:
             if consumer.queue == self.deleting:
                 self.deferred_cancels.append(tag)
             else:

@@ -642,6 +642,12 @@ class AMQPConnection(asyncio.Protocol):
         if ch is not None and ch.key == channel:
             ch.on_confirm(seqs, ok)
 
+    @property
+    def cancel_notify(self) -> bool:
+        """Whether the client announced consumer_cancel_notify: RabbitMQ sends basic.cancel only then."""
+        caps = self.client_properties.get("capabilities")
+        return isinstance(caps, dict) and bool(caps.get("consumer_cancel_notify"))
+
     def on_cancel_notify(self, channel: int, tag: str) -> None:
         ch = self.channels.get(channel & 0xFFFF)
         if ch is not None and ch.key == channel:
