@@ -29,6 +29,7 @@ from broker.definitions_file import plan_from_file, read_definitions_file
 from broker.defstore import DefStore
 from broker.http.server import HttpServer
 from broker.process import install_uvloop
+from broker.sdnotify import Notifier
 from broker.supervisor import Supervisor, WorkerProcess
 from broker.zmqio import BatchSocket, make_socket
 
@@ -417,8 +418,15 @@ class Node:
 async def _main(settings: Settings) -> int:
     node = Node(settings)
     loop = asyncio.get_running_loop()
+    # systemd Type=notify (deploy/systemd/): READY=1 when node.ready, STOPPING=1, WATCHDOG=1.
+    sd = Notifier.from_env()
+
+    def stop() -> None:
+        sd.stopping()
+        loop.create_task(node.stop())
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda: loop.create_task(node.stop()))
+        loop.add_signal_handler(sig, stop)
     loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(node.reload_definitions()))
     try:
         await node.start()
@@ -427,9 +435,12 @@ async def _main(settings: Settings) -> int:
         return 1
     except Exception as exc:
         log.exception("node failed to start: %s", exc)
+        sd.stopping("failed to start")
         await node.stop()
         return 1
+    sd.start(lambda: node.ready, lambda: f"serving AMQP on {settings.bind}:{settings.port}")
     await node.stopped.wait()
+    sd.close()
     return 0
 
 
