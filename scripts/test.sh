@@ -9,10 +9,15 @@ APT_PACKAGES=()
 command -v java >/dev/null || APT_PACKAGES+=(default-jre-headless)
 # The bench tests start a private RabbitMQ (loadtest/rabbitmq.py) side by side with ShardMQ.
 [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || APT_PACKAGES+=(rabbitmq-server)
+# The deploy tests run a real haproxy in front of nodes and `systemd-analyze verify` on the units.
+command -v haproxy >/dev/null || APT_PACKAGES+=(haproxy)
+command -v systemd-analyze >/dev/null || APT_PACKAGES+=(systemd)
 [ "${#APT_PACKAGES[@]}" -eq 0 ] || apt_install "${APT_PACKAGES[@]}"
 
 ensure_venv
 ensure_project "test,spark"
+# The chart tests (tests/test_helm_chart.py) run the pinned helm.
+ensure_helm
 
 cd "$REPO_ROOT"
 status=0

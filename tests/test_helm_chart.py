@@ -1,0 +1,309 @@
+"""The helm chart (helm/shardmq/), checked by the real helm binary and Kubernetes' own JSON schemas.
+
+No Kubernetes cluster (kind, minikube) is available here, so nothing is installed: `helm lint` and
+`helm template` run for the default values and every value set in helm/shardmq/ci/, each rendered
+manifest is validated (strict: unknown fields fail) against the schemas of Kubernetes K8S_VERSION
+that kubernetes-validate ships (offline), and the tests read the rendered objects for what the
+chart promises (probes, PDB, anti-affinity, security context, Services, etcd, the INI file).
+scripts/test.sh installs the pinned helm into .venv/bin (scripts/_common.sh: ensure_helm).
+"""
+
+from __future__ import annotations
+
+import base64
+import configparser
+import shutil
+import subprocess
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from broker.config import load_settings
+from tests.design_names import known_ini_keys, unknown_names
+
+REPO = Path(__file__).resolve().parent.parent
+CHART = REPO / "helm" / "shardmq"
+VALUE_SETS = sorted(p.name for p in (CHART / "ci").glob("*-values.yaml"))
+# The Kubernetes release the manifests are validated against (and helm renders for).
+K8S_VERSION = "1.33.0"
+RELEASE, NAMESPACE = "mq", "messaging"
+
+
+def helm_binary() -> str:
+    for candidate in (REPO / ".venv" / "bin" / "helm", shutil.which("helm")):
+        if candidate and Path(candidate).is_file():
+            return str(candidate)
+    raise AssertionError("helm not found: run scripts/test.sh (it installs the pinned helm into .venv/bin)")
+
+
+def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([helm_binary(), *args], capture_output=True, text=True, timeout=60)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def render(*values: str, sets: tuple[str, ...] = (), set_files: tuple[str, ...] = ()) -> list[dict]:
+    args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE, "--kube-version", K8S_VERSION]
+    for name in values:
+        args += ["-f", str(CHART / "ci" / name)]
+    for item in sets:
+        args += ["--set", item]
+    for item in set_files:
+        args += ["--set-file", item]
+    return [doc for doc in yaml.safe_load_all(helm(*args).stdout) if doc]
+
+
+def objects(docs: list[dict], kind: str) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def one(docs: list[dict], kind: str, name: str) -> dict:
+    found = objects(docs, kind)
+    assert name in found, f"no {kind} {name}; have {sorted(found)}"
+    return found[name]
+
+
+def ini_of(docs: list[dict]) -> configparser.ConfigParser:
+    ini = configparser.ConfigParser(interpolation=None)
+    ini.read_string(one(docs, "ConfigMap", "mq-shardmq")["data"]["shardmq.ini"])
+    return ini
+
+
+def container(docs: list[dict], name: str = "mq-shardmq") -> dict:
+    (c,) = one(docs, "StatefulSet", name)["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+# ---------------------------------------------------------------------------------- lint and schemas
+def test_helm_version_is_the_pinned_one():
+    assert helm("version", "--short").stdout.startswith("v4.1.4")
+
+
+@pytest.mark.parametrize("values", [None, *VALUE_SETS])
+def test_lint_strict(values):
+    args = ["lint", "--strict", str(CHART), "--namespace", NAMESPACE, "--kube-version", K8S_VERSION]
+    if values:
+        args += ["-f", str(CHART / "ci" / values)]
+    out = helm(*args).stdout
+    assert "0 chart(s) failed" in out
+
+
+@pytest.mark.parametrize("values", [None, *VALUE_SETS])
+def test_every_rendered_manifest_validates_against_the_kubernetes_schemas(values):
+    docs = render(*([values] if values else []))
+    assert docs
+    for doc in docs:
+        where = f"{doc.get('kind')} {doc.get('metadata', {}).get('name')}"
+        if doc["apiVersion"] == "monitoring.coreos.com/v1":
+            _check_servicemonitor(doc, docs)
+        elif doc["apiVersion"] == "cert-manager.io/v1":
+            _check_certificate(doc)
+        else:
+            try:
+                kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                raise AssertionError(f"{where}: {exc.message} at {list(exc.path)}") from None
+        # Names must be DNS labels; helm would not catch a too-long generated one.
+        assert len(doc["metadata"]["name"]) <= 63, where
+
+
+def _check_servicemonitor(doc: dict, docs: list[dict]) -> None:
+    # The prometheus-operator CRD is not in Kubernetes' schemas: check what it must refer to.
+    assert doc["kind"] == "ServiceMonitor"
+    service = one(docs, "Service", "mq-shardmq")
+    assert doc["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    port_names = {p["name"] for p in service["spec"]["ports"]}
+    for endpoint in doc["spec"]["endpoints"]:
+        assert endpoint["port"] in port_names and endpoint["path"] == "/metrics"
+
+
+def _check_certificate(doc: dict) -> None:
+    # cert-manager's CRD is not in Kubernetes' schemas either.
+    assert doc["kind"] == "Certificate"
+    spec = doc["spec"]
+    assert spec["secretName"] and spec["issuerRef"]["name"] and spec["dnsNames"]
+    assert set(spec) <= {"secretName", "duration", "renewBefore", "commonName", "dnsNames", "usages", "issuerRef"}
+
+
+# ---------------------------------------------------------------------------------- what the chart promises
+def test_default_is_a_three_node_cluster_with_bundled_etcd():
+    docs = render()
+    sts = one(docs, "StatefulSet", "mq-shardmq")
+    spec, pod = sts["spec"], sts["spec"]["template"]["spec"]
+    assert spec["replicas"] == 3 and spec["serviceName"] == "mq-shardmq-headless"
+    assert spec["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "8Gi"
+    # Probes on the health routes, and a startup probe long enough to recover a big data dir.
+    c = container(docs)
+    assert c["readinessProbe"]["httpGet"] == {"path": "/api/health/checks/ready", "port": "http"}
+    assert c["livenessProbe"]["tcpSocket"] == {"port": "http"}
+    startup = c["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 3600
+    # Non-root, read-only root filesystem, no capabilities, graceful stop.
+    assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] != 0
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    assert pod["terminationGracePeriodSeconds"] >= 30
+    assert "preferredDuringSchedulingIgnoredDuringExecution" in pod["affinity"]["podAntiAffinity"]
+    # Every port a Service targets by name exists on the container.
+    port_names = {p["name"] for p in c["ports"]}
+    for service in objects(docs, "Service").values():
+        if service["metadata"]["name"].startswith("mq-shardmq-etcd"):
+            continue
+        for p in service["spec"]["ports"]:
+            assert p["targetPort"] in port_names, (service["metadata"]["name"], p)
+    assert {"amqp", "mqtt", "ws", "http", "metrics", "replication"} <= port_names
+    headless = one(docs, "Service", "mq-shardmq-headless")["spec"]
+    assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"] is True
+    assert one(docs, "Service", "mq-shardmq")["spec"]["type"] == "ClusterIP"
+    assert one(docs, "PodDisruptionBudget", "mq-shardmq")["spec"]["maxUnavailable"] == 1
+    # Per-pod identity through DESIGN's flags; the cluster settings through its INI keys.
+    assert "--node-name=$(POD_NAME)" in c["args"]
+    assert "--advertised-host=$(POD_NAME).mq-shardmq-headless.$(POD_NAMESPACE).svc" in c["args"]
+    ini = ini_of(docs)
+    assert ini["clustering"]["enabled"] == "true"
+    assert ini["clustering"]["etcd_endpoints"] == ",".join(
+        f"mq-shardmq-etcd-{i}.mq-shardmq-etcd-headless.messaging.svc:2379" for i in range(3))
+    assert ini["clustering"]["secret_file"] == "/etc/shardmq/cluster/cluster-secret"
+    # The bundled etcd: 3 members that know each other.
+    etcd = one(docs, "StatefulSet", "mq-shardmq-etcd")
+    assert etcd["spec"]["replicas"] == 3
+    args = etcd["spec"]["template"]["spec"]["containers"][0]["args"]
+    initial = next(a for a in args if a.startswith("--initial-cluster="))
+    assert initial.count("=http://") == 3
+    assert one(docs, "Service", "mq-shardmq-etcd-headless")["spec"]["publishNotReadyAddresses"] is True
+    secret = one(docs, "Secret", "mq-shardmq")["data"]
+    assert len(base64.b64decode(secret["cluster-secret"])) == 48 and secret["default-pass"]
+    assert objects(docs, "ServiceMonitor") == {}  # off by default
+
+
+def test_standalone_has_no_etcd_and_no_cluster_settings():
+    docs = render("standalone-values.yaml")
+    assert one(docs, "StatefulSet", "mq-shardmq")["spec"]["replicas"] == 1
+    assert list(objects(docs, "StatefulSet")) == ["mq-shardmq"]
+    assert not ini_of(docs).has_section("clustering")
+    assert "cluster-secret" not in one(docs, "Secret", "mq-shardmq")["data"]
+    c = container(docs)
+    assert c["args"] == ["--config=/etc/shardmq/shardmq.ini"]
+    assert "replication" not in {p["name"] for p in c["ports"]}
+
+
+def test_external_etcd_and_existing_secrets():
+    docs = render("external-etcd-values.yaml")
+    assert list(objects(docs, "StatefulSet")) == ["mq-shardmq"]
+    ini = ini_of(docs)
+    assert ini["clustering"]["etcd_endpoints"] == "etcd-a.infra.svc:2379,etcd-b.infra.svc:2379,etcd-c.infra.svc:2379"
+    assert (ini["clustering"]["etcd_prefix"], ini["clustering"]["min_isr"]) == ("shardmq-prod", "1")
+    assert "Secret" not in {d["kind"] for d in docs}  # both secrets come from the operator
+    pod = one(docs, "StatefulSet", "mq-shardmq")["spec"]["template"]["spec"]
+    vols = {v["name"]: v for v in pod["volumes"]}
+    assert vols["cluster-secret"]["secret"]["secretName"] == "shardmq-cluster"
+    env = {e["name"]: e for e in container(docs)["env"]}
+    assert env["SHARDMQ_DEFAULT_PASS"]["valueFrom"]["secretKeyRef"]["name"] == "shardmq-users"
+    assert "requiredDuringSchedulingIgnoredDuringExecution" in pod["affinity"]["podAntiAffinity"]
+
+
+def test_tls_from_an_existing_secret():
+    docs = render("tls-values.yaml")
+    ini = ini_of(docs)
+    assert dict(ini["tls"]) == {"cert": "/etc/shardmq/tls/tls.crt", "key": "/etc/shardmq/tls/tls.key",
+                                "ca": "/etc/shardmq/tls/ca.crt", "verify_peer": "true"}
+    assert (ini["amqp"]["tls_port"], ini["mqtt"]["tls_port"]) == ("5671", "8883")
+    service_ports = {p["name"]: p["port"] for p in one(docs, "Service", "mq-shardmq")["spec"]["ports"]}
+    assert (service_ports["amqps"], service_ports["mqtts"]) == (5671, 8883)
+    mounts = {m["name"]: m["mountPath"] for m in container(docs)["volumeMounts"]}
+    assert mounts["tls"] == "/etc/shardmq/tls"
+    vols = {v["name"]: v for v in one(docs, "StatefulSet", "mq-shardmq")["spec"]["template"]["spec"]["volumes"]}
+    assert vols["tls"]["secret"]["secretName"] == "shardmq-tls"
+
+
+def test_tls_inline_material_becomes_a_tls_secret(tmp_path):
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    cert.write_text("-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
+    key.write_text("-----BEGIN PRIVATE KEY-----\nMIIE\n-----END PRIVATE KEY-----\n")
+    docs = render(sets=("tls.enabled=true",), set_files=(f"tls.cert={cert}", f"tls.key={key}"))
+    secret = one(docs, "Secret", "mq-shardmq-tls")
+    assert secret["type"] == "kubernetes.io/tls"
+    assert base64.b64decode(secret["data"]["tls.crt"]).decode() == cert.read_text()
+    assert "ca" not in ini_of(docs)["tls"]
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_cert_manager_and_servicemonitor():
+    docs = render("cert-manager-values.yaml")
+    cert = one(docs, "Certificate", "mq-shardmq")["spec"]
+    assert cert["secretName"] == "mq-shardmq-tls" and cert["issuerRef"]["kind"] == "ClusterIssuer"
+    assert "mq.example.com" in cert["dnsNames"] and "*.mq-shardmq-headless.messaging.svc" in cert["dnsNames"]
+    assert "mq-shardmq-tls" not in objects(docs, "Secret")  # cert-manager writes it
+    monitor = one(docs, "ServiceMonitor", "mq-shardmq")
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+
+
+def test_loadbalancer_and_nodeport_services():
+    lb = one(render("loadbalancer-values.yaml"), "Service", "mq-shardmq")
+    assert lb["spec"]["type"] == "LoadBalancer" and lb["spec"]["externalTrafficPolicy"] == "Local"
+    assert lb["spec"]["loadBalancerSourceRanges"] == ["10.0.0.0/8"]
+    assert "ws" not in {p["name"] for p in lb["spec"]["ports"]}  # listeners.ws: 0 = off
+    assert lb["metadata"]["annotations"]["service.beta.kubernetes.io/aws-load-balancer-type"] == "nlb"
+    docs = render("nodeport-values.yaml")
+    ports = {p["name"]: p for p in one(docs, "Service", "mq-shardmq")["spec"]["ports"]}
+    assert (ports["amqp"]["nodePort"], ports["http"]["nodePort"]) == (30672, 31672)
+    assert "nodePort" not in ports["mqtt"]
+    assert "volumeClaimTemplates" not in one(docs, "StatefulSet", "mq-shardmq")["spec"]
+    assert not objects(docs, "PodDisruptionBudget").get("mq-shardmq")
+
+
+def test_generated_secrets_are_random_unless_given_and_kept_by_lookup():
+    first = one(render(), "Secret", "mq-shardmq")["data"]["cluster-secret"]
+    second = one(render(), "Secret", "mq-shardmq")["data"]["cluster-secret"]
+    assert first != second  # `helm template` has no cluster to look the old one up in
+    given = one(render(sets=("cluster.secret=s3cret", "auth.defaultPassword=pw")), "Secret", "mq-shardmq")["data"]
+    assert base64.b64decode(given["cluster-secret"]) == b"s3cret" and base64.b64decode(given["default-pass"]) == b"pw"
+    # On a cluster, an upgrade reads the release's Secret back (lookup) instead of generating anew.
+    helpers = (CHART / "templates" / "_helpers.tpl").read_text()
+    assert 'lookup "v1" "Secret" .ctx.Release.Namespace (include "shardmq.secretName" .ctx)' in helpers
+
+
+@pytest.mark.parametrize(("sets", "message"), [
+    (("etcd.bundled=false",), "replicaCount > 1 is a cluster and needs etcd"),
+    (("tls.enabled=true",), "tls.enabled needs tls.existingSecret"),
+    (("replicaCount=0",), "minimum: got 0, want 1"),
+    (("service.type=Ingress",), "service/type"),
+    (("config.sync=sometimes",), "config/sync"),
+    (("etcd.endpoints={etcd:2379,bad host}",), "etcd/endpoints"),
+])
+def test_bad_values_are_refused_with_a_message(sets, message):
+    args = ["template", RELEASE, str(CHART), "--kube-version", K8S_VERSION]
+    for item in sets:
+        args += ["--set", item]
+    proc = helm(*args, check=False)
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("values", [None, *VALUE_SETS])
+def test_ini_file_uses_the_names_of_the_design_and_loads_where_built(values, tmp_path):
+    docs = render(*([values] if values else []))
+    ini = ini_of(docs)
+    pairs = {(s, k) for s in ini.sections() for k in ini[s]}
+    flags = {a.split("=", 1)[0] for a in container(docs)["args"]}
+    env = {e["name"] for e in container(docs)["env"] if e["name"].startswith("SHARDMQ_")}
+    assert unknown_names(pairs, flags, env) == []
+    # The keys broker/config.py has today load through it, with the values the chart meant.
+    known = known_ini_keys()
+    built = configparser.ConfigParser(interpolation=None)
+    for section, key in sorted(pairs & known):
+        if not built.has_section(section):
+            built.add_section(section)
+        built[section][key] = ini[section][key]
+    path = tmp_path / "built.ini"
+    with open(path, "w") as fh:
+        built.write(fh)
+    settings = load_settings(["--config", str(path)], {})
+    assert (settings.bind, settings.port, settings.http_bind, settings.http_port) == ("0.0.0.0", 5672, "0.0.0.0", 15672)
+    assert (settings.frontends, settings.shards, settings.data_dir) == (2, 2, "/var/lib/shardmq")
+    assert settings.loopback_users == []
