@@ -12,6 +12,8 @@ command -v java >/dev/null || APT_PACKAGES+=(default-jre-headless)
 # The deploy tests run a real haproxy in front of nodes and `systemd-analyze verify` on the units.
 command -v haproxy >/dev/null || APT_PACKAGES+=(haproxy)
 command -v systemd-analyze >/dev/null || APT_PACKAGES+=(systemd)
+# deploy/systemd/shardmq-etcd.service runs Debian's /usr/bin/etcd (verified, and its flags checked).
+[ -x /usr/bin/etcd ] || APT_PACKAGES+=(etcd-server)
 [ "${#APT_PACKAGES[@]}" -eq 0 ] || apt_install "${APT_PACKAGES[@]}"
 
 ensure_venv

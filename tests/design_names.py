@@ -54,3 +54,9 @@ def unknown_names(ini: set[tuple[str, str]] = frozenset(), flags: set[str] = fro
     bad += sorted(flags - known_flags() - DESIGN_FLAGS)
     bad += sorted(env - known_env() - DESIGN_ENV)
     return bad
+
+# Default ports of the listeners DESIGN's table names (the image exposes them, the chart maps them).
+DESIGN_DEFAULT_PORTS: dict[str, int] = {
+    "amqp": 5672, "amqps": 5671, "mqtt": 1883, "mqtts": 8883, "ws": 15675, "http": 15672,
+    "prometheus": 15692, "replication": 5679,
+}
