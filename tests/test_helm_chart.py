@@ -22,6 +22,7 @@ import yaml
 
 from broker.config import load_settings
 from tests.design_names import known_ini_keys, unknown_names
+from tests.kube_api_stub import KubeApiStub
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "helm" / "shardmq"
@@ -257,15 +258,12 @@ def test_loadbalancer_and_nodeport_services():
     assert not objects(docs, "PodDisruptionBudget").get("mq-shardmq")
 
 
-def test_generated_secrets_are_random_unless_given_and_kept_by_lookup():
+def test_generated_secrets_are_random_unless_given():
     first = one(render(), "Secret", "mq-shardmq")["data"]["cluster-secret"]
     second = one(render(), "Secret", "mq-shardmq")["data"]["cluster-secret"]
     assert first != second  # `helm template` has no cluster to look the old one up in
     given = one(render(sets=("cluster.secret=s3cret", "auth.defaultPassword=pw")), "Secret", "mq-shardmq")["data"]
     assert base64.b64decode(given["cluster-secret"]) == b"s3cret" and base64.b64decode(given["default-pass"]) == b"pw"
-    # On a cluster, an upgrade reads the release's Secret back (lookup) instead of generating anew.
-    helpers = (CHART / "templates" / "_helpers.tpl").read_text()
-    assert 'lookup "v1" "Secret" .ctx.Release.Namespace (include "shardmq.secretName" .ctx)' in helpers
 
 
 @pytest.mark.parametrize(("sets", "message"), [
@@ -307,3 +305,43 @@ def test_ini_file_uses_the_names_of_the_design_and_loads_where_built(values, tmp
     assert (settings.bind, settings.port, settings.http_bind, settings.http_port) == ("0.0.0.0", 5672, "0.0.0.0", 15672)
     assert (settings.frontends, settings.shards, settings.data_dir) == (2, 2, "/var/lib/shardmq")
     assert settings.loopback_users == []
+
+
+def _release_secret(data: dict[str, bytes]) -> dict:
+    # What the first install left: the release's Secret with helm's ownership metadata.
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {"name": "mq-shardmq", "namespace": NAMESPACE,
+                         "labels": {"app.kubernetes.io/managed-by": "Helm"},
+                         "annotations": {"meta.helm.sh/release-name": RELEASE,
+                                         "meta.helm.sh/release-namespace": NAMESPACE}},
+            "data": {k: base64.b64encode(v).decode() for k, v in data.items()}}
+
+
+def _render_against(stub: KubeApiStub, tmp_path: Path, *sets: str) -> dict[str, bytes]:
+    args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=server",
+            "--kubeconfig", str(stub.kubeconfig(tmp_path / "kubeconfig", NAMESPACE)),
+            "--disable-openapi-validation"]
+    for item in sets:
+        args += ["--set", item]
+    docs = [d for d in yaml.safe_load_all(helm(*args).stdout) if d]
+    return {k: base64.b64decode(v) for k, v in one(docs, "Secret", "mq-shardmq")["data"].items()}
+
+
+def test_upgrade_keeps_the_generated_secrets_through_lookup(tmp_path):
+    # helm renders against an API server that has the release's Secret: its lookup must read the
+    # generated values back instead of making new ones (new ones would lock every client out and
+    # split the cluster). The API server is a stand-in (tests/kube_api_stub.py); helm is real.
+    with KubeApiStub() as stub:
+        stub.add(_release_secret({"default-pass": b"first-pass", "cluster-secret": b"first-cluster-secret"}))
+        kept = _render_against(stub, tmp_path)
+        assert kept == {"default-pass": b"first-pass", "cluster-secret": b"first-cluster-secret"}
+        assert f"/api/v1/namespaces/{NAMESPACE}/secrets/mq-shardmq" in stub.requests
+        # A value given explicitly still wins over the kept one.
+        assert _render_against(stub, tmp_path, "auth.defaultPassword=rotated")["default-pass"] == b"rotated"
+
+
+def test_standalone_upgraded_to_a_cluster_keeps_the_password_and_gets_a_cluster_secret(tmp_path):
+    with KubeApiStub() as stub:
+        stub.add(_release_secret({"default-pass": b"standalone-pass"}))
+        kept = _render_against(stub, tmp_path)
+        assert kept["default-pass"] == b"standalone-pass" and len(kept["cluster-secret"]) == 48
