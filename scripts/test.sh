@@ -14,6 +14,8 @@ command -v haproxy >/dev/null || APT_PACKAGES+=(haproxy)
 command -v systemd-analyze >/dev/null || APT_PACKAGES+=(systemd)
 # deploy/systemd/shardmq-etcd.service runs Debian's /usr/bin/etcd (verified, and its flags checked).
 [ -x /usr/bin/etcd ] || APT_PACKAGES+=(etcd-server)
+# deploy/install.sh is checked with shellcheck.
+command -v shellcheck >/dev/null || APT_PACKAGES+=(shellcheck)
 [ "${#APT_PACKAGES[@]}" -eq 0 ] || apt_install "${APT_PACKAGES[@]}"
 
 ensure_venv

@@ -154,3 +154,10 @@ def test_install_bad_arguments(args, message, tmp_path):
     proc, _stage = staged_install(tmp_path, *args)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 
+
+
+def test_install_script_passes_shellcheck():
+    path = shutil.which("shellcheck")
+    assert path, "shellcheck not found: scripts/test.sh installs Debian's shellcheck"
+    proc = subprocess.run([path, "--shell=bash", str(INSTALL)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout
