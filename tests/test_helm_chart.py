@@ -345,3 +345,25 @@ def test_standalone_upgraded_to_a_cluster_keeps_the_password_and_gets_a_cluster_
         stub.add(_release_secret({"default-pass": b"standalone-pass"}))
         kept = _render_against(stub, tmp_path)
         assert kept["default-pass"] == b"standalone-pass" and len(kept["cluster-secret"]) == 48
+
+
+@pytest.mark.parametrize(("values", "expected", "absent"), [
+    (None, ["a cluster of 3 nodes", "etcd: bundled (3 members)", "amqp://admin:PASSWORD@mq-shardmq.messaging.svc:5672/",
+            "port-forward svc/mq-shardmq 5672 15672"], ["amqps://"]),
+    ("standalone-values.yaml", ["one standalone node"], ["etcd:"]),
+    ("tls-values.yaml", ["amqps://admin:PASSWORD@mq-shardmq.messaging.svc:5671/"], []),
+    ("loadbalancer-values.yaml", ["status.loadBalancer.ingress"], ["port-forward"]),
+    ("external-etcd-values.yaml", ["etcd: etcd-a.infra.svc:2379,etcd-b.infra.svc:2379", "get secret shardmq-users"], []),
+])
+def test_notes_say_how_to_connect(values, expected, absent, tmp_path):
+    # NOTES.txt is rendered by install; --dry-run=client needs no cluster.
+    args = ["install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client",
+            "--kubeconfig", str(tmp_path / "none")]
+    if values:
+        args += ["-f", str(CHART / "ci" / values)]
+    out = helm(*args).stdout
+    notes = out[out.index("NOTES:"):]
+    for text in expected:
+        assert text in notes, notes
+    for text in absent:
+        assert text not in notes, notes
