@@ -210,7 +210,7 @@ def test_tls_from_an_existing_secret():
     docs = render("tls-values.yaml")
     ini = ini_of(docs)
     assert dict(ini["tls"]) == {"cert": "/etc/shardmq/tls/tls.crt", "key": "/etc/shardmq/tls/tls.key",
-                                "ca": "/etc/shardmq/tls/ca.crt", "verify_peer": "true"}
+                                "ca": "/etc/shardmq/tls/ca.crt", "verify_peer": "1"}
     assert (ini["amqp"]["tls_port"], ini["mqtt"]["tls_port"]) == ("5671", "8883")
     service_ports = {p["name"]: p["port"] for p in one(docs, "Service", "mq-shardmq")["spec"]["ports"]}
     assert (service_ports["amqps"], service_ports["mqtts"]) == (5671, 8883)
