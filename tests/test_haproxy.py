@@ -179,7 +179,10 @@ def test_clients_through_haproxy_and_a_stopped_node_is_taken_out(three_nodes, ha
     frontends, stats = haproxy()
     wait_for(lambda: servers_up(stats, "be_amqp") == ["mq1", "mq2", "mq3"], 15, "all three nodes UP")
     roundtrip(frontends["fe_amqp"], "haproxy-q")
-    # leastconn spreads long-lived connections: three at once land on three nodes.
+    # leastconn spreads long-lived connections: three at once land on three nodes (once the
+    # round trip's connection is gone from haproxy's counts).
+    wait_for(lambda: all(row["scur"] == "0" for (px, sv), row in stats_of(stats).items()
+                         if px == "be_amqp" and sv.startswith("mq")), 5, "no open sessions")
     conns = [connect(frontends["fe_amqp"]) for _ in range(3)]
     try:
         cur = wait_for(lambda: {sv: row["scur"] for (px, sv), row in stats_of(stats).items()
