@@ -13,10 +13,14 @@ from __future__ import annotations
 import base64
 import configparser
 import shutil
+import socket
 import subprocess
+import time
+import urllib.request
 from pathlib import Path
 
 import kubernetes_validate
+import pika
 import pytest
 import yaml
 
@@ -367,3 +371,55 @@ def test_notes_say_how_to_connect(values, expected, absent, tmp_path):
         assert text in notes, notes
     for text in absent:
         assert text not in notes, notes
+
+
+@pytest.mark.integration
+def test_the_pod_as_rendered_runs_as_a_real_node(node_factory, tmp_path):
+    # The standalone pod, run as a process: its args and INI file (less the keys of parts not on
+    # this branch, and with loopback ports instead of the pod's), the password from its Secret
+    # through SHARDMQ_DEFAULT_PASS, its probes against the real node, and a login as the default user.
+    docs = render("standalone-values.yaml", sets=("auth.defaultPassword=pod-secret",))
+    c = container(docs)
+    ini = ini_of(docs)
+    built = configparser.ConfigParser(interpolation=None)
+    for section in ini.sections():
+        for key, value in ini[section].items():
+            if (section, key) in known_ini_keys() and key not in ("data_dir",):
+                if not built.has_section(section):
+                    built.add_section(section)
+                built[section][key] = value
+    built["amqp"]["bind"] = built["http"]["bind"] = "127.0.0.1"  # loopback only on a shared machine
+    config = tmp_path / "shardmq.ini"
+    with open(config, "w") as fh:
+        built.write(fh)
+    secret = one(docs, "Secret", "mq-shardmq")["data"]
+    env_ref = next(e for e in c["env"] if e["name"] == "SHARDMQ_DEFAULT_PASS")["valueFrom"]["secretKeyRef"]
+    password = base64.b64decode(secret[env_ref["key"]]).decode()
+    args = [a.replace("/etc/shardmq/shardmq.ini", str(config)) for a in c["args"]]
+    node = node_factory(start=False, frontends=1, shards=1, extra_args=args,
+                        env={"SHARDMQ_DEFAULT_PASS": password})
+    node.start(wait=False)
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    local = {ports["amqp"]: node.port, ports["http"]: node.http_port}
+
+    def probe(spec: dict) -> bool:
+        port = local[ports[spec.get("httpGet", spec.get("tcpSocket"))["port"]]]
+        try:
+            if "httpGet" in spec:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}{spec['httpGet']['path']}", timeout=2) as resp:
+                    return resp.status == 200
+            with socket.create_connection(("127.0.0.1", port), timeout=2):
+                return True
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + 30
+    while not all(probe(c[p]) for p in ("startupProbe", "readinessProbe", "livenessProbe")):
+        assert time.monotonic() < deadline, node.log_tail()
+        time.sleep(0.1)
+    user = ini["amqp"]["default_user"]
+    conn = pika.BlockingConnection(pika.ConnectionParameters(
+        host="127.0.0.1", port=node.port, credentials=pika.PlainCredentials(user, password), connection_attempts=1))
+    conn.channel().queue_declare("from-the-chart")
+    conn.close()
+    assert node.stop() == 0
