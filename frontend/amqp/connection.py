@@ -32,8 +32,8 @@ from broker.amqp.encoder import encode_heartbeat, encode_method, encode_protocol
 from broker.amqp.errors import AMQPChannelError, AMQPConnectionError, AMQPError
 from broker.amqp.parser import FrameParser
 from broker.auth import authenticate, check_vhost_access
-from frontend.amqp_channel import BACKLOG_PAUSE, CLOSED, OPEN, Channel
-from frontend.replies import reply_text
+from frontend.amqp.channel import BACKLOG_PAUSE, CLOSED, OPEN, Channel
+from frontend.amqp.replies import reply_text
 
 if TYPE_CHECKING:
     from frontend.worker import FrontendWorker
