@@ -438,7 +438,8 @@ async def _main(settings: Settings) -> int:
         sd.stopping("failed to start")
         await node.stop()
         return 1
-    sd.start(lambda: node.ready, lambda: f"serving AMQP on {settings.bind}:{settings.port}")
+    sd.start(lambda: node.ready, lambda: ("serving" if node.is_leader else "following the leader, proxying")
+             + f" AMQP on {settings.bind}:{settings.port}")
     await node.stopped.wait()
     sd.close()
     return 0

@@ -22,8 +22,9 @@ from collections.abc import Callable
 
 log = logging.getLogger("shardmq.sdnotify")
 
-# How often the READY watcher looks at the readiness condition.
+# How often the READY watcher looks at the readiness condition, and then at the status line.
 _READY_POLL_S = 0.1
+_STATUS_POLL_S = 1.0
 
 
 class Notifier:
@@ -104,7 +105,18 @@ class Notifier:
         while not ready():
             await asyncio.sleep(_READY_POLL_S)
         self.ready_sent = True
-        self.notify("READY=1" + (f"\nSTATUS={status()}" if status else ""))
+        if status is None:
+            self.notify("READY=1")
+            return
+        shown = status()
+        self.notify(f"READY=1\nSTATUS={shown}")
+        # `systemctl status` shows the latest STATUS: keep it true when the role changes (a
+        # follower promoted to leader, a leader that stepped down).
+        while True:
+            await asyncio.sleep(_STATUS_POLL_S)
+            if (now := status()) != shown:
+                shown = now
+                self.notify(f"STATUS={shown}")
 
     async def _watchdog(self, interval: float) -> None:
         while True:

@@ -65,7 +65,7 @@ def test_node_sends_ready_watchdog_and_stopping(node_factory, notify_socket):
     ready = _receive(sock, "READY=1", 30, seen)
     # READY means what the readiness probe means: the node answers clients now.
     assert _ready_status(node.http_port) == 200
-    assert f"STATUS=serving AMQP on 127.0.0.1:{node.port}" in ready.splitlines()
+    assert f"STATUS=serving AMQP on 127.0.0.1:{node.port}" in ready.splitlines()  # standalone: its own leader
     node.connect().close()
     # WATCHDOG_USEC=0.4 s: a ping every 0.2 s; wait for two more after READY.
     _receive(sock, "WATCHDOG=1", 5, seen)
@@ -116,3 +116,30 @@ def test_without_notify_socket_everything_is_a_no_op():
         notifier.close()
 
     asyncio.run(run())
+
+
+def test_status_line_follows_changes_after_ready():
+    # The status callable stands for the node's role; a change after READY is sent as STATUS=.
+    tmp = tempfile.mkdtemp(prefix="sdn")
+    path = os.path.join(tmp, "notify")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    role = ["following"]
+
+    async def run() -> None:
+        notifier = Notifier(path)
+        notifier.start(lambda: True, lambda: role[0])
+        await asyncio.sleep(0.3)
+        role[0] = "serving"
+        await asyncio.sleep(1.5)
+        notifier.close()
+
+    try:
+        asyncio.run(run())
+        sock.settimeout(5)
+        assert sock.recv(100) == b"READY=1\nSTATUS=following"
+        assert sock.recv(100) == b"STATUS=serving"
+    finally:
+        sock.close()
+        os.unlink(path)
+        os.rmdir(tmp)
