@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import base64
 import configparser
+import re
 import shutil
 import socket
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -24,7 +26,7 @@ import pika
 import pytest
 import yaml
 
-from broker.config import load_settings
+from broker.config import OPTIONS_BY_NAME, load_settings
 from tests.design_names import known_ini_keys, unknown_names
 from tests.kube_api_stub import KubeApiStub
 
@@ -373,37 +375,47 @@ def test_notes_say_how_to_connect(values, expected, absent, tmp_path):
         assert text not in notes, notes
 
 
-@pytest.mark.integration
-def test_the_pod_as_rendered_runs_as_a_real_node(node_factory, tmp_path):
-    # The standalone pod, run as a process: its args and INI file (less the keys of parts not on
-    # this branch, and with loopback ports instead of the pod's), the password from its Secret
-    # through SHARDMQ_DEFAULT_PASS, its probes against the real node, and a login as the default user.
-    docs = render("standalone-values.yaml", sets=("auth.defaultPassword=pod-secret",))
-    c = container(docs)
-    ini = ini_of(docs)
-    built = configparser.ConfigParser(interpolation=None)
-    for section in ini.sections():
-        for key, value in ini[section].items():
-            if (section, key) in known_ini_keys() and key not in ("data_dir",):
-                if not built.has_section(section):
-                    built.add_section(section)
-                built[section][key] = value
-    built["amqp"]["bind"] = built["http"]["bind"] = "127.0.0.1"  # loopback only on a shared machine
-    config = tmp_path / "shardmq.ini"
-    with open(config, "w") as fh:
-        built.write(fh)
-    secret = one(docs, "Secret", "mq-shardmq")["data"]
-    env_ref = next(e for e in c["env"] if e["name"] == "SHARDMQ_DEFAULT_PASS")["valueFrom"]["secretKeyRef"]
-    password = base64.b64decode(secret[env_ref["key"]]).decode()
-    args = [a.replace("/etc/shardmq/shardmq.ini", str(config)) for a in c["args"]]
-    node = node_factory(start=False, frontends=1, shards=1, extra_args=args,
-                        env={"SHARDMQ_DEFAULT_PASS": password})
-    node.start(wait=False)
-    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    local = {ports["amqp"]: node.port, ports["http"]: node.http_port}
+class PodProcess:
+    """One pod of the rendered StatefulSet run as a process: its args (with Kubernetes' $(VAR)
+    expansion done for ``pod``), its INI file (less the keys of parts not on this branch, with the
+    pod's listeners moved to loopback: harness flags win over the INI), the password from its Secret
+    through SHARDMQ_DEFAULT_PASS, and the cluster secret file from the Secret."""
 
-    def probe(spec: dict) -> bool:
-        port = local[ports[spec.get("httpGet", spec.get("tcpSocket"))["port"]]]
+    def __init__(self, docs: list[dict], node_factory, workdir: Path, pod: str,
+                 ini_overrides: dict[tuple[str, str], str] = (), extra_args: tuple[str, ...] = ()) -> None:
+        self.c = c = container(docs)
+        ini = ini_of(docs)
+        workdir.mkdir(parents=True, exist_ok=True)
+        secret = {k: base64.b64decode(v).decode() for k, v in one(docs, "Secret", "mq-shardmq")["data"].items()}
+        overrides = {("amqp", "bind"): "127.0.0.1", ("http", "bind"): "127.0.0.1", **dict(ini_overrides)}
+        if ini.has_section("clustering"):
+            secret_file = workdir / "cluster-secret"
+            secret_file.write_text(secret["cluster-secret"])
+            overrides.update({("clustering", "secret_file"): str(secret_file), ("clustering", "bind"): "127.0.0.1"})
+        built = configparser.ConfigParser(interpolation=None)
+        for section in ini.sections():
+            for key, value in ini[section].items():
+                if (section, key) in known_ini_keys() and key != "data_dir":
+                    if not built.has_section(section):
+                        built.add_section(section)
+                    built[section][key] = overrides.get((section, key), value)
+        config = workdir / "shardmq.ini"
+        with open(config, "w") as fh:
+            built.write(fh)
+        env_ref = next(e for e in c["env"] if e["name"] == "SHARDMQ_DEFAULT_PASS")["valueFrom"]["secretKeyRef"]
+        self.user, self.password = ini["amqp"]["default_user"], secret[env_ref["key"]]
+        subst = {"POD_NAME": pod, "POD_NAMESPACE": NAMESPACE}
+        args = [re.sub(r"\$\((\w+)\)", lambda m: subst[m.group(1)], a).replace("/etc/shardmq/shardmq.ini", str(config))
+                for a in c["args"]]
+        self.node = node_factory(name=pod, start=False, frontends=1, shards=1, extra_args=[*args, *extra_args],
+                                 env={"SHARDMQ_DEFAULT_PASS": self.password})
+        self.node.start(wait=False)
+        self.ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+
+    def probe(self, kind: str) -> bool:
+        spec = self.c[kind]
+        name = spec.get("httpGet", spec.get("tcpSocket"))["port"]
+        port = {"amqp": self.node.port, "http": self.node.http_port}[name]
         try:
             if "httpGet" in spec:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}{spec['httpGet']['path']}", timeout=2) as resp:
@@ -413,13 +425,62 @@ def test_the_pod_as_rendered_runs_as_a_real_node(node_factory, tmp_path):
         except OSError:
             return False
 
-    deadline = time.monotonic() + 30
-    while not all(probe(c[p]) for p in ("startupProbe", "readinessProbe", "livenessProbe")):
-        assert time.monotonic() < deadline, node.log_tail()
-        time.sleep(0.1)
-    user = ini["amqp"]["default_user"]
-    conn = pika.BlockingConnection(pika.ConnectionParameters(
-        host="127.0.0.1", port=node.port, credentials=pika.PlainCredentials(user, password), connection_attempts=1))
+    def wait_probes(self, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while not all(self.probe(p) for p in ("startupProbe", "readinessProbe", "livenessProbe")):
+            assert time.monotonic() < deadline, self.node.log_tail()
+            time.sleep(0.1)
+
+    def login(self) -> pika.BlockingConnection:
+        return pika.BlockingConnection(pika.ConnectionParameters(
+            host="127.0.0.1", port=self.node.port, credentials=pika.PlainCredentials(self.user, self.password),
+            connection_attempts=1))
+
+
+@pytest.mark.integration
+def test_the_pod_as_rendered_runs_as_a_real_node(node_factory, tmp_path):
+    # The standalone pod as a process: its probes pass against the real node, and the default user
+    # logs in with the password of the chart's Secret.
+    docs = render("standalone-values.yaml", sets=("auth.defaultPassword=pod-secret",))
+    pod = PodProcess(docs, node_factory, tmp_path / "pod", "mq-shardmq-0")
+    pod.wait_probes()
+    conn = pod.login()
     conn.channel().queue_declare("from-the-chart")
     conn.close()
-    assert node.stop() == 0
+    assert pod.node.stop() == 0
+
+
+@pytest.mark.integration
+@pytest.mark.skipif("cluster" not in OPTIONS_BY_NAME, reason="--cluster is not built on this branch yet (cluster branches)")
+def test_the_cluster_pods_as_rendered_elect_a_leader_and_both_pass_their_probes(node_factory, tmp_path):
+    # Two pods of the default (cluster) release as processes, on a real etcd instead of the
+    # bundled one: one leads, the other follows, both pass the readiness probe (a follower serves
+    # by proxying), and the default user gets in through the follower too.
+    from loadtest.etcd import EtcdCluster
+    from tests.harness import free_port
+
+    etcd = EtcdCluster(1, tmp_path / "etcd")
+    etcd.start()
+    try:
+        docs = render(sets=("cluster.leaseTtl=2",))
+        pods = [PodProcess(docs, node_factory, tmp_path / f"mq-shardmq-{i}", f"mq-shardmq-{i}",
+                           ini_overrides={("clustering", "etcd_endpoints"): etcd.endpoints,
+                                          ("clustering", "port"): str(free_port())},
+                           extra_args=("--advertised-host", "127.0.0.1")) for i in range(2)]
+        for pod in pods:
+            pod.wait_probes(60)
+        leader_checks = [pod.c["readinessProbe"]["httpGet"]["path"].replace("ready", "leader") for pod in pods]
+        statuses = []
+        for pod, path in zip(pods, leader_checks, strict=True):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{pod.node.http_port}{path}", timeout=2) as resp:
+                    statuses.append(resp.status)
+            except urllib.error.HTTPError as exc:
+                statuses.append(exc.code)
+        assert sorted(statuses) == [200, 503], statuses
+        follower = pods[statuses.index(503)]
+        conn = follower.login()
+        conn.channel().queue_declare("through-the-follower")
+        conn.close()
+    finally:
+        etcd.stop()
