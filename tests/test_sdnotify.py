@@ -157,9 +157,7 @@ def _bound_socket(tmpdir: str, name: str) -> tuple[socket.socket, str]:
 @pytest.mark.skipif("cluster" not in OPTIONS_BY_NAME, reason="--cluster is not built on this branch yet (cluster branches)")
 def test_cluster_leader_and_follower_send_ready_and_the_status_follows_a_failover(node_factory, tmp_path):
     # READY=1 means "serves, or follows and proxies": both nodes of a cluster send it; the STATUS
-    # line says which, and changes when the follower is promoted. (The leader is killed, not
-    # stopped: on cluster-coord at 57faf88 a graceful stop drops the follower from the ISR first,
-    # so nothing is promoted; reported in the lead's notes.)
+    # line says which, and changes when the follower is promoted.
     from loadtest.etcd import EtcdCluster
     from tests.cluster_helpers import Cluster, http_get, one_leader, wait_for
 
@@ -180,8 +178,10 @@ def test_cluster_leader_and_follower_send_ready_and_the_status_follows_a_failove
         # Only an ISR member can be promoted: wait until the follower is in sync.
         wait_for(lambda: follower in http_get(leader.http_port, "/api/cluster/status")[1].get("isr", []),
                  30, "the follower in the ISR")
-        # A crash of the leader (its lease expires): the follower is promoted and says so.
-        leader.kill9()
+        # `systemctl stop` of the leader (a rolling upgrade): it says STOPPING, the follower is
+        # promoted and says so.
+        assert leader.stop() == 0
+        _receive(sockets[leader_name][0], "STOPPING=1", 10, seen[leader_name])
         _receive(sockets[follower][0], f"STATUS=serving AMQP on 127.0.0.1:{nodes[follower].port}", 30,
                  seen[follower])
         assert nodes[follower].stop() == 0
