@@ -392,6 +392,17 @@ class PodProcess:
             secret_file = workdir / "cluster-secret"
             secret_file.write_text(secret["cluster-secret"])
             overrides.update({("clustering", "secret_file"): str(secret_file), ("clustering", "bind"): "127.0.0.1"})
+        if ini.has_section("tls"):
+            # The TLS Secret as its volume mounts it (/etc/shardmq/tls/<key>), here in the workdir.
+            tls_dir = workdir / "tls"
+            tls_dir.mkdir()
+            volumes = one(docs, "StatefulSet", "mq-shardmq")["spec"]["template"]["spec"]["volumes"]
+            tls_secret = next(v["secret"]["secretName"] for v in volumes if v["name"] == "tls")
+            for key, value in one(docs, "Secret", tls_secret)["data"].items():
+                (tls_dir / key).write_bytes(base64.b64decode(value))
+            for key in ("cert", "key", "ca"):
+                if key in ini["tls"]:
+                    overrides[("tls", key)] = ini["tls"][key].replace("/etc/shardmq/tls", str(tls_dir))
         built = configparser.ConfigParser(interpolation=None)
         for section in ini.sections():
             for key, value in ini[section].items():
@@ -446,6 +457,58 @@ def test_the_pod_as_rendered_runs_as_a_real_node(node_factory, tmp_path):
     pod.wait_probes()
     conn = pod.login()
     conn.channel().queue_declare("from-the-chart")
+    conn.close()
+    assert pod.node.stop() == 0
+
+
+def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
+    """A CA-less server certificate for 127.0.0.1 (its own CA), PEM files."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "mq-shardmq")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = tmp_path / "server.pem", tmp_path / "server.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+@pytest.mark.integration
+@pytest.mark.skipif("amqps_port" not in OPTIONS_BY_NAME, reason="TLS is not built on this branch yet (mqtt branch)")
+def test_the_tls_pod_as_rendered_serves_amqps_with_the_secret_material(node_factory, tmp_path):
+    # TLS from inline PEM: the chart's TLS Secret, mounted where its INI says, serves AMQPS; a client
+    # that trusts the CA logs in as the default user over TLS.
+    import ssl
+
+    from tests.harness import free_port
+
+    cert, key = _self_signed(tmp_path)
+    docs = render("standalone-values.yaml", sets=("tls.enabled=true",),
+                  set_files=(f"tls.cert={cert}", f"tls.key={key}", f"tls.ca={cert}"))
+    amqps = free_port()
+    pod = PodProcess(docs, node_factory, tmp_path / "pod", "mq-shardmq-0",
+                     ini_overrides={("amqp", "tls_port"): str(amqps), ("mqtt", "tls_port"): str(free_port())})
+    pod.wait_probes()
+    ctx = ssl.create_default_context(cafile=str(cert))
+    conn = pika.BlockingConnection(pika.ConnectionParameters(
+        host="127.0.0.1", port=amqps, ssl_options=pika.SSLOptions(ctx, "127.0.0.1"),
+        credentials=pika.PlainCredentials(pod.user, pod.password), connection_attempts=1))
+    conn.channel().queue_declare("over-tls")
     conn.close()
     assert pod.node.stop() == 0
 
