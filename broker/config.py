@@ -184,7 +184,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("tls_verify_peer", "int", "tls", "1 = require a client certificate signed by --tls-ca", 0, 1,
            key="verify_peer"),
     Option("proxy_protocol", "int", "main",
-           "1 = plain client listeners require a PROXY protocol v1/v2 header (haproxy send-proxy)", 0, 1),
+           "1 = client listeners (also TLS) require a PROXY protocol v1/v2 header (haproxy send-proxy)", 0, 1),
     Option("ws_port", "int", "ws", "WebSocket port: MQTT at /ws, AMQP at /amqp (0 = off)", 0, 65535, key="port"),
     Option("http_port", "int", "http", "HTTP port: management API, UI, health checks (0 = off)", 0, 65535,
            key="port"),

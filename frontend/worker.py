@@ -103,9 +103,10 @@ class FrontendWorker:
             port = int(settings.get(listener.port_setting, 0) or 0)
             if not port or (listener.tls and tls is None):
                 continue
-            factory = self._protocol_factory(load(listener.session), proxied and not listener.tls)
-            server = await self.loop.create_server(
-                factory, host=bind, port=port, reuse_port=True, backlog=1024, ssl=tls if listener.tls else None)
+            ctx = tls if listener.tls else None
+            factory = self._protocol_factory(load(listener.session), proxied, ctx)
+            server = await self.loop.create_server(  # with PROXY, TLS goes on after the header
+                factory, host=bind, port=port, reuse_port=True, backlog=1024, ssl=None if proxied else ctx)
             self.servers.append(server)
             log.info("frontend %d (pid %d) listening for %s on %s:%d", self.index, os.getpid(),
                      listener.protocol, bind, port)
@@ -116,14 +117,14 @@ class FrontendWorker:
             self._ws_runner = await ws.start(self, bind, ws_port)
             log.info("frontend %d (pid %d) listening for websocket on %s:%d", self.index, os.getpid(), bind, ws_port)
 
-    def _protocol_factory(self, session: Callable, proxied: bool) -> Callable[[], asyncio.Protocol]:
+    def _protocol_factory(self, session: Callable, proxied: bool, tls: Any = None) -> Callable[[], asyncio.Protocol]:
         """What asyncio calls per accepted connection: the session, or the PROXY header reader before it."""
         def make_session() -> asyncio.Protocol:
             return session(self)
 
         if not proxied:
             return make_session
-        return lambda: ProxyProtocolListener(make_session, self.loop)
+        return lambda: ProxyProtocolListener(make_session, self.loop, tls)
 
     def reload(self) -> None:
         """SIGHUP: re-read the TLS certificate files without dropping established connections."""

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import queue
 import socket
 import ssl
@@ -13,54 +11,14 @@ import sys
 import paho.mqtt.client as mqtt
 import pika
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from tests.harness import REPO_ROOT, free_port
-
-NOW = datetime.datetime.now(datetime.UTC)
-
-
-def _name(cn: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-
-def _issue(subject: str, issuer_key, issuer_name, *, ca: bool = False, expired: bool = False, server: bool = False):
-    key = ec.generate_private_key(ec.SECP256R1())
-    start, end = (NOW - datetime.timedelta(days=10), NOW - datetime.timedelta(days=1)) if expired else (
-        NOW - datetime.timedelta(minutes=5), NOW + datetime.timedelta(days=1))
-    b = (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(issuer_name or _name(subject))
-         .public_key(key.public_key()).serial_number(x509.random_serial_number())
-         .not_valid_before(start).not_valid_after(end)
-         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
-    if server:
-        b = b.add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-    cert = b.sign(issuer_key or key, hashes.SHA256())
-    return key, cert
-
-
-def _write(path, key, cert) -> tuple[str, str]:
-    kp, cp = path.with_suffix(".key"), path.with_suffix(".pem")
-    kp.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                     serialization.NoEncryption()))
-    cp.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    return str(cp), str(kp)
+from tests.pki import issue_cert, make_pki, write_pem
 
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
-    d = tmp_path_factory.mktemp("pki")
-    ca_key, ca = _issue("ShardMQ test CA", None, None, ca=True)
-    other_key, other_ca = _issue("Some other CA", None, None, ca=True)
-    files = {"ca": _write(d / "ca", ca_key, ca)[0], "other_ca": _write(d / "other", other_key, other_ca)[0]}
-    files["server"] = _write(d / "server", *_issue("localhost", ca_key, ca.subject, server=True))
-    files["client"] = _write(d / "client", *_issue("guest", ca_key, ca.subject))
-    files["expired_client"] = _write(d / "expired", *_issue("guest", ca_key, ca.subject, expired=True))
-    files["stranger"] = _write(d / "stranger", *_issue("guest", other_key, other_ca.subject))
-    return files
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 def _tls_args(pki, verify: bool = False) -> list[str]:
@@ -211,9 +169,9 @@ def test_sighup_reloads_the_certificate_and_keeps_established_connections(node_f
     ch = established.channel()
     q = ch.queue_declare("", exclusive=True).method.queue
     # A new CA and a server certificate from it, written over the files the node was started with.
-    new_ca_key, new_ca = _issue("Renewed CA", None, None, ca=True)
-    new_ca_path = _write(tmp_path / "newca", new_ca_key, new_ca)[0]
-    _write(tmp_path / "live", *_issue("localhost", new_ca_key, new_ca.subject, server=True))
+    new_ca_key, new_ca = issue_cert("Renewed CA", None, None, ca=True)
+    new_ca_path = write_pem(tmp_path / "newca", new_ca_key, new_ca)[0]
+    write_pem(tmp_path / "live", *issue_cert("localhost", new_ca_key, new_ca.subject, server=True))
     os.kill(node.pid, signal.SIGHUP)
     deadline = time.monotonic() + 15
     while node.log_text().count("TLS certificate reloaded") < 2:  # both frontends
