@@ -85,7 +85,7 @@ class Settings:
     tls_ca: str | None = None
     # 1: clients must present a certificate signed by --tls-ca.
     tls_verify_peer: int = 0
-    # 1: every plain client listener expects a PROXY protocol v1/v2 header first (frontend/proxy.py).
+    # 1: every client listener (TCP and TLS) expects a PROXY protocol v1/v2 header first (frontend/proxy.py).
     proxy_protocol: int = 0
     # MQTT (/ws) and AMQP (/amqp) over WebSocket (frontend/ws.py); 0 = off.
     ws_port: int = 15675
