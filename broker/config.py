@@ -92,6 +92,15 @@ class Settings:
     # The node's HTTP server (broker/http/): management API, UI and health checks on one port.
     http_port: int = 15672
     http_bind: str = "127.0.0.1"
+    # ms between the periodic statistics each worker sends the node (RabbitMQ's
+    # collect_statistics_interval): queue counts, connections, counters for the API and Prometheus.
+    stats_interval: int = 5000
+    # Resource alarms (broker/alarms.py): publishers are blocked while free disk space of the data dir is
+    # below disk_free_limit or the node's memory is above vm_memory_high_watermark (RabbitMQ's syntax).
+    disk_free_limit: str = "50MB"
+    vm_memory_high_watermark: str = "0.4"
+    # Prometheus /metrics and /metrics/per-object (broker/http/metrics.py), bound to http_bind; 0 = off.
+    prometheus_port: int = 15692
     config_file: str | None = None
 
     @property
@@ -189,6 +198,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("http_port", "int", "http", "HTTP port: management API, UI, health checks (0 = off)", 0, 65535,
            key="port"),
     Option("http_bind", "str", "http", "address the HTTP listener binds", key="bind"),
+    Option("disk_free_limit", "str", "main",
+           "free disk space of the data dir below which publishers are blocked: bytes with a unit (50MB) "
+           "or mem_relative:F (F x RAM)"),
+    Option("vm_memory_high_watermark", "str", "main",
+           "node memory above which publishers are blocked: a fraction of RAM (0.4) or an amount (2GB)"),
+    Option("prometheus_port", "int", "http", "Prometheus metrics port (0 = off)", 0, 65535),
+    Option("stats_interval", "int", "http", "ms between the statistics reports of the workers", 100, 3600000),
 )
 OPTIONS_BY_NAME = {opt.name: opt for opt in OPTIONS}
 INI_SECTIONS = ("main", "amqp", "mqtt", "tls", "ws", "http", "clustering")
@@ -239,6 +255,13 @@ def _convert(opt: Option, raw: str) -> Any:
         if raw not in opt.choices:
             raise _Invalid(f"invalid choice {raw!r} (choose from {', '.join(opt.choices)})")
         return raw
+    if opt.name in ("disk_free_limit", "vm_memory_high_watermark"):
+        from broker.alarms import parse_disk_limit, parse_memory_watermark
+
+        try:
+            (parse_disk_limit if opt.name == "disk_free_limit" else parse_memory_watermark)(raw)
+        except ValueError as exc:
+            raise _Invalid(str(exc)) from None
     if opt.name in ("bind", "http_bind", "default_user") and not raw:
         raise _Invalid("must not be empty")
     return raw
@@ -264,7 +287,7 @@ _METAVARS = {"int": "N", "path": "DIR", "list": "USERS", "str": "VALUE", "bind":
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
     # Wide enough that every flag's help is one line.
     def __init__(self, prog: str) -> None:
-        super().__init__(prog, max_help_position=28, width=max(100, _terminal_width()))
+        super().__init__(prog, max_help_position=40, width=max(110, _terminal_width()))
 
 
 def _terminal_width() -> int:

@@ -21,13 +21,17 @@ from typing import Any
 import zmq
 
 from broker import contract
+from broker.alarms import CHECK_INTERVAL_S, ResourceMonitor, parse_disk_limit, parse_memory_watermark
 from broker.amqp.errors import AMQPConnectionError, AMQPError
 from broker.config import Settings
 from broker.datadir import DataDir, DataDirLocked
 from broker.definitions import Definitions
 from broker.definitions_file import plan_from_file, read_definitions_file
 from broker.defstore import DefStore
+from broker.http.metrics import MetricsServer
 from broker.http.server import HttpServer
+from broker.node_stats import NodeStats
+from broker.permissions import CONFIGURE, READ, WRITE, check, check_topic
 from broker.process import install_uvloop
 from broker.supervisor import Supervisor, WorkerProcess
 from broker.zmqio import BatchSocket, make_socket
@@ -51,6 +55,9 @@ class Node:
         self.ctl: BatchSocket | None = None
         self._apply_waiters: list[tuple[int, asyncio.Future]] = []
         self._queries: dict[int, asyncio.Future] = {}
+        self._admin_queries: dict[int, asyncio.Future] = {}  # shard_query(): answered (ok, result)
+        # The workers' periodic STATS (queue counts, connections) for the management API and metrics.
+        self.stats = NodeStats()
         self._next_query = 0
         self._sync_waiters: list[asyncio.Future] = []
         self._sync_running = False
@@ -66,6 +73,7 @@ class Node:
         self.is_leader = False
         self.alarms: list[str] = []
         self.http = HttpServer(self, settings.http_bind, settings.http_port)
+        self.metrics = MetricsServer(self, settings.http_bind, settings.prometheus_port)
 
     # ------------------------------------------------------------------ life
     async def start(self) -> None:
@@ -101,8 +109,33 @@ class Node:
         self.is_leader = True
         self.serving = True
         await self.http.start()
+        await self.metrics.start()
+        self._start_alarms()
         log.info("node (pid %d) started %d shards and %d frontends; AMQP on %s:%d; data dir %s",
                  os.getpid(), s.shards, s.frontends, s.bind, s.port, self.datadir.path)
+
+    def _start_alarms(self) -> None:
+        s = self.settings
+        from broker.http.metrics import node_processes, rss_bytes
+
+        self.monitor = ResourceMonitor(
+            self.datadir.path, parse_disk_limit(s.disk_free_limit), parse_memory_watermark(s.vm_memory_high_watermark),
+            lambda: sum(rss_bytes(pid) for _, pid in node_processes(self)), self._alarms_changed)
+
+        def tick() -> None:
+            if self.sup.stopping:
+                return
+            try:
+                self.monitor.check()
+            except Exception:
+                log.exception("resource check failed")
+            self.loop.call_later(CHECK_INTERVAL_S, tick)
+
+        tick()
+
+    def _alarms_changed(self, names: list[str]) -> None:
+        self.alarms = list(names)
+        self._broadcast("frontend", [contract.ALARMS, self.alarms])
 
     @property
     def ready(self) -> bool:
@@ -121,6 +154,7 @@ class Node:
         log.info("node stopping")
         self.serving = False
         await self.http.stop()
+        await self.metrics.stop()
         # Frontends first so no new work reaches the shards, then shards sync and exit.
         for role, timeout in (("frontend", 5.0), ("shard", 15.0)):
             for ident, w in self.by_ident.items():
@@ -142,6 +176,7 @@ class Node:
 
     def _on_worker_exit(self, worker: WorkerProcess, _code: int) -> None:
         self._check_apply_waiters()
+        self.stats.forget(worker.role, worker.index)
         if worker.role == "shard":
             # The restarted shard gets a new epoch: batches meant for the dead one are dropped,
             # frontends close the client connections that had state on it, and other shards
@@ -151,10 +186,11 @@ class Node:
             for fut in list(self._queries.values()):
                 if not fut.done():
                     fut.set_result(None)
+            for fut in list(self._admin_queries.values()):
+                if not fut.done():
+                    fut.set_result((False, [504, "shard restarted", 0, 0]))
         else:
             self._broadcast("shard", [contract.WORKER_DOWN, "frontend", worker.index])
-            for owners in self.vhost_conns.values():
-                owners.difference_update([o for o in owners if o[0] == worker.index])
             for owners in self.vhost_conns.values():
                 owners.difference_update([o for o in owners if o[0] == worker.index])
             ops = self.defs.ops_for_owner_gone([worker.index])
@@ -187,7 +223,14 @@ class Node:
                 target = self.by_ident.get(contract.worker_id("frontend", int(item[1])))
                 if target is not None and target.connected:
                     self.ctl.put(contract.worker_id("frontend", int(item[1])), [contract.FORWARDED, item[2]])
+            elif kind == contract.STATS:
+                self.stats.update(w.role, w.index, item[1])
             elif kind == contract.QUERY_REPLY:
+                admin = self._admin_queries.pop(item[1], None)
+                if admin is not None:
+                    if not admin.done():
+                        admin.set_result((bool(item[2]), item[3]))
+                    continue
                 fut = self._queries.pop(item[1], None)
                 if fut is not None and not fut.done():
                     fut.set_result(item[3] if item[2] else None)
@@ -202,6 +245,8 @@ class Node:
             return
         settings = dataclasses.asdict(self.settings)
         self.ctl.put(ident, [contract.SNAPSHOT, self.defs.version, self.defs.to_dict(), self.epochs, settings])
+        if w.role == "frontend" and self.alarms:
+            self.ctl.put(ident, [contract.ALARMS, self.alarms])
         if w.role == "shard":
             # Shards that came up before this one said hello: it would not hear of them otherwise, and
             # it must know its peers are ready before it forwards recovered delayed messages to them.
@@ -253,19 +298,30 @@ class Node:
         defs = self.defs
         vhost = a.get("vhost", "/")
         owner = a.get("owner")
+        user = a.get("user")  # None for the node's own requests: they are not checked
+        if user is not None and vhost not in defs.vhosts:
+            defs._vhost(vhost)  # a deleted vhost: 530 before any permission check
         if op == "queue.declare":
             name = a.get("queue", "")
-            existed = bool(name) and defs.queue(vhost, name) is not None
+            passive = bool(a.get("passive"))
+            if name and not passive:
+                check(defs, user, vhost, CONFIGURE, "queue", name, 50, 10)
             ops, name = defs.plan_queue_declare(
-                vhost, name, bool(a.get("passive")), bool(a.get("durable")), bool(a.get("exclusive")),
+                vhost, name, passive, bool(a.get("durable")), bool(a.get("exclusive")),
                 bool(a.get("auto_delete")), a.get("arguments") or {}, owner, self.settings.shards)
+            if not passive:
+                check(defs, user, vhost, CONFIGURE, "queue", name, 50, 10)
+                dlx = (a.get("arguments") or {}).get("x-dead-letter-exchange")
+                if isinstance(dlx, str):
+                    check(defs, user, vhost, READ, "queue", name, 50, 10)
+                    check(defs, user, vhost, WRITE, "exchange", dlx, 50, 10)
             await self._commit(ops)
-            info = {"messages": 0, "consumers": 0}
-            if existed:
-                info = await self._queue_info(vhost, name) or info
-            return {"queue": name, **info}
+            # No counts here: the frontend asks the shard over its publish lane (QUEUE_INFO), which
+            # also counts the publishes still in flight from it; asking here too cost a round trip.
+            return {"queue": name, "messages": 0, "consumers": 0}
         if op == "queue.delete":
             name = a.get("queue", "")
+            check(defs, user, vhost, CONFIGURE, "queue", name, 50, 40)
             info = await self._queue_info(vhost, name) or {"messages": 0, "consumers": 0}
             ops = defs.plan_queue_delete(vhost, name, bool(a.get("if_unused")), bool(a.get("if_empty")),
                                          owner, info["consumers"], info["messages"])
@@ -288,12 +344,22 @@ class Node:
                 if info is not None and info["consumers"] == 0 and info.get("expired", True):
                     await self._commit(defs.plan_queue_delete(vhost, a["queue"], False, False, None, 0, 0))
             return {}
+        if op in ("queue.bind", "queue.unbind", "exchange.bind", "exchange.unbind"):
+            self._check_binding(op, user, vhost, a)
         if op == "exchange.declare":
+            name = a.get("exchange", "")
+            if not a.get("passive"):
+                check(defs, user, vhost, CONFIGURE, "exchange", name, 40, 10)
+                ae = (a.get("arguments") or {}).get("alternate-exchange")
+                if isinstance(ae, str):
+                    check(defs, user, vhost, READ, "exchange", name, 40, 10)
+                    check(defs, user, vhost, WRITE, "exchange", ae, 40, 10)
             ops = defs.plan_exchange_declare(
                 vhost, a.get("exchange", ""), a.get("exchange_type", a.get("type", "direct")),
                 bool(a.get("passive")), bool(a.get("durable")), bool(a.get("auto_delete")),
                 bool(a.get("internal")), a.get("arguments") or {})
         elif op == "exchange.delete":
+            check(defs, user, vhost, CONFIGURE, "exchange", a.get("exchange", ""), 40, 20)
             ops = defs.plan_exchange_delete(vhost, a.get("exchange", ""), bool(a.get("if_unused")))
         elif op in ("queue.bind", "queue.unbind"):
             plan = defs.plan_bind if op == "queue.bind" else defs.plan_unbind
@@ -313,6 +379,19 @@ class Node:
             raise AMQPError(540, f"NOT_IMPLEMENTED - unknown request {op}")
         await self._commit(ops)
         return {}
+
+    def _check_binding(self, op: str, user: str | None, vhost: str, a: dict) -> None:
+        """RabbitMQ's binding_action: write on the destination, read on the source, topic read on the key."""
+        cid, mid = {"queue.bind": (50, 20), "queue.unbind": (50, 50), "exchange.bind": (40, 30),
+                    "exchange.unbind": (40, 40)}[op]
+        if op.startswith("queue."):
+            dest_kind, dest, source = "queue", a.get("queue", ""), a.get("exchange", "")
+        else:
+            dest_kind, dest, source = "exchange", a.get("destination", ""), a.get("source", "")
+        check(self.defs, user, vhost, WRITE, dest_kind, dest, cid, mid)
+        check(self.defs, user, vhost, READ, "exchange", source, cid, mid)
+        check_topic(self.defs, user, vhost, READ, source, a.get("routing_key", ""), cid, mid,
+                    {"username": user or "", "vhost": vhost, "client_id": ""})
 
     def _count_connection(self, vhost: str, owner: tuple, user: str) -> dict:
         limit = self.defs.vhost_limits(vhost).get("max-connections")
@@ -350,6 +429,47 @@ class Node:
             return
         await self._commit(ops)
         log.info("definitions file %s applied (%d changes)", path, len(ops))
+
+    # --------------------------------------------- management (broker/http/management.py)
+    async def commit(self, ops: list) -> None:
+        """Apply definition ops as the single writer (what the management API changes)."""
+        await self._commit(ops)
+
+    async def execute(self, op: str, args: dict) -> dict:
+        """A declare/delete/bind as a frontend would REQUEST it (args["user"] = whose permissions apply)."""
+        return await self._execute(op, args)
+
+    def close_connections(self, code: int, text: str, vhost: str | None = None, user: str | None = None,
+                          frontend: int | None = None, conn_id: int | None = None) -> None:
+        """Close the client connections that match (all given fields) on every (or one) frontend."""
+        item = [contract.CLOSE_CONNECTIONS, vhost, code, text, user, conn_id]
+        if frontend is None:
+            self._broadcast("frontend", item)
+            return
+        ident = contract.worker_id("frontend", frontend)
+        w = self.by_ident.get(ident)
+        if w is not None and w.connected:
+            self.ctl.put(ident, item)
+
+    async def shard_query(self, shard: int, op: str, args: dict) -> tuple[bool, Any]:
+        """Ask a shard (shard/admin.py ops); (ok, result), result [code, text, ...] when not ok."""
+        ident = contract.worker_id("shard", shard)
+        w = self.by_ident.get(ident)
+        if w is None or not w.connected:
+            return False, [504, f"shard {shard} is not running", 0, 0]
+        self._next_query += 1
+        qid = self._next_query
+        fut = self.loop.create_future()
+        self._admin_queries[qid] = fut
+        self.ctl.put(ident, [contract.QUERY, qid, op, args])
+        try:
+            return await asyncio.wait_for(fut, _QUERY_TIMEOUT_S)
+        except TimeoutError:
+            self._admin_queries.pop(qid, None)
+            return False, [504, f"shard {shard} did not answer", 0, 0]
+
+    async def queue_info(self, vhost: str, name: str) -> dict | None:
+        return await self._queue_info(vhost, name)
 
     async def _queue_info(self, vhost: str, name: str) -> dict | None:
         q = self.defs.queue(vhost, name)

@@ -23,6 +23,7 @@ from broker.zmqio import BatchSocket, make_socket
 from frontend.listeners import FORWARDED, LISTENERS, load
 from frontend.proxy import ProxyProtocolListener
 from frontend.session import CONNECTION_FORCED, Session
+from frontend.stats import frontend_stats
 from frontend.tls import reload_certificate, server_context
 
 log = logging.getLogger("shardmq.frontend")
@@ -58,6 +59,7 @@ class FrontendWorker:
         self._sent: list[int] = []  # last batch_seq flushed per shard
         self._processed: list[int] = []  # highest batch_seq a shard answered with PROCESSED
         self.pressure = False  # a shard is behind: reading paused on publishing connections
+        self.alarms: list[str] = []  # resource alarms in effect (node ALARMS): publishers are blocked
         self.node: BatchSocket | None = None
         self.servers: list[asyncio.AbstractServer] = []
         self._forwarded: dict[str, Callable] = {}
@@ -116,6 +118,18 @@ class FrontendWorker:
 
             self._ws_runner = await ws.start(self, bind, ws_port)
             log.info("frontend %d (pid %d) listening for websocket on %s:%d", self.index, os.getpid(), bind, ws_port)
+
+        self._send_stats()
+
+    def _send_stats(self) -> None:
+        """Connections, channels and consumers for the node's management API, once per stats_interval."""
+        if self._stopping:
+            return
+        try:
+            self.node.put(None, [contract.STATS, frontend_stats(self)])
+        except Exception:
+            log.exception("frontend %d: stats report failed", self.index)
+        self.loop.call_later(int(self.settings.get("stats_interval") or 5000) / 1000, self._send_stats)
 
     def _protocol_factory(self, session: Callable, proxied: bool, tls: Any = None) -> Callable[[], asyncio.Protocol]:
         """What asyncio calls per accepted connection: the session, or the PROXY header reader before it."""
@@ -179,9 +193,18 @@ class FrontendWorker:
                     self._shard_up(int(item[1]), int(item[2]))
                 elif kind == contract.CLOSE_CONNECTIONS:
                     vhost, code, text = item[1], item[2], item[3]
+                    user, conn_id = (item[4], item[5]) if len(item) > 5 else (None, None)
                     for conn in list(self.conns.values()):
-                        if vhost is None or conn.vhost == vhost:
+                        if ((vhost is None or conn.vhost == vhost)
+                                and (user is None or getattr(conn, "user", None) == user)
+                                and (conn_id is None or conn.conn_id == conn_id)):
                             conn.fail(code, text)
+                elif kind == contract.ALARMS:
+                    self.alarms = list(item[1])
+                    for conn in list(self.conns.values()):
+                        apply = getattr(conn, "apply_alarms", None)  # sessions that publish block on alarms
+                        if apply is not None:
+                            apply()
                 elif kind == contract.FORWARDED:
                     payload = item[1]
                     handler = self._forwarded.get(payload[0])

@@ -38,6 +38,8 @@ Message = tuple[int, bool, int, int, str, str, bytes, bytes]
 Record = tuple[int, int, str, str, bytes, bytes]
 
 _POS_MASK = 0xFFFFFFFF
+# u64 LE msg id: the read cursor's highest position so far (see QueueStore.__init__).
+DELIVERED_MARK = "delivered"
 _encode_payload = record.encode_payload
 _write_record = record.write
 _read_record = record.read
@@ -115,6 +117,13 @@ class QueueStore(SegmentDir):
         self._rpos = DATA_START
         if self._rseg.mm is None:
             self._rseg.map_readonly()
+        # Where the read cursor was when this store was last used (DELIVERED_MARK): every message
+        # before it may have been delivered and not acked when the shard stopped, so it comes back
+        # with redelivered=true, as RabbitMQ's queue index marks delivered messages. Clamped to the
+        # end of the data: ids of messages appended from now on are never below it.
+        self._mark_fd = -1
+        end = self._wseg.no << 32 | self._wseg.used
+        self._mark = self._redeliver_below = min(self._read_mark(), end)  # the mark never moves back
 
     # ------------------------------------------------------------ counters
     @property
@@ -176,7 +185,7 @@ class QueueStore(SegmentDir):
             else:
                 msg_id = seg.no << 32 | pos
             ts, flags, ex, rk, props, body, self._rpos = _read_record(seg.mm, pos)
-            redelivered = False
+            redelivered = msg_id < self._redeliver_below
         self._ready -= 1
         self._ready_bytes -= len(body)
         return msg_id, redelivered, ts, flags, ex, rk, props, body
@@ -231,7 +240,7 @@ class QueueStore(SegmentDir):
             msg_id = self._head()
             if msg_id < 0:
                 return None
-            redelivered = False
+            redelivered = msg_id < self._redeliver_below
         return (msg_id, redelivered, *self.read(msg_id))
 
     def drop_head(self) -> Message | None:
@@ -433,7 +442,11 @@ class QueueStore(SegmentDir):
         return fd
 
     def flush_acks(self) -> None:
-        """Write the ack positions collected since the last call (loop thread; before sync())."""
+        """Write the ack positions collected since the last call (loop thread; before sync()), and
+        the delivered mark when the cursor moved (before this turn's deliveries leave the shard)."""
+        cursor = self._rseg.no << 32 | self._rpos
+        if cursor > self._mark and not self._closed:
+            self._write_mark(cursor)
         if not self._ack_pending:
             return
         pending = self._ack_pending
@@ -444,6 +457,26 @@ class QueueStore(SegmentDir):
                 fd = self._open_acks(seg)
             os.write(fd, struct.pack(f"<{len(positions)}I", *positions))
         self._acks_dirty = True
+
+    def _read_mark(self) -> int:
+        try:
+            with open(os.path.join(self.path, DELIVERED_MARK), "rb") as fh:
+                data = fh.read(8)
+        except OSError:
+            return 0
+        return struct.unpack("<Q", data)[0] if len(data) == 8 else 0
+
+    def _write_mark(self, cursor: int) -> None:
+        """One pwrite to the page cache (it survives a killed shard); fsynced with the ack files."""
+        fd = self._mark_fd
+        if fd < 0:
+            fd = self._mark_fd = os.open(os.path.join(self.path, DELIVERED_MARK),
+                                         os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            with self._lock:
+                self._ack_fds.add(fd)  # closed by close() with the ack files
+            self._dir_dirty = True
+        os.pwrite(fd, struct.pack("<Q", cursor), 0)
+        self._mark = cursor
 
     def _remove_many(self, seg: Segment, positions: list[int]) -> int:
         if not positions:

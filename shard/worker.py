@@ -23,6 +23,7 @@ from broker.definitions import Definitions
 from broker.policies import POLICY_OPS
 from broker.zmqio import BatchSocket, make_socket
 from shard.ack_timeouts import AckTimeouts
+from shard.admin import admin_query
 from shard.consumers import ChannelRef, Consumer
 from shard.deadletter import dead_letter_props, has_dlx_header, has_expiration, is_cycle
 from shard.dedup import ExchangeDedup
@@ -31,6 +32,7 @@ from shard.feature_queue import EXPIRING_MARK, FeatureQueue, needs_features
 from shard.kvstore import KVStores
 from shard.priority_store import open_store
 from shard.queue import Queue
+from shard.stats import SyncHistogram, shard_stats
 from shard.store import QueueStore, queue_dir
 from shard.stream_queue import StreamQueue, consume_error, retention_args, segment_size
 from shard.stream_store import StreamStore
@@ -65,6 +67,7 @@ class ShardWorker:
         self.defs: Definitions | None = None
         self.settings: dict = {}
         self.queues: dict[tuple[str, str], Queue] = {}
+        self.sync_histogram = SyncHistogram()  # group sync durations, reported in STATS
         self.by_qid: dict[int, Queue] = {}
         self._next_qid = 1
         self.channels: dict[tuple[bytes, int, int], ChannelRef] = {}
@@ -85,6 +88,7 @@ class ShardWorker:
         self._hold_timer_armed = False
         self._ready = asyncio.Event()
         self._early: list[tuple] = []  # data batches that arrived before the snapshot
+        self._lane: bytes | None = None  # sender identity of the batch being handled
         self._node_req = 0
         self.node: BatchSocket | None = None
         self.data: BatchSocket | None = None
@@ -111,6 +115,18 @@ class ShardWorker:
         self.node.send_now(None, [[contract.HELLO, contract.VERSION, "shard", self.index, os.getpid()]])
         await self._ready.wait()
         self.loop.call_later(_PERIODIC_SYNC_S, self._periodic_sync)
+        self._send_stats()
+
+    def _send_stats(self) -> None:
+        """Queue counts for the node's management API and metrics, once per stats_interval."""
+        if self._stopping:
+            return
+        try:
+            self.node.put(None, [contract.STATS, shard_stats(self)])
+        except Exception:
+            log.exception("shard %d: stats report failed", self.index)
+        interval = int(self.settings.get("stats_interval") or 5000) / 1000
+        self.loop.call_later(interval, self._send_stats)
 
     # --------------------------------------------------------------- control
     def _on_control(self, _ident: bytes | None, _header, items: list) -> None:
@@ -230,6 +246,10 @@ class ShardWorker:
                 self.node.put(None, [contract.QUERY_REPLY, query_id, False, None])
             else:
                 self.node.put(None, [contract.QUERY_REPLY, query_id, True, q.info()])
+        elif op in ("purge", "get", "publish"):
+            # The management API's operations (low rate; see shard/admin.py).
+            ok, result = admin_query(self, op, args)
+            self.node.put(None, [contract.QUERY_REPLY, query_id, ok, result])
         else:
             self.node.put(None, [contract.QUERY_REPLY, query_id, False, f"unknown query {op}"])
 
@@ -249,6 +269,7 @@ class ShardWorker:
             epoch, batch_seq = header
         except (TypeError, ValueError):
             return
+        self._lane = fe  # the identity this batch came from (CHANNEL_CLOSED answers on it)
         if fe[-1:] == _CONTROL_LANE_SUFFIX:
             fe = fe[:-1]  # same frontend, control lane: state is keyed by the publish-lane identity
         if epoch == self.epoch and self.defs is not None:
@@ -278,6 +299,7 @@ class ShardWorker:
             for i in range(0, len(refs), 2):
                 q = by_qid.get(refs[i])
                 if q is not None and q.ack(refs[i + 1], fe, conn_id, channel):
+                    q.n_acked += 1
                     self._dirty_queues.add(q)
         elif kind == contract.CREDIT:
             _, conn_id, channel, tag, n = item
@@ -299,13 +321,15 @@ class ShardWorker:
         elif kind == contract.CONSUME:
             self._consume(fe, item)
         elif kind == contract.CANCEL:
-            _, conn_id, channel, tag = item
+            _, conn_id, channel, tag, req_id = item
             found = self.consumers.pop((fe, conn_id, channel, tag), None)
             if found is not None:
                 q, c = found
                 q.remove_consumer(c)
                 self._dirty_queues.add(q)  # single active consumer: the next one may take over
                 self._maybe_auto_delete(q)
+            # cancel-ok waits for this: no DELIVER for the consumer follows it on this socket
+            self.data.put(fe, [contract.REPLY_DATA, req_id, True, {}])
         elif kind == contract.GET:
             _, req_id, conn_id, channel, vhost, name, no_ack = item
             q = self.queues.get((vhost, name))
@@ -319,6 +343,9 @@ class ShardWorker:
                     f"'{vhost}'", 60, 70]])
                 return
             msg = q.get(self._channel(fe, conn_id, channel), bool(no_ack))
+            q.store.flush_acks()  # the delivered mark, before get-ok leaves (a slow path anyway)
+            if msg is not None:
+                q.n_delivered += 1
             self.data.put(fe, [contract.REPLY_DATA, req_id, True, {"message": msg}])
         elif kind == contract.QOS:
             _, conn_id, channel, prefetch = item
@@ -328,10 +355,15 @@ class ShardWorker:
             _, conn_id, channel = item
             self._requeue_where(lambda o: o.fe == fe and o.conn_id == conn_id and o.channel == channel)
         elif kind == contract.CHANNEL_CLOSED:
-            _, conn_id, channel = item
+            _, conn_id, channel, req_id = item
             self._drop_consumers(lambda c: c.fe == fe and c.conn_id == conn_id and c.channel == channel)
             self._requeue_where(lambda o: o.fe == fe and o.conn_id == conn_id and o.channel == channel)
             self.channels.pop((fe, conn_id, channel), None)
+            if req_id is not None:
+                # The client's channel.close waits for this. Answered on the lane it came from:
+                # that DEALER is connected for sure, while after a shard restart the publish lane's
+                # may not have reconnected yet, and a ROUTER drops what it cannot route.
+                self.data.put(self._lane, [contract.REPLY_DATA, req_id, True, {}])
         elif kind == contract.CONNECTION_CLOSED:
             conn_id = item[1]
             self._drop_consumers(lambda c: c.fe == fe and c.conn_id == conn_id)
@@ -390,6 +422,7 @@ class ShardWorker:
             elif not q.publish(ts, flags, exchange, routing_key, props_raw, body):
                 rejected = True  # x-overflow reject-publish: the publisher gets basic.nack
                 continue
+            q.n_published += 1
             self._dirty_queues.add(q)
             if persistent and q.durable and self._fsync:
                 needs_sync = True
@@ -442,6 +475,7 @@ class ShardWorker:
         return new
 
     def _replace_queue(self, old: Queue, new: Queue) -> None:
+        new.n_published, new.n_delivered, new.n_acked = old.n_published, old.n_delivered, old.n_acked
         self.queues[(old.vhost, old.name)] = new
         self.by_qid[old.qid] = new
         for key, (q, c) in list(self.consumers.items()):
@@ -701,7 +735,9 @@ class ShardWorker:
                 store = q.store
                 ready = store.ready
                 q.deliver(put)
-                delivered += ready - store.ready
+                n = ready - store.ready
+                q.n_delivered += n  # per queue per turn, not per message (message_stats)
+                delivered += n
                 store.flush_acks()
                 if store.ready > _FLOW_BACKLOG and q.consumers and _consumer_waiting(q.consumers):
                     behind = True
@@ -772,11 +808,14 @@ class ShardWorker:
         self._after_sync = []
         for store in stores:
             store.flush_acks()  # on the loop thread: the sync thread only fsyncs
+        started = time.monotonic()
         fut = self.loop.run_in_executor(None, _sync_all, list(stores))
-        fut.add_done_callback(lambda f: self._sync_done(f, waiting, after))
+        fut.add_done_callback(lambda f: self._sync_done(f, waiting, after, started))
 
-    def _sync_done(self, fut: asyncio.Future, waiting: list, after: list) -> None:
+    def _sync_done(self, fut: asyncio.Future, waiting: list, after: list, started: float | None = None) -> None:
         self._sync_running = False
+        if started is not None:
+            self.sync_histogram.observe(time.monotonic() - started)
         exc = fut.exception()
         if exc is not None:
             log.error("shard %d: sync failed: %s", self.index, exc)

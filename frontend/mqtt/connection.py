@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from broker import contract
+from broker.amqp.errors import AMQPError
 from broker.auth import check_password, user_can_access_vhost
 from broker.mqtt import codec as M
 from broker.mqtt.topics import (
@@ -36,6 +37,7 @@ from broker.mqtt.topics import (
     valid_topic_filter,
     valid_topic_name,
 )
+from broker.permissions import READ, Access
 from frontend.mqtt.messages import (
     EXCHANGE,
     PROPS,
@@ -106,6 +108,7 @@ class MQTTConnection(asyncio.Protocol):
         self.will: M.Publish | None = None
         self.keep_alive = 0
         self.subs: dict[str, int] = {}  # filter -> granted QoS
+        self.access = Access("", "/")  # the user's permission checks, set at CONNECT
         self.queue: str | None = None
         self.queue_shard: int | None = None
         self.consuming = False
@@ -164,7 +167,7 @@ class MQTTConnection(asyncio.Protocol):
                         self.pause_reading("backlog")
                     continue
                 self._handle(packet)
-                if self.state == CLOSED:
+                if self.state == CLOSED or self._close_after_flush:
                     return
         except M.MQTTProtocolError as exc:
             self._protocol_error(str(exc))
@@ -256,7 +259,7 @@ class MQTTConnection(asyncio.Protocol):
         self._busy = False
         backlog = self._backlog
         try:
-            while backlog and not self._busy and self.state != CLOSED:
+            while backlog and not self._busy and self.state != CLOSED and not self._close_after_flush:
                 self._handle(backlog.popleft())
         except M.MQTTProtocolError as exc:
             self._protocol_error(str(exc))
@@ -279,7 +282,8 @@ class MQTTConnection(asyncio.Protocol):
         return run
 
     def _node(self, op: str, args: dict, on_done: Callable[[bool, Any], None]) -> None:
-        args = {**args, "vhost": self.vhost, "owner": [self.worker.index, self.conn_id]}
+        # With "user" the node checks the user's permissions on declares, deletes and binds (as for AMQP).
+        args = {**args, "vhost": self.vhost, "owner": [self.worker.index, self.conn_id], "user": self.user}
         self.worker.node_request(op, args, self._guard(on_done))
 
     def _shard_request(self, shard: int, build: Callable[[int], list], on_done: Callable[[bool, Any], None]) -> None:
@@ -375,6 +379,7 @@ class MQTTConnection(asyncio.Protocol):
             self._refuse(M.REFUSED_NOT_AUTHORIZED)
             return
         self.vhost, self.user, self.client_id = vhost, user, client_id
+        self.access = Access(user, vhost, client_id)
         self.clean = bool(p.clean_session)
         self.will = p.will
         self.keep_alive = p.keep_alive
@@ -398,7 +403,10 @@ class MQTTConnection(asyncio.Protocol):
         shard = session_shard(self.vhost, self.client_id, self.worker.shard_count)
         if self.clean:
             if exists:  # clean session 1 discards a stored session [MQTT-3.1.2-6]
-                def deleted(_ok: bool, _result: Any) -> None:
+                def deleted(ok: bool, result: Any) -> None:
+                    if not ok:
+                        self._refuse(M.REFUSED_NOT_AUTHORIZED if result[0] == 403 else M.REFUSED_SERVER_UNAVAILABLE)
+                        return
                     self._kv_put(shard, SESSIONS, self.client_id, None, lambda: self._accept(False))
                 self._node("queue.delete", {"queue": durable}, deleted)
             else:
@@ -413,8 +421,8 @@ class MQTTConnection(asyncio.Protocol):
             self.out2 = set(state.get("out2") or ())
 
             def declared(ok: bool, result: Any) -> None:
-                if not ok:
-                    self._refuse(M.REFUSED_SERVER_UNAVAILABLE)
+                if not ok:  # 403: no configure permission on the session queue
+                    self._refuse(M.REFUSED_NOT_AUTHORIZED if result[0] == 403 else M.REFUSED_SERVER_UNAVAILABLE)
                     return
                 self._set_queue(durable)
                 self._accept(exists, consume=bool(self.subs))
@@ -472,6 +480,11 @@ class MQTTConnection(asyncio.Protocol):
             self.publisher = True
             if self.worker.pressure:
                 self.pause_reading("pressure")
+        if not self._may_publish(p.topic):
+            # MQTT 3.1.1 cannot refuse one PUBLISH: the connection is closed (as RabbitMQ's plugin does).
+            self._backlog.clear()
+            self.close()
+            return
         qos = p.qos
         if qos == 2 and p.packet_id in self.in2:
             self.write(M.encode_ack(M.PUBREC, p.packet_id))  # a resend: routed once already [MQTT-4.3.3-2]
@@ -495,16 +508,30 @@ class MQTTConnection(asyncio.Protocol):
         entry[0] += self._route(p.topic, p.payload, qos, seq)
         self._settle(seq, True)
 
-    def _route(self, topic: str, payload: bytes, qos: int, seq: int | None) -> int:
-        """Publish to amq.topic; the number of shards that will confirm (seq set)."""
-        worker = self.worker
-        defs = worker.defs
-        vhost = self.vhost
+    def _may_publish(self, topic: str) -> bool:
+        """Write on amq.topic and, with topic permissions, on the routing key (a set lookup when cached)."""
+        defs = self.worker.defs
+        try:
+            self.access.check_publish(defs, defs.exchange(self.vhost, EXCHANGE), EXCHANGE, self._key(topic))
+        except AMQPError as exc:
+            log.warning("mqtt connection %s (%s): %s", self.conn_id, self.peer, exc.text)
+            return False
+        return True
+
+    def _key(self, topic: str) -> str:
         key = self._key_cache.get(topic)
         if key is None:
             if len(self._key_cache) > 10_000:
                 self._key_cache.clear()
             key = self._key_cache[topic] = topic_to_key(topic)
+        return key
+
+    def _route(self, topic: str, payload: bytes, qos: int, seq: int | None) -> int:
+        """Publish to amq.topic; the number of shards that will confirm (seq set)."""
+        worker = self.worker
+        defs = worker.defs
+        vhost = self.vhost
+        key = self._key(topic)
         props = PROPS[qos]
         queues = defs.route(vhost, EXCHANGE, key, props)
         if not queues:
@@ -583,6 +610,8 @@ class MQTTConnection(asyncio.Protocol):
     def _publish_will(self) -> None:
         will = self.will
         self.will = None
+        if not self._may_publish(will.topic):
+            return
         self._route(will.topic, will.payload, will.qos, None)
         if will.retain:
             self._retain(will.topic, will.qos, will.payload, None)
@@ -622,17 +651,31 @@ class MQTTConnection(asyncio.Protocol):
             else:
                 finish()
 
-        self._ensure_queue(lambda: self._bind_all(wanted, bound))
+        def refused() -> None:
+            self.write(M.encode_suback(pid, [M.SUBACK_FAILURE] * len(p.topics)))
+            self._unblock()
 
-    def _ensure_queue(self, then: Callable[[], None]) -> None:
+        def queue_ready() -> None:
+            if not self.access.allowed(self.worker.defs, READ, self.queue):  # consuming it needs read
+                log.warning("mqtt connection %s: read access to queue '%s' refused for user '%s'", self.conn_id,
+                            self.queue, self.user)
+                refused()
+                return
+            self._bind_all(wanted, bound)
+
+        self._ensure_queue(queue_ready, refused)
+
+    def _ensure_queue(self, then: Callable[[], None], refused: Callable[[], None]) -> None:
         if self.queue is not None:
             then()
             return
         name = transient_queue(self.client_id, self.worker.index, self.conn_id)
 
         def declared(ok: bool, result: Any) -> None:
-            if not ok:
-                raise RuntimeError(f"queue.declare failed: {result}")
+            if not ok:  # e.g. 403: no configure permission on mqtt-subscription-*
+                log.warning("mqtt connection %s: queue.declare refused: %s", self.conn_id, result)
+                refused()
+                return
             self._set_queue(name)
             then()
 
