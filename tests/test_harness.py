@@ -148,10 +148,10 @@ def _serve_stand_in() -> None:
     from pamqp import commands, frame
 
     parser = argparse.ArgumentParser()
-    for flag in ("--data-dir", "--port", "--frontends", "--shards", "--log-level", "--http-port", "--mqtt-port",
-                 "--ws-port"):
+    for flag in ("--data-dir", "--port", "--frontends", "--shards", "--log-level"):
         parser.add_argument(flag)
-    args = parser.parse_args()
+    # Every listener's port flag the harness passes (--http-port, --mqtt-port, ...) is not the stand-in's business.
+    args, _listener_ports = parser.parse_known_args()
     run_dir = os.path.join(args.data_dir, "run")
     os.makedirs(run_dir, exist_ok=True)
     workers: dict[tuple[str, int], subprocess.Popen] = {}
