@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import multiprocessing
 import os
+import socket
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -101,6 +102,25 @@ class Settings:
     vm_memory_high_watermark: str = "0.4"
     # Prometheus /metrics and /metrics/per-object (broker/http/metrics.py), bound to http_bind; 0 = off.
     prometheus_port: int = 15692
+    # Cluster (replication/): off = today's standalone node, no etcd needed.
+    cluster: bool = False
+    etcd_endpoints: list[str] = field(default_factory=lambda: ["127.0.0.1:2379"])
+    etcd_prefix: str = "shardmq"
+    node_name: str = field(default_factory=socket.gethostname)
+    # Host other nodes and proxies use to reach this node (its AMQP, replication and HTTP ports).
+    advertised_host: str = field(default_factory=socket.gethostname)
+    # Seconds of the node's etcd lease: a dead leader is replaced after at most this long.
+    lease_ttl: int = 10
+    # File holding the cluster's shared secret (SHARDMQ_CLUSTER_SECRET may hold the secret itself).
+    cluster_secret_file: str | None = None
+    replication_port: int = 5679
+    replication_bind: str = "127.0.0.1"
+    # Confirms and declare-oks need at least this many in-sync followers (below: nacks, logged).
+    min_isr: int = 0
+    # A follower that is behind and has not acked for this many seconds is disconnected.
+    replication_ack_timeout: int = 3
+    # HOST:PORT: follow that leader's replication port without etcd (static/manual mode, tests).
+    follow: str | None = None
     config_file: str | None = None
 
     @property
@@ -126,7 +146,7 @@ class Settings:
 @dataclass(frozen=True)
 class Option:
     name: str  # Settings field
-    kind: str  # "int" | "str" | "list" | "path"
+    kind: str  # "int" | "str" | "list" | "path" | "bool" (a flag without value; 1/0/true/false elsewhere)
     section: str | None  # INI section, None when the option cannot be set from a file
     help: str
     minimum: int | None = None
@@ -205,11 +225,29 @@ OPTIONS: tuple[Option, ...] = (
            "node memory above which publishers are blocked: a fraction of RAM (0.4) or an amount (2GB)"),
     Option("prometheus_port", "int", "http", "Prometheus metrics port (0 = off)", 0, 65535),
     Option("stats_interval", "int", "http", "ms between the statistics reports of the workers", 100, 3600000),
+    Option("cluster", "bool", "clustering", "run as a cluster member (etcd election, replication)",
+           key="enabled"),
+    Option("etcd_endpoints", "list", "clustering", "etcd endpoints HOST:PORT, comma separated"),
+    Option("etcd_prefix", "str", "clustering", "prefix of this cluster's keys in etcd"),
+    Option("node_name", "str", "clustering", "this node's name in the cluster (unique)"),
+    Option("advertised_host", "str", "clustering", "host the other nodes reach this node at"),
+    Option("lease_ttl", "int", "clustering", "seconds of the etcd lease (failover detection time)", 1, 3600),
+    Option("cluster_secret_file", "path", "clustering",
+           "file with the cluster's shared secret (or SHARDMQ_CLUSTER_SECRET)", key="secret_file"),
+    Option("replication_port", "int", "clustering", "replication stream port (leader)", 1, 65535, key="port"),
+    Option("replication_bind", "str", "clustering", "address the replication listener binds", key="bind"),
+    Option("min_isr", "int", "clustering", "confirms need this many in-sync followers (fewer: nack)", 0, 1000),
+    Option("replication_ack_timeout", "int", "clustering",
+           "seconds a lagging follower may go without acking before it is dropped", 1, 3600,
+           key="ack_timeout"),
+    Option("follow", "str", "clustering",
+           "HOST:PORT of a leader to follow without etcd (static/manual mode, tests)"),
 )
 OPTIONS_BY_NAME = {opt.name: opt for opt in OPTIONS}
 INI_SECTIONS = ("main", "amqp", "mqtt", "tls", "ws", "http", "clustering")
 BOOL_TRUE = ("1", "true", "yes", "on")
 BOOL_FALSE = ("0", "false", "no", "off")
+SECRET_ENV = ENV_PREFIX + "CLUSTER_SECRET"
 CONFIG_ENV = ENV_PREFIX + "CONFIG_FILE"
 _INI_OPTIONS = {(opt.section, opt.ini_key): opt for opt in OPTIONS if opt.section}
 
@@ -262,7 +300,9 @@ def _convert(opt: Option, raw: str) -> Any:
             (parse_disk_limit if opt.name == "disk_free_limit" else parse_memory_watermark)(raw)
         except ValueError as exc:
             raise _Invalid(str(exc)) from None
-    if opt.name in ("bind", "http_bind", "default_user") and not raw:
+    if opt.name in ("bind", "http_bind", "default_user", "etcd_prefix", "node_name", "advertised_host",
+                    "replication_bind") \
+            and not raw:
         raise _Invalid("must not be empty")
     return raw
 
@@ -273,6 +313,9 @@ def _describe_default(opt: Option) -> str:
         "frontends": "CPU count",
         "shards": "CPU count",
         "loopback_users": "guest",
+        "node_name": "hostname",
+        "advertised_host": "hostname",
+        "etcd_endpoints": "127.0.0.1:2379",
     }
     if opt.name in defaults:
         return defaults[opt.name]
@@ -281,7 +324,10 @@ def _describe_default(opt: Option) -> str:
 
 _METAVARS = {"int": "N", "path": "DIR", "list": "USERS", "str": "VALUE", "bind": "ADDR", "http_bind": "ADDR",
              "default_user": "USER", "sync": "POLICY", "log_level": "LEVEL",
-             "definitions": "FILE", "tls_cert": "FILE", "tls_key": "FILE", "tls_ca": "FILE"}
+             "definitions": "FILE", "tls_cert": "FILE", "tls_key": "FILE", "tls_ca": "FILE",
+             "etcd_endpoints": "HOSTS",
+             "cluster_secret_file": "FILE", "node_name": "NAME", "advertised_host": "HOST",
+             "follow": "HOST:PORT", "replication_bind": "ADDR"}
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -402,7 +448,34 @@ def load_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] 
 
     if "data_dir" not in values:
         values["data_dir"] = default_data_dir(environ)
-    return Settings(**values)
+    settings = Settings(**values)
+    _check_cluster(parser, settings, environ)
+    return settings
+
+
+def _check_cluster(parser: argparse.ArgumentParser, s: Settings, environ: Mapping[str, str]) -> None:
+    if s.follow is not None:
+        host, sep, port = s.follow.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            parser.error(f"--follow: expected HOST:PORT, got {s.follow!r}")
+        if not s.cluster:
+            parser.error("--follow needs --cluster")
+    if s.cluster and not s.cluster_secret_file and not environ.get(SECRET_ENV):
+        parser.error(f"--cluster needs --cluster-secret-file (or {SECRET_ENV})")
+
+
+def cluster_secret(s: Settings, environ: Mapping[str, str] | None = None) -> bytes:
+    """The shared secret: $SHARDMQ_CLUSTER_SECRET, else the content of --cluster-secret-file (stripped)."""
+    environ = os.environ if environ is None else environ
+    if environ.get(SECRET_ENV):
+        return environ[SECRET_ENV].encode()
+    if not s.cluster_secret_file:
+        raise ValueError(f"no cluster secret: set --cluster-secret-file or {SECRET_ENV}")
+    with open(s.cluster_secret_file, "rb") as f:
+        secret = f.read().strip()
+    if not secret:
+        raise ValueError(f"cluster secret file {s.cluster_secret_file} is empty")
+    return secret
 
 
 def tls_problem(s: Settings) -> str | None:

@@ -54,8 +54,9 @@ import msgpack
 
 # 2: DELAYED_PUBLISH; shards confirm forwarded delayed messages. 3: QUEUE_INFO, DEDUP_PUBLISH,
 # CHANNEL_CLOSED's and CANCEL's req_id, channel fields carry the channel key (number + 65536 * generation).
-# 4: STATS, ALARMS, CLOSE_CONNECTIONS by user/conn; KV_PUT, KV_GET (MQTT retained messages and sessions).
-VERSION = 4
+# 4: STATS, ALARMS, CLOSE_CONNECTIONS by user/conn; KV_PUT, KV_GET (MQTT retained messages and
+# sessions). 5: REPL_STATUS, REPL_ISR (cluster).
+VERSION = 5
 
 # --------------------------------------------------------------------------
 # Control plane: node <-> every worker (node.sock)
@@ -80,6 +81,12 @@ FORWARD = 5
 # a shard's: {"queues": [[vhost, name, ready, unacked, consumers, ready_bytes, published, delivered, acked], ...]}
 #   (published/delivered/acked: totals since the shard started; the node turns them into rates)
 STATS = 6
+# REPL_STATUS: [REPL_STATUS, {follower: [connected, in_sync, lag_bytes, lag_seconds, last_ack_monotonic,
+#                                         acked_position]}]
+# a leader's shard reports its replication stream's followers (on every connect, disconnect or
+# in-sync change, and every second while followers are attached). A follower missing from the map
+# is not connected to that shard's stream.
+REPL_STATUS = 7  # (6 and 19 are STATS and ALARMS on branch mgmt)
 
 # node -> worker
 SNAPSHOT = 10  # [SNAPSHOT, defs_version, definitions(dict), shard_epochs({index: epoch}), settings(dict)]
@@ -96,6 +103,10 @@ FORWARDED = 18  # [FORWARDED, payload]  see FORWARD
 # [ALARMS, [name, ...]]  the resource alarms in effect ("disk", "memory"; [] = none), sent to frontends when
 # the set changes and after a frontend's SNAPSHOT: publishing connections are blocked while it is not empty
 ALARMS = 19
+# REPL_ISR: [REPL_ISR, followers(list[str]), min_isr]  the in-sync replica set a leader's shard must
+# wait for before it confirms (every one acked its stream past the record); with fewer than
+# min_isr followers it nacks. [] and 0: confirm after the local sync only (standalone, follower).
+REPL_ISR = 8
 
 # Requests a frontend or shard sends to the node (REQUEST op names). Args are dicts
 # with the AMQP method's fields plus "vhost" and, for frontends, "owner" = [frontend_index, conn_id].
@@ -253,6 +264,27 @@ def node_address(run_dir: str) -> str:
 
 def shard_address(run_dir: str, index: int) -> str:
     return "ipc://" + os.path.join(run_dir, f"shard-{index}.sock")
+
+
+def repl_handoff_path(run_dir: str, index: int) -> str:
+    """Unix datagram socket where shard ``index`` receives replication connections from the node
+    (``replication/handoff.py``): one datagram per connection, the socket as SCM_RIGHTS ancillary
+    data, the payload ``pack_handoff(follower_name)``."""
+    return os.path.join(run_dir, f"repl-shard-{index}.sock")
+
+
+def pack_handoff(follower: str) -> bytes:
+    return msgpack.packb([VERSION, follower], use_bin_type=True)
+
+
+def unpack_handoff(data: bytes) -> str:
+    try:
+        version, follower = msgpack.unpackb(data, raw=False)
+    except Exception as exc:
+        raise ValueError(f"malformed handoff: {exc}") from exc
+    if version != VERSION:
+        raise ValueError(f"handoff of contract version {version}")
+    return str(follower)
 
 
 def worker_id(role: str, index: int) -> bytes:

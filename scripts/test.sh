@@ -19,6 +19,8 @@ command -v chromedriver >/dev/null || APT_PACKAGES+=(chromium-driver)
 command -v haproxy >/dev/null || APT_PACKAGES+=(haproxy)
 # The MQTT perf-tool test runs shardmq-perf against a private mosquitto (loadtest/mosquitto.py).
 command -v mosquitto >/dev/null || [ -x /usr/sbin/mosquitto ] || APT_PACKAGES+=(mosquitto)
+# The cluster tests start private etcd servers (loadtest/etcd.py) and the drill puts haproxy in front.
+[ -x /usr/bin/etcd ] || APT_PACKAGES+=(etcd-server)
 [ "${#APT_PACKAGES[@]}" -eq 0 ] || apt_install "${APT_PACKAGES[@]}"
 
 ensure_venv

@@ -20,6 +20,7 @@ import os
 import struct
 import threading
 
+from broker import write_observer
 from shard import record
 from shard.segment import (
     DATA_START,
@@ -63,6 +64,16 @@ def _write_name_file(path: str, name: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    if write_observer.current is not None:
+        write_observer.current.replace(path, name.encode())
+
+
+def _write_acks(seg: Segment, fd: int, blob: bytes) -> None:
+    """Append ack positions to the segment's ack file (O_APPEND) and report where they went."""
+    os.write(fd, blob)
+    obs = write_observer.current
+    if obs is not None:
+        obs.append(seg.path("acks"), os.fstat(fd).st_size - len(blob), blob)
 
 
 def _all_zero(path: str) -> bool:
@@ -153,6 +164,9 @@ class QueueStore(SegmentDir):
             pos = seg.used
         _write_record(seg.mm, pos, payload)
         seg.used = pos + total
+        obs = write_observer.current
+        if obs is not None:
+            obs.append(seg.path("msgs"), pos, seg.mm[pos:pos + total])
         seg.count += 1
         seg.live += 1
         n = len(body)
@@ -455,7 +469,7 @@ class QueueStore(SegmentDir):
             fd = seg.ack_fd
             if fd < 0:
                 fd = self._open_acks(seg)
-            os.write(fd, struct.pack(f"<{len(positions)}I", *positions))
+            _write_acks(seg, fd, struct.pack(f"<{len(positions)}I", *positions))
         self._acks_dirty = True
 
     def _read_mark(self) -> int:
@@ -489,7 +503,7 @@ class QueueStore(SegmentDir):
         fd = seg.ack_fd
         if fd < 0:
             fd = self._open_acks(seg)
-        os.write(fd, struct.pack(f"<{len(positions)}I", *positions))
+        _write_acks(seg, fd, struct.pack(f"<{len(positions)}I", *positions))
         self._acks_dirty = True
         seg.live -= len(positions)
         if seg.live == 0 and seg.sealed:
@@ -667,3 +681,5 @@ class QueueStore(SegmentDir):
             os.fsync(f.fileno())
         os.replace(tmp, seg.path("acks"))
         self._dir_dirty = True
+        if write_observer.current is not None:
+            write_observer.current.replace(seg.path("acks"), struct.pack(f"<{len(positions)}I", *positions))

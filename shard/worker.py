@@ -32,6 +32,7 @@ from shard.feature_queue import EXPIRING_MARK, FeatureQueue, needs_features
 from shard.kvstore import KVStores
 from shard.priority_store import open_store
 from shard.queue import Queue
+from shard.replication_stream import ShardReplication
 from shard.stats import SyncHistogram, shard_stats
 from shard.store import QueueStore, queue_dir
 from shard.stream_queue import StreamQueue, consume_error, retention_args, segment_size
@@ -103,6 +104,8 @@ class ShardWorker:
         self.ack_timeouts: AckTimeouts | None = None  # consumer-argument and node-default timeouts
         self.delayed = DelayedMessages(self)  # delay stores of delayed exchanges owned here
         self.kv = KVStores(self)  # MQTT retained messages and session state placed here
+        # A cluster leader's shard streams its files to the followers and holds confirms for them.
+        self.repl: ShardReplication | None = None
 
     # ------------------------------------------------------------------ startup
     async def start(self) -> None:
@@ -152,6 +155,9 @@ class ShardWorker:
                 self.delayed.peer_up(index, restarted)
             elif kind == contract.REPLY:
                 pass  # answers to our auto-delete requests need no action
+            elif kind == contract.REPL_ISR:
+                if self.repl is not None:
+                    self.repl.set_isr(set(item[1]), int(item[2]))
 
     def _load_snapshot(self, item: list) -> None:
         _, version, defs_dict, epochs, settings = item
@@ -168,6 +174,11 @@ class ShardWorker:
                 if q.shard == self.index:
                     self._open_queue(v.name, name)
         self.delayed.load()
+        if settings.get("cluster") and self.repl is None:  # shards run on a leader only
+            self.repl = ShardReplication(
+                self.loop, self.index, settings["data_dir"], self.run_dir,
+                float(settings.get("replication_ack_timeout") or 3), self._owned_store_paths,
+                lambda status: self.node.put(None, [contract.REPL_STATUS, status]))
         self.node.put(None, [contract.APPLIED, version])
         log.info("shard %d (pid %d) ready: %d queues, epoch %d", self.index, os.getpid(),
                  len(self.queues), self.epoch)
@@ -809,10 +820,25 @@ class ShardWorker:
         for store in stores:
             store.flush_acks()  # on the loop thread: the sync thread only fsyncs
         started = time.monotonic()
+        # In a cluster the confirms also wait for the ISR followers to ack everything written so far.
+        target = self.repl.position() if waiting and self.repl is not None and self.repl.gating else -1
         fut = self.loop.run_in_executor(None, _sync_all, list(stores))
-        fut.add_done_callback(lambda f: self._sync_done(f, waiting, after, started))
+        fut.add_done_callback(lambda f: self._sync_done(f, waiting, after, target, started))
 
-    def _sync_done(self, fut: asyncio.Future, waiting: list, after: list, started: float | None = None) -> None:
+    def _owned_store_paths(self) -> list[str]:
+        """Directories of the stores this shard owns (its replication stream's files)."""
+        return [q.store.path for q in self.queues.values()] + [s.path for s in self.delayed.all_stores()]
+
+    def _replicated(self, waiting: list, ok: bool) -> None:
+        kind = contract.CONFIRM if ok else contract.CONFIRM_NACK
+        grouped: dict[tuple[bytes, int, int], list[int]] = {}
+        for fe, conn_id, channel, seq in waiting:
+            grouped.setdefault((fe, conn_id, channel), []).append(seq)
+        for (fe, conn_id, channel), seqs in grouped.items():
+            self.data.put(fe, [kind, conn_id, channel, seqs])
+
+    def _sync_done(self, fut: asyncio.Future, waiting: list, after: list, target: int = -1,
+                   started: float | None = None) -> None:
         self._sync_running = False
         if started is not None:
             self.sync_histogram.observe(time.monotonic() - started)
@@ -827,6 +853,9 @@ class ShardWorker:
                     callback()
                 except Exception:
                     log.exception("shard %d: after-sync callback failed", self.index)
+            if target >= 0 and waiting:
+                held, waiting = waiting, []
+                self.repl.when_replicated(target, lambda ok: self._replicated(held, ok))
             confirms = self._confirms
             for fe, conn_id, channel, seq in waiting:
                 key = (fe, conn_id, channel)
@@ -855,6 +884,9 @@ class ShardWorker:
         if self._stopping:
             return
         self._stopping = True
+        if self.repl is not None:
+            self.repl.close()
+            self.repl = None
         self.data.flush()
         for q in self.queues.values():
             if isinstance(q, FeatureQueue) and q.count_returns:

@@ -207,6 +207,7 @@ class Node:
         self.ws_port = ws_port  # 0: off, as mqtt_port
         self.http_port = free_port()
         self.prometheus_port = free_port()
+        self.replication_port = free_port()
         self.extra_args = list(extra_args)
         self.env = env or {}
         self.log_level = log_level
@@ -241,6 +242,7 @@ class Node:
             "--prometheus-port", str(self.prometheus_port),
             "--mqtt-port", str(self.mqtt_port),
             "--ws-port", str(self.ws_port),
+            "--replication-port", str(self.replication_port),
             *self.extra_args,
         ]
 

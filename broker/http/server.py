@@ -20,6 +20,7 @@ ROUTE_MODULES: tuple[str, ...] = (
     "broker.http.policies_api",
     "broker.http.definitions_api",
     "broker.http.ui",
+    "broker.http.cluster",
 )
 
 
