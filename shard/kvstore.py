@@ -6,7 +6,9 @@ None deletes the key). Loading replays the log and stops at the first torn or co
 record (and cuts the file there), as the queue segments do. The log is rewritten
 (tmp, fsync, rename) once it holds three times more records than live keys.
 
-Which shard keeps a store is the frontend's choice (frontend/mqtt/placement.py); the
+Writes are reported to ``broker.write_observer`` (appends and whole-file replaces), so a shard's
+replication stream carries them. Which shard keeps a store is the frontend's choice
+(frontend/mqtt/messages.py); the
 layout does not depend on the shard count. A put is answered (REPLY_DATA) once it is
 fsynced; puts arriving while a sync runs go with the next one (one fsync per store
 per round, never per put). Rates are those of retained messages and QoS 2 handshakes,
@@ -24,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
-from broker import contract
+from broker import contract, write_observer
 from broker.datadir import name_hash
 
 if TYPE_CHECKING:
@@ -47,6 +49,7 @@ class KVStore:
         if os.fstat(self.fd).st_size != good:
             os.ftruncate(self.fd, good)  # a torn tail from a crash
         os.lseek(self.fd, good, os.SEEK_SET)
+        self.size = good
 
     def _load(self) -> int:
         try:
@@ -82,7 +85,11 @@ class KVStore:
         else:
             self.items[key] = value
         body = msgpack.packb([key, value], use_bin_type=True)
-        os.write(self.fd, _HEAD.pack(len(body), zlib.crc32(body)) + body)
+        data = _HEAD.pack(len(body), zlib.crc32(body)) + body
+        os.write(self.fd, data)
+        if write_observer.current is not None:  # the replication stream of this shard
+            write_observer.current.append(self.path, self.size, data)
+        self.size += len(data)
         self.records += 1
 
     @property
@@ -92,13 +99,19 @@ class KVStore:
     def compact(self) -> None:
         """Rewrite the log with the live keys only. Not while a sync of this fd runs (KVStores sees to it)."""
         tmp = self.path + ".tmp"
+        parts = []
+        for key, value in self.items.items():
+            body = msgpack.packb([key, value], use_bin_type=True)
+            parts.append(_HEAD.pack(len(body), zlib.crc32(body)) + body)
+        content = b"".join(parts)
         with open(tmp, "wb") as fh:
-            for key, value in self.items.items():
-                body = msgpack.packb([key, value], use_bin_type=True)
-                fh.write(_HEAD.pack(len(body), zlib.crc32(body)) + body)
+            fh.write(content)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, self.path)
+        if write_observer.current is not None:
+            write_observer.current.replace(self.path, content)
+        self.size = len(content)
         os.close(self.fd)
         self.fd = os.open(self.path, os.O_RDWR)
         os.lseek(self.fd, 0, os.SEEK_END)
