@@ -3,6 +3,8 @@ write on the routing key), subscribe needs configure/write/read on the session q
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from broker.mqtt import codec as M
@@ -75,3 +77,38 @@ def test_topic_permissions_apply_to_mqtt_topics(pnode):
     assert topical.recv() == M.Ack(M.PUBACK, 3)
     topical.publish("other/x", b"refused", qos=1, pid=4)
     assert topical.closed_by_server()
+
+
+def test_a_resource_alarm_blocks_mqtt_publishers_only_and_the_api_lists_mqtt_connections(node_factory):
+    """As AMQP publishers: a publishing MQTT connection is not read while an alarm is on (no PUBACK);
+    subscribers go on. The management API shows MQTT connections with their client id."""
+    node = node_factory(name="alarm", frontends=1, shards=1, mqtt_port=free_port(),
+                        extra_args=["--vm-memory-high-watermark", "1MB", "--stats-interval", "200"])
+    api = Api(node.http_port)
+    deadline = time.monotonic() + 10
+    while api.call("GET", "/api/health/checks/alarms")[0] != 503:
+        assert time.monotonic() < deadline, "the memory alarm did not fire"
+        time.sleep(0.05)
+    sub = RawMQTT(node.mqtt_port)
+    assert sub.connect("alarm-sub").return_code == 0
+    assert sub.subscribe(1, [("al/#", 1)]) == [1]
+    pub = RawMQTT(node.mqtt_port)
+    assert pub.connect("alarm-pub").return_code == 0
+    pub.publish("al/x", b"first", qos=1, pid=1)  # read: it makes the connection a publisher
+    assert pub.recv() == M.Ack(M.PUBACK, 1)
+    pub.publish("al/x", b"second", qos=1, pid=2)
+    try:
+        pub.recv(timeout=1.5)
+        raise AssertionError("a blocked publisher was read")
+    except AssertionError as exc:
+        assert "no packet" in str(exc)
+    p = sub.recv()
+    assert p.payload == b"first"
+    sub.ack(M.PUBACK, p.packet_id)
+    sub.send(bytes((M.PINGREQ << 4, 0)))
+    assert sub.recv() == M.Simple(M.PINGRESP)  # subscribers are still read
+    conns = api.wait_for("/api/connections", lambda d: {"alarm-sub", "alarm-pub"} <= {
+        (c.get("client_properties") or {}).get("client_id") for c in d})
+    assert {c["user"] for c in conns} == {"guest"}
+    sub.disconnect()
+    pub.close()

@@ -21,6 +21,7 @@ import asyncio
 import ipaddress
 import logging
 import secrets
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -103,6 +104,9 @@ class MQTTConnection(asyncio.Protocol):
         self.vhost = "/"
         self.user = ""
         self.client_id = ""
+        # What the management API lists for a connection (frontend/stats.py reads these).
+        self.client_properties: dict = {"product": "MQTT client", "protocol": "MQTT 3.1.1"}
+        self.connected_at = int(time.time() * 1000)
         self.clean = True
         self.publisher = False
         self.will: M.Publish | None = None
@@ -199,6 +203,16 @@ class MQTTConnection(asyncio.Protocol):
         self._write_paused = False
         if self._credit:
             self._mark_dirty()
+
+    def apply_alarms(self) -> None:
+        """A resource alarm (worker.alarms) blocks a publishing connection: it is not read until it clears.
+        MQTT 3.1.1 has no way to tell the client (AMQP's connection.blocked)."""
+        if self.state == CLOSED:
+            return
+        if self.worker.alarms and self.publisher:
+            self.pause_reading("alarm")
+        else:
+            self.resume_reading("alarm")
 
     def pause_reading(self, reason: str) -> None:
         if not self._read_pause and self.transport is not None and not self.transport.is_closing():
@@ -380,6 +394,8 @@ class MQTTConnection(asyncio.Protocol):
             return
         self.vhost, self.user, self.client_id = vhost, user, client_id
         self.access = Access(user, vhost, client_id)
+        self.client_properties = {"product": "MQTT client", "protocol": f"MQTT {p.protocol_level}",
+                                  "client_id": client_id, "clean_session": bool(p.clean_session)}
         self.clean = bool(p.clean_session)
         self.will = p.will
         self.keep_alive = p.keep_alive
@@ -465,7 +481,7 @@ class MQTTConnection(asyncio.Protocol):
         self._timer = None
         if self.state != RUNNING or self.transport is None:
             return
-        if not self._received:
+        if not self._received and not self._read_pause:  # not while we are the ones not reading
             log.info("mqtt connection %s (%s): keep-alive timeout (%ds)", self.conn_id, self.peer, self.keep_alive)
             self.transport.abort()
             return
@@ -480,6 +496,8 @@ class MQTTConnection(asyncio.Protocol):
             self.publisher = True
             if self.worker.pressure:
                 self.pause_reading("pressure")
+            if getattr(self.worker, "alarms", None):
+                self.apply_alarms()
         if not self._may_publish(p.topic):
             # MQTT 3.1.1 cannot refuse one PUBLISH: the connection is closed (as RabbitMQ's plugin does).
             self._backlog.clear()
