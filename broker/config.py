@@ -90,6 +90,8 @@ class Settings:
     proxy_protocol: int = 0
     # MQTT (/ws) and AMQP (/amqp) over WebSocket (frontend/ws.py); 0 = off.
     ws_port: int = 15675
+    # WebSocket over TLS (as RabbitMQ's web-mqtt TLS listener), on when --tls-cert is set; 0 = off.
+    wss_port: int = 15676
     # The node's HTTP server (broker/http/): management API, UI and health checks on one port.
     http_port: int = 15672
     http_bind: str = "127.0.0.1"
@@ -215,6 +217,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("proxy_protocol", "int", "main",
            "1 = client listeners (also TLS) require a PROXY protocol v1/v2 header (haproxy send-proxy)", 0, 1),
     Option("ws_port", "int", "ws", "WebSocket port: MQTT at /ws, AMQP at /amqp (0 = off)", 0, 65535, key="port"),
+    Option("wss_port", "int", "ws", "WebSocket over TLS port, on when --tls-cert is set (0 = off)", 0, 65535,
+           key="tls_port"),
     Option("http_port", "int", "http", "HTTP port: management API, UI, health checks (0 = off)", 0, 65535,
            key="port"),
     Option("http_bind", "str", "http", "address the HTTP listener binds", key="bind"),

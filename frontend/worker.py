@@ -113,11 +113,13 @@ class FrontendWorker:
             log.info("frontend %d (pid %d) listening for %s on %s:%d", self.index, os.getpid(),
                      listener.protocol, bind, port)
         ws_port = int(settings.get("ws_port", 0) or 0)
-        if ws_port:
+        wss_port = int(settings.get("wss_port", 0) or 0) if tls is not None else 0
+        if ws_port or wss_port:
             from frontend import ws  # aiohttp is imported only by frontends that serve WebSocket
 
-            self._ws_runner = await ws.start(self, bind, ws_port)
-            log.info("frontend %d (pid %d) listening for websocket on %s:%d", self.index, os.getpid(), bind, ws_port)
+            self._ws_runner = await ws.start(self, bind, ws_port, wss_port, tls)
+            log.info("frontend %d (pid %d) listening for websocket on %s:%d%s", self.index, os.getpid(), bind,
+                     ws_port, f" and over TLS on {wss_port}" if wss_port else "")
 
         self._send_stats()
 

@@ -94,7 +94,7 @@ SAMPLES = {
     "mqtt_port": "0", "mqtt_max_packet_size": "4096",
     "mqtt_max_inflight": "7", "mqtt_allow_anonymous": "1", "amqps_port": "0", "mqtts_port": "0", "tls_cert": "/tmp/c.pem",
     "tls_key": "/tmp/k.pem", "tls_ca": "/tmp/ca.pem", "tls_verify_peer": "1",
-    "proxy_protocol": "1", "ws_port": "0",
+    "proxy_protocol": "1", "ws_port": "0", "wss_port": "0",
     "cluster": "true", "etcd_endpoints": "10.0.0.1:2379,10.0.0.2:2379", "etcd_prefix": "mq1",
     "node_name": "n1", "advertised_host": "n1.example", "lease_ttl": "3",
     "cluster_secret_file": "/tmp/shardmq-secret", "replication_port": "6000", "replication_bind": "0.0.0.0",

@@ -186,6 +186,21 @@ def test_sighup_reloads_the_certificate_and_keeps_established_connections(node_f
     assert node.running()
 
 
+def test_mqtt_over_websocket_over_tls(node_factory, pki):
+    from websockets.sync.client import connect
+
+    from broker.mqtt import codec as M
+
+    wss = free_port()
+    node = node_factory(name="wss", frontends=1, shards=1, ws_port=free_port(),
+                        extra_args=[*_tls_args(pki), "--wss-port", str(wss)])
+    with connect(f"wss://localhost:{wss}/ws", subprotocols=["mqtt"], ssl=_client_ctx(pki["ca"]),
+                 open_timeout=5) as ws:
+        ws.send(M.encode_connect("wss-client", username="guest", password=b"guest"))
+        assert M.MQTTParser(server=False).feed(ws.recv(timeout=5)) == [M.ConnAck(False, 0)]
+    assert node.running()
+
+
 def test_bad_tls_settings_stop_the_cli_naming_the_flag(tmp_path, pki):
     def run(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "broker.cli", "--data-dir", str(tmp_path / "d"), *args],
