@@ -95,6 +95,8 @@ class Settings:
     # The node's HTTP server (broker/http/): management API, UI and health checks on one port.
     http_port: int = 15672
     http_bind: str = "127.0.0.1"
+    # HTTPS for the same application (management API, UI, health), on when --tls-cert is set; 0 = off.
+    https_port: int = 15671
     # ms between the periodic statistics each worker sends the node (RabbitMQ's
     # collect_statistics_interval): queue counts, connections, counters for the API and Prometheus.
     stats_interval: int = 5000
@@ -222,6 +224,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("http_port", "int", "http", "HTTP port: management API, UI, health checks (0 = off)", 0, 65535,
            key="port"),
     Option("http_bind", "str", "http", "address the HTTP listener binds", key="bind"),
+    Option("https_port", "int", "http", "HTTPS port of the same API/UI, on when --tls-cert is set (0 = off)", 0,
+           65535, key="tls_port"),
     Option("disk_free_limit", "str", "main",
            "free disk space of the data dir below which publishers are blocked: bytes with a unit (50MB) "
            "or mem_relative:F (F x RAM)"),

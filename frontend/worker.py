@@ -19,12 +19,12 @@ import zmq
 
 from broker import contract
 from broker.definitions import Definitions
+from broker.tls import reload_certificate, server_context
 from broker.zmqio import BatchSocket, make_socket
 from frontend.listeners import FORWARDED, LISTENERS, load
 from frontend.proxy import ProxyProtocolListener
 from frontend.session import CONNECTION_FORCED, Session
 from frontend.stats import frontend_stats
-from frontend.tls import reload_certificate, server_context
 
 log = logging.getLogger("shardmq.frontend")
 
@@ -64,7 +64,7 @@ class FrontendWorker:
         self.servers: list[asyncio.AbstractServer] = []
         self._forwarded: dict[str, Callable] = {}
         self._ws_runner: Any = None
-        self.tls: Any = None  # the TLS listeners' ssl.SSLContext (frontend/tls.py), None without a certificate
+        self.tls: Any = None  # the TLS listeners' ssl.SSLContext (broker/tls.py), None without a certificate
         self.conns: dict[int, Session] = {}
         self._next_conn = 0
         self._next_req = 0

@@ -201,6 +201,17 @@ def test_mqtt_over_websocket_over_tls(node_factory, pki):
     assert node.running()
 
 
+def test_management_api_and_health_over_https(node_factory, pki):
+    import json
+    import urllib.request
+
+    https = free_port()
+    node_factory(name="https", frontends=1, shards=1, extra_args=[*_tls_args(pki), "--https-port", str(https)])
+    with urllib.request.urlopen(f"https://localhost:{https}/api/health/checks/alarms",
+                                context=_client_ctx(pki["ca"]), timeout=10) as resp:
+        assert resp.status == 200 and json.loads(resp.read())["status"] == "ok"
+
+
 def test_bad_tls_settings_stop_the_cli_naming_the_flag(tmp_path, pki):
     def run(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "broker.cli", "--data-dir", str(tmp_path / "d"), *args],

@@ -39,6 +39,7 @@ from broker.mqtt.topics import (
     valid_topic_name,
 )
 from broker.permissions import READ, Access
+from broker.tls import peer_common_name
 from frontend.mqtt.messages import (
     EXCHANGE,
     PROPS,
@@ -52,7 +53,6 @@ from frontend.mqtt.messages import (
 )
 from frontend.publish import put_publish, queues_by_shard
 from frontend.session import CONNECTION_FORCED
-from frontend.tls import peer_common_name
 
 if TYPE_CHECKING:
     from frontend.worker import FrontendWorker
