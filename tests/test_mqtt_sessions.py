@@ -146,8 +146,9 @@ def test_qos2_delivery_to_client_is_exactly_once(mnode, restart):
             rels.add(p.packet_id)
             r.raw.ack(M.PUBCOMP, p.packet_id)  # already handed over: nothing delivered now
         else:
-            # DUP is set when the shard knows it was delivered before (its flag does not outlive a restart)
-            assert isinstance(p, M.Publish) and (p.dup or restart) and p.payload in {x.payload for x in group3}, p
+            # sent again with its original packet identifier and DUP [MQTT-4.4.0-1]
+            assert isinstance(p, M.Publish) and p.dup and p.payload in {x.payload for x in group3}, p
+            assert p.packet_id == {x.payload: x.packet_id for x in group3}[p.payload]
             again.append(p)
             r.raw.ack(M.PUBREC, p.packet_id)
     done = 0

@@ -125,6 +125,9 @@ class MQTTConnection(asyncio.Protocol):
         # outbound: pid -> (shard|None, qid, mid, qos) sent, not acknowledged; out2: PUBREC seen, PUBCOMP not yet
         self.inflight: dict[int, tuple] = {}
         self.out2: set[int] = set()
+        # persistent sessions: queue message id -> packet id of a QoS 2 PUBLISH sent and not yet PUBREC'd, so
+        # one sent again after a reconnect or restart keeps its packet identifier [MQTT-4.4.0-1]
+        self.pub2: dict[int, int] = {}
         self._next_pid = 0
         self._sub_cache: dict[str, int] = {}
         self._key_cache: dict[str, str] = {}  # topic -> routing key of this connection's publishes
@@ -435,6 +438,7 @@ class MQTTConnection(asyncio.Protocol):
             self.subs = {str(k): int(v) for k, v in (state.get("subs") or {}).items()}
             self.in2 = set(state.get("in2") or ())
             self.out2 = set(state.get("out2") or ())
+            self.pub2 = {int(mid): int(pid) for mid, pid in state.get("pub2") or ()}
 
             def declared(ok: bool, result: Any) -> None:
                 if not ok:  # 403: no configure permission on the session queue
@@ -588,7 +592,8 @@ class MQTTConnection(asyncio.Protocol):
             return
         shard = session_shard(self.vhost, self.client_id, self.worker.shard_count)
         self._kv_put(shard, SESSIONS, self.client_id,
-                     {"subs": dict(self.subs), "in2": sorted(self.in2), "out2": sorted(self.out2)}, done)
+                     {"subs": dict(self.subs), "in2": sorted(self.in2), "out2": sorted(self.out2),
+                      "pub2": sorted(self.pub2.items())}, done)
 
     def _settle(self, seq: int, ok: bool) -> None:
         entry = self._pending.get(seq)
@@ -833,7 +838,16 @@ class MQTTConnection(asyncio.Protocol):
         if qos == 0:
             self.write(M.encode_publish(topic, payload, 0, retain))
             return
-        pid = self._alloc_pid()
+        if qos == 2 and ref is not None and not self.clean:
+            mid = ref[2]
+            pid = self.pub2.get(mid)
+            if pid is not None and pid not in self.inflight and pid not in self.out2:
+                dup = True  # sent before this reconnect or restart: same packet id, DUP set
+            else:
+                pid = self.pub2[mid] = self._alloc_pid()
+                self._save_state()  # not waited for: the PUBLISH goes out now
+        else:
+            pid = self._alloc_pid()
         self.inflight[pid] = (ref, qos)
         self.write(M.encode_publish(topic, payload, qos, retain, dup, pid))
 
@@ -841,7 +855,7 @@ class MQTTConnection(asyncio.Protocol):
         pid = self._next_pid
         for _ in range(65535):
             pid = pid % 65535 + 1
-            if pid not in self.inflight and pid not in self.out2:
+            if pid not in self.inflight and pid not in self.out2 and not (self.pub2 and pid in self.pub2.values()):
                 self._next_pid = pid
                 return pid
         raise RuntimeError("no free packet identifier")
@@ -865,6 +879,8 @@ class MQTTConnection(asyncio.Protocol):
         if entry is not None:
             if entry[0] is not None:
                 self._ack(*entry[0])
+                if entry[1] == 2:
+                    self.pub2.pop(entry[0][2], None)
             self.out2.add(pid)
             if not self.clean:
                 # The shard's ack and the session record go out in this turn; PUBREL once the record
