@@ -6,9 +6,7 @@ None deletes the key). Loading replays the log and stops at the first torn or co
 record (and cuts the file there), as the queue segments do. The log is rewritten
 (tmp, fsync, rename) once it holds three times more records than live keys.
 
-Writes are reported to ``broker.write_observer`` (appends and whole-file replaces), so a shard's
-replication stream carries them. Which shard keeps a store is the frontend's choice
-(frontend/mqtt/messages.py); the
+Which shard keeps a store is the frontend's choice (frontend/mqtt/placement.py); the
 layout does not depend on the shard count. A put is answered (REPLY_DATA) once it is
 fsynced; puts arriving while a sync runs go with the next one (one fsync per store
 per round, never per put). Rates are those of retained messages and QoS 2 handshakes,
@@ -49,7 +47,6 @@ class KVStore:
         if os.fstat(self.fd).st_size != good:
             os.ftruncate(self.fd, good)  # a torn tail from a crash
         os.lseek(self.fd, good, os.SEEK_SET)
-        self.size = good
 
     def _load(self) -> int:
         try:
@@ -87,10 +84,9 @@ class KVStore:
         body = msgpack.packb([key, value], use_bin_type=True)
         data = _HEAD.pack(len(body), zlib.crc32(body)) + body
         os.write(self.fd, data)
-        if write_observer.current is not None:  # the replication stream of this shard
-            write_observer.current.append(self.path, self.size, data)
-        self.size += len(data)
         self.records += 1
+        if write_observer.current is not None:
+            write_observer.current.append(self.path, os.lseek(self.fd, 0, os.SEEK_CUR) - len(data), data)
 
     @property
     def wants_compaction(self) -> bool:
@@ -103,15 +99,14 @@ class KVStore:
         for key, value in self.items.items():
             body = msgpack.packb([key, value], use_bin_type=True)
             parts.append(_HEAD.pack(len(body), zlib.crc32(body)) + body)
-        content = b"".join(parts)
+        data = b"".join(parts)
         with open(tmp, "wb") as fh:
-            fh.write(content)
+            fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, self.path)
         if write_observer.current is not None:
-            write_observer.current.replace(self.path, content)
-        self.size = len(content)
+            write_observer.current.replace(self.path, data)
         os.close(self.fd)
         self.fd = os.open(self.path, os.O_RDWR)
         os.lseek(self.fd, 0, os.SEEK_END)
@@ -170,22 +165,32 @@ class KVStores:
         waiting = self._waiting
         self._dirty = set()
         self._waiting = []
+        # In a cluster the replies also wait for the ISR followers (as publish confirms do).
+        repl = self.worker.repl
+        target = repl.position() if waiting and repl is not None and repl.gating else -1
         fut = self.worker.loop.run_in_executor(None, _fsync_all, fds)
-        fut.add_done_callback(lambda f: self._synced(f, waiting))
+        fut.add_done_callback(lambda f: self._synced(f, waiting, target))
 
-    def _synced(self, fut: asyncio.Future, waiting: list) -> None:
+    def _synced(self, fut: asyncio.Future, waiting: list, target: int = -1) -> None:
         self._syncing = False
         for st in self.stores.values():
             if st.wants_compaction:
                 st.compact()
         exc = fut.exception()
+        repl = self.worker.repl
+        if exc is None and target >= 0 and waiting and repl is not None:
+            repl.when_replicated(target, lambda ok: self._reply(waiting, None if ok else "too few in-sync followers"))
+        else:
+            self._reply(waiting, None if exc is None else f"kv sync failed: {exc}")
+        self._start_sync()
+
+    def _reply(self, waiting: list, error: str | None) -> None:
         put = self.worker.data.put
         for fe, req_id in waiting:
-            if exc is None:
+            if error is None:
                 put(fe, [contract.REPLY_DATA, req_id, True, {}])
             else:
-                put(fe, [contract.REPLY_DATA, req_id, False, [541, f"INTERNAL_ERROR - kv sync failed: {exc}", 0, 0]])
-        self._start_sync()
+                put(fe, [contract.REPLY_DATA, req_id, False, [541, f"INTERNAL_ERROR - {error}", 0, 0]])
 
     def close(self) -> None:
         fds = [st.fd for st in self.stores.values()]

@@ -117,7 +117,7 @@ class Segment:
 
     __slots__ = (
         "no", "dir", "fd", "mm", "size", "used", "sealed",
-        "count", "transient", "body_bytes", "live", "acked", "ack_fd", "skip_acked",
+        "count", "transient", "body_bytes", "live", "acked", "ack_fd", "skip_acked", "msgs_path",
     )
 
     def __init__(self, dir_path: str, no: int) -> None:
@@ -136,6 +136,7 @@ class Segment:
         self.ack_fd = -1
         # Removed records may lie ahead of the read cursor (only after recovery): shift must check.
         self.skip_acked = False
+        self.msgs_path = os.path.join(dir_path, file_name("msgs", no))  # reported per append when replicating
 
     def path(self, kind: str) -> str:
         return os.path.join(self.dir, file_name(kind, self.no))
