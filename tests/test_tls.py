@@ -67,6 +67,26 @@ def test_pika_over_tls(tls_node, pki):
     assert _amqps_round_trip(_port(tls_node, "--amqps-port"), _client_ctx(pki["ca"])) == b"over tls"
 
 
+def test_aio_pika_over_tls(tls_node, pki):
+    import asyncio
+
+    import aio_pika
+
+    async def main() -> bytes:
+        conn = await aio_pika.connect(host="127.0.0.1", port=_port(tls_node, "--amqps-port"), login="guest",
+                                      password="guest", ssl=True, ssl_context=_client_ctx(pki["ca"]),
+                                      server_hostname="localhost")
+        async with conn:
+            ch = await conn.channel()
+            q = await ch.declare_queue("", exclusive=True)
+            await ch.default_exchange.publish(aio_pika.Message(b"aio over tls"), routing_key=q.name)
+            msg = await q.get(timeout=5)
+            await msg.ack()
+            return msg.body
+
+    assert asyncio.run(main()) == b"aio over tls"
+
+
 def test_paho_over_tls(tls_node, pki):
     got: queue.Queue = queue.Queue()
     subscribed: queue.Queue = queue.Queue()
