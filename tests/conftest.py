@@ -103,3 +103,16 @@ def pytest_runtest_makereport(item, call):
     if report.failed:
         for node in _nodes_of(item):
             report.sections.append((f"node log {node.log_path}", node.log_tail(200)))
+
+
+@pytest.fixture(scope="session")
+def spark():
+    """One local Spark session (local[2], UI off, small memory) for the whole run; JVM start-up is slow.
+
+    The `shardmq` and `shardmq-segments` formats are registered on it (pipeline/session.py).
+    """
+    from pipeline.session import local_session
+
+    session = local_session()
+    yield session
+    session.stop()
