@@ -21,6 +21,9 @@ command -v haproxy >/dev/null || APT_PACKAGES+=(haproxy)
 command -v mosquitto >/dev/null || [ -x /usr/sbin/mosquitto ] || APT_PACKAGES+=(mosquitto)
 # The cluster tests start private etcd servers (loadtest/etcd.py) and the drill puts haproxy in front.
 [ -x /usr/bin/etcd ] || APT_PACKAGES+=(etcd-server)
+# The deploy tests run `systemd-analyze verify` on the units and shellcheck on deploy/install.sh.
+command -v systemd-analyze >/dev/null || APT_PACKAGES+=(systemd)
+command -v shellcheck >/dev/null || APT_PACKAGES+=(shellcheck)
 [ "${#APT_PACKAGES[@]}" -eq 0 ] || apt_install "${APT_PACKAGES[@]}"
 
 ensure_venv
@@ -31,6 +34,8 @@ if [ "${SHARDMQ_SHARED_VENV:-0}" = 1 ]; then
 else
     ensure_project "test,spark"
 fi
+# The chart tests (tests/test_helm_chart.py) run the pinned helm.
+ensure_helm
 
 cd "$REPO_ROOT"
 status=0
