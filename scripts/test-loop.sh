@@ -10,7 +10,9 @@
 set -euo pipefail
 source "$(dirname "$0")/_common.sh"
 
-[ $# -ge 1 ] && [[ "$1" =~ ^[1-9][0-9]*$ ]] || die "usage: scripts/test-loop.sh N [pytest args...] (N >= 1)"
+if [ $# -lt 1 ] || ! [[ "$1" =~ ^[1-9][0-9]*$ ]]; then
+    die "usage: scripts/test-loop.sh N [pytest args...] (N >= 1)"
+fi
 runs="$1"
 shift
 
