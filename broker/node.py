@@ -23,7 +23,7 @@ import zmq
 from broker import contract
 from broker.amqp.errors import AMQPConnectionError, AMQPError
 from broker.config import Settings
-from broker.datadir import DataDir, DataDirLocked
+from broker.datadir import PRIVATE_UMASK, DataDir, DataDirLocked, DataDirUnsafe
 from broker.definitions import Definitions
 from broker.definitions_file import plan_from_file, read_definitions_file
 from broker.defstore import DefStore
@@ -119,7 +119,11 @@ class Node:
         self.stopped.set()
 
     def _on_spawn(self, _worker: WorkerProcess) -> None:
-        self.datadir.write_pids(self.sup.pids())
+        # pids.json is information for operators and tests; failing to write it must not stop anything.
+        try:
+            self.datadir.write_pids(self.sup.pids())
+        except OSError as exc:
+            log.warning("cannot write %s/pids.json: %s", self.datadir.run_dir, exc)
 
     def _on_worker_exit(self, worker: WorkerProcess, _code: int) -> None:
         self._check_apply_waiters()
@@ -403,7 +407,7 @@ async def _main(settings: Settings) -> int:
     loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(node.reload_definitions()))
     try:
         await node.start()
-    except DataDirLocked as exc:
+    except (DataDirLocked, DataDirUnsafe) as exc:
         log.error("%s", exc)
         return 1
     except Exception as exc:
@@ -416,5 +420,7 @@ async def _main(settings: Settings) -> int:
 
 def run(settings: Settings) -> int:
     """Run a node until SIGTERM/SIGINT; returns the process exit status."""
+    # Files 0600 and directories 0700 whatever umask we were started with; workers inherit it.
+    os.umask(PRIVATE_UMASK)
     install_uvloop()
     return asyncio.run(_main(settings))

@@ -138,7 +138,7 @@ class Segment:
     def create(cls, dir_path: str, no: int, size: int) -> Segment:
         """A new sparse write segment of `size` bytes with the version header."""
         seg = cls(dir_path, no)
-        seg.fd = os.open(seg.path("msgs"), os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        seg.fd = os.open(seg.path("msgs"), os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(seg.fd, size)
             seg.mm = mmap.mmap(seg.fd, size)
@@ -178,7 +178,7 @@ class Segment:
         return self.write_meta()
 
     def write_meta(self) -> int:
-        fd = os.open(self.path("meta"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        fd = os.open(self.path("meta"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         os.write(fd, Meta(self.count, self.transient, self.used, self.body_bytes).encode())
         return fd
 
@@ -192,7 +192,7 @@ class Segment:
     def open_acks(self) -> int:
         if self.ack_fd < 0:
             self.ack_fd = os.open(
-                self.path("acks"), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644
+                self.path("acks"), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600
             )
         return self.ack_fd
 

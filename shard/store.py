@@ -332,6 +332,7 @@ class QueueStore(SegmentDir):
                 os.fdatasync(fd)
             if dir_dirty:
                 os.fsync(self._dir_fd)
+            self._sync_parents()
             done = True
         finally:
             with self._lock:

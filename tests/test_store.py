@@ -469,3 +469,28 @@ def test_acks_past_cut_point_are_forgotten(tmp_path):
     s = QueueStore(path)
     assert drain(s) == [10, 11]
     s.close()
+
+
+def test_first_sync_makes_a_new_queue_dir_durable(tmp_path, monkeypatch):
+    """Before the first confirm into a new queue dir, the entries naming it are fsynced (issue #9)."""
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    data = tmp_path / "data"
+    qdir = queue_dir(str(data), "/", "fresh")
+    store = QueueStore(qdir)
+    store.append(1, 1, "", "fresh", b"", b"x")
+    store.sync()
+    vdir = os.path.dirname(qdir)
+    for path in (qdir, vdir, str(data)):
+        assert path in synced, (path, synced)
+    synced.clear()
+    store.append(1, 1, "", "fresh", b"", b"y")
+    store.sync()
+    assert vdir not in synced  # once per store, not per sync
+    store.close()
