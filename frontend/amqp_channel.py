@@ -186,6 +186,8 @@ class Channel:
             return
         self.state = CLOSING
         self.backlog.clear()
+        # Content in progress on this channel is dropped and its frames ignored until close-ok.
+        self.conn.parser.channel_closing(self.number)
         self.conn.send_method(
             self.number, C.Channel.Close(exc.code, self.conn.reply_text(exc.code, exc.text),
                                          exc.class_id, exc.method_id))

@@ -113,7 +113,8 @@ class AMQPConnection(asyncio.Protocol):
         self.frame_max = int(settings.get("frame_max", 131072))
         self.channel_max = int(settings.get("channel_max", 2047))
         self.heartbeat = int(settings.get("heartbeat", 60))
-        self.parser = FrameParser("server", self.frame_max, int(settings.get("max_message_size", 128 << 20)))
+        self.parser = FrameParser("server", self.frame_max, int(settings.get("max_message_size", 128 << 20)),
+                                  channel_gate=True)
         self.transport: asyncio.Transport | None = None
         self.state = AWAIT_HEADER
         self.vhost = "/"
@@ -600,6 +601,7 @@ class AMQPConnection(asyncio.Protocol):
             log.warning("connection %s (%s): closing with %d %s", self.conn_id, self.peer, code, text)
         self.write(encode_method(0, C.Connection.Close(code, reply_text(code, text), class_id, method_id)))
         self.state = CLOSING
+        self.parser.connection_closing()  # nothing on a channel is assembled any more
         self._release()
         if self._timer is not None:
             self._timer.cancel()
