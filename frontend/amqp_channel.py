@@ -421,8 +421,14 @@ class Channel:
             return
         self.tx_commit = None
         if self.state == OPEN:
+            if any(not is_ack for _tag, _multiple, is_ack in tracker.drain()):
+                # A publish of the commit was not stored (its shard died, a full disk): as RabbitMQ.
+                self.fail(AMQPChannelError(PRECONDITION_FAILED, "partial tx completion", 90, 20))
+                return
             self._send(C.Tx.CommitOk())
             self.backlog.unblock()
+
+    commit_settled = _maybe_commit_ok  # frontend/shard_loss.py settles a commit whose shard died
 
     def emit_confirms(self) -> None:
         confirm = self.confirm
@@ -504,7 +510,8 @@ class Channel:
         put = conn.worker.shard_put
         if len(refs) == 1:
             shard, qid, mid = refs[0]
-            put(shard, [_ACK, conn.conn_id, self.number, [qid, mid]])
+            if shard >= 0:  # < 0: delivered by a shard that died since (frontend/shard_loss.py)
+                put(shard, [_ACK, conn.conn_id, self.number, [qid, mid]])
         else:
             for shard, flat in group_by_shard(refs).items():
                 put(shard, [_ACK, conn.conn_id, self.number, flat])

@@ -34,6 +34,7 @@ from broker.amqp.parser import FrameParser
 from broker.auth import authenticate, check_vhost_access
 from frontend.amqp_channel import BACKLOG_PAUSE, CLOSED, OPEN, Channel
 from frontend.replies import reply_text
+from frontend.shard_loss import connection_lost_shard
 
 if TYPE_CHECKING:
     from frontend.worker import FrontendWorker
@@ -124,6 +125,7 @@ class AMQPConnection(asyncio.Protocol):
         self.exclusive_queues: set[str] = set()
         self.had_exclusive = False
         self.confirm_shards: set[int] = set()
+        self.cancel_notify = False  # the client announced the consumer_cancel_notify capability
         self._out: list[bytes] = []
         self._dirty = False
         self._confirm_channels: set[Channel] = set()
@@ -433,6 +435,8 @@ class AMQPConnection(asyncio.Protocol):
                                      tuple(loopback_users) if loopback_users is not None else None)
         except AMQPError as exc:
             raise AMQPConnectionError(ACCESS_REFUSED, exc.text, 10, 11) from None
+        caps = (method.client_properties or {}).get("capabilities")
+        self.cancel_notify = isinstance(caps, dict) and bool(caps.get("consumer_cancel_notify"))
         self.state = AWAIT_TUNE_OK
         self.send_method(0, C.Connection.Tune(self.channel_max, self.frame_max, self.heartbeat))
 
@@ -579,18 +583,16 @@ class AMQPConnection(asyncio.Protocol):
         else:
             ch.fail(AMQPChannelError(code, text))
 
-    def uses_shard(self, shard: int) -> bool:
-        """Whether a restart of this shard lost state this connection depends on."""
-        for ch in self.channels.values():
-            if any(c.shard == shard for c in ch.consumers.values()):
-                return True
-            if any(ref[0] == shard for ref in ch.tags.unacked.values()):
-                return True
-            if ch.confirm is not None and ch.confirm.unconfirmed and shard in self.confirm_shards:
-                return True
-            if any(item[0] == shard for item in ch.held):
-                return True
-        return False
+    def shard_lost(self, shard: int) -> None:
+        """A shard died: settle what this connection had on it; the connection stays open."""
+        if self.state != RUNNING:
+            return
+        try:
+            connection_lost_shard(self, shard)
+        except AMQPConnectionError as exc:
+            self.fail(exc.code, exc.text, exc.class_id, exc.method_id)
+        except Exception as exc:
+            self.internal_error(exc)
 
     # -------------------------------------------------------------- closing
     def fail(self, code: int, text: str, class_id: int = 0, method_id: int = 0) -> None:

@@ -64,7 +64,7 @@ class FrontendWorker:
         self._next_req = 0
         self._node_pending: dict[int, Callback | None] = {}
         # req_id -> (shard, connection, callback)
-        self._shard_pending: dict[int, tuple[int, AMQPConnection, Callback]] = {}
+        self._shard_pending: dict[int, tuple[int, AMQPConnection, Callback, Callable[[int], list]]] = {}
         self._dirty: list[AMQPConnection] = []
         self._turn_scheduled = False
         self._snapshot: asyncio.Future = loop.create_future()
@@ -166,11 +166,14 @@ class FrontendWorker:
         # Nothing more will come back for batches the old incarnation had.
         self._processed[shard] = self._sent[shard]
         self._update_pressure()
-        lost = {conn for (s, conn, _cb) in self._shard_pending.values() if s == shard}
-        self._shard_pending = {k: v for k, v in self._shard_pending.items() if v[0] != shard}
+        # Connections stay open (frontend/shard_loss.py): what they had in flight there is settled...
         for conn in list(self.conns.values()):
-            if conn in lost or conn.uses_shard(shard):
-                conn.fail(CONNECTION_FORCED, f"shard {shard} restarted")
+            conn.shard_lost(shard)
+        # ...and requests the old incarnation never answered go to the new one (get, consume, purge,
+        # queue counts: the restarted shard has recovered the queue by the time it reads them).
+        for req_id, (s, _conn, _cb, build) in list(self._shard_pending.items()):
+            if s == shard:
+                self.shard_put(shard, build(req_id))
 
     # ------------------------------------------------------------- shard side
     def shard_put(self, shard: int, item: list) -> None:
@@ -184,7 +187,7 @@ class FrontendWorker:
                       callback: Callback) -> None:
         self._next_req += 1
         req_id = self._next_req
-        self._shard_pending[req_id] = (shard, conn, callback)
+        self._shard_pending[req_id] = (shard, conn, callback, build)
         self.shard_put(shard, build(req_id))
 
     def _shard_handler(self, shard: int) -> Callable[[bytes | None, Any, list], None]:
