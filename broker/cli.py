@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 from broker.config import load_settings, setup_logging
 
+# `shardmq SUBCOMMAND ...`: the module whose ``main(argv: list[str]) -> int`` runs it. A bare
+# `shardmq [flags]` runs a node. Modules are imported only when their subcommand is used.
+SUBCOMMANDS: dict[str, str] = {}
+
 
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] in SUBCOMMANDS:
+        module = importlib.import_module(SUBCOMMANDS[sys.argv[1]])
+        sys.exit(module.main(sys.argv[2:]))
     settings = load_settings(sys.argv[1:])
     setup_logging(settings.log_level, "node")
     # Imported late so `shardmq --help` and config errors do not pay for (or depend on) the node's imports.

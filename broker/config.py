@@ -68,6 +68,9 @@ class Settings:
     # 406. On by default like RabbitMQ's 30 minutes; it costs the plain path nothing (a periodic scan,
     # see shard/ack_timeouts.py). 0 = off.
     consumer_timeout: int = 1800000
+    # The node's HTTP server (broker/http/): management API, UI and health checks on one port.
+    http_port: int = 15672
+    http_bind: str = "127.0.0.1"
     config_file: str | None = None
 
     @property
@@ -100,10 +103,19 @@ class Option:
     maximum: int | None = None
     choices: tuple[str, ...] | None = None
     has_flag: bool = True
+    # INI key inside ``section`` when it differs from the field name (DESIGN: `[http] port` is
+    # --http-port, `[clustering] enabled` is --cluster).
+    key: str | None = None
+    # Flag spelling when it differs from the field name (--cluster for `cluster_enabled`).
+    flag_name: str | None = None
 
     @property
     def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
+        return "--" + (self.flag_name or self.name).replace("_", "-")
+
+    @property
+    def ini_key(self) -> str:
+        return self.key or self.name
 
     @property
     def env(self) -> str:
@@ -134,10 +146,16 @@ OPTIONS: tuple[Option, ...] = (
     Option("set_timestamp", "int", "amqp", "1 = stamp published messages that have no timestamp", 0, 1),
     Option("consumer_timeout", "int", "amqp",
            "ms a delivery may stay unacked before its channel is closed with 406 (0 = off)", 0, 2**31 - 1),
+    Option("http_port", "int", "http", "HTTP port: management API, UI, health checks (0 = off)", 0, 65535,
+           key="port"),
+    Option("http_bind", "str", "http", "address the HTTP listener binds", key="bind"),
 )
 OPTIONS_BY_NAME = {opt.name: opt for opt in OPTIONS}
-INI_SECTIONS = ("main", "amqp")
+INI_SECTIONS = ("main", "amqp", "mqtt", "tls", "ws", "http", "clustering")
+BOOL_TRUE = ("1", "true", "yes", "on")
+BOOL_FALSE = ("0", "false", "no", "off")
 CONFIG_ENV = ENV_PREFIX + "CONFIG_FILE"
+_INI_OPTIONS = {(opt.section, opt.ini_key): opt for opt in OPTIONS if opt.section}
 
 
 class _Invalid(ValueError):
@@ -161,6 +179,13 @@ def _convert(opt: Option, raw: str) -> Any:
         if opt.maximum is not None and value > opt.maximum:
             raise _Invalid(f"must be <= {opt.maximum}")
         return value
+    if opt.kind == "bool":
+        low = raw.lower()
+        if low in BOOL_TRUE:
+            return True
+        if low in BOOL_FALSE:
+            return False
+        raise _Invalid(f"invalid boolean {raw!r} (use true or false)")
     if opt.kind == "list":
         if raw.lower() == "none":
             return []
@@ -174,7 +199,7 @@ def _convert(opt: Option, raw: str) -> Any:
         if raw not in opt.choices:
             raise _Invalid(f"invalid choice {raw!r} (choose from {', '.join(opt.choices)})")
         return raw
-    if opt.name in ("bind", "default_user") and not raw:
+    if opt.name in ("bind", "http_bind", "default_user") and not raw:
         raise _Invalid("must not be empty")
     return raw
 
@@ -191,7 +216,7 @@ def _describe_default(opt: Option) -> str:
     return str(getattr(Settings, opt.name))
 
 
-_METAVARS = {"int": "N", "path": "DIR", "list": "USERS", "str": "VALUE", "bind": "ADDR",
+_METAVARS = {"int": "N", "path": "DIR", "list": "USERS", "str": "VALUE", "bind": "ADDR", "http_bind": "ADDR",
              "default_user": "USER", "sync": "POLICY", "log_level": "LEVEL",
              "definitions": "FILE"}
 
@@ -213,7 +238,7 @@ def option_table() -> list[tuple[str, str, str, str]]:
     """(flag, INI key, env var, default) for every setting: the --help epilog and the README show this."""
     rows = [("--config FILE", "-", CONFIG_ENV, "none")]
     for opt in OPTIONS:
-        rows.append((opt.flag if opt.has_flag else "-", f"[{opt.section}] {opt.name}", opt.env,
+        rows.append((opt.flag if opt.has_flag else "-", f"[{opt.section}] {opt.ini_key}", opt.env,
                      _describe_default(opt)))
     return rows
 
@@ -237,12 +262,17 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter,
     )
     parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
-                        help="INI file with [main] and [amqp] sections")
+                        help="INI file with [main], [amqp], [http], ... sections")
     for opt in OPTIONS:
         if not opt.has_flag:
             continue
-        metavar = _METAVARS.get(opt.name) or _METAVARS[opt.kind]
         text = opt.help + (f" ({'|'.join(opt.choices)})" if opt.choices else "")
+        if opt.kind == "bool":
+            # A bare switch (`--cluster`); INI and env take true/false.
+            parser.add_argument(opt.flag, dest=opt.name, action="store_const", const="true",
+                                default=argparse.SUPPRESS, help=text.replace("%", "%%"))
+            continue
+        metavar = _METAVARS.get(opt.name) or _METAVARS[opt.kind]
         parser.add_argument(opt.flag, dest=opt.name, metavar=metavar, default=argparse.SUPPRESS,
                             help=text.replace("%", "%%"))
     return parser
@@ -264,9 +294,9 @@ def _read_ini(parser: argparse.ArgumentParser, path: str, shown: str) -> dict[st
             parser.error(f"config file {shown}: unknown section [{section}] "
                          f"(known: {', '.join('[' + s + ']' for s in INI_SECTIONS)})")
         for key, raw in ini.items(section):
-            opt = OPTIONS_BY_NAME.get(key)
-            if opt is None or opt.section != section:
-                known = ", ".join(o.name for o in OPTIONS if o.section == section)
+            opt = _INI_OPTIONS.get((section, key))
+            if opt is None:
+                known = ", ".join(o.ini_key for o in OPTIONS if o.section == section)
                 parser.error(f"config file {shown}: unknown key [{section}] {key} (known: {known})")
             try:
                 values[opt.name] = _convert(opt, raw)

@@ -27,6 +27,7 @@ from broker.datadir import PRIVATE_UMASK, DataDir, DataDirLocked, DataDirUnsafe
 from broker.definitions import Definitions
 from broker.definitions_file import plan_from_file, read_definitions_file
 from broker.defstore import DefStore
+from broker.http.server import HttpServer
 from broker.process import install_uvloop
 from broker.supervisor import Supervisor, WorkerProcess
 from broker.zmqio import BatchSocket, make_socket
@@ -58,6 +59,13 @@ class Node:
         self._shards_ready = asyncio.Event()
         # Open connections per vhost, counted against max-connections: vhost -> {(frontend, conn_id)}.
         self.vhost_conns: dict[str, set[tuple]] = {}
+        # What the health checks report (broker/http/health.py): ready once this node serves (or, in
+        # a cluster, proxies to the leader); is_leader on the node that serves clients; alarms names
+        # the resource alarms in effect.
+        self.serving = False
+        self.is_leader = False
+        self.alarms: list[str] = []
+        self.http = HttpServer(self, settings.http_bind, settings.http_port)
 
     # ------------------------------------------------------------------ life
     async def start(self) -> None:
@@ -89,8 +97,17 @@ class Node:
             raise RuntimeError(f"shards did not start within {_STARTUP_TIMEOUT_S:.0f} s") from None
         for i in range(s.frontends):
             await self.sup.spawn(self._worker("frontend", i))
+        # A standalone node serves clients itself: it is its own leader.
+        self.is_leader = True
+        self.serving = True
+        await self.http.start()
         log.info("node (pid %d) started %d shards and %d frontends; AMQP on %s:%d; data dir %s",
                  os.getpid(), s.shards, s.frontends, s.bind, s.port, self.datadir.path)
+
+    @property
+    def ready(self) -> bool:
+        """Serving, and every frontend has applied its snapshot (so it listens and routes)."""
+        return self.serving and all(w.applied >= 0 for w in self.sup.workers if w.role == "frontend")
 
     def _worker(self, role: str, index: int) -> WorkerProcess:
         w = WorkerProcess(role, index)
@@ -102,6 +119,8 @@ class Node:
             return
         self.sup.stopping = True
         log.info("node stopping")
+        self.serving = False
+        await self.http.stop()
         # Frontends first so no new work reaches the shards, then shards sync and exit.
         for role, timeout in (("frontend", 5.0), ("shard", 15.0)):
             for ident, w in self.by_ident.items():

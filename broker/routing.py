@@ -28,6 +28,8 @@ from __future__ import annotations
 import zlib
 from typing import Any
 
+from broker.amqp.properties import decode_headers, decode_properties, encode_properties
+
 Dest = tuple[str, str]
 Entry = tuple[tuple[str, ...], tuple[str, ...]]
 
@@ -439,3 +441,47 @@ def amqp_type_name(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return "array"
     return type(value).__name__
+
+
+# ---------------------------------------------------------------- sender-selected distribution (CC/BCC)
+# Used by the frontends at publish and by the shards when a delayed message is due, so it lives
+# here rather than in either of them.
+_HEADERS_BIT = 0x20  # first flag octet of raw AMQP properties: headers present
+_CC_MARK = b"\x02CC"
+_BCC_MARK = b"\x03BCC"
+
+
+def may_have_cc(props_raw: bytes) -> bool:
+    """False when the message certainly carries no CC/BCC header (a memmem, no decoding)."""
+    return (len(props_raw) > 1 and props_raw[0] & _HEADERS_BIT != 0
+            and (_CC_MARK in props_raw or _BCC_MARK in props_raw))
+
+
+def _strs(value: Any) -> list[str]:
+    if not isinstance(value, (list, tuple)):
+        return []
+    out = []
+    for v in value:
+        if isinstance(v, (bytes, bytearray)):
+            out.append(bytes(v).decode("utf-8", "replace"))
+        elif isinstance(v, str):
+            out.append(v)
+    return out
+
+
+def sender_routes(props_raw: bytes) -> tuple[bytes, list[str]]:
+    """(properties to store, extra routing keys) for sender-selected distribution.
+
+    The CC and BCC headers (arrays of strings) add routing keys on the same
+    exchange; BCC is removed from the stored properties, so properties are
+    re-encoded only when BCC is present.
+    """
+    headers = decode_headers(props_raw) or {}
+    keys = _strs(headers.get("CC")) + _strs(headers.get("BCC"))
+    if "BCC" in headers:
+        props = decode_properties(props_raw)
+        hdrs = dict(props.headers or {})
+        hdrs.pop("BCC", None)
+        props.headers = hdrs
+        props_raw = encode_properties(props)
+    return props_raw, keys

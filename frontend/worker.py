@@ -1,4 +1,4 @@
-"""The frontend process: node and shard sockets, client connections, per-turn flushing.
+"""The frontend process: node and shard sockets, client sessions of every protocol, per-turn flushing.
 
 One FrontendWorker per process. It holds the local copy of the definitions
 (kept current by DEFS from the node), routes items from shards to the client
@@ -18,11 +18,10 @@ from typing import Any
 import zmq
 
 from broker import contract
-from broker.amqp.constants import CONNECTION_FORCED
 from broker.definitions import Definitions
 from broker.zmqio import BatchSocket, make_socket
-from frontend.amqp_connection import AMQPConnection
-from frontend.direct_reply import deliver_reply
+from frontend.listeners import FORWARDED, LISTENERS, load
+from frontend.session import CONNECTION_FORCED, Session
 
 log = logging.getLogger("shardmq.frontend")
 
@@ -58,14 +57,15 @@ class FrontendWorker:
         self._processed: list[int] = []  # highest batch_seq a shard answered with PROCESSED
         self.pressure = False  # a shard is behind: reading paused on publishing connections
         self.node: BatchSocket | None = None
-        self.server: asyncio.AbstractServer | None = None
-        self.conns: dict[int, AMQPConnection] = {}
+        self.servers: list[asyncio.AbstractServer] = []
+        self._forwarded: dict[str, Callable] = {}
+        self.conns: dict[int, Session] = {}
         self._next_conn = 0
         self._next_req = 0
         self._node_pending: dict[int, Callback | None] = {}
         # req_id -> (shard, connection, callback)
-        self._shard_pending: dict[int, tuple[int, AMQPConnection, Callback, Callable[[int], list]]] = {}
-        self._dirty: list[AMQPConnection] = []
+        self._shard_pending: dict[int, tuple[int, Session, Callback, Callable[[int], list]]] = {}
+        self._dirty: list[Session] = []
         self._turn_scheduled = False
         self._snapshot: asyncio.Future = loop.create_future()
         self.stopped = asyncio.Event()
@@ -93,10 +93,16 @@ class FrontendWorker:
             self.control.append(BatchSocket(self.loop, ctl, self._shard_handler(i), self._control_header_for(i)))
         self.node.put(None, [contract.APPLIED, version])
         bind = settings.get("bind") or "0.0.0.0"
-        port = int(settings.get("port", 5672))
-        self.server = await self.loop.create_server(
-            lambda: AMQPConnection(self), host=bind, port=port, reuse_port=True, backlog=1024)
-        log.info("frontend %d (pid %d) listening on %s:%d", self.index, os.getpid(), bind, port)
+        for listener in LISTENERS:
+            port = int(settings.get(listener.port_setting, 0) or 0)
+            if not port:
+                continue
+            session = load(listener.session)
+            server = await self.loop.create_server(
+                lambda session=session: session(self), host=bind, port=port, reuse_port=True, backlog=1024)
+            self.servers.append(server)
+            log.info("frontend %d (pid %d) listening for %s on %s:%d", self.index, os.getpid(),
+                     listener.protocol, bind, port)
 
     def _header_for(self, shard: int) -> Callable[[bytes | None], list]:
         sent = self._sent
@@ -145,8 +151,11 @@ class FrontendWorker:
                             conn.fail(code, text)
                 elif kind == contract.FORWARDED:
                     payload = item[1]
-                    if payload[0] == "reply":
-                        deliver_reply(self, *payload[1:])
+                    handler = self._forwarded.get(payload[0])
+                    if handler is None and payload[0] in FORWARDED:
+                        handler = self._forwarded[payload[0]] = load(FORWARDED[payload[0]])
+                    if handler is not None:
+                        handler(self, *payload[1:])
                 elif kind == contract.STOP:
                     self.loop.create_task(self.stop())
             except Exception:
@@ -166,7 +175,7 @@ class FrontendWorker:
         # Nothing more will come back for batches the old incarnation had.
         self._processed[shard] = self._sent[shard]
         self._update_pressure()
-        # Connections stay open (frontend/shard_loss.py): what they had in flight there is settled...
+        # Connections stay open (frontend/amqp/shard_loss.py): what they had in flight there is settled...
         for conn in list(self.conns.values()):
             conn.shard_lost(shard)
         # ...and requests the old incarnation never answered go to the new one (get, consume, purge,
@@ -183,7 +192,7 @@ class FrontendWorker:
         else:
             self.shards[shard].put(None, item)
 
-    def shard_request(self, shard: int, build: Callable[[int], list], conn: AMQPConnection,
+    def shard_request(self, shard: int, build: Callable[[int], list], conn: Session,
                       callback: Callback) -> None:
         self._next_req += 1
         req_id = self._next_req
@@ -255,15 +264,15 @@ class FrontendWorker:
         self._next_conn += 1
         return self._next_conn
 
-    def add_connection(self, conn: AMQPConnection) -> None:
+    def add_connection(self, conn: Session) -> None:
         self.conns[conn.conn_id] = conn
         if self._stopping:
             conn.fail(CONNECTION_FORCED, "broker shutdown")
 
-    def remove_connection(self, conn: AMQPConnection) -> None:
+    def remove_connection(self, conn: Session) -> None:
         self.conns.pop(conn.conn_id, None)
 
-    def mark_dirty(self, conn: AMQPConnection) -> None:
+    def mark_dirty(self, conn: Session) -> None:
         self._dirty.append(conn)
         if not self._turn_scheduled:
             self._turn_scheduled = True
@@ -284,8 +293,8 @@ class FrontendWorker:
         if self._stopping:
             return
         self._stopping = True
-        if self.server is not None:
-            self.server.close()
+        for server in self.servers:
+            server.close()
         for conn in list(self.conns.values()):
             conn.fail(CONNECTION_FORCED, "broker shutdown")
         self._end_of_turn()

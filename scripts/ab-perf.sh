@@ -9,7 +9,9 @@ source "$(dirname "$0")/_common.sh"
 [ $# -ge 3 ] && [ "$3" = "--" ] || die "usage: $0 BASE_REV REPEATS -- PERF_ARGS..."
 BASE_REV=$1 REPEATS=$2; shift 3
 ensure_venv
-ensure_project
+# Install only into a venv that lacks the dependencies: worktrees share one venv, and a reinstall from
+# here would repoint its editable install at this checkout. Both trees run with cwd = their own tree.
+"$VENV/bin/python" -c 'import msgpack, pamqp, uvloop, zmq' 2>/dev/null || ensure_project
 PY="$VENV/bin/python"
 BASE_TREE=$(mktemp -d /tmp/shardmq-ab-base.XXXXXX)
 git -C "$REPO_ROOT" worktree add -q --detach "$BASE_TREE" "$BASE_REV"
@@ -23,8 +25,11 @@ for r in $(seq 1 "$REPEATS"); do
     for tree in "$BASE_TREE" "$REPO_ROOT"; do
         port=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
         data=$(mktemp -d)
+        # Listeners with fixed default ports are turned off where the tree has them, so runs never collide.
+        extra=()
+        grep -q '"http_port"' "$tree/broker/config.py" && extra+=(--http-port 0)
         (cd "$tree" && exec "$PY" -m broker.cli --data-dir "$data" --port "$port" --frontends 1 --shards 1 \
-            --log-level warning) &
+            --log-level warning "${extra[@]}") &
         pid=$!
         for _ in $(seq 1 100); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.1; done
         out=$(cd "$REPO_ROOT" && "$PY" -m loadtest.cli amqp throughput \

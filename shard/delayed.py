@@ -35,8 +35,7 @@ import os
 from typing import TYPE_CHECKING
 
 from broker.datadir import DELAYED_DIR, name_hash
-from broker.routing import delay_store_shard
-from frontend.publish_extras import may_have_cc, sender_routes
+from broker.routing import delay_store_shard, may_have_cc, sender_routes
 from shard.store import QueueStore, queue_dir
 from shard.timers import now_ms
 

@@ -99,6 +99,7 @@ class Node:
         self.frontends = frontends
         self.shards = shards
         self.port = port or free_port()
+        self.http_port = free_port()
         self.extra_args = list(extra_args)
         self.env = env or {}
         self.log_level = log_level
@@ -128,6 +129,7 @@ class Node:
             "--frontends", str(self.frontends),
             "--shards", str(self.shards),
             "--log-level", self.log_level,
+            "--http-port", str(self.http_port),
             *self.extra_args,
         ]
 

@@ -88,19 +88,20 @@ SAMPLES = {
     "sync": "none", "log_level": "debug", "bind": "0.0.0.0", "port": "4000", "heartbeat": "5",
     "frame_max": "8192", "channel_max": "16", "max_message_size": "1000", "default_user": "bob",
     "default_pass": "secret", "loopback_users": "none", "definitions": "/tmp/shardmq-defs.json",
-    "set_timestamp": "1", "consumer_timeout": "60000",
+    "set_timestamp": "1", "consumer_timeout": "60000", "http_port": "8080", "http_bind": "0.0.0.0",
 }
 
 
 @pytest.mark.parametrize("opt", OPTIONS, ids=[o.name for o in OPTIONS])
 def test_every_option_settable_from_ini_env_and_flag(tmp_path, opt):
     raw = SAMPLES[opt.name]
-    ini = write_ini(tmp_path, f"[{opt.section}]\n{opt.name} = {raw}\n")
+    ini = write_ini(tmp_path, f"[{opt.section}]\n{opt.ini_key} = {raw}\n")
     from_ini = getattr(load_settings(["--config", str(ini)], {}), opt.name)
     from_env = getattr(load_settings([], {opt.env: raw}), opt.name)
     assert from_ini == from_env != getattr(Settings(), opt.name)
     if opt.has_flag:
-        assert getattr(load_settings([opt.flag, raw], {}), opt.name) == from_env
+        argv = [opt.flag] if opt.kind == "bool" else [opt.flag, raw]
+        assert getattr(load_settings(argv, {}), opt.name) == from_env
     assert set(SAMPLES) == {o.name for o in OPTIONS}
 
 
@@ -145,7 +146,7 @@ def test_invalid_values_exit_2_naming_the_source(capsys, argv, environ, message)
         ("[main]\nfrontends = 0\n", "[main] frontends must be >= 1"),
         ("[main]\nport = 1\n", "unknown key [main] port (known: data_dir,"),
         ("[amqp]\nprot = 1\n", "unknown key [amqp] prot"),
-        ("[storage]\nx = 1\n", "unknown section [storage] (known: [main], [amqp])"),
+        ("[storage]\nx = 1\n", "unknown section [storage] (known: [main], [amqp], [mqtt]"),
         ("port = 1\n", "File contains no section headers"),
         ("[amqp]\nport = 1\nport = 2\n", "option 'port' in section 'amqp' already exists"),
     ],
@@ -194,7 +195,7 @@ def test_cli_help_lists_every_flag_ini_section_and_env_var():
             help_lines = [line for line in out.splitlines() if line.strip().startswith(opt.flag + " ")]
             assert help_lines and len(help_lines[0].split(None, 2)) == 3, f"{opt.flag} has no one-line help"
         assert opt.env in out
-        assert f"[{opt.section}] {opt.name}" in out
+        assert f"[{opt.section}] {opt.ini_key}" in out
     assert "--config FILE" in out and "SHARDMQ_CONFIG_FILE" in out
 
 
@@ -202,7 +203,7 @@ def test_readme_documents_every_setting():
     readme = (REPO_ROOT / "README.md").read_text()
     for opt in OPTIONS:
         assert opt.env in readme, opt.env
-        assert f"[{opt.section}] {opt.name}" in readme or f"`{opt.name}`" in readme, opt.name
+        assert f"[{opt.section}] {opt.ini_key}" in readme or f"`{opt.name}`" in readme, opt.name
         if opt.has_flag:
             assert opt.flag in readme, opt.flag
 

@@ -22,7 +22,7 @@ import pytest
 from broker.amqp.properties import decode_properties
 from broker.definitions import queue_shard
 from broker.routing import delay_store_shard
-from frontend.publish_extras import delay_ms, with_delay
+from frontend.amqp.publish_extras import delay_ms, with_delay
 from tests.helpers import WAIT, count, get_one, uid, wait_count
 
 ON_TIME_S = 0.1  # the "delivered on time to within 0.1 s"

@@ -7,10 +7,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from broker.amqp.errors import AMQPChannelError
-from frontend.backlog import Backlog
+from frontend.amqp.backlog import Backlog
+from frontend.amqp.delivery_tags import DeliveryTags, group_by_shard
+from frontend.amqp.replies import error_from_reply, reply_text
 from frontend.confirms import ConfirmTracker
-from frontend.delivery_tags import DeliveryTags, group_by_shard
-from frontend.replies import error_from_reply, reply_text
 
 # ------------------------------------------------------------------ confirms
 

@@ -108,7 +108,7 @@ def _serve_stand_in() -> None:
     from pamqp import commands, frame
 
     parser = argparse.ArgumentParser()
-    for flag in ("--data-dir", "--port", "--frontends", "--shards", "--log-level"):
+    for flag in ("--data-dir", "--port", "--frontends", "--shards", "--log-level", "--http-port"):
         parser.add_argument(flag)
     args = parser.parse_args()
     run_dir = os.path.join(args.data_dir, "run")

@@ -13,7 +13,6 @@ import struct
 import time
 from datetime import UTC, datetime
 from decimal import Decimal
-from typing import Any
 
 from pamqp import decode
 
@@ -26,8 +25,6 @@ REPLY_TO_BIT = 0x02
 TIMESTAMP_BIT = 0x40
 
 REPLY_TO_QUEUE = "amq.rabbitmq.reply-to"
-_CC_MARK = b"\x02CC"
-_BCC_MARK = b"\x03BCC"
 _REPLY_MARK = REPLY_TO_QUEUE.encode()
 _DELAY_MARK = b"\x07x-delay"
 _U32 = struct.Struct(">I")
@@ -35,44 +32,8 @@ _I32 = struct.Struct(">i")
 _I64 = struct.Struct(">q")
 
 
-def may_have_cc(props_raw: bytes) -> bool:
-    """False when the message certainly carries no CC/BCC header (a memmem, no decoding)."""
-    return (len(props_raw) > 1 and props_raw[0] & HEADERS_BIT != 0
-            and (_CC_MARK in props_raw or _BCC_MARK in props_raw))
-
-
 def may_reply_to_pseudo_queue(props_raw: bytes) -> bool:
     return len(props_raw) > 1 and props_raw[0] & REPLY_TO_BIT != 0 and _REPLY_MARK in props_raw
-
-
-def _strs(value: Any) -> list[str]:
-    if not isinstance(value, (list, tuple)):
-        return []
-    out = []
-    for v in value:
-        if isinstance(v, (bytes, bytearray)):
-            out.append(bytes(v).decode("utf-8", "replace"))
-        elif isinstance(v, str):
-            out.append(v)
-    return out
-
-
-def sender_routes(props_raw: bytes) -> tuple[bytes, list[str]]:
-    """(properties to store, extra routing keys) for sender-selected distribution.
-
-    The CC and BCC headers (arrays of strings) add routing keys on the same
-    exchange; BCC is removed from the stored properties, so properties are
-    re-encoded only when BCC is present.
-    """
-    headers = decode_headers(props_raw) or {}
-    keys = _strs(headers.get("CC")) + _strs(headers.get("BCC"))
-    if "BCC" in headers:
-        props = decode_properties(props_raw)
-        hdrs = dict(props.headers or {})
-        hdrs.pop("BCC", None)
-        props.headers = hdrs
-        props_raw = encode_properties(props)
-    return props_raw, keys
 
 
 def with_timestamp(props_raw: bytes) -> bytes:

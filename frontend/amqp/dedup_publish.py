@@ -18,7 +18,7 @@ from broker.amqp.properties import delivery_mode
 from broker.dedup import dedup_key, exchange_shard
 
 if TYPE_CHECKING:
-    from frontend.amqp_channel import Channel
+    from frontend.amqp.channel import Channel
 
 _DEDUP_PUBLISH = contract.DEDUP_PUBLISH
 

@@ -32,28 +32,27 @@ from broker.amqp.encoder import encode_content, encode_deliver, encode_method
 from broker.amqp.errors import AMQPChannelError, AMQPConnectionError, AMQPError
 from broker.amqp.properties import decode_properties, delivery_mode
 from broker.consumer_args import check_consume_arguments
-from broker.routing import delay_store_shard
-from frontend.backlog import Backlog
-from frontend.confirms import ConfirmTracker
-from frontend.dedup_publish import publish_dedup
-from frontend.delivery_tags import DeliveryTags, group_by_shard
-from frontend.direct_reply import PREFIX as REPLY_PREFIX
-from frontend.direct_reply import PSEUDO_QUEUE, new_reply_name, route_reply
-from frontend.publish_extras import (
+from broker.routing import delay_store_shard, may_have_cc, sender_routes
+from frontend.amqp.backlog import Backlog
+from frontend.amqp.dedup_publish import publish_dedup
+from frontend.amqp.delivery_tags import DeliveryTags, group_by_shard
+from frontend.amqp.direct_reply import PREFIX as REPLY_PREFIX
+from frontend.amqp.direct_reply import PSEUDO_QUEUE, new_reply_name, route_reply
+from frontend.amqp.publish_extras import (
     MAX_DELAY_MS,
     delay_ms,
-    may_have_cc,
     may_reply_to_pseudo_queue,
     reply_to_of,
-    sender_routes,
     with_delay,
     with_reply_to,
     with_timestamp,
 )
-from frontend.replies import consume_arguments, error_from_reply, plain
+from frontend.amqp.replies import consume_arguments, error_from_reply, plain
+from frontend.confirms import ConfirmTracker
+from frontend.publish import put_publish, queues_by_shard
 
 if TYPE_CHECKING:
-    from frontend.amqp_connection import AMQPConnection
+    from frontend.amqp.connection import AMQPConnection
 
 # A client that keeps sending while its channel waits for a reply is paused past this many events.
 BACKLOG_PAUSE = 10_000
@@ -62,7 +61,6 @@ OPEN = 1
 CLOSING = 2  # we sent channel.close and wait for close-ok
 CLOSED = 3
 
-_PUBLISH = contract.PUBLISH
 _DELAYED_PUBLISH = contract.DELAYED_PUBLISH
 _QUEUE_INFO = contract.QUEUE_INFO
 _NO_PROPS = b"\x00\x00"  # property flags: none
@@ -313,29 +311,14 @@ class Channel:
                 confirm.publish(0)
                 conn.confirm_dirty(self)
             return
-        worker = conn.worker
-        if len(queues) == 1:
-            groups = {defs.queue(vhost, queues[0]).shard: queues}
-        else:
-            groups = {}
-            for name in queues:
-                shard = defs.queue(vhost, name).shard
-                group = groups.get(shard)
-                if group is None:
-                    groups[shard] = [name]
-                else:
-                    group.append(name)
+        groups = queues_by_shard(defs, vhost, queues)
         if confirm is None:
-            for shard, names in groups.items():
-                worker.shard_put(shard, [_PUBLISH, vhost, names, exchange, ev.routing_key, props_raw,
-                                         ev.body, persistent, None, None, None])
+            put_publish(conn.worker, groups, vhost, exchange, ev.routing_key, props_raw, ev.body, persistent)
         else:
             seq = confirm.publish(len(groups))
-            conn_id = conn.conn_id
-            for shard, names in groups.items():
-                worker.shard_put(shard, [_PUBLISH, vhost, names, exchange, ev.routing_key, props_raw,
-                                         ev.body, persistent, conn_id, self.number, seq])
-                conn.confirm_shards.add(shard)
+            put_publish(conn.worker, groups, vhost, exchange, ev.routing_key, props_raw, ev.body, persistent,
+                        conn.conn_id, self.number, seq)
+            conn.confirm_shards.update(groups)
 
     def _publish_extras(self, ex: Any, ev: E.Publish, props_raw: bytes) -> tuple[bytes, Any]:
         """CC/BCC, server timestamp, delayed and deduplicating exchanges: (properties, queues, or
@@ -428,7 +411,7 @@ class Channel:
             self._send(C.Tx.CommitOk())
             self.backlog.unblock()
 
-    commit_settled = _maybe_commit_ok  # frontend/shard_loss.py settles a commit whose shard died
+    commit_settled = _maybe_commit_ok  # frontend/amqp/shard_loss.py settles a commit whose shard died
 
     def emit_confirms(self) -> None:
         confirm = self.confirm
@@ -510,7 +493,7 @@ class Channel:
         put = conn.worker.shard_put
         if len(refs) == 1:
             shard, qid, mid = refs[0]
-            if shard >= 0:  # < 0: delivered by a shard that died since (frontend/shard_loss.py)
+            if shard >= 0:  # < 0: delivered by a shard that died since (frontend/amqp/shard_loss.py)
                 put(shard, [_ACK, conn.conn_id, self.number, [qid, mid]])
         else:
             for shard, flat in group_by_shard(refs).items():

@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, Any
 
 from pamqp import commands as C
 
-from frontend.amqp_channel import OPEN
+from frontend.amqp.channel import OPEN
 
 if TYPE_CHECKING:
-    from frontend.amqp_connection import AMQPConnection
+    from frontend.amqp.connection import AMQPConnection
 
 DEAD_SHARD = -1  # shard of a delivery tag whose message the dead shard had: acks of it go nowhere
 

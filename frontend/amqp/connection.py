@@ -32,9 +32,9 @@ from broker.amqp.encoder import encode_heartbeat, encode_method, encode_protocol
 from broker.amqp.errors import AMQPChannelError, AMQPConnectionError, AMQPError
 from broker.amqp.parser import FrameParser
 from broker.auth import authenticate, check_vhost_access
-from frontend.amqp_channel import BACKLOG_PAUSE, CLOSED, OPEN, Channel
-from frontend.replies import reply_text
-from frontend.shard_loss import connection_lost_shard
+from frontend.amqp.channel import BACKLOG_PAUSE, CLOSED, OPEN, Channel
+from frontend.amqp.replies import reply_text
+from frontend.amqp.shard_loss import connection_lost_shard
 
 if TYPE_CHECKING:
     from frontend.worker import FrontendWorker

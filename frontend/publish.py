@@ -1,0 +1,45 @@
+"""The one place a routed publish becomes contract items: group the queues by shard, one PUBLISH per shard.
+
+Every protocol calls this after routing (``Definitions.route`` on its exchange and
+routing key): an AMQP basic.publish, an MQTT PUBLISH (to amq.topic). With
+confirm fields the shards answer CONFIRM/CONFIRM_NACK to ``(conn_id, channel,
+seq)``; the caller numbers the publish after learning how many shards it went to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from broker import contract
+
+if TYPE_CHECKING:
+    from broker.definitions import Definitions
+    from frontend.worker import FrontendWorker
+
+_PUBLISH = contract.PUBLISH
+
+
+def queues_by_shard(defs: Definitions, vhost: str, queues: Sequence[str]) -> dict[int, list]:
+    """Queue names grouped by the shard that owns them (routed queues exist in defs)."""
+    if len(queues) == 1:
+        return {defs.queue(vhost, queues[0]).shard: queues}
+    groups: dict[int, list] = {}
+    for name in queues:
+        shard = defs.queue(vhost, name).shard
+        group = groups.get(shard)
+        if group is None:
+            groups[shard] = [name]
+        else:
+            group.append(name)
+    return groups
+
+
+def put_publish(worker: FrontendWorker, groups: dict[int, list], vhost: str, exchange: str, routing_key: str,
+                props_raw: bytes, body: bytes, persistent: bool, conn_id: int | None = None,
+                channel: int | None = None, seq: int | None = None) -> None:
+    """One PUBLISH item per shard on its publish lane (confirm fields None: no CONFIRM comes back)."""
+    put = worker.shard_put
+    for shard, names in groups.items():
+        put(shard, [_PUBLISH, vhost, names, exchange, routing_key, props_raw, body, persistent,
+                    conn_id, channel, seq])
