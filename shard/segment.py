@@ -7,6 +7,7 @@ meta file, read only). File formats are described in docs/storage.md.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import struct
@@ -91,6 +92,22 @@ class PositionSet:
         bits[i] |= 1 << ((pos >> 4) & 7)
 
 
+def allocate(fd: int, size: int) -> None:
+    """Give the file `size` bytes with their blocks allocated.
+
+    Segments are written through mmap: a store to a page whose block the file system cannot
+    allocate (full disk) is a SIGBUS that kills the process. Allocating up front turns a full disk
+    into an OSError here, where the caller nacks the publish and goes on.
+    """
+    os.ftruncate(fd, size)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno == errno.EOPNOTSUPP:
+            return  # a file system that cannot allocate ahead: sparse, as before
+        raise
+
+
 def read_acks(path: str) -> set[int]:
     """Positions listed in an ack file; a torn trailing partial u32 is ignored."""
     try:
@@ -136,14 +153,22 @@ class Segment:
     # ------------------------------------------------------------ lifecycle
     @classmethod
     def create(cls, dir_path: str, no: int, size: int) -> Segment:
-        """A new sparse write segment of `size` bytes with the version header."""
+        """A new write segment of `size` bytes, its blocks allocated, with the version header.
+
+        OSError (ENOSPC above all) leaves no file behind: the caller's store is unchanged.
+        """
         seg = cls(dir_path, no)
         seg.fd = os.open(seg.path("msgs"), os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
-            os.ftruncate(seg.fd, size)
+            allocate(seg.fd, size)
             seg.mm = mmap.mmap(seg.fd, size)
         except BaseException:
             os.close(seg.fd)
+            seg.fd = -1
+            try:
+                os.unlink(seg.path("msgs"))
+            except OSError:
+                pass
             raise
         VERSION_HEADER.pack_into(seg.mm, 0, FORMAT_VERSION)
         seg.size = size
@@ -163,11 +188,22 @@ class Segment:
             raise
 
     def regrow(self, size: int) -> None:
-        """Cut the file at `used` (zeroing anything after it) and extend it to `size` (write segment)."""
+        """Cut the file at `used` (zeroing anything after it) and extend it to `size` (write segment).
+
+        When the blocks cannot be allocated (OSError, the file is then `used` bytes long) the
+        segment is left mapped at `used` bytes: nothing fits, so the next append tries to roll.
+        """
         if self.mm is not None:
             self.mm.close()
+            self.mm = None
         os.ftruncate(self.fd, self.used)
-        os.ftruncate(self.fd, size)
+        try:
+            allocate(self.fd, size)
+        except OSError:
+            os.ftruncate(self.fd, self.used)
+            self.size = self.used
+            self.mm = mmap.mmap(self.fd, self.used)
+            raise
         self.mm = mmap.mmap(self.fd, size)
         self.size = size
 
@@ -178,9 +214,23 @@ class Segment:
         return self.write_meta()
 
     def write_meta(self) -> int:
-        fd = os.open(self.path("meta"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        os.write(fd, Meta(self.count, self.transient, self.used, self.body_bytes).encode())
-        return fd
+        """Write the meta file; its fd (unsynced), or -1 when it could not be written (full disk):
+        a segment without meta is scanned at the next start, which is slower but loses nothing."""
+        try:
+            fd = os.open(self.path("meta"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        except OSError:
+            return -1
+        try:
+            if os.write(fd, Meta(self.count, self.transient, self.used, self.body_bytes).encode()) == META_SIZE:
+                return fd
+        except OSError:
+            pass
+        os.close(fd)
+        try:
+            os.unlink(self.path("meta"))
+        except OSError:
+            pass
+        return -1
 
     def read_meta(self) -> Meta | None:
         try:

@@ -414,7 +414,8 @@ class QueueStore(SegmentDir):
         with self._lock:
             meta_fd = old.seal()
             self._sync_fds.append(old.fd)
-            self._sync_fds.append(meta_fd)
+            if meta_fd >= 0:
+                self._sync_fds.append(meta_fd)
             old.fd = -1
             self._segs[new.no] = new
             self._wseg = new
@@ -440,10 +441,16 @@ class QueueStore(SegmentDir):
         pending = self._ack_pending
         self._ack_pending = {}
         for seg, positions in pending.items():
-            fd = seg.ack_fd
-            if fd < 0:
-                fd = self._open_acks(seg)
-            os.write(fd, struct.pack(f"<{len(positions)}I", *positions))
+            try:
+                fd = seg.ack_fd
+                if fd < 0:
+                    fd = self._open_acks(seg)
+                os.write(fd, struct.pack(f"<{len(positions)}I", *positions))
+            except OSError as exc:
+                # A full disk: the messages stay removed in memory; their acks are written on a later
+                # turn (after a crash meanwhile they come back: at least once, never lost).
+                log.warning("queue %s: cannot write acks of segment %d: %s", self.path, seg.no, exc)
+                self._ack_pending.setdefault(seg, []).extend(positions)
         self._acks_dirty = True
 
     def _remove_many(self, seg: Segment, positions: list[int]) -> int:
@@ -563,9 +570,14 @@ class QueueStore(SegmentDir):
         if last:
             seg.open_mapped(writable=True)
             cut = self._load_records(seg, raw_acks, verify=True, end=size)
-            if cut or size < self._segment_size:
+            try:
+                # Always (re)allocate: a write segment of an older version is sparse, and a store
+                # into an unallocated page on a full disk would be a SIGBUS.
                 seg.regrow(max(size, self._segment_size))
-                self._wdirty = True
+                self._wdirty = self._wdirty or cut or size < self._segment_size
+            except OSError as exc:
+                log.warning("queue %s: cannot allocate segment %d (%s): publishes are refused until "
+                            "there is space", self.path, no, exc)
             return seg
         # Sealed (it is not the last) but its meta never got written: scan it, then write the meta.
         seg.map_readonly()
@@ -573,7 +585,9 @@ class QueueStore(SegmentDir):
         self._load_records(seg, raw_acks, verify=True, end=size)
         if seg.used < size:
             os.truncate(seg.path("msgs"), seg.used)
-        self._sync_fds.append(seg.write_meta())
+        meta_fd = seg.write_meta()
+        if meta_fd >= 0:
+            self._sync_fds.append(meta_fd)
         self._dir_dirty = True
         return seg
 
