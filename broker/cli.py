@@ -9,7 +9,9 @@ from broker.config import load_settings, setup_logging
 
 # `shardmq SUBCOMMAND ...`: the module whose ``main(argv: list[str]) -> int`` runs it. A bare
 # `shardmq [flags]` runs a node. Modules are imported only when their subcommand is used.
-SUBCOMMANDS: dict[str, str] = {}
+SUBCOMMANDS: dict[str, str] = {
+    "verify": "shard.verify",  # shardmq verify DATA_DIR: check every stored record offline
+}
 
 
 def main() -> None:

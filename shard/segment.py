@@ -108,18 +108,52 @@ def allocate(fd: int, size: int) -> None:
         raise
 
 
-def read_acks(path: str) -> set[int]:
-    """Positions listed in an ack file; a torn trailing partial u32 is ignored."""
+# Ack files (docs/storage.md): version 2 starts with this header and holds (u32 position, u32
+# CRC32 of the position's 4 bytes) entries, so a damaged entry is detected instead of silently
+# naming another record (or none). Version 1 files (bare u32 positions) are read and rewritten
+# as version 2 when their queue is opened.
+ACKS_MAGIC = b"SMQACK2\0"
+_ACK_ENTRY = struct.Struct("<II")
+
+
+def encode_acks(positions: list[int]) -> bytes:
+    crc32 = zlib.crc32
+    flat = []
+    for pos in positions:
+        flat.append(pos)
+        flat.append(crc32(pos.to_bytes(4, "little")))
+    return struct.pack(f"<{len(flat)}I", *flat)
+
+
+def read_ack_entries(path: str, repair: bool = False) -> tuple[list[int], int, bool]:
+    """(positions with a good checksum, number of damaged entries, whether the file is version 1).
+
+    A torn trailing partial entry (a crash mid-append) is ignored, and with `repair` truncated
+    away so appends stay aligned. A missing or unreadable file has no entries.
+    """
     try:
         with open(path, "rb") as f:
             data = f.read()
-        n = len(data) // 4
-        if len(data) != n * 4:
-            # Appends must stay u32-aligned: drop the torn piece before anything is appended.
-            os.truncate(path, n * 4)
     except OSError:
-        return set()
-    return set(struct.unpack_from(f"<{n}I", data)) if n else set()
+        return [], 0, False
+    if data[:len(ACKS_MAGIC)] != ACKS_MAGIC:
+        n = len(data) // 4
+        if repair and len(data) != n * 4:
+            os.truncate(path, n * 4)
+        return list(struct.unpack_from(f"<{n}I", data)), 0, n > 0
+    body = len(data) - len(ACKS_MAGIC)
+    n = body // 8
+    if repair and body != n * 8:
+        os.truncate(path, len(ACKS_MAGIC) + n * 8)
+    flat = struct.unpack_from(f"<{2 * n}I", data, len(ACKS_MAGIC))
+    crc32 = zlib.crc32
+    good = [flat[i] for i in range(0, 2 * n, 2) if crc32(flat[i].to_bytes(4, "little")) == flat[i + 1]]
+    return good, n - len(good), False
+
+
+def read_acks(path: str) -> set[int]:
+    """Positions listed in an ack file (either version); damaged entries are left out."""
+    return set(read_ack_entries(path, repair=True)[0])
 
 
 class Segment:
@@ -127,7 +161,7 @@ class Segment:
 
     __slots__ = (
         "no", "dir", "fd", "mm", "size", "used", "sealed",
-        "count", "transient", "body_bytes", "live", "acked", "ack_fd", "skip_acked",
+        "count", "transient", "body_bytes", "live", "acked", "ack_fd", "skip_acked", "unverified",
     )
 
     def __init__(self, dir_path: str, no: int) -> None:
@@ -146,6 +180,8 @@ class Segment:
         self.ack_fd = -1
         # Removed records may lie ahead of the read cursor (only after recovery): shift must check.
         self.skip_acked = False
+        # Sealed with a valid meta and loaded without reading it: CRC-checked when first mapped.
+        self.unverified = False
 
     def path(self, kind: str) -> str:
         return os.path.join(self.dir, file_name(kind, self.no))
@@ -241,9 +277,14 @@ class Segment:
 
     def open_acks(self) -> int:
         if self.ack_fd < 0:
-            self.ack_fd = os.open(
-                self.path("acks"), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600
-            )
+            fd = os.open(self.path("acks"), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+            try:
+                if os.fstat(fd).st_size == 0:
+                    os.write(fd, ACKS_MAGIC)
+            except BaseException:
+                os.close(fd)
+                raise
+            self.ack_fd = fd
         return self.ack_fd
 
     def map_readonly(self) -> None:

@@ -286,7 +286,9 @@ def test_corrupt_record_in_sealed_segment_without_meta(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="shard.store"):
         s = QueueStore(path, segment_size=4096)
     assert any("CRC mismatch" in r.getMessage() for r in caplog.records)
-    assert drain(s) == list(range(10)) + list(range(len(seg1), 200))
+    # Damage in a sealed segment costs the damaged record only (issue #9), not the rest of it.
+    assert drain(s) == list(range(10)) + list(range(11, 200))
+    assert s.damaged_records == 1
     s.close()
 
 
