@@ -531,7 +531,14 @@ class QueueStore(SegmentDir):
                 wseg = seg
         if wseg is None:
             no = (msgs[-1] if msgs else 0) + 1
-            wseg = Segment.create(self.path, no, self._segment_size)
+            try:
+                wseg = Segment.create(self.path, no, self._segment_size)
+            except OSError as exc:
+                # A full disk must not make a queue unusable (or its declare fail): a segment with
+                # room for nothing, so every append tries to grow it and is refused until there is space.
+                log.warning("queue %s: cannot allocate segment %d (%s): publishes are refused until "
+                            "there is space", self.path, no, exc)
+                wseg = Segment.create(self.path, no, DATA_START)
             self._segs[no] = wseg
             self._dir_dirty = True
         self._wseg = wseg

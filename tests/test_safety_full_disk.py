@@ -62,6 +62,12 @@ def test_full_disk_nacks_publishes_and_the_shard_lives(node_factory, small_disk)
     assert "exited with signal" not in node.log_text()
     assert "message not stored" in node.log_text()
     assert ch.queue_declare("fill", passive=True).method.message_count == stored
+    # A queue declared on the full disk exists; what cannot be stored in it is nacked.
+    ch.queue_declare("late", durable=True)
+    with pytest.raises(pika.exceptions.NackError):
+        ch.basic_publish("", "late", BODY, PERSISTENT)
+    assert ch.queue_declare("late", passive=True).method.message_count == 0
+    assert node.worker_pid("shard", 0) == shard_pid
     # Space comes back when messages are consumed (whole segments are deleted); publishing works again.
     for _ in range(stored):
         method, _props, body = ch.basic_get("fill")
@@ -70,6 +76,8 @@ def test_full_disk_nacks_publishes_and_the_shard_lives(node_factory, small_disk)
     for _ in range(20):
         ch.basic_publish("", "fill", BODY, PERSISTENT)
     assert ch.queue_declare("fill", passive=True).method.message_count == 20
+    ch.basic_publish("", "late", BODY, PERSISTENT)  # the late queue's segment grows now
+    assert ch.queue_declare("late", passive=True).method.message_count == 1
     conn.close()
     node.restart()
     conn = node.connect()
