@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import multiprocessing
 import os
+import socket
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -68,9 +69,58 @@ class Settings:
     # 406. On by default like RabbitMQ's 30 minutes; it costs the plain path nothing (a periodic scan,
     # see shard/ack_timeouts.py). 0 = off.
     consumer_timeout: int = 1800000
+    # MQTT 3.1.1 listener (frontend/mqtt/); 0 = off.
+    mqtt_port: int = 1883
+    # Largest MQTT packet accepted (bytes); a bigger one closes that connection.
+    mqtt_max_packet_size: int = 134217728
+    # QoS 1/2 messages sent to one MQTT client and not yet acknowledged by it (the consumer's prefetch).
+    mqtt_max_inflight: int = 1000
+    # 1: an MQTT CONNECT without a user name logs in as --default-user (vhost /), as RabbitMQ's
+    # mqtt.allow_anonymous; 0 refuses it with return code 5.
+    mqtt_allow_anonymous: int = 0
+    # TLS listeners (AMQPS, MQTTS) are on when a certificate is set; 0 turns one off.
+    amqps_port: int = 5671
+    mqtts_port: int = 8883
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    # 1: clients must present a certificate signed by --tls-ca.
+    tls_verify_peer: int = 0
+    # 1: every plain client listener expects a PROXY protocol v1/v2 header first (frontend/proxy.py).
+    proxy_protocol: int = 0
+    # MQTT (/ws) and AMQP (/amqp) over WebSocket (frontend/ws.py); 0 = off.
+    ws_port: int = 15675
     # The node's HTTP server (broker/http/): management API, UI and health checks on one port.
     http_port: int = 15672
     http_bind: str = "127.0.0.1"
+    # ms between the periodic statistics each worker sends the node (RabbitMQ's
+    # collect_statistics_interval): queue counts, connections, counters for the API and Prometheus.
+    stats_interval: int = 5000
+    # Resource alarms (broker/alarms.py): publishers are blocked while free disk space of the data dir is
+    # below disk_free_limit or the node's memory is above vm_memory_high_watermark (RabbitMQ's syntax).
+    disk_free_limit: str = "50MB"
+    vm_memory_high_watermark: str = "0.4"
+    # Prometheus /metrics and /metrics/per-object (broker/http/metrics.py), bound to http_bind; 0 = off.
+    prometheus_port: int = 15692
+    # Cluster (replication/): off = today's standalone node, no etcd needed.
+    cluster: bool = False
+    etcd_endpoints: list[str] = field(default_factory=lambda: ["127.0.0.1:2379"])
+    etcd_prefix: str = "shardmq"
+    node_name: str = field(default_factory=socket.gethostname)
+    # Host other nodes and proxies use to reach this node (its AMQP, replication and HTTP ports).
+    advertised_host: str = field(default_factory=socket.gethostname)
+    # Seconds of the node's etcd lease: a dead leader is replaced after at most this long.
+    lease_ttl: int = 10
+    # File holding the cluster's shared secret (SHARDMQ_CLUSTER_SECRET may hold the secret itself).
+    cluster_secret_file: str | None = None
+    replication_port: int = 5679
+    replication_bind: str = "127.0.0.1"
+    # Confirms and declare-oks need at least this many in-sync followers (below: nacks, logged).
+    min_isr: int = 0
+    # A follower that is behind and has not acked for this many seconds is disconnected.
+    replication_ack_timeout: int = 3
+    # HOST:PORT: follow that leader's replication port without etcd (static/manual mode, tests).
+    follow: str | None = None
     config_file: str | None = None
 
     @property
@@ -96,7 +146,7 @@ class Settings:
 @dataclass(frozen=True)
 class Option:
     name: str  # Settings field
-    kind: str  # "int" | "str" | "list" | "path"
+    kind: str  # "int" | "str" | "list" | "path" | "bool" (a flag without value; 1/0/true/false elsewhere)
     section: str | None  # INI section, None when the option cannot be set from a file
     help: str
     minimum: int | None = None
@@ -146,14 +196,58 @@ OPTIONS: tuple[Option, ...] = (
     Option("set_timestamp", "int", "amqp", "1 = stamp published messages that have no timestamp", 0, 1),
     Option("consumer_timeout", "int", "amqp",
            "ms a delivery may stay unacked before its channel is closed with 406 (0 = off)", 0, 2**31 - 1),
+    Option("mqtt_port", "int", "mqtt", "MQTT 3.1.1 port (0 = off)", 0, 65535, key="port"),
+    Option("mqtt_max_packet_size", "int", "mqtt", "largest MQTT packet accepted, bytes", 64, 268435455,
+           key="max_packet_size"),
+    Option("mqtt_max_inflight", "int", "mqtt", "unacknowledged QoS 1/2 messages per MQTT client", 1, 65535,
+           key="max_inflight"),
+    Option("mqtt_allow_anonymous", "int", "mqtt", "1 = MQTT clients without a user name log in as --default-user",
+           0, 1, key="allow_anonymous"),
+    Option("amqps_port", "int", "amqp", "AMQP over TLS port, on when --tls-cert is set (0 = off)", 0, 65535,
+           key="tls_port"),
+    Option("mqtts_port", "int", "mqtt", "MQTT over TLS port, on when --tls-cert is set (0 = off)", 0, 65535,
+           key="tls_port"),
+    Option("tls_cert", "path", "tls", "server certificate chain (PEM) for the TLS listeners", key="cert"),
+    Option("tls_key", "path", "tls", "private key (PEM) of --tls-cert", key="key"),
+    Option("tls_ca", "path", "tls", "CA bundle (PEM) that client certificates must chain to", key="ca"),
+    Option("tls_verify_peer", "int", "tls", "1 = require a client certificate signed by --tls-ca", 0, 1,
+           key="verify_peer"),
+    Option("proxy_protocol", "int", "main",
+           "1 = plain client listeners require a PROXY protocol v1/v2 header (haproxy send-proxy)", 0, 1),
+    Option("ws_port", "int", "ws", "WebSocket port: MQTT at /ws, AMQP at /amqp (0 = off)", 0, 65535, key="port"),
     Option("http_port", "int", "http", "HTTP port: management API, UI, health checks (0 = off)", 0, 65535,
            key="port"),
     Option("http_bind", "str", "http", "address the HTTP listener binds", key="bind"),
+    Option("disk_free_limit", "str", "main",
+           "free disk space of the data dir below which publishers are blocked: bytes with a unit (50MB) "
+           "or mem_relative:F (F x RAM)"),
+    Option("vm_memory_high_watermark", "str", "main",
+           "node memory above which publishers are blocked: a fraction of RAM (0.4) or an amount (2GB)"),
+    Option("prometheus_port", "int", "http", "Prometheus metrics port (0 = off)", 0, 65535),
+    Option("stats_interval", "int", "http", "ms between the statistics reports of the workers", 100, 3600000),
+    Option("cluster", "bool", "clustering", "run as a cluster member (etcd election, replication)",
+           key="enabled"),
+    Option("etcd_endpoints", "list", "clustering", "etcd endpoints HOST:PORT, comma separated"),
+    Option("etcd_prefix", "str", "clustering", "prefix of this cluster's keys in etcd"),
+    Option("node_name", "str", "clustering", "this node's name in the cluster (unique)"),
+    Option("advertised_host", "str", "clustering", "host the other nodes reach this node at"),
+    Option("lease_ttl", "int", "clustering", "seconds of the etcd lease (failover detection time)", 1, 3600),
+    Option("cluster_secret_file", "path", "clustering",
+           "file with the cluster's shared secret (or SHARDMQ_CLUSTER_SECRET)", key="secret_file"),
+    Option("replication_port", "int", "clustering", "replication stream port (leader)", 1, 65535, key="port"),
+    Option("replication_bind", "str", "clustering", "address the replication listener binds", key="bind"),
+    Option("min_isr", "int", "clustering", "confirms need this many in-sync followers (fewer: nack)", 0, 1000),
+    Option("replication_ack_timeout", "int", "clustering",
+           "seconds a lagging follower may go without acking before it is dropped", 1, 3600,
+           key="ack_timeout"),
+    Option("follow", "str", "clustering",
+           "HOST:PORT of a leader to follow without etcd (static/manual mode, tests)"),
 )
 OPTIONS_BY_NAME = {opt.name: opt for opt in OPTIONS}
 INI_SECTIONS = ("main", "amqp", "mqtt", "tls", "ws", "http", "clustering")
 BOOL_TRUE = ("1", "true", "yes", "on")
 BOOL_FALSE = ("0", "false", "no", "off")
+SECRET_ENV = ENV_PREFIX + "CLUSTER_SECRET"
 CONFIG_ENV = ENV_PREFIX + "CONFIG_FILE"
 _INI_OPTIONS = {(opt.section, opt.ini_key): opt for opt in OPTIONS if opt.section}
 
@@ -199,7 +293,16 @@ def _convert(opt: Option, raw: str) -> Any:
         if raw not in opt.choices:
             raise _Invalid(f"invalid choice {raw!r} (choose from {', '.join(opt.choices)})")
         return raw
-    if opt.name in ("bind", "http_bind", "default_user") and not raw:
+    if opt.name in ("disk_free_limit", "vm_memory_high_watermark"):
+        from broker.alarms import parse_disk_limit, parse_memory_watermark
+
+        try:
+            (parse_disk_limit if opt.name == "disk_free_limit" else parse_memory_watermark)(raw)
+        except ValueError as exc:
+            raise _Invalid(str(exc)) from None
+    if opt.name in ("bind", "http_bind", "default_user", "etcd_prefix", "node_name", "advertised_host",
+                    "replication_bind") \
+            and not raw:
         raise _Invalid("must not be empty")
     return raw
 
@@ -210,6 +313,9 @@ def _describe_default(opt: Option) -> str:
         "frontends": "CPU count",
         "shards": "CPU count",
         "loopback_users": "guest",
+        "node_name": "hostname",
+        "advertised_host": "hostname",
+        "etcd_endpoints": "127.0.0.1:2379",
     }
     if opt.name in defaults:
         return defaults[opt.name]
@@ -218,13 +324,16 @@ def _describe_default(opt: Option) -> str:
 
 _METAVARS = {"int": "N", "path": "DIR", "list": "USERS", "str": "VALUE", "bind": "ADDR", "http_bind": "ADDR",
              "default_user": "USER", "sync": "POLICY", "log_level": "LEVEL",
-             "definitions": "FILE"}
+             "definitions": "FILE", "tls_cert": "FILE", "tls_key": "FILE", "tls_ca": "FILE",
+             "etcd_endpoints": "HOSTS",
+             "cluster_secret_file": "FILE", "node_name": "NAME", "advertised_host": "HOST",
+             "follow": "HOST:PORT", "replication_bind": "ADDR"}
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
     # Wide enough that every flag's help is one line.
     def __init__(self, prog: str) -> None:
-        super().__init__(prog, max_help_position=28, width=max(100, _terminal_width()))
+        super().__init__(prog, max_help_position=40, width=max(110, _terminal_width()))
 
 
 def _terminal_width() -> int:
@@ -339,7 +448,57 @@ def load_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] 
 
     if "data_dir" not in values:
         values["data_dir"] = default_data_dir(environ)
-    return Settings(**values)
+    settings = Settings(**values)
+    _check_cluster(parser, settings, environ)
+    return settings
+
+
+def _check_cluster(parser: argparse.ArgumentParser, s: Settings, environ: Mapping[str, str]) -> None:
+    if s.follow is not None:
+        host, sep, port = s.follow.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            parser.error(f"--follow: expected HOST:PORT, got {s.follow!r}")
+        if not s.cluster:
+            parser.error("--follow needs --cluster")
+    if s.cluster and not s.cluster_secret_file and not environ.get(SECRET_ENV):
+        parser.error(f"--cluster needs --cluster-secret-file (or {SECRET_ENV})")
+
+
+def cluster_secret(s: Settings, environ: Mapping[str, str] | None = None) -> bytes:
+    """The shared secret: $SHARDMQ_CLUSTER_SECRET, else the content of --cluster-secret-file (stripped)."""
+    environ = os.environ if environ is None else environ
+    if environ.get(SECRET_ENV):
+        return environ[SECRET_ENV].encode()
+    if not s.cluster_secret_file:
+        raise ValueError(f"no cluster secret: set --cluster-secret-file or {SECRET_ENV}")
+    with open(s.cluster_secret_file, "rb") as f:
+        secret = f.read().strip()
+    if not secret:
+        raise ValueError(f"cluster secret file {s.cluster_secret_file} is empty")
+    return secret
+
+
+def tls_problem(s: Settings) -> str | None:
+    """Why the TLS settings cannot work (naming the flag), or None. Loads the files once to be sure."""
+    if not (s.tls_cert or s.tls_key or s.tls_ca or s.tls_verify_peer):
+        return None
+    if not s.tls_cert or not s.tls_key:
+        return "--tls-cert and --tls-key go together"
+    if s.tls_verify_peer and not s.tls_ca:
+        return "--tls-verify-peer needs --tls-ca"
+    import ssl
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(s.tls_cert, s.tls_key)
+    except (OSError, ssl.SSLError) as exc:
+        return f"--tls-cert/--tls-key: cannot load {s.tls_cert} / {s.tls_key}: {exc}"
+    if s.tls_ca:
+        try:
+            ctx.load_verify_locations(s.tls_ca)
+        except (OSError, ssl.SSLError) as exc:
+            return f"--tls-ca: cannot load {s.tls_ca}: {exc}"
+    return None
 
 
 LOG_FORMAT = "%(asctime)s %(levelname)s [%(processName)s] %(name)s: %(message)s"

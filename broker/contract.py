@@ -13,7 +13,7 @@ Sockets (all ``ipc://`` under the node's run directory):
 * ``shard-N.sock`` - shard N binds a ROUTER; every frontend connects a DEALER
   with its worker id as identity. Data traffic: publishes, consumes, acks
   one way; deliveries, confirms, replies the other way. Every other shard
-  connects a DEALER too (identity ``sh-M``) and sends PUBLISH items only:
+  connects a DEALER too (identity ``sh-M``) and sends PUBLISH and DEDUP_PUBLISH items only:
   dead-lettered messages and due delayed messages whose target queues live on
   shard N, and messages of a deduplicating exchange that shard M owns (M also
   connects one to itself for those). Their header is ``[target_epoch, seq]``
@@ -35,6 +35,12 @@ previous incarnation of that shard) and answers each batch_seq with a
 PROCESSED item so frontends can apply back-pressure to publishers.
 Batches in the other direction and all control batches carry header ``0``.
 
+Channels: the ``channel`` field of every frontend <-> shard item is the channel's *key*,
+``number + 65536 * generation``, where the generation counts the connection's channel
+openings. A client may close channel 1 and open it again at once; an item a shard sent for
+the earlier opening (a late DELIVER, CONFIRM, CANCEL_NOTIFY) then carries the old key and the
+frontend drops it instead of handing it to the new opening (docs/architecture.md).
+
 Versions: VERSION is bumped whenever a field is added, removed or changes
 meaning; HELLO carries it and the node refuses a worker of another version.
 """
@@ -46,7 +52,11 @@ from typing import Any
 
 import msgpack
 
-VERSION = 2  # 2: DELAYED_PUBLISH; shards confirm forwarded delayed messages
+# 2: DELAYED_PUBLISH; shards confirm forwarded delayed messages. 3: QUEUE_INFO, DEDUP_PUBLISH,
+# CHANNEL_CLOSED's and CANCEL's req_id, channel fields carry the channel key (number + 65536 * generation).
+# 4: STATS, ALARMS, CLOSE_CONNECTIONS by user/conn; KV_PUT, KV_GET (MQTT retained messages and
+# sessions). 5: REPL_STATUS, REPL_ISR (cluster).
+VERSION = 5
 
 # --------------------------------------------------------------------------
 # Control plane: node <-> every worker (node.sock)
@@ -58,8 +68,25 @@ REQUEST = 3  # [REQUEST, req_id, op(str), args(dict)]   (op list: see REQUEST_OP
 QUERY_REPLY = 4  # [QUERY_REPLY, query_id, ok(bool), result]  (shard answering a node QUERY)
 # FORWARD: [FORWARD, frontend_index, payload]  the node passes payload on to that frontend as
 # FORWARDED (low-rate frontend-to-frontend traffic: direct reply-to answers published on another
-# frontend). payload: ["reply", routing_key, exchange, props_raw, body]
+# frontend). payload: ["reply", routing_key, exchange, props_raw, body] or
+# ["mqtt.takeover", vhost, client_id, [frontend_index, conn_id]] (an MQTT client connected with that
+# client id there: every other connection holding it is closed, [MQTT-3.1.4-2]).
 FORWARD = 5
+# STATS: [STATS, payload(dict)]  every stats_interval ms (one item, never per message), for the
+# management API and Prometheus. A frontend's payload:
+#   {"connections": [[conn_id, peer_host, peer_port, user, vhost, client_properties(dict), connected_at_ms,
+#                     recv_oct, send_oct, blocked(bool), [[channel, prefetch, global_prefetch, consumers,
+#                     unacked, unconfirmed, confirm(bool), tx(bool)], ...]], ...],
+#    "consumers": [[conn_id, channel, tag, queue, no_ack, prefetch], ...]}
+# a shard's: {"queues": [[vhost, name, ready, unacked, consumers, ready_bytes, published, delivered, acked], ...]}
+#   (published/delivered/acked: totals since the shard started; the node turns them into rates)
+STATS = 6
+# REPL_STATUS: [REPL_STATUS, {follower: [connected, in_sync, lag_bytes, lag_seconds, last_ack_monotonic,
+#                                         acked_position]}]
+# a leader's shard reports its replication stream's followers (on every connect, disconnect or
+# in-sync change, and every second while followers are attached). A follower missing from the map
+# is not connected to that shard's stream.
+REPL_STATUS = 7  # (6 and 19 are STATS and ALARMS on branch mgmt)
 
 # node -> worker
 SNAPSHOT = 10  # [SNAPSHOT, defs_version, definitions(dict), shard_epochs({index: epoch}), settings(dict)]
@@ -69,12 +96,22 @@ SHARD_UP = 13  # [SHARD_UP, index, epoch]      a shard (re)started; frontends an
 WORKER_DOWN = 14  # [WORKER_DOWN, role, index]  a worker died; shards drop a dead frontend's consumers
 QUERY = 15  # [QUERY, query_id, op(str), args(dict)]  node asks a shard (queue_info, ...)
 STOP = 16  # [STOP]  graceful shutdown: finish the current turn, sync, exit 0
-CLOSE_CONNECTIONS = 17  # [CLOSE_CONNECTIONS, vhost or None, reply_code, text]  frontends close matching connections
+# [CLOSE_CONNECTIONS, vhost or None, reply_code, text, user or None, conn_id or None]  frontends close the
+# connections that match every field that is not None (conn_id: sent only to the frontend that has it)
+CLOSE_CONNECTIONS = 17
 FORWARDED = 18  # [FORWARDED, payload]  see FORWARD
+# [ALARMS, [name, ...]]  the resource alarms in effect ("disk", "memory"; [] = none), sent to frontends when
+# the set changes and after a frontend's SNAPSHOT: publishing connections are blocked while it is not empty
+ALARMS = 19
+# REPL_ISR: [REPL_ISR, followers(list[str]), min_isr]  the in-sync replica set a leader's shard must
+# wait for before it confirms (every one acked its stream past the record); with fewer than
+# min_isr followers it nacks. [] and 0: confirm after the local sync only (standalone, follower).
+REPL_ISR = 8
 
 # Requests a frontend or shard sends to the node (REQUEST op names). Args are dicts
 # with the AMQP method's fields plus "vhost" and, for frontends, "owner" = [frontend_index, conn_id].
 REQUEST_OPS = (
+    "connection.open",  # {"vhost", "user", "owner"}: counted for max-connections; open-ok waits for it
     "exchange.declare",
     "exchange.delete",
     "exchange.bind",
@@ -91,6 +128,9 @@ REQUEST_OPS = (
 # Queries the node sends to a shard (QUERY op names).
 QUERY_OPS = (
     "queue_info",  # {"vhost", "queue"} -> {"messages": int, "consumers": int}
+    "purge",  # management API, see shard/admin.py for these three
+    "get",
+    "publish",
 )
 
 # --------------------------------------------------------------------------
@@ -107,7 +147,9 @@ PUBLISH = 20
 # CONSUME: [CONSUME, req_id, conn_id, channel, vhost, queue, consumer_tag, no_ack, exclusive,
 #           prefetch(int, 0 = unlimited), arguments(dict)]  -> REPLY_DATA {} or error
 CONSUME = 21
-CANCEL = 22  # [CANCEL, conn_id, channel, consumer_tag]
+# CANCEL: [CANCEL, conn_id, channel, consumer_tag, req_id] -> REPLY_DATA {} once the consumer is gone
+# (basic.cancel-ok waits for it; deliveries sent before the answer still reach the client).
+CANCEL = 22
 # ACK: [ACK, conn_id, channel, flat list q0, m0, q1, m1, ...]  (queue id, message id pairs)
 ACK = 23
 # NACK: [NACK, conn_id, channel, requeue(bool), flat list q0, m0, ...]  (reject is a nack of one)
@@ -115,7 +157,9 @@ NACK = 24
 GET = 25  # [GET, req_id, conn_id, channel, vhost, queue, no_ack] -> REPLY_DATA {"message": [...]|None}
 QOS = 26  # [QOS, conn_id, channel, global_prefetch(int, 0 = unlimited)]
 RECOVER = 27  # [RECOVER, conn_id, channel]  requeue this channel's unacked messages on this shard
-CHANNEL_CLOSED = 28  # [CHANNEL_CLOSED, conn_id, channel]  cancel its consumers, requeue its unacked
+# CHANNEL_CLOSED: [CHANNEL_CLOSED, conn_id, channel, req_id|None]  cancel its consumers, requeue its
+# unacked; with a req_id (the client's channel.close) -> REPLY_DATA {} once done: close-ok waits for it.
+CHANNEL_CLOSED = 28
 CONNECTION_CLOSED = 29  # [CONNECTION_CLOSED, conn_id]
 PURGE = 30  # [PURGE, req_id, vhost, queue] -> REPLY_DATA {"messages": purged_count}
 CREDIT = 31  # [CREDIT, conn_id, channel, consumer_tag, n]  frontend wrote n deliveries out
@@ -143,6 +187,15 @@ DELAYED_PUBLISH = 33
 # shards, itself included; they answer CONFIRM to the owner's sh-N identity, and the owner
 # answers the frontend's confirm_seq once all of them have (one CONFIRM or CONFIRM_NACK).
 DEDUP_PUBLISH = 34
+
+# KV_PUT / KV_GET: small durable key-value stores on a shard (shard/kvstore.py), one per (vhost, space):
+# MQTT retained messages (space "mqtt.retained", key = topic) and persistent-session state (space
+# "mqtt.session", key = client id). Publish lane, so a put is ordered with the publishes before it.
+#   [KV_PUT, req_id|None, vhost, space, key, value|None]  value None deletes; with a req_id the
+#       shard answers REPLY_DATA {} once the put is fsynced
+#   [KV_GET, req_id, vhost, space, key|None] -> REPLY_DATA {"items": [[key, value], ...]} (None: all keys)
+KV_PUT = 35
+KV_GET = 36
 
 # Channel numbers of the confirmed PUBLISH items a shard sends to another shard (conn_id 0): the
 # CONFIRM answers come back to the sender's peer DEALER and are told apart by this number.
@@ -213,13 +266,29 @@ def shard_address(run_dir: str, index: int) -> str:
     return "ipc://" + os.path.join(run_dir, f"shard-{index}.sock")
 
 
+def repl_handoff_path(run_dir: str, index: int) -> str:
+    """Unix datagram socket where shard ``index`` receives replication connections from the node
+    (``replication/handoff.py``): one datagram per connection, the socket as SCM_RIGHTS ancillary
+    data, the payload ``pack_handoff(follower_name)``."""
+    return os.path.join(run_dir, f"repl-shard-{index}.sock")
+
+
+def pack_handoff(follower: str) -> bytes:
+    return msgpack.packb([VERSION, follower], use_bin_type=True)
+
+
+def unpack_handoff(data: bytes) -> str:
+    try:
+        version, follower = msgpack.unpackb(data, raw=False)
+    except Exception as exc:
+        raise ValueError(f"malformed handoff: {exc}") from exc
+    if version != VERSION:
+        raise ValueError(f"handoff of contract version {version}")
+    return str(follower)
+
+
 def worker_id(role: str, index: int) -> bytes:
     return f"{'fe' if role == 'frontend' else 'sh'}-{index}".encode()
-
-
-def parse_worker_id(ident: bytes) -> tuple[str, int]:
-    prefix, _, idx = ident.decode().partition("-")
-    return ("frontend" if prefix == "fe" else "shard"), int(idx)
 
 
 assert CONTROL_LANE_KINDS == frozenset((ACK, NACK, CREDIT, CONSUME, CANCEL, QOS, RECOVER, CHANNEL_CLOSED,

@@ -31,6 +31,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from broker import write_observer
 from broker.definitions import Definitions
 
 SNAPSHOT = "definitions.json"
@@ -76,12 +77,15 @@ def is_durable_relevant(op: Sequence) -> bool:
 def write_json_atomic(path: str, value: Any) -> None:
     """Write JSON so that path holds either the old or the new content after a crash."""
     tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(_dumps(value))
+    data = _dumps(value).encode()
+    with open(tmp, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(os.path.dirname(path) or ".")
+    if write_observer.current is not None:
+        write_observer.current.replace(os.path.abspath(path), data)
 
 
 def _fsync_dir(path: str) -> None:
@@ -120,6 +124,8 @@ class DefStore:
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(self.data_dir)
+        if write_observer.current is not None:
+            write_observer.current.replace(os.path.abspath(self.log_path), b"")
         # What the other processes get is the durable state: transient entities died with the old node.
         return Definitions.from_dict(defs.to_dict(durable_only=True))
 
@@ -146,10 +152,14 @@ class DefStore:
         lines = [_dumps(op) + "\n" for op in ops if is_durable_relevant(op)]
         if not lines:
             return 0
+        data = "".join(lines).encode()
         with self._lock:
             if self._log is None:
-                self._log = open(self.log_path, "a", encoding="utf-8")
-            self._log.write("".join(lines))
+                self._log = open(self.log_path, "ab")
+            offset = self._log.tell()
+            self._log.write(data)
+        if write_observer.current is not None:
+            write_observer.current.append(os.path.abspath(self.log_path), offset, data)
         return len(lines)
 
     def sync(self) -> None:

@@ -21,16 +21,22 @@ from typing import Any
 import zmq
 
 from broker import contract
+from broker.alarms import CHECK_INTERVAL_S, ResourceMonitor, parse_disk_limit, parse_memory_watermark
 from broker.amqp.errors import AMQPConnectionError, AMQPError
-from broker.config import Settings
+from broker.config import Settings, cluster_secret
 from broker.datadir import PRIVATE_UMASK, DataDir, DataDirLocked, DataDirUnsafe
 from broker.definitions import Definitions
 from broker.definitions_file import plan_from_file, read_definitions_file
 from broker.defstore import DefStore
+from broker.http.metrics import MetricsServer
 from broker.http.server import HttpServer
+from broker.node_stats import NodeStats
+from broker.permissions import CONFIGURE, READ, WRITE, check, check_topic
 from broker.process import install_uvloop
 from broker.supervisor import Supervisor, WorkerProcess
 from broker.zmqio import BatchSocket, make_socket
+from replication.follower import ReplicationFollower
+from replication.leader import ReplicationLeader
 
 log = logging.getLogger("shardmq.node")
 
@@ -51,6 +57,9 @@ class Node:
         self.ctl: BatchSocket | None = None
         self._apply_waiters: list[tuple[int, asyncio.Future]] = []
         self._queries: dict[int, asyncio.Future] = {}
+        self._admin_queries: dict[int, asyncio.Future] = {}  # shard_query(): answered (ok, result)
+        # The workers' periodic STATS (queue counts, connections) for the management API and metrics.
+        self.stats = NodeStats()
         self._next_query = 0
         self._sync_waiters: list[asyncio.Future] = []
         self._sync_running = False
@@ -59,6 +68,14 @@ class Node:
         self._shards_ready = asyncio.Event()
         # Open connections per vhost, counted against max-connections: vhost -> {(frontend, conn_id)}.
         self.vhost_conns: dict[str, set[tuple]] = {}
+        # Cluster roles (docs/cluster.md): a leader serves and replicates, a follower only replicates.
+        self.role = "standalone"
+        self.repl_leader: ReplicationLeader | None = None
+        self.repl_follower: ReplicationFollower | None = None
+        self.repl_on_change = None  # the coordinator's callback for ReplicationLeader.on_change
+        self.repl_auto_isr = True  # False once a coordinator drives the ISR (set_isr)
+        # The followers confirms wait for from the start of a promotion (ClusterRole: etcd's ISR).
+        self.repl_initial_isr: set[str] = set()
         # What the health checks report (broker/http/health.py): ready once this node serves (or, in
         # a cluster, proxies to the leader); is_leader on the node that serves clients; alarms names
         # the resource alarms in effect.
@@ -66,11 +83,115 @@ class Node:
         self.is_leader = False
         self.alarms: list[str] = []
         self.http = HttpServer(self, settings.http_bind, settings.http_port)
+        self.metrics = MetricsServer(self, settings.http_bind, settings.prometheus_port)
+        # In a cluster (--cluster): the etcd-driven role of this node (replication/cluster.py).
+        self.cluster: Any = None
 
     # ------------------------------------------------------------------ life
     async def start(self) -> None:
         s = self.settings
         self.datadir.lock()
+        ctx = zmq.Context.instance()
+        sock = make_socket(ctx, zmq.ROUTER)
+        sock.bind(contract.node_address(self.datadir.run_dir))
+        self.ctl = BatchSocket(self.loop, sock, self._on_control)
+        if s.cluster and not s.follow and s.etcd_endpoints:
+            # The role (leader, follower) is etcd's decision: replication/cluster.py drives
+            # become_leader / become_follower / step_down. Health answers meanwhile.
+            from replication.cluster import ClusterRole
+
+            await self._start_node_services()
+            self.cluster = ClusterRole(self)
+            await self.cluster.start()
+            log.info("node (pid %d) started as cluster member %s; data dir %s", os.getpid(), s.node_name,
+                     self.datadir.path)
+            return
+        if s.cluster and s.follow:
+            # Static mode (tests, manual setups): follow that leader, no etcd. (`--cluster
+            # --etcd-endpoints none` without --follow is a static leader.)
+            host, _, port = s.follow.rpartition(":")
+            await self.become_follower(host, int(port))
+        else:
+            await self._serve()
+            if s.cluster:
+                await self._start_leader()
+        await self._start_node_services()
+
+    async def _start_node_services(self) -> None:
+        """What the node runs whatever its role: HTTP (management, health), Prometheus, resource alarms."""
+        await self.http.start()
+        await self.metrics.start()
+        self._start_alarms()
+
+    # ------------------------------------------------------------ cluster roles
+    async def become_leader(self) -> None:
+        """Serve clients from this data dir (a warm start of what was replicated) and replicate it."""
+        if self.role == "leader":
+            return
+        if self.repl_follower is not None:
+            await self.repl_follower.stop()
+            self.repl_follower = None
+        await self._serve()
+        await self._start_leader()
+
+    async def become_follower(self, host: str, port: int) -> None:
+        """Stop serving (if leading) and keep the data dir a copy of the leader at host:port."""
+        if self.repl_leader is not None:
+            await self.repl_leader.stop()
+            self.repl_leader = None
+        if self.role == "leader":
+            await self._stop_workers()
+        if self.repl_follower is not None:
+            await self.repl_follower.stop()
+        s = self.settings
+        self.repl_follower = ReplicationFollower(s, self.datadir.path, cluster_secret(s), s.node_name, host, port)
+        await self.repl_follower.start()
+        self.role = "follower"
+        log.info("node (pid %d) %s follows %s:%d; data dir %s", os.getpid(), s.node_name, host, port,
+                 self.datadir.path)
+
+    async def _start_leader(self) -> None:
+        s = self.settings
+        self.repl_leader = ReplicationLeader(
+            s, self.datadir.path, cluster_secret(s), shards=s.shards, run_dir=self.datadir.run_dir,
+            broadcast_isr=self._broadcast_isr, on_change=self.repl_on_change, auto_isr=self.repl_auto_isr)
+        self.repl_leader.isr = set(self.repl_initial_isr)  # start() hands it to the shards again
+        await self.repl_leader.start()
+        self.role = "leader"
+
+    def _broadcast_isr(self, names: set[str], min_isr: int) -> None:
+        if self.ctl is not None:
+            self._broadcast("shard", [contract.REPL_ISR, sorted(names), min_isr])
+
+    async def _stop_workers(self) -> None:
+        """Stop frontends, then shards (they sync), and get ready to spawn them again."""
+        self.sup.stopping = True
+        for role, timeout in (("frontend", 5.0), ("shard", 15.0)):
+            for ident, w in self.by_ident.items():
+                if w.role == role and w.connected:
+                    self.ctl.send_now(ident, [[contract.STOP]])
+            for w in self.sup.workers:
+                if w.role == role and w.proc and w.proc.returncode is None and not w.connected:
+                    w.proc.send_signal(signal.SIGTERM)
+            await self.sup.stop_role(role, timeout)
+        self.is_leader = self.serving = False
+        await self.loop.run_in_executor(None, self.defstore.sync)
+        self.defstore.close()
+        self.sup = Supervisor(self.datadir.run_dir, self.settings.log_level, self._on_worker_exit, self._on_spawn)
+        self.by_ident = {}
+        self.epochs = {}
+        self._shards_ready = asyncio.Event()
+        self.vhost_conns = {}
+
+    async def _serve(self) -> None:
+        """Load the data dir and start the workers: a standalone node's boot, a leader's promotion.
+
+        It is the warm start that ``kill -9`` recovery already exercises: definitions from the
+        DefStore, queues recovered by their shards.
+        """
+        s = self.settings
+        # A fresh DefStore: in a cluster the files were rewritten by replication since the last load.
+        self.defstore = DefStore(self.datadir.path)
         self.defs = self.defstore.load(default_user=s.default_user, default_pass=s.default_pass)
         self.defs.loopback_users = tuple(s.loopback_users)
         self.defs.rebalance(s.shards)
@@ -84,29 +205,88 @@ class Node:
             {(v.name, q) for v in self.defs.vhosts.values() for q in v.queues})
         self.datadir.remove_stale_delay_stores(
             {(v.name, x) for v in self.defs.vhosts.values() for x in v.exchanges})
-        ctx = zmq.Context.instance()
-        sock = make_socket(ctx, zmq.ROUTER)
-        sock.bind(contract.node_address(self.datadir.run_dir))
-        self.ctl = BatchSocket(self.loop, sock, self._on_control)
+        self._shards_ready.clear()
+        self.sup.held.clear()
         for i in range(s.shards):
             self.epochs[i] = 1
             await self.sup.spawn(self._worker("shard", i))
+        # A promotion is failover time: the frontends' interpreter start overlaps the shards'
+        # recovery (a frontend's batches wait in ZeroMQ until the shard binds, and a shard handles
+        # data that arrives before its snapshot once it is loaded). A standalone boot keeps the
+        # plain order.
+        overlap = bool(s.cluster)
+        if overlap:
+            for i in range(s.frontends):
+                await self.sup.spawn(self._worker("frontend", i))
         try:
             await asyncio.wait_for(self._shards_ready.wait(), _STARTUP_TIMEOUT_S)
         except TimeoutError:
             raise RuntimeError(f"shards did not start within {_STARTUP_TIMEOUT_S:.0f} s") from None
-        for i in range(s.frontends):
-            await self.sup.spawn(self._worker("frontend", i))
+        if not overlap:
+            for i in range(s.frontends):
+                await self.sup.spawn(self._worker("frontend", i))
         # A standalone node serves clients itself: it is its own leader.
         self.is_leader = True
         self.serving = True
-        await self.http.start()
-        log.info("node (pid %d) started %d shards and %d frontends; AMQP on %s:%d; data dir %s",
+        log.info("node (pid %d) serving with %d shards and %d frontends; AMQP on %s:%d; data dir %s",
                  os.getpid(), s.shards, s.frontends, s.bind, s.port, self.datadir.path)
+        self.role = "leader" if s.cluster else "standalone"
+
+    # ------------------------------------------------------- fencing (ClusterRole)
+    def fence(self) -> None:
+        """Stop confirming NOW: SIGKILL the frontends, which closes every client connection.
+
+        Synchronous and without I/O so it works however stuck etcd or the disk are. The kernel
+        closes the sockets; no confirm can reach a client after this returns.
+        """
+        self.serving = False
+        self.is_leader = False
+        self.sup.kill_role("frontend")
+
+    async def step_down(self) -> None:
+        """Leader -> nothing: fence, stop replicating, kill the shards (their data is crash-safe)."""
+        self.fence()
+        if self.repl_leader is not None:
+            await self.repl_leader.stop()
+            self.repl_leader = None
+        await self.sup.forget_all()
+        await self._stop_workers()  # nothing left to stop: DefStore synced and closed, fresh state
+        self._apply_waiters.clear()
+        for fut in list(self._queries.values()):
+            if not fut.done():
+                fut.set_result(None)
+        self._queries.clear()
+        self.role = "fenced"
+
+    def _start_alarms(self) -> None:
+        s = self.settings
+        from broker.http.metrics import node_processes, rss_bytes
+
+        self.monitor = ResourceMonitor(
+            self.datadir.path, parse_disk_limit(s.disk_free_limit), parse_memory_watermark(s.vm_memory_high_watermark),
+            lambda: sum(rss_bytes(pid) for _, pid in node_processes(self)), self._alarms_changed)
+
+        def tick() -> None:
+            if self.sup.stopping:
+                return
+            try:
+                self.monitor.check()
+            except Exception:
+                log.exception("resource check failed")
+            self.loop.call_later(CHECK_INTERVAL_S, tick)
+
+        tick()
+
+    def _alarms_changed(self, names: list[str]) -> None:
+        self.alarms = list(names)
+        self._broadcast("frontend", [contract.ALARMS, self.alarms])
 
     @property
     def ready(self) -> bool:
-        """Serving, and every frontend has applied its snapshot (so it listens and routes)."""
+        """Serving, and every frontend has applied its snapshot (so it listens and routes); or, in a
+        cluster, proxying clients to the leader."""
+        if self.cluster is not None and self.cluster.proxying:
+            return True
         return self.serving and all(w.applied >= 0 for w in self.sup.workers if w.role == "frontend")
 
     def _worker(self, role: str, index: int) -> WorkerProcess:
@@ -119,8 +299,20 @@ class Node:
             return
         self.sup.stopping = True
         log.info("node stopping")
+        if self.cluster is not None:
+            # From now on no ISR change reaches etcd: the in-sync followers stay electable.
+            self.cluster.stopping = True
+        if self.repl_leader is not None:
+            await self.repl_leader.stop()
+        if self.repl_follower is not None:
+            await self.repl_follower.stop()
         self.serving = False
         await self.http.stop()
+        await self.metrics.stop()
+        if self.cluster is not None:
+            # Frontends first (no new confirms), then the lease goes: followers take over at once.
+            self.fence()
+            await self.cluster.stop()
         # Frontends first so no new work reaches the shards, then shards sync and exit.
         for role, timeout in (("frontend", 5.0), ("shard", 15.0)):
             for ident, w in self.by_ident.items():
@@ -130,7 +322,8 @@ class Node:
                 if w.role == role and w.proc and w.proc.returncode is None and not w.connected:
                     w.proc.send_signal(signal.SIGTERM)
             await self.sup.stop_role(role, timeout)
-        await self.loop.run_in_executor(None, self.defstore.sync)
+        if self.defs is not None:
+            await self.loop.run_in_executor(None, self.defstore.sync)
         if self.ctl is not None:
             self.ctl.close()
         self.datadir.unlock()
@@ -146,6 +339,9 @@ class Node:
 
     def _on_worker_exit(self, worker: WorkerProcess, _code: int) -> None:
         self._check_apply_waiters()
+        self.stats.forget(worker.role, worker.index)
+        if worker.role == "shard" and self.repl_leader is not None:
+            self.repl_leader.shard_down(worker.index)
         if worker.role == "shard":
             # The restarted shard gets a new epoch: batches meant for the dead one are dropped,
             # frontends close the client connections that had state on it, and other shards
@@ -155,10 +351,11 @@ class Node:
             for fut in list(self._queries.values()):
                 if not fut.done():
                     fut.set_result(None)
+            for fut in list(self._admin_queries.values()):
+                if not fut.done():
+                    fut.set_result((False, [504, "shard restarted", 0, 0]))
         else:
             self._broadcast("shard", [contract.WORKER_DOWN, "frontend", worker.index])
-            for owners in self.vhost_conns.values():
-                owners.difference_update([o for o in owners if o[0] == worker.index])
             for owners in self.vhost_conns.values():
                 owners.difference_update([o for o in owners if o[0] == worker.index])
             ops = self.defs.ops_for_owner_gone([worker.index])
@@ -191,12 +388,22 @@ class Node:
                 target = self.by_ident.get(contract.worker_id("frontend", int(item[1])))
                 if target is not None and target.connected:
                     self.ctl.put(contract.worker_id("frontend", int(item[1])), [contract.FORWARDED, item[2]])
+            elif kind == contract.STATS:
+                self.stats.update(w.role, w.index, item[1])
             elif kind == contract.QUERY_REPLY:
+                admin = self._admin_queries.pop(item[1], None)
+                if admin is not None:
+                    if not admin.done():
+                        admin.set_result((bool(item[2]), item[3]))
+                    continue
                 fut = self._queries.pop(item[1], None)
                 if fut is not None and not fut.done():
                     fut.set_result(item[3] if item[2] else None)
             elif kind == contract.HELLO:
                 self._hello(ident, w, item)
+            elif kind == contract.REPL_STATUS:
+                if self.repl_leader is not None and w.role == "shard":
+                    self.repl_leader.shard_status(w.index, item[1])
 
     def _hello(self, ident: bytes, w: WorkerProcess, item: list) -> None:
         if item[1] != contract.VERSION:
@@ -206,12 +413,20 @@ class Node:
             return
         settings = dataclasses.asdict(self.settings)
         self.ctl.put(ident, [contract.SNAPSHOT, self.defs.version, self.defs.to_dict(), self.epochs, settings])
+        if w.role == "frontend" and self.alarms:
+            self.ctl.put(ident, [contract.ALARMS, self.alarms])
         if w.role == "shard":
             # Shards that came up before this one said hello: it would not hear of them otherwise, and
             # it must know its peers are ready before it forwards recovered delayed messages to them.
             for x in self.sup.workers:
                 if x.role == "shard" and x is not w and x.connected and x.applied >= 0:
                     self.ctl.put(ident, [contract.SHARD_UP, x.index, self.epochs[x.index]])
+            if self.repl_leader is not None:
+                self.ctl.put(ident, [contract.REPL_ISR, sorted(self.repl_leader.isr), self.repl_leader.min_isr])
+            elif self.repl_initial_isr:
+                # A promotion: the shards gate confirms on the ISR from etcd from their first
+                # publish on, before the replication leader runs (it starts after them).
+                self.ctl.put(ident, [contract.REPL_ISR, sorted(self.repl_initial_isr), self.settings.min_isr])
         w.connected = True
 
     def _shard_up(self, w: WorkerProcess) -> None:
@@ -257,19 +472,30 @@ class Node:
         defs = self.defs
         vhost = a.get("vhost", "/")
         owner = a.get("owner")
+        user = a.get("user")  # None for the node's own requests: they are not checked
+        if user is not None and vhost not in defs.vhosts:
+            defs._vhost(vhost)  # a deleted vhost: 530 before any permission check
         if op == "queue.declare":
             name = a.get("queue", "")
-            existed = bool(name) and defs.queue(vhost, name) is not None
+            passive = bool(a.get("passive"))
+            if name and not passive:
+                check(defs, user, vhost, CONFIGURE, "queue", name, 50, 10)
             ops, name = defs.plan_queue_declare(
-                vhost, name, bool(a.get("passive")), bool(a.get("durable")), bool(a.get("exclusive")),
+                vhost, name, passive, bool(a.get("durable")), bool(a.get("exclusive")),
                 bool(a.get("auto_delete")), a.get("arguments") or {}, owner, self.settings.shards)
+            if not passive:
+                check(defs, user, vhost, CONFIGURE, "queue", name, 50, 10)
+                dlx = (a.get("arguments") or {}).get("x-dead-letter-exchange")
+                if isinstance(dlx, str):
+                    check(defs, user, vhost, READ, "queue", name, 50, 10)
+                    check(defs, user, vhost, WRITE, "exchange", dlx, 50, 10)
             await self._commit(ops)
-            info = {"messages": 0, "consumers": 0}
-            if existed:
-                info = await self._queue_info(vhost, name) or info
-            return {"queue": name, **info}
+            # No counts here: the frontend asks the shard over its publish lane (QUEUE_INFO), which
+            # also counts the publishes still in flight from it; asking here too cost a round trip.
+            return {"queue": name, "messages": 0, "consumers": 0}
         if op == "queue.delete":
             name = a.get("queue", "")
+            check(defs, user, vhost, CONFIGURE, "queue", name, 50, 40)
             info = await self._queue_info(vhost, name) or {"messages": 0, "consumers": 0}
             ops = defs.plan_queue_delete(vhost, name, bool(a.get("if_unused")), bool(a.get("if_empty")),
                                          owner, info["consumers"], info["messages"])
@@ -292,12 +518,22 @@ class Node:
                 if info is not None and info["consumers"] == 0 and info.get("expired", True):
                     await self._commit(defs.plan_queue_delete(vhost, a["queue"], False, False, None, 0, 0))
             return {}
+        if op in ("queue.bind", "queue.unbind", "exchange.bind", "exchange.unbind"):
+            self._check_binding(op, user, vhost, a)
         if op == "exchange.declare":
+            name = a.get("exchange", "")
+            if not a.get("passive"):
+                check(defs, user, vhost, CONFIGURE, "exchange", name, 40, 10)
+                ae = (a.get("arguments") or {}).get("alternate-exchange")
+                if isinstance(ae, str):
+                    check(defs, user, vhost, READ, "exchange", name, 40, 10)
+                    check(defs, user, vhost, WRITE, "exchange", ae, 40, 10)
             ops = defs.plan_exchange_declare(
                 vhost, a.get("exchange", ""), a.get("exchange_type", a.get("type", "direct")),
                 bool(a.get("passive")), bool(a.get("durable")), bool(a.get("auto_delete")),
                 bool(a.get("internal")), a.get("arguments") or {})
         elif op == "exchange.delete":
+            check(defs, user, vhost, CONFIGURE, "exchange", a.get("exchange", ""), 40, 20)
             ops = defs.plan_exchange_delete(vhost, a.get("exchange", ""), bool(a.get("if_unused")))
         elif op in ("queue.bind", "queue.unbind"):
             plan = defs.plan_bind if op == "queue.bind" else defs.plan_unbind
@@ -317,6 +553,19 @@ class Node:
             raise AMQPError(540, f"NOT_IMPLEMENTED - unknown request {op}")
         await self._commit(ops)
         return {}
+
+    def _check_binding(self, op: str, user: str | None, vhost: str, a: dict) -> None:
+        """RabbitMQ's binding_action: write on the destination, read on the source, topic read on the key."""
+        cid, mid = {"queue.bind": (50, 20), "queue.unbind": (50, 50), "exchange.bind": (40, 30),
+                    "exchange.unbind": (40, 40)}[op]
+        if op.startswith("queue."):
+            dest_kind, dest, source = "queue", a.get("queue", ""), a.get("exchange", "")
+        else:
+            dest_kind, dest, source = "exchange", a.get("destination", ""), a.get("source", "")
+        check(self.defs, user, vhost, WRITE, dest_kind, dest, cid, mid)
+        check(self.defs, user, vhost, READ, "exchange", source, cid, mid)
+        check_topic(self.defs, user, vhost, READ, source, a.get("routing_key", ""), cid, mid,
+                    {"username": user or "", "vhost": vhost, "client_id": ""})
 
     def _count_connection(self, vhost: str, owner: tuple, user: str) -> dict:
         limit = self.defs.vhost_limits(vhost).get("max-connections")
@@ -355,6 +604,47 @@ class Node:
         await self._commit(ops)
         log.info("definitions file %s applied (%d changes)", path, len(ops))
 
+    # --------------------------------------------- management (broker/http/management.py)
+    async def commit(self, ops: list) -> None:
+        """Apply definition ops as the single writer (what the management API changes)."""
+        await self._commit(ops)
+
+    async def execute(self, op: str, args: dict) -> dict:
+        """A declare/delete/bind as a frontend would REQUEST it (args["user"] = whose permissions apply)."""
+        return await self._execute(op, args)
+
+    def close_connections(self, code: int, text: str, vhost: str | None = None, user: str | None = None,
+                          frontend: int | None = None, conn_id: int | None = None) -> None:
+        """Close the client connections that match (all given fields) on every (or one) frontend."""
+        item = [contract.CLOSE_CONNECTIONS, vhost, code, text, user, conn_id]
+        if frontend is None:
+            self._broadcast("frontend", item)
+            return
+        ident = contract.worker_id("frontend", frontend)
+        w = self.by_ident.get(ident)
+        if w is not None and w.connected:
+            self.ctl.put(ident, item)
+
+    async def shard_query(self, shard: int, op: str, args: dict) -> tuple[bool, Any]:
+        """Ask a shard (shard/admin.py ops); (ok, result), result [code, text, ...] when not ok."""
+        ident = contract.worker_id("shard", shard)
+        w = self.by_ident.get(ident)
+        if w is None or not w.connected:
+            return False, [504, f"shard {shard} is not running", 0, 0]
+        self._next_query += 1
+        qid = self._next_query
+        fut = self.loop.create_future()
+        self._admin_queries[qid] = fut
+        self.ctl.put(ident, [contract.QUERY, qid, op, args])
+        try:
+            return await asyncio.wait_for(fut, _QUERY_TIMEOUT_S)
+        except TimeoutError:
+            self._admin_queries.pop(qid, None)
+            return False, [504, f"shard {shard} did not answer", 0, 0]
+
+    async def queue_info(self, vhost: str, name: str) -> dict | None:
+        return await self._queue_info(vhost, name)
+
     async def _queue_info(self, vhost: str, name: str) -> dict | None:
         q = self.defs.queue(vhost, name)
         if q is None:
@@ -387,6 +677,9 @@ class Node:
         if wrote:
             waits.append(self._durable())
         await asyncio.gather(*waits)
+        if wrote and self.repl_leader is not None:
+            # In a cluster the *-Ok also waits for the ISR followers to ack the node stream.
+            await self.repl_leader.node_stream_replicated()
 
     async def _wait_all_applied(self, version: int) -> None:
         fut = self.loop.create_future()
@@ -423,7 +716,8 @@ async def _main(settings: Settings) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: loop.create_task(node.stop()))
-    loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(node.reload_definitions()))
+    loop.add_signal_handler(signal.SIGHUP, lambda: (loop.create_task(node.reload_definitions()),
+                                                    node.sup.signal_role("frontend", signal.SIGHUP)))
     try:
         await node.start()
     except (DataDirLocked, DataDirUnsafe) as exc:

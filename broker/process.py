@@ -67,6 +67,9 @@ def run_worker(role: str, argv: list[str] | None, load_worker) -> int:
         if state is not None:
             log = logging.getLogger(f"shardmq.{role}")
             loop.add_signal_handler(signal.SIGUSR1, lambda: log.warning("state: %s", state()))
+        # SIGHUP (sent on by the node when it gets one) re-reads what the worker can reload in place.
+        reload = getattr(worker, "reload", None)
+        loop.add_signal_handler(signal.SIGHUP, reload if reload is not None else (lambda: None))
         await worker.start()
         await worker.stopped.wait()
         return 0

@@ -54,6 +54,9 @@ class Supervisor:
         self.workers: list[WorkerProcess] = []
         self.stopping = False
         self._watchers: set[asyncio.Task] = set()
+        self._killed: list[asyncio.subprocess.Process] = []  # by kill_role, until forget_all reaps them
+        # Roles whose dead workers are not restarted (a fenced leader's frontends); any thread may add.
+        self.held: set[str] = set()
 
     async def spawn(self, worker: WorkerProcess) -> None:
         if worker not in self.workers:
@@ -87,7 +90,7 @@ class Supervisor:
 
     async def _watch(self, worker: WorkerProcess, proc: asyncio.subprocess.Process) -> None:
         code = await proc.wait()
-        if proc is not worker.proc:
+        if proc is not worker.proc or worker not in self.workers or worker.role in self.held:
             return
         worker.connected = False
         if self.stopping:
@@ -109,6 +112,35 @@ class Supervisor:
             if w.pid is not None:
                 out[w.role][str(w.index)] = w.pid
         return out
+
+    def signal_role(self, role: str, sig: int) -> None:
+        """Send ``sig`` to the running workers of one role (SIGHUP: frontends re-read TLS certificates)."""
+        for w in self.workers:
+            if w.role == role and w.proc is not None and w.proc.returncode is None:
+                try:
+                    w.proc.send_signal(sig)
+                except ProcessLookupError:
+                    pass
+    def kill_role(self, role: str) -> None:
+        """SIGKILL every worker of ``role`` now, without restarting them (a leader's fence)."""
+        self.held.add(role)
+        for w in self.workers:
+            if w.role == role and w.proc is not None and w.proc.returncode is None:
+                w.connected = False
+                try:
+                    w.proc.send_signal(signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self._killed.append(w.proc)
+        # Forgotten workers are not restarted (_watch checks membership).
+        self.workers = [w for w in self.workers if w.role != role]
+
+    async def forget_all(self) -> None:
+        """Kill and forget every worker and wait until all of them are gone (a node that steps down)."""
+        self.kill_role("frontend")
+        self.kill_role("shard")
+        killed, self._killed = self._killed, []
+        await asyncio.gather(*(p.wait() for p in killed), return_exceptions=True)
 
     async def stop_role(self, role: str, timeout: float) -> None:
         procs = [w.proc for w in self.workers if w.role == role and w.proc and w.proc.returncode is None]

@@ -30,10 +30,6 @@ class ConfirmTracker:
     def unconfirmed(self) -> int:
         return len(self._remaining)
 
-    @property
-    def has_output(self) -> bool:
-        return bool(self._settled)
-
     def publish(self, shards: int) -> int:
         """Number a publish that went to ``shards`` shards (0 = unroutable: settled as acked now)."""
         seq = self.next_seq

@@ -19,14 +19,19 @@ class Listener:
     protocol: str
     port_setting: str  # key in the node's settings; 0 = this listener is off
     session: str  # "module:Class", called with the worker for each accepted connection
+    tls: bool = False  # served with frontend/tls.py's context; off when no certificate is configured
 
 
 LISTENERS: tuple[Listener, ...] = (
     Listener("amqp", "port", "frontend.amqp.connection:AMQPConnection"),
+    Listener("mqtt", "mqtt_port", "frontend.mqtt.connection:MQTTConnection"),
+    Listener("amqps", "amqps_port", "frontend.amqp.connection:AMQPConnection", tls=True),
+    Listener("mqtts", "mqtts_port", "frontend.mqtt.connection:MQTTConnection", tls=True),
 )
 
 FORWARDED: dict[str, str] = {
     "reply": "frontend.amqp.direct_reply:deliver_reply",  # direct reply-to answered on another frontend
+    "mqtt.takeover": "frontend.mqtt.connection:forwarded_takeover",  # a client id connected elsewhere
 }
 
 

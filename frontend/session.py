@@ -27,6 +27,9 @@ class Session(Protocol):
     # True once the session published: only publishing sessions are paused under back-pressure.
     publisher: bool
     transport: asyncio.Transport | None
+    # Optional (read with getattr by the worker): ``user`` (closing a user's sessions),
+    # ``apply_alarms()`` (block a publishing session while worker.alarms is not empty) and the
+    # fields frontend/stats.py reports to the management API.
 
     def on_deliver(self, shard: int, item: list) -> None:
         """A contract DELIVER item for one of this session's consumers."""

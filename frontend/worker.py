@@ -21,7 +21,10 @@ from broker import contract
 from broker.definitions import Definitions
 from broker.zmqio import BatchSocket, make_socket
 from frontend.listeners import FORWARDED, LISTENERS, load
+from frontend.proxy import ProxyProtocolListener
 from frontend.session import CONNECTION_FORCED, Session
+from frontend.stats import frontend_stats
+from frontend.tls import reload_certificate, server_context
 
 log = logging.getLogger("shardmq.frontend")
 
@@ -56,9 +59,12 @@ class FrontendWorker:
         self._sent: list[int] = []  # last batch_seq flushed per shard
         self._processed: list[int] = []  # highest batch_seq a shard answered with PROCESSED
         self.pressure = False  # a shard is behind: reading paused on publishing connections
+        self.alarms: list[str] = []  # resource alarms in effect (node ALARMS): publishers are blocked
         self.node: BatchSocket | None = None
         self.servers: list[asyncio.AbstractServer] = []
         self._forwarded: dict[str, Callable] = {}
+        self._ws_runner: Any = None
+        self.tls: Any = None  # the TLS listeners' ssl.SSLContext (frontend/tls.py), None without a certificate
         self.conns: dict[int, Session] = {}
         self._next_conn = 0
         self._next_req = 0
@@ -95,16 +101,56 @@ class FrontendWorker:
             self.control.append(BatchSocket(self.loop, ctl, self._shard_handler(i), self._control_header_for(i)))
         self.node.put(None, [contract.APPLIED, version])
         bind = settings.get("bind") or "0.0.0.0"
+        tls = self.tls = server_context(settings)
+        proxied = bool(settings.get("proxy_protocol"))
         for listener in LISTENERS:
             port = int(settings.get(listener.port_setting, 0) or 0)
-            if not port:
+            if not port or (listener.tls and tls is None):
                 continue
-            session = load(listener.session)
+            factory = self._protocol_factory(load(listener.session), proxied and not listener.tls)
             server = await self.loop.create_server(
-                lambda session=session: session(self), host=bind, port=port, reuse_port=True, backlog=1024)
+                factory, host=bind, port=port, reuse_port=True, backlog=1024, ssl=tls if listener.tls else None)
             self.servers.append(server)
             log.info("frontend %d (pid %d) listening for %s on %s:%d", self.index, os.getpid(),
                      listener.protocol, bind, port)
+        ws_port = int(settings.get("ws_port", 0) or 0)
+        if ws_port:
+            from frontend import ws  # aiohttp is imported only by frontends that serve WebSocket
+
+            self._ws_runner = await ws.start(self, bind, ws_port)
+            log.info("frontend %d (pid %d) listening for websocket on %s:%d", self.index, os.getpid(), bind, ws_port)
+
+        self._send_stats()
+
+    def _send_stats(self) -> None:
+        """Connections, channels and consumers for the node's management API, once per stats_interval."""
+        if self._stopping:
+            return
+        try:
+            self.node.put(None, [contract.STATS, frontend_stats(self)])
+        except Exception:
+            log.exception("frontend %d: stats report failed", self.index)
+        self.loop.call_later(int(self.settings.get("stats_interval") or 5000) / 1000, self._send_stats)
+
+    def _protocol_factory(self, session: Callable, proxied: bool) -> Callable[[], asyncio.Protocol]:
+        """What asyncio calls per accepted connection: the session, or the PROXY header reader before it."""
+        def make_session() -> asyncio.Protocol:
+            return session(self)
+
+        if not proxied:
+            return make_session
+        return lambda: ProxyProtocolListener(make_session, self.loop)
+
+    def reload(self) -> None:
+        """SIGHUP: re-read the TLS certificate files without dropping established connections."""
+        if self.tls is None:
+            return
+        try:
+            reload_certificate(self.tls, self.settings)
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+            log.error("frontend %d: TLS certificate not reloaded, keeping the old one: %s", self.index, exc)
+            return
+        log.info("frontend %d: TLS certificate reloaded", self.index)
 
     def _header_for(self, shard: int) -> Callable[[bytes | None], list]:
         sent = self._sent
@@ -148,9 +194,18 @@ class FrontendWorker:
                     self._shard_up(int(item[1]), int(item[2]))
                 elif kind == contract.CLOSE_CONNECTIONS:
                     vhost, code, text = item[1], item[2], item[3]
+                    user, conn_id = (item[4], item[5]) if len(item) > 5 else (None, None)
                     for conn in list(self.conns.values()):
-                        if vhost is None or conn.vhost == vhost:
+                        if ((vhost is None or conn.vhost == vhost)
+                                and (user is None or getattr(conn, "user", None) == user)
+                                and (conn_id is None or conn.conn_id == conn_id)):
                             conn.fail(code, text)
+                elif kind == contract.ALARMS:
+                    self.alarms = list(item[1])
+                    for conn in list(self.conns.values()):
+                        apply = getattr(conn, "apply_alarms", None)  # sessions that publish block on alarms
+                        if apply is not None:
+                            apply()
                 elif kind == contract.FORWARDED:
                     payload = item[1]
                     handler = self._forwarded.get(payload[0])
@@ -336,6 +391,8 @@ class FrontendWorker:
         self._stopping = True
         for server in self.servers:
             server.close()
+        if self._ws_runner is not None:
+            await self._ws_runner.shutdown()
         for conn in list(self.conns.values()):
             conn.fail(CONNECTION_FORCED, "broker shutdown")
         self._end_of_turn()
@@ -346,6 +403,8 @@ class FrontendWorker:
         for conn in list(self.conns.values()):
             if conn.transport is not None:
                 conn.transport.close()
+        if self._ws_runner is not None:
+            await self._ws_runner.cleanup()
         for sock in (*self.shards, *self.control):
             sock.close()
         if self.node is not None:

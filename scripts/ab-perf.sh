@@ -28,6 +28,7 @@ for r in $(seq 1 "$REPEATS"); do
         # Listeners with fixed default ports are turned off where the tree has them, so runs never collide.
         extra=()
         grep -q '"http_port"' "$tree/broker/config.py" && extra+=(--http-port 0)
+        grep -q '"prometheus_port"' "$tree/broker/config.py" && extra+=(--prometheus-port 0)
         (cd "$tree" && exec "$PY" -m broker.cli --data-dir "$data" --port "$port" --frontends 1 --shards 1 \
             --log-level warning "${extra[@]}") &
         pid=$!

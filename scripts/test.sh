@@ -9,6 +9,18 @@ APT_PACKAGES=()
 command -v java >/dev/null || APT_PACKAGES+=(default-jre-headless)
 # The bench tests start a private RabbitMQ (loadtest/rabbitmq.py) side by side with ShardMQ.
 [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || APT_PACKAGES+=(rabbitmq-server)
+# Node.js amqplib compatibility tests (tests/node_clients.py installs amqplib with npm).
+command -v node >/dev/null || APT_PACKAGES+=(nodejs)
+command -v npm >/dev/null || APT_PACKAGES+=(npm)
+# The management UI test drives a real headless Chromium through Selenium (tests/test_management_ui.py).
+command -v chromium >/dev/null || APT_PACKAGES+=(chromium)
+command -v chromedriver >/dev/null || APT_PACKAGES+=(chromium-driver)
+# The PROXY protocol tests put a real haproxy (send-proxy, send-proxy-v2) in front of a node.
+command -v haproxy >/dev/null || APT_PACKAGES+=(haproxy)
+# The MQTT perf-tool test runs shardmq-perf against a private mosquitto (loadtest/mosquitto.py).
+command -v mosquitto >/dev/null || [ -x /usr/sbin/mosquitto ] || APT_PACKAGES+=(mosquitto)
+# The cluster tests start private etcd servers (loadtest/etcd.py) and the drill puts haproxy in front.
+[ -x /usr/bin/etcd ] || APT_PACKAGES+=(etcd-server)
 command -v mount >/dev/null || APT_PACKAGES+=(mount)  # tests/test_safety_full_disk.py mounts a small tmpfs
 [ "${#APT_PACKAGES[@]}" -eq 0 ] || apt_install "${APT_PACKAGES[@]}"
 

@@ -38,8 +38,11 @@ MAX_TICK_MS = 15_000
 
 
 def timeout_text(channel: int, timeout: int) -> str:
-    """RabbitMQ's channel.close text for a delivery acknowledgement timeout."""
-    return (f"PRECONDITION_FAILED - delivery acknowledgement on channel {channel} timed out. "
+    """RabbitMQ's channel.close text for a delivery acknowledgement timeout.
+
+    channel is the channel's key (broker/contract.py): its low 16 bits are the client's number.
+    """
+    return (f"PRECONDITION_FAILED - delivery acknowledgement on channel {channel & 0xFFFF} timed out. "
             f"Timeout value used: {timeout} ms. This timeout value can be configured, see "
             "consumers doc guide to learn more")
 

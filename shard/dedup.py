@@ -154,6 +154,10 @@ class ExchangeDedup:
                             self._answer(fe, conn_id, channel, seq, True)
                     return
                 cache.insert(key, ttl, now)
+        if not groups:  # unroutable: the key is remembered (as RabbitMQ's plugin does), nothing to forward
+            if seq is not None:
+                self._answer(fe, conn_id, channel, seq, True)
+            return
         token = None
         if seq is not None or cache_key is not None:
             self._token += 1

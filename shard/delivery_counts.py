@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import struct
 
+from broker import write_observer
+
 FILE = "delivery-counts"
 _PAIR = struct.Struct("<QI")
 
@@ -35,10 +37,15 @@ def save(queue_dir: str, counts: dict[int, int]) -> None:
         try:
             os.unlink(path)
         except FileNotFoundError:
-            pass
+            return
+        if write_observer.current is not None:
+            write_observer.current.delete(path)
         return
     tmp = path + ".tmp"
     pack = _PAIR.pack
+    data = b"".join(pack(mid, min(n, 0xFFFFFFFF)) for mid, n in counts.items())
     with open(tmp, "wb") as fh:
-        fh.write(b"".join(pack(mid, min(n, 0xFFFFFFFF)) for mid, n in counts.items()))
+        fh.write(data)
     os.replace(tmp, path)
+    if write_observer.current is not None:
+        write_observer.current.replace(path, data)

@@ -32,6 +32,7 @@ import re
 import shutil
 import threading
 
+from broker import write_observer
 from broker.amqp.properties import priority as _priority
 from shard.segment_dir import MarkerFiles
 from shard.store import Message, QueueStore, Record
@@ -252,6 +253,8 @@ class PriorityStore(MarkerFiles):
     def delete(self) -> None:
         self.close()
         shutil.rmtree(self.path, ignore_errors=True)
+        if write_observer.current is not None:
+            write_observer.current.delete(self.path)
 
     # ------------------------------------------------------------ internals
     def _add_level(self, level: int) -> QueueStore:

@@ -24,10 +24,13 @@ class Queue:
     __slots__ = (
         "qid", "vhost", "name", "durable", "auto_delete", "arguments", "store", "consumers", "unacked",
         "_rr", "had_consumers", "exclusive_consumer", "deleted", "groups", "sac",
+        "n_published", "n_delivered", "n_acked",
     )
 
     def __init__(self, qid: int, vhost: str, name: str, defn: Any, store: QueueStore) -> None:
         self.qid = qid
+        # Totals since this shard started, for the management API's message_stats (shard/stats.py).
+        self.n_published = self.n_delivered = self.n_acked = 0
         self.vhost = vhost
         self.name = name
         self.durable = bool(defn.durable)

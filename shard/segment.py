@@ -13,6 +13,8 @@ import os
 import struct
 import zlib
 
+from broker import write_observer
+
 FORMAT_VERSION = 1
 VERSION_HEADER = struct.Struct("<I")
 DATA_START = VERSION_HEADER.size
@@ -23,6 +25,11 @@ _META_CRC = struct.Struct("<I")
 META_SIZE = _META_FIELDS.size + _META_CRC.size
 _U32 = struct.Struct("<I")
 pack_u32 = _U32.pack
+
+
+# Write segments open in this process by msgs path: replication's full sync lists their logical
+# size (``used``), not the sparse file's mapped size.
+open_write_segments: dict[str, Segment] = {}
 
 
 def file_name(kind: str, no: int) -> str:
@@ -208,6 +215,9 @@ class Segment:
             raise
         VERSION_HEADER.pack_into(seg.mm, 0, FORMAT_VERSION)
         seg.size = size
+        open_write_segments[seg.path("msgs")] = seg
+        if write_observer.current is not None:
+            write_observer.current.append(seg.path("msgs"), 0, seg.mm[:DATA_START])
         return seg
 
     def open_mapped(self, writable: bool) -> None:
@@ -222,6 +232,8 @@ class Segment:
             os.close(self.fd)
             self.fd = -1
             raise
+        if writable:
+            open_write_segments[self.path("msgs")] = self
 
     def regrow(self, size: int) -> None:
         """Cut the file at `used` (zeroing anything after it) and extend it to `size` (write segment).
@@ -247,17 +259,27 @@ class Segment:
         """Truncate to the used length and write the meta file; returns the meta file's fd (unsynced)."""
         os.ftruncate(self.fd, self.used)
         self.sealed = True
+        self.forget_write()
         return self.write_meta()
+
+    def forget_write(self) -> None:
+        """No longer the write segment (sealed, closed or deleted)."""
+        path = self.path("msgs")
+        if open_write_segments.get(path) is self:
+            del open_write_segments[path]
 
     def write_meta(self) -> int:
         """Write the meta file; its fd (unsynced), or -1 when it could not be written (full disk):
         a segment without meta is scanned at the next start, which is slower but loses nothing."""
+        data = Meta(self.count, self.transient, self.used, self.body_bytes).encode()
         try:
             fd = os.open(self.path("meta"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         except OSError:
             return -1
         try:
-            if os.write(fd, Meta(self.count, self.transient, self.used, self.body_bytes).encode()) == META_SIZE:
+            if os.write(fd, data) == META_SIZE:
+                if write_observer.current is not None:
+                    write_observer.current.replace(self.path("meta"), data)
                 return fd
         except OSError:
             pass
@@ -281,6 +303,8 @@ class Segment:
             try:
                 if os.fstat(fd).st_size == 0:
                     os.write(fd, ACKS_MAGIC)
+                    if write_observer.current is not None:
+                        write_observer.current.append(self.path("acks"), 0, ACKS_MAGIC)
             except BaseException:
                 os.close(fd)
                 raise
@@ -301,10 +325,16 @@ class Segment:
         if self.mm is not None:
             self.mm.close()
             self.mm = None
+        if not self.sealed:
+            self.forget_write()
 
     def unlink(self) -> None:
+        self.forget_write()
+        obs = write_observer.current
         for kind in ("msgs", "acks", "meta"):
             try:
                 os.unlink(self.path(kind))
             except FileNotFoundError:
-                pass
+                continue
+            if obs is not None:
+                obs.delete(self.path(kind))

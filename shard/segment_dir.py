@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import shutil
 
+from broker import write_observer
+
 
 class MarkerFiles:
     """Empty marker files in a store's directory (e.g. feature_queue.EXPIRING_MARK); needs ``path``
@@ -28,6 +30,8 @@ class MarkerFiles:
         if not os.path.exists(path):
             os.close(os.open(path, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o600))
             self._dir_dirty = True
+            if write_observer.current is not None:
+                write_observer.current.replace(path, b"")
 
 
 class SegmentDir(MarkerFiles):
@@ -52,6 +56,8 @@ class SegmentDir(MarkerFiles):
         """Close and remove the directory with all its files."""
         self.close()
         shutil.rmtree(self.path, ignore_errors=True)
+        if write_observer.current is not None:
+            write_observer.current.delete(self.path)
 
     def __del__(self) -> None:
         # Dropping an unclosed store is like a crash: written data is in the page cache, only fds leak.
@@ -109,4 +115,6 @@ class SegmentDir(MarkerFiles):
         try:
             os.unlink(os.path.join(self.path, name))
         except OSError:
-            pass
+            return
+        if write_observer.current is not None:
+            write_observer.current.delete(os.path.join(self.path, name))

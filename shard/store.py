@@ -17,8 +17,10 @@ import hashlib
 import heapq
 import logging
 import os
+import struct
 import threading
 
+from broker import write_observer
 from shard import record
 from shard.segment import (
     ACKS_MAGIC,
@@ -39,6 +41,8 @@ Message = tuple[int, bool, int, int, str, str, bytes, bytes]
 Record = tuple[int, int, str, str, bytes, bytes]
 
 _POS_MASK = 0xFFFFFFFF
+# u64 LE msg id: the read cursor's highest position so far (see QueueStore.__init__).
+DELIVERED_MARK = "delivered"
 _encode_payload = record.encode_payload
 _write_record = record.write
 _read_record = record.read
@@ -62,6 +66,16 @@ def _write_name_file(path: str, name: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    if write_observer.current is not None:
+        write_observer.current.replace(path, name.encode())
+
+
+def _write_acks(seg: Segment, fd: int, blob: bytes) -> None:
+    """Append ack positions to the segment's ack file (O_APPEND) and report where they went."""
+    os.write(fd, blob)
+    obs = write_observer.current
+    if obs is not None:
+        obs.append(seg.path("acks"), os.fstat(fd).st_size - len(blob), blob)
 
 
 def _all_zero(path: str) -> bool:
@@ -119,6 +133,13 @@ class QueueStore(SegmentDir):
         self._rpos = DATA_START
         if self._rseg.mm is None:
             self._map(self._rseg)
+        # Where the read cursor was when this store was last used (DELIVERED_MARK): every message
+        # before it may have been delivered and not acked when the shard stopped, so it comes back
+        # with redelivered=true, as RabbitMQ's queue index marks delivered messages. Clamped to the
+        # end of the data: ids of messages appended from now on are never below it.
+        self._mark_fd = -1
+        end = self._wseg.no << 32 | self._wseg.used
+        self._mark = self._redeliver_below = min(self._read_mark(), end)  # the mark never moves back
 
     # ------------------------------------------------------------ counters
     @property
@@ -148,6 +169,9 @@ class QueueStore(SegmentDir):
             pos = seg.used
         _write_record(seg.mm, pos, payload)
         seg.used = pos + total
+        obs = write_observer.current
+        if obs is not None:
+            obs.append(seg.path("msgs"), pos, seg.mm[pos:pos + total])
         seg.count += 1
         seg.live += 1
         n = len(body)
@@ -180,7 +204,7 @@ class QueueStore(SegmentDir):
             else:
                 msg_id = seg.no << 32 | pos
             ts, flags, ex, rk, props, body, self._rpos = _read_record(seg.mm, pos)
-            redelivered = False
+            redelivered = msg_id < self._redeliver_below
         self._ready -= 1
         self._ready_bytes -= len(body)
         return msg_id, redelivered, ts, flags, ex, rk, props, body
@@ -235,7 +259,7 @@ class QueueStore(SegmentDir):
             msg_id = self._head()
             if msg_id < 0:
                 return None
-            redelivered = False
+            redelivered = msg_id < self._redeliver_below
         return (msg_id, redelivered, *self.read(msg_id))
 
     def drop_head(self) -> Message | None:
@@ -439,7 +463,11 @@ class QueueStore(SegmentDir):
         return fd
 
     def flush_acks(self) -> None:
-        """Write the ack positions collected since the last call (loop thread; before sync())."""
+        """Write the ack positions collected since the last call (loop thread; before sync()), and
+        the delivered mark when the cursor moved (before this turn's deliveries leave the shard)."""
+        cursor = self._rseg.no << 32 | self._rpos
+        if cursor > self._mark and not self._closed:
+            self._write_mark(cursor)
         if not self._ack_pending:
             return
         pending = self._ack_pending
@@ -449,13 +477,33 @@ class QueueStore(SegmentDir):
                 fd = seg.ack_fd
                 if fd < 0:
                     fd = self._open_acks(seg)
-                os.write(fd, encode_acks(positions))
+                _write_acks(seg, fd, encode_acks(positions))
             except OSError as exc:
                 # A full disk: the messages stay removed in memory; their acks are written on a later
                 # turn (after a crash meanwhile they come back: at least once, never lost).
                 log.warning("queue %s: cannot write acks of segment %d: %s", self.path, seg.no, exc)
                 self._ack_pending.setdefault(seg, []).extend(positions)
         self._acks_dirty = True
+
+    def _read_mark(self) -> int:
+        try:
+            with open(os.path.join(self.path, DELIVERED_MARK), "rb") as fh:
+                data = fh.read(8)
+        except OSError:
+            return 0
+        return struct.unpack("<Q", data)[0] if len(data) == 8 else 0
+
+    def _write_mark(self, cursor: int) -> None:
+        """One pwrite to the page cache (it survives a killed shard); fsynced with the ack files."""
+        fd = self._mark_fd
+        if fd < 0:
+            fd = self._mark_fd = os.open(os.path.join(self.path, DELIVERED_MARK),
+                                         os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            with self._lock:
+                self._ack_fds.add(fd)  # closed by close() with the ack files
+            self._dir_dirty = True
+        os.pwrite(fd, struct.pack("<Q", cursor), 0)
+        self._mark = cursor
 
     def _remove_many(self, seg: Segment, positions: list[int]) -> int:
         if not positions:
@@ -468,7 +516,7 @@ class QueueStore(SegmentDir):
         fd = seg.ack_fd
         if fd < 0:
             fd = self._open_acks(seg)
-        os.write(fd, encode_acks(positions))
+        _write_acks(seg, fd, encode_acks(positions))
         self._acks_dirty = True
         seg.live -= len(positions)
         if seg.live == 0 and seg.sealed:
@@ -693,7 +741,7 @@ class QueueStore(SegmentDir):
             self._acks_dirty = True
             fd = seg.open_acks()
             self._ack_fds.add(fd)
-            os.write(fd, encode_acks(dropped))
+            _write_acks(seg, fd, encode_acks(dropped))
         return changed
 
     def _repair(self, seg: Segment, start: int, stop: int, reason: str) -> None:
@@ -706,12 +754,18 @@ class QueueStore(SegmentDir):
             os.fsync(f.fileno())
         os.replace(tmp, aside)
         os.fsync(self._dir_fd)
+        data = bytes(seg.mm[start:stop])
+        fill = record.filler(stop - start)
         fd = os.open(seg.path("msgs"), os.O_RDWR | os.O_CLOEXEC)
         try:
-            os.pwrite(fd, record.filler(stop - start), start)
+            os.pwrite(fd, fill, start)
             os.fdatasync(fd)
         finally:
             os.close(fd)
+        obs = write_observer.current
+        if obs is not None:
+            obs.replace(aside, data)
+            obs.append(seg.path("msgs"), start, fill)
         log.error("queue %s: segment %d: %s; damaged bytes %d..%d (%d) copied to %s and skipped",
                   self.path, seg.no, reason, start, stop, stop - start, os.path.basename(aside))
 
@@ -747,3 +801,5 @@ class QueueStore(SegmentDir):
             os.fsync(f.fileno())
         os.replace(tmp, seg.path("acks"))
         self._dir_dirty = True
+        if write_observer.current is not None:
+            write_observer.current.replace(seg.path("acks"), ACKS_MAGIC + encode_acks(positions))

@@ -187,12 +187,13 @@ class StreamQueue:
     __slots__ = (
         "qid", "vhost", "name", "durable", "auto_delete", "arguments", "store", "consumers", "unacked",
         "had_consumers", "exclusive_consumer", "deleted", "shard", "readers", "_next_id", "_track_dirty",
-        "_age_wake",
+        "_age_wake", "n_published", "n_delivered", "n_acked",
     )
 
     def __init__(self, qid: int, vhost: str, name: str, defn: Any, store: StreamStore, shard: ShardWorker,
                  arguments: dict) -> None:
         self.qid = qid
+        self.n_published = self.n_delivered = self.n_acked = 0  # see shard/queue.py
         self.vhost = vhost
         self.name = name
         self.durable = bool(defn.durable)

@@ -26,8 +26,9 @@ import threading
 import time
 import zlib
 
+from broker import write_observer
 from shard import record
-from shard.segment import DATA_START, FORMAT_VERSION, VERSION_HEADER, Segment
+from shard.segment import DATA_START, FORMAT_VERSION, VERSION_HEADER, Segment, open_write_segments
 from shard.segment_dir import SegmentDir
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,10 @@ class StreamSegment(Segment):
     def write_smeta(self) -> int:
         """Write the smeta file (unsynced); returns its fd for the next sync to fsync and close."""
         fd = os.open(self.path("smeta"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        os.write(fd, self.smeta())
+        data = self.smeta()
+        os.write(fd, data)
+        if write_observer.current is not None:
+            write_observer.current.replace(self.path("smeta"), data)
         return fd
 
     def read_smeta(self) -> tuple | None:
@@ -104,7 +108,9 @@ class StreamSegment(Segment):
             try:
                 os.unlink(self.path(kind))
             except FileNotFoundError:
-                pass
+                continue
+            if write_observer.current is not None:
+                write_observer.current.delete(self.path(kind))
 
 
 class Cursor:
@@ -190,6 +196,8 @@ class StreamStore(SegmentDir):
             pos = seg.used
         record.write(seg.mm, pos, payload)
         seg.used = pos + total
+        if write_observer.current is not None:
+            write_observer.current.append(seg.path("msgs"), pos, seg.mm[pos:pos + total])
         if not seg.count:
             seg.first_ts = ts_ms
         seg.last_ts = ts_ms
@@ -211,6 +219,7 @@ class StreamStore(SegmentDir):
         with self._lock:  # sync() reads the write segment's fd under this lock
             os.ftruncate(old.fd, old.used)
             old.sealed = True
+            old.forget_write()
             self._sync_fds.append(old.fd)
             self._sync_fds.append(old.write_smeta())
             old.fd = -1
@@ -227,6 +236,8 @@ class StreamStore(SegmentDir):
         seg = StreamSegment(self.path, no)
         base = Segment.create(self.path, no, size)
         seg.fd, seg.mm, seg.size = base.fd, base.mm, base.size
+        base.forget_write()
+        open_write_segments[seg.path("msgs")] = seg
         seg.first = first
         with self._lock:
             self._sync_fds.append(seg.write_smeta())  # the first offset must survive retention
@@ -433,6 +444,8 @@ class StreamStore(SegmentDir):
         finally:
             os.close(fd)
         os.replace(tmp, target)
+        if write_observer.current is not None:
+            write_observer.current.replace(target, blob)
 
     # ------------------------------------------------------------ durability
     def sync(self) -> None:

@@ -23,13 +23,17 @@ from broker.definitions import Definitions
 from broker.policies import POLICY_OPS
 from broker.zmqio import BatchSocket, make_socket
 from shard.ack_timeouts import AckTimeouts
+from shard.admin import admin_query
 from shard.consumers import ChannelRef, Consumer
 from shard.deadletter import dead_letter_props, has_dlx_header, has_expiration, is_cycle
 from shard.dedup import ExchangeDedup
 from shard.delayed import DelayedMessages
 from shard.feature_queue import EXPIRING_MARK, FeatureQueue, needs_features
+from shard.kvstore import KVStores
 from shard.priority_store import open_store
 from shard.queue import Queue
+from shard.replication_stream import ShardReplication
+from shard.stats import SyncHistogram, shard_stats
 from shard.store import QueueStore, queue_dir
 from shard.stream_queue import StreamQueue, consume_error, retention_args, segment_size
 from shard.stream_store import StreamStore
@@ -64,6 +68,7 @@ class ShardWorker:
         self.defs: Definitions | None = None
         self.settings: dict = {}
         self.queues: dict[tuple[str, str], Queue] = {}
+        self.sync_histogram = SyncHistogram()  # group sync durations, reported in STATS
         self.by_qid: dict[int, Queue] = {}
         self._next_qid = 1
         self.channels: dict[tuple[bytes, int, int], ChannelRef] = {}
@@ -86,6 +91,7 @@ class ShardWorker:
         self._early: list[tuple] = []  # data batches that arrived before the snapshot
         self.store_failures = 0  # appends refused by the file system (full disk): nacked publishes
         self._store_failure_logged = 0.0
+        self._lane: bytes | None = None  # sender identity of the batch being handled
         self._node_req = 0
         self.node: BatchSocket | None = None
         self.data: BatchSocket | None = None
@@ -99,6 +105,9 @@ class ShardWorker:
         self.exchange_dedup = ExchangeDedup(self)
         self.ack_timeouts: AckTimeouts | None = None  # consumer-argument and node-default timeouts
         self.delayed = DelayedMessages(self)  # delay stores of delayed exchanges owned here
+        self.kv = KVStores(self)  # MQTT retained messages and session state placed here
+        # A cluster leader's shard streams its files to the followers and holds confirms for them.
+        self.repl: ShardReplication | None = None
 
     # ------------------------------------------------------------------ startup
     async def start(self) -> None:
@@ -111,6 +120,18 @@ class ShardWorker:
         self.node.send_now(None, [[contract.HELLO, contract.VERSION, "shard", self.index, os.getpid()]])
         await self._ready.wait()
         self.loop.call_later(_PERIODIC_SYNC_S, self._periodic_sync)
+        self._send_stats()
+
+    def _send_stats(self) -> None:
+        """Queue counts for the node's management API and metrics, once per stats_interval."""
+        if self._stopping:
+            return
+        try:
+            self.node.put(None, [contract.STATS, shard_stats(self)])
+        except Exception:
+            log.exception("shard %d: stats report failed", self.index)
+        interval = int(self.settings.get("stats_interval") or 5000) / 1000
+        self.loop.call_later(interval, self._send_stats)
 
     # --------------------------------------------------------------- control
     def _on_control(self, _ident: bytes | None, _header, items: list) -> None:
@@ -136,6 +157,9 @@ class ShardWorker:
                 self.delayed.peer_up(index, restarted)
             elif kind == contract.REPLY:
                 pass  # answers to our auto-delete requests need no action
+            elif kind == contract.REPL_ISR:
+                if self.repl is not None:
+                    self.repl.set_isr(set(item[1]), int(item[2]))
 
     def _load_snapshot(self, item: list) -> None:
         _, version, defs_dict, epochs, settings = item
@@ -152,6 +176,11 @@ class ShardWorker:
                 if q.shard == self.index:
                     self._open_queue(v.name, name)
         self.delayed.load()
+        if settings.get("cluster") and self.repl is None:  # shards run on a leader only
+            self.repl = ShardReplication(
+                self.loop, self.index, settings["data_dir"], self.run_dir,
+                float(settings.get("replication_ack_timeout") or 3), self._owned_store_paths,
+                lambda status: self.node.put(None, [contract.REPL_STATUS, status]))
         self.node.put(None, [contract.APPLIED, version])
         log.info("shard %d (pid %d) ready: %d queues, epoch %d", self.index, os.getpid(),
                  len(self.queues), self.epoch)
@@ -230,6 +259,10 @@ class ShardWorker:
                 self.node.put(None, [contract.QUERY_REPLY, query_id, False, None])
             else:
                 self.node.put(None, [contract.QUERY_REPLY, query_id, True, q.info()])
+        elif op in ("purge", "get", "publish"):
+            # The management API's operations (low rate; see shard/admin.py).
+            ok, result = admin_query(self, op, args)
+            self.node.put(None, [contract.QUERY_REPLY, query_id, ok, result])
         else:
             self.node.put(None, [contract.QUERY_REPLY, query_id, False, f"unknown query {op}"])
 
@@ -249,6 +282,7 @@ class ShardWorker:
             epoch, batch_seq = header
         except (TypeError, ValueError):
             return
+        self._lane = fe  # the identity this batch came from (CHANNEL_CLOSED answers on it)
         if fe[-1:] == _CONTROL_LANE_SUFFIX:
             fe = fe[:-1]  # same frontend, control lane: state is keyed by the publish-lane identity
         if epoch == self.epoch and self.defs is not None:
@@ -278,6 +312,7 @@ class ShardWorker:
             for i in range(0, len(refs), 2):
                 q = by_qid.get(refs[i])
                 if q is not None and q.ack(refs[i + 1], fe, conn_id, channel):
+                    q.n_acked += 1
                     self._dirty_queues.add(q)
         elif kind == contract.CREDIT:
             _, conn_id, channel, tag, n = item
@@ -299,13 +334,15 @@ class ShardWorker:
         elif kind == contract.CONSUME:
             self._consume(fe, item)
         elif kind == contract.CANCEL:
-            _, conn_id, channel, tag = item
+            _, conn_id, channel, tag, req_id = item
             found = self.consumers.pop((fe, conn_id, channel, tag), None)
             if found is not None:
                 q, c = found
                 q.remove_consumer(c)
                 self._dirty_queues.add(q)  # single active consumer: the next one may take over
                 self._maybe_auto_delete(q)
+            # cancel-ok waits for this: no DELIVER for the consumer follows it on this socket
+            self.data.put(fe, [contract.REPLY_DATA, req_id, True, {}])
         elif kind == contract.GET:
             _, req_id, conn_id, channel, vhost, name, no_ack = item
             q = self.queues.get((vhost, name))
@@ -319,6 +356,9 @@ class ShardWorker:
                     f"'{vhost}'", 60, 70]])
                 return
             msg = q.get(self._channel(fe, conn_id, channel), bool(no_ack))
+            q.store.flush_acks()  # the delivered mark, before get-ok leaves (a slow path anyway)
+            if msg is not None:
+                q.n_delivered += 1
             self.data.put(fe, [contract.REPLY_DATA, req_id, True, {"message": msg}])
         elif kind == contract.QOS:
             _, conn_id, channel, prefetch = item
@@ -328,10 +368,15 @@ class ShardWorker:
             _, conn_id, channel = item
             self._requeue_where(lambda o: o.fe == fe and o.conn_id == conn_id and o.channel == channel)
         elif kind == contract.CHANNEL_CLOSED:
-            _, conn_id, channel = item
+            _, conn_id, channel, req_id = item
             self._drop_consumers(lambda c: c.fe == fe and c.conn_id == conn_id and c.channel == channel)
             self._requeue_where(lambda o: o.fe == fe and o.conn_id == conn_id and o.channel == channel)
             self.channels.pop((fe, conn_id, channel), None)
+            if req_id is not None:
+                # The client's channel.close waits for this. Answered on the lane it came from:
+                # that DEALER is connected for sure, while after a shard restart the publish lane's
+                # may not have reconnected yet, and a ROUTER drops what it cannot route.
+                self.data.put(self._lane, [contract.REPLY_DATA, req_id, True, {}])
         elif kind == contract.CONNECTION_CLOSED:
             conn_id = item[1]
             self._drop_consumers(lambda c: c.fe == fe and c.conn_id == conn_id)
@@ -364,6 +409,10 @@ class ShardWorker:
             self._dirty_queues.add(q)
         elif kind == contract.DELAYED_PUBLISH:
             self.delayed.publish(fe, item)
+        elif kind == contract.KV_PUT:
+            self.kv.handle_put(fe, item)
+        elif kind == contract.KV_GET:
+            self.kv.handle_get(fe, item)
         else:
             log.warning("shard %d: unknown item kind %r", self.index, kind)
 
@@ -393,6 +442,7 @@ class ShardWorker:
                 self._store_failed(q, exc)
                 rejected = True
                 continue
+            q.n_published += 1
             self._dirty_queues.add(q)
             if persistent and q.durable and self._fsync:
                 needs_sync = True
@@ -454,6 +504,7 @@ class ShardWorker:
         return new
 
     def _replace_queue(self, old: Queue, new: Queue) -> None:
+        new.n_published, new.n_delivered, new.n_acked = old.n_published, old.n_delivered, old.n_acked
         self.queues[(old.vhost, old.name)] = new
         self.by_qid[old.qid] = new
         for key, (q, c) in list(self.consumers.items()):
@@ -713,7 +764,9 @@ class ShardWorker:
                 store = q.store
                 ready = store.ready
                 q.deliver(put)
-                delivered += ready - store.ready
+                n = ready - store.ready
+                q.n_delivered += n  # per queue per turn, not per message (message_stats)
+                delivered += n
                 store.flush_acks()
                 if store.ready > _FLOW_BACKLOG and q.consumers and _consumer_waiting(q.consumers):
                     behind = True
@@ -784,11 +837,29 @@ class ShardWorker:
         self._after_sync = []
         for store in stores:
             store.flush_acks()  # on the loop thread: the sync thread only fsyncs
+        started = time.monotonic()
+        # In a cluster the confirms also wait for the ISR followers to ack everything written so far.
+        target = self.repl.position() if waiting and self.repl is not None and self.repl.gating else -1
         fut = self.loop.run_in_executor(None, _sync_all, list(stores))
-        fut.add_done_callback(lambda f: self._sync_done(f, waiting, after))
+        fut.add_done_callback(lambda f: self._sync_done(f, waiting, after, target, started))
 
-    def _sync_done(self, fut: asyncio.Future, waiting: list, after: list) -> None:
+    def _owned_store_paths(self) -> list[str]:
+        """Directories of the stores this shard owns (its replication stream's files)."""
+        return [q.store.path for q in self.queues.values()] + [s.path for s in self.delayed.all_stores()]
+
+    def _replicated(self, waiting: list, ok: bool) -> None:
+        kind = contract.CONFIRM if ok else contract.CONFIRM_NACK
+        grouped: dict[tuple[bytes, int, int], list[int]] = {}
+        for fe, conn_id, channel, seq in waiting:
+            grouped.setdefault((fe, conn_id, channel), []).append(seq)
+        for (fe, conn_id, channel), seqs in grouped.items():
+            self.data.put(fe, [kind, conn_id, channel, seqs])
+
+    def _sync_done(self, fut: asyncio.Future, waiting: list, after: list, target: int = -1,
+                   started: float | None = None) -> None:
         self._sync_running = False
+        if started is not None:
+            self.sync_histogram.observe(time.monotonic() - started)
         exc = fut.exception()
         if exc is not None:
             log.error("shard %d: sync failed: %s", self.index, exc)
@@ -800,6 +871,9 @@ class ShardWorker:
                     callback()
                 except Exception:
                     log.exception("shard %d: after-sync callback failed", self.index)
+            if target >= 0 and waiting:
+                held, waiting = waiting, []
+                self.repl.when_replicated(target, lambda ok: self._replicated(held, ok))
             confirms = self._confirms
             for fe, conn_id, channel, seq in waiting:
                 key = (fe, conn_id, channel)
@@ -828,6 +902,9 @@ class ShardWorker:
         if self._stopping:
             return
         self._stopping = True
+        if self.repl is not None:
+            self.repl.close()
+            self.repl = None
         self.data.flush()
         for q in self.queues.values():
             if isinstance(q, FeatureQueue) and q.count_returns:
@@ -848,6 +925,7 @@ class ShardWorker:
         for peer in self.peers.values():
             peer.close()
         self.exchange_dedup.close()
+        self.kv.close()
         self.data.close()
         self.node.close()
         log.info("shard %d stopped", self.index)

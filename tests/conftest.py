@@ -5,13 +5,19 @@
 - ``shared_node``: one node per test module for tests that need no isolation; use unique queue names.
 
 When a test fails, the tail of each of its nodes' logs is added to the report.
+
+Every test that uses one of these fixtures (directly or through another fixture) is marked
+``integration``; modules that start processes some other way say so with a module-level
+``pytestmark``. ``pytest -m "not integration"`` is the fast inner loop.
 """
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
-from tests.harness import Node, NodeFactory
+from tests.harness import Node, NodeFactory, sweep_own_nodes, sweep_stale_nodes
 
 
 @pytest.fixture
@@ -62,6 +68,34 @@ def _nodes_of(item) -> list[Node]:
     return list(dict.fromkeys(nodes))
 
 
+def pytest_sessionstart(session):
+    # Nodes of an earlier test run that was killed (its fixtures never ran their teardown).
+    swept = sweep_stale_nodes()
+    if swept:
+        print(f"\nswept {len(swept)} node process group(s) left by a killed test run: {swept}")
+    # A SIGTERM'd run (CI cancel, timeout) tears its fixtures down like a Ctrl-C does.
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _terminate)
+
+
+def _terminate(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    sweep_own_nodes()  # whatever a failed teardown left
+
+
+# Fixtures that start real nodes: a test whose fixture closure holds one is an integration test.
+NODE_FIXTURES = frozenset({"node", "node_factory", "shared_node"})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if NODE_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
@@ -69,3 +103,16 @@ def pytest_runtest_makereport(item, call):
     if report.failed:
         for node in _nodes_of(item):
             report.sections.append((f"node log {node.log_path}", node.log_tail(200)))
+
+
+@pytest.fixture(scope="session")
+def spark():
+    """One local Spark session (local[2], UI off, small memory) for the whole run; JVM start-up is slow.
+
+    The `shardmq` and `shardmq-segments` formats are registered on it (pipeline/session.py).
+    """
+    from pipeline.session import local_session
+
+    session = local_session()
+    yield session
+    session.stop()

@@ -5,6 +5,13 @@ process group id (captured at start, ours) lets teardown kill anything the node
 left behind as a last resort. Normal stops go through the node pid: SIGTERM,
 wait, SIGKILL. Everything the node prints goes to ``node.log`` next to its data
 dir; the fixtures attach the tail of it to a failing test's report.
+
+Every started node is recorded in ``REGISTRY`` (one JSON file per process group:
+the group, its leader's start time, and the test process that owns it). A test run
+that is killed cannot clean up; the next run (``sweep_stale_nodes`` at session
+start) kills the groups whose owner is gone, by recorded PID and start time, never
+by name, and never a group of a test run that is still alive (several runs may
+share a machine).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -66,6 +74,99 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
+REGISTRY = Path(os.environ.get("SHARDMQ_TEST_REGISTRY") or Path(tempfile.gettempdir()) / "shardmq-test-nodes")
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/pid/stat field 22), None if gone.
+
+    A pid plus its start time names one process: a reused pid has another start time.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return None if fields[0] == "Z" else int(fields[19])
+
+
+def record_group(pgid: int, workdir: Path, registry: Path = REGISTRY) -> None:
+    """Note a node's process group as ours, so a later run can sweep it if we die first."""
+    registry.mkdir(parents=True, exist_ok=True)
+    me = os.getpid()
+    record = {"pgid": pgid, "leader_start": start_time(pgid), "owner": me, "owner_start": start_time(me),
+              "workdir": str(workdir)}
+    tmp = registry / f".{pgid}.{me}.tmp"
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, registry / f"{pgid}.json")
+
+
+def forget_group(pgid: int, registry: Path = REGISTRY) -> None:
+    try:
+        (registry / f"{pgid}.json").unlink()
+    except FileNotFoundError:
+        pass
+
+
+def sweep_stale_nodes(registry: Path = REGISTRY) -> list[int]:
+    """SIGKILL the recorded node groups whose owning test process is gone; returns their pgids.
+
+    A group's members can only be ours while the pgid is held (Linux reuses no pid that is still
+    a process group id), so with the leader gone the members are killed; a leader pid that lives
+    with another start time was reused and is left alone.
+    """
+    swept: list[int] = []
+    if not registry.is_dir():
+        return swept
+    for path in registry.glob("*.json"):
+        try:
+            record = json.loads(path.read_text())
+            pgid, owner = int(record["pgid"]), int(record["owner"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if record.get("owner_start") is not None and start_time(owner) == record["owner_start"]:
+            continue  # its test run is alive (maybe another one on this machine): not ours to touch
+        leader = start_time(pgid)
+        reused = leader is not None and leader != record.get("leader_start")
+        if not reused and group_members(pgid):
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+                swept.append(pgid)
+            except ProcessLookupError:
+                pass
+            _wait_until(lambda pgid=pgid: not group_members(pgid), ORPHAN_GRACE)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+    return swept
+
+
+def sweep_own_nodes(registry: Path = REGISTRY) -> list[int]:
+    """At exit: SIGKILL the groups this process recorded and never cleaned up (a teardown that failed)."""
+    swept: list[int] = []
+    if not registry.is_dir():
+        return swept
+    me = os.getpid()
+    for path in registry.glob("*.json"):
+        try:
+            record = json.loads(path.read_text())
+            pgid = int(record["pgid"])
+            if int(record["owner"]) != me:
+                continue
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if start_time(pgid) in (None, record.get("leader_start")) and group_members(pgid):
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+                swept.append(pgid)
+            except ProcessLookupError:
+                pass
+        path.unlink(missing_ok=True)
+    return swept
+
+
 def _wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
     deadline = time.monotonic() + timeout
     while True:
@@ -86,12 +187,15 @@ class Node:
         frontends: int = 2,
         shards: int = 2,
         port: int | None = None,
+        mqtt_port: int = 0,
+        ws_port: int = 0,
         extra_args: Sequence[str] = (),
         env: dict[str, str] | None = None,
         log_level: str = "debug",
         command: Sequence[str] | None = None,
         startup_timeout: float = STARTUP_TIMEOUT,
         orphan_grace: float = ORPHAN_GRACE,
+        registry: Path = REGISTRY,
     ) -> None:
         self.workdir = Path(workdir)
         self.data_dir = self.workdir / "data"
@@ -99,7 +203,11 @@ class Node:
         self.frontends = frontends
         self.shards = shards
         self.port = port or free_port()
+        self.mqtt_port = mqtt_port  # 0: off (the broker's default 1883 would be shared by every test node)
+        self.ws_port = ws_port  # 0: off, as mqtt_port
         self.http_port = free_port()
+        self.prometheus_port = free_port()
+        self.replication_port = free_port()
         self.extra_args = list(extra_args)
         self.env = env or {}
         self.log_level = log_level
@@ -107,6 +215,7 @@ class Node:
         self.command = list(command) if command else [sys.executable, "-m", "broker.cli"]
         self.startup_timeout = startup_timeout
         self.orphan_grace = orphan_grace
+        self.registry = registry
         self.proc: subprocess.Popen | None = None
         self.pgids: list[int] = []  # every group this Node started; cleanup() sweeps them all
         self.orphans_killed: list[int] = []  # workers that outlived their node past ORPHAN_GRACE
@@ -130,6 +239,10 @@ class Node:
             "--shards", str(self.shards),
             "--log-level", self.log_level,
             "--http-port", str(self.http_port),
+            "--prometheus-port", str(self.prometheus_port),
+            "--mqtt-port", str(self.mqtt_port),
+            "--ws-port", str(self.ws_port),
+            "--replication-port", str(self.replication_port),
             *self.extra_args,
         ]
 
@@ -147,6 +260,7 @@ class Node:
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )
         self.pgids.append(self.proc.pid)  # session leader: pgid == pid
+        record_group(self.proc.pid, self.workdir, self.registry)
         if wait:
             self.wait_ready()
         return self
@@ -163,10 +277,16 @@ class Node:
                 code = self.proc.returncode if self.proc else None
                 raise NodeError(f"node exited with status {code} during startup\n{self.log_tail()}")
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=min(1.0, left)):
-                    pass
-                conn = self.connect(socket_timeout=min(2.0, left), stack_timeout=min(3.0, left))
-                conn.close()
+                with socket.create_connection(("127.0.0.1", self.port), timeout=min(1.0, left)) as sock:
+                    if self.proxied:  # pika cannot send a PROXY header: connection.start must come back
+                        sock.sendall(b"PROXY TCP4 127.0.0.1 127.0.0.1 1 2\r\nAMQP\x00\x00\x09\x01")
+                        if sock.recv(1)[:1] != b"\x01":
+                            raise NodeError("no connection.start")
+                if not self.proxied:
+                    conn = self.connect(socket_timeout=min(2.0, left), stack_timeout=min(3.0, left))
+                    conn.close()
+                for port in self.listener_ports():  # MQTT, TLS, WebSocket listeners bind after AMQP's
+                    socket.create_connection(("127.0.0.1", port), timeout=min(1.0, left)).close()
                 return
             except Exception as exc:  # any failure means "not ready yet"; the deadline bounds it
                 last_error = exc
@@ -175,6 +295,21 @@ class Node:
             f"node on port {self.port} not ready after {timeout or self.startup_timeout:.0f}s "
             f"(last error: {last_error!r})\n{self.log_tail()}"
         )
+
+    def listener_ports(self) -> list[int]:
+        """The node's other client listeners that are on (besides AMQP on self.port)."""
+        ports = [p for p in (self.mqtt_port, self.ws_port) if p]
+        args = self.extra_args
+        for flag in ("--amqps-port", "--mqtts-port"):
+            if flag in args and int(args[args.index(flag) + 1]) and "--tls-cert" in args:
+                ports.append(int(args[args.index(flag) + 1]))
+        return ports
+
+    @property
+    def proxied(self) -> bool:
+        """Started with --proxy-protocol 1: clients must send a PROXY header first."""
+        args = self.extra_args
+        return "--proxy-protocol" in args and args[args.index("--proxy-protocol") + 1] == "1"
 
     def connect(self, **params) -> pika.BlockingConnection:
         """A pika connection as guest; keyword arguments become pika.ConnectionParameters."""
@@ -228,11 +363,15 @@ class Node:
                         os.killpg(pgid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
+                    _wait_until(lambda pgid=pgid: not group_members(pgid), ORPHAN_GRACE)
+                if not group_members(pgid):
+                    forget_group(pgid, self.registry)
 
     def _reap_group(self, pgid: int) -> None:
         # The node's workers die with it; anything still there after the grace period is killed
         # (as systemd would on restart) and recorded so a test can assert there were none.
         if _wait_until(lambda: not group_members(pgid), self.orphan_grace):
+            forget_group(pgid, self.registry)
             return
         leftover = group_members(pgid)
         self.orphans_killed.extend(leftover)
@@ -241,7 +380,8 @@ class Node:
             os.killpg(pgid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        _wait_until(lambda: not group_members(pgid), ORPHAN_GRACE)
+        if _wait_until(lambda: not group_members(pgid), ORPHAN_GRACE):
+            forget_group(pgid, self.registry)
 
     # ------------------------------------------------------------------ workers
     def pids(self) -> dict:

@@ -30,6 +30,32 @@ def names_on_different_shards(prefix: str, shards: int = 2) -> list[str]:
     return [found[s] for s in range(shards)]
 
 
+def same_shard_name(queue: str, shards: int = 2, prefix: str = "barrier") -> str:
+    """A fresh queue name placed on the same shard as ``queue``."""
+    want = zlib.crc32(f"/\0{queue}".encode()) % shards
+    while True:
+        name = uid(prefix)
+        if zlib.crc32(f"/\0{name}".encode()) % shards == want:
+            return name
+
+
+def control_lane_barrier(conn, queue: str, shards: int = 2) -> None:
+    """Return once the shard of ``queue`` has handled what ``conn`` sent it on the control lane.
+
+    Acks, nacks and credit travel a frontend's control lane, publishes its publish lane, and the
+    shard reads the two lanes in no fixed order (docs/architecture.md): an ack written before a
+    publish may be handled after it. A basic.consume travels the same ordered control lane and its
+    consume-ok comes from the shard, so once it is answered every earlier ack of this connection
+    to that shard has been handled. The barrier queue is empty and deleted again.
+    """
+    channel = conn.channel()
+    name = same_shard_name(queue, shards)
+    channel.queue_declare(name, auto_delete=True)
+    tag = channel.basic_consume(name, lambda *_: None)
+    channel.basic_cancel(tag)
+    channel.close()
+
+
 def count(ch, queue: str) -> int:
     return ch.queue_declare(queue, passive=True).method.message_count
 

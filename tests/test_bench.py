@@ -16,6 +16,8 @@ import pytest
 from loadtest import bench
 from loadtest.rabbitmq import RABBITMQ_SERVER, PrivateRabbitMQ
 
+pytestmark = pytest.mark.integration  # starts a private RabbitMQ and ShardMQ nodes
+
 
 def _perf_parser():  # noqa: ANN202
     from loadtest import cli

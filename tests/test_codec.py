@@ -42,7 +42,7 @@ from broker.amqp.events import (
 )
 from broker.amqp.parser import FrameParser
 from broker.amqp.properties import decode_headers, delivery_mode
-from tests.test_codec_strategies import (
+from tests.codec_strategies import (
     bodies,
     channels,
     exchange_names,

@@ -16,7 +16,7 @@ from broker.amqp.properties import (
     encode_properties,
     priority,
 )
-from tests.test_codec_strategies import headers, prop_str, properties
+from tests.codec_strategies import headers, prop_str, properties
 
 SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

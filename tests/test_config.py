@@ -89,20 +89,43 @@ SAMPLES = {
     "frame_max": "8192", "channel_max": "16", "max_message_size": "1000", "default_user": "bob",
     "default_pass": "secret", "loopback_users": "none", "definitions": "/tmp/shardmq-defs.json",
     "set_timestamp": "1", "consumer_timeout": "60000", "http_port": "8080", "http_bind": "0.0.0.0",
+    "stats_interval": "250", "prometheus_port": "9999", "disk_free_limit": "mem_relative:1.5",
+    "vm_memory_high_watermark": "2GB",
+    "mqtt_port": "0", "mqtt_max_packet_size": "4096",
+    "mqtt_max_inflight": "7", "mqtt_allow_anonymous": "1", "amqps_port": "0", "mqtts_port": "0", "tls_cert": "/tmp/c.pem",
+    "tls_key": "/tmp/k.pem", "tls_ca": "/tmp/ca.pem", "tls_verify_peer": "1",
+    "proxy_protocol": "1", "ws_port": "0",
+    "cluster": "true", "etcd_endpoints": "10.0.0.1:2379,10.0.0.2:2379", "etcd_prefix": "mq1",
+    "node_name": "n1", "advertised_host": "n1.example", "lease_ttl": "3",
+    "cluster_secret_file": "/tmp/shardmq-secret", "replication_port": "6000", "replication_bind": "0.0.0.0",
+    "min_isr": "2", "replication_ack_timeout": "7", "follow": "h1:5679",
 }
+# Settings some samples need to be valid (a cluster node needs a secret; --follow needs --cluster).
+NEEDS = {"cluster": {"SHARDMQ_CLUSTER_SECRET": "s"}, "follow": {"SHARDMQ_CLUSTER": "1", "SHARDMQ_CLUSTER_SECRET": "s"}}
 
 
 @pytest.mark.parametrize("opt", OPTIONS, ids=[o.name for o in OPTIONS])
 def test_every_option_settable_from_ini_env_and_flag(tmp_path, opt):
     raw = SAMPLES[opt.name]
+    base = NEEDS.get(opt.name, {})
     ini = write_ini(tmp_path, f"[{opt.section}]\n{opt.ini_key} = {raw}\n")
-    from_ini = getattr(load_settings(["--config", str(ini)], {}), opt.name)
-    from_env = getattr(load_settings([], {opt.env: raw}), opt.name)
+    from_ini = getattr(load_settings(["--config", str(ini)], base), opt.name)
+    from_env = getattr(load_settings([], {**base, opt.env: raw}), opt.name)
     assert from_ini == from_env != getattr(Settings(), opt.name)
     if opt.has_flag:
         argv = [opt.flag] if opt.kind == "bool" else [opt.flag, raw]
-        assert getattr(load_settings(argv, {}), opt.name) == from_env
+        assert getattr(load_settings(argv, base), opt.name) == from_env
     assert set(SAMPLES) == {o.name for o in OPTIONS}
+
+
+def test_mqtt_section_uses_the_design_key_names(tmp_path):
+    ini = write_ini(tmp_path, "[mqtt]\nport = 1999\nmax_inflight = 3\n")
+    s = load_settings(["--config", str(ini)], {})
+    assert (s.mqtt_port, s.mqtt_max_inflight, s.port) == (1999, 3, 5672)
+    assert load_settings(["--mqtt-port", "0"], {}).mqtt_port == 0
+    bad = write_ini(tmp_path, "[mqtt]\nmqtt_port = 1\n")
+    result = run_cli("--config", str(bad))
+    assert result.returncode == 2 and "unknown key [mqtt] mqtt_port" in result.stderr
 
 
 def test_lists_and_choices_are_normalised():
@@ -127,6 +150,8 @@ def test_lists_and_choices_are_normalised():
         (["--log-level", "loud"], {}, "shardmq: error: --log-level: invalid choice 'loud'"),
         (["--bind", " "], {}, "shardmq: error: --bind must not be empty"),
         (["--nope"], {}, "shardmq: error: unrecognized arguments: --nope"),
+        (["--lease-ttl", "0"], {}, "shardmq: error: --lease-ttl must be >= 1"),
+        ([], {"SHARDMQ_CLUSTER": "maybe"}, "shardmq: error: SHARDMQ_CLUSTER: invalid boolean 'maybe'"),
         ([], {"SHARDMQ_FRONTENDS": "0"}, "shardmq: error: SHARDMQ_FRONTENDS must be >= 1"),
         ([], {"SHARDMQ_PORT": "x1"}, "shardmq: error: SHARDMQ_PORT: invalid int 'x1'"),
         ([], {"SHARDMQ_SYNC": "sometimes"}, "shardmq: error: SHARDMQ_SYNC: invalid choice 'sometimes'"),

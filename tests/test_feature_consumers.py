@@ -10,7 +10,15 @@ import time
 import pytest
 from pika.exceptions import ChannelClosedByBroker
 
-from tests.helpers import WAIT, channel_error, connections_on_two_frontends, count, uid, wait_queue_gone
+from tests.helpers import (
+    WAIT,
+    channel_error,
+    connections_on_two_frontends,
+    control_lane_barrier,
+    count,
+    uid,
+    wait_queue_gone,
+)
 
 
 class Inbox:
@@ -75,6 +83,9 @@ def test_low_priority_consumer_gets_what_a_blocked_high_one_cannot_take(conn, ch
     assert len(inbox.by("high")) == 3 and len(inbox.by("low")) == 7
     # Once the high one has room again it is first in line.
     high_ch.basic_ack(multiple=True, delivery_tag=3)
+    # The ack (control lane) must reach the shard before the next publish (publish lane) does,
+    # or the low consumer rightly gets it: wait for that instead of hoping.
+    control_lane_barrier(conn, q)
     publish(ch, q, 3, "n")
     inbox.wait([conn], 13)
     assert inbox.by("high")[3:] == [b"n0", b"n1", b"n2"]

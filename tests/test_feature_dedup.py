@@ -326,3 +326,20 @@ def test_a_nacked_message_leaves_the_cache_so_its_retry_passes(ch):
     ch.basic_publish(x, "rk", b"m1-dup", props("k1"))
     assert bodies(ch, tight) == [b"m2-retry"]
     assert bodies(ch, roomy) == [b"m1", b"m2", b"m2-retry", b"m3"]
+
+
+def test_exchange_remembers_the_key_of_an_unroutable_message(ch):
+    """RabbitMQ's deduplication exchange caches the key before routing: an unroutable message's
+    retry is still a duplicate once a queue is bound (and a mandatory one is returned)."""
+    x = uid("x")
+    ch.exchange_declare(x, "direct", arguments=DEDUP)
+    with pytest.raises(pika.exceptions.UnroutableError):
+        ch.basic_publish(x, "rk", b"first", props("k1"), mandatory=True)
+    ch.basic_publish(x, "rk", b"nowhere", props("k2"))  # confirmed, nowhere to go, key kept
+    q = uid("xq")
+    ch.queue_declare(q)
+    ch.queue_bind(q, x, routing_key="rk")
+    ch.basic_publish(x, "rk", b"retry-1", props("k1"))
+    ch.basic_publish(x, "rk", b"retry-2", props("k2"))
+    ch.basic_publish(x, "rk", b"new", props("k3"))
+    assert bodies(ch, q) == [b"new"]

@@ -378,14 +378,24 @@ def test_a_burst_falling_due_at_once_is_routed_whole(node):
     x = delayed_exchange(ch, "fanout", durable=True)
     queues = [bound_queue(ch, x, "", durable=True, name=name_on(s, "bq")) for s in (0, 1)]
     n = 2500
-    props = delay_props(200)
+    delay_ms = 5000
+    props = delay_props(delay_ms)
+    due = time.monotonic() + delay_ms / 1000
     for i in range(n):
         ch.basic_publish(x, "", b"%d" % i, props)
     ch.confirm_delivery()
-    ch.basic_publish(x, "", b"last", delay_props(200))  # confirmed: every earlier publish is stored
+    ch.basic_publish(x, "", b"last", props)  # confirmed: every earlier publish is stored
     c.close()
-    node.restart()
-    assert "more follow" in node.log_text()
+    node.stop()
+    # The burst must fall due while the node is down, however long publishing took: the node stopped
+    # before the first message was due, and starts only once every message is due.
+    assert time.monotonic() < due, "publishing took longer than the delay: no burst to test"
+    time.sleep(max(0.0, due + 0.1 - time.monotonic()))
+    node.start()
+    deadline = time.monotonic() + WAIT
+    while "more follow" not in node.log_text():
+        assert time.monotonic() < deadline, "the due burst was not routed over several turns"
+        time.sleep(0.05)
     c = node.connect()
     ch = c.channel()
     for q in queues:

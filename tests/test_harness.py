@@ -14,7 +14,9 @@ import sys
 
 import pytest
 
-from tests.harness import Node, NodeError, group_members, pid_alive
+from tests.harness import REPO_ROOT, Node, NodeError, group_members, pid_alive, sweep_stale_nodes
+
+pytestmark = pytest.mark.integration  # starts stand-in node processes
 
 STAND_IN = [sys.executable, "-m", "tests.test_harness"]  # the harness runs commands from the repo root
 
@@ -98,6 +100,44 @@ def test_port_without_amqp_is_not_ready(tmp_path):
     assert not group_members(node.pgids[-1])
 
 
+KILLED_RUN = """
+import sys, time
+from pathlib import Path
+from tests.harness import Node
+node = Node(Path(sys.argv[1]), frontends=1, shards=1, command=[sys.executable, "-m", "tests.test_harness"],
+            startup_timeout=10.0, registry=Path(sys.argv[2])).start()
+print(node.pid, flush=True)
+time.sleep(3600)  # killed here, as a test run killed mid-test: no teardown runs
+"""
+
+
+def test_a_killed_runs_nodes_are_swept_by_the_next_run_by_recorded_pid(tmp_path):
+    registry = tmp_path / "registry"
+    run = subprocess.Popen([sys.executable, "-c", KILLED_RUN, str(tmp_path / "n"), str(registry)],
+                           stdout=subprocess.PIPE, text=True, start_new_session=True, cwd=REPO_ROOT)
+    try:
+        pgid = int(run.stdout.readline())
+        assert group_members(pgid), "the stand-in node did not start"
+        other = stand_in(tmp_path / "alive", registry=registry).start()  # a live run's node
+        try:
+            assert sweep_stale_nodes(registry) == []  # its owner (the "run") is still alive
+            run.kill()
+            run.wait()
+            assert group_members(pgid), "the node should outlive its killed test run"
+            assert sweep_stale_nodes(registry) == [pgid]
+            assert not group_members(pgid)
+            assert other.running(), "a live run's node (this test's) was swept"
+            assert sorted(p.name for p in registry.glob("*.json")) == [f"{other.pid}.json"]
+        finally:
+            other.cleanup()
+        assert list(registry.glob("*.json")) == []
+    finally:
+        run.kill()
+        run.wait()
+        if group_members(pgid):
+            os.killpg(pgid, 9)
+
+
 # ---------------------------------------------------------------------------- the stand-in node
 def _serve_stand_in() -> None:
     import argparse
@@ -108,9 +148,10 @@ def _serve_stand_in() -> None:
     from pamqp import commands, frame
 
     parser = argparse.ArgumentParser()
-    for flag in ("--data-dir", "--port", "--frontends", "--shards", "--log-level", "--http-port"):
+    for flag in ("--data-dir", "--port", "--frontends", "--shards", "--log-level"):
         parser.add_argument(flag)
-    args = parser.parse_args()
+    # Every listener's port flag the harness passes (--http-port, --mqtt-port, ...) is not the stand-in's business.
+    args, _listener_ports = parser.parse_known_args()
     run_dir = os.path.join(args.data_dir, "run")
     os.makedirs(run_dir, exist_ok=True)
     workers: dict[tuple[str, int], subprocess.Popen] = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -22,6 +23,11 @@ def _get(port: int, path: str) -> tuple[int, dict]:
 
 
 def test_standalone_node_is_ready_leader_and_without_alarms(shared_node):
+    # The harness is satisfied by one frontend's handshake; ready waits for every frontend.
+    deadline = time.monotonic() + 10
+    while _get(shared_node.http_port, "/api/health/checks/ready")[0] != 200:
+        assert time.monotonic() < deadline, "node never became ready"
+        time.sleep(0.05)
     for check in ("ready", "leader", "alarms"):
         assert _get(shared_node.http_port, f"/api/health/checks/{check}") == (200, {"status": "ok"})
 

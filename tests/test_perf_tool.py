@@ -34,6 +34,8 @@ from loadtest.mqtt_throughput import (
 from loadtest.scenarios_amqp import rss_growth
 from loadtest.sink import SinkProcess
 
+pytestmark = pytest.mark.integration  # starts the perf tool's sink broker processes
+
 
 @pytest.fixture
 def sink():

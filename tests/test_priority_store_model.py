@@ -12,6 +12,8 @@ from pamqp import commands
 
 from shard.priority_store import LEVEL_SHIFT, PriorityStore
 
+INNER = (1 << LEVEL_SHIFT) - 1
+
 SEGMENT = 512  # tiny: levels cross many segment boundaries
 MAX = 7
 
@@ -26,25 +28,31 @@ class PriorityModel(RuleBasedStateMachine):
         self.requeued: dict[int, list[int]] = {}  # level -> ready again, sorted
         self.outstanding: set[int] = set()
         self.n = 0
+        self.mark: dict[int, int] = {}  # level -> its store's delivered mark (inner ids)
+        self.below: dict[int, int] = {}  # level -> the mark at the last reopen: redelivered below it
 
     def teardown(self) -> None:
         self.store.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def _head(self) -> tuple[int, bool, int] | None:
+    def _head(self) -> tuple[int, bool, int, bool] | None:
+        """(msg id, redelivered, level, from the requeued list)."""
         for level in range(MAX, -1, -1):
             if self.requeued.get(level):
-                return self.requeued[level][0], True, level
+                return self.requeued[level][0], True, level, True
             if self.cursor.get(level):
-                return self.cursor[level][0], False, level
+                msg_id = self.cursor[level][0]
+                return msg_id, msg_id & INNER < self.below.get(level, 0), level, False
         return None
 
     def _take_head(self) -> tuple[int, bool] | None:
         head = self._head()
         if head is None:
             return None
-        msg_id, redelivered, level = head
-        (self.requeued if redelivered else self.cursor)[level].pop(0)
+        msg_id, redelivered, level, requeued = head
+        (self.requeued if requeued else self.cursor)[level].pop(0)
+        if not requeued:  # the level's delivered mark moves past it (persisted, see QueueStore)
+            self.mark[level] = max(self.mark.get(level, 0), (msg_id & INNER) + 1)
         return msg_id, redelivered
 
     @rule(persistent=st.booleans(), priority=st.one_of(st.none(), st.integers(0, 12)),
@@ -130,6 +138,10 @@ class PriorityModel(RuleBasedStateMachine):
             self.cursor.setdefault(msg_id >> LEVEL_SHIFT, []).append(msg_id)
         self.requeued = {}
         self.outstanding = set()
+        for level in list(self.mark):
+            inner = self.store._levels.get(level)
+            end = inner._wseg.no << 32 | inner._wseg.used if inner is not None else 0
+            self.below[level] = self.mark[level] = min(self.mark[level], end)
 
     @invariant()
     def counts(self):

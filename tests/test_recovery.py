@@ -305,3 +305,31 @@ def test_restart_with_other_shard_count_keeps_queues_and_messages(node_factory, 
     conn.close()
     for i, name in enumerate(names):
         assert drain(node, name) == [*(b"%s-%d" % (name.encode(), k) for k in range(i + 1)), b"fan"]
+
+
+@pytest.mark.parametrize("how", ["graceful", "kill9"])
+def test_messages_unacked_at_a_restart_come_back_redelivered(node, how):
+    """As RabbitMQ's queue index remembers deliveries: a message delivered and not acked when the
+    node stopped is redelivered=true after it; one never delivered is redelivered=false."""
+    q = "redelivered-" + how
+    conn = node.connect()
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.queue_declare(q, durable=True)
+    for i in range(4):
+        ch.basic_publish("", q, b"m%d" % i, PERSISTENT)
+    for _ in range(2):  # m0, m1 delivered, not acked
+        method = ch.basic_get(q, auto_ack=False)[0]
+        assert method is not None and not method.redelivered
+    restart(node, how)
+    conn = node.connect()
+    try:
+        ch = conn.channel()
+        got = []
+        for _ in range(4):
+            method, _props, body = ch.basic_get(q, auto_ack=True)
+            assert method is not None
+            got.append((body, method.redelivered))
+        assert got == [(b"m0", True), (b"m1", True), (b"m2", False), (b"m3", False)]
+    finally:
+        conn.close()

@@ -25,6 +25,8 @@ import pyarrow.parquet as pq  # noqa: E402
 import pyspark  # noqa: F401, E402
 import pytest
 
+pytestmark = pytest.mark.integration  # starts Spark (a JVM)
+
 assert shutil.which("java") is not None, "Spark needs a Java runtime (scripts/test.sh installs one)"
 
 ROOT = Path(__file__).resolve().parent.parent

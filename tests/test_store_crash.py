@@ -8,7 +8,11 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from shard.store import QueueStore
+
+pytestmark = pytest.mark.integration  # SIGKILLs a writer subprocess
 
 CHILD = textwrap.dedent(
     """

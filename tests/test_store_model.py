@@ -25,6 +25,10 @@ class StoreModel(RuleBasedStateMachine):
         self.requeued: list[int] = []  # ready again, sorted
         self.outstanding: set[int] = set()
         self.n = 0
+        # The store's delivered mark (one past the last record taken from the cursor; persisted) and
+        # what it was at the last reopen: records below it come back with redelivered=True.
+        self.mark = 0
+        self.redeliver_below = 0
 
     def teardown(self) -> None:
         self.store.close()
@@ -52,7 +56,9 @@ class StoreModel(RuleBasedStateMachine):
         if self.requeued:
             expect, redelivered = self.requeued.pop(0), True
         elif self.cursor:
-            expect, redelivered = self.cursor.pop(0), False
+            expect = self.cursor.pop(0)
+            redelivered = expect < self.redeliver_below
+            self.mark = max(self.mark, expect + 1)
         else:
             assert msg is None
             return
@@ -100,6 +106,7 @@ class StoreModel(RuleBasedStateMachine):
             expect = self.requeued.pop(0)
         elif self.cursor:
             expect = self.cursor.pop(0)
+            self.mark = max(self.mark, expect + 1)
         else:
             assert msg is None
             return
@@ -119,6 +126,10 @@ class StoreModel(RuleBasedStateMachine):
         self.cursor = sorted(self.records)
         self.requeued = []
         self.outstanding = set()
+        # Messages delivered before the restart (and not acked) are redelivered; ids appended from
+        # now on start at the end of the data, so the mark is clamped there.
+        end = self.store._wseg.no << 32 | self.store._wseg.used
+        self.redeliver_below = self.mark = min(self.mark, end)
 
     @invariant()
     def counts(self):

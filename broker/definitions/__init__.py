@@ -17,8 +17,8 @@ ignored (that is how bindings of transient entities drop out on boot replay).
 ==========================================================  ====================================
 op                                                          effect
 ==========================================================  ====================================
-``["vhost.put", name]``                                     create a vhost with the predeclared
-                                                            exchanges
+``["vhost.put", name(, metadata)]``                         create a vhost with the predeclared
+                                                            exchanges (or set its metadata)
 ``["vhost.delete", name]``                                  drop the vhost, its entities and the
                                                             permissions on it
 ``["user.put", name, {"password_hash", "tags"}]``           create or replace a user
@@ -26,6 +26,10 @@ op                                                          effect
 ``["permission.put", user, vhost, {"configure", "write",    set a user's permissions on a vhost
 "read"}]``
 ``["permission.delete", user, vhost]``                      drop them
+``["topic_permission.put", user, vhost, exchange,           set a user's topic permissions
+{"write", "read"}]``                                        (routing-key patterns) on an exchange
+``["topic_permission.delete", user, vhost, exchange]``      drop them (exchange None: all of the
+                                                            vhost's)
 ``["exchange.declare", vhost, name, {"type", "durable",     create or replace an exchange (its
 "auto_delete", "internal", "arguments"}]``                  bindings are kept)
 ``["exchange.delete", vhost, name]``                        drop it with bindings from and to it
@@ -99,6 +103,8 @@ class Definitions(RoutingMixin, PolicyMixin, PlanMixin):
         self.vhosts: dict[str, VHost] = {DEFAULT_VHOST: VHost(DEFAULT_VHOST)}
         self.users: dict[str, User] = {}
         self.permissions: dict[str, dict[str, dict]] = {}  # user -> vhost -> {configure, write, read}
+        # user -> vhost -> exchange -> {write, read}: routing-key patterns (RabbitMQ's topic permissions)
+        self.topic_permissions: dict[str, dict[str, dict[str, dict]]] = {}
         self.loopback_users: tuple[str, ...] = ("guest",)
 
     # ------------------------------------------------------------------ lookups
@@ -131,13 +137,19 @@ class Definitions(RoutingMixin, PolicyMixin, PlanMixin):
             self.apply(op)
 
     def _apply_vhost_put(self, op: Sequence) -> None:
-        if op[1] not in self.vhosts:
-            self.vhosts[op[1]] = VHost(op[1])
+        metadata = op[2] if len(op) > 2 else None
+        v = self.vhosts.get(op[1])
+        if v is None:
+            self.vhosts[op[1]] = VHost(op[1], metadata)
+        elif metadata is not None:
+            v.metadata = dict(metadata)
 
     def _apply_vhost_delete(self, op: Sequence) -> None:
         self.vhosts.pop(op[1], None)
         for perms in self.permissions.values():
             perms.pop(op[1], None)
+        for tperms in self.topic_permissions.values():
+            tperms.pop(op[1], None)
 
     def _apply_user_put(self, op: Sequence) -> None:
         attrs = op[2]
@@ -146,6 +158,7 @@ class Definitions(RoutingMixin, PolicyMixin, PlanMixin):
     def _apply_user_delete(self, op: Sequence) -> None:
         self.users.pop(op[1], None)
         self.permissions.pop(op[1], None)
+        self.topic_permissions.pop(op[1], None)
 
     def _apply_permission_put(self, op: Sequence) -> None:
         perm = op[3]
@@ -157,6 +170,20 @@ class Definitions(RoutingMixin, PolicyMixin, PlanMixin):
         perms = self.permissions.get(op[1])
         if perms is not None:
             perms.pop(op[2], None)
+
+    def _apply_topic_permission_put(self, op: Sequence) -> None:
+        perm = op[4]
+        self.topic_permissions.setdefault(op[1], {}).setdefault(op[2], {})[op[3]] = {
+            "write": perm.get("write", ""), "read": perm.get("read", "")}
+
+    def _apply_topic_permission_delete(self, op: Sequence) -> None:
+        by_vhost = self.topic_permissions.get(op[1], {})
+        if op[3] is None:
+            by_vhost.pop(op[2], None)
+        elif op[2] in by_vhost:
+            by_vhost[op[2]].pop(op[3], None)
+            if not by_vhost[op[2]]:
+                del by_vhost[op[2]]
 
     def _apply_exchange_declare(self, op: Sequence) -> None:
         v = self.vhosts.get(op[1])
@@ -272,12 +299,14 @@ class Definitions(RoutingMixin, PolicyMixin, PlanMixin):
             vhosts[vname] = {"exchanges": exchanges, "queues": queues, "bindings": bindings,
                              "policies": {n: p.attrs() for n, p in v.policies.items()},
                              "operator_policies": {n: p.attrs() for n, p in v.operator_policies.items()},
-                             "limits": dict(v.limits)}
+                             "limits": dict(v.limits), "metadata": dict(v.metadata)}
         return {
             "version": self.version,
             "vhosts": vhosts,
             "users": {n: {"password_hash": u.password_hash, "tags": list(u.tags)} for n, u in self.users.items()},
             "permissions": {u: {vh: dict(p) for vh, p in perms.items()} for u, perms in self.permissions.items()},
+            "topic_permissions": {u: {vh: {x: dict(p) for x, p in xs.items()} for vh, xs in by_vhost.items()}
+                                  for u, by_vhost in self.topic_permissions.items()},
             "loopback_users": list(self.loopback_users),
         }
 
@@ -286,7 +315,7 @@ class Definitions(RoutingMixin, PolicyMixin, PlanMixin):
         defs = cls()
         defs.vhosts = {}
         for vname, vd in d.get("vhosts", {}).items():
-            defs._apply_vhost_put(["vhost.put", vname])
+            defs._apply_vhost_put(["vhost.put", vname, vd.get("metadata") or {}])
             for pname, attrs in vd.get("policies", {}).items():
                 defs._apply_policy(["policy.put", vname, pname, attrs])
             for pname, attrs in vd.get("operator_policies", {}).items():
@@ -303,6 +332,10 @@ class Definitions(RoutingMixin, PolicyMixin, PlanMixin):
         for uname, perms in d.get("permissions", {}).items():
             for vname, perm in perms.items():
                 defs._apply_permission_put(["permission.put", uname, vname, perm])
+        for uname, by_vhost in d.get("topic_permissions", {}).items():
+            for vname, xs in by_vhost.items():
+                for xname, perm in xs.items():
+                    defs._apply_topic_permission_put(["topic_permission.put", uname, vname, xname, perm])
         defs.loopback_users = tuple(d.get("loopback_users", ("guest",)))
         defs.version = int(d.get("version", 0))
         return defs
@@ -315,6 +348,8 @@ _APPLY = {
     "user.delete": Definitions._apply_user_delete,
     "permission.put": Definitions._apply_permission_put,
     "permission.delete": Definitions._apply_permission_delete,
+    "topic_permission.put": Definitions._apply_topic_permission_put,
+    "topic_permission.delete": Definitions._apply_topic_permission_delete,
     "exchange.declare": Definitions._apply_exchange_declare,
     "exchange.delete": Definitions._apply_exchange_delete,
     "queue.declare": Definitions._apply_queue_declare,

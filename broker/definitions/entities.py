@@ -111,10 +111,12 @@ class User:
 
 
 class VHost:
-    __slots__ = ("name", "exchanges", "queues", "bindings", "by_dest", "policies", "operator_policies", "limits")
+    __slots__ = ("name", "exchanges", "queues", "bindings", "by_dest", "policies", "operator_policies", "limits",
+                 "metadata")
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, metadata: dict | None = None) -> None:
         self.name = name
+        self.metadata: dict = dict(metadata or {})  # description, tags, default_queue_type (shown, stored)
         self.policies: dict[str, Policy] = {}
         self.operator_policies: dict[str, Policy] = {}
         self.limits: dict[str, int] = {}  # "max-connections", "max-queues"

@@ -281,9 +281,17 @@ class PlanMixin:
 
     def plan_unbind(self, vhost: str, source: str, dest_kind: str, dest: str, routing_key: str,
                     arguments: dict | None, owner: Sequence | None) -> list[list]:
-        """Ops removing a binding; [] when it does not exist (RabbitMQ answers unbind-ok)."""
+        """Ops removing a binding; [] when it, its source or its destination does not exist.
+
+        RabbitMQ answers unbind-ok for all of these (unbind is idempotent: aio-pika's RPC
+        pattern unbinds from an auto-delete exchange that may already be gone); only the
+        default exchange (403) and another connection's exclusive queue (405) are refused.
+        """
         v = self._vhost(vhost)
         method = QUEUE_UNBIND if dest_kind == "queue" else EXCHANGE_UNBIND
+        dests = v.queues if dest_kind == "queue" else v.exchanges
+        if source and (dest or dest_kind == "queue") and (source not in v.exchanges or dest not in dests):
+            return []
         self._check_binding_ends(v, source, dest_kind, dest, tuple(owner) if owner is not None else None, method)
         args = plain(arguments or {})
         key = binding_key(source, dest_kind, dest, routing_key, args)
@@ -319,12 +327,19 @@ class PlanMixin:
         return ops
 
     # ------------------------------------------------ vhosts, users (management)
-    def plan_vhost_put(self, name: str) -> list[list]:
+    def plan_vhost_put(self, name: str, metadata: dict | None = None) -> list[list]:
+        if metadata is not None:
+            v = self.vhosts.get(name)
+            return [] if v is not None and v.metadata == metadata else [["vhost.put", name, dict(metadata)]]
         return [] if name in self.vhosts else [["vhost.put", name]]
 
     def plan_vhost_delete(self, name: str) -> list[list]:
-        """Ops deleting a vhost; frontends should close its connections (CLOSE_CONNECTIONS)."""
-        return [["vhost.delete", name]] if name in self.vhosts else []
+        """Ops deleting a vhost: its queues one by one first (so their shards delete their data),
+        then the vhost; frontends should close its connections (CLOSE_CONNECTIONS)."""
+        v = self.vhosts.get(name)
+        if v is None:
+            return []
+        return [*(["queue.delete", name, q] for q in v.queues), ["vhost.delete", name]]
 
     def plan_user_put(self, name: str, password: str | None = None, tags: Sequence[str] = (),
                       password_hash: str | None = None) -> list[list]:
@@ -350,6 +365,20 @@ class PlanMixin:
 
     def plan_permission_delete(self, user: str, vhost: str) -> list[list]:
         return [["permission.delete", user, vhost]] if vhost in self.permissions.get(user, {}) else []
+
+    def plan_topic_permission_put(self, user: str, vhost: str, exchange: str, write: str = "",
+                                  read: str = "") -> list[list]:
+        if user not in self.users:
+            raise KeyError(f"no user '{user}'")
+        if vhost not in self.vhosts:
+            raise KeyError(f"no vhost '{vhost}'")
+        return [["topic_permission.put", user, vhost, exchange, {"write": write, "read": read}]]
+
+    def plan_topic_permission_delete(self, user: str, vhost: str, exchange: str | None = None) -> list[list]:
+        have = self.topic_permissions.get(user, {}).get(vhost, {})
+        if not have or (exchange is not None and exchange not in have):
+            return []
+        return [["topic_permission.delete", user, vhost, exchange]]
 
     def default_user_ops(self, user: str = "guest", password: str = "guest") -> list[list]:
         """Ops creating the default administrator with full permissions on '/'."""

@@ -35,7 +35,11 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def leader(request: web.Request) -> web.Response:
-    return _answer(bool(getattr(request.app[NODE_KEY], "is_leader", False)), "node is not the leader")
+    node = request.app[NODE_KEY]
+    # A leader whose frontends do not listen yet (a promotion in progress) is no target yet.
+    if getattr(node, "is_leader", False) and not getattr(node, "ready", False):
+        return _answer(False, "node is the leader but not ready yet")
+    return _answer(bool(getattr(node, "is_leader", False)), "node is not the leader")
 
 
 def register(app: web.Application, _node: Any) -> None:

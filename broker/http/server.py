@@ -15,6 +15,12 @@ NODE_KEY: web.AppKey[Any] = web.AppKey("node", Any)
 # Modules that register routes, in order. Each has ``register(app, node)``.
 ROUTE_MODULES: tuple[str, ...] = (
     "broker.http.health",
+    "broker.http.management",
+    "broker.http.resources",
+    "broker.http.policies_api",
+    "broker.http.definitions_api",
+    "broker.http.ui",
+    "broker.http.cluster",
 )
 
 

@@ -32,6 +32,7 @@ from broker.amqp.encoder import encode_content, encode_deliver, encode_method
 from broker.amqp.errors import AMQPChannelError, AMQPConnectionError, AMQPError
 from broker.amqp.properties import decode_properties, delivery_mode
 from broker.consumer_args import check_consume_arguments
+from broker.permissions import READ
 from broker.routing import delay_store_shard, may_have_cc, sender_routes
 from frontend.amqp.backlog import Backlog
 from frontend.amqp.dedup_publish import publish_dedup
@@ -56,6 +57,8 @@ if TYPE_CHECKING:
 
 # A client that keeps sending while its channel waits for a reply is paused past this many events.
 BACKLOG_PAUSE = 10_000
+# channel.close-ok waits at most this long for the shards' answers to CHANNEL_CLOSED.
+CLOSE_ANSWER_TIMEOUT = 5.0
 
 OPEN = 1
 CLOSING = 2  # we sent channel.close and wait for close-ok
@@ -88,14 +91,18 @@ class Consumer:
 
 class Channel:
     __slots__ = (
-        "conn", "number", "state", "backlog", "confirm", "tags", "consumers", "prefetch_count",
+        "conn", "number", "key", "state", "backlog", "confirm", "tags", "consumers", "prefetch_count",
         "global_prefetch", "held", "shards", "last_queue", "tx", "tx_commit", "extras", "reply_consumer",
-        "_handlers",
+        "deleting", "deferred_cancels", "_handlers",
     )
 
-    def __init__(self, conn: AMQPConnection, number: int) -> None:
+    def __init__(self, conn: AMQPConnection, number: int, generation: int = 0) -> None:
         self.conn = conn
         self.number = number
+        # What shards know this opening of the channel number by: number + 65536 * generation. A
+        # late DELIVER/CONFIRM/CANCEL_NOTIFY for an earlier opening of the same number (closed,
+        # then reopened by the client) carries the old key and is dropped, never misdelivered.
+        self.key = number | (generation << 16)
         self.state = OPEN
         self.backlog = Backlog(self.handle)
         self.confirm: ConfirmTracker | None = None
@@ -113,6 +120,11 @@ class Channel:
         # Publishes need the slow path (server timestamp on, direct reply-to consumer on this channel).
         self.extras = bool(conn.worker.settings.get("set_timestamp"))
         self.reply_consumer: tuple[str, str] | None = None  # (consumer tag, direct reply-to name)
+        # The queue this channel's pending queue.delete removes: the shard's basic.cancel for our own
+        # consumers of it waits until delete-ok is written (RabbitMQ's order; py-amqp and amqplib
+        # break on a cancel that overtakes the reply they wait for).
+        self.deleting: str | None = None
+        self.deferred_cancels: list[str] = []
         self._handlers = _HANDLERS
 
     # ------------------------------------------------------------------ dispatch
@@ -191,12 +203,41 @@ class Channel:
                                          exc.class_id, exc.method_id))
         self.release_resources()
 
-    def release_resources(self) -> None:
-        """Tell every shard this channel touched that it is gone (consumers off, unacked requeued)."""
+    def release_resources(self, on_done: Any = None) -> None:
+        """Tell every shard this channel touched that it is gone (consumers off, unacked requeued).
+
+        With on_done, each shard answers once it has done so, and on_done() runs after the last
+        answer (at once when no shard was touched).
+        """
         conn = self.conn
         worker = conn.worker
-        for shard in self.shards:
-            worker.shard_put(shard, [contract.CHANNEL_CLOSED, conn.conn_id, self.number])
+        conn_id, key = conn.conn_id, self.key
+        if on_done is None:
+            for shard in self.shards:
+                worker.shard_put(shard, [contract.CHANNEL_CLOSED, conn_id, key, None])
+        else:
+            waiting = [len(self.shards)]
+            timer: list = []
+
+            def answered(_ok: bool = True, _result: Any = None) -> None:
+                waiting[0] -= 1
+                if waiting[0] == 0:
+                    if timer:
+                        timer[0].cancel()
+                    on_done()
+
+            def give_up() -> None:  # a shard that never answers (a lost batch) must not hang the close
+                if waiting[0] > 0:
+                    waiting[0] = 1
+                    answered()
+
+            for shard in self.shards:
+                worker.shard_request(shard, lambda req_id: [contract.CHANNEL_CLOSED, conn_id, key, req_id],
+                                     conn, answered)
+            if self.shards:
+                timer.append(worker.loop.call_later(CLOSE_ANSWER_TIMEOUT, give_up))
+            else:
+                on_done()
         self.shards = set()
         self.consumers.clear()
         self.tags = DeliveryTags()
@@ -211,6 +252,7 @@ class Channel:
         args.pop("ticket", None)
         args["vhost"] = conn.vhost
         args["owner"] = [conn.worker.index, conn.conn_id]
+        args["user"] = conn.user  # the node checks the user's configure/write/read permissions
         cid, mid = _ids(method)
         self.backlog.block()
         conn.worker.node_request(op, args, lambda ok, result: conn.on_reply(self, ok, result, on_ok, cid, mid))
@@ -227,6 +269,7 @@ class Channel:
         self.backlog.unblock()
 
     def reply_error(self, result: Any, class_id: int, method_id: int) -> None:
+        self._flush_deferred_cancels()
         exc = error_from_reply(result, class_id, method_id)
         if isinstance(exc, AMQPConnectionError):
             raise exc
@@ -272,6 +315,10 @@ class Channel:
         ex = defs.exchange(vhost, exchange)
         if ex is None:
             raise AMQPChannelError(NOT_FOUND, f"no exchange '{exchange}' in vhost '{vhost}'", 60, 40)
+        # RabbitMQ checks write permission first; the cache makes a permitted publish one set lookup.
+        access = conn.access
+        if exchange not in access.writable or access.version != defs.version or access.topics is not None:
+            access.check_publish(defs, ex, exchange, ev.routing_key)
         if ex.internal:
             raise AMQPChannelError(
                 ACCESS_REFUSED, f"cannot publish to internal exchange '{exchange}' in vhost '{vhost}'", 60, 40)
@@ -317,7 +364,7 @@ class Channel:
         else:
             seq = confirm.publish(len(groups))
             put_publish(conn.worker, groups, vhost, exchange, ev.routing_key, props_raw, ev.body, persistent,
-                        conn.conn_id, self.number, seq)
+                        conn.conn_id, self.key, seq)
             conn.confirm_shards.update(groups)
 
     def _publish_extras(self, ex: Any, ev: E.Publish, props_raw: bytes) -> tuple[bytes, Any]:
@@ -356,7 +403,14 @@ class Channel:
             for key in keys:
                 found.update(dict.fromkeys(route(vhost, ev.exchange, key, props_raw)))
             queues = list(found)
-        if ex.dedup and queues:
+        if ex.dedup:
+            # Unroutable too: RabbitMQ's deduplication exchange caches the key before it routes, so
+            # a retry of an unroutable message stays a duplicate once a binding appears. The return
+            # of an unroutable mandatory message is known here; the owner only remembers the key.
+            if not queues and ev.mandatory:
+                conn.write(encode_content(
+                    self.number, C.Basic.Return(NO_ROUTE, "NO_ROUTE", ev.exchange, ev.routing_key),
+                    props_raw, ev.body, conn.frame_max))
             publish_dedup(self, ex, ev.exchange, ev.routing_key, props_raw, ev.body, queues)
             return props_raw, None
         return props_raw, queues
@@ -378,13 +432,17 @@ class Channel:
         else:
             seq = confirm.publish(1)
             worker.shard_put(shard, [_DELAYED_PUBLISH, conn.vhost, ev.exchange, ev.routing_key, props_raw, ev.body,
-                                     persistent, delay, conn.conn_id, self.number, seq])
+                                     persistent, delay, conn.conn_id, self.key, seq])
             conn.confirm_shards.add(shard)
 
     def _check_user_id(self, user_id: str | None) -> None:
-        """RabbitMQ's validated user-id: a publish may only claim the user it authenticated as."""
+        """RabbitMQ's validated user-id: a publish may only claim the user it authenticated as
+        (users tagged impersonator may claim any)."""
         user = self.conn.user
         if user_id is not None and user_id != user:
+            u = self.conn.worker.defs.users.get(user)
+            if u is not None and "impersonator" in u.tags:
+                return
             raise AMQPChannelError(
                 PRECONDITION_FAILED,
                 f"user_id property set to '{user_id}' but authenticated user was '{user}'", 60, 40)
@@ -434,7 +492,7 @@ class Channel:
             # ignores the nack for a no-ack delivery it already settled).
             if self.state == OPEN:
                 self.conn.worker.shard_put(
-                    shard, [_NACK, self.conn.conn_id, self.number, True, [item[4], item[5]]])
+                    shard, [_NACK, self.conn.conn_id, self.key, True, [item[4], item[5]]])
             return
         if not consumer.ready:
             consumer.early.append((shard, item))
@@ -452,7 +510,7 @@ class Channel:
         tag = tags.skip() if consumer.no_ack else tags.add(shard, item[4], item[5])
         conn.write(encode_deliver(self.number, item[3], tag, item[6], item[7], item[8], item[9], item[10],
                                   conn.frame_max))
-        conn.add_credit(shard, self.number, item[3])
+        conn.add_credit(shard, self.key, item[3])
 
     def _release_held(self) -> None:
         held = self.held
@@ -463,7 +521,7 @@ class Channel:
             consumer = self.consumers.get(item[3])
             if consumer is None:
                 self.conn.worker.shard_put(
-                    shard, [_NACK, self.conn.conn_id, self.number, True, [item[4], item[5]]])
+                    shard, [_NACK, self.conn.conn_id, self.key, True, [item[4], item[5]]])
                 continue
             self._write_deliver(consumer, shard, item)
 
@@ -474,7 +532,7 @@ class Channel:
         conn_id = self.conn.conn_id
         for shard, item in self.held:
             if item[3] == tag:
-                put(shard, [_NACK, conn_id, self.number, True, [item[4], item[5]]])
+                put(shard, [_NACK, conn_id, self.key, True, [item[4], item[5]]])
             else:
                 keep.append((shard, item))
         self.held = keep
@@ -482,7 +540,19 @@ class Channel:
     def cancel_notify(self, tag: str) -> None:
         consumer = self.consumers.pop(tag, None)
         if consumer is not None and self.state == OPEN:
-            self._send(C.Basic.Cancel(consumer_tag=tag, nowait=True))
+            if consumer.queue == self.deleting:
+                self.deferred_cancels.append(tag)
+            else:
+                self._send(C.Basic.Cancel(consumer_tag=tag, nowait=True))
+
+    def _flush_deferred_cancels(self) -> None:
+        self.deleting = None
+        tags = self.deferred_cancels
+        if tags:
+            self.deferred_cancels = []
+            if self.state == OPEN:
+                for tag in tags:
+                    self._send(C.Basic.Cancel(consumer_tag=tag, nowait=True))
 
     # --------------------------------------------------------------- acks
     def ack(self, tag: int, multiple: bool) -> None:
@@ -494,10 +564,10 @@ class Channel:
         if len(refs) == 1:
             shard, qid, mid = refs[0]
             if shard >= 0:  # < 0: delivered by a shard that died since (frontend/amqp/shard_loss.py)
-                put(shard, [_ACK, conn.conn_id, self.number, [qid, mid]])
+                put(shard, [_ACK, conn.conn_id, self.key, [qid, mid]])
         else:
             for shard, flat in group_by_shard(refs).items():
-                put(shard, [_ACK, conn.conn_id, self.number, flat])
+                put(shard, [_ACK, conn.conn_id, self.key, flat])
         if self.held:
             self._release_held()
 
@@ -505,17 +575,25 @@ class Channel:
         refs = self.tags.take(tag, multiple, class_id, method_id)
         conn = self.conn
         for shard, flat in group_by_shard(refs).items():
-            conn.worker.shard_put(shard, [_NACK, conn.conn_id, self.number, bool(requeue), flat])
+            conn.worker.shard_put(shard, [_NACK, conn.conn_id, self.key, bool(requeue), flat])
         if self.held:
             self._release_held()
 
     # ------------------------------------------------------- channel class
     def m_channel_close(self, method: C.Channel.Close) -> None:
+        # As RabbitMQ: close-ok once every shard this channel used has cancelled its consumers and
+        # requeued its unacked messages, so a basic.get or consume right after close-ok sees them.
+        # Until then the channel stays in conn.channels (its number is not free yet) but CLOSED.
         self.state = CLOSED
         self.backlog.clear()
-        self.release_resources()
-        self._send(C.Channel.CloseOk())
-        self.conn.forget_channel(self)
+        conn = self.conn
+
+        def closed() -> None:
+            if conn.channels.get(self.number) is self:  # the connection did not end meanwhile
+                self._send(C.Channel.CloseOk())
+                conn.forget_channel(self)
+
+        self.release_resources(closed)
 
     def m_channel_close_ok(self, method: C.Channel.CloseOk) -> None:
         pass  # close-ok for a close we never sent: ignore, as RabbitMQ does
@@ -598,11 +676,14 @@ class Channel:
             conn.exclusive_queues.discard(name)
             if not nowait:
                 self._send(C.Queue.DeleteOk(int(result.get("messages", 0))))
+            self._flush_deferred_cancels()
 
+        self.deleting = name
         self._node_request("queue.delete", method, ok)
 
     def m_queue_purge(self, method: C.Queue.Purge) -> None:
         name = self._queue_name(method.queue, method)
+        self.conn.access.check(self.conn.worker.defs, READ, "queue", name, 50, 30)
         q = self._local_queue(name, method)
         vhost = self.conn.vhost
         nowait = method.nowait
@@ -620,7 +701,7 @@ class Channel:
             conn = self.conn
             worker = conn.worker
             for shard in range(worker.shard_count):
-                worker.shard_put(shard, [contract.QOS, conn.conn_id, self.number, count])
+                worker.shard_put(shard, [contract.QOS, conn.conn_id, self.key, count])
                 self.shards.add(shard)
             if self.held:
                 self._release_held()
@@ -633,6 +714,7 @@ class Channel:
             self._consume_replies(method)
             return
         name = self._queue_name(method.queue, method)
+        self.conn.access.check(self.conn.worker.defs, READ, "queue", name, 60, 20)
         q = self._local_queue(name, method)
         check_consume_arguments(name, self.conn.vhost, method.arguments)
         tag = method.consumer_tag
@@ -644,7 +726,7 @@ class Channel:
         consumer = Consumer(tag, name, q.shard, bool(method.no_ack))
         self.consumers[tag] = consumer
         nowait = method.nowait
-        item_tail = [conn.conn_id, self.number, conn.vhost, name, tag, bool(method.no_ack),
+        item_tail = [conn.conn_id, self.key, conn.vhost, name, tag, bool(method.no_ack),
                      bool(method.exclusive), self.prefetch_count, consume_arguments(method.arguments or {})]
 
         def ok(_result: dict) -> None:
@@ -679,26 +761,46 @@ class Channel:
 
     def m_basic_cancel(self, method: C.Basic.Cancel) -> None:
         tag = method.consumer_tag
+        nowait = method.nowait
         if self.reply_consumer is not None and self.reply_consumer[0] == tag:
             self.reply_consumer = None
-        consumer = self.consumers.pop(tag, None)
-        if consumer is not None:
-            self.conn.worker.shard_put(consumer.shard, [contract.CANCEL, self.conn.conn_id, self.number, tag])
+        consumer = self.consumers.get(tag)
+        if consumer is None:
+            if not nowait:
+                self._send(C.Basic.CancelOk(tag))
+            return
+
+        def cancelled(_result: Any = None) -> None:
+            # The shard has removed the consumer: nothing more comes for it. Deliveries it sent
+            # before were written to the client (as RabbitMQ's, between basic.cancel and
+            # cancel-ok), so a no-ack message is never lost in between.
+            if self.consumers.get(tag) is consumer:
+                del self.consumers[tag]
+            put = self.conn.worker.shard_put
             for shard, item in consumer.early:
-                self.conn.worker.shard_put(
-                    shard, [_NACK, self.conn.conn_id, self.number, True, [item[4], item[5]]])
+                put(shard, [_NACK, self.conn.conn_id, self.key, True, [item[4], item[5]]])
+            consumer.early = []
             if self.held:
                 self._return_held(tag)
-        if not method.nowait:
-            self._send(C.Basic.CancelOk(tag))
+            if not nowait and self.state == OPEN:
+                self._send(C.Basic.CancelOk(tag))
+
+        conn_id, key = self.conn.conn_id, self.key
+        build = lambda req_id: [contract.CANCEL, conn_id, key, tag, req_id]  # noqa: E731
+        if nowait:
+            self.conn.worker.shard_request(consumer.shard, build, self.conn,
+                                           lambda ok, result: cancelled() if self.state == OPEN else None)
+        else:
+            self._shard_request(consumer.shard, build, cancelled, method)
 
     def m_basic_get(self, method: C.Basic.Get) -> None:
         name = self._queue_name(method.queue, method)
+        self.conn.access.check(self.conn.worker.defs, READ, "queue", name, 60, 70)
         q = self._local_queue(name, method)
         conn = self.conn
         no_ack = bool(method.no_ack)
         shard = q.shard
-        tail = [conn.conn_id, self.number, conn.vhost, name, no_ack]
+        tail = [conn.conn_id, self.key, conn.vhost, name, no_ack]
 
         def ok(result: dict) -> None:
             msg = result.get("message")
@@ -722,7 +824,7 @@ class Channel:
         self.held.clear()
         conn = self.conn
         for shard in self.shards:
-            conn.worker.shard_put(shard, [contract.RECOVER, conn.conn_id, self.number])
+            conn.worker.shard_put(shard, [contract.RECOVER, conn.conn_id, self.key])
         if isinstance(method, C.Basic.Recover):
             self._send(C.Basic.RecoverOk())
 

@@ -12,11 +12,13 @@ import asyncio
 import ipaddress
 import logging
 import platform
+import time
 from typing import TYPE_CHECKING, Any
 
 from pamqp import commands as C
 
 from broker import contract
+from broker.alarms import REASONS
 from broker.amqp import events as E
 from broker.amqp.constants import (
     ACCESS_REFUSED,
@@ -32,9 +34,11 @@ from broker.amqp.encoder import encode_heartbeat, encode_method, encode_protocol
 from broker.amqp.errors import AMQPChannelError, AMQPConnectionError, AMQPError
 from broker.amqp.parser import FrameParser
 from broker.auth import authenticate, check_vhost_access
+from broker.permissions import Access
 from frontend.amqp.channel import BACKLOG_PAUSE, CLOSED, OPEN, Channel
-from frontend.amqp.replies import reply_text
+from frontend.amqp.replies import plain, reply_text
 from frontend.amqp.shard_loss import connection_lost_shard
+from frontend.tls import peer_common_name
 
 if TYPE_CHECKING:
     from frontend.worker import FrontendWorker
@@ -55,6 +59,11 @@ _STATE_NAMES = {AWAIT_HEADER: "starting", AWAIT_START_OK: "starting", AWAIT_TUNE
 
 HANDSHAKE_TIMEOUT = 10.0
 CLOSE_TIMEOUT = 2.0
+# After close-ok the socket stays open for reading (bytes discarded) until the client closes it, at
+# most this long: a client may send connection.close ahead of publishes still in its own buffer
+# (Node.js amqplib does), and closing at once would reset its writes (ECONNRESET) and lose its
+# close-ok. RabbitMQ lingers the same way (up to 30 s or the heartbeat).
+LINGER_TIMEOUT = 10.0
 # How long a client's connection.close may wait for its channels' pending work (RabbitMQ: 30 s).
 DRAIN_TIMEOUT = 30.0
 
@@ -87,7 +96,7 @@ def server_properties(frontend_index: int) -> dict:
             "authentication_failure_close": True,
             "per_consumer_qos": True,
             "consumer_priorities": True,
-            "direct_reply_to": False,
+            "direct_reply_to": True,
         },
         "shardmq_frontend": frontend_index,
     }
@@ -120,7 +129,14 @@ class AMQPConnection(asyncio.Protocol):
         self.state = AWAIT_HEADER
         self.vhost = "/"
         self.user = ""
+        self.access = Access("", "/")  # replaced at connection.open: the user's permission checks
         self.peer = None
+        # For the management API's connection list (frontend/stats.py), sent in periodic STATS.
+        self.client_properties: dict = {}
+        self.connected_at = int(time.time() * 1000)
+        self.recv_oct = 0
+        self.send_oct = 0
+        self._sent_blocked = False  # connection.blocked sent, unblocked owed
         self.channels: dict[int, Channel] = {}
         self.exclusive_queues: set[str] = set()
         self.had_exclusive = False
@@ -136,6 +152,7 @@ class AMQPConnection(asyncio.Protocol):
         # back-pressure (as RabbitMQ's flow control), so consumers' acks are still read.
         self.publisher = False
         self._close_after_flush = False
+        self._linger_after_flush = False  # close-ok sent: half-close and read until the client closes
         self._released = False
         self._timer: asyncio.TimerHandle | None = None
         self._close_timer: asyncio.TimerHandle | None = None
@@ -144,6 +161,7 @@ class AMQPConnection(asyncio.Protocol):
         self._missed = 0
         self._close_requested = False  # client sent connection.close; channels still finishing
         self._open_pending: list | None = None  # events that arrived while connection.open awaits the node
+        self._generation = 0  # channel openings so far: the generation part of Channel.key
 
     # ------------------------------------------------------------- transport
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -154,6 +172,7 @@ class AMQPConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._received = True
+        self.recv_oct += len(data)
         if self.state == CLOSED_STATE:
             return
         if self.parser.dead:
@@ -209,6 +228,27 @@ class AMQPConnection(asyncio.Protocol):
         self.publisher = True
         if self.worker.pressure:
             self.pause_reading("pressure")
+        if self.worker.alarms:
+            self.apply_alarms()
+
+    def apply_alarms(self) -> None:
+        """Block a publishing connection while a resource alarm is in effect (RabbitMQ's connection.blocked):
+        stop reading it, tell the client if it announced the capability; unblock once they clear."""
+        alarms = self.worker.alarms
+        if self.state in (CLOSING, CLOSED_STATE):
+            return
+        if alarms and self.publisher:
+            if "alarm" not in self._read_pause:
+                self.pause_reading("alarm")
+                caps = self.client_properties.get("capabilities") or {}
+                if isinstance(caps, dict) and caps.get("connection.blocked") and self.state == RUNNING:
+                    self._sent_blocked = True
+                    self.send_method(0, C.Connection.Blocked(", ".join(REASONS.get(a, a) for a in alarms)))
+        elif not alarms and "alarm" in self._read_pause:
+            self.resume_reading("alarm")
+            if self._sent_blocked:
+                self._sent_blocked = False
+                self.send_method(0, C.Connection.Unblocked())
 
     def pause_reading(self, reason: str) -> None:
         if not self._read_pause and self.transport is not None and not self.transport.is_closing():
@@ -270,8 +310,10 @@ class AMQPConnection(asyncio.Protocol):
             if transport is not None and not transport.is_closing():
                 if len(out) == 1:
                     transport.write(out[0])
+                    self.send_oct += len(out[0])
                 else:
                     transport.writelines(out)
+                    self.send_oct += sum(map(len, out))
                 self._wrote = True
         if self._credit and not self._write_paused and self.state != CLOSED_STATE:
             put = self.worker.shard_put
@@ -282,6 +324,22 @@ class AMQPConnection(asyncio.Protocol):
         self._dirty = False
         if self._close_after_flush and transport is not None:
             transport.close()
+        elif self._linger_after_flush and transport is not None:
+            self._linger_after_flush = False
+            self._linger(transport)
+
+    def _linger(self, transport: asyncio.Transport) -> None:
+        """close-ok is on its way: send FIN, keep reading (and discarding) until the client closes."""
+        if transport.is_closing():
+            return
+        if self._read_pause:
+            self._read_pause.clear()
+            transport.resume_reading()
+        if transport.can_write_eof():
+            transport.write_eof()
+        if self._close_timer is not None:
+            self._close_timer.cancel()
+        self._close_timer = self.worker.loop.call_later(LINGER_TIMEOUT, transport.close)
 
     @staticmethod
     def reply_text(code: int, text: str) -> str:
@@ -354,14 +412,14 @@ class AMQPConnection(asyncio.Protocol):
                                   f"type 1, channel {getattr(ev, 'channel', 0)} before the connection was opened")
 
     def _open_channel(self, number: int) -> None:
-        if number > self.channel_max or len(self.channels) >= self.channel_max:
+        # RabbitMQ limits how many channels are open, not their numbers (aiormq opens 65535 on
+        # purpose): rabbit_reader's 530 names the count, with class and method 0.
+        if len(self.channels) >= self.channel_max:
             raise AMQPConnectionError(
-                NOT_ALLOWED,
-                f"number of channels opened ({len(self.channels)}) has reached the negotiated "
-                f"channel_max ({self.channel_max})" if number <= self.channel_max else
-                f"channel number {number} is higher than the negotiated channel_max ({self.channel_max})",
-                20, 10)
-        ch = Channel(self, number)
+                NOT_ALLOWED, f"number of channels opened ({len(self.channels)}) has reached the negotiated "
+                f"channel_max ({self.channel_max})")
+        self._generation += 1
+        ch = Channel(self, number, self._generation)
         self.channels[number] = ch
         self.send_method(number, C.Channel.OpenOk())
 
@@ -379,7 +437,7 @@ class AMQPConnection(asyncio.Protocol):
                 self._close_transport()
             elif isinstance(method, C.Connection.Close):
                 self.send_method(0, C.Connection.CloseOk())
-                self._close_after_flush = True
+                self._linger_after_flush = True
             return
         if isinstance(method, C.Connection.Close):
             if state == RUNNING and self._channels_busy():
@@ -416,25 +474,39 @@ class AMQPConnection(asyncio.Protocol):
             self._close_timer = None
         self._release()
         self.send_method(0, C.Connection.CloseOk())
-        self._close_after_flush = True
+        self._linger_after_flush = True
         self.state = CLOSED_STATE
 
     def _start(self) -> None:
         self.state = AWAIT_START_OK
         self.send_method(0, C.Connection.Start(
-            0, 9, server_properties(self.worker.index), "PLAIN AMQPLAIN", "en_US"))
+            0, 9, server_properties(self.worker.index),
+            "PLAIN AMQPLAIN EXTERNAL" if self._cert_user() else "PLAIN AMQPLAIN", "en_US"))
+
+    def _cert_user(self) -> str | None:
+        return peer_common_name(self.transport, self.worker.settings)
 
     def _start_ok(self, method: C.Connection.StartOk) -> None:
         response = method.response
         if isinstance(response, str):
             response = response.encode("utf-8", "surrogateescape")
         loopback_users = self.worker.settings.get("loopback_users")
+        if method.mechanism == "EXTERNAL" and self._cert_user():
+            # The verified client certificate is the credential; its CN must be a user of the broker.
+            if self._cert_user() not in self.worker.defs.users:
+                raise AMQPConnectionError(ACCESS_REFUSED, f"user '{self._cert_user()}' (certificate CN) unknown",
+                                          10, 11)
+            self.user = self._cert_user()
+            self.state = AWAIT_TUNE_OK
+            self.send_method(0, C.Connection.Tune(self.channel_max, self.frame_max, self.heartbeat))
+            return
         try:
             self.user = authenticate(self.worker.defs, method.mechanism, response or b"",
                                      _is_loopback(self.peer),
                                      tuple(loopback_users) if loopback_users is not None else None)
         except AMQPError as exc:
             raise AMQPConnectionError(ACCESS_REFUSED, exc.text, 10, 11) from None
+        self.client_properties = plain(method.client_properties or {})
         caps = (method.client_properties or {}).get("capabilities")
         self.cancel_notify = isinstance(caps, dict) and bool(caps.get("consumer_cancel_notify"))
         self.state = AWAIT_TUNE_OK
@@ -471,6 +543,7 @@ class AMQPConnection(asyncio.Protocol):
         except AMQPError as exc:
             raise AMQPConnectionError(exc.code, exc.text, 10, 40) from None
         self.vhost = vhost
+        self.access = Access(self.user, vhost)
         # Every connection is counted by the node across frontends, so a max-connections limit set
         # later counts the connections that are already open (had_exclusive makes _release tell the
         # node when we go).
@@ -515,7 +588,9 @@ class AMQPConnection(asyncio.Protocol):
         if self.state != RUNNING or self.transport is None:
             self._timer = None
             return
-        if self._received:
+        if self._received or self._read_pause:
+            # While we do not read the socket (blocked by an alarm, back-pressure) its heartbeats
+            # cannot be seen: not a dead peer (RabbitMQ pauses its heartbeat monitor likewise).
             self._received = False
             self._missed = 0
         else:
@@ -559,24 +634,27 @@ class AMQPConnection(asyncio.Protocol):
         except Exception as exc:
             self.internal_error(exc)
 
+    # Shards name a channel by its key (Channel.key: number + 65536 * generation); an item for an
+    # earlier opening of the same number finds a channel with another key and is dropped.
     def on_deliver(self, shard: int, item: list) -> None:
-        ch = self.channels.get(item[2])
-        if ch is not None:
+        key = item[2]
+        ch = self.channels.get(key & 0xFFFF)
+        if ch is not None and ch.key == key:
             ch.deliver(shard, item)
 
     def on_confirm(self, channel: int, seqs: list, ok: bool) -> None:
-        ch = self.channels.get(channel)
-        if ch is not None:
+        ch = self.channels.get(channel & 0xFFFF)
+        if ch is not None and ch.key == channel:
             ch.on_confirm(seqs, ok)
 
     def on_cancel_notify(self, channel: int, tag: str) -> None:
-        ch = self.channels.get(channel)
-        if ch is not None:
+        ch = self.channels.get(channel & 0xFFFF)
+        if ch is not None and ch.key == channel:
             ch.cancel_notify(tag)
 
     def on_close_channel(self, channel: int, code: int, text: str) -> None:
-        ch = self.channels.get(channel)
-        if ch is None or self.state != RUNNING:
+        ch = self.channels.get(channel & 0xFFFF)
+        if ch is None or ch.key != channel or self.state != RUNNING:
             return
         if code in CONNECTION_LEVEL_CODES:
             self.fail(code, text)

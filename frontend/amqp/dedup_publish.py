@@ -25,7 +25,7 @@ _DEDUP_PUBLISH = contract.DEDUP_PUBLISH
 
 def publish_dedup(channel: Channel, ex: Any, exchange: str, routing_key: str, props_raw: bytes, body: bytes,
                   queues: list[str] | tuple[str, ...]) -> None:
-    """Hand a routed publish (at least one queue) to the exchange's owner shard."""
+    """Hand a publish to the exchange's owner shard (queues may be empty: it remembers the key)."""
     conn = channel.conn
     worker = conn.worker
     defs = worker.defs
@@ -40,7 +40,7 @@ def publish_dedup(channel: Channel, ex: Any, exchange: str, routing_key: str, pr
         conn_id = number = seq = None
     else:
         seq = confirm.publish(1)  # one answer: the owner's, after every shard it forwarded to
-        conn_id, number = conn.conn_id, channel.number
+        conn_id, number = conn.conn_id, channel.key
         conn.confirm_shards.add(owner)
     worker.shard_put(owner, [_DEDUP_PUBLISH, vhost, exchange, routing_key, props_raw, body,
                              delivery_mode(props_raw) == 2, conn_id, number, seq, key, ttl,

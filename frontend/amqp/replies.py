@@ -9,13 +9,24 @@ from typing import Any
 from broker.amqp.constants import CONNECTION_LEVEL_CODES, INTERNAL_ERROR, REPLY_TEXT
 from broker.amqp.errors import AMQPChannelError, AMQPConnectionError, AMQPError
 
+# reply-text is a shortstr (at most 255 bytes); RabbitMQ cuts a longer one to 252 bytes + "...".
+MAX_REPLY_TEXT = 255
+
 
 def reply_text(code: int, text: str) -> str:
-    """"NOT_FOUND - no queue 'q' in vhost '/'"; texts that already carry the prefix are kept."""
+    """"NOT_FOUND - no queue 'q' in vhost '/'"; texts that already carry the prefix are kept.
+
+    Longer than 255 bytes (a long queue name makes that common), it is cut as RabbitMQ's
+    amqp_exception_explanation cuts it, so the channel error stays a channel error instead of an
+    unencodable frame; the cut never splits a UTF-8 character (RabbitMQ's can).
+    """
     prefix = REPLY_TEXT.get(code, "ERROR")
-    if text.startswith(prefix) and text[len(prefix):len(prefix) + 3] == " - ":
+    if not (text.startswith(prefix) and text[len(prefix):len(prefix) + 3] == " - "):
+        text = f"{prefix} - {text}"
+    raw = text.encode("utf-8", "surrogateescape")
+    if len(raw) <= MAX_REPLY_TEXT:
         return text
-    return f"{prefix} - {text}"
+    return raw[:MAX_REPLY_TEXT - 3].decode("utf-8", "ignore") + "..."
 
 
 def error_from_reply(result: Any, class_id: int, method_id: int) -> AMQPError:

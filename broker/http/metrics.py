@@ -1,0 +1,226 @@
+"""Prometheus metrics on ``--prometheus-port`` (15692, RabbitMQ's): ``/metrics`` and ``/metrics/per-object``.
+
+Multiprocess choice: the node renders everything from what it already has (its definitions and the
+workers' periodic STATS, see broker/node_stats.py) with a prometheus-client Collector. We do not use
+prometheus-client's multiprocess mode: it has every process write its own mmap'd files (a write per
+metric update in the shards' and frontends' hot paths, files left behind by killed workers), while the
+workers already send the node batched counts once per stats_interval.
+
+Names follow RabbitMQ's Prometheus plugin where one exists, so existing Grafana dashboards work:
+``/metrics`` carries the aggregated series (cheap at 100,000 queues: a sum, no label per queue);
+``/metrics/per-object`` adds one series per queue, as RabbitMQ's endpoint of that name does.
+ShardMQ's own series are named ``shardmq_*``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.core import (
+    CollectorRegistry,
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+from broker.node_stats import (
+    C_CHANNELS,
+    C_RECV,
+    C_SEND,
+    Q_ACKED,
+    Q_BYTES,
+    Q_CONSUMERS,
+    Q_DELIVERED,
+    Q_NAME,
+    Q_PUBLISHED,
+    Q_READY,
+    Q_UNACKED,
+    Q_VHOST,
+)
+
+log = logging.getLogger("shardmq.metrics")
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/statm") as fh:
+            return int(fh.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def node_processes(node: Any) -> list[tuple[str, int]]:
+    """(label, pid) of the node and its live workers."""
+    procs = [("node", os.getpid())]
+    for w in node.sup.workers:
+        if w.proc is not None and w.proc.returncode is None:
+            procs.append((w.name, w.proc.pid))
+    return procs
+
+
+class NodeCollector:
+    def __init__(self, node: Any, per_object: bool) -> None:
+        self.node = node
+        self.per_object = per_object
+
+    def collect(self) -> Iterator[Metric]:
+        node = self.node
+        defs = node.defs
+        stats = node.stats
+        queues = stats.queues()
+        conns = stats.connections()
+
+        def gauge(name: str, doc: str, value: float, labels: dict | None = None) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=list(labels or {}))
+            g.add_metric(list((labels or {}).values()), value)
+            return g
+
+        yield gauge("rabbitmq_identity_info", "RabbitMQ node & cluster identity info", 1,
+                    {"rabbitmq_node": "shardmq", "rabbitmq_cluster": "shardmq"})
+        yield gauge("rabbitmq_connections", "Connections currently open", len(conns))
+        yield gauge("rabbitmq_channels", "Channels currently open", sum(len(r[C_CHANNELS]) for _, r in conns))
+        yield gauge("rabbitmq_consumers", "Consumers currently connected", sum(r[Q_CONSUMERS] for r in queues.values()))
+        yield gauge("rabbitmq_queues", "Queues available", sum(len(v.queues) for v in defs.vhosts.values()))
+        if not self.per_object:  # per-object: the same names carry one series per queue instead
+            yield gauge("rabbitmq_queue_messages_ready", "Messages ready to be delivered to consumers",
+                        sum(r[Q_READY] for r in queues.values()))
+            yield gauge("rabbitmq_queue_messages_unacked", "Messages delivered to consumers but not yet acknowledged",
+                        sum(r[Q_UNACKED] for r in queues.values()))
+            yield gauge("rabbitmq_queue_messages", "Sum of ready and unacknowledged messages",
+                        sum(r[Q_READY] + r[Q_UNACKED] for r in queues.values()))
+        yield gauge("rabbitmq_queue_messages_ready_bytes", "Size in bytes of ready messages",
+                    sum(r[Q_BYTES] for r in queues.values()))
+        # Totals since each shard started (a shard restart resets its part, as a counter reset).
+        # "routed" counts a message once per queue it reached.
+        for name, doc, i in (("rabbitmq_global_messages_routed", "Messages stored into queues", Q_PUBLISHED),
+                             ("rabbitmq_global_messages_delivered", "Messages delivered to consumers (and got)",
+                              Q_DELIVERED),
+                             ("rabbitmq_global_messages_acknowledged", "Messages acknowledged by consumers", Q_ACKED)):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], sum(r[i] for r in queues.values() if len(r) > i))
+            yield c
+        yield gauge("rabbitmq_connection_incoming_bytes_total", "Total number of bytes received on connections",
+                    sum(r[C_RECV] for _, r in conns))
+        yield gauge("rabbitmq_connection_outgoing_bytes_total", "Total number of bytes sent on connections",
+                    sum(r[C_SEND] for _, r in conns))
+        alarms = set(node.alarms)
+        yield gauge("rabbitmq_alarms_memory_used_watermark",
+                    "is 1 if VM memory watermark alarm is in effect", int("memory" in alarms))
+        yield gauge("rabbitmq_alarms_free_disk_space_watermark",
+                    "is 1 if free disk space watermark alarm is in effect", int("disk" in alarms))
+        procs = node_processes(node)
+        yield gauge("rabbitmq_process_resident_memory_bytes", "Memory used in bytes (all processes of the node)",
+                    sum(rss_bytes(pid) for _, pid in procs))
+        rss = GaugeMetricFamily("shardmq_process_resident_memory_bytes", "Resident memory per process",
+                                labels=["process"])
+        for label, pid in procs:
+            rss.add_metric([label], rss_bytes(pid))
+        yield rss
+        per_shard = GaugeMetricFamily("shardmq_shard_queues", "Queues owned by each shard", labels=["shard"])
+        for index, payload in sorted(stats.shards.items()):
+            per_shard.add_metric([str(index)], len(payload.get("queues", ())))
+        yield per_shard
+        seg = GaugeMetricFamily("shardmq_shard_segment_bytes", "Bytes written into the segments of each shard's queues",
+                                labels=["shard"])
+        fsync = HistogramMetricFamily("shardmq_shard_fsync_seconds", "Duration of each group sync (fsync batch)",
+                                      labels=["shard"])
+        for index, payload in sorted(stats.shards.items()):
+            seg.add_metric([str(index)], payload.get("segment_bytes", 0))
+            h = payload.get("fsync")
+            if h:
+                cumulative, buckets = 0, []
+                for le, n in zip([*h["buckets"], float("inf")], h["counts"], strict=True):
+                    cumulative += n
+                    buckets.append(("+Inf" if le == float("inf") else repr(float(le)), cumulative))
+                fsync.add_metric([str(index)], buckets, h["sum"])
+        yield seg
+        yield fsync
+        per_fe = GaugeMetricFamily("shardmq_frontend_connections", "Client connections per frontend",
+                                   labels=["frontend"])
+        fe_in = GaugeMetricFamily("shardmq_frontend_incoming_bytes", "Bytes received per frontend (open connections)",
+                                  labels=["frontend"])
+        fe_out = GaugeMetricFamily("shardmq_frontend_outgoing_bytes", "Bytes sent per frontend (open connections)",
+                                   labels=["frontend"])
+        for index, payload in sorted(stats.frontends.items()):
+            rows = payload.get("connections", ())
+            per_fe.add_metric([str(index)], len(rows))
+            fe_in.add_metric([str(index)], sum(r[C_RECV] for r in rows))
+            fe_out.add_metric([str(index)], sum(r[C_SEND] for r in rows))
+        yield per_fe
+        yield fe_in
+        yield fe_out
+        if self.per_object:
+            yield from self._per_queue(queues)
+
+    @staticmethod
+    def _per_queue(queues: dict) -> Iterator[Metric]:
+        labels = ["vhost", "queue"]
+        families = {
+            "ready": GaugeMetricFamily("rabbitmq_queue_messages_ready", "Messages ready to be delivered to consumers",
+                                       labels=labels),
+            "unacked": GaugeMetricFamily("rabbitmq_queue_messages_unacked",
+                                         "Messages delivered to consumers but not yet acknowledged", labels=labels),
+            "messages": GaugeMetricFamily("rabbitmq_queue_messages", "Sum of ready and unacknowledged messages",
+                                          labels=labels),
+            "consumers": GaugeMetricFamily("rabbitmq_queue_consumers", "Consumers on a queue", labels=labels),
+        }
+        published = CounterMetricFamily("rabbitmq_queue_messages_published", "Messages published into a queue",
+                                        labels=labels)
+        acked = CounterMetricFamily("rabbitmq_queue_messages_acked", "Messages acknowledged on a queue", labels=labels)
+        for row in queues.values():
+            key = [row[Q_VHOST], row[Q_NAME]]
+            families["ready"].add_metric(key, row[Q_READY])
+            families["unacked"].add_metric(key, row[Q_UNACKED])
+            families["messages"].add_metric(key, row[Q_READY] + row[Q_UNACKED])
+            families["consumers"].add_metric(key, row[Q_CONSUMERS])
+            if len(row) > Q_ACKED:
+                published.add_metric(key, row[Q_PUBLISHED])
+                acked.add_metric(key, row[Q_ACKED])
+        yield from families.values()
+        yield published
+        yield acked
+
+
+def _render(node: Any, per_object: bool) -> bytes:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(NodeCollector(node, per_object))
+    return generate_latest(registry)
+
+
+class MetricsServer:
+    """The Prometheus listener of one node; port 0 = off."""
+
+    def __init__(self, node: Any, bind: str, port: int) -> None:
+        self.node = node
+        self.bind = bind
+        self.port = port
+        self._runner: web.AppRunner | None = None
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        per_object = request.path.rstrip("/").endswith("per-object")
+        body = _render(self.node, per_object)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def start(self) -> None:
+        if not self.port:
+            return
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/metrics/per-object", self._metrics)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, self.bind, self.port, reuse_address=True).start()
+        log.info("Prometheus metrics on %s:%d", self.bind, self.port)
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None

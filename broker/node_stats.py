@@ -1,0 +1,105 @@
+"""The node's view of its workers' periodic STATS (broker/contract.py): queue counts, connections.
+
+Each worker's latest report replaces its previous one, so what the API shows is at most one
+stats_interval old. Lookups are built lazily, once per new report, so listing 100,000 queues
+does not rebuild anything per request.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+# Positions in a shard's queue rows and a frontend's connection rows (contract.STATS).
+Q_VHOST, Q_NAME, Q_READY, Q_UNACKED, Q_CONSUMERS, Q_BYTES, Q_PUBLISHED, Q_DELIVERED, Q_ACKED = range(9)
+COUNTERS = ((Q_PUBLISHED, "publish"), (Q_DELIVERED, "deliver_get"), (Q_ACKED, "ack"))
+C_ID, C_HOST, C_PORT, C_USER, C_VHOST, C_PROPS, C_AT, C_RECV, C_SEND, C_BLOCKED, C_CHANNELS = range(11)
+
+
+class NodeStats:
+    def __init__(self) -> None:
+        self.shards: dict[int, dict] = {}
+        # The report before the latest one per shard, and when both arrived: rates are their difference.
+        self.previous: dict[int, tuple[float, dict]] = {}
+        self._prev_rows: dict[tuple[str, str], tuple[float, float, list]] | None = None
+        self.frontends: dict[int, dict] = {}
+        self.received_at: dict[tuple[str, int], float] = {}
+        self._queues: dict[tuple[str, str], list] | None = None
+
+    def update(self, role: str, index: int, payload: Any) -> None:
+        if not isinstance(payload, dict):
+            return
+        now = time.time()
+        if role == "shard":
+            if index in self.shards:
+                self.previous[index] = (self.received_at[(role, index)], self.shards[index])
+            self._queues = None
+            self._prev_rows = None
+        (self.shards if role == "shard" else self.frontends)[index] = payload
+        self.received_at[(role, index)] = now
+
+    def forget(self, role: str, index: int) -> None:
+        (self.shards if role == "shard" else self.frontends).pop(index, None)
+        if role == "shard":
+            self.previous.pop(index, None)
+            self._queues = None
+            self._prev_rows = None
+
+    def queues(self) -> dict[tuple[str, str], list]:
+        """(vhost, name) -> [vhost, name, ready, unacked, consumers, ready_bytes]."""
+        if self._queues is None:
+            self._queues = {(row[Q_VHOST], row[Q_NAME]): row
+                            for payload in self.shards.values() for row in payload.get("queues", ())}
+        return self._queues
+
+    def _previous_rows(self) -> dict[tuple[str, str], tuple[float, float, list]]:
+        """(vhost, name) -> (previous report time, latest report time, previous row)."""
+        if self._prev_rows is None:
+            rows = {}
+            for index, (at, payload) in self.previous.items():
+                latest = self.received_at.get(("shard", index), at)
+                for row in payload.get("queues", ()):
+                    rows[(row[Q_VHOST], row[Q_NAME])] = (at, latest, row)
+            self._prev_rows = rows
+        return self._prev_rows
+
+    def message_stats(self, row: list | None) -> dict:
+        """RabbitMQ's message_stats of one queue: totals and a rate per second over the last interval."""
+        if row is None or len(row) <= Q_ACKED:
+            return {}
+        prev = self._previous_rows().get((row[Q_VHOST], row[Q_NAME]))
+        out: dict = {}
+        for i, key in COUNTERS:
+            rate = 0.0
+            if prev is not None and prev[1] > prev[0] and len(prev[2]) > i:
+                rate = max(0.0, (row[i] - prev[2][i]) / (prev[1] - prev[0]))  # < 0: the shard restarted
+            out[key] = row[i]
+            out[key + "_details"] = {"rate": round(rate, 1)}
+        return out
+
+    def totals(self, keys: set[tuple[str, str]] | None = None) -> dict:
+        """message_stats summed over every queue (or the given ones)."""
+        sums = {key: 0 for _, key in COUNTERS}
+        rates = {key: 0.0 for _, key in COUNTERS}
+        for k, row in self.queues().items():
+            if keys is not None and k not in keys:
+                continue
+            stats = self.message_stats(row)
+            for _, key in COUNTERS:
+                if key in stats:
+                    sums[key] += stats[key]
+                    rates[key] += stats[key + "_details"]["rate"]
+        out: dict = {}
+        for _, key in COUNTERS:
+            out[key] = sums[key]
+            out[key + "_details"] = {"rate": round(rates[key], 1)}
+        return out
+
+    def connections(self) -> list[tuple[int, list]]:
+        """(frontend index, connection row) for every open connection."""
+        return [(fe, row) for fe, payload in sorted(self.frontends.items())
+                for row in payload.get("connections", ())]
+
+    def consumers(self) -> list[tuple[int, list]]:
+        return [(fe, row) for fe, payload in sorted(self.frontends.items())
+                for row in payload.get("consumers", ())]

@@ -1,0 +1,884 @@
+"""One MQTT 3.1.1 client connection: CONNECT, sessions, QoS 0/1/2 both ways, subscriptions, retained, will.
+
+An asyncio.Protocol around the sans-IO ``MQTTParser``; a ``frontend.session.Session``
+for the worker. Packets are handled strictly in order: a packet that needs the node
+(declare, bind) or a shard (session state, retained messages) blocks the ones behind
+it until the reply, so a PUBLISH after a SUBACK routes through the new binding. The
+plain PUBLISH path does not wait for anything.
+
+The session's messages wait in one queue bound to ``amq.topic`` with a binding per
+subscription, so overlapping subscriptions yield one copy; the QoS it is delivered
+with is min(publish QoS, highest granted QoS of the matching subscriptions). A clean
+session uses an exclusive transient queue; a persistent one (clean session 0) the
+durable queue ``mqtt-subscription-<client id>qos1`` plus a record in the session
+store on a shard (granted QoS per filter, QoS 2 packet ids in flight both ways), so
+they survive a reconnect and a node restart. See docs/mqtt.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import secrets
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from broker import contract
+from broker.auth import check_password, user_can_access_vhost
+from broker.mqtt import codec as M
+from broker.mqtt.topics import (
+    filter_to_key,
+    key_to_topic,
+    matches,
+    topic_to_key,
+    valid_topic_filter,
+    valid_topic_name,
+)
+from frontend.mqtt.messages import (
+    EXCHANGE,
+    PROPS,
+    RETAINED,
+    SESSIONS,
+    qos_of,
+    retained_shard,
+    session_queue,
+    session_shard,
+    transient_queue,
+)
+from frontend.publish import put_publish, queues_by_shard
+from frontend.session import CONNECTION_FORCED
+from frontend.tls import peer_common_name
+
+if TYPE_CHECKING:
+    from frontend.worker import FrontendWorker
+
+log = logging.getLogger("shardmq.mqtt")
+
+LANE = 1  # the contract's channel number for everything of an MQTT connection
+# The session queue's consumer: without acks while every subscription is QoS 0 (the shard settles
+# at delivery, no ack round trip bounds the rate), with acks and the in-flight limit as prefetch once
+# one is QoS 1/2. Two tags, so a delivery says which consumer it came from across a switch.
+TAG_NO_ACK = "mqtt-qos0"
+TAG_ACK = "mqtt-qos1"
+CONNECT_TIMEOUT = 10.0
+BACKLOG_PAUSE = 10_000
+
+CONNECTING = 0
+RUNNING = 1
+CLOSED = 2
+
+_ACK = contract.ACK
+_CREDIT = contract.CREDIT
+_KV_PUT = contract.KV_PUT
+_KV_GET = contract.KV_GET
+
+
+def _is_loopback(peer: Any) -> bool:
+    try:
+        host = peer[0] if isinstance(peer, tuple) else None
+        if host is None:
+            return True
+        addr = ipaddress.ip_address(host.split("%", 1)[0])
+        if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+            addr = addr.ipv4_mapped
+        return addr.is_loopback
+    except (ValueError, TypeError, IndexError):
+        return False
+
+
+class MQTTConnection(asyncio.Protocol):
+    def __init__(self, worker: FrontendWorker) -> None:
+        self.worker = worker
+        self.conn_id = worker.new_conn_id()
+        settings = worker.settings
+        self.max_inflight = int(settings.get("mqtt_max_inflight", 1000))
+        self.parser = M.MQTTParser(int(settings.get("mqtt_max_packet_size", 134217728)))
+        self.transport: asyncio.Transport | None = None
+        self.peer: Any = None
+        self.state = CONNECTING
+        self.vhost = "/"
+        self.user = ""
+        self.client_id = ""
+        self.clean = True
+        self.publisher = False
+        self.will: M.Publish | None = None
+        self.keep_alive = 0
+        self.subs: dict[str, int] = {}  # filter -> granted QoS
+        self.queue: str | None = None
+        self.queue_shard: int | None = None
+        self.consuming = False
+        self.shards: set[int] = set()  # shards that may hold state of this connection
+        self.registered = False  # counted by the node (connection.open)
+        # inbound QoS 1/2 publishes waiting for shard confirms / store writes: seq -> [remaining, qos, pid]
+        self._pending: dict[int, list] = {}
+        self._next_seq = 1
+        self.in2: set[int] = set()  # QoS 2 packet ids received, PUBREL not yet
+        # outbound: pid -> (shard|None, qid, mid, qos) sent, not acknowledged; out2: PUBREC seen, PUBCOMP not yet
+        self.inflight: dict[int, tuple] = {}
+        self.out2: set[int] = set()
+        self._next_pid = 0
+        self._sub_cache: dict[str, int] = {}
+        self._key_cache: dict[str, str] = {}  # topic -> routing key of this connection's publishes
+        self._topic_cache: dict[str, tuple[str, bytes]] = {}
+        self._out: list[bytes] = []
+        self._dirty = False
+        self._acks: dict[int, list] = {}
+        self._credit: dict[tuple[int, str], int] = {}
+        self.consumer_tag: str | None = None
+        self._backlog: deque = deque()
+        self._busy = False
+        self._read_pause: set[str] = set()
+        self._write_paused = False
+        self._received = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._graceful = False  # DISCONNECT received: no will
+        self._released = False
+        self._close_after_flush = False
+
+    # ------------------------------------------------------------- transport
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.peer = transport.get_extra_info("peername")
+        self.worker.add_connection(self)
+        self._timer = self.worker.loop.call_later(CONNECT_TIMEOUT, self._connect_timeout)
+
+    def data_received(self, data: bytes) -> None:
+        if self.state == CLOSED or self._close_after_flush:
+            return  # closing: nothing the client sends counts any more
+        self._received = True
+        try:
+            packets = self.parser.feed(data)
+        except M.MQTTProtocolError as exc:
+            self._protocol_error(str(exc))
+            return
+        except Exception as exc:  # the parser raises only MQTTProtocolError; still never a crash
+            self.internal_error(exc)
+            return
+        try:
+            for packet in packets:
+                if self._busy or self._backlog:
+                    self._backlog.append(packet)
+                    if len(self._backlog) > BACKLOG_PAUSE:
+                        self.pause_reading("backlog")
+                    continue
+                self._handle(packet)
+                if self.state == CLOSED:
+                    return
+        except M.MQTTProtocolError as exc:
+            self._protocol_error(str(exc))
+        except Exception as exc:
+            self.internal_error(exc)
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        was = self.state
+        self.state = CLOSED
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if was == RUNNING and not self._graceful and self.will is not None:
+            try:
+                self._publish_will()
+            except Exception:
+                log.exception("mqtt connection %s: publishing the will failed", self.conn_id)
+        self._release()
+        self._out = []
+        self.worker.remove_connection(self)
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        if self._credit:
+            self._mark_dirty()
+
+    def pause_reading(self, reason: str) -> None:
+        if not self._read_pause and self.transport is not None and not self.transport.is_closing():
+            self.transport.pause_reading()
+        self._read_pause.add(reason)
+
+    def resume_reading(self, reason: str) -> None:
+        if reason in self._read_pause:
+            self._read_pause.discard(reason)
+            if not self._read_pause and self.transport is not None and not self.transport.is_closing():
+                self.transport.resume_reading()
+
+    # ---------------------------------------------------------------- output
+    def _mark_dirty(self) -> None:
+        if not self._dirty:
+            self._dirty = True
+            self.worker.mark_dirty(self)
+
+    def write(self, data: bytes) -> None:
+        self._out.append(data)
+        if not self._dirty:
+            self._dirty = True
+            self.worker.mark_dirty(self)
+
+    def flush_turn(self) -> None:
+        self._dirty = False
+        out = self._out
+        transport = self.transport
+        if out:
+            self._out = []
+            if transport is not None and not transport.is_closing():
+                transport.writelines(out)
+        put = self.worker.shard_put
+        if self._acks:
+            for shard, flat in self._acks.items():
+                put(shard, [_ACK, self.conn_id, LANE, flat])
+            self._acks = {}
+        if self._credit and not self._write_paused and self.state != CLOSED:
+            for (shard, tag), n in self._credit.items():
+                put(shard, [_CREDIT, self.conn_id, LANE, tag, n])
+            self._credit = {}
+        if self._close_after_flush and transport is not None:
+            transport.close()
+
+    def close(self) -> None:
+        """Close the network connection after what is queued is written (a will follows unless DISCONNECT)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._close_after_flush = True
+        self._mark_dirty()
+
+    # ------------------------------------------------------------- ordering
+    def _block(self) -> None:
+        self._busy = True
+
+    def _unblock(self) -> None:
+        self._busy = False
+        backlog = self._backlog
+        try:
+            while backlog and not self._busy and self.state != CLOSED:
+                self._handle(backlog.popleft())
+        except M.MQTTProtocolError as exc:
+            self._protocol_error(str(exc))
+        except Exception as exc:
+            self.internal_error(exc)
+        if "backlog" in self._read_pause and len(backlog) < BACKLOG_PAUSE // 2:
+            self.resume_reading("backlog")
+
+    def _guard(self, fn: Callable[..., None]) -> Callable[..., None]:
+        """A reply callback that runs only while the connection is alive and never raises."""
+        def run(*args: Any) -> None:
+            if self.state == CLOSED or self.transport is None or self._close_after_flush:
+                return
+            try:
+                fn(*args)
+            except M.MQTTProtocolError as exc:
+                self._protocol_error(str(exc))
+            except Exception as exc:
+                self.internal_error(exc)
+        return run
+
+    def _node(self, op: str, args: dict, on_done: Callable[[bool, Any], None]) -> None:
+        args = {**args, "vhost": self.vhost, "owner": [self.worker.index, self.conn_id]}
+        self.worker.node_request(op, args, self._guard(on_done))
+
+    def _shard_request(self, shard: int, build: Callable[[int], list], on_done: Callable[[bool, Any], None]) -> None:
+        self.shards.add(shard)
+        self.worker.shard_request(shard, build, self, self._guard(on_done))
+
+    # --------------------------------------------------------------- dispatch
+    def _handle(self, p: Any) -> None:
+        cls = p.__class__
+        if cls is M.Publish:
+            if self.state != RUNNING:
+                raise M.MQTTProtocolError("PUBLISH before CONNECT")
+            self._on_publish(p)
+        elif cls is M.Ack:
+            if self.state != RUNNING:
+                raise M.MQTTProtocolError("packet before CONNECT")
+            t = p.type
+            if t == M.PUBACK:
+                self._on_puback(p.packet_id)
+            elif t == M.PUBREC:
+                self._on_pubrec(p.packet_id)
+            elif t == M.PUBREL:
+                self._on_pubrel(p.packet_id)
+            elif t == M.PUBCOMP:
+                self._on_pubcomp(p.packet_id)
+            else:
+                raise M.MQTTProtocolError("UNSUBACK sent to a server")
+        elif cls is M.Connect:
+            if self.state != CONNECTING or self._busy:
+                raise M.MQTTProtocolError("second CONNECT")  # [MQTT-3.1.0-2]
+            self._on_connect(p)
+        elif self.state != RUNNING:
+            raise M.MQTTProtocolError("the first packet must be CONNECT")  # [MQTT-3.1.0-1]
+        elif cls is M.Subscribe:
+            self._on_subscribe(p)
+        elif cls is M.Unsubscribe:
+            self._on_unsubscribe(p)
+        elif cls is M.Simple:
+            if p.type == M.PINGREQ:
+                self.write(M.PINGRESP_BYTES)
+            elif p.type == M.DISCONNECT:
+                self._graceful = True  # the will is discarded [MQTT-3.14.4-3]
+                self.will = None
+                self.close()
+                self.state = CLOSED
+                self._release()
+        else:
+            raise M.MQTTProtocolError(f"unexpected packet {cls.__name__}")
+
+    # ---------------------------------------------------------------- CONNECT
+    def _on_connect(self, p: M.Connect) -> None:
+        if p.protocol_name not in ("MQTT", "MQIsdp"):
+            raise M.MQTTProtocolError(f"protocol name {p.protocol_name!r}")  # [MQTT-3.1.2-1]: no CONNACK
+        if (p.protocol_name, p.protocol_level) not in (("MQTT", 4), ("MQIsdp", 3)):
+            self._refuse(M.REFUSED_PROTOCOL_VERSION)  # [MQTT-3.1.2-2]
+            return
+        client_id = p.client_id
+        if not client_id:
+            if not p.clean_session:
+                self._refuse(M.REFUSED_IDENTIFIER)  # [MQTT-3.1.3-8]
+                return
+            client_id = "shardmq-" + secrets.token_hex(8)  # [MQTT-3.1.3-6]
+        if p.will is not None and not valid_topic_name(p.will.topic):
+            raise M.MQTTProtocolError("invalid will topic")
+        defs = self.worker.defs
+        settings = self.worker.settings
+        cert_user = peer_common_name(self.transport, settings)
+        if cert_user is None and p.username is None and settings.get("mqtt_allow_anonymous"):
+            cert_user = settings.get("default_user") or "guest"  # configured anonymous login
+        if p.username is None and cert_user is None:
+            self._refuse(M.REFUSED_NOT_AUTHORIZED)  # no anonymous login unless configured
+            return
+        if p.username is None:
+            # A verified client certificate is the credential: its CN is the user, vhost "/" (or the
+            # configured anonymous user).
+            vhost, user = "/", cert_user
+            if defs.users.get(user) is None:
+                self._refuse(M.REFUSED_NOT_AUTHORIZED)
+                return
+        else:
+            vhost, _, user = p.username.rpartition(":")
+            vhost = vhost or "/"
+            u = defs.users.get(user)
+            if u is None or p.password is None or not check_password(u, p.password):
+                self._refuse(M.REFUSED_BAD_CREDENTIALS)
+                return
+        loopback_users = self.worker.settings.get("loopback_users")
+        restricted = defs.loopback_users if loopback_users is None else loopback_users
+        if user in restricted and not _is_loopback(self.peer):
+            self._refuse(M.REFUSED_NOT_AUTHORIZED)
+            return
+        if not user_can_access_vhost(defs, user, vhost) or defs.exchange(vhost, EXCHANGE) is None:
+            self._refuse(M.REFUSED_NOT_AUTHORIZED)
+            return
+        self.vhost, self.user, self.client_id = vhost, user, client_id
+        self.clean = bool(p.clean_session)
+        self.will = p.will
+        self.keep_alive = p.keep_alive
+        self._block()
+        self._node("connection.open", {"user": user}, self._counted)
+
+    def _refuse(self, code: int) -> None:
+        self.write(M.encode_connack(False, code))  # session present 0 with a refusal [MQTT-3.2.2-4]
+        self.close()
+        self.state = CLOSED
+
+    def _counted(self, ok: bool, result: Any) -> None:
+        if not ok:
+            self._refuse(M.REFUSED_SERVER_UNAVAILABLE)
+            return
+        self.registered = True
+        takeover(self.worker, self.vhost, self.client_id, [self.worker.index, self.conn_id])
+        defs = self.worker.defs
+        durable = session_queue(self.client_id)
+        exists = defs.queue(self.vhost, durable) is not None
+        shard = session_shard(self.vhost, self.client_id, self.worker.shard_count)
+        if self.clean:
+            if exists:  # clean session 1 discards a stored session [MQTT-3.1.2-6]
+                def deleted(_ok: bool, _result: Any) -> None:
+                    self._kv_put(shard, SESSIONS, self.client_id, None, lambda: self._accept(False))
+                self._node("queue.delete", {"queue": durable}, deleted)
+            else:
+                self._accept(False)
+            return
+
+        def loaded(ok: bool, result: Any) -> None:
+            # A record without its queue (deleted by an operator) is no session: start empty.
+            state = result["items"][0][1] if ok and result.get("items") and exists else {}
+            self.subs = {str(k): int(v) for k, v in (state.get("subs") or {}).items()}
+            self.in2 = set(state.get("in2") or ())
+            self.out2 = set(state.get("out2") or ())
+
+            def declared(ok: bool, result: Any) -> None:
+                if not ok:
+                    self._refuse(M.REFUSED_SERVER_UNAVAILABLE)
+                    return
+                self._set_queue(durable)
+                self._accept(exists, consume=bool(self.subs))
+
+            self._node("queue.declare", {"queue": durable, "durable": True, "exclusive": False,
+                                         "auto_delete": False, "arguments": {}}, declared)
+
+        self._shard_request(shard, lambda req: [_KV_GET, req, self.vhost, SESSIONS, self.client_id], loaded)
+
+    def _accept(self, session_present: bool, consume: bool = False) -> None:
+        self.state = RUNNING
+        self.write(M.encode_connack(session_present, M.ACCEPTED))
+        for pid in sorted(self.out2):  # resend PUBREL for what the client had received [MQTT-4.4.0-1]
+            self.write(M.encode_ack(M.PUBREL, pid))
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self.keep_alive:
+            self._timer = self.worker.loop.call_later(self.keep_alive * 1.5, self._keep_alive_tick)
+        log.debug("mqtt connection %s (%s): client '%s' user '%s' vhost '%s' clean=%s", self.conn_id, self.peer,
+                  self.client_id, self.user, self.vhost, self.clean)
+        if consume:  # after CONNACK, the first packet we send [MQTT-3.2.0-1]
+            self._consume(self._unblock)
+        else:
+            self._unblock()
+
+    def _set_queue(self, name: str) -> None:
+        self.queue = name
+        q = self.worker.defs.queue(self.vhost, name)
+        self.queue_shard = q.shard if q is not None else None
+
+    # ------------------------------------------------------------- timers
+    def _connect_timeout(self) -> None:
+        self._timer = None
+        if self.state == CONNECTING and self.transport is not None:
+            self.transport.abort()
+
+    def _keep_alive_tick(self) -> None:
+        """Nothing from the client for 1.5 x keep-alive: close, will published [MQTT-3.1.2-24]."""
+        self._timer = None
+        if self.state != RUNNING or self.transport is None:
+            return
+        if not self._received:
+            log.info("mqtt connection %s (%s): keep-alive timeout (%ds)", self.conn_id, self.peer, self.keep_alive)
+            self.transport.abort()
+            return
+        self._received = False
+        self._timer = self.worker.loop.call_later(self.keep_alive * 1.5, self._keep_alive_tick)
+
+    # ------------------------------------------------------------ publishing
+    def _on_publish(self, p: M.Publish) -> None:
+        if not valid_topic_name(p.topic):
+            raise M.MQTTProtocolError(f"invalid topic name {p.topic!r}")  # [MQTT-3.3.2-2]
+        if not self.publisher:
+            self.publisher = True
+            if self.worker.pressure:
+                self.pause_reading("pressure")
+        qos = p.qos
+        if qos == 2 and p.packet_id in self.in2:
+            self.write(M.encode_ack(M.PUBREC, p.packet_id))  # a resend: routed once already [MQTT-4.3.3-2]
+            return
+        if qos == 0:
+            self._route(p.topic, p.payload, 0, None)
+            if p.retain:
+                self._retain(p.topic, 0, p.payload, None)
+            return
+        seq = self._next_seq
+        self._next_seq = seq + 1
+        entry = self._pending[seq] = [1, qos, p.packet_id]  # 1: released below once everything is sent
+        if p.retain:
+            entry[0] += 1
+            self._retain(p.topic, qos, p.payload, lambda: self._settle(seq, True))
+        if qos == 2:
+            self.in2.add(p.packet_id)
+            if not self.clean:
+                entry[0] += 1
+                self._save_state(lambda: self._settle(seq, True))
+        entry[0] += self._route(p.topic, p.payload, qos, seq)
+        self._settle(seq, True)
+
+    def _route(self, topic: str, payload: bytes, qos: int, seq: int | None) -> int:
+        """Publish to amq.topic; the number of shards that will confirm (seq set)."""
+        worker = self.worker
+        defs = worker.defs
+        vhost = self.vhost
+        key = self._key_cache.get(topic)
+        if key is None:
+            if len(self._key_cache) > 10_000:
+                self._key_cache.clear()
+            key = self._key_cache[topic] = topic_to_key(topic)
+        props = PROPS[qos]
+        queues = defs.route(vhost, EXCHANGE, key, props)
+        if not queues:
+            return 0
+        groups = queues_by_shard(defs, vhost, queues)
+        if seq is None:
+            put_publish(worker, groups, vhost, EXCHANGE, key, props, payload, qos > 0)
+            return 0
+        put_publish(worker, groups, vhost, EXCHANGE, key, props, payload, True, self.conn_id, LANE, seq)
+        self.shards.update(groups)
+        return len(groups)
+
+    def _retain(self, topic: str, qos: int, payload: bytes, done: Callable[[], None] | None) -> None:
+        """Replace (or, with an empty payload, delete) the topic's retained message [MQTT-3.3.1-5..11]."""
+        shard = retained_shard(self.vhost, self.worker.shard_count)
+        self._kv_put(shard, RETAINED, topic, [qos, payload] if payload else None, done)
+
+    def _kv_put(self, shard: int, space: str, key: str, value: Any, done: Callable[[], None] | None) -> None:
+        vhost = self.vhost
+        if done is None:
+            self.worker.shard_put(shard, [_KV_PUT, None, vhost, space, key, value])
+            return
+
+        def answered(ok: bool, result: Any) -> None:
+            if not ok:
+                raise RuntimeError(f"store write failed: {result}")
+            done()
+
+        self._shard_request(shard, lambda req: [_KV_PUT, req, vhost, space, key, value], answered)
+
+    def _save_state(self, done: Callable[[], None] | None = None) -> None:
+        """Write the persistent session's state (subscriptions, QoS 2 packet ids) to its store."""
+        if self.clean:
+            if done is not None:
+                done()
+            return
+        shard = session_shard(self.vhost, self.client_id, self.worker.shard_count)
+        self._kv_put(shard, SESSIONS, self.client_id,
+                     {"subs": dict(self.subs), "in2": sorted(self.in2), "out2": sorted(self.out2)}, done)
+
+    def _settle(self, seq: int, ok: bool) -> None:
+        entry = self._pending.get(seq)
+        if entry is None:
+            return
+        if not ok:
+            # MQTT 3.1.1 has no negative acknowledgement: close, the client publishes again on reconnect.
+            log.warning("mqtt connection %s: a shard refused a publish; closing", self.conn_id)
+            self._pending.clear()
+            self.close()
+            return
+        entry[0] -= 1
+        if entry[0] > 0:
+            return
+        # Acknowledge in the order the publishes came [MQTT-4.6.0-2].
+        pending = self._pending
+        while pending:
+            first = next(iter(pending))
+            e = pending[first]
+            if e[0] > 0:
+                break
+            del pending[first]
+            self.write(M.encode_ack(M.PUBACK if e[1] == 1 else M.PUBREC, e[2]))
+
+    def on_confirm(self, channel: int, seqs: list, ok: bool) -> None:
+        for seq in seqs:
+            self._settle(seq, ok)
+
+    def _on_pubrel(self, pid: int) -> None:
+        if pid in self.in2:
+            self.in2.discard(pid)
+            if not self.clean:
+                self._save_state(self._guard(lambda: self.write(M.encode_ack(M.PUBCOMP, pid))))
+                return
+        self.write(M.encode_ack(M.PUBCOMP, pid))  # also for an id we no longer know [MQTT-4.3.3-2]
+
+    def _publish_will(self) -> None:
+        will = self.will
+        self.will = None
+        self._route(will.topic, will.payload, will.qos, None)
+        if will.retain:
+            self._retain(will.topic, will.qos, will.payload, None)
+
+    # -------------------------------------------------------- subscriptions
+    def _on_subscribe(self, p: M.Subscribe) -> None:
+        codes: list[int] = []
+        wanted: list[tuple[str, int]] = []
+        for topic_filter, qos in p.topics:
+            if not valid_topic_filter(topic_filter):
+                codes.append(M.SUBACK_FAILURE)
+                continue
+            codes.append(qos)
+            wanted.append((topic_filter, qos))
+        self._block()
+        pid = p.packet_id
+
+        def bound(results: dict[str, bool]) -> None:
+            for i, (topic_filter, _qos) in enumerate(p.topics):
+                if codes[i] != M.SUBACK_FAILURE and not results.get(topic_filter, False):
+                    codes[i] = M.SUBACK_FAILURE
+            granted = [(f, q) for f, q in wanted if results.get(f)]
+            for f, q in granted:
+                self.subs[f] = q
+            self._sub_cache.clear()
+
+            def finish() -> None:
+                self.write(M.encode_suback(pid, codes))
+                if granted:
+                    self._send_retained(granted)
+                self._save_state()
+                self._unblock()
+
+            if granted and (not self.consuming or (self.consumer_tag == TAG_NO_ACK and any(
+                    q for _f, q in granted))):
+                self._consume(finish)
+            else:
+                finish()
+
+        self._ensure_queue(lambda: self._bind_all(wanted, bound))
+
+    def _ensure_queue(self, then: Callable[[], None]) -> None:
+        if self.queue is not None:
+            then()
+            return
+        name = transient_queue(self.client_id, self.worker.index, self.conn_id)
+
+        def declared(ok: bool, result: Any) -> None:
+            if not ok:
+                raise RuntimeError(f"queue.declare failed: {result}")
+            self._set_queue(name)
+            then()
+
+        self._node("queue.declare", {"queue": name, "durable": False, "exclusive": True, "auto_delete": False,
+                                     "arguments": {}}, declared)
+
+    def _bind_all(self, filters: list[tuple[str, int]], done: Callable[[dict[str, bool]], None]) -> None:
+        results: dict[str, bool] = {}
+        todo = [f for f, _q in filters if f not in self.subs]
+        for f, _q in filters:
+            if f in self.subs:
+                results[f] = True  # already bound: only the QoS changes [MQTT-3.8.4-3]
+        if not todo:
+            done(results)
+            return
+        left = [len(todo)]
+        for f in todo:
+            def one(ok: bool, _result: Any, f: str = f) -> None:
+                results[f] = ok
+                left[0] -= 1
+                if not left[0]:
+                    done(results)
+            self._node("queue.bind", {"queue": self.queue, "exchange": EXCHANGE, "routing_key": filter_to_key(f),
+                                      "arguments": {}}, one)
+
+    def _consume(self, then: Callable[[], None]) -> None:
+        """Consume the session queue (again, with acks, when the first QoS 1/2 subscription comes)."""
+        q = self.worker.defs.queue(self.vhost, self.queue)
+        if q is None:
+            raise RuntimeError(f"session queue {self.queue} is gone")
+        put = self.worker.shard_put
+        if self.consuming and self.consumer_tag is not None:
+            put(q.shard, [contract.CANCEL, self.conn_id, LANE, self.consumer_tag])
+        self.consuming = True
+        self.queue_shard = q.shard
+        no_ack = not any(self.subs.values())
+        tag = self.consumer_tag = TAG_NO_ACK if no_ack else TAG_ACK
+        tail = [self.conn_id, LANE, self.vhost, self.queue, tag, no_ack, False, 0 if no_ack else self.max_inflight,
+                {}]
+
+        def consumed(ok: bool, result: Any) -> None:
+            if not ok:
+                raise RuntimeError(f"consume failed: {result}")
+            then()
+
+        self._shard_request(q.shard, lambda req: [contract.CONSUME, req, *tail], consumed)
+
+    def _on_unsubscribe(self, p: M.Unsubscribe) -> None:
+        known = [f for f in p.topics if f in self.subs]
+        pid = p.packet_id
+        if not known:
+            self.write(M.encode_ack(M.UNSUBACK, pid))  # [MQTT-3.10.4-5]
+            return
+        self._block()
+        left = [len(known)]
+        for f in known:
+            del self.subs[f]
+        self._sub_cache.clear()
+
+        def one(_ok: bool, _result: Any) -> None:
+            left[0] -= 1
+            if not left[0]:
+                self._save_state()
+                self.write(M.encode_ack(M.UNSUBACK, pid))
+                self._unblock()
+
+        for f in known:
+            self._node("queue.unbind", {"queue": self.queue, "exchange": EXCHANGE, "routing_key": filter_to_key(f),
+                                        "arguments": {}}, one)
+
+    def _send_retained(self, granted: list[tuple[str, int]]) -> None:
+        shard = retained_shard(self.vhost, self.worker.shard_count)
+        vhost = self.vhost
+
+        def got(ok: bool, result: Any) -> None:
+            if not ok:
+                return
+            for topic, (rqos, payload) in result.get("items", ()):
+                best = -1
+                for f, q in granted:
+                    if q > best and matches(f, topic):
+                        best = q
+                if best >= 0:
+                    self._send_publish(topic.encode(), payload, min(int(rqos), best), True, False, None)
+
+        self._shard_request(shard, lambda req: [_KV_GET, req, vhost, RETAINED, None], got)
+
+    # ------------------------------------------------------------- delivering
+    def _sub_qos(self, topic: str) -> int:
+        """Highest granted QoS of the subscriptions matching topic; -1 when none does."""
+        cached = self._sub_cache.get(topic)
+        if cached is not None:
+            return cached
+        best = -1
+        for f, q in self.subs.items():
+            if q > best and matches(f, topic):
+                best = q
+        if len(self._sub_cache) > 10_000:
+            self._sub_cache.clear()
+        self._sub_cache[topic] = best
+        return best
+
+    def on_deliver(self, shard: int, item: list) -> None:
+        """[DELIVER, conn, lane, tag, qid, mid, redelivered, exchange, routing_key, props, body]"""
+        tag = item[3]
+        key = (shard, tag)
+        credit = self._credit
+        credit[key] = credit.get(key, 0) + 1
+        settled = tag == TAG_NO_ACK
+        if self.state != RUNNING:
+            return  # the shard requeues it when the connection's end reaches it
+        rk = item[8]
+        cached = self._topic_cache.get(rk)
+        if cached is None:
+            topic = key_to_topic(rk)
+            if len(self._topic_cache) > 10_000:
+                self._topic_cache.clear()
+            cached = self._topic_cache[rk] = (topic, topic.encode())
+        topic, topic_bytes = cached
+        best = self._sub_qos(topic)
+        if best < 0:  # e.g. a $-topic that only a wildcard at the first level matched [MQTT-4.7.2-1]
+            if not settled:
+                self._ack(shard, item[4], item[5])
+            self._mark_dirty()
+            return
+        qos = min(qos_of(item[9]), best) if best else 0
+        if qos == 0:
+            if not settled:
+                self._ack(shard, item[4], item[5])
+            self.write(M.encode_publish(topic_bytes, item[10]))
+            return
+        self._send_publish(topic_bytes, item[10], qos, False, bool(item[6]),
+                           None if settled else (shard, item[4], item[5]))
+
+    def _send_publish(self, topic: bytes, payload: bytes, qos: int, retain: bool, dup: bool,
+                      ref: tuple | None) -> None:
+        if qos == 0:
+            self.write(M.encode_publish(topic, payload, 0, retain))
+            return
+        pid = self._alloc_pid()
+        self.inflight[pid] = (ref, qos)
+        self.write(M.encode_publish(topic, payload, qos, retain, dup, pid))
+
+    def _alloc_pid(self) -> int:
+        pid = self._next_pid
+        for _ in range(65535):
+            pid = pid % 65535 + 1
+            if pid not in self.inflight and pid not in self.out2:
+                self._next_pid = pid
+                return pid
+        raise RuntimeError("no free packet identifier")
+
+    def _ack(self, shard: int, qid: int, mid: int) -> None:
+        flat = self._acks.get(shard)
+        if flat is None:
+            self._acks[shard] = [qid, mid]
+        else:
+            flat.append(qid)
+            flat.append(mid)
+
+    def _on_puback(self, pid: int) -> None:
+        entry = self.inflight.pop(pid, None)
+        if entry is not None and entry[0] is not None:
+            self._ack(*entry[0])
+            self._mark_dirty()
+
+    def _on_pubrec(self, pid: int) -> None:
+        entry = self.inflight.pop(pid, None)
+        if entry is not None:
+            if entry[0] is not None:
+                self._ack(*entry[0])
+            self.out2.add(pid)
+            if not self.clean:
+                # The shard's ack and the session record go out in this turn; PUBREL once the record
+                # is durable, so after a restart we still know to send PUBREL rather than the message.
+                self._save_state(self._guard(lambda: self.write(M.encode_ack(M.PUBREL, pid))))
+                self._mark_dirty()
+                return
+        self.write(M.encode_ack(M.PUBREL, pid))
+
+    def _on_pubcomp(self, pid: int) -> None:
+        if pid in self.out2:
+            self.out2.discard(pid)
+            self._save_state()
+
+    # --------------------------------------------------------- worker side
+    def on_cancel_notify(self, channel: int, tag: str) -> None:
+        # The session queue was deleted (by an operator): the session cannot go on.
+        self.fail(CONNECTION_FORCED, "session queue deleted")
+
+    def on_close_channel(self, channel: int, code: int, text: str) -> None:
+        log.warning("mqtt connection %s (%s): closed by a shard: %d %s", self.conn_id, self.peer, code, text)
+        self.close()
+
+    def uses_shard(self, shard: int) -> bool:
+        return (self.consuming and self.queue_shard == shard) or (bool(self._pending) and shard in self.shards)
+
+    def fail(self, code: int, text: str) -> None:
+        if self.state == CLOSED or self._close_after_flush:
+            return
+        log.info("mqtt connection %s (%s): closed by the broker: %s", self.conn_id, self.peer, text)
+        self.close()
+
+    def internal_error(self, exc: BaseException) -> None:
+        log.error("mqtt connection %s (%s): internal error", self.conn_id, self.peer, exc_info=exc)
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _protocol_error(self, text: str) -> None:
+        """Malformed packet or protocol violation: close the network connection [MQTT-4.8.0-1]."""
+        log.info("mqtt connection %s (%s): protocol error: %s", self.conn_id, self.peer, text)
+        self._backlog.clear()
+        if self.transport is not None:
+            self.transport.abort() if self.state == CONNECTING else self.close()
+
+    def _release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        worker = self.worker
+        shards = set(self.shards)
+        if self.queue_shard is not None and self.consuming:
+            shards.add(self.queue_shard)
+        if self._acks:
+            for shard, flat in self._acks.items():
+                worker.shard_put(shard, [_ACK, self.conn_id, LANE, flat])
+            self._acks = {}
+        for shard in shards:
+            worker.shard_put(shard, [contract.CONNECTION_CLOSED, self.conn_id])
+        if self.registered:
+            worker.node_request("connection.closed", {"owner": [worker.index, self.conn_id]}, None)
+
+
+def takeover(worker: FrontendWorker, vhost: str, client_id: str, owner: list, forward: bool = True) -> None:
+    """Close every other connection of this client id [MQTT-3.1.4-2]: here, and on the other frontends."""
+    for conn in list(worker.conns.values()):
+        if (isinstance(conn, MQTTConnection) and conn.client_id == client_id and conn.vhost == vhost
+                and [worker.index, conn.conn_id] != list(owner) and conn.state == RUNNING):
+            log.info("mqtt connection %s: client id '%s' connected again: taken over", conn.conn_id, client_id)
+            conn.close()
+    if forward:
+        for index in range(int(worker.settings.get("frontends", 1))):
+            if index != worker.index:
+                worker.node.put(None, [contract.FORWARD, index, ["mqtt.takeover", vhost, client_id, owner]])
+
+
+def forwarded_takeover(worker: FrontendWorker, vhost: str, client_id: str, owner: list) -> None:
+    """The FORWARDED "mqtt.takeover" handler (frontend/listeners.py)."""
+    takeover(worker, vhost, client_id, owner, forward=False)

@@ -1,0 +1,81 @@
+"""PROXY protocol on the client listeners (``--proxy-protocol``): read the header, then hand the socket over.
+
+``ProxyProtocolListener`` is the asyncio protocol of a new connection until the PROXY header is
+read (broker/proxy_protocol.py); then the session the listener table names takes over the
+transport (``set_protocol``), seeing the client's real address as ``peername``: nothing is in
+the way of its reads and writes afterwards. A connection without a valid header is closed
+(within HEADER_TIMEOUT at most).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from broker.proxy_protocol import ProxyHeaderParser, ProxyProtocolError
+
+log = logging.getLogger("shardmq.frontend")
+
+HEADER_TIMEOUT = 5.0
+
+
+class ProxiedTransport:
+    """The real transport, but ``get_extra_info("peername")`` is the address from the PROXY header."""
+
+    def __init__(self, transport: asyncio.Transport, peer: Any) -> None:
+        self._transport = transport
+        self._peer = peer
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        if name == "peername":
+            return self._peer
+        return self._transport.get_extra_info(name, default)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+class ProxyProtocolListener(asyncio.Protocol):
+    def __init__(self, session_factory: Callable[[], asyncio.Protocol], loop: asyncio.AbstractEventLoop) -> None:
+        self._factory = session_factory
+        self._loop = loop
+        self._parser = ProxyHeaderParser()
+        self._transport: asyncio.Transport | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+        self._timer = self._loop.call_later(HEADER_TIMEOUT, transport.abort)  # type: ignore[attr-defined]
+
+    def data_received(self, data: bytes) -> None:
+        transport = self._transport
+        if transport is None:
+            return
+        try:
+            found = self._parser.feed(data)
+        except ProxyProtocolError as exc:
+            log.warning("connection from %s refused: %s", transport.get_extra_info("peername"), exc)
+            self._end()
+            transport.abort()
+            return
+        if found is None:
+            return
+        header, rest = found
+        self._end()
+        peer = header.source or transport.get_extra_info("peername")
+        session = self._factory()
+        transport.set_protocol(session)
+        session.connection_made(ProxiedTransport(transport, peer))  # type: ignore[arg-type]
+        if rest:
+            session.data_received(rest)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._end()
+
+    def _end(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._transport = None if self._transport is None or self._transport.is_closing() else self._transport

@@ -1,0 +1,132 @@
+"""MQTT and AMQP over WebSocket (``--ws-port``, 15675): aiohttp's WebSocket server in front of the same sessions.
+
+Paths ``/ws`` (RabbitMQ web-mqtt's) and ``/amqp``; the subprotocol picks the protocol
+(``mqtt``/``mqttv3.1`` or ``amqp``), else the path does (``/ws`` MQTT, ``/amqp`` AMQP). The session
+is the class the listener table names for that protocol, unchanged: ``WSTransport`` gives it what an
+asyncio transport gives (write, close, pause/resume reading, the peer address); each binary
+WebSocket message is fed to ``data_received`` as it comes (the codecs are streaming, a message may
+carry part of a packet or several). WebSocket is a browser path, not the high-rate one: a write
+burst of a loop turn becomes one binary message sent by a task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import WSMsgType, web
+
+from frontend.listeners import load
+
+if TYPE_CHECKING:
+    from frontend.worker import FrontendWorker
+
+log = logging.getLogger("shardmq.frontend")
+
+SESSIONS = {"mqtt": "frontend.mqtt.connection:MQTTConnection", "amqp": "frontend.amqp.connection:AMQPConnection"}
+SUBPROTOCOLS = {"mqtt": "mqtt", "mqttv3.1": "mqtt", "amqp": "amqp"}
+PATHS = {"/ws": "mqtt", "/amqp": "amqp"}
+
+
+class WSTransport:
+    """The asyncio-transport face of one WebSocket for a session."""
+
+    def __init__(self, ws: web.WebSocketResponse, peer: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self._ws = ws
+        self._peer = peer
+        self._loop = loop
+        self._pending: list[bytes] = []
+        self._sending = False
+        self._closing = False
+        self.readable = asyncio.Event()
+        self.readable.set()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self._peer if name == "peername" else default
+
+    def write(self, data: bytes) -> None:
+        if self._closing:
+            return
+        self._pending.append(data)
+        if not self._sending:
+            self._sending = True
+            self._loop.create_task(self._send())
+
+    def writelines(self, chunks: list[bytes]) -> None:
+        self.write(b"".join(chunks))
+
+    async def _send(self) -> None:
+        try:
+            while self._pending and not self._ws.closed:
+                data = b"".join(self._pending)
+                self._pending.clear()
+                await self._ws.send_bytes(data)
+        except (ConnectionError, RuntimeError):
+            pass
+        finally:
+            self._sending = False
+            if self._closing and not self._ws.closed:
+                await self._ws.close()
+
+    def close(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        if not self._sending:
+            self._loop.create_task(self._ws.close())
+
+    def abort(self) -> None:
+        self._closing = True
+        self._pending.clear()
+        self._loop.create_task(self._ws.close())
+
+    def is_closing(self) -> bool:
+        return self._closing or self._ws.closed
+
+    def pause_reading(self) -> None:
+        self.readable.clear()
+
+    def resume_reading(self) -> None:
+        self.readable.set()
+
+
+def make_app(worker: FrontendWorker) -> web.Application:
+    max_size = int(worker.settings.get("mqtt_max_packet_size", 134217728))
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        ws = web.WebSocketResponse(protocols=tuple(SUBPROTOCOLS), max_msg_size=max_size, autoping=True)
+        await ws.prepare(request)
+        protocol = SUBPROTOCOLS.get(ws.ws_protocol or "") or PATHS[request.path]
+        transport = WSTransport(ws, request.transport.get_extra_info("peername") if request.transport else None,
+                                worker.loop)
+        session = load(SESSIONS[protocol])(worker)
+        session.connection_made(transport)
+        try:
+            async for msg in ws:
+                if msg.type == WSMsgType.BINARY:
+                    await transport.readable.wait()
+                    session.data_received(msg.data)
+                elif msg.type == WSMsgType.TEXT:
+                    log.info("websocket %s: text frame refused (binary frames only)", transport._peer)
+                    break
+                elif msg.type == WSMsgType.ERROR:
+                    break
+        finally:
+            transport._closing = True
+            session.connection_lost(None)
+            if not ws.closed:
+                await ws.close()
+        return ws
+
+    app = web.Application()
+    for path in PATHS:
+        app.router.add_get(path, handle)
+    return app
+
+
+async def start(worker: FrontendWorker, bind: str, port: int) -> web.AppRunner:
+    runner = web.AppRunner(make_app(worker), access_log=None, handle_signals=False)
+    await runner.setup()
+    await web.TCPSite(runner, bind, port, reuse_port=True, backlog=1024).start()
+    return runner

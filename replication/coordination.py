@@ -1,0 +1,402 @@
+"""The cluster's state in etcd: this node's lease, its address record, the election, the ISR.
+
+This is the only module that talks to etcd. Keys under ``<prefix>/``:
+
+- ``nodes/<name>``: JSON address record of a live node (attached to its lease, so it disappears
+  when the node dies);
+- ``leader``: JSON address record of the leader, attached to the leader's lease. Created only by a
+  transaction that checks it is absent and that the candidate is in the ISR (or that no ISR exists
+  yet: the first boot of a cluster);
+- ``isr``: JSON list of the node names in sync, not leased (it must outlive every node). Written
+  only by the leader, in a transaction that compares the leader key's lease with the writer's: a
+  deposed leader's write fails (fencing).
+
+We build the election from a lease and a transaction rather than etcd3's ``Lock`` helper, which
+leaks leases. The ``etcd3`` client is blocking (gRPC); every call runs on one worker thread and
+the keep-alive on its own thread, so a slow etcd never blocks the node's event loop and a slow
+call never delays a keep-alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+# etcd3 0.12's generated protobuf modules only load with the pure-Python protobuf runtime.
+os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
+
+import warnings  # noqa: E402
+
+with warnings.catch_warnings():
+    # Its generated modules use protobuf's deprecated descriptor API: noise in every node log.
+    warnings.simplefilter("ignore", DeprecationWarning)
+    import etcd3
+    import grpc
+    from etcd3 import etcdrpc
+    from etcd3.transactions import BaseCompare
+
+log = logging.getLogger("shardmq.coordination")
+
+T = TypeVar("T")
+
+# gRPC reconnects with an exponential back-off of up to two minutes by default: after an etcd
+# restart the client would stay away that long (a LavinMQ user's "etcd restarts caused trouble").
+_GRPC_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+class CoordinationError(Exception):
+    """etcd could not be reached (on any endpoint) or answered with an error."""
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeInfo:
+    """How other nodes, proxies and tools reach a node."""
+
+    name: str
+    host: str
+    amqp_port: int
+    replication_port: int = 0
+    http_port: int = 0
+    # Other client listeners a follower proxies (e.g. {"mqtt": 1883}); added as they exist.
+    listeners: dict[str, int] = dataclasses.field(default_factory=dict)
+    # The node accepts a PROXY protocol header on its client ports (followers then send one).
+    proxy_protocol: bool = False
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> NodeInfo:
+        data = json.loads(raw)
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+class _LeaseCompare(BaseCompare):
+    """``lease(key) == id``: etcd3 0.12 has no helper for the LEASE compare target (etcd >= 3.3)."""
+
+    def build_compare(self, compare: Any) -> None:
+        compare.target = etcdrpc.Compare.LEASE
+        compare.lease = int(self.value)
+
+
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """``host:port`` (or a bare host, port 2379; ``http://`` is tolerated) -> (host, port)."""
+    text = text.strip()
+    for scheme in ("http://", "https://"):
+        if text.startswith(scheme):
+            text = text[len(scheme):]
+    text = text.rstrip("/")
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        return text, 2379
+    return host.strip("[]"), int(port)
+
+
+class Coordinator:
+    """One node's view of the cluster in etcd; every public coroutine runs its etcd calls off the loop.
+
+    ``lease_age()`` is how long ago the lease was last renewed for sure; a leader must stop
+    confirming once it exceeds half the TTL (the lease may expire at TTL and another node win).
+    ``on_lease_lost`` is called on the loop when etcd says the lease is gone.
+    """
+
+    def __init__(self, endpoints: list[str], prefix: str, node_name: str, ttl: int,
+                 on_lease_lost: Callable[[], None] | None = None) -> None:
+        if not endpoints:
+            raise ValueError("no etcd endpoints")
+        self.endpoints = [parse_endpoint(e) for e in endpoints]
+        self.prefix = "/" + prefix.strip("/")
+        self.name = node_name
+        self.ttl = ttl
+        self.on_lease_lost = on_lease_lost
+        # Short per-call deadline: a call that takes longer than a third of the lease is as good
+        # as failed, and the next endpoint may answer.
+        self.call_timeout = max(0.3, min(2.0, ttl / 3))
+        self.lease_id: int | None = None
+        self.renewed_at = 0.0  # monotonic time a successful keep-alive was SENT (conservative)
+        self.leader_value: str | None = None  # our leader key's value while we hold it
+        self._clients: list[etcd3.Etcd3Client | None] = [None] * len(self.endpoints)
+        self._current = 0
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="etcd")
+        self._keepalive: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # ------------------------------------------------------------------ keys
+    def key(self, *parts: str) -> str:
+        return "/".join((self.prefix, *parts))
+
+    # ------------------------------------------------------------ plumbing
+    def _client(self) -> etcd3.Etcd3Client:
+        i = self._current
+        if self._clients[i] is None:
+            host, port = self.endpoints[i]
+            self._clients[i] = etcd3.client(host=host, port=port, timeout=self.call_timeout,
+                                            grpc_options=_GRPC_OPTIONS)
+        return self._clients[i]
+
+    def _call(self, fn: Callable[[etcd3.Etcd3Client], T]) -> T:
+        """Run ``fn(client)``, moving on to the next endpoint when one fails (blocking)."""
+        last: Exception | None = None
+        for _ in range(len(self.endpoints)):
+            try:
+                return fn(self._client())
+            except (etcd3.Etcd3Exception, grpc.RpcError) as exc:
+                last = exc
+                host, port = self.endpoints[self._current]
+                log.debug("etcd %s:%d: %s", host, port, exc)
+                self._current = (self._current + 1) % len(self.endpoints)
+        raise CoordinationError(f"etcd unreachable ({_describe(last)})") from last
+
+    async def _run(self, fn: Callable[[etcd3.Etcd3Client], T]) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._call, fn)
+
+    # ------------------------------------------------------------------ lease
+    async def start(self, info: NodeInfo) -> None:
+        """Grant this node's lease, start its keep-alive and publish the node's address record."""
+        self._loop = asyncio.get_running_loop()
+        if self._keepalive is None:
+            # Started first: it idles while there is no lease, so a failed start can be retried.
+            self._stop.clear()
+            self._keepalive = threading.Thread(target=self._keepalive_loop, name="etcd-keepalive", daemon=True)
+            self._keepalive.start()
+        await self.new_lease()
+        await self.register(info)
+
+    async def new_lease(self) -> int:
+        """Grant a fresh lease (at start, and after the old one was lost)."""
+        sent = time.monotonic()
+        lease = await self._run(lambda c: c.lease(self.ttl))
+        self.lease_id = lease.id
+        self.renewed_at = sent
+        log.info("etcd lease %x granted (ttl %d s)", lease.id, self.ttl)
+        return lease.id
+
+    async def register(self, info: NodeInfo) -> None:
+        lease_id = self.lease_id
+        await self._run(lambda c: c.put(self.key("nodes", self.name), info.to_json(), lease=lease_id))
+
+    def lease_age(self) -> float:
+        return time.monotonic() - self.renewed_at
+
+    def lease_fresh(self) -> bool:
+        """Renewed within half the TTL: the lease cannot have expired, nobody else can lead."""
+        return self.lease_id is not None and self.lease_age() < self.ttl / 2
+
+    async def renew_now(self) -> bool:
+        """One keep-alive now (besides the thread's): a full TTL/2 budget before heavy work."""
+        lease_id = self.lease_id
+        sent = time.monotonic()
+        responses = await self._run(lambda c: list(c.refresh_lease(lease_id)))
+        if responses and responses[-1].TTL > 0 and lease_id == self.lease_id:
+            self.renewed_at = max(self.renewed_at, sent)
+            return True
+        return False
+
+    def _keepalive_loop(self) -> None:
+        boost_thread_priority()
+        interval = self.ttl / 3
+        failing = False
+        while not self._stop.is_set():
+            lease_id = self.lease_id
+            sent = time.monotonic()
+            if lease_id is None:  # between a lost lease and the next one
+                self._stop.wait(0.05)
+                continue
+            ok = False
+            try:
+                responses = self._call(lambda c, lid=lease_id: list(c.refresh_lease(lid)))
+                ttl = responses[-1].TTL if responses else 0
+                if ttl <= 0:
+                    if lease_id == self.lease_id and self._loop is not None:
+                        log.warning("etcd lease %x is gone", lease_id)
+                        self._loop.call_soon_threadsafe(self._lease_lost, lease_id)
+                else:
+                    if lease_id == self.lease_id:
+                        self.renewed_at = max(self.renewed_at, sent)
+                    ok = True
+                    if failing:
+                        log.info("etcd keep-alive works again")
+                    failing = False
+            except CoordinationError as exc:
+                if not failing:  # once per outage: retries run every 50 ms
+                    log.warning("etcd keep-alive failed: %s", exc)
+                failing = True
+            except Exception:  # a keep-alive thread that dies silently would fence the node forever
+                log.exception("etcd keep-alive")
+            # After a failure retry soon: every try that succeeds within TTL/2 keeps us leading.
+            self._stop.wait(max(0.0, (interval if ok else 0.05) - (time.monotonic() - sent)))
+
+    def _lease_lost(self, lease_id: int) -> None:
+        if lease_id == self.lease_id and self.on_lease_lost is not None:
+            self.on_lease_lost()
+
+    # -------------------------------------------------------------- reading
+    async def leader(self) -> NodeInfo | None:
+        raw, _meta = await self._run(lambda c: c.get(self.key("leader")))
+        return NodeInfo.from_json(raw) if raw else None
+
+    async def leader_lease(self) -> tuple[NodeInfo | None, int]:
+        """The leader's record and the lease that holds it (0 when there is no leader)."""
+        raw, meta = await self._run(lambda c: c.get(self.key("leader")))
+        if not raw:
+            return None, 0
+        return NodeInfo.from_json(raw), meta.lease_id
+
+    async def revoke(self, lease_id: int) -> None:
+        """Revoke another lease: one of this node's previous incarnations, known dead."""
+        await self._run(lambda c: c.revoke_lease(lease_id))
+
+    async def isr(self) -> list[str] | None:
+        """The ISR as stored, or None when no leader ever wrote one (a new cluster)."""
+        raw, _meta = await self._run(lambda c: c.get(self.key("isr")))
+        return json.loads(raw) if raw else None
+
+    async def nodes(self) -> dict[str, NodeInfo]:
+        base = self.key("nodes") + "/"
+        items = await self._run(lambda c: list(c.get_prefix(base)))
+        out = {}
+        for raw, meta in items:
+            name = meta.key.decode()[len(base):]
+            try:
+                out[name] = NodeInfo.from_json(raw)
+            except (ValueError, TypeError):
+                log.warning("ignoring malformed node record %s", name)
+        return out
+
+    # ------------------------------------------------------------- election
+    async def campaign(self, info: NodeInfo) -> bool:
+        """Try once to become leader; True when this node now holds ``<prefix>/leader``.
+
+        Succeeds only if the leader key is absent and this node is in the ISR, or no ISR exists
+        (then the new ISR is this node alone). The ISR is compared by revision, so a concurrent
+        ISR write makes the attempt fail rather than win on a stale read.
+        """
+        lease_id = self.lease_id
+        value = info.to_json()
+
+        def attempt(c: etcd3.Etcd3Client) -> bool:
+            raw, meta = c.get(self.key("isr"))
+            t = c.transactions
+            compare = [t.create(self.key("leader")) == 0]
+            success = [t.put(self.key("leader"), value, lease=lease_id)]
+            if raw is None:
+                compare.append(t.version(self.key("isr")) == 0)
+                success.append(t.put(self.key("isr"), json.dumps([self.name])))
+            elif self.name in json.loads(raw):
+                compare.append(t.mod(self.key("isr")) == meta.mod_revision)
+            else:
+                return False
+            ok, _ = c.transaction(compare=compare, success=success, failure=[])
+            return ok
+
+        won = await self._run(attempt)
+        if won:
+            self.leader_value = value
+            log.info("won the election: %s is leader", self.name)
+        return won
+
+    async def write_isr(self, names: list[str]) -> bool:
+        """Store the ISR; only while our lease holds the leader key. False = we are not leader."""
+        lease_id = self.lease_id
+        names = sorted(set(names) | {self.name})
+
+        def attempt(c: etcd3.Etcd3Client) -> bool:
+            t = c.transactions
+            ok, _ = c.transaction(
+                compare=[_LeaseCompare(self.key("leader")) == lease_id, t.version(self.key("leader")) > 0],
+                success=[t.put(self.key("isr"), json.dumps(names))], failure=[])
+            return ok
+
+        return await self._run(attempt)
+
+    async def still_leader(self) -> bool:
+        """Our lease still holds the leader key (a read, for the leader's periodic check)."""
+        def check(c: etcd3.Etcd3Client) -> bool:
+            t = c.transactions
+            ok, _ = c.transaction(
+                compare=[_LeaseCompare(self.key("leader")) == self.lease_id,
+                         t.version(self.key("leader")) > 0], success=[], failure=[])
+            return ok
+
+        return await self._run(check)
+
+    async def resign(self) -> None:
+        """Give up leadership at once: delete the leader key if it is still ours."""
+        lease_id = self.lease_id
+        self.leader_value = None
+
+        def attempt(c: etcd3.Etcd3Client) -> None:
+            t = c.transactions
+            c.transaction(compare=[_LeaseCompare(self.key("leader")) == lease_id],
+                          success=[t.delete(self.key("leader"))], failure=[])
+
+        await self._run(attempt)
+
+    async def abandon_lease(self) -> None:
+        """Drop the current lease (revoked when etcd answers) and grant a new one.
+
+        After a fence the old lease may still hold the leader key; revoking it deletes the key
+        so the election can proceed without waiting for the TTL.
+        """
+        old = self.lease_id
+        self.lease_id = None
+        self.leader_value = None
+        if old is not None:
+            try:
+                await self._run(lambda c: c.revoke_lease(old))
+            except CoordinationError as exc:
+                log.warning("could not revoke lease %x: %s", old, exc)
+        await self.new_lease()
+
+    async def stop(self) -> None:
+        """Revoke the lease (our keys vanish, so a follower takes over at once) and close."""
+        self._stop.set()
+        lease_id, self.lease_id = self.lease_id, None
+        if lease_id is not None:
+            try:
+                await self._run(lambda c: c.revoke_lease(lease_id))
+                log.info("etcd lease %x revoked", lease_id)
+            except CoordinationError as exc:
+                log.warning("could not revoke the etcd lease (it expires in %d s): %s", self.ttl, exc)
+        if self._keepalive is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._keepalive.join, 5.0)
+        for c in self._clients:
+            if c is not None:
+                c.close()
+        self._executor.shutdown(wait=False)
+
+
+def boost_thread_priority(nice: int = -10) -> bool:
+    """Give the calling thread a higher CPU share (Linux: threads have their own nice value).
+
+    The lease keep-alive and the fence watchdog must run on time even when the node's own workers
+    (and everything else on the host) keep the CPUs busy: a starved keep-alive means a needless
+    failover. Needs CAP_SYS_NICE (root, or ``AmbientCapabilities=CAP_SYS_NICE`` in the systemd
+    unit); without it the thread keeps the default priority.
+    """
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        return True
+    except (PermissionError, OSError, AttributeError):
+        return False
+
+
+def _describe(exc: Exception | None) -> str:
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+        return f"{exc.code().name}: {exc.details()}"
+    return str(exc) or type(exc).__name__

@@ -1,0 +1,248 @@
+"""What the leader and the follower do with data-dir files: which stream owns a file, listing with
+CRC32 (over the logical size of sparse segments, cached), and applying received data.
+
+Ownership: every queue directory (``<sha1(vhost)>/<sha1(queue)>/``) and delay store directory
+(``delayed/<sha1(vhost)>/<sha1(exchange)>/``) belongs to the shard that owns that queue or
+exchange; everything else in the data dir except ``run/`` and ``.lock`` belongs to the node
+(definitions, ``.vhost`` name files, ...).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import zlib
+from collections.abc import Callable, Iterable
+
+_HEX40 = re.compile(r"^[0-9a-f]{40}$")
+NODE_SKIP = frozenset(("run", ".lock"))
+_READ = 1 << 20
+
+
+def is_store_dir(rel: str) -> bool:
+    """Whether ``rel`` (relative, '/'-separated) is a queue or delay store directory."""
+    parts = rel.split("/")
+    if len(parts) == 2:
+        return bool(_HEX40.match(parts[0]) and _HEX40.match(parts[1]))
+    if len(parts) == 3 and parts[0] == "delayed":
+        return bool(_HEX40.match(parts[1]) and _HEX40.match(parts[2]))
+    return False
+
+
+def store_dirs(root: str) -> list[str]:
+    """Queue and delay store directories present under ``root`` (relative paths)."""
+    found = []
+    for top in _listdir(root):
+        if _HEX40.match(top) and os.path.isdir(os.path.join(root, top)):
+            found.extend(f"{top}/{sub}" for sub in _listdir(os.path.join(root, top))
+                         if _HEX40.match(sub) and os.path.isdir(os.path.join(root, top, sub)))
+    droot = os.path.join(root, "delayed")
+    for vh in _listdir(droot):
+        if _HEX40.match(vh):
+            found.extend(f"delayed/{vh}/{x}" for x in _listdir(os.path.join(droot, vh))
+                         if _HEX40.match(x) and os.path.isdir(os.path.join(droot, vh, x)))
+    return found
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _is_temp(name: str) -> bool:
+    return name.endswith(".tmp")
+
+
+def walk(root: str, rel_dirs: Iterable[str] | None) -> list[str]:
+    """Relative paths of the regular files in ``rel_dirs`` (recursively), or, with None, of every file
+    the node owns (outside store dirs, run/ and .lock). Temporary files (``*.tmp``) are skipped."""
+    out: list[str] = []
+    if rel_dirs is None:
+        stack = [""]
+        while stack:
+            rel = stack.pop()
+            for name in _listdir(os.path.join(root, rel)):
+                child = f"{rel}/{name}" if rel else name
+                if not rel and name in NODE_SKIP:
+                    continue
+                full = os.path.join(root, child)
+                if os.path.isdir(full):
+                    if not is_store_dir(child):
+                        stack.append(child)
+                elif os.path.isfile(full) and not _is_temp(name):
+                    out.append(child)
+        return out
+    for d in rel_dirs:
+        base = os.path.join(root, d)
+        for dirpath, _dirs, names in os.walk(base):
+            reld = os.path.relpath(dirpath, root).replace(os.sep, "/")
+            out.extend(f"{reld}/{n}" for n in names if not _is_temp(n))
+    return out
+
+
+def crc_file(path: str, size: int) -> int:
+    """CRC32 of the first ``size`` bytes of ``path`` (zero-padded if the file is shorter)."""
+    crc = 0
+    left = size
+    with open(path, "rb") as f:
+        while left > 0:
+            chunk = f.read(min(_READ, left))
+            if not chunk:
+                chunk = bytes(min(_READ, left))
+            crc = zlib.crc32(chunk, crc)
+            left -= len(chunk)
+    return crc
+
+
+class CrcCache:
+    """CRC32s of files keyed by (path, size, mtime_ns): sealed segments are hashed once."""
+
+    def __init__(self) -> None:
+        self._cache: dict[str, tuple[int, int, int]] = {}
+
+    def listing(self, root: str, rels: list[str],
+                logical: Callable[[str], int | None] = lambda _p: None) -> list[tuple[str, int, int]]:
+        """(path, size, crc32) of each file; ``logical(abs_path)`` gives the used size of a sparse
+        write segment (None: the file's size). Files that vanish meanwhile are left out."""
+        out = []
+        seen = set()
+        for rel in rels:
+            full = os.path.join(root, rel)
+            try:
+                st = os.stat(full)
+            except OSError:
+                continue
+            size = logical(full)
+            if size is None:
+                size = st.st_size
+            key = (size, st.st_mtime_ns)
+            hit = self._cache.get(rel)
+            if hit is not None and hit[:2] == key:
+                crc = hit[2]
+            else:
+                try:
+                    crc = crc_file(full, size)
+                except OSError:
+                    continue
+                self._cache[rel] = (*key, crc)
+            out.append((rel, size, crc))
+            seen.add(rel)
+        for rel in [r for r in self._cache if r not in seen]:
+            del self._cache[rel]
+        return out
+
+
+# ------------------------------------------------------------------ follower side
+class FileWriter:
+    """Applies received data to a data dir (plain writes, no mmap) and knows what to make durable.
+
+    Keeps a small cache of open fds; ``dirty()`` hands the fds and directories written since the
+    last call to the syncer (fdatasync each, fsync the directories), once per batch.
+    """
+
+    MAX_FDS = 128
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self._fds: dict[str, int] = {}
+        self._dirty_fds: set[str] = set()
+        self._dirty_dirs: set[str] = set()
+
+    def _fd(self, rel: str, truncate: bool = False) -> int:
+        fd = self._fds.get(rel)
+        if fd is not None and not truncate:
+            return fd
+        if fd is not None:
+            os.ftruncate(fd, 0)
+            return fd
+        full = os.path.join(self.root, rel)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | (os.O_TRUNC if truncate else 0)
+        try:
+            fd = os.open(full, flags, 0o644)
+        except FileNotFoundError:
+            os.makedirs(os.path.dirname(full), exist_ok=True)
+            self._dirty_dirs.add(os.path.dirname(os.path.dirname(full)))
+            fd = os.open(full, flags, 0o644)
+        self._dirty_dirs.add(os.path.dirname(full))
+        if len(self._fds) >= self.MAX_FDS:
+            self._evict()
+        self._fds[rel] = fd
+        return fd
+
+    def _evict(self) -> None:
+        # Close the clean ones (dirty ones must survive until synced).
+        for rel in [r for r in self._fds if r not in self._dirty_fds][: self.MAX_FDS // 2]:
+            os.close(self._fds.pop(rel))
+
+    def write_at(self, rel: str, offset: int, data: bytes, truncate: bool = False) -> None:
+        fd = self._fd(rel, truncate)
+        if data:
+            os.pwrite(fd, data, offset)
+        self._dirty_fds.add(rel)
+
+    def replace(self, rel: str, data: bytes) -> None:
+        self.close_fd(rel)
+        full = os.path.join(self.root, rel)
+        tmp = full + ".tmp"
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fdatasync(f.fileno())
+        os.replace(tmp, full)
+        self._dirty_dirs.add(os.path.dirname(full))
+
+    def delete(self, rel: str) -> None:
+        full = os.path.join(self.root, rel)
+        for key in [r for r in self._fds if r == rel or r.startswith(rel + "/")]:
+            self.close_fd(key)
+        if os.path.isdir(full):
+            shutil.rmtree(full, ignore_errors=True)
+        else:
+            try:
+                os.unlink(full)
+            except FileNotFoundError:
+                return
+        self._dirty_dirs.add(os.path.dirname(full))
+
+    def close_fd(self, rel: str) -> None:
+        fd = self._fds.pop(rel, None)
+        self._dirty_fds.discard(rel)
+        if fd is not None:
+            os.close(fd)
+
+    def take_dirty(self) -> tuple[list[int], list[str]]:
+        """Fds to fdatasync (dup'ed: the caller closes them) and directories to fsync since the last call."""
+        fds = [os.dup(self._fds[r]) for r in self._dirty_fds if r in self._fds]
+        dirs = [d for d in self._dirty_dirs if os.path.isdir(d)]
+        self._dirty_fds = set()
+        self._dirty_dirs = set()
+        return fds, dirs
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
+        self._dirty_fds = set()
+
+
+def make_durable(fds: list[int], dirs: list[str]) -> None:
+    """fdatasync the fds (and close them), fsync the directories. Runs in a worker thread."""
+    try:
+        for fd in fds:
+            os.fdatasync(fd)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    for d in dirs:
+        try:
+            dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:
+            continue
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)

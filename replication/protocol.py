@@ -1,0 +1,431 @@
+"""The replication stream's wire format, sans-IO (bytes in -> events out; events in -> bytes out).
+
+No sockets here: the leader's sender and the follower's receiver feed received bytes to a
+:class:`Decoder` and write what the ``encode_*`` functions return. One TCP connection carries one
+*stream* (``"node"`` or ``"shard-N"``) from one leader to one follower.
+
+Frame: ``u32 LE length | u8 kind | payload`` (length counts kind + payload, at most
+``MAX_FRAME``). Control payloads are msgpack maps; the hot frames (file data, actions, acks)
+are packed by hand.
+
+Handshake (HMAC-SHA256 over nonces with the shared secret, never the secret itself, both ways)::
+
+    follower -> HELLO     {v, name, stream, nonce_f}
+    leader   -> CHALLENGE {v, nonce_l, proof_l = HMAC(secret, "leader"   | stream | nonce_f | nonce_l)}
+    follower -> AUTH      {proof_f = HMAC(secret, "follower" | stream | name | nonce_l | nonce_f)}
+    leader   -> WELCOME   {streams: [...], leader: name}          (or REFUSED {reason}, then close)
+
+The follower checks ``proof_l`` before it answers, so a fake leader learns nothing and cannot
+feed it data; the leader checks ``proof_f``. Nonces are fresh per connection (no replay).
+
+Full sync (leader -> follower unless noted)::
+
+    FILE_LIST {dirs: [...], files: [[path, size, crc32], ...]}
+    follower -> FILE_REQUEST {paths: [...]}      (what differs or is missing)
+    FILE_DATA path, offset, total, crc32(chunk), chunk    (... until offset+len == total;
+                                                            total = -1: the file is gone)
+    SYNC_DONE {}
+
+then actions, each with the CRC32 of its bytes, which the receiver checks before applying::
+
+    APPEND  path, offset, crc32, data     (write data at offset; the file grows)
+    REPLACE path, crc32, data             (tmp + rename)
+    DELETE  path                          (a file or a whole directory)
+
+and acks from the follower: ``ACK position, flags`` (flag 1: the full sync is applied) where position counts the bytes of every action
+frame (header included) received since SYNC_DONE, acked once the follower has made them durable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+
+import msgpack
+
+VERSION = 1
+MAX_FRAME = 64 << 20
+CHUNK = 1 << 20  # file data chunk size during full sync
+NONCE_SIZE = 16
+
+_HEADER = struct.Struct("<IB")
+HEADER_SIZE = _HEADER.size
+_U64 = struct.Struct("<Q")
+_ACK = struct.Struct("<QB")  # position, flags
+ACK_SYNCED = 1  # the follower has applied the full sync (SYNC_DONE) durably
+_U16 = struct.Struct("<H")
+_APPEND = struct.Struct("<QI")  # offset, crc32
+_CRC = struct.Struct("<I")
+_DATA = struct.Struct("<QqI")  # offset, total (-1 = gone), crc32
+
+# kinds
+HELLO = 1
+CHALLENGE = 2
+AUTH = 3
+WELCOME = 4
+REFUSED = 5
+FILE_LIST = 10
+FILE_REQUEST = 11
+FILE_DATA = 12
+SYNC_DONE = 13
+APPEND = 20
+REPLACE = 21
+DELETE = 22
+ACK = 30
+
+ACTION_KINDS = frozenset((APPEND, REPLACE, DELETE))
+
+
+class ProtocolError(Exception):
+    """The peer sent something that is not a valid frame: drop the connection."""
+
+
+class CorruptAction(ProtocolError):
+    """An action's bytes do not match its CRC32: drop the connection, never apply it."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(f"CRC32 mismatch in an action on {path!r}")
+        self.path = path
+
+
+# ---------------------------------------------------------------- events
+@dataclass(slots=True)
+class Hello:
+    version: int
+    name: str
+    stream: str
+    nonce: bytes
+
+
+@dataclass(slots=True)
+class Challenge:
+    version: int
+    nonce: bytes
+    proof: bytes
+
+
+@dataclass(slots=True)
+class Auth:
+    proof: bytes
+
+
+@dataclass(slots=True)
+class Welcome:
+    streams: list[str]
+    leader: str
+
+
+@dataclass(slots=True)
+class Refused:
+    reason: str
+
+
+@dataclass(slots=True)
+class FileList:
+    dirs: list[str]
+    files: list[tuple[str, int, int]]  # (path, size, crc32)
+
+
+@dataclass(slots=True)
+class FileRequest:
+    paths: list[str]
+
+
+@dataclass(slots=True)
+class FileData:
+    path: str
+    offset: int
+    total: int  # -1: the leader does not have this file (any more)
+    data: bytes
+
+
+@dataclass(slots=True)
+class SyncDone:
+    pass
+
+
+@dataclass(slots=True)
+class Append:
+    path: str
+    offset: int
+    data: bytes
+    size: int = 0  # frame bytes (what the stream position counts)
+
+
+@dataclass(slots=True)
+class Replace:
+    path: str
+    data: bytes
+    size: int = 0
+
+
+@dataclass(slots=True)
+class Delete:
+    path: str
+    size: int = 0
+
+
+@dataclass(slots=True)
+class Ack:
+    position: int
+    synced: bool = False
+
+
+Event = (Hello | Challenge | Auth | Welcome | Refused | FileList | FileRequest | FileData | SyncDone
+         | Append | Replace | Delete | Ack)
+
+
+# ---------------------------------------------------------------- HMAC
+def new_nonce() -> bytes:
+    return os.urandom(NONCE_SIZE)
+
+
+def leader_proof(secret: bytes, stream: str, nonce_f: bytes, nonce_l: bytes) -> bytes:
+    return hmac.new(secret, b"leader\0" + stream.encode() + b"\0" + nonce_f + nonce_l, hashlib.sha256).digest()
+
+
+def follower_proof(secret: bytes, stream: str, name: str, nonce_l: bytes, nonce_f: bytes) -> bytes:
+    msg = b"follower\0" + stream.encode() + b"\0" + name.encode() + b"\0" + nonce_l + nonce_f
+    return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+def check_proof(expected: bytes, got: bytes) -> bool:
+    return hmac.compare_digest(expected, got)
+
+
+# ---------------------------------------------------------------- encoding
+def _frame(kind: int, payload: bytes) -> bytes:
+    if len(payload) + 1 > MAX_FRAME:
+        raise ValueError(f"frame of {len(payload)} bytes is larger than {MAX_FRAME}")
+    return _HEADER.pack(len(payload) + 1, kind) + payload
+
+
+def _control(kind: int, value: dict) -> bytes:
+    return _frame(kind, msgpack.packb(value, use_bin_type=True))
+
+
+def _path(path: str) -> bytes:
+    raw = path.encode()
+    if len(raw) > 0xFFFF:
+        raise ValueError("path too long")
+    return _U16.pack(len(raw)) + raw
+
+
+def encode_hello(name: str, stream: str, nonce: bytes) -> bytes:
+    return _control(HELLO, {"v": VERSION, "name": name, "stream": stream, "nonce": nonce})
+
+
+def encode_challenge(nonce: bytes, proof: bytes) -> bytes:
+    return _control(CHALLENGE, {"v": VERSION, "nonce": nonce, "proof": proof})
+
+
+def encode_auth(proof: bytes) -> bytes:
+    return _control(AUTH, {"proof": proof})
+
+
+def encode_welcome(streams: list[str], leader: str) -> bytes:
+    return _control(WELCOME, {"streams": list(streams), "leader": leader})
+
+
+def encode_refused(reason: str) -> bytes:
+    return _control(REFUSED, {"reason": reason})
+
+
+def encode_file_list(dirs: list[str], files: list[tuple[str, int, int]]) -> bytes:
+    return _control(FILE_LIST, {"dirs": list(dirs), "files": [list(f) for f in files]})
+
+
+def encode_file_request(paths: list[str]) -> bytes:
+    return _control(FILE_REQUEST, {"paths": list(paths)})
+
+
+def encode_file_data(path: str, offset: int, total: int, data: bytes) -> bytes:
+    return _frame(FILE_DATA, _path(path) + _DATA.pack(offset, total, zlib.crc32(data)) + bytes(data))
+
+
+def encode_sync_done() -> bytes:
+    return _control(SYNC_DONE, {})
+
+
+def encode_append(path: str, offset: int, data: bytes) -> bytes:
+    return _frame(APPEND, _path(path) + _APPEND.pack(offset, zlib.crc32(data)) + bytes(data))
+
+
+def encode_replace(path: str, data: bytes) -> bytes:
+    return _frame(REPLACE, _path(path) + _CRC.pack(zlib.crc32(data)) + bytes(data))
+
+
+def encode_delete(path: str) -> bytes:
+    return _frame(DELETE, _path(path))
+
+
+def encode_ack(position: int, synced: bool = False) -> bytes:
+    return _frame(ACK, _ACK.pack(position, ACK_SYNCED if synced else 0))
+
+
+# ---------------------------------------------------------------- decoding
+class Decoder:
+    """Feed received bytes with :meth:`feed`; it returns the complete events in order.
+
+    Raises :class:`ProtocolError` on a malformed frame and :class:`CorruptAction` on an action or
+    file chunk whose CRC32 does not match (nothing of that frame is returned: never apply it).
+    """
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[Event]:
+        buf = self._buf
+        buf += data
+        events: list[Event] = []
+        pos = 0
+        n = len(buf)
+        while n - pos >= HEADER_SIZE:
+            length, kind = _HEADER.unpack_from(buf, pos)
+            if length < 1 or length > MAX_FRAME:
+                raise ProtocolError(f"bad frame length {length}")
+            end = pos + 4 + length
+            if end > n:
+                break
+            payload = bytes(buf[pos + HEADER_SIZE:end])
+            events.append(_decode(kind, payload, 4 + length))
+            pos = end
+        if pos:
+            del buf[:pos]
+        return events
+
+
+def _control_map(payload: bytes) -> dict:
+    try:
+        value = msgpack.unpackb(payload, raw=False)
+    except Exception as exc:
+        raise ProtocolError(f"bad control payload: {exc}") from None
+    if not isinstance(value, dict):
+        raise ProtocolError("control payload is not a map")
+    return value
+
+
+def _split_path(payload: bytes, need: int) -> tuple[str, int]:
+    if len(payload) < 2:
+        raise ProtocolError("truncated path")
+    plen = _U16.unpack_from(payload, 0)[0]
+    end = 2 + plen
+    if len(payload) < end + need:
+        raise ProtocolError("truncated frame")
+    try:
+        path = payload[2:end].decode()
+    except UnicodeDecodeError:
+        raise ProtocolError("path is not UTF-8") from None
+    check_path(path)
+    return path, end
+
+
+def check_path(path: str) -> None:
+    """A replicated path is relative, normalized and stays inside the data dir."""
+    if (not path or path.startswith("/") or "\0" in path
+            or any(part in ("", ".", "..") for part in path.split("/"))):
+        raise ProtocolError(f"unsafe path {path!r}")
+
+
+def _decode(kind: int, payload: bytes, size: int) -> Event:
+    try:
+        if kind == APPEND:
+            path, at = _split_path(payload, _APPEND.size)
+            offset, crc = _APPEND.unpack_from(payload, at)
+            data = payload[at + _APPEND.size:]
+            if zlib.crc32(data) != crc:
+                raise CorruptAction(path)
+            return Append(path, offset, data, size)
+        if kind == REPLACE:
+            path, at = _split_path(payload, _CRC.size)
+            crc = _CRC.unpack_from(payload, at)[0]
+            data = payload[at + _CRC.size:]
+            if zlib.crc32(data) != crc:
+                raise CorruptAction(path)
+            return Replace(path, data, size)
+        if kind == DELETE:
+            path, at = _split_path(payload, 0)
+            if at != len(payload):
+                raise ProtocolError("trailing bytes in DELETE")
+            return Delete(path, size)
+        if kind == ACK:
+            if len(payload) != _ACK.size:
+                raise ProtocolError("bad ACK")
+            position, flags = _ACK.unpack(payload)
+            return Ack(position, bool(flags & ACK_SYNCED))
+        if kind == FILE_DATA:
+            path, at = _split_path(payload, _DATA.size)
+            offset, total, crc = _DATA.unpack_from(payload, at)
+            data = payload[at + _DATA.size:]
+            if zlib.crc32(data) != crc:
+                raise CorruptAction(path)
+            if total < -1 or (total >= 0 and offset + len(data) > total):
+                raise ProtocolError("bad FILE_DATA bounds")
+            return FileData(path, offset, total, data)
+        m = _control_map(payload)
+        if kind == HELLO:
+            return Hello(int(m["v"]), str(m["name"]), str(m["stream"]), bytes(m["nonce"]))
+        if kind == CHALLENGE:
+            return Challenge(int(m["v"]), bytes(m["nonce"]), bytes(m["proof"]))
+        if kind == AUTH:
+            return Auth(bytes(m["proof"]))
+        if kind == WELCOME:
+            return Welcome([str(s) for s in m["streams"]], str(m["leader"]))
+        if kind == REFUSED:
+            return Refused(str(m["reason"]))
+        if kind == FILE_LIST:
+            files = [(str(p), int(s), int(c)) for p, s, c in m["files"]]
+            for p, _s, _c in files:
+                check_path(p)
+            dirs = [str(d) for d in m["dirs"]]
+            for d in dirs:
+                check_path(d)
+            return FileList(dirs, files)
+        if kind == FILE_REQUEST:
+            paths = [str(p) for p in m["paths"]]
+            for p in paths:
+                check_path(p)
+            return FileRequest(paths)
+        if kind == SYNC_DONE:
+            return SyncDone()
+    except ProtocolError:
+        raise
+    except (KeyError, TypeError, ValueError, struct.error) as exc:
+        raise ProtocolError(f"bad frame of kind {kind}: {exc}") from None
+    raise ProtocolError(f"unknown frame kind {kind}")
+
+
+def encode(event: Event) -> bytes:
+    """Bytes of any event (tests and tools; the sender calls the encode_* functions directly)."""
+    if isinstance(event, Hello):
+        return encode_hello(event.name, event.stream, event.nonce)
+    if isinstance(event, Challenge):
+        return encode_challenge(event.nonce, event.proof)
+    if isinstance(event, Auth):
+        return encode_auth(event.proof)
+    if isinstance(event, Welcome):
+        return encode_welcome(event.streams, event.leader)
+    if isinstance(event, Refused):
+        return encode_refused(event.reason)
+    if isinstance(event, FileList):
+        return encode_file_list(event.dirs, event.files)
+    if isinstance(event, FileRequest):
+        return encode_file_request(event.paths)
+    if isinstance(event, FileData):
+        return encode_file_data(event.path, event.offset, event.total, event.data)
+    if isinstance(event, SyncDone):
+        return encode_sync_done()
+    if isinstance(event, Append):
+        return encode_append(event.path, event.offset, event.data)
+    if isinstance(event, Replace):
+        return encode_replace(event.path, event.data)
+    if isinstance(event, Delete):
+        return encode_delete(event.path)
+    if isinstance(event, Ack):
+        return encode_ack(event.position, event.synced)
+    raise TypeError(f"not a replication event: {event!r}")
+

@@ -1,0 +1,397 @@
+"""The leader's side of one replication stream, living in the process that owns the files.
+
+A shard runs one ``StreamSender`` for the files it owns (its queues' and delay stores'
+directories), the node one for the rest (definitions, ...). The sender subscribes to the
+process's write observer (``broker.write_observer``) while at least one follower is attached,
+encodes every reported write as an action frame (contiguous appends to one file within one loop
+turn are coalesced into one), and writes the frames of a turn to every follower at once.
+
+Attaching a follower's (already authenticated) socket is the start of its full sync: the file
+list with CRC32s is computed in the same loop turn in which the follower starts receiving
+actions, so nothing written in between is missed (the process is single-threaded: that turn is
+the brief write pause). The follower asks for what differs; file data is read when sent, and
+actions are offset-addressed and idempotent, so data newer than the list plus the actions that
+follow converge on the leader's content.
+
+Positions: ``seq`` counts the bytes of every action frame encoded since the sender started; a
+follower attached at ``base`` that acked position p has everything up to ``base + p``. Confirm
+gating (``when_replicated``) waits until every follower of the ISR has acked past a target seq.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from broker import write_observer
+from replication import protocol as p
+from replication.files import CrcCache, store_dirs, walk
+
+log = logging.getLogger("shardmq.replication")
+
+_HIGH_WATER = 8 << 20
+_CHECK_S = 0.25
+FULL_SYNC_ACK_TIMEOUT_S = 60.0
+# A follower whose unsent backlog passes this is dropped (it resyncs) rather than growing memory.
+MAX_BACKLOG = 256 << 20
+
+
+class _Link(asyncio.Protocol):
+    """One follower on this stream."""
+
+    def __init__(self, sender: StreamSender, name: str) -> None:
+        self.sender = sender
+        self.name = name
+        self.transport: asyncio.Transport | None = None
+        self.decoder = p.Decoder()
+        self.base = 0
+        self.acked = 0  # global seq acked (durable on the follower)
+        self.synced = False  # full sync applied and acked
+        self.sync_target = -1
+        self.last_ack = time.monotonic()
+        self.closed = False
+        self._can_write = asyncio.Event()
+        self._can_write.set()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        transport.set_write_buffer_limits(high=_HIGH_WATER)  # type: ignore[attr-defined]
+        self.sender._attach(self)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            events = self.decoder.feed(data)
+        except p.ProtocolError as exc:
+            log.warning("replication %s: follower %s sent garbage (%s): dropped", self.sender.stream, self.name, exc)
+            self.close()
+            return
+        for ev in events:
+            if isinstance(ev, p.Ack):
+                self.sender._on_ack(self, ev)
+            elif isinstance(ev, p.FileRequest):
+                self.sender._spawn(self.sender._send_files(self, ev.paths))
+            else:
+                log.warning("replication %s: unexpected %s from %s: dropped", self.sender.stream,
+                            type(ev).__name__, self.name)
+                self.close()
+                return
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._can_write.set()
+        self.sender._detach(self)
+
+    def pause_writing(self) -> None:
+        self._can_write.clear()
+
+    def resume_writing(self) -> None:
+        self._can_write.set()
+
+    async def drain(self) -> None:
+        await self._can_write.wait()
+
+    def write(self, data: bytes) -> None:
+        if not self.closed and self.transport is not None:
+            self.transport.write(data)
+
+    def close(self) -> None:
+        # abort, not close: a stuck follower's backlog would otherwise keep the socket open to drain.
+        if not self.closed and self.transport is not None:
+            self.transport.abort()
+        self.closed = True
+
+
+class StreamSender:
+    """See the module docstring. ``owned_dirs()`` returns the directories (relative to the data dir)
+    this stream owns, or None for the node stream (everything that is not a store directory)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, data_dir: str, stream: str,
+                 owned_dirs: Callable[[], list[str] | None], *, ack_timeout: float = 3.0,
+                 on_change: Callable[[], None] | None = None,
+                 logical_size: Callable[[str], int | None] = lambda _p: None) -> None:
+        self.loop = loop
+        self.root = os.path.abspath(data_dir)
+        self._prefix = self.root + os.sep
+        self.stream = stream
+        self.owned_dirs = owned_dirs
+        self.ack_timeout = ack_timeout
+        self.on_change = on_change or (lambda: None)
+        self.logical_size = logical_size
+        self.links: dict[str, _Link] = {}
+        self.seq = 0
+        self._frames: list[bytes] = []
+        self._pending: tuple[str, int, bytearray] | None = None  # an append being coalesced
+        self._flush_scheduled = False
+        self._marks: deque[tuple[int, float]] = deque()  # (seq at a flush, when): lag in seconds
+        self._waiters: deque[tuple[int, Callable[[bool], None]]] = deque()
+        self.isr: set[str] = set()
+        self.min_isr = 0
+        self._crcs = CrcCache()
+        self._thread = threading.get_ident()
+        self._tasks: set[asyncio.Task] = set()
+        self._timer: asyncio.TimerHandle | None = None
+        self._nack_logged = 0.0
+
+    # ------------------------------------------------------------ observer (any thread)
+    def _rel(self, path: str) -> str | None:
+        if not path.startswith(self._prefix):
+            return None
+        rel = path[len(self._prefix):]
+        if rel.startswith("run/") or rel == ".lock":
+            return None
+        return rel if os.sep == "/" else rel.replace(os.sep, "/")
+
+    def append(self, path: str, offset: int, data: bytes) -> None:
+        if threading.get_ident() != self._thread:
+            self.loop.call_soon_threadsafe(self.append, path, offset, bytes(data))
+            return
+        rel = self._rel(path)
+        if rel is None:
+            return
+        pend = self._pending
+        if pend is not None:
+            if pend[0] == rel and pend[1] + len(pend[2]) == offset:
+                pend[2].extend(data)
+                return
+            self._encode_pending()
+        self._pending = (rel, offset, bytearray(data))
+        self._schedule_flush()
+
+    def replace(self, path: str, data: bytes) -> None:
+        if threading.get_ident() != self._thread:
+            self.loop.call_soon_threadsafe(self.replace, path, bytes(data))
+            return
+        rel = self._rel(path)
+        if rel is not None:
+            self._add(p.encode_replace(rel, data))
+
+    def delete(self, path: str) -> None:
+        if threading.get_ident() != self._thread:
+            self.loop.call_soon_threadsafe(self.delete, path)
+            return
+        rel = self._rel(path)
+        if rel is not None:
+            self._add(p.encode_delete(rel))
+
+    def _add(self, frame: bytes) -> None:
+        if self._pending is not None:
+            self._encode_pending()
+        self._frames.append(frame)
+        self.seq += len(frame)
+        self._schedule_flush()
+
+    def _encode_pending(self) -> None:
+        rel, offset, data = self._pending
+        self._pending = None
+        # Frames stay below MAX_FRAME: a huge coalesced run is cut in pieces.
+        step = p.MAX_FRAME // 2
+        for i in range(0, len(data), step):
+            frame = p.encode_append(rel, offset + i, bytes(data[i:i + step]))
+            self._frames.append(frame)
+            self.seq += len(frame)
+
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self.loop.call_soon(self.flush)
+
+    def position(self) -> int:
+        """The seq that covers every write reported so far (for confirm gating)."""
+        if self._pending is not None:
+            self._encode_pending()
+        return self.seq
+
+    def flush(self) -> None:
+        """Write the frames of this turn to every follower."""
+        self._flush_scheduled = False
+        if self._pending is not None:
+            self._encode_pending()
+        if not self._frames:
+            return
+        blob = b"".join(self._frames)
+        self._frames = []
+        for link in list(self.links.values()):
+            link.write(blob)
+            if link.transport is not None and link.transport.get_write_buffer_size() > MAX_BACKLOG:
+                log.warning("replication %s: follower %s is %d bytes behind on the wire: dropped",
+                            self.stream, link.name, link.transport.get_write_buffer_size())
+                link.close()
+                self._detach(link)
+        self._marks.append((self.seq, time.monotonic()))
+        if len(self._marks) > 4096:
+            self._marks.popleft()
+
+    # ------------------------------------------------------------ followers
+    def attach_socket(self, sock: socket.socket, name: str) -> None:
+        """Start replicating to an authenticated follower connection (its full sync begins)."""
+        sock.setblocking(False)
+        self.loop.create_task(self.loop.connect_accepted_socket(lambda: _Link(self, name), sock))
+
+    def _attach(self, link: _Link) -> None:
+        old = self.links.pop(link.name, None)
+        if old is not None:
+            old.close()
+        self.flush()  # what was written before the list goes to the others only
+        dirs = self.owned_dirs()
+        if dirs is None:
+            rels = walk(self.root, None)
+            listed_dirs = store_dirs(self.root)
+        else:
+            rels = walk(self.root, dirs)
+            listed_dirs = dirs
+        files = self._crcs.listing(self.root, rels, self.logical_size)
+        link.base = link.acked = self.seq
+        link.last_ack = time.monotonic()
+        link.write(p.encode_file_list(listed_dirs, files))
+        self.links[link.name] = link
+        if len(self.links) == 1:
+            write_observer.subscribe(self)
+            self._timer = self.loop.call_later(_CHECK_S, self._check)
+        log.info("replication %s: follower %s attached (%d files listed)", self.stream, link.name, len(files))
+        self.on_change()
+
+    def _detach(self, link: _Link) -> None:
+        if self.links.get(link.name) is link:
+            del self.links[link.name]
+            log.info("replication %s: follower %s detached", self.stream, link.name)
+            if not self.links:
+                write_observer.subscribe(None)
+                if self._timer is not None:
+                    self._timer.cancel()
+            self.on_change()
+        self._check_waiters()
+
+    async def _send_files(self, link: _Link, paths: list[str]) -> None:
+        for rel in paths:
+            if link.closed:
+                return
+            self.flush()  # older actions must not arrive after newer file data
+            self._send_file(link, rel)
+            await link.drain()
+        if link.closed:
+            return
+        self.flush()
+        link.sync_target = self.position()
+        link.write(p.encode_sync_done())
+
+    def _send_file(self, link: _Link, rel: str) -> None:
+        full = os.path.join(self.root, rel)
+        try:
+            with open(full, "rb") as f:
+                size = self.logical_size(full)
+                if size is None:
+                    size = os.fstat(f.fileno()).st_size
+                data = f.read(size)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            link.write(p.encode_file_data(rel, 0, -1, b""))
+            return
+        data = data.ljust(size, b"\0")
+        if not data:
+            link.write(p.encode_file_data(rel, 0, 0, b""))
+        for off in range(0, len(data), p.CHUNK):
+            link.write(p.encode_file_data(rel, off, size, data[off:off + p.CHUNK]))
+
+    def _on_ack(self, link: _Link, ev: p.Ack) -> None:
+        acked = link.base + ev.position
+        if acked > self.seq:
+            log.warning("replication %s: follower %s acked beyond what was sent: dropped", self.stream, link.name)
+            link.close()
+            return
+        link.acked = max(link.acked, acked)
+        link.last_ack = time.monotonic()
+        if ev.synced and not link.synced and link.sync_target >= 0 and link.acked >= link.sync_target:
+            link.synced = True
+            log.info("replication %s: follower %s in sync", self.stream, link.name)
+            self.on_change()
+        self._check_waiters()
+
+    def _check(self) -> None:
+        """Drop a follower that is behind and has not acked for ack_timeout."""
+        now = time.monotonic()
+        for link in list(self.links.values()):
+            # During its full sync a follower hashes its files and receives whole files before it
+            # gets to the actions behind them: give it longer (LavinMQ: 60 s) before calling it stuck.
+            timeout = self.ack_timeout if link.synced else max(FULL_SYNC_ACK_TIMEOUT_S, self.ack_timeout)
+            if link.acked >= self.seq:
+                link.last_ack = now  # nothing to ack: not late
+            elif now - link.last_ack > timeout:
+                log.warning("replication %s: follower %s has not acked for %.1f s with %d bytes of lag: "
+                            "disconnected", self.stream, link.name, now - link.last_ack, self.seq - link.acked)
+                link.close()
+                self._detach(link)
+        if self.links:
+            self._timer = self.loop.call_later(_CHECK_S, self._check)
+
+    def _spawn(self, coro) -> None:
+        task = self.loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------ gating
+    @property
+    def gating(self) -> bool:
+        return bool(self.isr) or self.min_isr > 0
+
+    def set_isr(self, names: set[str], min_isr: int) -> None:
+        self.isr = set(names)
+        self.min_isr = min_isr
+        self._check_waiters()
+
+    def when_replicated(self, target: int, callback: Callable[[bool], None]) -> None:
+        """Call ``callback(True)`` once every ISR follower acked past ``target``, ``callback(False)``
+        when the ISR is smaller than min_isr (the caller nacks)."""
+        self._waiters.append((target, callback))
+        self._check_waiters()
+
+    def _check_waiters(self) -> None:
+        waiters = self._waiters
+        if not waiters:
+            return
+        if len(self.isr) < self.min_isr:
+            now = time.monotonic()
+            if now - self._nack_logged > 5:
+                self._nack_logged = now
+                log.warning("replication %s: %d in-sync followers (%s) < min-isr %d: nacking confirms",
+                            self.stream, len(self.isr), ",".join(sorted(self.isr)) or "none", self.min_isr)
+            while waiters:
+                waiters.popleft()[1](False)
+            return
+        low = self.seq
+        for name in self.isr:
+            link = self.links.get(name)
+            if link is None or not link.synced:
+                return  # an ISR member is not here (yet): wait for it or for the ISR to change
+            low = min(low, link.acked)
+        while waiters and waiters[0][0] <= low:
+            waiters.popleft()[1](True)
+
+    # ------------------------------------------------------------ status
+    def status(self) -> dict[str, list]:
+        """{follower: [connected, in_sync, lag_bytes, lag_seconds, last_ack_monotonic, acked_position]}"""
+        now = time.monotonic()
+        out = {}
+        for name, link in self.links.items():
+            lag = self.seq - link.acked
+            lag_s = 0.0
+            if lag > 0:
+                for seq, t in self._marks:
+                    if seq > link.acked:
+                        lag_s = now - t
+                        break
+            out[name] = [True, link.synced, lag, round(lag_s, 3), link.last_ack, link.acked - link.base]
+        return out
+
+    def close(self) -> None:
+        for link in list(self.links.values()):
+            link.close()
+        self.links.clear()
+        if write_observer.current is self:
+            write_observer.subscribe(None)
+        while self._waiters:
+            self._waiters.popleft()[1](False)

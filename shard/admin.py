@@ -1,0 +1,60 @@
+"""What the node's management API asks a shard directly (QUERY ops "purge", "get", "publish").
+
+Low-rate operator actions, carried over the control socket like ``queue_info``:
+
+- ``purge`` {vhost, queue} -> {"messages": purged}
+- ``get`` {vhost, queue, count, requeue} -> {"messages": [[redelivered, exchange, routing_key,
+  props_raw, body, remaining], ...]}: requeue True puts them back (RabbitMQ's ack_requeue_true /
+  reject_requeue_true), False removes them
+- ``publish`` {vhost, queues, exchange, routing_key, props_raw, body, persistent} -> {}: stored in the
+  named queues of this shard, unconfirmed (as RabbitMQ's HTTP publish)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from broker import contract
+from shard.consumers import ChannelRef
+from shard.stream_queue import StreamQueue
+
+if TYPE_CHECKING:
+    from shard.worker import ShardWorker
+
+_NODE = b"node"  # owner identity of messages a management get holds while it reads them
+
+
+def admin_query(worker: ShardWorker, op: str, args: dict) -> tuple[bool, Any]:
+    if op == "publish":
+        worker._publish(_NODE, [contract.PUBLISH, args["vhost"], list(args["queues"]), args.get("exchange", ""),
+                                args.get("routing_key", ""), bytes(args.get("props_raw") or b""),
+                                bytes(args.get("body") or b""), bool(args.get("persistent")), None, None, None])
+        worker._schedule_deliver_all()
+        return True, {}
+    vhost, name = args["vhost"], args["queue"]
+    q = worker.queues.get((vhost, name))
+    if q is None:
+        return False, [404, f"NOT_FOUND - no queue '{name}' in vhost '{vhost}'", 0, 0]
+    if q.__class__ is StreamQueue:
+        return False, [540, f"NOT_IMPLEMENTED - not supported by queue '{name}' in vhost '{vhost}'", 0, 0]
+    if op == "purge":
+        n = q.purge()
+        worker._dirty_queues.add(q)
+        return True, {"messages": n}
+    requeue = bool(args.get("requeue", True))
+    chan = ChannelRef(_NODE, 0, 0)
+    got: list[list] = []
+    held: list[int] = []
+    for _ in range(max(0, int(args.get("count", 1)))):
+        msg = q.get(chan, not requeue)
+        if msg is None:
+            break
+        _qid, msg_id, redelivered, exchange, routing_key, props_raw, body, remaining = msg
+        got.append([bool(redelivered), exchange, routing_key, props_raw, body, remaining])
+        if requeue:
+            held.append(msg_id)
+    for msg_id in held:
+        q.nack(msg_id, _NODE, 0, 0, True)
+    worker._dirty_queues.add(q)
+    worker._schedule_deliver_all()
+    return True, {"messages": got}

@@ -1,0 +1,187 @@
+"""Small durable key-value stores on a shard: MQTT retained messages and persistent-session state.
+
+One store per (vhost, space) in ``<data>/kv/<sha1(vhost)>/<sha1(space)>.log``: an
+append-only log of ``[u32 length][u32 crc32][msgpack [key, value]]`` records (value
+None deletes the key). Loading replays the log and stops at the first torn or corrupt
+record (and cuts the file there), as the queue segments do. The log is rewritten
+(tmp, fsync, rename) once it holds three times more records than live keys.
+
+Which shard keeps a store is the frontend's choice (frontend/mqtt/placement.py); the
+layout does not depend on the shard count. A put is answered (REPLY_DATA) once it is
+fsynced; puts arriving while a sync runs go with the next one (one fsync per store
+per round, never per put). Rates are those of retained messages and QoS 2 handshakes,
+not the publish path, so values are kept in memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import struct
+import zlib
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+
+from broker import contract
+from broker.datadir import name_hash
+
+if TYPE_CHECKING:
+    from shard.worker import ShardWorker
+
+log = logging.getLogger("shardmq.shard")
+
+KV_DIR = "kv"
+_HEAD = struct.Struct("<II")
+
+
+class KVStore:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.items: dict[str, Any] = {}
+        self.records = 0
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        good = self._load()
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        if os.fstat(self.fd).st_size != good:
+            os.ftruncate(self.fd, good)  # a torn tail from a crash
+        os.lseek(self.fd, good, os.SEEK_SET)
+
+    def _load(self) -> int:
+        try:
+            with open(self.path, "rb") as fh:
+                data = fh.read()
+        except FileNotFoundError:
+            return 0
+        pos = 0
+        n = len(data)
+        while pos + 8 <= n:
+            length, crc = _HEAD.unpack_from(data, pos)
+            body = data[pos + 8:pos + 8 + length]
+            if len(body) != length or zlib.crc32(body) != crc:
+                log.warning("kv store %s: stopping at a torn or corrupt record at offset %d", self.path, pos)
+                break
+            try:
+                key, value = msgpack.unpackb(body, raw=False)
+            except Exception:
+                break
+            if value is None:
+                self.items.pop(key, None)
+            else:
+                self.items[key] = value
+            self.records += 1
+            pos += 8 + length
+        return pos
+
+    def put(self, key: str, value: Any) -> None:
+        if value is None:
+            if key not in self.items:
+                return
+            self.items.pop(key, None)
+        else:
+            self.items[key] = value
+        body = msgpack.packb([key, value], use_bin_type=True)
+        os.write(self.fd, _HEAD.pack(len(body), zlib.crc32(body)) + body)
+        self.records += 1
+
+    @property
+    def wants_compaction(self) -> bool:
+        return self.records > 3 * len(self.items) + 64
+
+    def compact(self) -> None:
+        """Rewrite the log with the live keys only. Not while a sync of this fd runs (KVStores sees to it)."""
+        tmp = self.path + ".tmp"
+        with open(tmp, "wb") as fh:
+            for key, value in self.items.items():
+                body = msgpack.packb([key, value], use_bin_type=True)
+                fh.write(_HEAD.pack(len(body), zlib.crc32(body)) + body)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, self.path)
+        os.close(self.fd)
+        self.fd = os.open(self.path, os.O_RDWR)
+        os.lseek(self.fd, 0, os.SEEK_END)
+        self.records = len(self.items)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class KVStores:
+    """The stores a shard has opened, and their batched fsync."""
+
+    def __init__(self, worker: ShardWorker) -> None:
+        self.worker = worker
+        self.stores: dict[tuple[str, str], KVStore] = {}
+        self._dirty: set[KVStore] = set()
+        self._waiting: list[tuple[bytes, int]] = []
+        self._syncing = False
+
+    def store(self, vhost: str, space: str) -> KVStore:
+        st = self.stores.get((vhost, space))
+        if st is None:
+            root = os.path.join(self.worker.settings["data_dir"], KV_DIR, name_hash(vhost))
+            st = self.stores[(vhost, space)] = KVStore(os.path.join(root, name_hash(space) + ".log"))
+        return st
+
+    def handle_put(self, fe: bytes, item: list) -> None:
+        """[KV_PUT, req_id|None, vhost, space, key, value|None]"""
+        _, req_id, vhost, space, key, value = item
+        st = self.store(vhost, space)
+        st.put(key, value)
+        if st.wants_compaction and not self._syncing:
+            # Small stores (retained messages, session records): the rewrite's fsync is short, and a
+            # sync thread never holds this fd at the same time.
+            st.compact()
+        self._dirty.add(st)
+        if req_id is not None:
+            self._waiting.append((fe, req_id))
+        self._start_sync()
+
+    def handle_get(self, fe: bytes, item: list) -> None:
+        """[KV_GET, req_id, vhost, space, key|None] -> REPLY_DATA {"items": [[key, value], ...]}"""
+        _, req_id, vhost, space, key = item
+        items = self.store(vhost, space).items
+        if key is None:
+            found = [[k, v] for k, v in items.items()]
+        else:
+            found = [[key, items[key]]] if key in items else []
+        self.worker.data.put(fe, [contract.REPLY_DATA, req_id, True, {"items": found}])
+
+    def _start_sync(self) -> None:
+        if self._syncing or not self._dirty:
+            return
+        self._syncing = True
+        fds = [st.fd for st in self._dirty]
+        waiting = self._waiting
+        self._dirty = set()
+        self._waiting = []
+        fut = self.worker.loop.run_in_executor(None, _fsync_all, fds)
+        fut.add_done_callback(lambda f: self._synced(f, waiting))
+
+    def _synced(self, fut: asyncio.Future, waiting: list) -> None:
+        self._syncing = False
+        for st in self.stores.values():
+            if st.wants_compaction:
+                st.compact()
+        exc = fut.exception()
+        put = self.worker.data.put
+        for fe, req_id in waiting:
+            if exc is None:
+                put(fe, [contract.REPLY_DATA, req_id, True, {}])
+            else:
+                put(fe, [contract.REPLY_DATA, req_id, False, [541, f"INTERNAL_ERROR - kv sync failed: {exc}", 0, 0]])
+        self._start_sync()
+
+    def close(self) -> None:
+        fds = [st.fd for st in self.stores.values()]
+        _fsync_all(fds)
+        for st in self.stores.values():
+            st.close()
+        self.stores.clear()
+
+
+def _fsync_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.fsync(fd)

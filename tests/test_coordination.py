@@ -1,0 +1,152 @@
+"""replication/coordination.py against a real etcd (Debian's etcd-server, started per module)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from loadtest.etcd import EtcdCluster
+from replication.coordination import CoordinationError, Coordinator, NodeInfo, parse_endpoint
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    cluster = EtcdCluster(1, tmp_path_factory.mktemp("etcd"))
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+_prefixes = iter(range(1_000_000))
+
+
+def coordinator(etcd, name: str, prefix: str, ttl: int = 1, **kw) -> Coordinator:
+    return Coordinator(etcd.endpoints.split(","), prefix, name, ttl, **kw)
+
+
+def info(name: str) -> NodeInfo:
+    return NodeInfo(name=name, host="127.0.0.1", amqp_port=5000, replication_port=5001, http_port=5002)
+
+
+async def _until(pred, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not await pred():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.05)
+
+
+def test_parse_endpoint():
+    assert parse_endpoint("10.0.0.1:2379") == ("10.0.0.1", 2379)
+    assert parse_endpoint("http://etcd:2380/") == ("etcd", 2380)
+    assert parse_endpoint("etcd") == ("etcd", 2379)
+
+
+def test_first_boot_election_exactly_one_leader_and_isr_is_the_winner(etcd):
+    prefix = f"t{next(_prefixes)}-first"
+
+    async def main():
+        cs = [coordinator(etcd, f"n{i}", prefix) for i in range(3)]
+        for c in cs:
+            await c.start(info(c.name))
+        won = await asyncio.gather(*(c.campaign(info(c.name)) for c in cs))
+        assert sum(won) == 1
+        winner = cs[won.index(True)]
+        assert (await cs[0].leader()).name == winner.name
+        assert await cs[0].isr() == [winner.name]
+        assert set(await cs[0].nodes()) == {"n0", "n1", "n2"}
+        # A second campaign loses while the leader key exists.
+        assert not any(await asyncio.gather(*(c.campaign(info(c.name)) for c in cs if c is not winner)))
+        for c in cs:
+            await c.stop()
+
+    asyncio.run(main())
+
+
+def test_only_isr_members_may_win_and_only_the_leader_writes_the_isr(etcd):
+    prefix = f"t{next(_prefixes)}-isr"
+
+    async def main():
+        a, b, c = (coordinator(etcd, n, prefix) for n in ("a", "b", "c"))
+        for x in (a, b, c):
+            await x.start(info(x.name))
+        assert await a.campaign(info("a"))
+        assert await a.write_isr(["a", "b"])
+        assert await a.isr() == ["a", "b"]
+        assert not await b.write_isr(["b", "c"]), "a follower must not write the ISR"
+        assert await a.still_leader() and not await b.still_leader()
+        await a.stop()  # graceful: revoking the lease deletes the leader key at once
+        assert await b.leader() is None
+        assert not await c.campaign(info("c")), "c is not in the ISR"
+        assert await b.campaign(info("b"))
+        assert (await c.leader()).name == "b"
+        for x in (b, c):
+            await x.stop()
+
+    asyncio.run(main())
+
+
+def test_lease_keepalive_holds_and_a_dead_leaders_key_expires_after_the_ttl(etcd):
+    prefix = f"t{next(_prefixes)}-ttl"
+
+    async def main():
+        a = coordinator(etcd, "a", prefix)
+        b = coordinator(etcd, "b", prefix)
+        await a.start(info("a"))
+        await b.start(info("b"))
+        assert await a.campaign(info("a"))
+        await a.write_isr(["a", "b"])
+        await asyncio.sleep(2.5)  # well past the 1 s TTL: only keep-alives keep the key
+        assert (await b.leader()).name == "a" and a.lease_fresh()
+        # Simulate a frozen leader: its keep-alive stops, the lease is not revoked.
+        a._stop.set()
+        t0 = time.monotonic()
+        await _until(lambda: _is_none(b.leader()), timeout=5)
+        assert time.monotonic() - t0 < 2.5
+        assert not a.lease_fresh()
+        assert not await a.write_isr(["a"]), "the deposed leader's ISR write is fenced"
+        assert await b.campaign(info("b"))
+        await b.stop()
+
+    asyncio.run(main())
+
+
+async def _is_none(coro) -> bool:
+    return (await coro) is None
+
+
+def test_lost_lease_is_reported_and_a_new_lease_can_be_taken(etcd):
+    prefix = f"t{next(_prefixes)}-lost"
+
+    async def main():
+        lost = asyncio.Event()
+        a = coordinator(etcd, "a", prefix, on_lease_lost=lost.set)
+        await a.start(info("a"))
+        old = a.lease_id
+        other = coordinator(etcd, "x", prefix)
+        await other.start(info("x"))
+        await other._run(lambda c: c.revoke_lease(old))
+        await asyncio.wait_for(lost.wait(), 3)
+        await a.abandon_lease()
+        assert a.lease_id != old
+        await a.register(info("a"))
+        assert "a" in await other.nodes()
+        await a.stop()
+        await other.stop()
+
+    asyncio.run(main())
+
+
+def test_unreachable_etcd_is_a_clear_error():
+    async def main():
+        c = Coordinator(["127.0.0.1:1"], "x", "a", 1)
+        with pytest.raises(CoordinationError, match="etcd unreachable"):
+            await c.start(info("a"))
+        await c.stop()
+
+    asyncio.run(main())

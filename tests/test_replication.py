@@ -1,0 +1,408 @@
+"""Replication end to end: real leader and follower nodes (``--cluster`` static mode: ``--follow``),
+real pika clients, temp data dirs. See docs/cluster.md."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import pika
+import pika.exceptions
+import pytest
+
+from replication import protocol as p
+from tests.harness import free_port
+
+pytestmark = pytest.mark.integration
+
+SECRET = {"SHARDMQ_CLUSTER_SECRET": "test-secret"}
+WAIT = 30.0
+
+
+def leader_node(node_factory, name="n1", shards=2, extra=(), env=SECRET):
+    rport = free_port()
+    node = node_factory(name=name, frontends=1, shards=shards, env=env,
+                        extra_args=["--cluster", "--etcd-endpoints", "none", "--node-name", name,
+                                    "--replication-port", str(rport), *extra])
+    node.rport = rport
+    return node
+
+
+def follower_node(node_factory, leader, name="n2", env=SECRET, start=True):
+    node = node_factory(name=name, frontends=1, shards=leader.shards, env=env, start=False,
+                        extra_args=["--cluster", "--node-name", name, "--follow", f"127.0.0.1:{leader.rport}"])
+    if start:
+        node.start(wait=False)
+    return node
+
+
+def wait_for(predicate, what: str, timeout: float = WAIT, node=None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}\n" + (node.log_tail() if node else ""))
+
+
+def log_count(node, text: str) -> int:
+    return node.log_text().count(text)
+
+
+def wait_in_sync(leader, name="n2", times=1):
+    wait_for(lambda: log_count(leader, f"follower {name} is in sync") >= times, f"{name} in sync", node=leader)
+
+
+def listing(root: Path) -> dict[str, tuple[int, int]]:
+    """(length, CRC32) of every replicated file, trailing zeros cut (a leader's write segment is a
+    sparse file mapped at full size; a follower holds its used part)."""
+    out = {}
+    for dirpath, _dirs, names in os.walk(root):
+        rel = os.path.relpath(dirpath, root)
+        if rel == "run" or rel.startswith("run" + os.sep):
+            continue
+        for n in names:
+            if n == ".lock" or n.endswith(".tmp"):
+                continue
+            with open(os.path.join(dirpath, n), "rb") as f:
+                data = f.read().rstrip(b"\0")
+            out[os.path.normpath(os.path.join(rel, n))] = (len(data), zlib.crc32(data))
+    return out
+
+
+def wait_identical(leader, follower, timeout: float = WAIT):
+    last = {}
+
+    def same() -> bool:
+        a, b = listing(leader.data_dir), listing(follower.data_dir)
+        last["diff"] = {k: (a.get(k), b.get(k)) for k in set(a) | set(b) if a.get(k) != b.get(k)}
+        return not last["diff"]
+    try:
+        wait_for(same, "identical data dirs", timeout)
+    except AssertionError:
+        raise AssertionError(f"data dirs differ: {last['diff']}\n{leader.log_tail()}\n{follower.log_tail()}") from None
+
+
+def publish(node, queue_counts: dict[str, int], size: int = 1024) -> None:
+    conn = node.connect()
+    ch = conn.channel()
+    ch.confirm_delivery()
+    for q, n in queue_counts.items():
+        ch.queue_declare(q, durable=True)
+        for i in range(n):
+            ch.basic_publish("", q, f"{q}-{i}-".encode().ljust(size, b"."), pika.BasicProperties(delivery_mode=2))
+    conn.close()
+
+
+def fill(node) -> None:
+    """Queues with messages and acks, a stream, a delayed exchange holding messages, a user, a binding."""
+    publish(node, {"qa": 50, "qb": 30})
+    conn = node.connect()
+    ch = conn.channel()
+    ch.confirm_delivery()
+    for _ in range(10):  # acks: records removed from qa
+        method, _props, _body = ch.basic_get("qa", auto_ack=False)
+        ch.basic_ack(method.delivery_tag)
+    ch.queue_declare("st", durable=True, arguments={"x-queue-type": "stream"})
+    for i in range(20):
+        ch.basic_publish("", "st", b"stream-%d" % i, pika.BasicProperties(delivery_mode=2))
+    ch.exchange_declare("dx", "x-delayed-message", durable=True, arguments={"x-delayed-type": "direct"})
+    ch.queue_declare("dq", durable=True)
+    ch.queue_bind("dq", "dx", "k")
+    for i in range(5):
+        ch.basic_publish("dx", "k", b"later-%d" % i,
+                         pika.BasicProperties(delivery_mode=2, headers={"x-delay": 3_600_000}))
+    conn.close()
+
+
+def count(node, queue: str) -> int:
+    conn = node.connect()
+    try:
+        return conn.channel().queue_declare(queue, passive=True).method.message_count
+    finally:
+        conn.close()
+
+
+def test_full_sync_then_streaming_gives_identical_data_dirs(node_factory):
+    leader = leader_node(node_factory)
+    fill(leader)
+    follower = follower_node(node_factory, leader)
+    wait_in_sync(leader)
+    wait_identical(leader, follower)  # full sync
+    fill(leader)  # streamed: appends, acks, a new stream segment's records, definitions
+    publish(leader, {"qc": 40})
+    wait_identical(leader, follower)
+    names = listing(follower.data_dir)
+    assert any(n.endswith("definitions.log") for n in names)
+    assert any("/acks." in n for n in names) and any("/smeta." in n for n in names)
+    assert any(n.startswith("delayed" + os.sep) for n in names)
+
+
+def test_resync_deletes_what_the_leader_no_longer_has_and_repairs_corruption(node_factory):
+    leader = leader_node(node_factory)
+    publish(leader, {"keep": 20, "gone": 10})
+    follower = follower_node(node_factory, leader)
+    wait_in_sync(leader)
+    wait_identical(leader, follower)
+    follower.stop()
+    # While the follower is away: acks it misses, a queue deleted, more messages.
+    conn = leader.connect()
+    ch = conn.channel()
+    for _ in range(5):
+        method, _p, _b = ch.basic_get("keep", auto_ack=False)
+        ch.basic_ack(method.delivery_tag)
+    ch.queue_delete("gone")
+    conn.close()
+    publish(leader, {"keep": 5})
+    # ... and a byte of one of its files flipped (same size: only the CRC32 can tell).
+    seg = next(p for p in Path(follower.data_dir).rglob("msgs.*"))
+    data = bytearray(seg.read_bytes())
+    data[100] ^= 0xFF
+    seg.write_bytes(bytes(data))
+    follower.start(wait=False)
+    wait_in_sync(leader, times=2)
+    wait_identical(leader, follower)
+    assert "gone" not in {p.read_text() for p in Path(follower.data_dir).rglob(".queue")}
+
+
+def test_every_confirmed_message_is_on_the_follower(node_factory, tmp_path):
+    leader = leader_node(node_factory)
+    follower = follower_node(node_factory, leader)
+    wait_in_sync(leader)
+    publish(leader, {"c1": 300, "c2": 300})  # confirmed one by one: each waited for the follower's ack
+    leader.kill9()  # the node only: its workers die with it (PDEATHSIG)
+    follower.stop()
+    # The follower's data dir, started as a plain node, holds every confirmed message.
+    standalone = node_factory(name="promoted", frontends=1, shards=2, start=False)
+    standalone.data_dir = follower.data_dir
+    standalone.start()
+    assert count(standalone, "c1") == 300 and count(standalone, "c2") == 300
+    conn = standalone.connect()
+    method, _p, body = conn.channel().basic_get("c1", auto_ack=True)
+    assert body.startswith(b"c1-0-")
+    conn.close()
+
+
+def test_min_isr_nacks_until_a_follower_is_in_sync(node_factory):
+    leader = leader_node(node_factory, extra=["--min-isr", "1"])
+    conn = leader.connect()
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.queue_declare("m", durable=True)
+    with pytest.raises(pika.exceptions.NackError):
+        ch.basic_publish("", "m", b"x", pika.BasicProperties(delivery_mode=2))
+    conn.close()
+    wait_for(lambda: "< min-isr 1: nacking confirms" in leader.log_text(), "the reason logged", node=leader)
+    follower_node(node_factory, leader)
+    wait_in_sync(leader)
+    publish(leader, {"m": 3})  # raises on a nack
+
+
+def test_a_follower_that_stops_acking_is_dropped_and_confirms_go_on(node_factory):
+    leader = leader_node(node_factory, extra=["--replication-ack-timeout", "1"])
+    follower = follower_node(node_factory, leader)
+    wait_in_sync(leader)
+    os.kill(follower.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        publish(leader, {"s": 200})  # waits for the stalled follower at most ~ack timeout, then goes on
+        assert time.monotonic() - started < 20
+        wait_for(lambda: "is out of sync" in leader.log_text(), "n2 out of sync", node=leader)
+        assert "has not acked for" in leader.log_text()
+    finally:
+        os.kill(follower.pid, signal.SIGCONT)
+    wait_in_sync(leader, times=2)  # it comes back with a resync
+    wait_identical(leader, follower)
+
+
+def test_wrong_secret_is_refused_both_ways(node_factory):
+    leader = leader_node(node_factory)
+    # A follower with another secret: the leader cannot prove it knows that one, so the follower
+    # refuses the leader (and sends no proof of its own); it gets no data.
+    follower = follower_node(node_factory, leader, env={"SHARDMQ_CLUSTER_SECRET": "not-the-secret"})
+    wait_for(lambda: "does not know the cluster secret" in follower.log_text(), "the follower's refusal",
+             node=follower)
+    # A client that answers the challenge with a proof made from a wrong secret is refused by the leader.
+    with socket.create_connection(("127.0.0.1", leader.rport), timeout=10) as sock:
+        dec = p.Decoder()
+        nonce = p.new_nonce()
+        sock.sendall(p.encode_hello("intruder", "node", nonce))
+        challenge = _read_event(sock, dec)
+        assert isinstance(challenge, p.Challenge)
+        sock.sendall(p.encode_auth(p.follower_proof(b"guess", "node", "intruder", challenge.nonce, nonce)))
+        refused = _read_event(sock, dec)
+        assert isinstance(refused, p.Refused) and refused.reason == "authentication failed"
+        assert sock.recv(1) == b""  # and closed
+    wait_for(lambda: "authentication failed" in leader.log_text(), "the leader's log", node=leader)
+    assert not (Path(follower.data_dir) / "definitions.json").exists()
+    assert "is in sync" not in leader.log_text()
+
+
+def _read_event(sock, dec):
+    events = []
+    while not events:
+        data = sock.recv(65536)
+        assert data, "connection closed"
+        events = dec.feed(data)
+    return events[0]
+
+
+class CorruptingRelay:
+    """A TCP relay between follower and leader that flips one byte of the first leader->follower
+    chunk containing ``marker`` (once), as a bad NIC or cable might."""
+
+    def __init__(self, target_port: int, marker: bytes) -> None:
+        self.target_port = target_port
+        self.marker = marker
+        self.flipped = threading.Event()
+        self.lsock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.lsock.getsockname()[1]
+        self.socks: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.lsock.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            self.socks += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, corrupt: bool) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                if corrupt and not self.flipped.is_set() and (i := data.find(self.marker)) >= 0:
+                    data = data[:i] + bytes([data[i] ^ 0x01]) + data[i + 1:]
+                    self.flipped.set()
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.lsock.close()
+        for s in self.socks:
+            s.close()
+
+
+def test_an_action_corrupted_in_transit_is_never_applied_and_the_file_is_resynced(node_factory):
+    leader = leader_node(node_factory)
+    relay = CorruptingRelay(leader.rport, b"CORRUPT-ME")
+    try:
+        follower = node_factory(name="n2", frontends=1, shards=2, env=SECRET, start=False,
+                                extra_args=["--cluster", "--node-name", "n2", "--follow", f"127.0.0.1:{relay.port}"])
+        follower.start(wait=False)
+        wait_in_sync(leader)
+        publish(leader, {"cq": 1})
+        conn = leader.connect()
+        ch = conn.channel()
+        ch.confirm_delivery()
+        ch.basic_publish("", "cq", b"CORRUPT-ME" * 100, pika.BasicProperties(delivery_mode=2))  # confirmed
+        conn.close()
+        assert relay.flipped.is_set()
+        wait_for(lambda: "CRC32 mismatch" in follower.log_text(), "the follower to refuse the action", node=follower)
+        wait_in_sync(leader, times=2)  # a new session: the segment differs by CRC32 and is sent whole
+        wait_identical(leader, follower)
+    finally:
+        relay.close()
+
+
+def test_a_leader_shard_that_dies_is_resynced_and_confirms_go_on(node_factory):
+    leader = leader_node(node_factory, extra=["--min-isr", "1"])
+    follower = follower_node(node_factory, leader)
+    wait_in_sync(leader)
+    publish(leader, {"k0": 20, "k1": 20})
+    old = leader.kill_worker("shard", 0)
+    leader.wait_worker_restarted("shard", 0, old)
+    wait_in_sync(leader, times=2)  # the follower's session broke with the shard's stream; it resynced
+    publish(leader, {"k0": 5, "k1": 5})  # min-isr 1: acked only because the follower is back in the ISR
+    wait_identical(leader, follower)
+
+
+def test_role_api_follower_promoted_by_become_leader_then_replicates_to_a_new_follower(node_factory, tmp_path,
+                                                                                       monkeypatch):
+    """The coordinator's entry points on an in-process Node: follow, then become_leader (warm start of
+    the replicated data dir), which also starts replicating to followers of its own."""
+    import asyncio
+
+    from broker.config import load_settings
+    from broker.node import Node
+
+    monkeypatch.setenv("SHARDMQ_CLUSTER_SECRET", SECRET["SHARDMQ_CLUSTER_SECRET"])
+    leader = leader_node(node_factory)
+    publish(leader, {"r": 10})
+    amqp_port, rport = free_port(), free_port()
+    settings = load_settings(
+        ["--data-dir", str(tmp_path / "n2"), "--port", str(amqp_port), "--http-port", "0", "--shards", "2",
+         "--frontends", "1", "--cluster", "--node-name", "n2", "--replication-port", str(rport),
+         "--follow", f"127.0.0.1:{leader.rport}"], dict(os.environ))
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+
+    def call(coro_fn, timeout=WAIT):
+        async def run():
+            return await coro_fn()
+        return asyncio.run_coroutine_threadsafe(run(), loop).result(timeout)
+
+    node = call(lambda: _make_node(Node, settings))
+    try:
+        call(node.start)
+        assert node.role == "follower"
+        wait_for(lambda: node.repl_follower.status()["in_sync"], "in-process follower in sync", node=leader)
+        publish(leader, {"r": 15})  # confirmed: on n2 too
+        leader.kill9()
+        call(node.become_leader, timeout=90)
+        assert node.role == "leader"
+        wait_for(lambda: node.ready, "the promoted node's frontends")
+        conn = _connect_when_listening(amqp_port)
+        assert conn.channel().queue_declare("r", passive=True).method.message_count == 25
+        conn.close()
+        n3 = node_factory(name="n3", frontends=1, shards=2, env=SECRET, start=False,
+                          extra_args=["--cluster", "--node-name", "n3", "--follow", f"127.0.0.1:{rport}"])
+        n3.start(wait=False)
+        wait_for(lambda: "n3" in call(lambda: _in_sync(node)), "n3 in sync with the promoted node", node=n3)
+    finally:
+        call(node.stop, timeout=60)
+        loop.call_soon_threadsafe(loop.stop)
+
+
+async def _make_node(node_cls, settings):
+    return node_cls(settings)
+
+
+async def _in_sync(node) -> set[str]:
+    return {f.name for f in node.repl_leader.followers().values() if f.in_sync}
+
+
+def _connect_when_listening(port: int) -> pika.BlockingConnection:
+    deadline = time.monotonic() + WAIT
+    while True:
+        try:
+            return pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", port, connection_attempts=1))
+        except pika.exceptions.AMQPConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def test_a_graceful_stop_of_the_leader_leaves_its_followers_in_sync(node_factory):
+    """Followers go away because the leader stops: that must not shrink the ISR (with etcd the last
+    ISR write decides who may take over)."""
+    leader = leader_node(node_factory)
+    follower_node(node_factory, leader)
+    wait_in_sync(leader)
+    assert leader.stop() == 0
+    assert "follower n2 is out of sync" not in leader.log_text()
