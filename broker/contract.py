@@ -77,9 +77,12 @@ FORWARD = 5
 #   {"connections": [[conn_id, peer_host, peer_port, user, vhost, client_properties(dict), connected_at_ms,
 #                     recv_oct, send_oct, blocked(bool), [[channel, prefetch, global_prefetch, consumers,
 #                     unacked, unconfirmed, confirm(bool), tx(bool)], ...]], ...],
-#    "consumers": [[conn_id, channel, tag, queue, no_ack, prefetch], ...]}
+#    "consumers": [[conn_id, channel, tag, queue, no_ack, prefetch], ...],
+#    "counters": {"connections_opened": n, "connections_closed": n}}  (totals since the frontend started)
 # a shard's: {"queues": [[vhost, name, ready, unacked, consumers, ready_bytes, published, delivered, acked], ...]}
-#   (published/delivered/acked: totals since the shard started; the node turns them into rates)
+#   (published/delivered/acked: totals since the shard started; the node turns them into rates),
+#   "totals": [published, delivered, acked] summed over the shard's queues, "segment_bytes": n,
+#   "fsync": {"buckets": [le, ...], "counts": [n, ...], "sum": seconds, "count": n}
 STATS = 6
 # REPL_STATUS: [REPL_STATUS, {follower: [connected, in_sync, lag_bytes, lag_seconds, last_ack_monotonic,
 #                                         acked_position]}]

@@ -66,6 +66,8 @@ class Node:
         self._tasks: set[asyncio.Task] = set()
         self.stopped = asyncio.Event()
         self._shards_ready = asyncio.Event()
+        # Frontends' HELLOs that wait for every shard to be up (a promotion, see _serve).
+        self._deferred_hellos: list[tuple] = []
         # Open connections per vhost, counted against max-connections: vhost -> {(frontend, conn_id)}.
         self.vhost_conns: dict[str, set[tuple]] = {}
         # Cluster roles (docs/cluster.md): a leader serves and replicates, a follower only replicates.
@@ -211,9 +213,8 @@ class Node:
             self.epochs[i] = 1
             await self.sup.spawn(self._worker("shard", i))
         # A promotion is failover time: the frontends' interpreter start overlaps the shards'
-        # recovery (a frontend's batches wait in ZeroMQ until the shard binds, and a shard handles
-        # data that arrives before its snapshot once it is loaded). A standalone boot keeps the
-        # plain order.
+        # recovery; their snapshot (and so their listeners) waits until every shard is up (_hello).
+        # A standalone boot keeps the plain order.
         overlap = bool(s.cluster)
         if overlap:
             for i in range(s.frontends):
@@ -252,6 +253,7 @@ class Node:
         await self.sup.forget_all()
         await self._stop_workers()  # nothing left to stop: DefStore synced and closed, fresh state
         self._apply_waiters.clear()
+        self._deferred_hellos.clear()
         for fut in list(self._queries.values()):
             if not fut.done():
                 fut.set_result(None)
@@ -411,6 +413,11 @@ class Node:
             if w.proc:
                 w.proc.send_signal(signal.SIGKILL)
             return
+        if w.role == "frontend" and not self._shards_ready.is_set():
+            # A promotion starts the frontends while the shards recover; a frontend listens once it
+            # has its snapshot, so it gets it when every shard is up (nothing reaches a shard early).
+            self._deferred_hellos.append((ident, w, item))
+            return
         settings = dataclasses.asdict(self.settings)
         self.ctl.put(ident, [contract.SNAPSHOT, self.defs.version, self.defs.to_dict(), self.epochs, settings])
         if w.role == "frontend" and self.alarms:
@@ -434,6 +441,10 @@ class Node:
         self._broadcast(None, [contract.SHARD_UP, w.index, self.epochs[w.index]])
         if all(x.connected and x.applied >= 0 for x in self.sup.workers if x.role == "shard"):
             self._shards_ready.set()
+            deferred, self._deferred_hellos = self._deferred_hellos, []
+            for ident, frontend, item in deferred:
+                if frontend.proc is not None and frontend.proc.returncode is None:
+                    self._hello(ident, frontend, item)
 
     def _check_apply_waiters(self) -> None:
         # A worker that has not said HELLO yet gets a snapshot with the newest version, so only

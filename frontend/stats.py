@@ -37,4 +37,4 @@ def frontend_stats(worker: FrontendWorker) -> dict:
                             getattr(conn, "client_properties", {}), getattr(conn, "connected_at", 0),
                             getattr(conn, "recv_oct", 0), getattr(conn, "send_oct", 0),
                             bool(getattr(conn, "_read_pause", ())), channels])
-    return {"connections": connections, "consumers": consumers}
+    return {"connections": connections, "consumers": consumers, "counters": dict(worker.counters)}

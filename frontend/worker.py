@@ -60,6 +60,8 @@ class FrontendWorker:
         self._processed: list[int] = []  # highest batch_seq a shard answered with PROCESSED
         self.pressure = False  # a shard is behind: reading paused on publishing connections
         self.alarms: list[str] = []  # resource alarms in effect (node ALARMS): publishers are blocked
+        # Totals since this frontend started, reported in STATS (Prometheus' *_opened_total/_closed_total).
+        self.counters = {"connections_opened": 0, "connections_closed": 0}
         self.node: BatchSocket | None = None
         self.servers: list[asyncio.AbstractServer] = []
         self._forwarded: dict[str, Callable] = {}
@@ -362,11 +364,13 @@ class FrontendWorker:
 
     def add_connection(self, conn: Session) -> None:
         self.conns[conn.conn_id] = conn
+        self.counters["connections_opened"] += 1
         if self._stopping:
             conn.fail(CONNECTION_FORCED, "broker shutdown")
 
     def remove_connection(self, conn: Session) -> None:
-        self.conns.pop(conn.conn_id, None)
+        if self.conns.pop(conn.conn_id, None) is not None:
+            self.counters["connections_closed"] += 1
 
     def mark_dirty(self, conn: Session) -> None:
         self._dirty.append(conn)

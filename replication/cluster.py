@@ -50,7 +50,9 @@ class ClusterRole:
         self.ttl = s.lease_ttl
         self.coord = Coordinator(s.etcd_endpoints, s.etcd_prefix, s.node_name, s.lease_ttl,
                                  on_lease_lost=self._on_lease_lost)
-        listeners = {name: getattr(s, field, 0) or 0 for name, field in _LISTENER_FIELDS}
+        listeners = {name: getattr(s, field, 0) or 0 for name, field in _LISTENER_FIELDS
+                     # the TLS listeners exist only with a certificate (as in the frontends)
+                     if getattr(s, "tls_cert", None) or name not in ("amqps", "mqtts")}
         self.info = NodeInfo(
             name=s.node_name, host=s.advertised_host, amqp_port=s.port,
             replication_port=getattr(s, "replication_port", 0), http_port=s.http_port,
@@ -284,7 +286,7 @@ class ClusterRole:
             self._isr_task = asyncio.get_running_loop().create_task(self._sync_isr())
 
     async def _sync_isr(self) -> None:
-        while self._isr_dirty and self.role == "leader" and not self.stopping:
+        while self._isr_dirty and self.role == "leader" and not self.stopping and self._fence_reason is None:
             self._isr_dirty = False
             repl = self.replication
             followers = repl.followers() if repl is not None else {}

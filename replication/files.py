@@ -77,6 +77,9 @@ def walk(root: str, rel_dirs: Iterable[str] | None) -> list[str]:
         return out
     for d in rel_dirs:
         base = os.path.join(root, d)
+        if os.path.isfile(base):  # a single file a stream owns (a shard's open KV store)
+            out.append(d)
+            continue
         for dirpath, _dirs, names in os.walk(base):
             reld = os.path.relpath(dirpath, root).replace(os.sep, "/")
             out.extend(f"{reld}/{n}" for n in names if not _is_temp(n))
@@ -133,6 +136,33 @@ class CrcCache:
         for rel in [r for r in self._cache if r not in seen]:
             del self._cache[rel]
         return out
+
+    def fresh(self, root: str, rel: str) -> bool:
+        """Whether the cached CRC of ``rel`` still matches its size and mtime."""
+        hit = self._cache.get(rel)
+        if hit is None:
+            return False
+        try:
+            st = os.stat(os.path.join(root, rel))
+        except OSError:
+            return False
+        return hit[:2] == (st.st_size, st.st_mtime_ns)
+
+    @staticmethod
+    def compute(root: str, rels: list[str]) -> dict[str, tuple[int, int, int]]:
+        """CRC32s of whole files, for :meth:`merge`: safe in a worker thread (touches no cache)."""
+        out = {}
+        for rel in rels:
+            full = os.path.join(root, rel)
+            try:
+                st = os.stat(full)
+                out[rel] = (st.st_size, st.st_mtime_ns, crc_file(full, st.st_size))
+            except OSError:
+                continue
+        return out
+
+    def merge(self, entries: dict[str, tuple[int, int, int]]) -> None:
+        self._cache.update(entries)
 
 
 # ------------------------------------------------------------------ follower side

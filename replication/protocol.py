@@ -255,6 +255,15 @@ def encode_append(path: str, offset: int, data: bytes) -> bytes:
     return _frame(APPEND, _path(path) + _APPEND.pack(offset, zlib.crc32(data)) + bytes(data))
 
 
+def append_header(path: str, offset: int, data: bytes | bytearray | memoryview) -> bytes:
+    """The bytes of an APPEND frame before its data: ``append_header(...) + data == encode_append(...)``.
+    Lets a sender join header and data once, without copying the data into a frame first."""
+    tail = _path(path) + _APPEND.pack(offset, zlib.crc32(data))
+    if len(tail) + len(data) + 1 > MAX_FRAME:
+        raise ValueError(f"frame of {len(data)} bytes is larger than {MAX_FRAME}")
+    return _HEADER.pack(len(tail) + len(data) + 1, APPEND) + tail
+
+
 def encode_replace(path: str, data: bytes) -> bytes:
     return _frame(REPLACE, _path(path) + _CRC.pack(zlib.crc32(data)) + bytes(data))
 

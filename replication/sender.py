@@ -137,6 +137,7 @@ class StreamSender:
         self._tasks: set[asyncio.Task] = set()
         self._timer: asyncio.TimerHandle | None = None
         self._nack_logged = 0.0
+        self._rels: dict[str, str | None] = {}  # absolute path -> stream path (appends repeat paths)
 
     # ------------------------------------------------------------ observer (any thread)
     def _rel(self, path: str) -> str | None:
@@ -151,7 +152,12 @@ class StreamSender:
         if threading.get_ident() != self._thread:
             self.loop.call_soon_threadsafe(self.append, path, offset, bytes(data))
             return
-        rel = self._rel(path)
+        try:
+            rel = self._rels[path]
+        except KeyError:
+            if len(self._rels) > 4096:
+                self._rels.clear()
+            rel = self._rels[path] = self._rel(path)
         if rel is None:
             return
         pend = self._pending
@@ -189,12 +195,16 @@ class StreamSender:
     def _encode_pending(self) -> None:
         rel, offset, data = self._pending
         self._pending = None
-        # Frames stay below MAX_FRAME: a huge coalesced run is cut in pieces.
+        # Header and data go to the frame list separately (joined once per turn, no extra copy);
+        # frames stay below MAX_FRAME: a huge coalesced run is cut in pieces.
         step = p.MAX_FRAME // 2
+        view = memoryview(data)
         for i in range(0, len(data), step):
-            frame = p.encode_append(rel, offset + i, bytes(data[i:i + step]))
-            self._frames.append(frame)
-            self.seq += len(frame)
+            piece = view[i:i + step]
+            header = p.append_header(rel, offset + i, piece)
+            self._frames.append(header)
+            self._frames.append(piece)
+            self.seq += len(header) + len(piece)
 
     def _schedule_flush(self) -> None:
         if not self._flush_scheduled:
@@ -231,7 +241,23 @@ class StreamSender:
     def attach_socket(self, sock: socket.socket, name: str) -> None:
         """Start replicating to an authenticated follower connection (its full sync begins)."""
         sock.setblocking(False)
-        self.loop.create_task(self.loop.connect_accepted_socket(lambda: _Link(self, name), sock))
+        self._spawn(self._attach_socket(sock, name))
+
+    async def _attach_socket(self, sock: socket.socket, name: str) -> None:
+        # First pass, off the loop: hash every file that is not a live write segment, so the list
+        # made in one loop turn by _attach (the second pass, the brief write pause) only hashes
+        # what changed since (write segments, new acks). Sealed segments then cost the loop nothing.
+        try:
+            dirs = self.owned_dirs()
+            rels = walk(self.root, dirs)
+            cold = [r for r in rels if self.logical_size(os.path.join(self.root, r)) is None
+                    and not self._crcs.fresh(self.root, r)]
+            if cold:
+                self._crcs.merge(await self.loop.run_in_executor(None, CrcCache.compute, self.root, cold))
+            await self.loop.connect_accepted_socket(lambda: _Link(self, name), sock)
+        except Exception:
+            log.exception("replication %s: cannot attach follower %s", self.stream, name)
+            sock.close()
 
     def _attach(self, link: _Link) -> None:
         old = self.links.pop(link.name, None)
@@ -252,6 +278,7 @@ class StreamSender:
         self.links[link.name] = link
         if len(self.links) == 1:
             write_observer.subscribe(self)
+        if self._timer is None:
             self._timer = self.loop.call_later(_CHECK_S, self._check)
         log.info("replication %s: follower %s attached (%d files listed)", self.stream, link.name, len(files))
         self.on_change()
@@ -264,6 +291,7 @@ class StreamSender:
                 write_observer.subscribe(None)
                 if self._timer is not None:
                     self._timer.cancel()
+                    self._timer = None
             self.on_change()
         self._check_waiters()
 
@@ -325,8 +353,7 @@ class StreamSender:
                             "disconnected", self.stream, link.name, now - link.last_ack, self.seq - link.acked)
                 link.close()
                 self._detach(link)
-        if self.links:
-            self._timer = self.loop.call_later(_CHECK_S, self._check)
+        self._timer = self.loop.call_later(_CHECK_S, self._check) if self.links else None
 
     def _spawn(self, coro) -> None:
         task = self.loop.create_task(coro)
@@ -339,6 +366,9 @@ class StreamSender:
         return bool(self.isr) or self.min_isr > 0
 
     def set_isr(self, names: set[str], min_isr: int) -> None:
+        if set(names) != self.isr or min_isr != self.min_isr:
+            log.info("replication %s: confirms wait for ISR [%s] (min-isr %d)", self.stream,
+                     ",".join(sorted(names)), min_isr)
         self.isr = set(names)
         self.min_isr = min_isr
         self._check_waiters()
@@ -391,6 +421,9 @@ class StreamSender:
         for link in list(self.links.values()):
             link.close()
         self.links.clear()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if write_observer.current is self:
             write_observer.subscribe(None)
         while self._waiters:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
-from broker import contract
+from broker import contract, write_observer
 from broker.datadir import name_hash
 
 if TYPE_CHECKING:
@@ -82,8 +82,11 @@ class KVStore:
         else:
             self.items[key] = value
         body = msgpack.packb([key, value], use_bin_type=True)
-        os.write(self.fd, _HEAD.pack(len(body), zlib.crc32(body)) + body)
+        data = _HEAD.pack(len(body), zlib.crc32(body)) + body
+        os.write(self.fd, data)
         self.records += 1
+        if write_observer.current is not None:
+            write_observer.current.append(self.path, os.lseek(self.fd, 0, os.SEEK_CUR) - len(data), data)
 
     @property
     def wants_compaction(self) -> bool:
@@ -92,13 +95,18 @@ class KVStore:
     def compact(self) -> None:
         """Rewrite the log with the live keys only. Not while a sync of this fd runs (KVStores sees to it)."""
         tmp = self.path + ".tmp"
+        parts = []
+        for key, value in self.items.items():
+            body = msgpack.packb([key, value], use_bin_type=True)
+            parts.append(_HEAD.pack(len(body), zlib.crc32(body)) + body)
+        data = b"".join(parts)
         with open(tmp, "wb") as fh:
-            for key, value in self.items.items():
-                body = msgpack.packb([key, value], use_bin_type=True)
-                fh.write(_HEAD.pack(len(body), zlib.crc32(body)) + body)
+            fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, self.path)
+        if write_observer.current is not None:
+            write_observer.current.replace(self.path, data)
         os.close(self.fd)
         self.fd = os.open(self.path, os.O_RDWR)
         os.lseek(self.fd, 0, os.SEEK_END)
@@ -157,22 +165,32 @@ class KVStores:
         waiting = self._waiting
         self._dirty = set()
         self._waiting = []
+        # In a cluster the replies also wait for the ISR followers (as publish confirms do).
+        repl = self.worker.repl
+        target = repl.position() if waiting and repl is not None and repl.gating else -1
         fut = self.worker.loop.run_in_executor(None, _fsync_all, fds)
-        fut.add_done_callback(lambda f: self._synced(f, waiting))
+        fut.add_done_callback(lambda f: self._synced(f, waiting, target))
 
-    def _synced(self, fut: asyncio.Future, waiting: list) -> None:
+    def _synced(self, fut: asyncio.Future, waiting: list, target: int = -1) -> None:
         self._syncing = False
         for st in self.stores.values():
             if st.wants_compaction:
                 st.compact()
         exc = fut.exception()
+        repl = self.worker.repl
+        if exc is None and target >= 0 and waiting and repl is not None:
+            repl.when_replicated(target, lambda ok: self._reply(waiting, None if ok else "too few in-sync followers"))
+        else:
+            self._reply(waiting, None if exc is None else f"kv sync failed: {exc}")
+        self._start_sync()
+
+    def _reply(self, waiting: list, error: str | None) -> None:
         put = self.worker.data.put
         for fe, req_id in waiting:
-            if exc is None:
+            if error is None:
                 put(fe, [contract.REPLY_DATA, req_id, True, {}])
             else:
-                put(fe, [contract.REPLY_DATA, req_id, False, [541, f"INTERNAL_ERROR - kv sync failed: {exc}", 0, 0]])
-        self._start_sync()
+                put(fe, [contract.REPLY_DATA, req_id, False, [541, f"INTERNAL_ERROR - {error}", 0, 0]])
 
     def close(self) -> None:
         fds = [st.fd for st in self.stores.values()]

@@ -169,6 +169,7 @@ class Segment:
     __slots__ = (
         "no", "dir", "fd", "mm", "size", "used", "sealed",
         "count", "transient", "body_bytes", "live", "acked", "ack_fd", "skip_acked", "unverified",
+        "msgs_path",
     )
 
     def __init__(self, dir_path: str, no: int) -> None:
@@ -189,6 +190,7 @@ class Segment:
         self.skip_acked = False
         # Sealed with a valid meta and loaded without reading it: CRC-checked when first mapped.
         self.unverified = False
+        self.msgs_path = os.path.join(dir_path, file_name("msgs", no))  # reported per append when replicating
 
     def path(self, kind: str) -> str:
         return os.path.join(self.dir, file_name(kind, self.no))

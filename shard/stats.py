@@ -54,5 +54,7 @@ def shard_stats(worker: ShardWorker) -> dict:
         unacked = len(q.unacked)
         queues.append([vhost, name, ready, unacked, len(q.consumers), int(getattr(q.store, "ready_bytes", 0) or 0),
                        q.n_published, q.n_delivered, q.n_acked])
-    return {"queues": queues, "fsync": worker.sync_histogram.report(),
+    totals = [sum(q.n_published for q in worker.queues.values()), sum(q.n_delivered for q in worker.queues.values()),
+              sum(q.n_acked for q in worker.queues.values())]
+    return {"queues": queues, "totals": totals, "fsync": worker.sync_histogram.report(),
             "segment_bytes": sum(_segment_bytes(q.store) for q in worker.queues.values())}

@@ -171,7 +171,7 @@ class QueueStore(SegmentDir):
         seg.used = pos + total
         obs = write_observer.current
         if obs is not None:
-            obs.append(seg.path("msgs"), pos, seg.mm[pos:pos + total])
+            obs.append(seg.msgs_path, pos, seg.mm[pos:pos + total])
         seg.count += 1
         seg.live += 1
         n = len(body)
@@ -502,8 +502,11 @@ class QueueStore(SegmentDir):
             with self._lock:
                 self._ack_fds.add(fd)  # closed by close() with the ack files
             self._dir_dirty = True
-        os.pwrite(fd, struct.pack("<Q", cursor), 0)
+        data = struct.pack("<Q", cursor)
+        os.pwrite(fd, data, 0)
         self._mark = cursor
+        if write_observer.current is not None:
+            write_observer.current.append(os.path.join(self.path, DELIVERED_MARK), 0, data)
 
     def _remove_many(self, seg: Segment, positions: list[int]) -> int:
         if not positions:

@@ -197,7 +197,7 @@ class StreamStore(SegmentDir):
         record.write(seg.mm, pos, payload)
         seg.used = pos + total
         if write_observer.current is not None:
-            write_observer.current.append(seg.path("msgs"), pos, seg.mm[pos:pos + total])
+            write_observer.current.append(seg.msgs_path, pos, seg.mm[pos:pos + total])
         if not seg.count:
             seg.first_ts = ts_ms
         seg.last_ts = ts_ms

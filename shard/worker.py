@@ -844,8 +844,10 @@ class ShardWorker:
         fut.add_done_callback(lambda f: self._sync_done(f, waiting, after, target, started))
 
     def _owned_store_paths(self) -> list[str]:
-        """Directories of the stores this shard owns (its replication stream's files)."""
-        return [q.store.path for q in self.queues.values()] + [s.path for s in self.delayed.all_stores()]
+        """Directories of the stores this shard owns, and the KV store files it has open (its
+        replication stream's files; KV files are listed by the node stream too, see docs/cluster.md)."""
+        return ([q.store.path for q in self.queues.values()] + [s.path for s in self.delayed.all_stores()]
+                + [st.path for st in self.kv.stores.values()])
 
     def _replicated(self, waiting: list, ok: bool) -> None:
         kind = contract.CONFIRM if ok else contract.CONFIRM_NACK

@@ -162,3 +162,31 @@ def test_memory_alarm_blocks_publishers_not_consumers(node_factory):
     method, _props, body = och.basic_get("mem", auto_ack=True)  # consumers keep working
     assert body == b"first"
     other.close()
+
+
+def test_memory_alarm_blocks_mqtt_publishers(tmp_path):
+    from broker.mqtt import codec as M
+    from tests.harness import free_port
+    from tests.raw_mqtt import RawMQTT
+
+    factory = NodeFactory(tmp_path)
+    try:
+        node = factory(name="node", frontends=1, shards=1, mqtt_port=free_port(),
+                       extra_args=["--vm-memory-high-watermark", "1MB"])
+        api = Api(node.http_port)
+        _wait(lambda: api.call("GET", "/api/health/checks/alarms")[0] == 503, 10, "the memory alarm")
+        sub = RawMQTT(node.mqtt_port)
+        sub.connect("alarm-sub")
+        assert sub.subscribe(1, [("alarm/#", 1)]) == [1]  # not a publisher: still served
+        pub = RawMQTT(node.mqtt_port)
+        pub.connect("alarm-pub")
+        pub.publish("alarm/a", b"first", qos=1, pid=1)  # read, then the session is blocked
+        ack = pub.recv()
+        assert isinstance(ack, M.Ack) and ack.packet_id == 1
+        pub.publish("alarm/a", b"second", qos=1, pid=2)
+        with pytest.raises(AssertionError):
+            pub.recv(timeout=1.0)  # not read while the alarm holds: no PUBACK
+        got = sub.recv()
+        assert isinstance(got, M.Publish) and got.payload == b"first"
+    finally:
+        factory.cleanup()

@@ -347,3 +347,46 @@ def test_node_started_before_etcd_waits_for_it_then_leads(node_factory, tmp_path
         node.wait_ready()
     finally:
         etcd.stop()
+
+
+def test_followers_proxy_mqtt_too(cluster):
+    from tests.harness import free_port
+    from tests.test_mqtt import Paho
+
+    names = ("n1", "n2")
+    nodes = [cluster.add(n, wait=False, mqtt_port=free_port()) for n in names]
+    for node in nodes:
+        node.wait_ready()
+    leader = cluster.leader()
+    follower = next(n for n in nodes if n is not leader)
+    pub = Paho(leader.mqtt_port)
+    sub = Paho(follower.mqtt_port)  # through the follower's proxy
+    try:
+        assert pub.subscribe(("cluster/other", 0)) == [0]
+        assert sub.subscribe(("cluster/t", 1)) == [1]
+        pub.publish("cluster/t", b"via the leader", qos=1)
+        assert sub.get()[:2] == ("cluster/t", b"via the leader")
+    finally:
+        sub.close()
+        pub.close()
+
+
+def test_leader_whose_disk_writes_stall_steps_down(cluster):
+    """The watchdog's disk probe (write + fsync of run/disk-probe, once a second) is made to block:
+    a FIFO without a reader in place of the probe file, so the probe's write never returns."""
+    (node,) = cluster.start(1)
+    cluster.leader()
+    probe = node.data_dir / "run" / "disk-probe"
+    wait_for(probe.exists, 10, "the first disk probe")
+    probe.unlink()
+    os.mkfifo(probe)
+    t0 = time.monotonic()
+    wait_for(lambda: "disk stalled" in node.log_text(), 15, "the stalled-disk fence")
+    wait_for(lambda: not is_leader(node), 5, "the leader to step down")
+    assert time.monotonic() - t0 < 2 + 1 + 5  # the probe period + its 2 s bound + slack
+    # The disk comes back (a reader lets the blocked write through): the node leads again.
+    fd = os.open(probe, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        wait_for(lambda: is_leader(node), 20, "the node to lead again")
+    finally:
+        os.close(fd)

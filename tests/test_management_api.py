@@ -207,13 +207,15 @@ def test_rates_from_two_reports():
     from broker.node_stats import NodeStats
 
     st = NodeStats()
-    st.update("shard", 0, {"queues": [["/", "q", 0, 0, 0, 0, 100, 40, 30]]})
-    st.update("shard", 0, {"queues": [["/", "q", 0, 0, 0, 0, 300, 140, 30]]})
+    st.update("shard", 0, {"queues": [["/", "q", 0, 0, 0, 0, 100, 40, 30]], "totals": [100, 40, 30]})
+    st.update("shard", 0, {"queues": [["/", "q", 0, 0, 0, 0, 300, 140, 30]], "totals": [300, 140, 30]})
     st.received_at[("shard", 0)] = st.previous[0][0] + 2.0  # the second report came 2 s later
     st._prev_rows = None
     ms = st.message_stats(st.queues()[("/", "q")])
     assert ms["publish"] == 300 and ms["publish_details"] == {"rate": 100.0}
     assert ms["deliver_get_details"] == {"rate": 50.0} and ms["ack_details"] == {"rate": 0.0}
+    for totals in (st.totals(), st.totals({("/", "q")})):  # from the shard's sums, and per queue
+        assert totals["publish"] == 300 and totals["publish_details"] == {"rate": 100.0}
     st.update("shard", 0, {"queues": [["/", "q", 0, 0, 0, 0, 5, 0, 0]]})  # shard restarted: counters reset
     assert st.message_stats(st.queues()[("/", "q")])["publish_details"]["rate"] == 0.0
 

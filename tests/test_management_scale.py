@@ -61,3 +61,18 @@ def test_one_page_of_100k_queues_is_fast():
     timings = asyncio.run(run())
     print("GET /api/queues page of 100 at 100k queues:", {k: f"{v * 1000:.0f} ms" for k, v in timings.items()})
     assert timings["by name"] < 1.0, timings  # generous for a loaded 2-core CI machine
+
+
+def test_aggregated_metrics_scrape_of_100k_queues_is_cheap():
+    from broker.http.metrics import _render
+
+    node = _node()
+    node.sup = SimpleNamespace(workers=[])
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        body = _render(node, per_object=False)
+        best = min(best, time.perf_counter() - t0)
+    print(f"/metrics (aggregated) at 100k queues: {best * 1000:.0f} ms, {len(body)} bytes")
+    assert b"rabbitmq_queues 100000.0" in body
+    assert len(body) < 20_000 and best < 1.0  # no per-queue series unless asked for

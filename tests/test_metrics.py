@@ -40,11 +40,13 @@ def test_aggregated_and_per_object_metrics(node_factory):
     deadline = time.monotonic() + 10
     while True:
         m = scrape(node)
-        if value(m["rabbitmq_queue_messages_ready"]) == 5 and value(m["rabbitmq_connections"]) >= 1:
+        if (value(m["rabbitmq_queue_messages_ready"]) == 5 and value(m["rabbitmq_connections"]) >= 1
+                and value(m["rabbitmq_connections_opened"]) >= 2):  # wait_ready's probe and ours
             break
         assert time.monotonic() < deadline, m.get("rabbitmq_queue_messages_ready")
         time.sleep(0.05)
     assert value(m["rabbitmq_queues"]) == 1
+    assert value(m["rabbitmq_connections_closed"]) >= 1  # wait_ready's probe
     assert value(m["rabbitmq_global_messages_routed"]) == 5  # the parser drops the _total suffix
     assert value(m["rabbitmq_channels"]) >= 1
     assert value(m["rabbitmq_queue_messages_ready_bytes"]) == 50

@@ -180,3 +180,36 @@ def test_impersonator_may_publish_with_another_user_id(mnode, api):
                 ch.basic_publish("", qn, b"x", pika.BasicProperties(user_id="someone-else"))
             assert info.value.reply_code == 406
         conn.close()
+
+
+def test_mqtt_publish_and_subscribe_are_checked(tmp_path):
+    """MQTT sessions use the same permissions: write on amq.topic (+ topic write), configure/write on the
+    subscription queue and read on amq.topic (+ topic read) to subscribe."""
+    from broker.mqtt import codec as M
+    from tests.harness import NodeFactory, free_port
+    from tests.raw_mqtt import RawMQTT
+
+    factory = NodeFactory(tmp_path)
+    try:
+        node = factory(name="node", frontends=1, shards=1, mqtt_port=free_port())
+        api = Api(node.http_port)
+        api.add_user("mq-none", "pw", perms=(".*", "^$", ".*"))  # may not write anything
+        api.add_user("mq-topic", "pw")
+        api.put(f"/api/topic-permissions/{q('/')}/mq-topic",
+                {"exchange": "amq.topic", "write": "^allowed\\.", "read": "^allowed\\."})
+        c = RawMQTT(node.mqtt_port)
+        assert c.connect("c-none", username="mq-none", password=b"pw").return_code == 0
+        c.publish("any/thing", b"x", qos=1, pid=1)
+        assert c.closed_by_server(), "a publish without write permission must close the connection"
+        assert not any(isinstance(p, M.Ack) and p.type == M.PUBACK for p in c.packets)
+        c = RawMQTT(node.mqtt_port)
+        assert c.connect("c-topic", username="mq-topic", password=b"pw").return_code == 0
+        assert c.subscribe(1, [("allowed/#", 1), ("other/#", 1)]) == [1, M.SUBACK_FAILURE]
+        c.publish("allowed/x", b"ok", qos=1, pid=2)
+        got = [c.recv(), c.recv()]
+        assert any(isinstance(p, M.Ack) and p.type == M.PUBACK and p.packet_id == 2 for p in got), got
+        assert any(isinstance(p, M.Publish) and p.payload == b"ok" for p in got), got
+        c.publish("other/x", b"no", qos=1, pid=3)
+        assert c.closed_by_server()
+    finally:
+        factory.cleanup()

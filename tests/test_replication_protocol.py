@@ -128,3 +128,9 @@ def test_handshake_proofs():
     # the secret itself never appears in any handshake frame
     frames = (p.encode_hello("n2", "shard-0", nf) + p.encode_challenge(nl, lp) + p.encode_auth(fp))
     assert secret not in frames
+
+
+@SETTINGS
+@given(paths, u64, data)
+def test_append_header_plus_data_is_the_frame(path, offset, d):
+    assert p.append_header(path, offset, bytearray(d)) + d == p.encode_append(path, offset, d)

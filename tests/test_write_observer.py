@@ -13,6 +13,7 @@ from broker.defstore import DefStore
 from replication import protocol as p
 from replication.files import FileWriter
 from shard import delivery_counts
+from shard.kvstore import KVStore
 from shard.priority_store import open_store
 from shard.store import QueueStore, queue_dir
 from shard.stream_store import StreamStore
@@ -106,6 +107,14 @@ def test_queue_stream_priority_counts_and_definitions_are_mirrored(mirror):
     gone = QueueStore(queue_dir(src, "/", "gone"), segment_size=4096)
     gone.append(1, 1, "", "gone", b"", body)
     gone.delete()
+
+    os.makedirs(os.path.join(src, "kv", "v"), exist_ok=True)
+    kv = KVStore(os.path.join(src, "kv", "v", "space.log"))
+    for i in range(100):
+        kv.put(f"k{i % 7}", {"n": i})  # appends
+    kv.compact()  # a replace
+    kv.put("after", 1)
+    kv.close()
 
     ds = DefStore(src)
     defs = ds.load()

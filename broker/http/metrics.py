@@ -107,6 +107,12 @@ class NodeCollector:
             c = CounterMetricFamily(name, doc)
             c.add_metric([], sum(r[i] for r in queues.values() if len(r) > i))
             yield c
+        for key, name, doc in (("connections_opened", "rabbitmq_connections_opened", "Total number of connections opened"),
+                               ("connections_closed", "rabbitmq_connections_closed",
+                                "Total number of connections closed or terminated")):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], sum(p.get("counters", {}).get(key, 0) for p in stats.frontends.values()))
+            yield c
         yield gauge("rabbitmq_connection_incoming_bytes_total", "Total number of bytes received on connections",
                     sum(r[C_RECV] for _, r in conns))
         yield gauge("rabbitmq_connection_outgoing_bytes_total", "Total number of bytes sent on connections",

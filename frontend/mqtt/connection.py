@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from broker import contract
+from broker.amqp.errors import AMQPChannelError
 from broker.auth import check_password, user_can_access_vhost
 from broker.mqtt import codec as M
 from broker.mqtt.topics import (
@@ -36,6 +37,7 @@ from broker.mqtt.topics import (
     valid_topic_filter,
     valid_topic_name,
 )
+from broker.permissions import ACCESS_REFUSED, Access
 from frontend.mqtt.messages import (
     EXCHANGE,
     PROPS,
@@ -100,6 +102,7 @@ class MQTTConnection(asyncio.Protocol):
         self.state = CONNECTING
         self.vhost = "/"
         self.user = ""
+        self.access = Access("", "/")  # the user's permission checks, set at CONNECT
         self.client_id = ""
         self.clean = True
         self.publisher = False
@@ -208,6 +211,14 @@ class MQTTConnection(asyncio.Protocol):
             if not self._read_pause and self.transport is not None and not self.transport.is_closing():
                 self.transport.resume_reading()
 
+    def apply_alarms(self) -> None:
+        """A resource alarm blocks publishing sessions: not read until it clears (MQTT has no
+        connection.blocked; consumers keep being read, as over AMQP)."""
+        if self.worker.alarms and self.publisher:
+            self.pause_reading("alarm")
+        else:
+            self.resume_reading("alarm")
+
     # ---------------------------------------------------------------- output
     def _mark_dirty(self) -> None:
         if not self._dirty:
@@ -279,7 +290,8 @@ class MQTTConnection(asyncio.Protocol):
         return run
 
     def _node(self, op: str, args: dict, on_done: Callable[[bool, Any], None]) -> None:
-        args = {**args, "vhost": self.vhost, "owner": [self.worker.index, self.conn_id]}
+        # "user": the node checks this user's permissions on the queues and bindings it plans
+        args = {**args, "vhost": self.vhost, "owner": [self.worker.index, self.conn_id], "user": self.user}
         self.worker.node_request(op, args, self._guard(on_done))
 
     def _shard_request(self, shard: int, build: Callable[[int], list], on_done: Callable[[bool, Any], None]) -> None:
@@ -375,6 +387,7 @@ class MQTTConnection(asyncio.Protocol):
             self._refuse(M.REFUSED_NOT_AUTHORIZED)
             return
         self.vhost, self.user, self.client_id = vhost, user, client_id
+        self.access = Access(user, vhost, client_id)
         self.clean = bool(p.clean_session)
         self.will = p.will
         self.keep_alive = p.keep_alive
@@ -457,7 +470,7 @@ class MQTTConnection(asyncio.Protocol):
         self._timer = None
         if self.state != RUNNING or self.transport is None:
             return
-        if not self._received:
+        if not self._received and not self._read_pause:  # not read (alarm, back-pressure): not a dead client
             log.info("mqtt connection %s (%s): keep-alive timeout (%ds)", self.conn_id, self.peer, self.keep_alive)
             self.transport.abort()
             return
@@ -468,10 +481,23 @@ class MQTTConnection(asyncio.Protocol):
     def _on_publish(self, p: M.Publish) -> None:
         if not valid_topic_name(p.topic):
             raise M.MQTTProtocolError(f"invalid topic name {p.topic!r}")  # [MQTT-3.3.2-2]
+        defs = self.worker.defs
+        access = self.access  # write on amq.topic, topic write on the routing key (RabbitMQ's MQTT plugin)
+        if EXCHANGE not in access.writable or access.version != defs.version or access.topics is not None:
+            try:
+                access.check_publish(defs, defs.exchange(self.vhost, EXCHANGE), EXCHANGE,
+                                     self._routing_key(p.topic))
+            except AMQPChannelError as exc:
+                # MQTT 3.1.1 cannot refuse one PUBLISH: RabbitMQ closes the connection.
+                log.warning("mqtt connection %s (%s): %s", self.conn_id, self.peer, exc.text)
+                self.fail(ACCESS_REFUSED, exc.text)
+                return
         if not self.publisher:
             self.publisher = True
             if self.worker.pressure:
                 self.pause_reading("pressure")
+            if self.worker.alarms:
+                self.apply_alarms()
         qos = p.qos
         if qos == 2 and p.packet_id in self.in2:
             self.write(M.encode_ack(M.PUBREC, p.packet_id))  # a resend: routed once already [MQTT-4.3.3-2]
@@ -495,16 +521,20 @@ class MQTTConnection(asyncio.Protocol):
         entry[0] += self._route(p.topic, p.payload, qos, seq)
         self._settle(seq, True)
 
-    def _route(self, topic: str, payload: bytes, qos: int, seq: int | None) -> int:
-        """Publish to amq.topic; the number of shards that will confirm (seq set)."""
-        worker = self.worker
-        defs = worker.defs
-        vhost = self.vhost
+    def _routing_key(self, topic: str) -> str:
         key = self._key_cache.get(topic)
         if key is None:
             if len(self._key_cache) > 10_000:
                 self._key_cache.clear()
             key = self._key_cache[topic] = topic_to_key(topic)
+        return key
+
+    def _route(self, topic: str, payload: bytes, qos: int, seq: int | None) -> int:
+        """Publish to amq.topic; the number of shards that will confirm (seq set)."""
+        worker = self.worker
+        defs = worker.defs
+        vhost = self.vhost
+        key = self._routing_key(topic)
         props = PROPS[qos]
         queues = defs.route(vhost, EXCHANGE, key, props)
         if not queues:
