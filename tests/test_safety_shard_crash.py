@@ -166,3 +166,34 @@ def test_shard_crash_keeps_connections_nacks_publishes_and_cancels_consumers(nod
     for conn in (a, c):
         conn.close()
     assert "CONNECTION_FORCED" not in node.log_text()
+
+
+def test_shard_death_with_mqtt_sessions_on_the_frontend(node_factory):
+    """MQTT sessions cannot be told of a lost subscription: one with state on the dead shard is
+    closed (it reconnects and resumes), while AMQP connections on the same frontend get their
+    basic.cancel as above (a session without shard_lost used to abort the whole settlement)."""
+    from tests.harness import free_port
+    from tests.raw_mqtt import RawMQTT
+
+    node = node_factory(frontends=1, shards=1, mqtt_port=free_port())
+    mqtt = RawMQTT(node.mqtt_port)
+    assert mqtt.connect("sub-1", clean=True).return_code == 0
+    mqtt.subscribe(1, [("t/#", 1)])
+    a = node.connect()
+    ach = a.channel()
+    ach.queue_declare("amqp-side", durable=True)
+    cancelled: list = []
+    ach.add_on_cancel_callback(lambda frame: cancelled.append(frame.method.consumer_tag))
+    tag = ach.basic_consume("amqp-side", lambda *_: None)
+    old = node.worker_pid("shard", 0)
+    frontend = node.worker_pid("frontend", 0)
+    os.kill(old, signal.SIGKILL)
+    _pump(a, lambda: cancelled == [tag], 10, "basic.cancel to the AMQP consumer")
+    assert mqtt.closed_by_server(timeout=10)
+    node.wait_worker_restarted("shard", 0, old)
+    assert node.worker_pid("frontend", 0) == frontend
+    assert "failed to handle node item" not in node.log_text()
+    again = RawMQTT(node.mqtt_port)
+    assert again.connect("sub-1", clean=True).return_code == 0
+    again.close()
+    a.close()
