@@ -8,12 +8,15 @@ confirmed messages, one byte flipped at offset 300,000) is at the end.
 
 from __future__ import annotations
 
+import base64
 import glob
+import json
 import logging
 import os
 import struct
 import subprocess
 import sys
+import urllib.request
 
 import pika
 
@@ -176,6 +179,12 @@ def test_one_flipped_byte_in_a_confirmed_segment_costs_one_message(node_factory)
     assert len(bodies) == 2999 and bodies <= set(range(3000))
     conn.close()
     assert "damaged record(s) lost" in node.log_text()
+    # The count is in the management API's queue document.
+    req = urllib.request.Request(f"http://127.0.0.1:{node.http_port}/api/queues/%2F/dmg")
+    req.add_header("Authorization", "Basic " + base64.b64encode(b"guest:guest").decode())
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        doc = json.loads(resp.read())
+    assert (doc["damaged_records"], doc["damaged_acks"], doc["messages"]) == (1, 0, 0)
     assert glob.glob(seg + ".damaged-*")
     node.stop()
     check = subprocess.run([sys.executable, "-m", "broker.cli", "verify", str(node.data_dir)],
