@@ -86,13 +86,17 @@ class Settings:
     tls_ca: str | None = None
     # 1: clients must present a certificate signed by --tls-ca.
     tls_verify_peer: int = 0
-    # 1: every plain client listener expects a PROXY protocol v1/v2 header first (frontend/proxy.py).
+    # 1: every client listener (TCP and TLS) expects a PROXY protocol v1/v2 header first (frontend/proxy.py).
     proxy_protocol: int = 0
     # MQTT (/ws) and AMQP (/amqp) over WebSocket (frontend/ws.py); 0 = off.
     ws_port: int = 15675
+    # WebSocket over TLS (as RabbitMQ's web-mqtt TLS listener), on when --tls-cert is set; 0 = off.
+    wss_port: int = 15676
     # The node's HTTP server (broker/http/): management API, UI and health checks on one port.
     http_port: int = 15672
     http_bind: str = "127.0.0.1"
+    # HTTPS for the same application (management API, UI, health), on when --tls-cert is set; 0 = off.
+    https_port: int = 15671
     # ms between the periodic statistics each worker sends the node (RabbitMQ's
     # collect_statistics_interval): queue counts, connections, counters for the API and Prometheus.
     stats_interval: int = 5000
@@ -213,11 +217,15 @@ OPTIONS: tuple[Option, ...] = (
     Option("tls_verify_peer", "int", "tls", "1 = require a client certificate signed by --tls-ca", 0, 1,
            key="verify_peer"),
     Option("proxy_protocol", "int", "main",
-           "1 = plain client listeners require a PROXY protocol v1/v2 header (haproxy send-proxy)", 0, 1),
+           "1 = client listeners (also TLS) require a PROXY protocol v1/v2 header (haproxy send-proxy)", 0, 1),
     Option("ws_port", "int", "ws", "WebSocket port: MQTT at /ws, AMQP at /amqp (0 = off)", 0, 65535, key="port"),
+    Option("wss_port", "int", "ws", "WebSocket over TLS port, on when --tls-cert is set (0 = off)", 0, 65535,
+           key="tls_port"),
     Option("http_port", "int", "http", "HTTP port: management API, UI, health checks (0 = off)", 0, 65535,
            key="port"),
     Option("http_bind", "str", "http", "address the HTTP listener binds", key="bind"),
+    Option("https_port", "int", "http", "HTTPS port of the same API/UI, on when --tls-cert is set (0 = off)", 0,
+           65535, key="tls_port"),
     Option("disk_free_limit", "str", "main",
            "free disk space of the data dir below which publishers are blocked: bytes with a unit (50MB) "
            "or mem_relative:F (F x RAM)"),

@@ -34,6 +34,7 @@ from broker.node_stats import NodeStats
 from broker.permissions import CONFIGURE, READ, WRITE, check, check_topic
 from broker.process import install_uvloop
 from broker.supervisor import Supervisor, WorkerProcess
+from broker.tls import reload_certificate, server_context
 from broker.zmqio import BatchSocket, make_socket
 from replication.follower import ReplicationFollower
 from replication.leader import ReplicationLeader
@@ -84,7 +85,8 @@ class Node:
         self.serving = False
         self.is_leader = False
         self.alarms: list[str] = []
-        self.http = HttpServer(self, settings.http_bind, settings.http_port)
+        self.tls = server_context(dataclasses.asdict(settings))  # HTTPS; the frontends build their own
+        self.http = HttpServer(self, settings.http_bind, settings.http_port, settings.https_port, self.tls)
         self.metrics = MetricsServer(self, settings.http_bind, settings.prometheus_port)
         # In a cluster (--cluster): the etcd-driven role of this node (replication/cluster.py).
         self.cluster: Any = None
@@ -601,6 +603,15 @@ class Node:
         """Set max-connections / max-queues of a vhost (a negative value removes a limit)."""
         await self._commit(self.defs.plan_vhost_limits(vhost, limits))
 
+    def reload_tls(self) -> None:
+        """SIGHUP: re-read the certificate files for HTTPS (established connections keep theirs)."""
+        if self.tls is None:
+            return
+        try:
+            reload_certificate(self.tls, dataclasses.asdict(self.settings))
+        except (OSError, ValueError) as exc:
+            log.error("TLS certificate not reloaded, keeping the old one: %s", exc)
+
     async def reload_definitions(self) -> None:
         """Re-read the --definitions file (SIGHUP) and apply what changed."""
         path = self.settings.definitions
@@ -728,6 +739,7 @@ async def _main(settings: Settings) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: loop.create_task(node.stop()))
     loop.add_signal_handler(signal.SIGHUP, lambda: (loop.create_task(node.reload_definitions()),
+                                                    node.reload_tls(),
                                                     node.sup.signal_role("frontend", signal.SIGHUP)))
     try:
         await node.start()

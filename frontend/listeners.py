@@ -19,7 +19,7 @@ class Listener:
     protocol: str
     port_setting: str  # key in the node's settings; 0 = this listener is off
     session: str  # "module:Class", called with the worker for each accepted connection
-    tls: bool = False  # served with frontend/tls.py's context; off when no certificate is configured
+    tls: bool = False  # served with broker/tls.py's context; off when no certificate is configured
 
 
 LISTENERS: tuple[Listener, ...] = (

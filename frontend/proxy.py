@@ -3,7 +3,8 @@
 ``ProxyProtocolListener`` is the asyncio protocol of a new connection until the PROXY header is
 read (broker/proxy_protocol.py); then the session the listener table names takes over the
 transport (``set_protocol``), seeing the client's real address as ``peername``: nothing is in
-the way of its reads and writes afterwards. A connection without a valid header is closed
+the way of its reads and writes afterwards. On a TLS listener the TLS layer is put in between
+after the header. A connection without a valid header is closed
 (within HEADER_TIMEOUT at most).
 """
 
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
+from asyncio import sslproto
 from collections.abc import Callable
 from typing import Any
 
@@ -38,9 +41,13 @@ class ProxiedTransport:
 
 
 class ProxyProtocolListener(asyncio.Protocol):
-    def __init__(self, session_factory: Callable[[], asyncio.Protocol], loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, session_factory: Callable[[], asyncio.Protocol], loop: asyncio.AbstractEventLoop,
+                 tls: ssl.SSLContext | None = None) -> None:
         self._factory = session_factory
         self._loop = loop
+        # On a TLS listener the header comes before the TLS handshake (haproxy passing TLS through):
+        # TLS is layered on after it, so the listener itself is created without ssl.
+        self._tls = tls
         self._parser = ProxyHeaderParser()
         self._transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -66,10 +73,24 @@ class ProxyProtocolListener(asyncio.Protocol):
         self._end()
         peer = header.source or transport.get_extra_info("peername")
         session = self._factory()
-        transport.set_protocol(session)
-        session.connection_made(ProxiedTransport(transport, peer))  # type: ignore[arg-type]
-        if rest:
-            session.data_received(rest)
+        if self._tls is None:
+            transport.set_protocol(session)
+            session.connection_made(ProxiedTransport(transport, peer))  # type: ignore[arg-type]
+            if rest:
+                session.data_received(rest)
+            return
+        # asyncio's own TLS protocol, fed the bytes that followed the header (loop.start_tls cannot
+        # take bytes already read); the session gets the TLS transport once the handshake is done.
+        tls = sslproto.SSLProtocol(self._loop, session, self._tls, None, server_side=True)
+        transport.set_protocol(tls)
+        tls.connection_made(ProxiedTransport(transport, peer))  # type: ignore[arg-type]
+        view = memoryview(rest)
+        while view:
+            buf = tls.get_buffer(len(view))
+            n = min(len(buf), len(view))
+            buf[:n] = view[:n]
+            tls.buffer_updated(n)
+            view = view[n:]
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._end()

@@ -19,12 +19,12 @@ import zmq
 
 from broker import contract
 from broker.definitions import Definitions
+from broker.tls import reload_certificate, server_context
 from broker.zmqio import BatchSocket, make_socket
 from frontend.listeners import FORWARDED, LISTENERS, load
 from frontend.proxy import ProxyProtocolListener
 from frontend.session import CONNECTION_FORCED, Session
 from frontend.stats import frontend_stats
-from frontend.tls import reload_certificate, server_context
 
 log = logging.getLogger("shardmq.frontend")
 
@@ -66,7 +66,7 @@ class FrontendWorker:
         self.servers: list[asyncio.AbstractServer] = []
         self._forwarded: dict[str, Callable] = {}
         self._ws_runner: Any = None
-        self.tls: Any = None  # the TLS listeners' ssl.SSLContext (frontend/tls.py), None without a certificate
+        self.tls: Any = None  # the TLS listeners' ssl.SSLContext (broker/tls.py), None without a certificate
         self.conns: dict[int, Session] = {}
         self._next_conn = 0
         self._next_req = 0
@@ -109,18 +109,21 @@ class FrontendWorker:
             port = int(settings.get(listener.port_setting, 0) or 0)
             if not port or (listener.tls and tls is None):
                 continue
-            factory = self._protocol_factory(load(listener.session), proxied and not listener.tls)
-            server = await self.loop.create_server(
-                factory, host=bind, port=port, reuse_port=True, backlog=1024, ssl=tls if listener.tls else None)
+            ctx = tls if listener.tls else None
+            factory = self._protocol_factory(load(listener.session), proxied, ctx)
+            server = await self.loop.create_server(  # with PROXY, TLS goes on after the header
+                factory, host=bind, port=port, reuse_port=True, backlog=1024, ssl=None if proxied else ctx)
             self.servers.append(server)
             log.info("frontend %d (pid %d) listening for %s on %s:%d", self.index, os.getpid(),
                      listener.protocol, bind, port)
         ws_port = int(settings.get("ws_port", 0) or 0)
-        if ws_port:
+        wss_port = int(settings.get("wss_port", 0) or 0) if tls is not None else 0
+        if ws_port or wss_port:
             from frontend import ws  # aiohttp is imported only by frontends that serve WebSocket
 
-            self._ws_runner = await ws.start(self, bind, ws_port)
-            log.info("frontend %d (pid %d) listening for websocket on %s:%d", self.index, os.getpid(), bind, ws_port)
+            self._ws_runner = await ws.start(self, bind, ws_port, wss_port, tls)
+            log.info("frontend %d (pid %d) listening for websocket on %s:%d%s", self.index, os.getpid(), bind,
+                     ws_port, f" and over TLS on {wss_port}" if wss_port else "")
 
         self._send_stats()
 
@@ -134,14 +137,14 @@ class FrontendWorker:
             log.exception("frontend %d: stats report failed", self.index)
         self.loop.call_later(int(self.settings.get("stats_interval") or 5000) / 1000, self._send_stats)
 
-    def _protocol_factory(self, session: Callable, proxied: bool) -> Callable[[], asyncio.Protocol]:
+    def _protocol_factory(self, session: Callable, proxied: bool, tls: Any = None) -> Callable[[], asyncio.Protocol]:
         """What asyncio calls per accepted connection: the session, or the PROXY header reader before it."""
         def make_session() -> asyncio.Protocol:
             return session(self)
 
         if not proxied:
             return make_session
-        return lambda: ProxyProtocolListener(make_session, self.loop)
+        return lambda: ProxyProtocolListener(make_session, self.loop, tls)
 
     def reload(self) -> None:
         """SIGHUP: re-read the TLS certificate files without dropping established connections."""

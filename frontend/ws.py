@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import WSMsgType, web
@@ -125,8 +126,13 @@ def make_app(worker: FrontendWorker) -> web.Application:
     return app
 
 
-async def start(worker: FrontendWorker, bind: str, port: int) -> web.AppRunner:
+async def start(worker: FrontendWorker, bind: str, port: int, tls_port: int = 0,
+                tls: ssl.SSLContext | None = None) -> web.AppRunner:
+    """One app on the plain port and, with a TLS context, on the TLS port too (WSS)."""
     runner = web.AppRunner(make_app(worker), access_log=None, handle_signals=False)
     await runner.setup()
-    await web.TCPSite(runner, bind, port, reuse_port=True, backlog=1024).start()
+    if port:
+        await web.TCPSite(runner, bind, port, reuse_port=True, backlog=1024).start()
+    if tls is not None and tls_port:
+        await web.TCPSite(runner, bind, tls_port, reuse_port=True, backlog=1024, ssl_context=tls).start()
     return runner

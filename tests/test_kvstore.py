@@ -54,3 +54,37 @@ def test_compaction_keeps_live_keys_only(tmp_path):
     assert st.records < 70
     st.close()
     assert KVStore(path).items == {"k": 299, "other": "x"}
+
+
+def test_writes_are_reported_to_the_write_observer_for_replication(tmp_path):
+    from broker import write_observer
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.calls: list = []
+
+        def append(self, path, offset, data):
+            self.calls.append(("append", path, offset, data))
+
+        def replace(self, path, data):
+            self.calls.append(("replace", path, data))
+
+        def delete(self, path):
+            self.calls.append(("delete", path))
+
+    rec = Recorder()
+    path = str(tmp_path / "s.log")
+    write_observer.subscribe(rec)
+    try:
+        st = KVStore(path)
+        st.put("a", 1)
+        st.put("b", 2)
+        st.compact()
+    finally:
+        write_observer.subscribe(None)
+    with open(path, "rb") as fh:
+        on_disk = fh.read()
+    first, second, replaced = rec.calls
+    assert first[:3] == ("append", path, 0) and second[:3] == ("append", path, len(first[3]))
+    assert replaced == ("replace", path, on_disk)  # a follower applying these holds the same bytes
+    st.close()

@@ -129,6 +129,66 @@ def test_mqtt_through_haproxy_v2_shows_the_client_address(haproxy_node):
     raw.disconnect()
 
 
+def test_tls_listeners_read_the_header_before_the_handshake(node_factory, tmp_path):
+    """haproxy passing TLS through (mode tcp) with send-proxy-v2 to AMQPS and send-proxy to MQTTS."""
+    import ssl
+
+    from tests.pki import make_pki
+
+    (tmp_path / "pki").mkdir()
+    pki = make_pki(tmp_path / "pki")
+    amqps, mqtts = free_port(), free_port()
+    node = node_factory(name="proxied-tls", frontends=2, shards=1, extra_args=[
+        "--proxy-protocol", "1", "--tls-cert", pki["server"][0], "--tls-key", pki["server"][1],
+        "--amqps-port", str(amqps), "--mqtts-port", str(mqtts)])
+    front_amqps, front_mqtts = free_port(), free_port()
+    cfg = tmp_path / "haproxy.cfg"
+    cfg.write_text(f"""
+defaults
+    mode tcp
+    timeout connect 5s
+    timeout client 60s
+    timeout server 60s
+listen amqps
+    bind 127.0.0.1:{front_amqps}
+    server broker 127.0.0.1:{amqps} send-proxy-v2
+listen mqtts
+    bind 127.0.0.1:{front_mqtts}
+    server broker 127.0.0.1:{mqtts} send-proxy
+""")
+    proc = subprocess.Popen(["haproxy", "-db", "-f", str(cfg)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        ctx = ssl.create_default_context(cafile=pki["ca"])
+        deadline = time.monotonic() + 10
+        while True:  # haproxy is up once its front ports accept
+            try:
+                socket.create_connection(("127.0.0.1", front_mqtts), timeout=0.2).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read().decode()
+                time.sleep(0.05)
+        conn = pika.BlockingConnection(pika.ConnectionParameters(
+            "127.0.0.1", front_amqps, ssl_options=pika.SSLOptions(ctx, "localhost"), connection_attempts=1))
+        client_port = conn._impl._transport._sock.getsockname()[1]
+        ch = conn.channel()
+        q = ch.queue_declare("", exclusive=True).method.queue
+        ch.confirm_delivery()
+        ch.basic_publish("", q, b"tls behind haproxy")
+        assert ch.basic_get(q, auto_ack=True)[2] == b"tls behind haproxy"
+        _wait_log(node, f"('127.0.0.1', {client_port})): user 'guest' opened vhost '/'")
+        conn.close()
+        raw = socket.create_connection(("127.0.0.1", front_mqtts), timeout=5)
+        mqtt_client_port = raw.getsockname()[1]
+        tls = ctx.wrap_socket(raw, server_hostname="localhost")
+        tls.sendall(M.encode_connect("tls-behind-haproxy", username="guest", password=b"guest"))
+        assert M.MQTTParser(server=False).feed(tls.recv(4)) == [M.ConnAck(False, 0)]
+        _wait_log(node, f"('127.0.0.1', {mqtt_client_port})): client 'tls-behind-haproxy'")
+        tls.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 def test_connections_without_the_header_are_refused(haproxy_node):
     node, _ports = haproxy_node
     for port, greeting in ((node.port, b"AMQP\x00\x00\x09\x01"), (node.mqtt_port, M.encode_connect("direct"))):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import queue
 import socket
 import ssl
@@ -13,54 +11,14 @@ import sys
 import paho.mqtt.client as mqtt
 import pika
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from tests.harness import REPO_ROOT, free_port
-
-NOW = datetime.datetime.now(datetime.UTC)
-
-
-def _name(cn: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-
-def _issue(subject: str, issuer_key, issuer_name, *, ca: bool = False, expired: bool = False, server: bool = False):
-    key = ec.generate_private_key(ec.SECP256R1())
-    start, end = (NOW - datetime.timedelta(days=10), NOW - datetime.timedelta(days=1)) if expired else (
-        NOW - datetime.timedelta(minutes=5), NOW + datetime.timedelta(days=1))
-    b = (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(issuer_name or _name(subject))
-         .public_key(key.public_key()).serial_number(x509.random_serial_number())
-         .not_valid_before(start).not_valid_after(end)
-         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
-    if server:
-        b = b.add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-    cert = b.sign(issuer_key or key, hashes.SHA256())
-    return key, cert
-
-
-def _write(path, key, cert) -> tuple[str, str]:
-    kp, cp = path.with_suffix(".key"), path.with_suffix(".pem")
-    kp.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                     serialization.NoEncryption()))
-    cp.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    return str(cp), str(kp)
+from tests.pki import issue_cert, make_pki, write_pem
 
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
-    d = tmp_path_factory.mktemp("pki")
-    ca_key, ca = _issue("ShardMQ test CA", None, None, ca=True)
-    other_key, other_ca = _issue("Some other CA", None, None, ca=True)
-    files = {"ca": _write(d / "ca", ca_key, ca)[0], "other_ca": _write(d / "other", other_key, other_ca)[0]}
-    files["server"] = _write(d / "server", *_issue("localhost", ca_key, ca.subject, server=True))
-    files["client"] = _write(d / "client", *_issue("guest", ca_key, ca.subject))
-    files["expired_client"] = _write(d / "expired", *_issue("guest", ca_key, ca.subject, expired=True))
-    files["stranger"] = _write(d / "stranger", *_issue("guest", other_key, other_ca.subject))
-    return files
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 def _tls_args(pki, verify: bool = False) -> list[str]:
@@ -107,6 +65,26 @@ def _amqps_round_trip(port: int, ctx: ssl.SSLContext) -> bytes:
 
 def test_pika_over_tls(tls_node, pki):
     assert _amqps_round_trip(_port(tls_node, "--amqps-port"), _client_ctx(pki["ca"])) == b"over tls"
+
+
+def test_aio_pika_over_tls(tls_node, pki):
+    import asyncio
+
+    import aio_pika
+
+    async def main() -> bytes:
+        conn = await aio_pika.connect(host="127.0.0.1", port=_port(tls_node, "--amqps-port"), login="guest",
+                                      password="guest", ssl=True, ssl_context=_client_ctx(pki["ca"]),
+                                      server_hostname="localhost")
+        async with conn:
+            ch = await conn.channel()
+            q = await ch.declare_queue("", exclusive=True)
+            await ch.default_exchange.publish(aio_pika.Message(b"aio over tls"), routing_key=q.name)
+            msg = await q.get(timeout=5)
+            await msg.ack()
+            return msg.body
+
+    assert asyncio.run(main()) == b"aio over tls"
 
 
 def test_paho_over_tls(tls_node, pki):
@@ -211,9 +189,9 @@ def test_sighup_reloads_the_certificate_and_keeps_established_connections(node_f
     ch = established.channel()
     q = ch.queue_declare("", exclusive=True).method.queue
     # A new CA and a server certificate from it, written over the files the node was started with.
-    new_ca_key, new_ca = _issue("Renewed CA", None, None, ca=True)
-    new_ca_path = _write(tmp_path / "newca", new_ca_key, new_ca)[0]
-    _write(tmp_path / "live", *_issue("localhost", new_ca_key, new_ca.subject, server=True))
+    new_ca_key, new_ca = issue_cert("Renewed CA", None, None, ca=True)
+    new_ca_path = write_pem(tmp_path / "newca", new_ca_key, new_ca)[0]
+    write_pem(tmp_path / "live", *issue_cert("localhost", new_ca_key, new_ca.subject, server=True))
     os.kill(node.pid, signal.SIGHUP)
     deadline = time.monotonic() + 15
     while node.log_text().count("TLS certificate reloaded") < 2:  # both frontends
@@ -226,6 +204,32 @@ def test_sighup_reloads_the_certificate_and_keeps_established_connections(node_f
     assert ch.basic_get(q, auto_ack=True)[2] == b"still here"
     established.close()
     assert node.running()
+
+
+def test_mqtt_over_websocket_over_tls(node_factory, pki):
+    from websockets.sync.client import connect
+
+    from broker.mqtt import codec as M
+
+    wss = free_port()
+    node = node_factory(name="wss", frontends=1, shards=1, ws_port=free_port(),
+                        extra_args=[*_tls_args(pki), "--wss-port", str(wss)])
+    with connect(f"wss://localhost:{wss}/ws", subprotocols=["mqtt"], ssl=_client_ctx(pki["ca"]),
+                 open_timeout=5) as ws:
+        ws.send(M.encode_connect("wss-client", username="guest", password=b"guest"))
+        assert M.MQTTParser(server=False).feed(ws.recv(timeout=5)) == [M.ConnAck(False, 0)]
+    assert node.running()
+
+
+def test_management_api_and_health_over_https(node_factory, pki):
+    import json
+    import urllib.request
+
+    https = free_port()
+    node_factory(name="https", frontends=1, shards=1, extra_args=[*_tls_args(pki), "--https-port", str(https)])
+    with urllib.request.urlopen(f"https://localhost:{https}/api/health/checks/alarms",
+                                context=_client_ctx(pki["ca"]), timeout=10) as resp:
+        assert resp.status == 200 and json.loads(resp.read())["status"] == "ok"
 
 
 def test_bad_tls_settings_stop_the_cli_naming_the_flag(tmp_path, pki):

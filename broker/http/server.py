@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import ssl
 from typing import Any
 
 from aiohttp import web
@@ -36,20 +37,27 @@ def make_app(node: Any) -> web.Application:
 class HttpServer:
     """The HTTP listener of one node; ``port`` 0 in the settings means no listener."""
 
-    def __init__(self, node: Any, bind: str, port: int) -> None:
+    def __init__(self, node: Any, bind: str, port: int, tls_port: int = 0, tls: ssl.SSLContext | None = None) -> None:
         self.node = node
         self.bind = bind
         self.port = port
+        self.tls_port = tls_port if tls is not None else 0  # HTTPS: the same app over broker/tls.py's context
+        self.tls = tls
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
-        if not self.port:
+        if not self.port and not self.tls_port:
             return
         self._runner = web.AppRunner(make_app(self.node), access_log=None, handle_signals=False)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.bind, self.port, reuse_address=True)
-        await site.start()
-        log.info("HTTP (management, health) on %s:%d", self.bind, self.port)
+        if self.port:
+            site = web.TCPSite(self._runner, self.bind, self.port, reuse_address=True)
+            await site.start()
+            log.info("HTTP (management, health) on %s:%d", self.bind, self.port)
+        if self.tls_port:
+            site = web.TCPSite(self._runner, self.bind, self.tls_port, reuse_address=True, ssl_context=self.tls)
+            await site.start()
+            log.info("HTTPS (management, health) on %s:%d", self.bind, self.tls_port)
 
     async def stop(self) -> None:
         if self._runner is not None:

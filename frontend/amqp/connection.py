@@ -35,10 +35,10 @@ from broker.amqp.errors import AMQPChannelError, AMQPConnectionError, AMQPError
 from broker.amqp.parser import FrameParser
 from broker.auth import authenticate, check_vhost_access
 from broker.permissions import Access
+from broker.tls import peer_common_name
 from frontend.amqp.channel import BACKLOG_PAUSE, CLOSED, OPEN, Channel
 from frontend.amqp.replies import plain, reply_text
 from frontend.amqp.shard_loss import connection_lost_shard
-from frontend.tls import peer_common_name
 
 if TYPE_CHECKING:
     from frontend.worker import FrontendWorker

@@ -21,12 +21,13 @@ import asyncio
 import ipaddress
 import logging
 import secrets
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from broker import contract
-from broker.amqp.errors import AMQPChannelError
+from broker.amqp.errors import AMQPError
 from broker.auth import check_password, user_can_access_vhost
 from broker.mqtt import codec as M
 from broker.mqtt.topics import (
@@ -37,7 +38,8 @@ from broker.mqtt.topics import (
     valid_topic_filter,
     valid_topic_name,
 )
-from broker.permissions import ACCESS_REFUSED, Access
+from broker.permissions import READ, Access
+from broker.tls import peer_common_name
 from frontend.mqtt.messages import (
     EXCHANGE,
     PROPS,
@@ -51,7 +53,6 @@ from frontend.mqtt.messages import (
 )
 from frontend.publish import put_publish, queues_by_shard
 from frontend.session import CONNECTION_FORCED
-from frontend.tls import peer_common_name
 
 if TYPE_CHECKING:
     from frontend.worker import FrontendWorker
@@ -104,6 +105,9 @@ class MQTTConnection(asyncio.Protocol):
         self.user = ""
         self.access = Access("", "/")  # the user's permission checks, set at CONNECT
         self.client_id = ""
+        # What the management API lists for a connection (frontend/stats.py reads these).
+        self.client_properties: dict = {"product": "MQTT client", "protocol": "MQTT 3.1.1"}
+        self.connected_at = int(time.time() * 1000)
         self.clean = True
         self.publisher = False
         self.will: M.Publish | None = None
@@ -121,6 +125,9 @@ class MQTTConnection(asyncio.Protocol):
         # outbound: pid -> (shard|None, qid, mid, qos) sent, not acknowledged; out2: PUBREC seen, PUBCOMP not yet
         self.inflight: dict[int, tuple] = {}
         self.out2: set[int] = set()
+        # persistent sessions: queue message id -> packet id of a QoS 2 PUBLISH sent and not yet PUBREC'd, so
+        # one sent again after a reconnect or restart keeps its packet identifier [MQTT-4.4.0-1]
+        self.pub2: dict[int, int] = {}
         self._next_pid = 0
         self._sub_cache: dict[str, int] = {}
         self._key_cache: dict[str, str] = {}  # topic -> routing key of this connection's publishes
@@ -167,7 +174,7 @@ class MQTTConnection(asyncio.Protocol):
                         self.pause_reading("backlog")
                     continue
                 self._handle(packet)
-                if self.state == CLOSED:
+                if self.state == CLOSED or self._close_after_flush:
                     return
         except M.MQTTProtocolError as exc:
             self._protocol_error(str(exc))
@@ -200,6 +207,16 @@ class MQTTConnection(asyncio.Protocol):
         if self._credit:
             self._mark_dirty()
 
+    def apply_alarms(self) -> None:
+        """A resource alarm (worker.alarms) blocks a publishing connection: it is not read until it clears.
+        MQTT 3.1.1 has no way to tell the client (AMQP's connection.blocked)."""
+        if self.state == CLOSED:
+            return
+        if self.worker.alarms and self.publisher:
+            self.pause_reading("alarm")
+        else:
+            self.resume_reading("alarm")
+
     def pause_reading(self, reason: str) -> None:
         if not self._read_pause and self.transport is not None and not self.transport.is_closing():
             self.transport.pause_reading()
@@ -210,14 +227,6 @@ class MQTTConnection(asyncio.Protocol):
             self._read_pause.discard(reason)
             if not self._read_pause and self.transport is not None and not self.transport.is_closing():
                 self.transport.resume_reading()
-
-    def apply_alarms(self) -> None:
-        """A resource alarm blocks publishing sessions: not read until it clears (MQTT has no
-        connection.blocked; consumers keep being read, as over AMQP)."""
-        if self.worker.alarms and self.publisher:
-            self.pause_reading("alarm")
-        else:
-            self.resume_reading("alarm")
 
     # ---------------------------------------------------------------- output
     def _mark_dirty(self) -> None:
@@ -267,7 +276,7 @@ class MQTTConnection(asyncio.Protocol):
         self._busy = False
         backlog = self._backlog
         try:
-            while backlog and not self._busy and self.state != CLOSED:
+            while backlog and not self._busy and self.state != CLOSED and not self._close_after_flush:
                 self._handle(backlog.popleft())
         except M.MQTTProtocolError as exc:
             self._protocol_error(str(exc))
@@ -290,7 +299,7 @@ class MQTTConnection(asyncio.Protocol):
         return run
 
     def _node(self, op: str, args: dict, on_done: Callable[[bool, Any], None]) -> None:
-        # "user": the node checks this user's permissions on the queues and bindings it plans
+        # With "user" the node checks the user's permissions on declares, deletes and binds (as for AMQP).
         args = {**args, "vhost": self.vhost, "owner": [self.worker.index, self.conn_id], "user": self.user}
         self.worker.node_request(op, args, self._guard(on_done))
 
@@ -388,6 +397,8 @@ class MQTTConnection(asyncio.Protocol):
             return
         self.vhost, self.user, self.client_id = vhost, user, client_id
         self.access = Access(user, vhost, client_id)
+        self.client_properties = {"product": "MQTT client", "protocol": f"MQTT {p.protocol_level}",
+                                  "client_id": client_id, "clean_session": bool(p.clean_session)}
         self.clean = bool(p.clean_session)
         self.will = p.will
         self.keep_alive = p.keep_alive
@@ -411,7 +422,10 @@ class MQTTConnection(asyncio.Protocol):
         shard = session_shard(self.vhost, self.client_id, self.worker.shard_count)
         if self.clean:
             if exists:  # clean session 1 discards a stored session [MQTT-3.1.2-6]
-                def deleted(_ok: bool, _result: Any) -> None:
+                def deleted(ok: bool, result: Any) -> None:
+                    if not ok:
+                        self._refuse(M.REFUSED_NOT_AUTHORIZED if result[0] == 403 else M.REFUSED_SERVER_UNAVAILABLE)
+                        return
                     self._kv_put(shard, SESSIONS, self.client_id, None, lambda: self._accept(False))
                 self._node("queue.delete", {"queue": durable}, deleted)
             else:
@@ -424,10 +438,11 @@ class MQTTConnection(asyncio.Protocol):
             self.subs = {str(k): int(v) for k, v in (state.get("subs") or {}).items()}
             self.in2 = set(state.get("in2") or ())
             self.out2 = set(state.get("out2") or ())
+            self.pub2 = {int(mid): int(pid) for mid, pid in state.get("pub2") or ()}
 
             def declared(ok: bool, result: Any) -> None:
-                if not ok:
-                    self._refuse(M.REFUSED_SERVER_UNAVAILABLE)
+                if not ok:  # 403: no configure permission on the session queue
+                    self._refuse(M.REFUSED_NOT_AUTHORIZED if result[0] == 403 else M.REFUSED_SERVER_UNAVAILABLE)
                     return
                 self._set_queue(durable)
                 self._accept(exists, consume=bool(self.subs))
@@ -470,7 +485,7 @@ class MQTTConnection(asyncio.Protocol):
         self._timer = None
         if self.state != RUNNING or self.transport is None:
             return
-        if not self._received and not self._read_pause:  # not read (alarm, back-pressure): not a dead client
+        if not self._received and not self._read_pause:  # not while we are the ones not reading
             log.info("mqtt connection %s (%s): keep-alive timeout (%ds)", self.conn_id, self.peer, self.keep_alive)
             self.transport.abort()
             return
@@ -481,23 +496,17 @@ class MQTTConnection(asyncio.Protocol):
     def _on_publish(self, p: M.Publish) -> None:
         if not valid_topic_name(p.topic):
             raise M.MQTTProtocolError(f"invalid topic name {p.topic!r}")  # [MQTT-3.3.2-2]
-        defs = self.worker.defs
-        access = self.access  # write on amq.topic, topic write on the routing key (RabbitMQ's MQTT plugin)
-        if EXCHANGE not in access.writable or access.version != defs.version or access.topics is not None:
-            try:
-                access.check_publish(defs, defs.exchange(self.vhost, EXCHANGE), EXCHANGE,
-                                     self._routing_key(p.topic))
-            except AMQPChannelError as exc:
-                # MQTT 3.1.1 cannot refuse one PUBLISH: RabbitMQ closes the connection.
-                log.warning("mqtt connection %s (%s): %s", self.conn_id, self.peer, exc.text)
-                self.fail(ACCESS_REFUSED, exc.text)
-                return
         if not self.publisher:
             self.publisher = True
             if self.worker.pressure:
                 self.pause_reading("pressure")
-            if self.worker.alarms:
+            if getattr(self.worker, "alarms", None):
                 self.apply_alarms()
+        if not self._may_publish(p.topic):
+            # MQTT 3.1.1 cannot refuse one PUBLISH: the connection is closed (as RabbitMQ's plugin does).
+            self._backlog.clear()
+            self.close()
+            return
         qos = p.qos
         if qos == 2 and p.packet_id in self.in2:
             self.write(M.encode_ack(M.PUBREC, p.packet_id))  # a resend: routed once already [MQTT-4.3.3-2]
@@ -521,7 +530,20 @@ class MQTTConnection(asyncio.Protocol):
         entry[0] += self._route(p.topic, p.payload, qos, seq)
         self._settle(seq, True)
 
-    def _routing_key(self, topic: str) -> str:
+    def _may_publish(self, topic: str) -> bool:
+        """Write on amq.topic and, with topic permissions, on the routing key (RabbitMQ's MQTT plugin)."""
+        defs = self.worker.defs
+        access = self.access
+        if EXCHANGE in access.writable and access.version == defs.version and access.topics is None:
+            return True  # the plain case: one set lookup, one compare
+        try:
+            self.access.check_publish(defs, defs.exchange(self.vhost, EXCHANGE), EXCHANGE, self._key(topic))
+        except AMQPError as exc:
+            log.warning("mqtt connection %s (%s): %s", self.conn_id, self.peer, exc.text)
+            return False
+        return True
+
+    def _key(self, topic: str) -> str:
         key = self._key_cache.get(topic)
         if key is None:
             if len(self._key_cache) > 10_000:
@@ -534,7 +556,7 @@ class MQTTConnection(asyncio.Protocol):
         worker = self.worker
         defs = worker.defs
         vhost = self.vhost
-        key = self._routing_key(topic)
+        key = self._key(topic)
         props = PROPS[qos]
         queues = defs.route(vhost, EXCHANGE, key, props)
         if not queues:
@@ -573,7 +595,8 @@ class MQTTConnection(asyncio.Protocol):
             return
         shard = session_shard(self.vhost, self.client_id, self.worker.shard_count)
         self._kv_put(shard, SESSIONS, self.client_id,
-                     {"subs": dict(self.subs), "in2": sorted(self.in2), "out2": sorted(self.out2)}, done)
+                     {"subs": dict(self.subs), "in2": sorted(self.in2), "out2": sorted(self.out2),
+                      "pub2": sorted(self.pub2.items())}, done)
 
     def _settle(self, seq: int, ok: bool) -> None:
         entry = self._pending.get(seq)
@@ -613,6 +636,8 @@ class MQTTConnection(asyncio.Protocol):
     def _publish_will(self) -> None:
         will = self.will
         self.will = None
+        if not self._may_publish(will.topic):
+            return
         self._route(will.topic, will.payload, will.qos, None)
         if will.retain:
             self._retain(will.topic, will.qos, will.payload, None)
@@ -652,17 +677,31 @@ class MQTTConnection(asyncio.Protocol):
             else:
                 finish()
 
-        self._ensure_queue(lambda: self._bind_all(wanted, bound))
+        def refused() -> None:
+            self.write(M.encode_suback(pid, [M.SUBACK_FAILURE] * len(p.topics)))
+            self._unblock()
 
-    def _ensure_queue(self, then: Callable[[], None]) -> None:
+        def queue_ready() -> None:
+            if not self.access.allowed(self.worker.defs, READ, self.queue):  # consuming it needs read
+                log.warning("mqtt connection %s: read access to queue '%s' refused for user '%s'", self.conn_id,
+                            self.queue, self.user)
+                refused()
+                return
+            self._bind_all(wanted, bound)
+
+        self._ensure_queue(queue_ready, refused)
+
+    def _ensure_queue(self, then: Callable[[], None], refused: Callable[[], None]) -> None:
         if self.queue is not None:
             then()
             return
         name = transient_queue(self.client_id, self.worker.index, self.conn_id)
 
         def declared(ok: bool, result: Any) -> None:
-            if not ok:
-                raise RuntimeError(f"queue.declare failed: {result}")
+            if not ok:  # e.g. 403: no configure permission on mqtt-subscription-*
+                log.warning("mqtt connection %s: queue.declare refused: %s", self.conn_id, result)
+                refused()
+                return
             self._set_queue(name)
             then()
 
@@ -802,7 +841,16 @@ class MQTTConnection(asyncio.Protocol):
         if qos == 0:
             self.write(M.encode_publish(topic, payload, 0, retain))
             return
-        pid = self._alloc_pid()
+        if qos == 2 and ref is not None and not self.clean:
+            mid = ref[2]
+            pid = self.pub2.get(mid)
+            if pid is not None and pid not in self.inflight and pid not in self.out2:
+                dup = True  # sent before this reconnect or restart: same packet id, DUP set
+            else:
+                pid = self.pub2[mid] = self._alloc_pid()
+                self._save_state()  # not waited for: the PUBLISH goes out now
+        else:
+            pid = self._alloc_pid()
         self.inflight[pid] = (ref, qos)
         self.write(M.encode_publish(topic, payload, qos, retain, dup, pid))
 
@@ -810,7 +858,7 @@ class MQTTConnection(asyncio.Protocol):
         pid = self._next_pid
         for _ in range(65535):
             pid = pid % 65535 + 1
-            if pid not in self.inflight and pid not in self.out2:
+            if pid not in self.inflight and pid not in self.out2 and not (self.pub2 and pid in self.pub2.values()):
                 self._next_pid = pid
                 return pid
         raise RuntimeError("no free packet identifier")
@@ -834,6 +882,8 @@ class MQTTConnection(asyncio.Protocol):
         if entry is not None:
             if entry[0] is not None:
                 self._ack(*entry[0])
+                if entry[1] == 2:
+                    self.pub2.pop(entry[0][2], None)
             self.out2.add(pid)
             if not self.clean:
                 # The shard's ack and the session record go out in this turn; PUBREL once the record

@@ -1,6 +1,6 @@
-"""The TLS context of the frontends' TLS listeners (AMQPS, MQTTS): TLS 1.2 or later, the ssl module's defaults.
+"""The TLS context of the TLS listeners (AMQPS, MQTTS, WSS in the frontends; HTTPS in the node): TLS 1.2+.
 
-Built once per frontend process from the node's settings (``--tls-cert``, ``--tls-key``,
+Built once per process (each frontend, the node) from the settings (``--tls-cert``, ``--tls-key``,
 ``--tls-ca``, ``--tls-verify-peer``; checked at start-up by ``broker.config.tls_problem``).
 """
 
