@@ -33,6 +33,7 @@ from broker.http.server import HttpServer
 from broker.node_stats import NodeStats
 from broker.permissions import CONFIGURE, READ, WRITE, check, check_topic
 from broker.process import install_uvloop
+from broker.sdnotify import Notifier
 from broker.supervisor import Supervisor, WorkerProcess
 from broker.tls import reload_certificate, server_context
 from broker.zmqio import BatchSocket, make_socket
@@ -736,8 +737,15 @@ class Node:
 async def _main(settings: Settings) -> int:
     node = Node(settings)
     loop = asyncio.get_running_loop()
+    # systemd Type=notify (deploy/systemd/): READY=1 when node.ready, STOPPING=1, WATCHDOG=1.
+    sd = Notifier.from_env()
+
+    def stop() -> None:
+        sd.stopping()
+        loop.create_task(node.stop())
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda: loop.create_task(node.stop()))
+        loop.add_signal_handler(sig, stop)
     loop.add_signal_handler(signal.SIGHUP, lambda: (loop.create_task(node.reload_definitions()),
                                                     node.reload_tls(),
                                                     node.sup.signal_role("frontend", signal.SIGHUP)))
@@ -748,9 +756,13 @@ async def _main(settings: Settings) -> int:
         return 1
     except Exception as exc:
         log.exception("node failed to start: %s", exc)
+        sd.stopping("failed to start")
         await node.stop()
         return 1
+    sd.start(lambda: node.ready, lambda: ("serving" if node.is_leader else "following the leader, proxying")
+             + f" AMQP on {settings.bind}:{settings.port}")
     await node.stopped.wait()
+    sd.close()
     return 0
 
 

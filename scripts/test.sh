@@ -21,11 +21,16 @@ command -v haproxy >/dev/null || APT_PACKAGES+=(haproxy)
 command -v mosquitto >/dev/null || [ -x /usr/sbin/mosquitto ] || APT_PACKAGES+=(mosquitto)
 # The cluster tests start private etcd servers (loadtest/etcd.py) and the drill puts haproxy in front.
 [ -x /usr/bin/etcd ] || APT_PACKAGES+=(etcd-server)
+# The deploy tests run `systemd-analyze verify` on the units and shellcheck on deploy/install.sh.
+command -v systemd-analyze >/dev/null || APT_PACKAGES+=(systemd)
+command -v shellcheck >/dev/null || APT_PACKAGES+=(shellcheck)
 command -v mount >/dev/null || APT_PACKAGES+=(mount)  # tests/test_safety_full_disk.py mounts a small tmpfs
 [ "${#APT_PACKAGES[@]}" -eq 0 ] || apt_install "${APT_PACKAGES[@]}"
 
 ensure_venv
 ensure_project "test,spark"
+# The chart tests (tests/test_helm_chart.py) run the pinned helm.
+ensure_helm
 
 cd "$REPO_ROOT"
 status=0

@@ -393,6 +393,12 @@ def test_role_api_follower_promoted_by_become_leader_then_replicates_to_a_new_fo
                           extra_args=["--cluster", "--node-name", "n3", "--follow", f"127.0.0.1:{rport}"])
         n3.start(wait=False)
         wait_for(lambda: "n3" in call(lambda: _in_sync(node)), "n3 in sync with the promoted node", node=n3)
+        status = call(lambda: _followers(node))["n3"]
+        assert status.connected and status.in_sync and status.lag_bytes >= 0 and status.last_ack_monotonic > 0
+        streams = call(lambda: _streams(node))
+        assert set(streams) == {"node", "shard-0", "shard-1"} and all("n3" in v for v in streams.values())
+        n3.stop()
+        wait_for(lambda: not call(lambda: _followers(node))["n3"].connected, "n3 listed as disconnected")
     finally:
         call(node.stop, timeout=60)
         loop.call_soon_threadsafe(loop.stop)
@@ -400,6 +406,14 @@ def test_role_api_follower_promoted_by_become_leader_then_replicates_to_a_new_fo
 
 async def _make_node(node_cls, settings):
     return node_cls(settings)
+
+
+async def _followers(node) -> dict:
+    return node.repl_leader.followers()
+
+
+async def _streams(node) -> dict:
+    return node.repl_leader.stream_status()
 
 
 async def _in_sync(node) -> set[str]:
