@@ -9,7 +9,10 @@ from broker.config import PROG, load_settings, setup_logging, tls_problem
 
 # `shardmq SUBCOMMAND ...`: the module whose ``main(argv: list[str]) -> int`` runs it. A bare
 # `shardmq [flags]` runs a node. Modules are imported only when their subcommand is used.
-SUBCOMMANDS: dict[str, str] = {"cluster": "replication.cluster_cli"}
+SUBCOMMANDS: dict[str, str] = {
+    "cluster": "replication.cluster_cli",
+    "verify": "shard.verify",  # shardmq verify DATA_DIR: check every stored record offline
+}
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 
 log = logging.getLogger("shardmq.datadir")
 
@@ -21,6 +22,15 @@ class DataDirLocked(RuntimeError):
     pass
 
 
+class DataDirUnsafe(RuntimeError):
+    """The data dir can be written by other users: they could plant files or reach run/ sockets."""
+
+
+# Everything under the data dir is private to the node's user (definitions.json holds password
+# hashes, segments hold message bodies): the node runs with this umask, whatever it inherited.
+PRIVATE_UMASK = 0o077
+
+
 def name_hash(name: str) -> str:
     """Directory name of a vhost or queue: the data layout does not depend on shard count."""
     return hashlib.sha1(name.encode()).hexdigest()
@@ -32,9 +42,23 @@ class DataDir:
         self.run_dir = os.path.join(self.path, "run")
         self._lock_fd: int | None = None
 
+    def check_private(self) -> None:
+        """Create the data dir 0700; refuse one others can write; take read access away from them."""
+        os.makedirs(self.path, mode=0o700, exist_ok=True)
+        st = os.stat(self.path)
+        if st.st_mode & 0o022:
+            raise DataDirUnsafe(
+                f"data dir {self.path} is writable by other users (mode {stat.S_IMODE(st.st_mode):04o}); "
+                f"refusing to start: run `chmod 700 {self.path}`"
+            )
+        if st.st_mode & 0o077 and st.st_uid == os.getuid():
+            # A data dir of an older version (0755): its files were readable by every local user.
+            os.chmod(self.path, 0o700)
+            log.warning("data dir %s was mode %04o; changed to 0700", self.path, stat.S_IMODE(st.st_mode))
+
     def lock(self) -> None:
-        os.makedirs(self.path, exist_ok=True)
-        fd = os.open(os.path.join(self.path, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        self.check_private()
+        fd = os.open(os.path.join(self.path, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -48,7 +72,7 @@ class DataDir:
         self._lock_fd = fd
         # Sockets of a previous (crashed) node are stale; workers bind fresh ones.
         shutil.rmtree(self.run_dir, ignore_errors=True)
-        os.makedirs(self.run_dir, exist_ok=True)
+        os.makedirs(self.run_dir, mode=0o700, exist_ok=True)
 
     def unlock(self) -> None:
         if self._lock_fd is not None:

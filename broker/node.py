@@ -24,7 +24,7 @@ from broker import contract
 from broker.alarms import CHECK_INTERVAL_S, ResourceMonitor, parse_disk_limit, parse_memory_watermark
 from broker.amqp.errors import AMQPConnectionError, AMQPError
 from broker.config import Settings, cluster_secret
-from broker.datadir import DataDir, DataDirLocked
+from broker.datadir import PRIVATE_UMASK, DataDir, DataDirLocked, DataDirUnsafe
 from broker.definitions import Definitions
 from broker.definitions_file import plan_from_file, read_definitions_file
 from broker.defstore import DefStore
@@ -336,7 +336,11 @@ class Node:
         self.stopped.set()
 
     def _on_spawn(self, _worker: WorkerProcess) -> None:
-        self.datadir.write_pids(self.sup.pids())
+        # pids.json is information for operators and tests; failing to write it must not stop anything.
+        try:
+            self.datadir.write_pids(self.sup.pids())
+        except OSError as exc:
+            log.warning("cannot write %s/pids.json: %s", self.datadir.run_dir, exc)
 
     def _on_worker_exit(self, worker: WorkerProcess, _code: int) -> None:
         self._check_apply_waiters()
@@ -747,7 +751,7 @@ async def _main(settings: Settings) -> int:
                                                     node.sup.signal_role("frontend", signal.SIGHUP)))
     try:
         await node.start()
-    except DataDirLocked as exc:
+    except (DataDirLocked, DataDirUnsafe) as exc:
         log.error("%s", exc)
         return 1
     except Exception as exc:
@@ -764,5 +768,7 @@ async def _main(settings: Settings) -> int:
 
 def run(settings: Settings) -> int:
     """Run a node until SIGTERM/SIGINT; returns the process exit status."""
+    # Files 0600 and directories 0700 whatever umask we were started with; workers inherit it.
+    os.umask(PRIVATE_UMASK)
     install_uvloop()
     return asyncio.run(_main(settings))

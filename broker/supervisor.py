@@ -64,15 +64,29 @@ class Supervisor:
         worker.connected = False
         worker.applied = -1
         worker.last_start = time.monotonic()
-        worker.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", _MODULES[worker.role],
-            "--index", str(worker.index), "--run-dir", self.run_dir, "--log-level", self.log_level,
-        )
+        while True:
+            try:
+                worker.proc = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", _MODULES[worker.role],
+                    "--index", str(worker.index), "--run-dir", self.run_dir, "--log-level", self.log_level,
+                )
+                break
+            except OSError as exc:
+                # No fds, no memory, EAGAIN: a worker that could not be started is retried, never dropped.
+                if self.stopping:
+                    raise
+                log.error("cannot start %s: %s; retrying in %.1f s", worker.name, exc, _MAX_BACKOFF_S)
+                await asyncio.sleep(_MAX_BACKOFF_S)
         log.info("started %s (pid %d)", worker.name, worker.proc.pid)
-        self.on_spawn(worker)
+        # Watch first: nothing that happens after the fork (on_spawn writes run/pids.json, which can
+        # fail on a full disk) may leave a child unwatched, or its death would never be noticed.
         task = asyncio.get_running_loop().create_task(self._watch(worker, worker.proc))
         self._watchers.add(task)
         task.add_done_callback(self._watchers.discard)
+        try:
+            self.on_spawn(worker)
+        except Exception:
+            log.exception("after starting %s: on_spawn failed (supervision goes on)", worker.name)
 
     async def _watch(self, worker: WorkerProcess, proc: asyncio.subprocess.Process) -> None:
         code = await proc.wait()

@@ -46,8 +46,10 @@ class Session(Protocol):
     def on_close_channel(self, channel: int, code: int, text: str) -> None:
         """A shard closes a channel/lane of this session with an error."""
 
-    def uses_shard(self, shard: int) -> bool:
-        """Whether a restart of this shard lost state this session depends on."""
+    def shard_lost(self, shard: int) -> None:
+        """This shard died (its next incarnation is starting): settle what the session had in flight
+        there (nack unconfirmed publishes, cancel its consumers) and stay open, as RabbitMQ does for
+        a crashed queue (frontend/amqp/shard_loss.py). Sessions with nothing there do nothing."""
 
     def flush_turn(self) -> None:
         """End of a loop turn: write what this session produced in one go."""
@@ -57,7 +59,7 @@ class Session(Protocol):
     def resume_reading(self, reason: str) -> None: ...
 
     def fail(self, code: int, text: str) -> None:
-        """The broker closes this session (shutdown, vhost deleted, shard restarted)."""
+        """The broker closes this session (shutdown, vhost deleted)."""
 
     def internal_error(self, exc: BaseException) -> None:
         """A bug while handling this session's items: close it, never crash the process."""

@@ -73,9 +73,11 @@ class FrontendWorker:
         self._next_req = 0
         self._node_pending: dict[int, Callback | None] = {}
         # req_id -> (shard, connection, callback)
-        self._shard_pending: dict[int, tuple[int, Session, Callback]] = {}
+        self._shard_pending: dict[int, tuple[int, Session, Callback, Callable[[int], list]]] = {}
         self._dirty: list[Session] = []
         self._turn_scheduled = False
+        # Restarted shards whose publish lane has not answered yet: their control-lane items wait here.
+        self._control_held: dict[int, list] = {}
         self._snapshot: asyncio.Future = loop.create_future()
         self.stopped = asyncio.Event()
         self._stopping = False
@@ -236,16 +238,58 @@ class FrontendWorker:
         # Nothing more will come back for batches the old incarnation had.
         self._processed[shard] = self._sent[shard]
         self._update_pressure()
-        lost = {conn for (s, conn, _cb) in self._shard_pending.values() if s == shard}
-        self._shard_pending = {k: v for k, v in self._shard_pending.items() if v[0] != shard}
+        # Connections stay open (frontend/amqp/shard_loss.py): what they had in flight there is settled...
         for conn in list(self.conns.values()):
-            if conn in lost or conn.uses_shard(shard):
-                conn.fail(CONNECTION_FORCED, f"shard {shard} restarted")
+            conn.shard_lost(shard)
+        # ...and requests the old incarnation never answered go to the new one (get, consume, purge,
+        # queue counts: the restarted shard has recovered the queue by the time it reads them).
+        for req_id, (s, _conn, _cb, build) in list(self._shard_pending.items()):
+            if s == shard:
+                self.shard_put(shard, build(req_id))
+        self._probe_publish_lane(shard, epoch)
+
+    def _probe_publish_lane(self, shard: int, epoch: int) -> None:
+        """Hold control-lane items for a restarted shard until its publish lane answers.
+
+        A shard replies and delivers to our publish-lane identity, and its ROUTER silently drops what
+        it sends to an identity whose DEALER has not reconnected yet. The two lanes reconnect
+        independently, so a consume sent on the control lane could be answered (and its messages
+        delivered) into the void. The first reply on the publish lane proves it is connected.
+        """
+        if self.epochs[shard] != epoch or self.stopped.is_set():
+            return
+        self._control_held.setdefault(shard, [])
+
+        def answered(_ok: bool, _result: Any) -> None:
+            if self.epochs[shard] != epoch:
+                return
+            held = self._control_held.pop(shard, None)
+            for item in held or ():
+                self.control[shard].put(None, item)
+
+        self._next_req += 1
+        req_id = self._next_req
+        probe = [contract.QUEUE_INFO, req_id, "", ""]  # no such queue: a 404 reply, nothing else
+        self._shard_pending[req_id] = (shard, None, answered, lambda _r: probe)
+        self.shards[shard].put(None, probe)
+
+        def again() -> None:
+            # A probe written to the dead incarnation's connection is lost: ask again until answered.
+            if shard in self._control_held and self.epochs[shard] == epoch:
+                self._shard_pending.pop(req_id, None)
+                self._probe_publish_lane(shard, epoch)
+
+        self.loop.call_later(0.5, again)
 
     # ------------------------------------------------------------- shard side
     def shard_put(self, shard: int, item: list) -> None:
         kind = item[0]
         if kind != _PUBLISH and kind in _CONTROL_LANE_KINDS:
+            if self._control_held:
+                held = self._control_held.get(shard)
+                if held is not None:
+                    held.append(item)
+                    return
             self.control[shard].put(None, item)
         else:
             self.shards[shard].put(None, item)
@@ -254,7 +298,7 @@ class FrontendWorker:
                       callback: Callback) -> None:
         self._next_req += 1
         req_id = self._next_req
-        self._shard_pending[req_id] = (shard, conn, callback)
+        self._shard_pending[req_id] = (shard, conn, callback, build)
         self.shard_put(shard, build(req_id))
 
     def _shard_handler(self, shard: int) -> Callable[[bytes | None, Any, list], None]:

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from shard import record
-from shard.segment import DATA_START, FORMAT_VERSION, META_SIZE, VERSION_HEADER, Meta
+from shard.segment import DATA_START, FORMAT_VERSION, META_SIZE, VERSION_HEADER, Meta, read_ack_entries
 from shard.stream_store import StreamSegment
 
 log = logging.getLogger(__name__)
@@ -181,14 +181,9 @@ def plan(path: str, vhost: str | None = None, queue: str | None = None) -> list[
 
 
 def read_acks(path: str) -> set[int]:
-    """Positions in an ack file, read-only (shard.segment.read_acks truncates a torn tail; a reader must not)."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError:
-        return set()
-    n = len(data) // 4
-    return set(struct.unpack_from(f"<{n}I", data)) if n else set()
+    """Positions in an ack file (either version), read-only: shard.segment.read_acks truncates a torn
+    tail, a reader must not. Entries that fail their checksum are left out."""
+    return set(read_ack_entries(path)[0])
 
 
 def _meta_used(seg: SegmentFile) -> int | None:

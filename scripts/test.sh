@@ -24,6 +24,7 @@ command -v mosquitto >/dev/null || [ -x /usr/sbin/mosquitto ] || APT_PACKAGES+=(
 # The deploy tests run `systemd-analyze verify` on the units and shellcheck on deploy/install.sh.
 command -v systemd-analyze >/dev/null || APT_PACKAGES+=(systemd)
 command -v shellcheck >/dev/null || APT_PACKAGES+=(shellcheck)
+command -v mount >/dev/null || APT_PACKAGES+=(mount)  # tests/test_safety_full_disk.py mounts a small tmpfs
 [ "${#APT_PACKAGES[@]}" -eq 0 ] || apt_install "${APT_PACKAGES[@]}"
 
 ensure_venv

@@ -43,7 +43,7 @@ class KVStore:
         self.records = 0
         os.makedirs(os.path.dirname(path), exist_ok=True)
         good = self._load()
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         if os.fstat(self.fd).st_size != good:
             os.ftruncate(self.fd, good)  # a torn tail from a crash
         os.lseek(self.fd, good, os.SEEK_SET)

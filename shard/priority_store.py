@@ -94,6 +94,14 @@ class PriorityStore(MarkerFiles):
         return self._ready
 
     @property
+    def damaged_records(self) -> int:
+        return sum(store.damaged_records for store in self._levels.values())
+
+    @property
+    def damaged_acks(self) -> int:
+        return sum(store.damaged_acks for store in self._levels.values())
+
+    @property
     def ready_bytes(self) -> int:
         return self._ready_bytes
 

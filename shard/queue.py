@@ -151,4 +151,9 @@ class Queue:
         return self.store.purge()
 
     def info(self) -> dict:
-        return {"messages": self.store.ready, "consumers": len(self.consumers)}
+        store = self.store
+        # Storage damage found since the shard opened the queue (docs/storage.md "Recovery"): for
+        # the management API and metrics; 0 for stores that do not check (streams).
+        return {"messages": store.ready, "consumers": len(self.consumers),
+                "damaged_records": getattr(store, "damaged_records", 0),
+                "damaged_acks": getattr(store, "damaged_acks", 0)}

@@ -231,3 +231,46 @@ def scan_records(buf: Any, start: int, end: int, result: ScanResult) -> Iterator
         result.end = pos
     finally:
         mv.release()
+
+
+FLAG_FILLER = 2  # a record recovery wrote over damaged bytes: never delivered, always removed
+
+
+def _valid_at(buf: Any, mv: memoryview, pos: int, end: int) -> int:
+    """End of the valid record (CRC and field lengths) at `pos`, or -1."""
+    if pos + HEADER_SIZE > end:
+        return -1
+    length, crc = _unpack_header(buf, pos)
+    nxt = pos + HEADER_SIZE + length
+    if length < MIN_PAYLOAD or nxt > end or _fields(buf, pos + HEADER_SIZE, length) is None:
+        return -1
+    if _crc32(mv[pos + HEADER_SIZE:nxt]) != crc:
+        return -1
+    return nxt
+
+
+def resync(buf: Any, start: int, end: int) -> int:
+    """Position of the first valid record after damage at `start`, or -1 if none follows.
+
+    Every byte position is tried; a candidate counts only if its CRC matches (the CRC decides,
+    not a length that merely looks plausible) and what follows it is a valid record too, a clean
+    end of data (L == 0 with a zero CRC field) or the end of the buffer: a record-shaped run of
+    bytes inside a damaged body would have to fake two CRCs to be taken for data.
+    """
+    mv = memoryview(buf)
+    try:
+        for pos in range(start + 1, end - MIN_RECORD + 1):
+            nxt = _valid_at(buf, mv, pos, end)
+            if nxt < 0:
+                continue
+            if nxt + HEADER_SIZE > end or _unpack_header(buf, nxt) == (0, 0) or _valid_at(buf, mv, nxt, end) >= 0:
+                return pos
+        return -1
+    finally:
+        mv.release()
+
+
+def filler(size: int) -> bytes:
+    """A whole record of `size` (>= MIN_RECORD) bytes that recovery writes over damaged bytes."""
+    payload = encode_payload(0, FLAG_FILLER, b"", b"", b"", bytes(size - MIN_RECORD))
+    return HEADER.pack(len(payload), _crc32(payload)) + payload

@@ -7,6 +7,7 @@ meta file, read only). File formats are described in docs/storage.md.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import struct
@@ -98,18 +99,68 @@ class PositionSet:
         bits[i] |= 1 << ((pos >> 4) & 7)
 
 
-def read_acks(path: str) -> set[int]:
-    """Positions listed in an ack file; a torn trailing partial u32 is ignored."""
+def allocate(fd: int, size: int) -> None:
+    """Give the file `size` bytes with their blocks allocated.
+
+    Segments are written through mmap: a store to a page whose block the file system cannot
+    allocate (full disk) is a SIGBUS that kills the process. Allocating up front turns a full disk
+    into an OSError here, where the caller nacks the publish and goes on.
+    """
+    os.ftruncate(fd, size)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno == errno.EOPNOTSUPP:
+            return  # a file system that cannot allocate ahead: sparse, as before
+        raise
+
+
+# Ack files (docs/storage.md): version 2 starts with this header and holds (u32 position, u32
+# CRC32 of the position's 4 bytes) entries, so a damaged entry is detected instead of silently
+# naming another record (or none). Version 1 files (bare u32 positions) are read and rewritten
+# as version 2 when their queue is opened.
+ACKS_MAGIC = b"SMQACK2\0"
+_ACK_ENTRY = struct.Struct("<II")
+
+
+def encode_acks(positions: list[int]) -> bytes:
+    crc32 = zlib.crc32
+    flat = []
+    for pos in positions:
+        flat.append(pos)
+        flat.append(crc32(pos.to_bytes(4, "little")))
+    return struct.pack(f"<{len(flat)}I", *flat)
+
+
+def read_ack_entries(path: str, repair: bool = False) -> tuple[list[int], int, bool]:
+    """(positions with a good checksum, number of damaged entries, whether the file is version 1).
+
+    A torn trailing partial entry (a crash mid-append) is ignored, and with `repair` truncated
+    away so appends stay aligned. A missing or unreadable file has no entries.
+    """
     try:
         with open(path, "rb") as f:
             data = f.read()
-        n = len(data) // 4
-        if len(data) != n * 4:
-            # Appends must stay u32-aligned: drop the torn piece before anything is appended.
-            os.truncate(path, n * 4)
     except OSError:
-        return set()
-    return set(struct.unpack_from(f"<{n}I", data)) if n else set()
+        return [], 0, False
+    if data[:len(ACKS_MAGIC)] != ACKS_MAGIC:
+        n = len(data) // 4
+        if repair and len(data) != n * 4:
+            os.truncate(path, n * 4)
+        return list(struct.unpack_from(f"<{n}I", data)), 0, n > 0
+    body = len(data) - len(ACKS_MAGIC)
+    n = body // 8
+    if repair and body != n * 8:
+        os.truncate(path, len(ACKS_MAGIC) + n * 8)
+    flat = struct.unpack_from(f"<{2 * n}I", data, len(ACKS_MAGIC))
+    crc32 = zlib.crc32
+    good = [flat[i] for i in range(0, 2 * n, 2) if crc32(flat[i].to_bytes(4, "little")) == flat[i + 1]]
+    return good, n - len(good), False
+
+
+def read_acks(path: str) -> set[int]:
+    """Positions listed in an ack file (either version); damaged entries are left out."""
+    return set(read_ack_entries(path, repair=True)[0])
 
 
 class Segment:
@@ -117,7 +168,8 @@ class Segment:
 
     __slots__ = (
         "no", "dir", "fd", "mm", "size", "used", "sealed",
-        "count", "transient", "body_bytes", "live", "acked", "ack_fd", "skip_acked", "msgs_path",
+        "count", "transient", "body_bytes", "live", "acked", "ack_fd", "skip_acked", "unverified",
+        "msgs_path",
     )
 
     def __init__(self, dir_path: str, no: int) -> None:
@@ -136,6 +188,8 @@ class Segment:
         self.ack_fd = -1
         # Removed records may lie ahead of the read cursor (only after recovery): shift must check.
         self.skip_acked = False
+        # Sealed with a valid meta and loaded without reading it: CRC-checked when first mapped.
+        self.unverified = False
         self.msgs_path = os.path.join(dir_path, file_name("msgs", no))  # reported per append when replicating
 
     def path(self, kind: str) -> str:
@@ -144,14 +198,22 @@ class Segment:
     # ------------------------------------------------------------ lifecycle
     @classmethod
     def create(cls, dir_path: str, no: int, size: int) -> Segment:
-        """A new sparse write segment of `size` bytes with the version header."""
+        """A new write segment of `size` bytes, its blocks allocated, with the version header.
+
+        OSError (ENOSPC above all) leaves no file behind: the caller's store is unchanged.
+        """
         seg = cls(dir_path, no)
-        seg.fd = os.open(seg.path("msgs"), os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        seg.fd = os.open(seg.path("msgs"), os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
-            os.ftruncate(seg.fd, size)
+            allocate(seg.fd, size)
             seg.mm = mmap.mmap(seg.fd, size)
         except BaseException:
             os.close(seg.fd)
+            seg.fd = -1
+            try:
+                os.unlink(seg.path("msgs"))
+            except OSError:
+                pass
             raise
         VERSION_HEADER.pack_into(seg.mm, 0, FORMAT_VERSION)
         seg.size = size
@@ -176,11 +238,22 @@ class Segment:
             open_write_segments[self.path("msgs")] = self
 
     def regrow(self, size: int) -> None:
-        """Cut the file at `used` (zeroing anything after it) and extend it to `size` (write segment)."""
+        """Cut the file at `used` (zeroing anything after it) and extend it to `size` (write segment).
+
+        When the blocks cannot be allocated (OSError, the file is then `used` bytes long) the
+        segment is left mapped at `used` bytes: nothing fits, so the next append tries to roll.
+        """
         if self.mm is not None:
             self.mm.close()
+            self.mm = None
         os.ftruncate(self.fd, self.used)
-        os.ftruncate(self.fd, size)
+        try:
+            allocate(self.fd, size)
+        except OSError:
+            os.ftruncate(self.fd, self.used)
+            self.size = self.used
+            self.mm = mmap.mmap(self.fd, self.used)
+            raise
         self.mm = mmap.mmap(self.fd, size)
         self.size = size
 
@@ -198,12 +271,26 @@ class Segment:
             del open_write_segments[path]
 
     def write_meta(self) -> int:
-        fd = os.open(self.path("meta"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        """Write the meta file; its fd (unsynced), or -1 when it could not be written (full disk):
+        a segment without meta is scanned at the next start, which is slower but loses nothing."""
         data = Meta(self.count, self.transient, self.used, self.body_bytes).encode()
-        os.write(fd, data)
-        if write_observer.current is not None:
-            write_observer.current.replace(self.path("meta"), data)
-        return fd
+        try:
+            fd = os.open(self.path("meta"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        except OSError:
+            return -1
+        try:
+            if os.write(fd, data) == META_SIZE:
+                if write_observer.current is not None:
+                    write_observer.current.replace(self.path("meta"), data)
+                return fd
+        except OSError:
+            pass
+        os.close(fd)
+        try:
+            os.unlink(self.path("meta"))
+        except OSError:
+            pass
+        return -1
 
     def read_meta(self) -> Meta | None:
         try:
@@ -214,9 +301,16 @@ class Segment:
 
     def open_acks(self) -> int:
         if self.ack_fd < 0:
-            self.ack_fd = os.open(
-                self.path("acks"), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644
-            )
+            fd = os.open(self.path("acks"), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+            try:
+                if os.fstat(fd).st_size == 0:
+                    os.write(fd, ACKS_MAGIC)
+                    if write_observer.current is not None:
+                        write_observer.current.append(self.path("acks"), 0, ACKS_MAGIC)
+            except BaseException:
+                os.close(fd)
+                raise
+            self.ack_fd = fd
         return self.ack_fd
 
     def map_readonly(self) -> None:

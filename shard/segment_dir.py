@@ -28,7 +28,7 @@ class MarkerFiles:
         """Create the empty marker file `name`; durable with the next sync."""
         path = os.path.join(self.path, name)
         if not os.path.exists(path):
-            os.close(os.open(path, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o644))
+            os.close(os.open(path, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o600))
             self._dir_dirty = True
             if write_observer.current is not None:
                 write_observer.current.replace(path, b"")
@@ -46,6 +46,8 @@ class SegmentDir(MarkerFiles):
     _deferred_close: list[int]
 
     _closed: bool
+    # Set once the directories above ours have been fsynced (see _sync_parents).
+    _parents_synced = False
 
     def close(self) -> None:
         raise NotImplementedError
@@ -64,6 +66,25 @@ class SegmentDir(MarkerFiles):
                 self.close()
         except Exception:
             pass
+
+    def _sync_parents(self) -> None:
+        """fsync the three directories above ours, once per store (sync thread).
+
+        A new queue dir is only durable once the entries naming it (in its vhost dir, and the vhost
+        dir's in the data dir; for priority levels and delay stores one level more) are, so the
+        first sync of a store, which comes before the first confirm into it, makes them durable.
+        """
+        if self._parents_synced:
+            return
+        path = self.path
+        for _ in range(3):
+            path = os.path.dirname(path)
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        self._parents_synced = True
 
     def _release(self, fds: list[int]) -> None:
         """Close fds now, or after the running sync (which may be using them). Call with the lock held."""

@@ -23,13 +23,15 @@ import threading
 from broker import write_observer
 from shard import record
 from shard.segment import (
+    ACKS_MAGIC,
     DATA_START,
     FORMAT_VERSION,
     VERSION_HEADER,
     PositionSet,
     Segment,
+    encode_acks,
     parse_name,
-    read_acks,
+    read_ack_entries,
 )
 from shard.segment_dir import SegmentDir
 
@@ -120,6 +122,9 @@ class QueueStore(SegmentDir):
         self._ack_pending: dict[Segment, list[int]] = {}  # acks not yet written (see flush_acks)
         self._syncing = 0
         self._deferred_close: list[int] = []
+        # Records lost to damage (skipped, their bytes set aside; see docs/storage.md) since opened.
+        self.damaged_records = 0
+        self.damaged_acks = 0  # ack entries that failed their checksum
         os.makedirs(path, exist_ok=True)
         self._dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self._recover()
@@ -127,7 +132,7 @@ class QueueStore(SegmentDir):
         self._rseg = self._segs[first]  # read cursor: segment and position of the next unread record
         self._rpos = DATA_START
         if self._rseg.mm is None:
-            self._rseg.map_readonly()
+            self._map(self._rseg)
         # Where the read cursor was when this store was last used (DELIVERED_MARK): every message
         # before it may have been delivered and not acked when the shard stopped, so it comes back
         # with redelivered=true, as RabbitMQ's queue index marks delivered messages. Clamped to the
@@ -184,7 +189,7 @@ class QueueStore(SegmentDir):
             msg_id = heapq.heappop(self._requeued)
             seg = self._segs[msg_id >> 32]
             if seg.mm is None:
-                seg.map_readonly()
+                self._map(seg)
             ts, flags, ex, rk, props, body, _ = _read_record(seg.mm, msg_id & _POS_MASK)
             redelivered = True
         else:
@@ -236,7 +241,7 @@ class QueueStore(SegmentDir):
         if seg.acked is not None and pos in seg.acked:
             return False
         if seg.mm is None:
-            seg.map_readonly()
+            self._map(seg)
         heapq.heappush(self._requeued, msg_id)
         if self.requeue_watch is not None:
             self.requeue_watch.add(msg_id)
@@ -290,7 +295,7 @@ class QueueStore(SegmentDir):
         if pos < DATA_START or pos >= seg.used:
             raise KeyError(msg_id)
         if seg.mm is None:
-            seg.map_readonly()
+            self._map(seg)
         return _read_record(seg.mm, pos)[:6]
 
     def purge(self) -> int:
@@ -355,6 +360,7 @@ class QueueStore(SegmentDir):
                 os.fdatasync(fd)
             if dir_dirty:
                 os.fsync(self._dir_fd)
+            self._sync_parents()
             done = True
         finally:
             with self._lock:
@@ -418,7 +424,7 @@ class QueueStore(SegmentDir):
             nxt = segs.get(no)
             if nxt is not None:
                 if nxt.mm is None:
-                    nxt.map_readonly()
+                    self._map(nxt)
                 return nxt
         raise AssertionError("write segment missing")  # the write segment is never dropped
 
@@ -436,7 +442,8 @@ class QueueStore(SegmentDir):
         with self._lock:
             meta_fd = old.seal()
             self._sync_fds.append(old.fd)
-            self._sync_fds.append(meta_fd)
+            if meta_fd >= 0:
+                self._sync_fds.append(meta_fd)
             old.fd = -1
             self._segs[new.no] = new
             self._wseg = new
@@ -466,10 +473,16 @@ class QueueStore(SegmentDir):
         pending = self._ack_pending
         self._ack_pending = {}
         for seg, positions in pending.items():
-            fd = seg.ack_fd
-            if fd < 0:
-                fd = self._open_acks(seg)
-            _write_acks(seg, fd, struct.pack(f"<{len(positions)}I", *positions))
+            try:
+                fd = seg.ack_fd
+                if fd < 0:
+                    fd = self._open_acks(seg)
+                _write_acks(seg, fd, encode_acks(positions))
+            except OSError as exc:
+                # A full disk: the messages stay removed in memory; their acks are written on a later
+                # turn (after a crash meanwhile they come back: at least once, never lost).
+                log.warning("queue %s: cannot write acks of segment %d: %s", self.path, seg.no, exc)
+                self._ack_pending.setdefault(seg, []).extend(positions)
         self._acks_dirty = True
 
     def _read_mark(self) -> int:
@@ -485,7 +498,7 @@ class QueueStore(SegmentDir):
         fd = self._mark_fd
         if fd < 0:
             fd = self._mark_fd = os.open(os.path.join(self.path, DELIVERED_MARK),
-                                         os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                                         os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             with self._lock:
                 self._ack_fds.add(fd)  # closed by close() with the ack files
             self._dir_dirty = True
@@ -506,7 +519,7 @@ class QueueStore(SegmentDir):
         fd = seg.ack_fd
         if fd < 0:
             fd = self._open_acks(seg)
-        _write_acks(seg, fd, struct.pack(f"<{len(positions)}I", *positions))
+        _write_acks(seg, fd, encode_acks(positions))
         self._acks_dirty = True
         seg.live -= len(positions)
         if seg.live == 0 and seg.sealed:
@@ -569,7 +582,14 @@ class QueueStore(SegmentDir):
                 wseg = seg
         if wseg is None:
             no = (msgs[-1] if msgs else 0) + 1
-            wseg = Segment.create(self.path, no, self._segment_size)
+            try:
+                wseg = Segment.create(self.path, no, self._segment_size)
+            except OSError as exc:
+                # A full disk must not make a queue unusable (or its declare fail): a segment with
+                # room for nothing, so every append tries to grow it and is refused until there is space.
+                log.warning("queue %s: cannot allocate segment %d (%s): publishes are refused until "
+                            "there is space", self.path, no, exc)
+                wseg = Segment.create(self.path, no, DATA_START)
             self._segs[no] = wseg
             self._dir_dirty = True
         self._wseg = wseg
@@ -595,7 +615,15 @@ class QueueStore(SegmentDir):
         meta = seg.read_meta()
         if meta is not None and not (DATA_START <= meta.used <= size and meta.count <= meta.used):
             meta = None
-        raw_acks = read_acks(seg.path("acks"))
+        entries, bad, old_format = read_ack_entries(seg.path("acks"), repair=True)
+        raw_acks = set(entries)
+        if bad:
+            # Which records those entries named is unknown: they stay (at least once, never lost).
+            self.damaged_acks += bad
+            log.error("queue %s: segment %d: %d damaged ack entries ignored (their messages may be "
+                      "delivered again)", self.path, no, bad)
+        if bad or old_format:
+            self._rewrite_acks(seg, sorted(raw_acks))  # version 2, without the damaged entries
         if meta is not None:
             seg.sealed = True
             seg.used = meta.used
@@ -603,18 +631,25 @@ class QueueStore(SegmentDir):
             if not raw_acks and (self._keep_transient or not meta.transient):
                 seg.size = meta.used
                 seg.live = meta.count
+                seg.unverified = True  # CRC-checked when first read (_map), not at every start
                 self._ready += meta.count
                 self._ready_bytes += meta.body_bytes
                 return seg
             seg.map_readonly()
-            self._load_records(seg, raw_acks, verify=False, end=meta.used)
+            if self._load_records(seg, raw_acks, verify=True, end=meta.used, expected=meta.count):
+                self._rewrite_meta(seg)
             return seg
         if last:
             seg.open_mapped(writable=True)
             cut = self._load_records(seg, raw_acks, verify=True, end=size)
-            if cut or size < self._segment_size:
+            try:
+                # Always (re)allocate: a write segment of an older version is sparse, and a store
+                # into an unallocated page on a full disk would be a SIGBUS.
                 seg.regrow(max(size, self._segment_size))
-                self._wdirty = True
+                self._wdirty = self._wdirty or cut or size < self._segment_size
+            except OSError as exc:
+                log.warning("queue %s: cannot allocate segment %d (%s): publishes are refused until "
+                            "there is space", self.path, no, exc)
             return seg
         # Sealed (it is not the last) but its meta never got written: scan it, then write the meta.
         seg.map_readonly()
@@ -622,39 +657,75 @@ class QueueStore(SegmentDir):
         self._load_records(seg, raw_acks, verify=True, end=size)
         if seg.used < size:
             os.truncate(seg.path("msgs"), seg.used)
-        self._sync_fds.append(seg.write_meta())
+        meta_fd = seg.write_meta()
+        if meta_fd >= 0:
+            self._sync_fds.append(meta_fd)
         self._dir_dirty = True
         return seg
 
-    def _load_records(self, seg: Segment, raw_acks: set[int], verify: bool, end: int) -> bool:
+    def _load_records(self, seg: Segment, raw_acks: set[int], verify: bool, end: int,
+                      expected: int | None = None) -> bool:
         """Count live records of `seg`, mark acked and (unless kept) transient ones as removed.
 
-        Returns whether a torn or corrupt tail was found (it is not part of the segment any more).
+        A bad record followed by valid ones (or any bad record of a sealed segment) is damage: its
+        bytes are copied aside, overwritten by a filler record (removed, never delivered) and
+        counted; every valid record after it is kept. A bad record of the write segment with
+        nothing valid after it is a torn tail: cut. Returns whether the segment changed.
         """
-        result = record.ScanResult()
         keep_transient = self._keep_transient
         acked = PositionSet(end)
         dropped: list[int] = []
-        count = transient = body_bytes = live = live_bytes = 0
-        for pos, flags, blen in record.scan(seg.mm, DATA_START, end, verify, result):
+        count = transient = body_bytes = live = live_bytes = fillers = regions = 0
+        changed = False
+        pos = DATA_START
+        mm = seg.mm
+        while True:
+            result = record.ScanResult()
+            for p, flags, blen in record.scan(mm, pos, end, verify, result):
+                count += 1
+                body_bytes += blen
+                persistent = flags & record.FLAG_PERSISTENT
+                if not persistent:
+                    transient += 1
+                if flags & record.FLAG_FILLER:
+                    fillers += 1
+                if p in raw_acks:
+                    acked.add(p)
+                elif not persistent and (not keep_transient or flags & record.FLAG_FILLER):
+                    acked.add(p)
+                    dropped.append(p)
+                else:
+                    live += 1
+                    live_bytes += blen
+            if not result.reason:
+                break
+            bad = result.end
+            nxt = record.resync(mm, bad, end)
+            stop = nxt if nxt >= 0 else end
+            if (nxt < 0 and not seg.sealed) or stop - bad < record.MIN_RECORD:
+                log.warning("queue %s: segment %d: %s; cut %d bytes from there (a torn tail: never confirmed)",
+                            self.path, seg.no, result.reason, end - bad)
+                changed = True
+                break
+            self._repair(seg, bad, stop, result.reason)
+            regions += 1
+            changed = True
             count += 1
-            body_bytes += blen
-            persistent = flags & record.FLAG_PERSISTENT
-            if not persistent:
-                transient += 1
-            if pos in raw_acks:
-                acked.add(pos)
-            elif not persistent and not keep_transient:
-                acked.add(pos)
-                dropped.append(pos)
-            else:
-                live += 1
-                live_bytes += blen
-        if result.reason:
-            log.warning(
-                "queue %s: segment %d: %s; cut %d bytes from there",
-                self.path, seg.no, result.reason, end - result.end,
-            )
+            fillers += 1
+            transient += 1
+            body_bytes += stop - bad - record.MIN_RECORD
+            acked.add(bad)
+            dropped.append(bad)
+            result.end = stop
+            if nxt < 0:
+                break
+            pos = nxt
+        if regions:
+            # With a meta count we know how many records the damage took, else at least one each.
+            lost = max(regions, expected - (count - fillers)) if expected is not None else regions
+            self.damaged_records += lost
+            log.error("queue %s: segment %d: %d damaged record(s) lost in %d region(s); %d valid records kept",
+                      self.path, seg.no, lost, regions, count - fillers)
         seg.used = result.end
         seg.count, seg.transient, seg.body_bytes = count, transient, body_bytes
         seg.live = live
@@ -673,16 +744,65 @@ class QueueStore(SegmentDir):
             self._acks_dirty = True
             fd = seg.open_acks()
             self._ack_fds.add(fd)
-            os.write(fd, struct.pack(f"<{len(dropped)}I", *dropped))
-        return bool(result.reason)
+            _write_acks(seg, fd, encode_acks(dropped))
+        return changed
+
+    def _repair(self, seg: Segment, start: int, stop: int, reason: str) -> None:
+        """Copy damaged bytes [start, stop) aside (durably), then overwrite them with a filler record."""
+        aside = f"{seg.path('msgs')}.damaged-{start}"
+        tmp = aside + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(bytes(seg.mm[start:stop]))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, aside)
+        os.fsync(self._dir_fd)
+        data = bytes(seg.mm[start:stop])
+        fill = record.filler(stop - start)
+        fd = os.open(seg.path("msgs"), os.O_RDWR | os.O_CLOEXEC)
+        try:
+            os.pwrite(fd, fill, start)
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+        obs = write_observer.current
+        if obs is not None:
+            obs.replace(aside, data)
+            obs.append(seg.path("msgs"), start, fill)
+        log.error("queue %s: segment %d: %s; damaged bytes %d..%d (%d) copied to %s and skipped",
+                  self.path, seg.no, reason, start, stop, stop - start, os.path.basename(aside))
+
+    def _rewrite_meta(self, seg: Segment) -> None:
+        fd = seg.write_meta()
+        if fd >= 0:
+            self._sync_fds.append(fd)
+        self._dir_dirty = True
+
+    def _map(self, seg: Segment) -> None:
+        """Map a sealed segment for reading; the first time, CRC-check it (lazy verification)."""
+        seg.map_readonly()
+        if not seg.unverified:
+            return
+        seg.unverified = False
+        result = record.ScanResult()
+        found = sum(1 for _ in record.scan(seg.mm, DATA_START, seg.used, True, result))
+        if not result.reason and found == seg.count:
+            return
+        # Damage in a segment whose meta vouched for it: every record of it is still ready
+        # (unverified segments are mapped first by the read cursor), so recount from scratch.
+        self._ready -= seg.live
+        self._ready_bytes -= seg.body_bytes
+        expected = seg.count
+        self._load_records(seg, set(), verify=True, end=seg.used, expected=expected)
+        self._rewrite_meta(seg)
 
     def _rewrite_acks(self, seg: Segment, positions: list[int]) -> None:
         tmp = seg.path("acks") + ".tmp"
         with open(tmp, "wb") as f:
-            f.write(struct.pack(f"<{len(positions)}I", *positions))
+            f.write(ACKS_MAGIC + encode_acks(positions))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, seg.path("acks"))
         self._dir_dirty = True
         if write_observer.current is not None:
-            write_observer.current.replace(seg.path("acks"), struct.pack(f"<{len(positions)}I", *positions))
+            write_observer.current.replace(seg.path("acks"), ACKS_MAGIC + encode_acks(positions))

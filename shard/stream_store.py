@@ -81,7 +81,7 @@ class StreamSegment(Segment):
 
     def write_smeta(self) -> int:
         """Write the smeta file (unsynced); returns its fd for the next sync to fsync and close."""
-        fd = os.open(self.path("smeta"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        fd = os.open(self.path("smeta"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         data = self.smeta()
         os.write(fd, data)
         if write_observer.current is not None:
@@ -437,7 +437,7 @@ class StreamStore(SegmentDir):
     def _write_tracked(self, blob: bytes) -> None:
         target = os.path.join(self.path, OFFSETS_FILE)
         tmp = target + ".tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
             os.write(fd, blob)
             os.fsync(fd)
@@ -472,6 +472,7 @@ class StreamStore(SegmentDir):
                 self._write_tracked(blob)
             if dir_dirty:
                 os.fsync(self._dir_fd)
+            self._sync_parents()
             done = True
         finally:
             with self._lock:

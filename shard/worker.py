@@ -90,6 +90,8 @@ class ShardWorker:
         self._hold_timer_armed = False
         self._ready = asyncio.Event()
         self._early: list[tuple] = []  # data batches that arrived before the snapshot
+        self.store_failures = 0  # appends refused by the file system (full disk): nacked publishes
+        self._store_failure_logged = 0.0
         self._lane: bytes | None = None  # sender identity of the batch being handled
         self._node_req = 0
         self.node: BatchSocket | None = None
@@ -432,10 +434,17 @@ class ShardWorker:
             q = queues.get((vhost, name))
             if q is None:
                 continue  # deleted between routing and arrival: as if unroutable
-            if q.__class__ is Queue:
-                q.store.append(ts, flags, exchange, routing_key, props_raw, body)
-            elif not q.publish(ts, flags, exchange, routing_key, props_raw, body):
-                rejected = True  # x-overflow reject-publish: the publisher gets basic.nack
+            try:
+                if q.__class__ is Queue:
+                    q.store.append(ts, flags, exchange, routing_key, props_raw, body)
+                elif not q.publish(ts, flags, exchange, routing_key, props_raw, body):
+                    rejected = True  # x-overflow reject-publish: the publisher gets basic.nack
+                    continue
+            except OSError as exc:
+                # No space for a new segment (it is allocated before it is mapped, so a full disk
+                # is this error, never a SIGBUS): not stored, so the publisher gets basic.nack.
+                self._store_failed(q, exc)
+                rejected = True
                 continue
             q.n_published += 1
             self._dirty_queues.add(q)
@@ -456,6 +465,15 @@ class ShardWorker:
                     self._confirms[key] = [seq]
                 else:
                     seqs.append(seq)
+
+    def _store_failed(self, q: Queue, exc: OSError) -> None:
+        """Log a refused append at most once a second per shard (a full disk refuses every one)."""
+        self.store_failures += 1
+        now = time.monotonic()
+        if now - self._store_failure_logged >= 1.0:
+            self._store_failure_logged = now
+            log.warning("shard %d: queue '%s' in vhost '%s': message not stored (%s); %d refused so far",
+                        self.index, q.name, q.vhost, exc, self.store_failures)
 
     # ----------------------------------------------------------- features
     def _upgrade_queues(self, vhost: str, names: list[str]) -> None:

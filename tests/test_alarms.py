@@ -34,7 +34,7 @@ def test_limit_syntax():
 def tmpfs(tmp_path):
     mount = tmp_path / "node" / "data"
     mount.mkdir(parents=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(mount)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m,mode=0700", "tmpfs", str(mount)], check=True)  # a data dir others can write is refused (issue #9)
     try:
         yield mount
     finally:

@@ -286,7 +286,9 @@ def test_corrupt_record_in_sealed_segment_without_meta(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="shard.store"):
         s = QueueStore(path, segment_size=4096)
     assert any("CRC mismatch" in r.getMessage() for r in caplog.records)
-    assert drain(s) == list(range(10)) + list(range(len(seg1), 200))
+    # Damage in a sealed segment costs the damaged record only (issue #9), not the rest of it.
+    assert drain(s) == list(range(10)) + list(range(11, 200))
+    assert s.damaged_records == 1
     s.close()
 
 
@@ -469,3 +471,28 @@ def test_acks_past_cut_point_are_forgotten(tmp_path):
     s = QueueStore(path)
     assert drain(s) == [10, 11]
     s.close()
+
+
+def test_first_sync_makes_a_new_queue_dir_durable(tmp_path, monkeypatch):
+    """Before the first confirm into a new queue dir, the entries naming it are fsynced (issue #9)."""
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    data = tmp_path / "data"
+    qdir = queue_dir(str(data), "/", "fresh")
+    store = QueueStore(qdir)
+    store.append(1, 1, "", "fresh", b"", b"x")
+    store.sync()
+    vdir = os.path.dirname(qdir)
+    for path in (qdir, vdir, str(data)):
+        assert path in synced, (path, synced)
+    synced.clear()
+    store.append(1, 1, "", "fresh", b"", b"y")
+    store.sync()
+    assert vdir not in synced  # once per store, not per sync
+    store.close()

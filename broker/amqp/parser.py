@@ -14,13 +14,21 @@ Errors follow the spec and RabbitMQ's rabbit_reader / rabbit_command_assembler:
   505 UNEXPECTED_FRAME  header/body without a content method before it, a method mid-content,
                         a content header of another class or with a non-zero weight
   540 NOT_IMPLEMENTED   unknown class/method id
-  406 (channel)         declared body size over max_message_size; that message's body is skipped
+  406 (channel)         declared body size over max_message_size, or unfinished content of the
+                        connection over max_message_size in total; that message's frames are skipped
+  505 UNEXPECTED_FRAME  (channel_gate) any frame on a non-zero channel before connection.open: it is
+                        refused from its 7-byte header, nothing of it is buffered (as RabbitMQ)
+  504 CHANNEL_ERROR     (channel_gate) a content-bearing method on a channel that is not open
+A channel the server closes (the parser's own 406, or `channel_closing()` from the connection)
+keeps no content state: every frame on it is ignored until the client's channel.close-ok (or a
+crossing channel.close), as RabbitMQ does.
 A ConnectionProtocolError is always the last event; the parser ignores all input after it.
 The parser never raises: an unforeseen failure is reported as 541 INTERNAL_ERROR.
 
 Memory: input is only buffered up to the frame being waited for, whose size is checked against
 frame_max from its 7-byte header; a body is accumulated from its frames, never preallocated from
-the declared size.
+the declared size; the bodies being accumulated on all channels of a connection together never
+exceed max_message_size, and none is accumulated before connection.open.
 """
 
 from __future__ import annotations
@@ -71,6 +79,10 @@ _ACK = 0x003C0050
 _NACK = 0x003C0078
 _REJECT = 0x003C005A
 _CONTENT_METHODS = frozenset({0x003C0028, 0x003C0032, 0x003C003C, 0x003C0047})
+_CONNECTION_OPEN = 0x000A0028
+_CHANNEL_OPEN = 0x0014000A
+_CHANNEL_CLOSE = 0x00140028
+_CHANNEL_CLOSE_OK = 0x00140029
 
 # content state stages
 _HEADER = 0
@@ -84,6 +96,10 @@ class _Content:
     """A channel's message in progress."""
 
     __slots__ = ("stage", "kind", "info", "method_id", "props", "remaining", "parts")
+
+    def remaining_total(self) -> int:
+        """Bytes held in parts (what the parser counts as unfinished for this message)."""
+        return sum(len(p) for p in self.parts)
 
     def __init__(self, kind: type, info: tuple, method_id: int) -> None:
         self.stage = _HEADER
@@ -135,6 +151,8 @@ class FrameParser:
 
     role="server" expects the client's protocol header first; role="client" (the perf tool)
     parses the server's frames from the first byte. frame_max may be changed after tune.
+    channel_gate=True (the broker's connections) tracks the connection and channel states as
+    described in the module docstring; without it any channel may carry content (codec tests).
     """
 
     def __init__(
@@ -142,6 +160,7 @@ class FrameParser:
         role: str = "server",
         frame_max: int = DEFAULT_FRAME_MAX,
         max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+        channel_gate: bool = False,
     ) -> None:
         if role not in ("server", "client"):
             raise ValueError(f"role must be 'server' or 'client', not {role!r}")
@@ -154,6 +173,30 @@ class FrameParser:
         self._pending_len = 0
         self._need = 8 if role == "server" else 1
         self._content: dict[int, _Content] = {}
+        # Server role: channels the client opened (by its channel.open), channels we are closing (only
+        # close/close-ok count on them), whether connection.open was seen, bytes of unfinished bodies.
+        self._gated = channel_gate and role == "server"
+        self._opened = not self._gated
+        self._open_channels: set[int] = set()
+        self._closing: set[int] = set()
+        self._unfinished = 0
+        self._ignore_channels = False
+
+    def channel_closing(self, channel: int) -> None:
+        """The server sent channel.close: drop the channel's content, ignore its frames until close-ok."""
+        st = self._content.pop(channel, None)
+        if st is not None and st.parts:
+            self._unfinished -= sum(len(p) for p in st.parts)
+        self._closing.add(channel)
+
+    def connection_closing(self) -> None:
+        """The server sent connection.close: frames on channels are skipped from now on, unbuffered."""
+        self._content.clear()
+        self._unfinished = 0
+        self._open_channels.clear()
+        self._opened = False
+        self._gated = False  # not an error any more, just ignored (see _frames)
+        self._ignore_channels = True
 
     @property
     def dead(self) -> bool:
@@ -199,6 +242,7 @@ class FrameParser:
         self._pending = []
         self._pending_len = 0
         self._content.clear()
+        self._unfinished = 0
 
     def _protocol_header(self, data: bytes, events: list) -> int:
         """Offset after the header, or -1 when waiting for more or finished."""
@@ -236,6 +280,10 @@ class FrameParser:
                 # RabbitMQ allows frame_max of payload (clients are often off by the 8 overhead bytes)
                 return self._fail(events, FRAME_ERROR,
                                   f"frame size {size} is larger than negotiated frame_max {limit}", 0, 0)
+            if ch and not self._opened and self._gated:
+                # Refused from the header: an unauthenticated client gets no buffer for content.
+                return self._fail(events, UNEXPECTED_FRAME,
+                                  f"frame type {ftype} on channel {ch} before connection.open", 0, 0)
             start = pos + 7
             fend = start + size
             if fend >= end:
@@ -245,6 +293,16 @@ class FrameParser:
                 return self._fail(events, FRAME_ERROR,
                                   f"invalid frame end marker 0x{data[fend]:02x} on channel {ch}", 0, 0)
             pos = fend + 1
+            if ch and (self._ignore_channels or ch in self._closing):
+                # Only a close-ok (or a crossing close) counts on a channel we are closing.
+                if self._ignore_channels or ftype != 1 or size < 4:
+                    continue
+                index = _U32.unpack_from(data, start)[0]
+                if index == _CHANNEL_CLOSE_OK:
+                    self._closing.discard(ch)
+                    self._open_channels.discard(ch)
+                elif index != _CHANNEL_CLOSE:
+                    continue
 
             if ftype == 1:
                 if size < 4:
@@ -321,6 +379,13 @@ class FrameParser:
                         return self._syntax(events, index)
                     if index not in _CONTENT_METHODS:
                         emit(MethodFrame(ch, method))
+                        if self._gated:
+                            if index == _CHANNEL_OPEN:
+                                self._open_channels.add(ch)
+                            elif index == _CHANNEL_CLOSE:
+                                self._open_channels.discard(ch)
+                            elif index == _CONNECTION_OPEN and not ch:
+                                self._opened = True
                         continue
                     info = (method,)
                     kind = ContentMethod
@@ -328,6 +393,8 @@ class FrameParser:
                 if not ch:
                     return self._fail(events, CHANNEL_ERROR, "content-bearing method on channel 0",
                                       index >> 16, index & 0xFFFF)
+                if self._gated and ch not in self._open_channels:
+                    return self._fail(events, CHANNEL_ERROR, "expected 'channel.open'", index >> 16, index & 0xFFFF)
                 # Fast path: a valid header and one body frame for this channel follow in full. Any
                 # other shape goes frame by frame below, which yields the same events or error.
                 if pos + 19 <= end:
@@ -364,12 +431,23 @@ class FrameParser:
                 elif size == st.remaining and not st.parts:
                     del content[ch]
                     emit(self._message(ch, st, data[start:fend]))
+                elif size == st.remaining:
+                    del content[ch]
+                    self._unfinished -= st.remaining_total()
+                    st.parts.append(data[start:fend])
+                    emit(self._message(ch, st, b"".join(st.parts)))
+                elif self._gated and self._unfinished + size > max_size:
+                    # Bodies being assembled on all channels together: one connection holds at most
+                    # max_message_size of them, however many channels it spreads a bomb over.
+                    emit(ChannelProtocolError(
+                        ch, PRECONDITION_FAILED,
+                        f"unfinished messages of this connection exceed the configured max size {max_size}",
+                        60, st.method_id))
+                    self.channel_closing(ch)
                 else:
                     st.parts.append(data[start:fend])
                     st.remaining -= size
-                    if not st.remaining:
-                        del content[ch]
-                        emit(self._message(ch, st, b"".join(st.parts)))
+                    self._unfinished += size
 
             elif ftype == 2:
                 st = content.get(ch)
@@ -387,8 +465,13 @@ class FrameParser:
                         ch, PRECONDITION_FAILED,
                         f"message size {body_size} is larger than configured max size {max_size}",
                         60, st.method_id))
-                    st.stage = _SKIP
-                    st.remaining = body_size
+                    if self._gated:
+                        # The channel is closed by this error: its body frames and anything else the
+                        # client sends on it before close-ok are ignored, close-ok is not a 505.
+                        self.channel_closing(ch)
+                    else:
+                        st.stage = _SKIP
+                        st.remaining = body_size
                 elif not body_size:
                     del content[ch]
                     st.props = data[start + 12 : fend]

@@ -119,9 +119,14 @@ async def queue_get(request: web.Request) -> web.Response:
     _who, node, vhost, q = _queue_of(request)
     counts = list(node.stats.queues().get((vhost, q.name)) or [vhost, q.name, 0, 0, 0, 0])
     info = await node.queue_info(vhost, q.name)  # fresh ready count and consumers from the shard
+    doc = queue_json(node, vhost, q, counts)
     if info is not None:
         counts[Q_READY], counts[Q_CONSUMERS] = int(info.get("messages", 0)), int(info.get("consumers", 0))
-    return web.json_response(queue_json(node, vhost, q, counts))
+        doc = queue_json(node, vhost, q, counts)
+        # Storage damage the shard found in this queue since it opened it (docs/storage.md "Recovery").
+        doc["damaged_records"] = int(info.get("damaged_records", 0))
+        doc["damaged_acks"] = int(info.get("damaged_acks", 0))
+    return web.json_response(doc)
 
 
 async def queue_put(request: web.Request) -> web.Response:

@@ -196,6 +196,8 @@ class Channel:
             return
         self.state = CLOSING
         self.backlog.clear()
+        # Content in progress on this channel is dropped and its frames ignored until close-ok.
+        self.conn.parser.channel_closing(self.number)
         self.conn.send_method(
             self.number, C.Channel.Close(exc.code, self.conn.reply_text(exc.code, exc.text),
                                          exc.class_id, exc.method_id))
@@ -460,8 +462,14 @@ class Channel:
             return
         self.tx_commit = None
         if self.state == OPEN:
+            if any(not is_ack for _tag, _multiple, is_ack in tracker.drain()):
+                # A publish of the commit was not stored (its shard died, a full disk): as RabbitMQ.
+                self.fail(AMQPChannelError(PRECONDITION_FAILED, "partial tx completion", 90, 20))
+                return
             self._send(C.Tx.CommitOk())
             self.backlog.unblock()
+
+    commit_settled = _maybe_commit_ok  # frontend/amqp/shard_loss.py settles a commit whose shard died
 
     def emit_confirms(self) -> None:
         confirm = self.confirm
@@ -562,7 +570,8 @@ class Channel:
         put = conn.worker.shard_put
         if len(refs) == 1:
             shard, qid, mid = refs[0]
-            put(shard, [_ACK, conn.conn_id, self.key, [qid, mid]])
+            if shard >= 0:  # < 0: delivered by a shard that died since (frontend/amqp/shard_loss.py)
+                put(shard, [_ACK, conn.conn_id, self.key, [qid, mid]])
         else:
             for shard, flat in group_by_shard(refs).items():
                 put(shard, [_ACK, conn.conn_id, self.key, flat])

@@ -38,6 +38,7 @@ from broker.permissions import Access
 from broker.tls import peer_common_name
 from frontend.amqp.channel import BACKLOG_PAUSE, CLOSED, OPEN, Channel
 from frontend.amqp.replies import plain, reply_text
+from frontend.amqp.shard_loss import connection_lost_shard
 
 if TYPE_CHECKING:
     from frontend.worker import FrontendWorker
@@ -122,7 +123,8 @@ class AMQPConnection(asyncio.Protocol):
         self.frame_max = int(settings.get("frame_max", 131072))
         self.channel_max = int(settings.get("channel_max", 2047))
         self.heartbeat = int(settings.get("heartbeat", 60))
-        self.parser = FrameParser("server", self.frame_max, int(settings.get("max_message_size", 128 << 20)))
+        self.parser = FrameParser("server", self.frame_max, int(settings.get("max_message_size", 128 << 20)),
+                                  channel_gate=True)
         self.transport: asyncio.Transport | None = None
         self.state = AWAIT_HEADER
         self.vhost = "/"
@@ -139,6 +141,7 @@ class AMQPConnection(asyncio.Protocol):
         self.exclusive_queues: set[str] = set()
         self.had_exclusive = False
         self.confirm_shards: set[int] = set()
+        self.cancel_notify = False  # the client announced the consumer_cancel_notify capability
         self._out: list[bytes] = []
         self._dirty = False
         self._confirm_channels: set[Channel] = set()
@@ -504,6 +507,8 @@ class AMQPConnection(asyncio.Protocol):
         except AMQPError as exc:
             raise AMQPConnectionError(ACCESS_REFUSED, exc.text, 10, 11) from None
         self.client_properties = plain(method.client_properties or {})
+        caps = (method.client_properties or {}).get("capabilities")
+        self.cancel_notify = isinstance(caps, dict) and bool(caps.get("consumer_cancel_notify"))
         self.state = AWAIT_TUNE_OK
         self.send_method(0, C.Connection.Tune(self.channel_max, self.frame_max, self.heartbeat))
 
@@ -667,18 +672,16 @@ class AMQPConnection(asyncio.Protocol):
         else:
             ch.fail(AMQPChannelError(code, text))
 
-    def uses_shard(self, shard: int) -> bool:
-        """Whether a restart of this shard lost state this connection depends on."""
-        for ch in self.channels.values():
-            if any(c.shard == shard for c in ch.consumers.values()):
-                return True
-            if any(ref[0] == shard for ref in ch.tags.unacked.values()):
-                return True
-            if ch.confirm is not None and ch.confirm.unconfirmed and shard in self.confirm_shards:
-                return True
-            if any(item[0] == shard for item in ch.held):
-                return True
-        return False
+    def shard_lost(self, shard: int) -> None:
+        """A shard died: settle what this connection had on it; the connection stays open."""
+        if self.state != RUNNING:
+            return
+        try:
+            connection_lost_shard(self, shard)
+        except AMQPConnectionError as exc:
+            self.fail(exc.code, exc.text, exc.class_id, exc.method_id)
+        except Exception as exc:
+            self.internal_error(exc)
 
     # -------------------------------------------------------------- closing
     def fail(self, code: int, text: str, class_id: int = 0, method_id: int = 0) -> None:
@@ -689,6 +692,7 @@ class AMQPConnection(asyncio.Protocol):
             log.warning("connection %s (%s): closing with %d %s", self.conn_id, self.peer, code, text)
         self.write(encode_method(0, C.Connection.Close(code, reply_text(code, text), class_id, method_id)))
         self.state = CLOSING
+        self.parser.connection_closing()  # nothing on a channel is assembled any more
         self._release()
         if self._timer is not None:
             self._timer.cancel()

@@ -79,6 +79,8 @@ def group_by_shard(refs: list[Ref]) -> dict[int, list[int]]:
     """shard -> flat [queue_id, msg_id, ...] as ACK/NACK items carry them."""
     out: dict[int, list[int]] = {}
     for shard, qid, mid in refs:
+        if shard < 0:
+            continue  # delivered by a shard that died since: its restart made the message ready again
         flat = out.get(shard)
         if flat is None:
             out[shard] = [qid, mid]

@@ -910,6 +910,12 @@ class MQTTConnection(asyncio.Protocol):
     def uses_shard(self, shard: int) -> bool:
         return (self.consuming and self.queue_shard == shard) or (bool(self._pending) and shard in self.shards)
 
+    def shard_lost(self, shard: int) -> None:
+        # MQTT has no way to cancel a subscription or nack a publish: a session with state on the dead
+        # shard is closed (the client reconnects and resumes its session), the others are untouched.
+        if self.uses_shard(shard):
+            self.fail(CONNECTION_FORCED, f"shard {shard} restarted")
+
     def fail(self, code: int, text: str) -> None:
         if self.state == CLOSED or self._close_after_flush:
             return
