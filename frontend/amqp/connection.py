@@ -141,7 +141,6 @@ class AMQPConnection(asyncio.Protocol):
         self.exclusive_queues: set[str] = set()
         self.had_exclusive = False
         self.confirm_shards: set[int] = set()
-        self.cancel_notify = False  # the client announced the consumer_cancel_notify capability
         self._out: list[bytes] = []
         self._dirty = False
         self._confirm_channels: set[Channel] = set()
@@ -507,8 +506,6 @@ class AMQPConnection(asyncio.Protocol):
         except AMQPError as exc:
             raise AMQPConnectionError(ACCESS_REFUSED, exc.text, 10, 11) from None
         self.client_properties = plain(method.client_properties or {})
-        caps = (method.client_properties or {}).get("capabilities")
-        self.cancel_notify = isinstance(caps, dict) and bool(caps.get("consumer_cancel_notify"))
         self.state = AWAIT_TUNE_OK
         self.send_method(0, C.Connection.Tune(self.channel_max, self.frame_max, self.heartbeat))
 
