@@ -99,20 +99,34 @@ class PositionSet:
         bits[i] |= 1 << ((pos >> 4) & 7)
 
 
-def allocate(fd: int, size: int) -> None:
-    """Give the file `size` bytes with their blocks allocated.
+# Blocks are reserved ahead of the write position in steps of this size, not for the whole segment at
+# once: an idle queue then costs one step of disk, not a whole (8 MiB) segment.
+ALLOC_STEP = 1 << 20
+
+
+def allocate(fd: int, size: int, reserve: int = ALLOC_STEP) -> int:
+    """Make the file `size` bytes long with the blocks of its first `reserve` bytes allocated;
+    returns the end of the allocated region.
 
     Segments are written through mmap: a store to a page whose block the file system cannot
-    allocate (full disk) is a SIGBUS that kills the process. Allocating up front turns a full disk
-    into an OSError here, where the caller nacks the publish and goes on.
+    allocate (full disk) is a SIGBUS that kills the process. Allocating ahead of the writer
+    (``Segment.reserve``) turns a full disk into an OSError there, where the caller nacks the
+    publish and goes on.
     """
     os.ftruncate(fd, size)
+    return fallocate(fd, 0, min(size, reserve), size)
+
+
+def fallocate(fd: int, start: int, end: int, size: int) -> int:
+    """Allocate the blocks of [start, end); returns the new allocated end (`size` where the file
+    system cannot allocate ahead: sparse, as before)."""
     try:
-        os.posix_fallocate(fd, 0, size)
+        os.posix_fallocate(fd, start, end - start)
     except OSError as exc:
         if exc.errno == errno.EOPNOTSUPP:
-            return  # a file system that cannot allocate ahead: sparse, as before
+            return size
         raise
+    return end
 
 
 # Ack files (docs/storage.md): version 2 starts with this header and holds (u32 position, u32
@@ -169,7 +183,7 @@ class Segment:
     __slots__ = (
         "no", "dir", "fd", "mm", "size", "used", "sealed",
         "count", "transient", "body_bytes", "live", "acked", "ack_fd", "skip_acked", "unverified",
-        "msgs_path",
+        "msgs_path", "alloc_end",
     )
 
     def __init__(self, dir_path: str, no: int) -> None:
@@ -178,6 +192,9 @@ class Segment:
         self.fd = -1
         self.mm: mmap.mmap | None = None
         self.size = 0  # mapped length
+        # End of the region whose blocks are allocated (ALLOC_STEP ahead of `used`); 0 = unknown (an
+        # existing file): the first append allocates from the start again, which costs nothing.
+        self.alloc_end = 0
         self.used = DATA_START  # end of the last good record
         self.sealed = False
         self.count = 0  # records in the file (for meta)
@@ -205,7 +222,7 @@ class Segment:
         seg = cls(dir_path, no)
         seg.fd = os.open(seg.path("msgs"), os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
-            allocate(seg.fd, size)
+            seg.alloc_end = allocate(seg.fd, size)
             seg.mm = mmap.mmap(seg.fd, size)
         except BaseException:
             os.close(seg.fd)
@@ -248,7 +265,7 @@ class Segment:
             self.mm = None
         os.ftruncate(self.fd, self.used)
         try:
-            allocate(self.fd, size)
+            self.alloc_end = allocate(self.fd, size, max(ALLOC_STEP, self.used))
         except OSError:
             os.ftruncate(self.fd, self.used)
             self.size = self.used
@@ -256,6 +273,14 @@ class Segment:
             raise
         self.mm = mmap.mmap(self.fd, size)
         self.size = size
+
+    def reserve(self, end: int) -> None:
+        """Allocate blocks up to at least `end` (<= size) before the mapped bytes there are written.
+
+        OSError (ENOSPC) leaves the segment as it was: the record is not written.
+        """
+        self.alloc_end = fallocate(self.fd, self.alloc_end, min(self.size, max(end, self.alloc_end + ALLOC_STEP)),
+                                   self.size)
 
     def seal(self) -> int:
         """Truncate to the used length and write the meta file; returns the meta file's fd (unsynced)."""

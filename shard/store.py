@@ -164,9 +164,12 @@ class QueueStore(SegmentDir):
         total = _HEADER_SIZE + len(payload)
         seg = self._wseg
         pos = seg.used
-        if pos + total > seg.size:
-            seg = self._roll(total)
-            pos = seg.used
+        if pos + total > seg.alloc_end:
+            if pos + total > seg.size:
+                seg = self._roll(total)
+                pos = seg.used
+            if pos + total > seg.alloc_end:
+                seg.reserve(pos + total)
         _write_record(seg.mm, pos, payload)
         seg.used = pos + total
         obs = write_observer.current

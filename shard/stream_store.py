@@ -191,9 +191,12 @@ class StreamStore(SegmentDir):
         total = _HEADER_SIZE + len(payload)
         seg = self._segs[-1]
         pos = seg.used
-        if pos + total > seg.size:
-            seg = self._roll(total)
-            pos = seg.used
+        if pos + total > seg.alloc_end:
+            if pos + total > seg.size:
+                seg = self._roll(total)
+                pos = seg.used
+            if pos + total > seg.alloc_end:
+                seg.reserve(pos + total)
         record.write(seg.mm, pos, payload)
         seg.used = pos + total
         if write_observer.current is not None:
@@ -235,7 +238,7 @@ class StreamStore(SegmentDir):
     def _create(self, no: int, first: int, size: int) -> StreamSegment:
         seg = StreamSegment(self.path, no)
         base = Segment.create(self.path, no, size)
-        seg.fd, seg.mm, seg.size = base.fd, base.mm, base.size
+        seg.fd, seg.mm, seg.size, seg.alloc_end = base.fd, base.mm, base.size, base.alloc_end
         base.forget_write()
         open_write_segments[seg.path("msgs")] = seg
         seg.first = first

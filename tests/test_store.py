@@ -496,3 +496,24 @@ def test_first_sync_makes_a_new_queue_dir_durable(tmp_path, monkeypatch):
     store.sync()
     assert vdir not in synced  # once per store, not per sync
     store.close()
+
+
+def test_blocks_are_allocated_ahead_of_the_writer_not_for_the_whole_segment(tmp_path):
+    """An idle queue must not cost a whole segment of disk: blocks are reserved in ALLOC_STEP steps
+    ahead of the write position (so a full disk is an OSError, never a SIGBUS), and every record
+    still lands in allocated blocks as the segment fills."""
+    from shard.segment import ALLOC_STEP
+
+    path = str(tmp_path)
+    s = QueueStore(path, segment_size=8 * ALLOC_STEP)
+    add(s, 0)
+    msgs = os.path.join(path, file_name("msgs", 1))
+    assert os.path.getsize(msgs) == 8 * ALLOC_STEP
+    assert os.stat(msgs).st_blocks * 512 <= ALLOC_STEP  # one step, not 8 MiB
+    ids = [add(s, i, size=1000) for i in range(3000)]  # ~3 MB: past several steps
+    seg = s._wseg
+    assert seg.used <= seg.alloc_end <= seg.size
+    assert os.stat(msgs).st_blocks * 512 >= seg.used
+    assert drain(s) == [0, *range(3000)]
+    assert len(ids) == 3000
+    s.close()
