@@ -349,7 +349,7 @@ class Node:
             self.repl_leader.shard_down(worker.index)
         if worker.role == "shard":
             # The restarted shard gets a new epoch: batches meant for the dead one are dropped,
-            # frontends close the client connections that had state on it, and other shards
+            # frontends nack and cancel what their connections had on it (Session.shard_lost), and other shards
             # address their forwarded dead letters to the new epoch.
             self.epochs[worker.index] += 1
             self._broadcast(None, [contract.SHARD_UP, worker.index, self.epochs[worker.index]])
