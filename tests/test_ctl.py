@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -100,7 +101,11 @@ def test_queue_commands_and_connection_close(cnode, ctl):
     ctl("purge_queue", qn)
     assert ch.queue_declare(qn, passive=True).method.message_count == 0
     ctl("delete_queue", qn)
-    conns = json.loads(ctl("list_connections", "--format", "json").stdout)
+    # Connections reach the node in the frontends' periodic STATS: wait for ours to be listed.
+    deadline = time.monotonic() + 10
+    while not (conns := json.loads(ctl("list_connections", "--format", "json").stdout)):
+        assert time.monotonic() < deadline, "the connection was never listed"
+        time.sleep(0.1)
     ctl("close_connection", conns[0]["name"], "maintenance")
     assert ctl("delete_queue", uid("nope"), ok=None).returncode == 1
 
