@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import ipaddress
 import os
 import struct
 
@@ -90,6 +91,21 @@ def _parse_amqplain(response: bytes) -> tuple[str, bytes] | None:
     if not isinstance(user, str) or not isinstance(password, bytes):
         return None
     return user, password
+
+
+def is_loopback_peer(peer: object) -> bool:
+    """Whether a client's peer address (a socket's (host, port, ...) tuple; None for a unix socket)
+    is on loopback: the loopback_users rule of every protocol and of the HTTP API."""
+    try:
+        host = peer[0] if isinstance(peer, tuple) else None
+        if host is None:
+            return True  # unix socket
+        addr = ipaddress.ip_address(host.split("%", 1)[0])
+        if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+            addr = addr.ipv4_mapped
+        return addr.is_loopback
+    except (ValueError, TypeError, IndexError):
+        return False
 
 
 def authenticate(defs: Definitions, mechanism: str, response: bytes, peer_is_loopback: bool,

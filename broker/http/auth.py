@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import base64
 import binascii
-import ipaddress
 import json
 from typing import Any
 
 from aiohttp import web
 
-from broker.auth import check_password
+from broker.auth import check_password, is_loopback_peer
 from broker.http.server import NODE_KEY
 
 MANAGEMENT_TAGS = frozenset(("management", "policymaker", "monitoring", "administrator"))
@@ -84,12 +83,6 @@ class Caller:
             raise error(401, f"access to vhost '{vhost}' refused for user '{self.name}'")
 
 
-def _is_loopback(host: str | None) -> bool:
-    try:
-        return host is not None and ipaddress.ip_address(host.split("%")[0]).is_loopback
-    except ValueError:
-        return False
-
 
 def credentials(request: web.Request) -> tuple[str, str] | None:
     header = request.headers.get("Authorization", "")
@@ -113,7 +106,7 @@ def authenticate(request: web.Request) -> Caller:
     user = defs.users.get(name)
     if user is None or not check_password(user, password):
         raise error(401, "Login failed")
-    if name in defs.loopback_users and not _is_loopback(request.remote):
+    if name in defs.loopback_users and not (request.remote is not None and is_loopback_peer((request.remote,))):
         raise error(401, "User can only log in via localhost")
     if not MANAGEMENT_TAGS & set(user.tags):
         raise error(401, "Not management user")

@@ -9,7 +9,6 @@ CREDIT returned to shards for deliveries written out.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import platform
 import time
@@ -33,7 +32,7 @@ from broker.amqp.constants import (
 from broker.amqp.encoder import encode_heartbeat, encode_method, encode_protocol_header
 from broker.amqp.errors import AMQPChannelError, AMQPConnectionError, AMQPError
 from broker.amqp.parser import FrameParser
-from broker.auth import authenticate, check_vhost_access
+from broker.auth import authenticate, check_vhost_access, is_loopback_peer
 from broker.permissions import Access
 from broker.tls import peer_common_name
 from frontend.amqp.channel import BACKLOG_PAUSE, CLOSED, OPEN, Channel
@@ -101,18 +100,6 @@ def server_properties(frontend_index: int) -> dict:
         "shardmq_frontend": frontend_index,
     }
 
-
-def _is_loopback(peer: Any) -> bool:
-    try:
-        host = peer[0] if isinstance(peer, tuple) else None
-        if host is None:
-            return True  # unix socket
-        addr = ipaddress.ip_address(host.split("%", 1)[0])
-        if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-            addr = addr.ipv4_mapped
-        return addr.is_loopback
-    except (ValueError, TypeError, IndexError):
-        return False
 
 
 class AMQPConnection(asyncio.Protocol):
@@ -501,7 +488,7 @@ class AMQPConnection(asyncio.Protocol):
             return
         try:
             self.user = authenticate(self.worker.defs, method.mechanism, response or b"",
-                                     _is_loopback(self.peer),
+                                     is_loopback_peer(self.peer),
                                      tuple(loopback_users) if loopback_users is not None else None)
         except AMQPError as exc:
             raise AMQPConnectionError(ACCESS_REFUSED, exc.text, 10, 11) from None

@@ -18,7 +18,6 @@ they survive a reconnect and a node restart. See docs/mqtt.md.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import secrets
 import time
@@ -28,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from broker import contract
 from broker.amqp.errors import AMQPError
-from broker.auth import check_password, user_can_access_vhost
+from broker.auth import check_password, is_loopback_peer, user_can_access_vhost
 from broker.mqtt import codec as M
 from broker.mqtt.topics import (
     filter_to_key,
@@ -77,18 +76,6 @@ _CREDIT = contract.CREDIT
 _KV_PUT = contract.KV_PUT
 _KV_GET = contract.KV_GET
 
-
-def _is_loopback(peer: Any) -> bool:
-    try:
-        host = peer[0] if isinstance(peer, tuple) else None
-        if host is None:
-            return True
-        addr = ipaddress.ip_address(host.split("%", 1)[0])
-        if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-            addr = addr.ipv4_mapped
-        return addr.is_loopback
-    except (ValueError, TypeError, IndexError):
-        return False
 
 
 class MQTTConnection(asyncio.Protocol):
@@ -389,7 +376,7 @@ class MQTTConnection(asyncio.Protocol):
                 return
         loopback_users = self.worker.settings.get("loopback_users")
         restricted = defs.loopback_users if loopback_users is None else loopback_users
-        if user in restricted and not _is_loopback(self.peer):
+        if user in restricted and not is_loopback_peer(self.peer):
             self._refuse(M.REFUSED_NOT_AUTHORIZED)
             return
         if not user_can_access_vhost(defs, user, vhost) or defs.exchange(vhost, EXCHANGE) is None:
