@@ -40,10 +40,23 @@ class NodeError(AssertionError):
     """The node did not do what the harness waited for; the message carries the log tail."""
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free loopback port never handed out before in this test process.
+
+    The kernel may give the same ephemeral port to two binds in a row once the first socket is
+    closed, so a node's AMQP port could equal another listener's (HTTP, Prometheus, replication)
+    picked a moment later: that node then never answers AMQP. Remembering them rules that out.
+    """
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def pid_alive(pid: int) -> bool:
