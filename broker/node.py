@@ -27,7 +27,7 @@ from broker.config import Settings, cluster_secret
 from broker.datadir import PRIVATE_UMASK, DataDir, DataDirLocked, DataDirUnsafe
 from broker.definitions import Definitions
 from broker.definitions_file import plan_from_file, read_definitions_file
-from broker.defstore import DefStore
+from broker.defstore import DefStore, is_durable_relevant
 from broker.http.metrics import MetricsServer
 from broker.http.server import HttpServer
 from broker.node_stats import NodeStats
@@ -37,6 +37,7 @@ from broker.sdnotify import Notifier
 from broker.supervisor import Supervisor, WorkerProcess
 from broker.tls import reload_certificate, server_context
 from broker.zmqio import BatchSocket, make_socket
+from replication import definition_gate
 from replication.follower import ReplicationFollower
 from replication.leader import ReplicationLeader
 
@@ -365,7 +366,7 @@ class Node:
                 owners.difference_update([o for o in owners if o[0] == worker.index])
             ops = self.defs.ops_for_owner_gone([worker.index])
             if ops:
-                self._spawn_task(self._commit(ops))
+                self._spawn_task(self._commit(ops, gate=False))
 
     def _broadcast(self, role: str | None, item: list) -> None:
         for ident, w in self.by_ident.items():
@@ -503,7 +504,7 @@ class Node:
                 if isinstance(dlx, str):
                     check(defs, user, vhost, READ, "queue", name, 50, 10)
                     check(defs, user, vhost, WRITE, "exchange", dlx, 50, 10)
-            await self._commit(ops)
+            await self._commit(ops, op=op)
             # No counts here: the frontend asks the shard over its publish lane (QUEUE_INFO), which
             # also counts the publishes still in flight from it; asking here too cost a round trip.
             return {"queue": name, "messages": 0, "consumers": 0}
@@ -513,14 +514,15 @@ class Node:
             info = await self._queue_info(vhost, name) or {"messages": 0, "consumers": 0}
             ops = defs.plan_queue_delete(vhost, name, bool(a.get("if_unused")), bool(a.get("if_empty")),
                                          owner, info["consumers"], info["messages"])
-            await self._commit(ops)
+            await self._commit(ops, op=op)
             return {"messages": info["messages"] if ops else 0}
         if op == "queue.auto_delete":
             q = defs.queue(vhost, a["queue"])
             if q is not None and q.auto_delete:
                 info = await self._queue_info(vhost, a["queue"])
                 if info is not None and info["consumers"] == 0:
-                    await self._commit(defs.plan_queue_delete(vhost, a["queue"], False, False, None, 0, 0))
+                    await self._commit(defs.plan_queue_delete(vhost, a["queue"], False, False, None, 0, 0),
+                                       gate=False)
             return {}
         if op == "queue.expire":
             # x-expires ran out on the shard; a consumer may have come meanwhile.
@@ -530,7 +532,8 @@ class Node:
                 info = await self._queue_info(vhost, a["queue"])
                 # "expired" is False when a redeclare renewed the lease after the shard asked.
                 if info is not None and info["consumers"] == 0 and info.get("expired", True):
-                    await self._commit(defs.plan_queue_delete(vhost, a["queue"], False, False, None, 0, 0))
+                    await self._commit(defs.plan_queue_delete(vhost, a["queue"], False, False, None, 0, 0),
+                                       gate=False)
             return {}
         if op in ("queue.bind", "queue.unbind", "exchange.bind", "exchange.unbind"):
             self._check_binding(op, user, vhost, a)
@@ -565,7 +568,8 @@ class Node:
             return self._count_connection(vhost, tuple(owner), a.get("user", ""))
         else:
             raise AMQPError(540, f"NOT_IMPLEMENTED - unknown request {op}")
-        await self._commit(ops)
+        # A closed connection's exclusive and auto-delete leftovers are cleanup, never refused.
+        await self._commit(ops, op=op, gate=op != "connection.closed")
         return {}
 
     def _check_binding(self, op: str, user: str | None, vhost: str, a: dict) -> None:
@@ -624,7 +628,11 @@ class Node:
         except (OSError, ValueError, KeyError) as exc:
             log.error("definitions file %s not applied: %s", path, exc)
             return
-        await self._commit(ops)
+        try:
+            await self._commit(ops)
+        except AMQPError as exc:
+            log.error("definitions file %s not applied: %s", path, exc.text)
+            return
         log.info("definitions file %s applied (%d changes)", path, len(ops))
 
     # --------------------------------------------- management (broker/http/management.py)
@@ -687,10 +695,18 @@ class Node:
             self._queries.pop(qid, None)
             return None
 
-    async def _commit(self, ops: list) -> None:
-        """Apply, persist and broadcast ops; return once durable and applied by every live worker."""
+    async def _commit(self, ops: list, op: str | None = None, gate: bool = True) -> None:
+        """Apply, persist and broadcast ops; return once durable and applied by every live worker.
+
+        On a leader whose ISR is below --min-isr a durable change (``gate``: a client's or an
+        operator's, not the node's own cleanup) is held, then refused (replication/definition_gate.py).
+        """
         if not ops:
             return
+        repl = self.repl_leader
+        durable = repl is not None and any(is_durable_relevant(o) for o in ops)
+        if gate and durable and not await definition_gate.wait_for_min_isr(repl):
+            raise definition_gate.refusal(repl, op)
         defs = self.defs
         defs.apply_all(ops)  # bumps defs.version once per op; every replica does the same
         version = defs.version
@@ -702,7 +718,9 @@ class Node:
         await asyncio.gather(*waits)
         if wrote and self.repl_leader is not None:
             # In a cluster the *-Ok also waits for the ISR followers to ack the node stream.
-            await self.repl_leader.node_stream_replicated()
+            repl = self.repl_leader
+            if not await repl.node_stream_replicated() and gate:
+                raise definition_gate.refusal(repl, op, applied=True)
 
     async def _wait_all_applied(self, version: int) -> None:
         fut = self.loop.create_future()

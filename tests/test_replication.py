@@ -201,20 +201,60 @@ def test_every_confirmed_message_is_on_the_follower(node_factory, tmp_path):
     conn.close()
 
 
-def test_min_isr_nacks_until_a_follower_is_in_sync(node_factory):
+def test_min_isr_nacks_publishes_and_refuses_durable_declares_until_a_follower_is_in_sync(node_factory):
     leader = leader_node(node_factory, extra=["--min-isr", "1"])
     conn = leader.connect()
     ch = conn.channel()
     ch.confirm_delivery()
-    ch.queue_declare("m", durable=True)
-    with pytest.raises(pika.exceptions.NackError):
-        ch.basic_publish("", "m", b"x", pika.BasicProperties(delivery_mode=2))
+    # Transient definitions are not held: they do not survive a failover anyway.
+    ch.queue_declare("", exclusive=True)
+    ch.queue_declare("transient", durable=False)
+    # A durable declare is held for a while, then refused with a channel error; nothing is applied.
+    t0 = time.monotonic()
+    with pytest.raises(pika.exceptions.ChannelClosedByBroker) as err:
+        ch.queue_declare("m", durable=True)
+    assert err.value.reply_code == 406
+    assert "--min-isr 1" in err.value.reply_text and "0 in-sync followers" in err.value.reply_text
+    assert time.monotonic() - t0 >= 4.5  # held ~5 s first (a follower may come back meanwhile)
+    ch = conn.channel()
+    with pytest.raises(pika.exceptions.ChannelClosedByBroker) as err:
+        ch.queue_declare("m", durable=True, passive=True)
+    assert err.value.reply_code == 404  # the refused declare left no queue behind
+    ch = conn.channel()
+    with pytest.raises(pika.exceptions.ChannelClosedByBroker) as err:
+        ch.exchange_declare("x", "direct", durable=True)
+    assert err.value.reply_code == 406
     conn.close()
-    wait_for(lambda: "< min-isr 1: nacking confirms" in leader.log_text(), "the reason logged", node=leader)
-    follower_node(node_factory, leader)
+    # A durable declare that is waiting when a follower comes in sync is answered with declare-ok.
+    declared: list = []
+
+    def declare_while_held() -> None:
+        with leader.connect() as c:
+            declared.append(c.channel().queue_declare("held", durable=True).method.queue)
+    waiter = threading.Thread(target=declare_while_held, daemon=True)
+    waiter.start()
+    follower = follower_node(node_factory, leader)
     wait_in_sync(leader)
     wait_isr(leader, "n2")
-    publish(leader, {"m": 3})  # raises on a nack
+    waiter.join(WAIT)
+    if not declared:  # the follower took longer than the hold: then it was refused, as above
+        with leader.connect() as c:
+            c.channel().queue_declare("held", durable=True)
+    publish(leader, {"m": 3})  # declares m durably; raises on a nack
+    # The follower goes away: publishes are nacked, durable binds refused, with the reason logged.
+    follower.stop()
+    wait_for(lambda: "follower n2 is out of sync" in leader.log_text(), "n2 out of sync", node=leader)
+    wait_isr(leader, "")
+    conn = leader.connect()
+    ch = conn.channel()
+    ch.confirm_delivery()
+    with pytest.raises(pika.exceptions.NackError):
+        ch.basic_publish("", "m", b"x", pika.BasicProperties(delivery_mode=2))
+    wait_for(lambda: "< min-isr 1: nacking confirms" in leader.log_text(), "the reason logged", node=leader)
+    with pytest.raises(pika.exceptions.ChannelClosedByBroker) as err:
+        ch.queue_bind("m", "amq.direct", "k")
+    assert err.value.reply_code == 406 and "PRECONDITION_FAILED" in err.value.reply_text
+    conn.close()
 
 
 def test_a_follower_that_stops_acking_is_dropped_and_confirms_go_on(node_factory):
