@@ -277,6 +277,12 @@ def shard_address(run_dir: str, index: int) -> str:
     return "ipc://" + os.path.join(run_dir, f"shard-{index}.sock")
 
 
+def fsync_beacon_path(run_dir: str, index: int) -> str:
+    """16 bytes shard ``index`` maps and the node reads: the start of its running group sync
+    (``broker/fsync_beacon.py``; the cluster leader's disk-stall check)."""
+    return os.path.join(run_dir, f"fsync-shard-{index}")
+
+
 def repl_handoff_path(run_dir: str, index: int) -> str:
     """Unix datagram socket where shard ``index`` receives replication connections from the node
     (``replication/handoff.py``): one datagram per connection, the socket as SCM_RIGHTS ancillary

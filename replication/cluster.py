@@ -30,6 +30,7 @@ import threading
 import time
 from typing import Any
 
+from broker import fsync_beacon
 from replication.coordination import CoordinationError, Coordinator, NodeInfo, boost_thread_priority
 from replication.proxy import ClientProxy
 
@@ -340,7 +341,7 @@ class ClusterRole:
     def _watchdog_loop(self) -> None:
         boost_thread_priority()
         probe_path = os.path.join(self.node.datadir.run_dir, _DISK_PROBE)
-        next_probe = 0.0
+        next_probe = next_beacons = 0.0
         while not self._watch_stop.wait(0.02):
             if self.role != "leader" or self._fence_reason is not None:
                 continue
@@ -352,11 +353,33 @@ class ClusterRole:
             if started is not None and time.monotonic() - started > self.disk_bound:
                 self._fence_now(f"disk stalled: an fsync has not returned for {self.disk_bound:.1f} s")
                 continue
+            if time.monotonic() >= next_beacons:
+                next_beacons = time.monotonic() + 0.1
+                stalled = self._stalled_shard_sync()
+                if stalled is not None:
+                    self._fence_now(f"disk stalled: shard {stalled[0]}'s fsync has not returned for "
+                                    f"{stalled[1]:.1f} s (bound {self.disk_bound:.1f} s)")
+                    continue
             if started is None and time.monotonic() >= next_probe:
                 next_probe = time.monotonic() + 1.0
                 self._probe_started = time.monotonic()
                 threading.Thread(target=self._probe_disk, args=(probe_path,), daemon=True,
                                  name="disk-probe").start()
+
+    def _stalled_shard_sync(self) -> tuple[int, float] | None:
+        """(shard, seconds) of a running shard whose group fsync is older than the bound (its
+        beacon, broker/fsync_beacon.py: read here without asking the shard, which may be stuck)."""
+        run_dir = self.node.datadir.run_dir
+        now = time.monotonic()
+        for w in list(self.node.sup.workers):
+            proc = w.proc
+            if w.role != "shard" or proc is None or proc.returncode is not None:
+                continue
+            pid, since = fsync_beacon.running_since(run_dir, w.index)
+            # Another pid: the beacon a killed incarnation left behind, or the new one not yet set.
+            if pid == proc.pid and since > 0 and now - since > self.disk_bound:
+                return w.index, now - since
+        return None
 
     def _probe_disk(self, path: str) -> None:
         try:

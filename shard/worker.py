@@ -20,6 +20,7 @@ import zmq
 
 from broker import contract
 from broker.definitions import Definitions
+from broker.fsync_beacon import FsyncBeacon, stall_for_tests
 from broker.policies import POLICY_OPS
 from broker.zmqio import BatchSocket, make_socket
 from shard.ack_timeouts import AckTimeouts
@@ -70,6 +71,8 @@ class ShardWorker:
         self.settings: dict = {}
         self.queues: dict[tuple[str, str], Queue] = {}
         self.sync_histogram = SyncHistogram()  # group sync durations, reported in STATS
+        # Since when the running group sync runs, for the cluster leader's disk-stall check.
+        self.fsync_beacon = FsyncBeacon(run_dir, index)
         self.by_qid: dict[int, Queue] = {}
         self._next_qid = 1
         self.channels: dict[tuple[bytes, int, int], ChannelRef] = {}
@@ -847,6 +850,7 @@ class ShardWorker:
         for store in stores:
             store.flush_acks()  # on the loop thread: the sync thread only fsyncs
         started = time.monotonic()
+        self.fsync_beacon.started()
         # In a cluster the confirms also wait for the ISR followers to ack everything written so far.
         target = self.repl.position() if waiting and self.repl is not None and self.repl.gating else -1
         fut = self.loop.run_in_executor(None, _sync_all, list(stores))
@@ -869,6 +873,7 @@ class ShardWorker:
     def _sync_done(self, fut: asyncio.Future, waiting: list, after: list, target: int = -1,
                    started: float | None = None) -> None:
         self._sync_running = False
+        self.fsync_beacon.done()
         if started is not None:
             self.sync_histogram.observe(time.monotonic() - started)
         exc = fut.exception()
@@ -944,5 +949,6 @@ class ShardWorker:
 
 
 def _sync_all(stores: list[QueueStore]) -> None:
+    stall_for_tests()
     for s in stores:
         s.sync()

@@ -390,3 +390,44 @@ def test_leader_whose_disk_writes_stall_steps_down(cluster):
         wait_for(lambda: is_leader(node), 20, "the node to lead again")
     finally:
         os.close(fd)
+
+
+def test_leader_whose_shard_fsync_stalls_steps_down_and_a_follower_takes_over_losing_nothing(cluster, tmp_path):
+    """A shard's real group fsync is made to block (SHARDMQ_TEST_STALL_FSYNC_WHILE, a test-only fault
+    injection in broker/fsync_beacon.py) while publishers confirm: the leader's watchdog sees the
+    shard's fsync beacon grow older than the bound, fences, and the follower takes over."""
+    stall = {name: tmp_path / f"stall-{name}" for name in ("n1", "n2")}
+    nodes = [cluster.add(name, wait=False, env={"SHARDMQ_TEST_STALL_FSYNC_WHILE": str(stall[name])})
+             for name in ("n1", "n2")]
+    for node in nodes:
+        node.wait_ready()
+    wait_isr(cluster, nodes)
+    old = cluster.leader()
+    other = next(n for n in nodes if n is not old)
+    with other.connect() as conn:
+        conn.channel().queue_declare("stall", durable=True)
+    pub = ConfirmingPublisher(other, "stall")  # through the follower's proxy, then the new leader
+    pub.start()
+    try:
+        wait_for(lambda: len(pub.confirmed) > 100, 30, "confirms before the stall")
+        stall[old.workdir.name].touch()
+        t_stall = time.monotonic()
+        wait_for(lambda: "fsync has not returned" in old.log_text(), 30, "the shard-fsync fence")
+        assert "disk stalled: shard 0's fsync" in old.log_text()
+        new = one_leader([other], timeout=30)
+        assert new is other
+        wait_for(lambda: any(t > t_stall for t in list(pub.confirmed.values())[-20:]), 30,
+                 "confirms from the new leader")
+    finally:
+        pub.stop_event.set()
+        pub.join(10)
+        stall[old.workdir.name].unlink(missing_ok=True)  # the disk comes back
+    confirmed = set(pub.confirmed)
+    got = drain(other, "stall", confirmed)
+    lost = confirmed - got.keys()
+    assert not lost, f"{len(lost)} confirmed messages lost, e.g. {sorted(lost)[:10]}"
+    # The old leader rejoins as a follower and re-enters the ISR.
+    wait_for(lambda: http_get(old.http_port, "/api/cluster/status")[1].get("role") == "follower", 30,
+             "the old leader to follow")
+    wait_isr(cluster, nodes, timeout=60)
+    assert not is_leader(old)
