@@ -38,9 +38,10 @@ def free_port() -> int:
 
 
 class EtcdMember:
-    def __init__(self, name: str, workdir: Path) -> None:
+    def __init__(self, name: str, workdir: Path, host: str = "127.0.0.1") -> None:
         self.name = name
         self.workdir = workdir
+        self.host = host
         self.client_port = free_port()
         self.peer_port = free_port()
         self.proc: subprocess.Popen | None = None
@@ -48,25 +49,26 @@ class EtcdMember:
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
+        return f"{self.host}:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
-        return f"http://127.0.0.1:{self.peer_port}"
+        return f"http://{self.host}:{self.peer_port}"
 
 
 class EtcdCluster:
-    """``size`` etcd members on loopback. ``endpoints`` is the comma list for ``--etcd-endpoints``."""
+    """``size`` etcd members on loopback (or on ``host``, e.g. the partition drill's bridge address).
+    ``endpoints`` is the comma list for ``--etcd-endpoints``."""
 
     def __init__(self, size: int = 1, base_dir: str | Path | None = None,
-                 heartbeat_ms: int = 50, election_ms: int = 500) -> None:
+                 heartbeat_ms: int = 50, election_ms: int = 500, host: str = "127.0.0.1") -> None:
         if not os.access(ETCD, os.X_OK):
             raise EtcdError(f"{ETCD} not found: install Debian's etcd-server (scripts/test.sh does)")
         self._own_dir = base_dir is None
         self.base_dir = Path(base_dir or tempfile.mkdtemp(prefix="shardmq-etcd-"))
         self.heartbeat_ms = heartbeat_ms
         self.election_ms = election_ms
-        self.members = [EtcdMember(f"e{i}", self.base_dir / f"e{i}") for i in range(size)]
+        self.members = [EtcdMember(f"e{i}", self.base_dir / f"e{i}", host) for i in range(size)]
 
     @property
     def endpoints(self) -> str:

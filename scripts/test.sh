@@ -25,6 +25,8 @@ command -v mosquitto >/dev/null || [ -x /usr/sbin/mosquitto ] || APT_PACKAGES+=(
 command -v systemd-analyze >/dev/null || APT_PACKAGES+=(systemd)
 command -v shellcheck >/dev/null || APT_PACKAGES+=(shellcheck)
 command -v mount >/dev/null || APT_PACKAGES+=(mount)  # tests/test_safety_full_disk.py mounts a small tmpfs
+# The partition drill (tests/test_drill_partition.py) puts each node in a network namespace (ip netns, veth).
+command -v ip >/dev/null || [ -x /usr/sbin/ip ] || APT_PACKAGES+=(iproute2)
 [ "${#APT_PACKAGES[@]}" -eq 0 ] || apt_install "${APT_PACKAGES[@]}"
 
 ensure_venv

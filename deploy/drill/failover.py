@@ -36,9 +36,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 ACK_SETTLE_S = 1.0
 
 
-def _http(port: int, path: str, timeout: float = 0.5) -> int:
+def _http(port: int, path: str, timeout: float = 0.5, host: str = "127.0.0.1") -> int:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as resp:
+        with urllib.request.urlopen(f"http://{host}:{port}{path}", timeout=timeout) as resp:
             return resp.status
     except urllib.error.HTTPError as exc:
         return exc.code
@@ -55,16 +55,25 @@ def _other_listeners_off() -> list[str]:
 
 
 class DrillNode:
-    def __init__(self, name: str, workdir: Path, etcd: str, prefix: str, ttl: int, secret: Path) -> None:
+    """One node. ``host`` is the address it listens on and advertises; ``wrap`` prefixes its argv
+    (the partition drill runs it in a network namespace: ``ip netns exec NS``)."""
+
+    def __init__(self, name: str, workdir: Path, etcd: str, prefix: str, ttl: int, secret: Path,
+                 host: str = "127.0.0.1", wrap: tuple[str, ...] = ()) -> None:
         self.name = name
         self.workdir = workdir
+        self.host = host
         self.port, self.http_port, self.repl_port = free_port(), free_port(), free_port()
-        self.argv = [sys.executable, "-m", "broker.cli", "--data-dir", str(workdir / "data"),
+        bind = [] if host == "127.0.0.1" else [
+            # Its own namespace: every listener on its address; clients come through haproxy from
+            # the bridge, so guest may log in from there (a private test network).
+            "--bind", host, "--http-bind", host, "--replication-bind", host, "--loopback-users", "none"]
+        self.argv = [*wrap, sys.executable, "-m", "broker.cli", "--data-dir", str(workdir / "data"),
                      "--port", str(self.port), "--http-port", str(self.http_port),
                      "--replication-port", str(self.repl_port), "--frontends", "1", "--shards", "1",
                      "--cluster", "--etcd-endpoints", etcd, "--etcd-prefix", prefix, "--node-name", name,
-                     "--advertised-host", "127.0.0.1", "--lease-ttl", str(ttl),
-                     "--cluster-secret-file", str(secret), *_other_listeners_off()]
+                     "--advertised-host", host, "--lease-ttl", str(ttl),
+                     "--cluster-secret-file", str(secret), *bind, *_other_listeners_off()]
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
@@ -98,7 +107,7 @@ class DrillNode:
             self.proc.wait()
 
     def is_leader(self) -> bool:
-        return self.running() and _http(self.http_port, "/api/health/checks/leader") == 200
+        return self.running() and _http(self.http_port, "/api/health/checks/leader", host=self.host) == 200
 
 
 @dataclass
@@ -163,6 +172,7 @@ class Drill:
         self.haproxy: HAProxy | None = None
         self.coord: Coordinator | None = None
         self.prefix = "drill"
+        self.event = "kill"  # what happens to the leader, in the log lines
 
     # ----------------------------------------------------------- etcd reads
     def _etcd(self, coro_fn):
@@ -192,19 +202,25 @@ class Drill:
             time.sleep(interval)
 
     # ------------------------------------------------------------- phases
+    def make_etcd(self) -> EtcdCluster:
+        return EtcdCluster(self.etcd_members, self.workdir / "etcd")
+
+    def make_node(self, i: int, secret: Path) -> DrillNode:
+        return DrillNode(f"n{i + 1}", self.workdir / f"n{i + 1}", self.etcd.endpoints, self.prefix,
+                         self.ttl, secret)
+
     def setup(self) -> None:
-        self.etcd = EtcdCluster(self.etcd_members, self.workdir / "etcd").start()
+        self.etcd = self.make_etcd().start()
         self.coord = Coordinator(self.etcd.endpoints.split(","), self.prefix, "drill", 10)
         secret = self.workdir / "secret"
         secret.write_text(os.urandom(16).hex())
-        self.nodes = [DrillNode(f"n{i + 1}", self.workdir / f"n{i + 1}", self.etcd.endpoints, self.prefix,
-                                self.ttl, secret) for i in range(self.n)]
+        self.nodes = [self.make_node(i, secret) for i in range(self.n)]
         for node in self.nodes:
             node.start()
         self.wait(lambda: sum(n.is_leader() for n in self.nodes) == 1, 60, "a leader")
         self.wait(lambda: len(self.isr()) == self.n, 120, f"all {self.n} nodes in the ISR")
         self.haproxy = HAProxy(self.workdir / "haproxy", free_port(),
-                               [Backend(n.name, "127.0.0.1", n.port, n.http_port) for n in self.nodes]).start()
+                               [Backend(n.name, n.host, n.port, n.http_port) for n in self.nodes]).start()
         self.log(f"cluster up: leader {self.leader_name()}, ISR {self.isr()}, haproxy on "
                  f"127.0.0.1:{self.haproxy.listen_port}, etcd {self.etcd.endpoints}")
 
@@ -223,7 +239,7 @@ class Drill:
             k.window = (window_start, t_kill)
             window_start = t_kill
             result.kills.append(k)
-            self.log(f"kill {len(result.kills)}: {k.victim} -> {k.new_leader}: detection {_f(k.detection_s)} s, "
+            self.log(f"{self.event} {len(result.kills)}: {k.victim} -> {k.new_leader}: detection {_f(k.detection_s)} s, "
                      f"promotion {_f(k.promotion_s)} s, first confirm {_f(k.first_confirm_s)} s, "
                      f"rejoined {_f(k.rejoined_s)} s")
         time.sleep(0.5)
