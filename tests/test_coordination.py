@@ -150,3 +150,36 @@ def test_unreachable_etcd_is_a_clear_error():
         await c.stop()
 
     asyncio.run(main())
+
+
+def test_slow_keep_alives_never_age_the_lease_to_the_fence_bound(etcd, monkeypatch):
+    """Every keep-alive round trip takes 0.2 s (a starved machine, a slow network): with a 1 s
+    lease the renewal age must stay under TTL/2, where a leader fences. (Sent every TTL/3 and one
+    at a time, as before, the age reached 0.33 + 0.2 s: a needless fence every cycle.)"""
+    import etcd3
+
+    real = etcd3.Etcd3Client.refresh_lease
+
+    def slow_refresh(self, lease_id):
+        time.sleep(0.2)
+        return real(self, lease_id)
+
+    monkeypatch.setattr(etcd3.Etcd3Client, "refresh_lease", slow_refresh)
+    prefix = f"t{next(_prefixes)}-slow"
+
+    async def main():
+        c = coordinator(etcd, "n1", prefix, ttl=1)
+        await c.start(info("n1"))
+        try:
+            await asyncio.sleep(0.5)  # the first keep-alives are under way
+            worst = 0.0
+            deadline = time.monotonic() + 3.0
+            while time.monotonic() < deadline:
+                worst = max(worst, c.lease_age())
+                await asyncio.sleep(0.01)
+            assert worst < 0.5, f"the lease aged {worst:.3f} s: a leader would have fenced"
+            assert c.lease_fresh()
+        finally:
+            await c.stop()
+
+    asyncio.run(main())
