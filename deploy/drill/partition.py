@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -238,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.partitions < 1 or args.lease_ttl < 1:
         p.error("--partitions and --lease-ttl must be >= 1")
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="shardmq-partition-"))
+    # SIGTERM unwinds like Ctrl-C, so the nodes stop and the namespaces go (the next run would
+    # remove them anyway).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         result = run_partition_drill(workdir, args.partitions, args.lease_ttl, args.interval)
     except (TimeoutError, RuntimeError) as exc:
