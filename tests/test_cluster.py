@@ -196,10 +196,14 @@ def in_isr(cluster: Cluster, node) -> bool:
     return code == 200 and node.workdir.name in body.get("isr", [])
 
 
-def wait_isr(cluster: Cluster, nodes, timeout: float = 30.0) -> None:
-    leader = cluster.leader()
-    wait_for(lambda: all(n.workdir.name in http_get(leader.http_port, "/api/cluster/status")[1].get("isr", [])
-                         for n in nodes), timeout, "every node in the ISR")
+def wait_isr(cluster: Cluster, nodes, timeout: float = 60.0) -> None:
+    leader = cluster.leader(timeout=30)
+    try:
+        wait_for(lambda: all(n.workdir.name in http_get(leader.http_port, "/api/cluster/status")[1].get("isr", [])
+                             for n in nodes), timeout, "every node in the ISR")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; leader {leader.workdir.name}'s status: "
+                             f"{http_get(leader.http_port, '/api/cluster/status')[1]}\n{leader.log_tail()}") from None
 
 
 class ConfirmingPublisher(threading.Thread):
