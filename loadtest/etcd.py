@@ -10,31 +10,18 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+from loadtest.ports import free_port  # re-exported: the drills take their ports here too
 
 ETCD = "/usr/bin/etcd"
 
 
 class EtcdError(RuntimeError):
     pass
-
-
-_handed_out: set[int] = set()
-
-
-def free_port() -> int:
-    """A free loopback port, never the same twice in this process (a drill takes a dozen at once)."""
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _handed_out:
-            _handed_out.add(port)
-            return port
 
 
 class EtcdMember:
