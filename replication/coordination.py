@@ -134,6 +134,11 @@ class Coordinator:
         self._clients: list[etcd3.Etcd3Client | None] = [None] * len(self.endpoints)
         self._current = 0
         self._clients_lock = threading.Lock()
+        self._keepalive_clients: list[etcd3.Etcd3Client | None] = [None] * len(self.endpoints)
+        # A keep-alive may take up to TTL/2: it runs beside the next ones (never delaying them), and
+        # one answered late still renews the lease from when it was sent. With the short deadline of
+        # other calls, a loaded etcd answering in 0.4 s failed every keep-alive of a 1 s lease.
+        self.keepalive_timeout = max(0.3, ttl / 2)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="etcd")
         self._keepalive: threading.Thread | None = None
         self._keepalive_failing = False
@@ -145,21 +150,23 @@ class Coordinator:
         return "/".join((self.prefix, *parts))
 
     # ------------------------------------------------------------ plumbing
-    def _client(self) -> etcd3.Etcd3Client:
+    def _client(self, keepalive: bool = False) -> etcd3.Etcd3Client:
+        """The current endpoint's client; keep-alives have their own (own connection, longer deadline)."""
         i = self._current
-        with self._clients_lock:  # the worker thread and the keep-alive calls share the clients
-            if self._clients[i] is None:
+        clients = self._keepalive_clients if keepalive else self._clients
+        with self._clients_lock:  # the worker thread and the keep-alive calls share the endpoint
+            if clients[i] is None:
                 host, port = self.endpoints[i]
-                self._clients[i] = etcd3.client(host=host, port=port, timeout=self.call_timeout,
-                                                grpc_options=_GRPC_OPTIONS)
-            return self._clients[i]
+                timeout = self.keepalive_timeout if keepalive else self.call_timeout
+                clients[i] = etcd3.client(host=host, port=port, timeout=timeout, grpc_options=_GRPC_OPTIONS)
+            return clients[i]
 
-    def _call(self, fn: Callable[[etcd3.Etcd3Client], T]) -> T:
+    def _call(self, fn: Callable[[etcd3.Etcd3Client], T], keepalive: bool = False) -> T:
         """Run ``fn(client)``, moving on to the next endpoint when one fails (blocking)."""
         last: Exception | None = None
         for _ in range(len(self.endpoints)):
             try:
-                return fn(self._client())
+                return fn(self._client(keepalive))
             except (etcd3.Etcd3Exception, grpc.RpcError) as exc:
                 last = exc
                 host, port = self.endpoints[self._current]
@@ -254,7 +261,7 @@ class Coordinator:
 
     def _keepalive_once(self, lease_id: int, sent: float) -> None:
         try:
-            responses = self._call(lambda c: list(c.refresh_lease(lease_id)))
+            responses = self._call(lambda c: list(c.refresh_lease(lease_id)), keepalive=True)
             ttl = responses[-1].TTL if responses else 0
             if ttl <= 0:
                 if lease_id == self.lease_id and self._loop is not None:
@@ -407,7 +414,7 @@ class Coordinator:
                 log.warning("could not revoke the etcd lease (it expires in %d s): %s", self.ttl, exc)
         if self._keepalive is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._keepalive.join, 5.0)
-        for c in self._clients:
+        for c in self._clients + self._keepalive_clients:
             if c is not None:
                 c.close()
         self._executor.shutdown(wait=False)
