@@ -114,7 +114,7 @@ def _record_starts(path: str) -> list[int]:
     return [pos for pos, _f, _b in record.scan(data, DATA_START, len(data), True, result)]
 
 
-def test_torn_tail_is_cut_at_the_first_bad_crc(tmp_path, caplog):
+def test_damaged_record_before_valid_ones_is_skipped_and_offsets_kept(tmp_path, caplog):
     s = StreamStore(str(tmp_path), segment_size=SEG)
     fill(s, 10)
     s.sync()
@@ -129,16 +129,18 @@ def test_torn_tail_is_cut_at_the_first_bad_crc(tmp_path, caplog):
         f.write(bytes([b[0] ^ 0xFF]))
     with caplog.at_level(logging.WARNING):
         s = StreamStore(str(tmp_path), segment_size=SEG)
-    assert "CRC mismatch" in caplog.text
-    kept = s.next_offset
-    assert kept == 10 - 2  # the bad record and everything after it are gone
-    assert [o for o, _ in read_all(s)] == list(range(kept))
-    # New appends take the offsets after the cut and survive another reopen.
+    assert "CRC mismatch" in caplog.text and "offsets 8..8 lost" in caplog.text
+    # Damage, not a torn tail (a valid record follows): only that record is gone, offsets stay.
+    assert s.next_offset == 10 and s.damaged_records == 1
+    assert [o for o, _ in read_all(s)] == [0, 1, 2, 3, 4, 5, 6, 7, 9]
+    assert os.path.exists(last + f".damaged-{starts[-2]}")
+    # New appends take the offsets after the last one and survive another reopen (no new loss).
     fill(s, 2, start=100)
     s.sync()
     s.close()
     s = StreamStore(str(tmp_path), segment_size=SEG)
-    assert read_all(s)[-2:] == [(kept, b"m100"), (kept + 1, b"m101")]
+    assert s.damaged_records == 0
+    assert read_all(s)[-3:] == [(9, b"m009"), (10, b"m100"), (11, b"m101")]
     s.close()
 
 
