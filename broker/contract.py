@@ -83,7 +83,9 @@ FORWARD = 5
 # a shard's: {"queues": [[vhost, name, ready, unacked, consumers, ready_bytes, published, delivered, acked], ...]}
 #   (published/delivered/acked: totals since the shard started; the node turns them into rates),
 #   "totals": [published, delivered, acked] summed over the shard's queues, "segment_bytes": n,
-#   "fsync": {"buckets": [le, ...], "counts": [n, ...], "sum": seconds, "count": n}
+#   "fsync": {"buckets": [le, ...], "counts": [n, ...], "sum": seconds, "count": n},
+#   "damaged": [[vhost, name, damaged_records, damaged_acks], ...]  (only queues with storage damage
+#   since the shard opened them; an older shard leaves the key out, read as none)
 STATS = 6
 # REPL_STATUS: [REPL_STATUS, {follower: [connected, in_sync, lag_bytes, lag_seconds, last_ack_monotonic,
 #                                         acked_position]}]
