@@ -336,23 +336,22 @@ class StreamStore(SegmentDir):
     def read(self, c: Cursor) -> StreamMessage | None:
         """The message at the cursor (the cursor moves past it), None at the end of the log."""
         seg = c.seg
-        while True:
-            while c.pos >= seg.used:
-                if not seg.sealed and not seg.dropped:
-                    return None
-                nxt = self._after(seg)
-                if nxt is None:
-                    return None
-                self._place(c, nxt, DATA_START, nxt.first)
-                seg = nxt
-            ts, flags, ex, rk, props, body, nxt_pos = _read_record(seg.mm, c.pos)
-            offset = c.offset
-            c.pos = nxt_pos
-            if flags & _FILLER:  # damaged records set aside by recovery: their offsets are skipped
-                c.offset = offset + max(ts, 1)
-                continue
-            c.offset = offset + 1
-            return offset, ts, flags, ex, rk, props, body
+        while c.pos >= seg.used:
+            if not seg.sealed and not seg.dropped:
+                return None
+            nxt = self._after(seg)
+            if nxt is None:
+                return None
+            self._place(c, nxt, DATA_START, nxt.first)
+            seg = nxt
+        ts, flags, ex, rk, props, body, nxt_pos = _read_record(seg.mm, c.pos)
+        offset = c.offset
+        c.pos = nxt_pos
+        if flags & _FILLER:  # damaged records set aside by recovery: their offsets are skipped
+            c.offset = offset + max(ts, 1)
+            return self.read(c)
+        c.offset = offset + 1
+        return offset, ts, flags, ex, rk, props, body
 
     def _after(self, seg: StreamSegment) -> StreamSegment | None:
         segs = self._segs
