@@ -388,7 +388,11 @@ class StreamStore(SegmentDir):
     def _verify_sealed(self, seg: StreamSegment) -> None:
         """Check every record of a segment its smeta vouched for; repair damage keeping its offsets."""
         count, used = seg.count, seg.used
-        if not self._load(seg, used, True, count):
+        try:
+            if not self._load(seg, used, True, count):
+                return
+        except OSError:  # no space to copy the damage aside: read it as it is, repair at the next start
+            log.error("stream %s: segment %d: damage could not be set aside", self.path, seg.no, exc_info=True)
             return
         self.count += seg.count - count
         self.bytes += seg.used - used
