@@ -294,3 +294,8 @@ def test_damage_in_sealed_segments_keeps_every_offset(tmp_path, caplog):
     report = Report(io.StringIO())
     verify_dir(str(tmp_path), report)
     assert report.damage == 0 and report.segments == len(segs)
+    _flip(segs[1].replace("msgs.", "smeta."), 20)  # a sealed smeta's count: verify says so
+    out = io.StringIO()
+    report = Report(out)
+    verify_dir(str(tmp_path), report)
+    assert report.damage == 1 and "stream meta file does not decode" in out.getvalue()
