@@ -72,6 +72,8 @@ def verify_dir(path: str, report: Report) -> None:
             _verify_meta(os.path.join(path, f"meta.{no:010d}"), starts, report)
         if smeta is not None:
             expect = _verify_smeta(os.path.join(path, f"smeta.{no:010d}"), smeta, starts, expect, report)
+        else:
+            expect = None  # no (valid) smeta: where the next segment's offsets start is not known here
         acks = os.path.join(path, f"acks.{no:010d}")
         if os.path.exists(acks) and starts is not None:
             _verify_acks(acks, starts[0], report)
