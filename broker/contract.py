@@ -57,7 +57,8 @@ import msgpack
 # 4: STATS, ALARMS, CLOSE_CONNECTIONS by user/conn; KV_PUT, KV_GET (MQTT retained messages and
 # sessions). 5: REPL_STATUS, REPL_ISR (cluster).
 # 6: DEDUP_PUBLISH's return_to and RETURN; PEER_CHANNEL_DLX (dead letters carry peer confirms).
-VERSION = 6
+# 7: MARKED_PUBLISH, UNMARK (MQTT QoS 2 exactly-once across a crash).
+VERSION = 7
 
 # --------------------------------------------------------------------------
 # Control plane: node <-> every worker (node.sock)
@@ -203,6 +204,17 @@ DEDUP_PUBLISH = 34
 #   [KV_GET, req_id, vhost, space, key|None] -> REPLY_DATA {"items": [[key, value], ...]} (None: all keys)
 KV_PUT = 35
 KV_GET = 36
+# MARKED_PUBLISH: a PUBLISH that carries a mark, for MQTT QoS 2 publishes of a persistent session
+# (mark = packet id, key = client id, space "mqtt.in2"). Publish lane.
+#   [MARKED_PUBLISH, vhost, space, key, mark, publish]  publish: the PUBLISH item for this shard
+# The shard keeps the marks of a key as a list in its KV store (vhost, space). A mark already there
+# means this shard stored the message before (a resend after a crash of the frontend or of this
+# shard): it is confirmed and not stored again. Otherwise the message is stored and the mark
+# written in the same handler, so no crash (kill -9) keeps one without the other.
+MARKED_PUBLISH = 37
+# UNMARK: [UNMARK, req_id|None, vhost, space, key, mark|None]  remove a mark (None: every mark of key);
+# with a req_id the shard answers REPLY_DATA {} once that is fsynced. MQTT sends it on PUBREL.
+UNMARK = 38
 
 # Channel numbers of the confirmed PUBLISH items a shard sends to another shard (conn_id 0): the
 # CONFIRM answers come back to the sender's peer DEALER and are told apart by this number.

@@ -7,6 +7,7 @@ message it received but had not yet acknowledged may come again under a new pack
 
 from __future__ import annotations
 
+import os
 import time
 
 import pika
@@ -233,3 +234,84 @@ def test_a_shard_restart_closes_its_mqtt_consumers_and_the_session_goes_on(mnode
     assert again == {b"%d" % i for i in range(1, 11)}
     back.disconnect()
     pub.disconnect()
+
+
+@pytest.fixture
+def one_frontend(node_factory):
+    return node_factory(name="node", frontends=1, shards=2, mqtt_port=free_port())
+
+
+def _connect_retrying(node, client_id: str, timeout: float = 30.0) -> tuple[RawMQTT, M.ConnAck]:
+    """CONNECT until the node answers (a killed worker is restarted by the node meanwhile)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            raw = RawMQTT(node.mqtt_port)
+            return raw, raw.connect(client_id, clean=False)
+        except (OSError, AssertionError):
+            assert time.monotonic() < deadline, f"no CONNACK for {client_id} after a restart\n{node.log_tail()}"
+            time.sleep(0.1)
+
+
+@pytest.mark.parametrize("kill", ["frontend", "queue-shard", "session-shard", "frontend-and-session-shard", "node"])
+def test_qos2_publish_is_stored_once_across_a_kill_9(one_frontend, kill):
+    """A QoS 2 PUBLISH is stored, then a worker dies (kill -9) before the client got PUBREC: the client
+    resends it (DUP) on its next connection, and exactly one copy is stored. The session shard is held
+    stopped (SIGSTOP) from the publish to the kill, so the session record cannot have caught up with the
+    queue's shard: the awkward moment, every time."""
+    import signal
+
+    from frontend.mqtt.messages import session_shard
+    from tests.mgmt_api import Api
+
+    node = one_frontend
+    q = _amqp_counter(node, "once")
+    _status, info = Api(node.http_port).call("GET", f"/api/queues/%2F/{q}")
+    queue_shard = info["shard"]
+    name = next(f"once-{i}" for i in range(100) if session_shard("/", f"once-{i}", 2) != queue_shard)
+    session = 1 - queue_shard
+    pub = RawMQTT(node.mqtt_port)
+    assert pub.connect(name, clean=False).return_code == 0
+    stopped = node.worker_pid("shard", session)
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        pub.publish("once/x", b"exactly once", qos=2, pid=7)
+        counter = node.connect()
+        ch = counter.channel()
+        deadline = time.monotonic() + 10
+        while ch.queue_declare(q, passive=True).method.message_count < 1:  # stored on the queue's shard
+            assert time.monotonic() < deadline, "the QoS 2 message was not stored"
+            time.sleep(0.02)
+        counter.close()
+        if kill == "frontend":
+            node.wait_worker_restarted("frontend", 0, node.kill_worker("frontend", 0))
+        elif kill == "queue-shard":
+            node.wait_worker_restarted("shard", queue_shard, node.kill_worker("shard", queue_shard))
+        elif kill == "session-shard":
+            node.kill_worker("shard", session)
+            node.wait_worker_restarted("shard", session, stopped)
+        elif kill == "frontend-and-session-shard":
+            # The session record's write dies with both: only the queue's shard knows the message.
+            node.kill_worker("shard", session)
+            node.wait_worker_restarted("frontend", 0, node.kill_worker("frontend", 0))
+            node.wait_worker_restarted("shard", session, stopped)
+        else:
+            node.kill9()
+            node.start()
+    finally:
+        if kill in ("frontend", "queue-shard"):
+            os.kill(stopped, signal.SIGCONT)
+    pub.close()
+    pub, ack = _connect_retrying(node, name)
+    assert (ack.session_present, ack.return_code) == (True, 0)
+    pub.publish("once/x", b"exactly once", qos=2, pid=7, dup=True)  # no PUBREC seen: sent again
+    assert pub.recv(timeout=10) == M.Ack(M.PUBREC, 7)
+    pub.ack(M.PUBREL, 7)
+    assert pub.recv(timeout=10) == M.Ack(M.PUBCOMP, 7)
+    # The packet id is free again: a new message with it is stored, not taken for the old one.
+    pub.publish("once/x", b"a new one", qos=2, pid=7)
+    assert pub.recv(timeout=10) == M.Ack(M.PUBREC, 7)
+    pub.ack(M.PUBREL, 7)
+    assert pub.recv(timeout=10) == M.Ack(M.PUBCOMP, 7)
+    pub.disconnect()
+    assert sorted(_drain(node, q, 2)) == [b"a new one", b"exactly once"]

@@ -41,6 +41,7 @@ from broker.permissions import READ, Access
 from broker.tls import peer_common_name
 from frontend.mqtt.messages import (
     EXCHANGE,
+    INBOUND2,
     PROPS,
     RETAINED,
     SESSIONS,
@@ -50,7 +51,7 @@ from frontend.mqtt.messages import (
     session_shard,
     transient_queue,
 )
-from frontend.publish import put_publish, queues_by_shard
+from frontend.publish import put_marked_publish, put_publish, queues_by_shard
 from frontend.session import CONNECTION_FORCED
 
 if TYPE_CHECKING:
@@ -75,6 +76,7 @@ _ACK = contract.ACK
 _CREDIT = contract.CREDIT
 _KV_PUT = contract.KV_PUT
 _KV_GET = contract.KV_GET
+_UNMARK = contract.UNMARK
 
 
 
@@ -432,7 +434,10 @@ class MQTTConnection(asyncio.Protocol):
                     self._refuse(M.REFUSED_NOT_AUTHORIZED if result[0] == 403 else M.REFUSED_SERVER_UNAVAILABLE)
                     return
                 self._set_queue(durable)
-                self._accept(exists, consume=bool(self.subs))
+                if exists:
+                    self._accept(True, consume=bool(self.subs))
+                else:  # a new session: no QoS 2 mark of an older one with this client id may drop a publish
+                    self._unmark(None, lambda: self._accept(False, consume=bool(self.subs)))
 
             self._node("queue.declare", {"queue": durable, "durable": True, "exclusive": False,
                                          "auto_delete": False, "arguments": {}}, declared)
@@ -509,12 +514,14 @@ class MQTTConnection(asyncio.Protocol):
         if p.retain:
             entry[0] += 1
             self._retain(p.topic, qos, p.payload, lambda: self._settle(seq, True))
+        mark = None
         if qos == 2:
             self.in2.add(p.packet_id)
             if not self.clean:
-                entry[0] += 1
-                self._save_state(lambda: self._settle(seq, True))
-        entry[0] += self._route(p.topic, p.payload, qos, seq)
+                # Each shard that stores it keeps the packet id with it (MARKED_PUBLISH): a resend after a
+                # crash of this frontend or of that shard is not stored twice; PUBREL removes the marks.
+                mark = p.packet_id
+        entry[0] += self._route(p.topic, p.payload, qos, seq, mark)
         self._settle(seq, True)
 
     def _may_publish(self, topic: str) -> bool:
@@ -538,7 +545,7 @@ class MQTTConnection(asyncio.Protocol):
             key = self._key_cache[topic] = topic_to_key(topic)
         return key
 
-    def _route(self, topic: str, payload: bytes, qos: int, seq: int | None) -> int:
+    def _route(self, topic: str, payload: bytes, qos: int, seq: int | None, mark: int | None = None) -> int:
         """Publish to amq.topic; the number of shards that will confirm (seq set)."""
         worker = self.worker
         defs = worker.defs
@@ -552,7 +559,11 @@ class MQTTConnection(asyncio.Protocol):
         if seq is None:
             put_publish(worker, groups, vhost, EXCHANGE, key, props, payload, qos > 0)
             return 0
-        put_publish(worker, groups, vhost, EXCHANGE, key, props, payload, True, self.conn_id, LANE, seq)
+        if mark is None:
+            put_publish(worker, groups, vhost, EXCHANGE, key, props, payload, True, self.conn_id, LANE, seq)
+        else:
+            put_marked_publish(worker, groups, vhost, INBOUND2, self.client_id, mark, EXCHANGE, key, props, payload,
+                               self.conn_id, LANE, seq)
         self.shards.update(groups)
         return len(groups)
 
@@ -581,9 +592,29 @@ class MQTTConnection(asyncio.Protocol):
                 done()
             return
         shard = session_shard(self.vhost, self.client_id, self.worker.shard_count)
+        # The inbound QoS 2 packet ids are not here: the shards keep them with the messages (_unmark).
         self._kv_put(shard, SESSIONS, self.client_id,
-                     {"subs": dict(self.subs), "in2": sorted(self.in2), "out2": sorted(self.out2),
-                      "pub2": sorted(self.pub2.items())}, done)
+                     {"subs": dict(self.subs), "out2": sorted(self.out2), "pub2": sorted(self.pub2.items())}, done)
+
+    def _unmark(self, mark: int | None, done: Callable[[], None]) -> None:
+        """Remove a QoS 2 packet id's marks (None: all of this client id's) from every shard, then done().
+
+        Every shard, not just those this connection routed to: the message may have been stored by an
+        earlier connection (before a crash) whose routes we do not know.
+        """
+        vhost, client_id = self.vhost, self.client_id
+        count = self.worker.shard_count
+        left = [count]
+
+        def one(ok: bool, result: Any) -> None:
+            if not ok:  # MQTT has no error for PUBREL: close; the client sends PUBREL again on reconnect
+                raise RuntimeError(f"QoS 2 mark not removed: {result}")
+            left[0] -= 1
+            if not left[0]:
+                done()
+
+        for shard in range(count):
+            self._shard_request(shard, lambda req: [_UNMARK, req, vhost, INBOUND2, client_id, mark], one)
 
     def _settle(self, seq: int, ok: bool) -> None:
         entry = self._pending.get(seq)
@@ -613,11 +644,11 @@ class MQTTConnection(asyncio.Protocol):
             self._settle(seq, ok)
 
     def _on_pubrel(self, pid: int) -> None:
-        if pid in self.in2:
-            self.in2.discard(pid)
-            if not self.clean:
-                self._save_state(self._guard(lambda: self.write(M.encode_ack(M.PUBCOMP, pid))))
-                return
+        self.in2.discard(pid)
+        if not self.clean:
+            # Also for an id this connection does not know: it may be marked since before a crash.
+            self._unmark(pid, lambda: self.write(M.encode_ack(M.PUBCOMP, pid)))
+            return
         self.write(M.encode_ack(M.PUBCOMP, pid))  # also for an id we no longer know [MQTT-4.3.3-2]
 
     def _publish_will(self) -> None:
