@@ -315,3 +315,94 @@ def test_qos2_publish_is_stored_once_across_a_kill_9(one_frontend, kill):
     assert pub.recv(timeout=10) == M.Ack(M.PUBCOMP, 7)
     pub.disconnect()
     assert sorted(_drain(node, q, 2)) == [b"a new one", b"exactly once"]
+
+
+def _frontend_of(node, client_port: int) -> int | None:
+    """Which frontend process holds the server side of the TCP connection from client_port (None: not
+    accepted yet), from /proc/net/tcp and the frontends' open file descriptors."""
+    inode = None
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(path) as fh:
+            for line in fh.readlines()[1:]:
+                f = line.split()
+                if int(f[1].rsplit(":", 1)[1], 16) == node.mqtt_port and int(f[2].rsplit(":", 1)[1], 16) == client_port:
+                    inode = f[9]
+    if inode is None:
+        return None
+    for index, pid in node.pids()["frontend"].items():
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except FileNotFoundError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == f"socket:[{inode}]":
+                    return int(index)
+            except OSError:
+                continue
+    return None
+
+
+def _wait_frontend_of(node, raw: RawMQTT, timeout: float = 5.0) -> int | None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = _frontend_of(node, raw.sock.getsockname()[1])
+        if found is not None:
+            return found
+        time.sleep(0.01)
+    return None
+
+
+@pytest.mark.parametrize("round_", range(3))
+def test_a_reconnect_on_another_frontend_resumes_the_latest_session_state(node_factory, round_):
+    """The client acknowledges a QoS 2 delivery (PUBREC) and reconnects at once on the other frontend while
+    the first one has not yet written that to the session record (it is held by SIGSTOP). The resumed
+    session must go on from the PUBREC (PUBREL) or from before it (the PUBLISH again, DUP, same packet
+    id), never lose the message: the new frontend reads the record only after the old one flushed it."""
+    import signal
+
+    node = node_factory(name="node", frontends=2, shards=1, mqtt_port=free_port())
+    name = f"fast-{round_}"
+    sub = RawMQTT(node.mqtt_port)
+    assert sub.connect(name, clean=False).return_code == 0
+    assert sub.subscribe(1, [("fast/t", 2)]) == [2]
+    old = _wait_frontend_of(node, sub)
+    assert old is not None
+    pub = RawMQTT(node.mqtt_port)
+    assert pub.connect(f"pub-{round_}").return_code == 0
+    pub.publish("fast/t", b"once", qos=2, pid=1)
+    assert pub.recv() == M.Ack(M.PUBREC, 1)
+    pub.ack(M.PUBREL, 1)
+    assert pub.recv() == M.Ack(M.PUBCOMP, 1)
+    pub.disconnect()
+    msg = sub.recv()
+    assert (msg.qos, msg.payload) == (2, b"once")
+    stopped = node.worker_pid("frontend", old)
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        sub.ack(M.PUBREC, msg.packet_id)
+        sub.close()
+        deadline = time.monotonic() + 20
+        while True:  # a connection the stopped frontend's listener takes stays unaccepted: try again
+            assert time.monotonic() < deadline, "never reached the other frontend"
+            new = RawMQTT(node.mqtt_port)
+            if _wait_frontend_of(node, new, 0.5) == 1 - old:
+                break
+            new.close()
+        new.send(M.encode_connect(name, False, 60, "guest", b"guest"))
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+    ack = new.recv(timeout=10)
+    assert (ack.session_present, ack.return_code) == (True, 0)
+    got = new.recv(timeout=10)
+    delivered = 0
+    if got == M.Ack(M.PUBREL, msg.packet_id):  # the PUBREC was applied first
+        delivered += 1
+    else:  # the PUBREC was never read: the message again, same packet id [MQTT-4.4.0-1]
+        assert (got.payload, got.packet_id, got.dup) == (b"once", msg.packet_id, True), got
+        new.ack(M.PUBREC, got.packet_id)
+        assert new.recv(timeout=10) == M.Ack(M.PUBREL, msg.packet_id)
+        delivered += 1
+    new.ack(M.PUBCOMP, msg.packet_id)
+    assert delivered == 1
+    new.disconnect()

@@ -404,7 +404,16 @@ class MQTTConnection(asyncio.Protocol):
             self._refuse(M.REFUSED_SERVER_UNAVAILABLE)
             return
         self.registered = True
-        takeover(self.worker, self.vhost, self.client_id, [self.worker.index, self.conn_id])
+        owner = [self.worker.index, self.conn_id]
+        if self.clean:
+            takeover(self.worker, self.vhost, self.client_id, owner)
+            self._resume()
+        else:
+            # The session record is read once the other frontends have flushed what an older connection
+            # of this client id wrote to it (a reconnect within milliseconds must not read it stale).
+            takeover(self.worker, self.vhost, self.client_id, owner, then=self._guard(self._resume))
+
+    def _resume(self) -> None:
         defs = self.worker.defs
         durable = session_queue(self.client_id)
         exists = defs.queue(self.vhost, durable) is not None
@@ -970,19 +979,74 @@ class MQTTConnection(asyncio.Protocol):
             worker.node_request("connection.closed", {"owner": [worker.index, self.conn_id]}, None)
 
 
-def takeover(worker: FrontendWorker, vhost: str, client_id: str, owner: list, forward: bool = True) -> None:
-    """Close every other connection of this client id [MQTT-3.1.4-2]: here, and on the other frontends."""
+def takeover(worker: FrontendWorker, vhost: str, client_id: str, owner: list, forward: bool = True,
+             then: Callable[[], None] | None = None) -> None:
+    """Close every other connection of this client id [MQTT-3.1.4-2]: here, and on the other frontends.
+
+    With ``then``: call it once every other frontend has answered that the session writes of its
+    connections of this client id have reached the session shard (or after TAKEOVER_WAIT, for a
+    frontend that is down).
+    """
     for conn in list(worker.conns.values()):
         if (isinstance(conn, MQTTConnection) and conn.client_id == client_id and conn.vhost == vhost
                 and [worker.index, conn.conn_id] != list(owner) and conn.state == RUNNING):
             log.info("mqtt connection %s: client id '%s' connected again: taken over", conn.conn_id, client_id)
             conn.close()
-    if forward:
-        for index in range(int(worker.settings.get("frontends", 1))):
-            if index != worker.index:
-                worker.node.put(None, [contract.FORWARD, index, ["mqtt.takeover", vhost, client_id, owner]])
+    others = [i for i in range(int(worker.settings.get("frontends", 1))) if i != worker.index] if forward else []
+    if then is not None:
+        if not others:
+            then()
+            return
+        key = (vhost, client_id, owner[1])
+        waits = _takeover_waits(worker)
+        timer = worker.loop.call_later(TAKEOVER_WAIT, _takeover_answered, worker, key, True)
+        waits[key] = [len(others), then, timer]
+    for index in others:
+        worker.node.put(None, [contract.FORWARD, index, ["mqtt.takeover", vhost, client_id, owner, then is not None]])
 
 
-def forwarded_takeover(worker: FrontendWorker, vhost: str, client_id: str, owner: list) -> None:
+TAKEOVER_WAIT = 2.0  # s a resuming session waits at most for the other frontends' answers
+
+
+def _takeover_waits(worker: FrontendWorker) -> dict:
+    """(vhost, client id, conn id) -> [answers missing, then, timer] of this frontend's resuming sessions."""
+    waits = worker.__dict__.get("mqtt_takeover_waits")
+    if waits is None:
+        waits = worker.__dict__["mqtt_takeover_waits"] = {}
+    return waits
+
+
+def _takeover_answered(worker: FrontendWorker, key: tuple, timed_out: bool = False) -> None:
+    waits = _takeover_waits(worker)
+    wait = waits.get(key)
+    if wait is None:
+        return
+    wait[0] -= 1
+    if timed_out:
+        log.warning("mqtt: client id '%s': no answer from another frontend in %.0fs; resuming the session",
+                    key[1], TAKEOVER_WAIT)
+    elif wait[0] > 0:
+        return
+    del waits[key]
+    wait[2].cancel()
+    wait[1]()
+
+
+def forwarded_takeover(worker: FrontendWorker, vhost: str, client_id: str, owner: list, answer: bool = False) -> None:
     """The FORWARDED "mqtt.takeover" handler (frontend/listeners.py)."""
     takeover(worker, vhost, client_id, owner, forward=False)
+    if not answer:
+        return
+
+    def flushed(_ok: bool, _result: Any) -> None:
+        worker.node.put(None, [contract.FORWARD, owner[0], ["mqtt.taken", vhost, client_id, owner]])
+
+    # Any session write of this client id this frontend made went out before this request, on the same
+    # (publish) lane to the session shard, which answers in order: the answer means they are applied.
+    shard = session_shard(vhost, client_id, worker.shard_count)
+    worker.shard_request(shard, lambda req: [_KV_GET, req, vhost, SESSIONS, client_id], None, flushed)
+
+
+def forwarded_taken(worker: FrontendWorker, vhost: str, client_id: str, owner: list) -> None:
+    """The FORWARDED "mqtt.taken" handler: another frontend has flushed its writes to this session."""
+    _takeover_answered(worker, (vhost, client_id, owner[1]))
