@@ -140,7 +140,8 @@ class KVStores:
         st.put(key, value)
         self._written(st, fe, req_id)
 
-    def mark(self, vhost: str, space: str, key: str, mark: Any) -> bool:
+    def mark(self, vhost: str, space: str, key: str, mark: Any, fe: bytes | None = None,
+             req_id: int | None = None) -> bool:
         """Add mark to key's list of marks (MARKED_PUBLISH); False when it was there already.
 
         Written (os.write) now, so a kill -9 after this returns keeps it; synced with the next round.
@@ -148,9 +149,10 @@ class KVStores:
         st = self.store(vhost, space)
         marks = st.items.get(key)
         if marks is not None and mark in marks:
+            self._written(st, fe, req_id)
             return False
         st.put(key, [*(marks or ()), mark])
-        self._written(st, None, None)
+        self._written(st, fe, req_id)
         return True
 
     def is_marked(self, vhost: str, space: str, key: str, mark: Any) -> bool:

@@ -421,6 +421,15 @@ class ShardWorker:
             self._marked_publish(fe, item)
         elif kind == contract.UNMARK:
             self.kv.handle_unmark(fe, item)
+        elif kind == contract.MARKED_ACK:
+            _, req_id, conn_id, channel, qid, mid, vhost, space, key, mark = item
+            q = self.by_qid.get(qid)
+            if q is not None and q.ack(mid, fe, conn_id, channel):
+                q.n_acked += 1
+                self._dirty_queues.add(q)
+                self.kv.mark(vhost, space, key, mark, fe, req_id)  # same step as the ack: both or neither
+            else:
+                self.data.put(fe, [contract.REPLY_DATA, req_id, True, {"acked": False}])
         else:
             log.warning("shard %d: unknown item kind %r", self.index, kind)
 

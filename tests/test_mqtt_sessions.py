@@ -406,3 +406,73 @@ def test_a_reconnect_on_another_frontend_resumes_the_latest_session_state(node_f
     new.ack(M.PUBCOMP, msg.packet_id)
     assert delivered == 1
     new.disconnect()
+
+
+def _queue_counts(node, name: str) -> tuple[int, int]:
+    from tests.mgmt_api import Api
+
+    _status, info = Api(node.http_port).call("GET", f"/api/queues/%2F/{name}")
+    return info.get("messages_ready", 0), info.get("messages_unacknowledged", 0)
+
+
+def test_qos2_pubrec_survives_a_kill_9_of_the_frontend_and_the_session_shard(node_factory):
+    """The client PUBRECs a QoS 2 delivery; the message's ack reaches the queue's shard while the session
+    record cannot be written (its shard held by SIGSTOP); then the frontend and the session shard die
+    (kill -9). On reconnect the broker still owes PUBREL for that packet id (not the message again, not
+    nothing): the queue's shard wrote the packet id with the ack."""
+    import signal
+
+    from frontend.mqtt.messages import session_queue, session_shard
+    from tests.mgmt_api import Api
+
+    node = node_factory(name="node", frontends=1, shards=2, mqtt_port=free_port(),
+                        extra_args=["--stats-interval", "100"])
+    api = Api(node.http_port)
+    for i in range(50):  # a client id whose session record and session queue are on different shards
+        name = f"out2-{i}"
+        sub = RawMQTT(node.mqtt_port)
+        assert sub.connect(name, clean=False).return_code == 0
+        assert sub.subscribe(1, [("out2/t", 2)]) == [2]
+        queue_shard = api.call("GET", f"/api/queues/%2F/{session_queue(name)}")[1]["shard"]
+        if session_shard("/", name, 2) != queue_shard:
+            break
+        sub.disconnect()
+    pub = RawMQTT(node.mqtt_port)
+    assert pub.connect("out2-pub").return_code == 0
+    pub.publish("out2/t", b"once", qos=2, pid=1)
+    assert pub.recv() == M.Ack(M.PUBREC, 1)
+    pub.ack(M.PUBREL, 1)
+    assert pub.recv() == M.Ack(M.PUBCOMP, 1)
+    msg = sub.recv()
+    assert (msg.qos, msg.payload) == (2, b"once")
+    deadline = time.monotonic() + 10
+    while _queue_counts(node, session_queue(name)) != (0, 1):
+        assert time.monotonic() < deadline, "the delivery is not counted as unacknowledged"
+        time.sleep(0.05)
+    stopped = node.worker_pid("shard", 1 - queue_shard)
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        sub.ack(M.PUBREC, msg.packet_id)
+        while _queue_counts(node, session_queue(name)) != (0, 0):  # acknowledged on the queue's shard
+            assert time.monotonic() < deadline + 10, "the PUBREC did not acknowledge the message"
+            time.sleep(0.05)
+        node.kill_worker("shard", 1 - queue_shard)
+        frontend = node.kill_worker("frontend", 0)
+    except BaseException:
+        os.kill(stopped, signal.SIGCONT)
+        raise
+    sub.close()
+    node.wait_worker_restarted("frontend", 0, frontend)
+    node.wait_worker_restarted("shard", 1 - queue_shard, stopped)
+    sub, ack = _connect_retrying(node, name)
+    assert (ack.session_present, ack.return_code) == (True, 0)
+    assert sub.recv(timeout=10) == M.Ack(M.PUBREL, msg.packet_id)
+    sub.ack(M.PUBCOMP, msg.packet_id)
+    pub = RawMQTT(node.mqtt_port)
+    assert pub.connect("out2-pub").return_code == 0
+    pub.publish("out2/t", b"next", qos=1, pid=2)
+    assert pub.recv() == M.Ack(M.PUBACK, 2)
+    pub.disconnect()
+    nxt = sub.recv(timeout=10)  # the next message, not the old one again
+    assert nxt.payload == b"next", nxt
+    sub.disconnect()

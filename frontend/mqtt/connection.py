@@ -42,6 +42,7 @@ from broker.tls import peer_common_name
 from frontend.mqtt.messages import (
     EXCHANGE,
     INBOUND2,
+    OUTBOUND2,
     PROPS,
     RETAINED,
     SESSIONS,
@@ -77,6 +78,7 @@ _CREDIT = contract.CREDIT
 _KV_PUT = contract.KV_PUT
 _KV_GET = contract.KV_GET
 _UNMARK = contract.UNMARK
+_MARKED_ACK = contract.MARKED_ACK
 
 
 
@@ -443,10 +445,22 @@ class MQTTConnection(asyncio.Protocol):
                     self._refuse(M.REFUSED_NOT_AUTHORIZED if result[0] == 403 else M.REFUSED_SERVER_UNAVAILABLE)
                     return
                 self._set_queue(durable)
-                if exists:
-                    self._accept(True, consume=bool(self.subs))
-                else:  # a new session: no QoS 2 mark of an older one with this client id may drop a publish
+                if not exists:  # a new session: no QoS 2 mark of an older one with this client id may count
                     self._unmark(None, lambda: self._accept(False, consume=bool(self.subs)))
+                    return
+
+                def owed(ok: bool, result: Any) -> None:
+                    if ok:  # PUBREL owed for these (the shard keeps them with the acks, see _on_pubrec)
+                        for _key, marks in result.get("items", ()):
+                            self.out2.update(int(m) for m in marks)
+                    self._accept(True, consume=bool(self.subs))
+
+                if self.queue_shard is None:
+                    self._accept(True, consume=bool(self.subs))
+                else:
+                    vhost, client_id = self.vhost, self.client_id
+                    self._shard_request(self.queue_shard, lambda req: [_KV_GET, req, vhost, OUTBOUND2, client_id],
+                                        owed)
 
             self._node("queue.declare", {"queue": durable, "durable": True, "exclusive": False,
                                          "auto_delete": False, "arguments": {}}, declared)
@@ -606,7 +620,8 @@ class MQTTConnection(asyncio.Protocol):
                      {"subs": dict(self.subs), "out2": sorted(self.out2), "pub2": sorted(self.pub2.items())}, done)
 
     def _unmark(self, mark: int | None, done: Callable[[], None]) -> None:
-        """Remove a QoS 2 packet id's marks (None: all of this client id's) from every shard, then done().
+        """Remove an inbound QoS 2 packet id's marks (None: all marks of this client id, both ways) from every
+        shard, then done().
 
         Every shard, not just those this connection routed to: the message may have been stored by an
         earlier connection (before a crash) whose routes we do not know.
@@ -622,8 +637,11 @@ class MQTTConnection(asyncio.Protocol):
             if not left[0]:
                 done()
 
+        spaces = (INBOUND2,) if mark is not None else (INBOUND2, OUTBOUND2)
+        left[0] *= len(spaces)
         for shard in range(count):
-            self._shard_request(shard, lambda req: [_UNMARK, req, vhost, INBOUND2, client_id, mark], one)
+            for space in spaces:
+                self._shard_request(shard, lambda req, space=space: [_UNMARK, req, vhost, space, client_id, mark], one)
 
     def _settle(self, seq: int, ok: bool) -> None:
         entry = self._pending.get(seq)
@@ -906,6 +924,19 @@ class MQTTConnection(asyncio.Protocol):
 
     def _on_pubrec(self, pid: int) -> None:
         entry = self.inflight.pop(pid, None)
+        if entry is not None and entry[0] is not None and entry[1] == 2 and not self.clean:
+            # The queue's shard acknowledges the message and keeps the packet id (PUBREL owed) in one
+            # step (MARKED_ACK): after any crash the message is either still there to send again with
+            # its packet id, or gone and PUBREL is owed. PUBREL once that is durable.
+            shard, qid, mid = entry[0]
+            self.pub2.pop(mid, None)
+            self.out2.add(pid)
+            vhost, client_id, conn_id = self.vhost, self.client_id, self.conn_id
+            self._shard_request(shard, lambda req: [_MARKED_ACK, req, conn_id, LANE, qid, mid, vhost, OUTBOUND2,
+                                                    client_id, pid],
+                                lambda _ok, _result: self.write(M.encode_ack(M.PUBREL, pid)))
+            self._save_state()  # pub2 housekeeping only, not waited for
+            return
         if entry is not None:
             if entry[0] is not None:
                 self._ack(*entry[0])
@@ -924,6 +955,8 @@ class MQTTConnection(asyncio.Protocol):
         if pid in self.out2:
             self.out2.discard(pid)
             self._save_state()
+            if not self.clean and self.queue_shard is not None:
+                self.worker.shard_put(self.queue_shard, [_UNMARK, None, self.vhost, OUTBOUND2, self.client_id, pid])
 
     # --------------------------------------------------------- worker side
     def on_cancel_notify(self, channel: int, tag: str) -> None:
