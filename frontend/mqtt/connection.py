@@ -929,13 +929,23 @@ class MQTTConnection(asyncio.Protocol):
             # step (MARKED_ACK): after any crash the message is either still there to send again with
             # its packet id, or gone and PUBREL is owed. PUBREL once that is durable.
             shard, qid, mid = entry[0]
-            self.pub2.pop(mid, None)
             self.out2.add(pid)
             vhost, client_id, conn_id = self.vhost, self.client_id, self.conn_id
+
+            def marked(ok: bool, result: Any) -> None:
+                if not ok:
+                    raise RuntimeError(f"PUBREC not recorded: {result}")
+                if isinstance(result, dict) and result.get("acked") is False:
+                    # The delivery was no longer ours (requeued by a shard restart): it comes again, with
+                    # its packet id; no PUBREL for it now.
+                    self.out2.discard(pid)
+                    return
+                self.pub2.pop(mid, None)
+                self._save_state()  # pub2 housekeeping only, not waited for
+                self.write(M.encode_ack(M.PUBREL, pid))
+
             self._shard_request(shard, lambda req: [_MARKED_ACK, req, conn_id, LANE, qid, mid, vhost, OUTBOUND2,
-                                                    client_id, pid],
-                                lambda _ok, _result: self.write(M.encode_ack(M.PUBREL, pid)))
-            self._save_state()  # pub2 housekeeping only, not waited for
+                                                    client_id, pid], marked)
             return
         if entry is not None:
             if entry[0] is not None:
