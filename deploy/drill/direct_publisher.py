@@ -1,10 +1,10 @@
 """A confirming publisher connected straight to one node, for the partition drill.
 
-    ip netns exec NS python -m deploy.drill.direct_publisher HOST PORT QUEUE
+    ip netns exec NS python -m deploy.drill.direct_publisher HOST PORT QUEUE TAG
 
 Run inside the leader's network namespace, it is a client on the leader's side of a partition
 (the split-brain case: it can still reach the old leader). It publishes persistent messages
-``d<seq>`` with confirms and prints ``C <seq> <monotonic time>`` for each confirm, then
+with confirms (bodies ``<TAG>-<seq>``) and prints ``C <seq> <monotonic time>`` for each confirm, then
 ``X <monotonic time> <reason>`` when the connection breaks, and exits: it never reconnects, so
 every confirm it prints came from that one node. CLOCK_MONOTONIC is one clock for the whole host,
 so the drill compares these times with its own.
@@ -20,7 +20,7 @@ import pika.exceptions
 
 
 def main(argv: list[str]) -> int:
-    host, port, queue = argv[0], int(argv[1]), argv[2]
+    host, port, queue, tag = argv[0], int(argv[1]), argv[2], argv[3]
     out = sys.stdout
     try:
         conn = pika.BlockingConnection(pika.ConnectionParameters(
@@ -33,7 +33,7 @@ def main(argv: list[str]) -> int:
         seq = 0
         while True:
             seq += 1
-            ch.basic_publish("", queue, f"d{seq}".encode(), props, mandatory=True)
+            ch.basic_publish("", queue, f"{tag}-{seq}".encode(), props, mandatory=True)
             out.write(f"C {seq} {time.monotonic():.6f}\n")
             out.flush()
     except (pika.exceptions.AMQPError, OSError) as exc:

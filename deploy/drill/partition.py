@@ -54,13 +54,14 @@ class PartitionResult(KillResult):
 class DirectPublisher:
     """deploy/drill/direct_publisher.py in a node's namespace; collects its confirms."""
 
-    def __init__(self, wrap: list[str], host: str, port: int, log_path: Path) -> None:
+    def __init__(self, wrap: list[str], host: str, port: int, tag: str, log_path: Path) -> None:
+        self.tag = tag  # bodies are "<tag>-<seq>": one tag per publisher, so no two collide
         self.confirmed: dict[int, float] = {}
         self.closed_at: float | None = None
         self.reason = ""
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(
-            [*wrap, sys.executable, "-m", "deploy.drill.direct_publisher", host, str(port), DIRECT_QUEUE],
+            [*wrap, sys.executable, "-m", "deploy.drill.direct_publisher", host, str(port), DIRECT_QUEUE, tag],
             cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=self._log, stdin=subprocess.DEVNULL, text=True,
             start_new_session=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -117,7 +118,7 @@ class PartitionDrill(Drill):
         leader = self.wait(lambda: next((n for n in self.nodes if n.is_leader()), None), 30, "a leader")
         i = self.nodes.index(leader)
         k = PartitionResult(victim=leader.name)
-        direct = DirectPublisher(self.topo.wrap(i), leader.host, leader.port,
+        direct = DirectPublisher(self.topo.wrap(i), leader.host, leader.port, f"d{len(self.direct)}",
                                  self.workdir / f"direct-{len(self.direct)}.log")
         self.direct.append(direct)
         self.wait(lambda: len(direct.confirmed) >= 20 or direct.proc.poll() is not None, 30,
@@ -155,7 +156,7 @@ class PartitionDrill(Drill):
 
     def drain_direct(self) -> tuple[int, int]:
         """(confirmed, lost) of the direct publishers: every confirm must be on the new leader."""
-        confirmed = {f"d{seq}" for d in self.direct for seq in d.confirmed}
+        confirmed = {f"{d.tag}-{seq}" for d in self.direct for seq in d.confirmed}
         got: set[str] = set()
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not confirmed <= got:
