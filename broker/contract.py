@@ -23,7 +23,9 @@ Sockets (all ``ipc://`` under the node's run directory):
   channel PEER_CHANNEL_DELAYED or PEER_CHANNEL_DEDUP and the sending shard's own
   confirm_seq; shard N answers CONFIRM/CONFIRM_NACK to shard M exactly as to a
   frontend, and the channel tells M which of its parts waits for the answer.
-  Dead letters carry them too (PEER_CHANNEL_DLX): M sends them again to a restarted N.
+  Dead letters carry them too (PEER_CHANNEL_DLX; PUBLISH, or DEDUP_PUBLISH to the owner of a
+  deduplicating exchange, M itself included): M keeps each in its outbox until N confirmed it, sends
+  it again to a restarted N and, after M's own restart, again to every N (at least once).
 
 One ZeroMQ message is one *batch*: ``msgpack([header, items])``. Items are
 lists whose first element is a kind (small int). Senders collect items during
@@ -57,7 +59,9 @@ import msgpack
 # 4: STATS, ALARMS, CLOSE_CONNECTIONS by user/conn; KV_PUT, KV_GET (MQTT retained messages and
 # sessions). 5: REPL_STATUS, REPL_ISR (cluster).
 # 6: DEDUP_PUBLISH's return_to and RETURN; PEER_CHANNEL_DLX (dead letters carry peer confirms).
-VERSION = 6
+# 7: dead letters into a deduplicating exchange carry confirm fields (PEER_CHANNEL_DLX); the confirm seq
+# of a dead letter is its outbox record id (unique across restarts of the sending shard).
+VERSION = 7
 
 # --------------------------------------------------------------------------
 # Control plane: node <-> every worker (node.sock)
@@ -83,6 +87,7 @@ FORWARD = 5
 # a shard's: {"queues": [[vhost, name, ready, unacked, consumers, ready_bytes, published, delivered, acked], ...]}
 #   (published/delivered/acked: totals since the shard started; the node turns them into rates),
 #   "totals": [published, delivered, acked] summed over the shard's queues, "segment_bytes": n,
+#   "dead_letters_unconfirmed": n (dead letters to other shards in its outbox, not yet confirmed by them),
 #   "fsync": {"buckets": [le, ...], "counts": [n, ...], "sum": seconds, "count": n}
 STATS = 6
 # REPL_STATUS: [REPL_STATUS, {follower: [connected, in_sync, lag_bytes, lag_seconds, last_ack_monotonic,
@@ -182,7 +187,8 @@ DELAYED_PUBLISH = 33
 
 # DEDUP_PUBLISH: a publish to a deduplicating exchange (x-message-deduplication), sent by the
 # frontend to the exchange's owner shard (broker.dedup.exchange_shard) only, instead of PUBLISHes
-# (also by a shard dead-lettering to such an exchange, over its peer DEALER, unconfirmed):
+# (also by a shard dead-lettering to such an exchange, over its peer DEALER, with conn_id 0, channel
+# PEER_CHANNEL_DLX and its outbox record id as confirm_seq: the owner confirms it as a publisher's):
 #   [DEDUP_PUBLISH, vhost, exchange, routing_key, props_raw(bytes), body(bytes), persistent(bool),
 #    conn_id|None, channel|None, confirm_seq|None, key|None, ttl_ms|None, groups, return_to|None]
 # key: the dedup header's value (str, bytes, int, or a tagged str for other field types), None

@@ -171,6 +171,7 @@ class ShardWorker:
         self.epochs = {int(k): int(v) for k, v in epochs.items()}
         self.defs = Definitions.from_dict(defs_dict)
         self._connect_peers()
+        self.dead_letters.load()  # after the peers: what it recovered goes to them
         if self.ack_timeouts is None:
             self.ack_timeouts = AckTimeouts(self, int(settings.get("consumer_timeout") or 0))
         # A restarted shard opens (and recovers) every queue placed on it.
@@ -576,20 +577,24 @@ class ShardWorker:
                 log.debug("shard %d: dead-letter cycle to %r dropped", self.index, name)
                 continue
             names.append(name)
-        seq = self.dead_letters.next_seq()
-        _sync, sent = self.route_to_queues(vhost, names, flags, dlx, rk, props, body, seq, contract.PEER_CHANNEL_DLX)
-        self.dead_letters.sent(seq, sent)
+        # Other shards' copies are kept in the outbox until confirmed (shard/dead_letter_forwards.py);
+        # the seq is the outbox record's id, filled in there.
+        _sync, remote = self.route_to_queues(vhost, names, flags, dlx, rk, props, body, 0,
+                                             contract.PEER_CHANNEL_DLX, send=False)
+        self.dead_letters.send(remote, bool(flags & 1))
 
     def route_to_queues(self, vhost: str, names: list[str] | tuple, flags: int, exchange: str, routing_key: str,
                         props: bytes, body: bytes, confirm_seq: int | None = None,
-                        peer_channel: int = contract.PEER_CHANNEL_DELAYED) -> tuple[bool, dict[int, list]]:
+                        peer_channel: int = contract.PEER_CHANNEL_DELAYED,
+                        send: bool = True) -> tuple[bool, dict[int, list]]:
         """Append a message the shard republishes itself (a dead letter, a due delayed message).
 
         Queues here get it appended, queues of other shards a PUBLISH over the peer DEALERs.
         Returns (whether a local append is persistent into a durable queue and waits for the
         next group sync, the PUBLISH item sent to each other shard). With ``confirm_seq`` the
-        other shards answer CONFIRM for it (see ``_on_peer``); without, a copy in flight to a
-        shard that is restarting is lost.
+        other shards answer CONFIRM for it (see ``on_peer_answers``); without, a copy in flight to a
+        shard that is restarting is lost. With ``send=False`` the items are only built (the caller
+        sends them, with their seq, through ``send_to_peer``).
         """
         if len(props) > 1 and props[0] & 1:  # per-message TTL: plain queues here need FeatureQueue
             self._upgrade_queues(vhost, list(names))
@@ -621,7 +626,8 @@ class ShardWorker:
             if peer is not None:
                 item = sent[shard] = [contract.PUBLISH, vhost, names, exchange, routing_key, props, body,
                                       bool(flags & 1), conn_to, chan_to, confirm_seq]
-                peer.put(None, item)
+                if send:
+                    peer.put(None, item)
         return needs_sync and self._fsync, sent
 
     def forward(self, shard: int, item: list) -> None:
@@ -629,6 +635,20 @@ class ShardWorker:
         peer = self.peers.get(shard)
         if peer is not None:
             peer.put(None, item)
+
+    def send_to_peer(self, shard: int, item: list) -> None:
+        """Send an item over the peer DEALER to `shard`, this shard included (a deduplicating exchange
+        it owns): the answers come back through ``on_peer_answers``."""
+        sock = self.exchange_dedup.socket_to(shard)
+        if sock is not None:
+            sock.put(None, item)
+
+    def sync_first(self, store: QueueStore) -> None:
+        """`store` is synced in the next group sync, before any other store of it (the dead-letter
+        outbox: its record must be durable no later than the source queue's removal of the message)."""
+        if self._fsync:
+            self._sync_stores.add(store)
+            self._start_sync()
 
     def confirm_stored(self, fe: bytes, conn_id: int | None, channel: int | None, seq: int | None,
                        sync_store: QueueStore | None) -> None:
@@ -662,9 +682,8 @@ class ShardWorker:
     def on_peer_answers(self, shard: int) -> Callable[[bytes | None, object, list], None]:
         """Answers of another shard (or our own, for dedup forwards) to our PUBLISH items.
 
-        CONFIRM/CONFIRM_NACK settle forwarded delayed messages or deduplicating-exchange publishes,
-        told apart by their channel (contract.PEER_CHANNEL_*); PROCESSED answers are ignored and dead
-        letters carry no confirm fields.
+        CONFIRM/CONFIRM_NACK settle forwarded delayed messages, dead letters or deduplicating-exchange
+        publishes, told apart by their channel (contract.PEER_CHANNEL_*); PROCESSED answers are ignored.
         """
         def on_batch(_ident: bytes | None, _header: object, items: list) -> None:
             for item in items:
@@ -849,14 +868,18 @@ class ShardWorker:
         started = time.monotonic()
         # In a cluster the confirms also wait for the ISR followers to ack everything written so far.
         target = self.repl.position() if waiting and self.repl is not None and self.repl.gating else -1
-        fut = self.loop.run_in_executor(None, _sync_all, list(stores))
+        ordered = sorted(stores, key=self._sync_order)
+        fut = self.loop.run_in_executor(None, _sync_all, ordered)
         fut.add_done_callback(lambda f: self._sync_done(f, waiting, after, target, started))
+
+    def _sync_order(self, store: QueueStore) -> int:
+        return 0 if store is self.dead_letters.store else 1  # the outbox first (sync_first)
 
     def _owned_store_paths(self) -> list[str]:
         """Directories of the stores this shard owns, and the KV store files it has open (its
         replication stream's files; KV files are listed by the node stream too, see docs/cluster.md)."""
         return ([q.store.path for q in self.queues.values()] + [s.path for s in self.delayed.all_stores()]
-                + [st.path for st in self.kv.stores.values()])
+                + [s.path for s in self.dead_letters.all_stores()] + [st.path for st in self.kv.stores.values()])
 
     def _replicated(self, waiting: list, ok: bool) -> None:
         kind = contract.CONFIRM if ok else contract.CONFIRM_NACK
@@ -905,6 +928,7 @@ class ShardWorker:
                 if isinstance(q, FeatureQueue) and q.count_returns:
                     q.save_returns()
             self._sync_stores.update(self.delayed.dirty_stores())
+            self._sync_stores.update(s for s in self.dead_letters.all_stores() if s.dirty)
             self._start_sync()
             self.loop.call_later(_PERIODIC_SYNC_S, self._periodic_sync)
 
@@ -924,7 +948,7 @@ class ShardWorker:
         self._after_sync = []
         for callback in after:  # the final sync below covers what they wait for
             callback()
-        stores = [q.store for q in self.queues.values()] + self.delayed.all_stores()
+        stores = self.dead_letters.all_stores() + [q.store for q in self.queues.values()] + self.delayed.all_stores()
         for store in stores:
             store.flush_acks()
         await self.loop.run_in_executor(None, _sync_all, stores)

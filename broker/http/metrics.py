@@ -149,6 +149,12 @@ class NodeCollector:
                 fsync.add_metric([str(index)], buckets, h["sum"])
         yield seg
         yield fsync
+        dl = GaugeMetricFamily("shardmq_shard_dead_letters_unconfirmed",
+                               "Dead letters sent to other shards and not yet confirmed by them (kept in the "
+                               "sending shard's outbox)", labels=["shard"])
+        for index, payload in sorted(stats.shards.items()):
+            dl.add_metric([str(index)], payload.get("dead_letters_unconfirmed", 0))
+        yield dl
         per_fe = GaugeMetricFamily("shardmq_frontend_connections", "Client connections per frontend",
                                    labels=["frontend"])
         fe_in = GaugeMetricFamily("shardmq_frontend_incoming_bytes", "Bytes received per frontend (open connections)",
