@@ -40,6 +40,8 @@ log = logging.getLogger("shardmq.shard")
 # the source shard grow without bound. Beyond it the oldest stays in the outbox only (sent again
 # after this shard's next restart).
 MAX_PENDING = 100_000
+# A dead letter a target refused (CONFIRM_NACK) is sent again after this long.
+RETRY_S = 1.0
 
 # Where an item kind keeps its confirm seq (contract.PUBLISH / DEDUP_PUBLISH field lists).
 _SEQ_FIELD = {contract.PUBLISH: 10, contract.DEDUP_PUBLISH: 9}
@@ -51,6 +53,7 @@ class DeadLetterForwards:
         self.store: QueueStore | None = None  # the outbox, opened by load()
         # outbox msg id (= confirm seq) -> {target shard: [epoch it was sent to, item]}
         self.pending: dict[int, dict[int, list]] = {}
+        self._retry_armed = False
 
     def path(self) -> str:
         w = self.worker
@@ -121,10 +124,21 @@ class DeadLetterForwards:
             self.worker.sync_first(store)
         return msg_id
 
-    def confirmed(self, shard: int, seqs: list[int]) -> None:
-        """CONFIRM (or CONFIRM_NACK: the target could not take it, nothing to resend) from `shard`."""
+    def confirmed(self, shard: int, seqs: list[int], ok: bool = True) -> None:
+        """CONFIRM from `shard`; CONFIRM_NACK (a full target queue with x-overflow reject-publish, a
+        full disk, a dedup owner whose forward went to a shard that restarted) is retried later, as
+        RabbitMQ's at-least-once dead-letter worker retries what was not confirmed."""
         pending = self.pending
         store = self.store
+        if not ok:
+            for seq in seqs:
+                sent = pending.get(seq, {}).get(shard)
+                if sent is not None:
+                    sent[0] = -1  # not held by the target: sent again by _retry
+            if not self._retry_armed:
+                self._retry_armed = True
+                self.worker.loop.call_later(RETRY_S, self._retry)
+            return
         for seq in seqs:
             items = pending.get(seq)
             if items is not None:
@@ -137,6 +151,17 @@ class DeadLetterForwards:
                 store.ack(seq)  # dropped from memory (MAX_PENDING) and confirmed after all
         if store is not None:
             store.flush_acks()
+
+    def _retry(self) -> None:
+        self._retry_armed = False
+        w = self.worker
+        if w._stopping:
+            return
+        for items in self.pending.values():
+            for shard, sent in items.items():
+                if sent[0] == -1 and (shard == w.index or shard in w.epochs):
+                    sent[0] = w.epoch if shard == w.index else w.epochs[shard]
+                    w.send_to_peer(shard, sent[1])
 
     def peer_up(self, index: int, restarted: bool) -> None:
         """SHARD_UP: a new epoch means the peer died; the known epoch again means it is ready now,

@@ -692,7 +692,7 @@ class ShardWorker:
                     if item[2] == contract.PEER_CHANNEL_DELAYED:
                         self.delayed.peer_confirmed(shard, item[3])
                     elif item[2] == contract.PEER_CHANNEL_DLX:
-                        self.dead_letters.confirmed(shard, item[3])
+                        self.dead_letters.confirmed(shard, item[3], kind == contract.CONFIRM)
                     else:
                         self.exchange_dedup.peer_confirmed(shard, item[3], kind == contract.CONFIRM)
         return on_batch

@@ -47,7 +47,7 @@ def wait_for_message(node, queue: str) -> tuple[pika.BasicProperties, bytes]:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("via", ["queue", "dedup-exchange"])
+@pytest.mark.parametrize("via", ["queue", "dedup-exchange", "dedup-exchange-owned-by-source"])
 def test_dead_letter_survives_a_source_shard_kill_before_the_target_confirms(node_factory, via):
     node = node_factory(name="node", frontends=2, shards=2, extra_args=["--stats-interval", "100"])
     conn = node.connect()
@@ -57,8 +57,8 @@ def test_dead_letter_survives_a_source_shard_kill_before_the_target_confirms(nod
     ch.queue_declare(target, durable=True)
     if via == "queue":
         dl_args = {"x-dead-letter-exchange": "", "x-dead-letter-routing-key": target}
-    else:  # the exchange's owner (shard 1) decides, and confirms once the queue has it
-        dlx = exchange_owned_by(1)
+    else:  # the exchange's owner decides, and confirms once the queue (on shard 1) has it
+        dlx = exchange_owned_by(0 if via.endswith("source") else 1)
         ch.exchange_declare(dlx, "fanout", durable=True, arguments={"x-message-deduplication": True})
         ch.queue_bind(target, dlx)
         dl_args = {"x-dead-letter-exchange": dlx}
