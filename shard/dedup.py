@@ -231,6 +231,10 @@ class ExchangeDedup:
                                             header_for=self._self_header)
         return self._self_socket
 
+    def self_batches(self) -> int:
+        """Batches sent so far to our own ROUTER (forward back-pressure, ShardWorker.forwards_behind)."""
+        return self._self_seq
+
     def _self_header(self, _dest: bytes | None) -> list:
         self._self_seq += 1
         return [self.worker.epoch, self._self_seq]

@@ -102,6 +102,12 @@ class ShardWorker:
         self.epochs: dict[int, int] = {}
         self.peers: dict[int, BatchSocket] = {}
         self._peer_seq: dict[int, int] = {}
+        # Forward back-pressure (a deduplicating exchange's owner): the highest batch each peer
+        # answered with PROCESSED (ours: key self.index, for the DEALER to our own ROUTER), and the
+        # PROCESSED answers held from frontends while forwards are behind (see _forwards_behind).
+        self.peer_processed: dict[int, int] = {}
+        self._fwd_held: dict[bytes, list[int]] = {}
+        self._batch_forwards = False  # the batch being handled holds a DEDUP_PUBLISH
         # Caches of the deduplicating exchanges this shard owns (broker/dedup.py exchange_shard).
         self.exchange_dedup = ExchangeDedup(self)
         self.ack_timeouts: AckTimeouts | None = None  # consumer-argument and node-default timeouts
@@ -156,6 +162,7 @@ class ShardWorker:
                 self.epochs[index] = epoch
                 if restarted:
                     self.exchange_dedup.shard_up(index)
+                    self._peer_restarted(index)
                 self.delayed.peer_up(index, restarted)
                 self.dead_letters.peer_up(index, restarted)
             elif kind == contract.REPLY:
@@ -296,10 +303,15 @@ class ShardWorker:
                 except Exception:  # one bad item must not take the shard down
                     log.exception("shard %d: failed to handle item kind %r", self.index, item[:1])
         if batch_seq is not None:
-            if self._behind:
+            if self._fwd_held and fe in self._fwd_held:
+                self._fwd_held[fe].append(batch_seq)  # after one held, the later ones (PROCESSED is a max)
+            elif self._batch_forwards and self.forwards_behind():
+                self._fwd_held[fe] = [batch_seq]
+            elif self._behind:
                 self._hold_processed(fe, batch_seq, len(items))
             else:
                 self.data.put(fe, [contract.PROCESSED, batch_seq])
+        self._batch_forwards = False
         if self._confirms:
             self._flush_confirms()
         self._schedule_deliver()
@@ -310,6 +322,9 @@ class ShardWorker:
             self._publish(fe, item)
         elif kind == contract.DEDUP_PUBLISH:
             self.exchange_dedup.publish(fe, item)
+            # Only a frontend's batches are held: a shard's (dead letters) never, or two shards
+            # forwarding to each other could each wait for the other.
+            self._batch_forwards = fe[:3] == b"fe-"
         elif kind == contract.ACK:
             _, conn_id, channel, refs = item
             by_qid = self.by_qid
@@ -688,7 +703,12 @@ class ShardWorker:
         def on_batch(_ident: bytes | None, _header: object, items: list) -> None:
             for item in items:
                 kind = item[0]
-                if kind == contract.CONFIRM or kind == contract.CONFIRM_NACK:
+                if kind == contract.PROCESSED:
+                    if item[1] > self.peer_processed.get(shard, 0):
+                        self.peer_processed[shard] = item[1]
+                        if self._fwd_held:
+                            self._release_forward_held()
+                elif kind == contract.CONFIRM or kind == contract.CONFIRM_NACK:
                     if item[2] == contract.PEER_CHANNEL_DELAYED:
                         self.delayed.peer_confirmed(shard, item[3])
                     elif item[2] == contract.PEER_CHANNEL_DLX:
@@ -696,6 +716,47 @@ class ShardWorker:
                     else:
                         self.exchange_dedup.peer_confirmed(shard, item[3], kind == contract.CONFIRM)
         return on_batch
+
+    # ------------------------------------------------------ forward back-pressure
+    # A deduplicating exchange's owner forwards every publish to the shards of the routed queues.
+    # Those answer its batches with PROCESSED like a frontend's (held while their consumers cannot
+    # keep up, never while they are stopped); while more than MAX_BATCHES_IN_FLIGHT of the owner's
+    # batches to one of them are unanswered, the owner holds its own PROCESSED answers to the
+    # frontends' batches that carried DEDUP_PUBLISH items (no time limit: there is nowhere to put
+    # the messages), so the frontends pause their publishers. The owner's memory stays bounded
+    # however slow a target shard is, and the target's consumer pacing reaches the publisher.
+    def forwards_behind(self) -> bool:
+        limit = contract.MAX_BATCHES_IN_FLIGHT
+        processed = self.peer_processed
+        for shard, sent in self.peer_batches().items():
+            if sent - processed.get(shard, 0) > limit:
+                return True
+        return False
+
+    def peer_batches(self) -> dict[int, int]:
+        """Batches sent so far over each peer DEALER (ours to our own ROUTER under our own index)."""
+        sent = dict(self._peer_seq)
+        own = self.exchange_dedup.self_batches()
+        if own:
+            sent[self.index] = own
+        return sent
+
+    def _release_forward_held(self) -> None:
+        if self.forwards_behind():
+            return
+        held = self._fwd_held
+        self._fwd_held = {}
+        put = self.data.put
+        for fe, seqs in held.items():
+            put(fe, [contract.PROCESSED, seqs[-1]])
+
+    def _peer_restarted(self, index: int) -> None:
+        """Batches to its dead incarnation get no answer: they no longer count as in flight."""
+        sent = self.peer_batches().get(index)
+        if sent is not None:
+            self.peer_processed[index] = sent
+        if self._fwd_held:
+            self._release_forward_held()
 
     def _peer_header(self, shard: int) -> Callable[[bytes | None], list]:
         def header(_dest: bytes | None) -> list:
@@ -768,6 +829,7 @@ class ShardWorker:
         for key in [k for k in self.channels if k[0] == fe]:
             del self.channels[key]
         self._confirms = {k: v for k, v in self._confirms.items() if k[0] != fe}
+        self._fwd_held.pop(fe, None)
         self._sync_waiting = [w for w in self._sync_waiting if w[0] != fe]
 
     # -------------------------------------------------------------- delivery
@@ -810,6 +872,8 @@ class ShardWorker:
             "sync_stores": len(self._sync_stores), "dirty": len(self._dirty_queues),
             "deliver_scheduled": self._deliver_scheduled,
             "delayed": self.delayed.info(),
+            "peer_batches": self.peer_batches(), "peer_processed": self.peer_processed,
+            "forward_held": {fe.decode(): len(seqs) for fe, seqs in self._fwd_held.items()},
             "consumers": {f"{k[1]}/{k[2]}/{k[3]}": [c.credit, c.unacked, c.prefetch] for k, (_q, c)
                           in self.consumers.items()},
         }
