@@ -31,10 +31,16 @@ One ZeroMQ message is one *batch*: ``msgpack([header, items])``. Items are
 lists whose first element is a kind (small int). Senders collect items during
 one event-loop turn and flush once at the end of it (see ``broker.zmqio``).
 
-Data batches from a frontend to a shard carry header ``[epoch, batch_seq]``:
+Data batches from a frontend to a shard carry header ``[epoch, batch_seq, control_count, token]``
+(control lane: batch_seq None; shard-to-shard batches ``[epoch, batch_seq]``):
 a shard drops batches whose epoch is not its own (they were meant for a
 previous incarnation of that shard) and answers each batch_seq with a
 PROCESSED item so frontends can apply back-pressure to publishers.
+control_count orders the lanes: the number of control-lane items the frontend put for
+that shard (up to the batch's last item; for a publish-lane batch, as of its last item);
+the shard handles a publish-lane batch only after the control-lane batch that brings
+the count that far from the same token (the frontend's pid). Counts restart at 0 with a
+new shard epoch.
 Batches in the other direction and all control batches carry header ``0``.
 
 Channels: the ``channel`` field of every frontend <-> shard item is the channel's *key*,
@@ -60,7 +66,8 @@ import msgpack
 # sessions). 5: REPL_STATUS, REPL_ISR (cluster).
 # 6: DEDUP_PUBLISH's return_to and RETURN; PEER_CHANNEL_DLX (dead letters carry peer confirms).
 # 7: dead letters into a deduplicating exchange carry confirm fields (PEER_CHANNEL_DLX); the confirm seq
-# of a dead letter is its outbox record id (unique across restarts of the sending shard).
+# of a dead letter is its outbox record id (unique across restarts of the sending shard). Frontend data
+# headers carry control_count and token (lane order: an ack before a publish stays before it).
 VERSION = 7
 
 # --------------------------------------------------------------------------
@@ -248,8 +255,9 @@ MAX_BATCHES_IN_FLIGHT = 8
 # QUEUE_INFO); the control lane (identity "fe-K" + CONTROL_LANE_SUFFIX) carries acks, credit,
 # consume/cancel and channel/connection ends. The shard's ROUTER fair-queues between the two,
 # so under a publish flood acks and credit are not stuck behind thousands of queued publishes.
-# Control-lane batches carry header [epoch, None] and get no PROCESSED answer; every reply
-# goes to the publish-lane identity.
+# Control-lane batches carry header [epoch, None, control_count, token] and get no PROCESSED answer;
+# every reply goes to the publish-lane identity. A publish-lane batch waits for the control-lane
+# items put before it (header comment at the top of this module).
 CONTROL_LANE_SUFFIX = b"+"
 CONTROL_LANE_KINDS = frozenset((23, 24, 31, 21, 22, 26, 27, 28, 29))  # ACK NACK CREDIT CONSUME CANCEL QOS
 #                                                                        RECOVER CHANNEL_CLOSED CONNECTION_CLOSED

@@ -108,6 +108,10 @@ class ShardWorker:
         self.peer_processed: dict[int, int] = {}
         self._fwd_held: dict[bytes, list[int]] = {}
         self._batch_forwards = False  # the batch being handled holds a DEDUP_PUBLISH
+        # Lane order, per (frontend, its process token): control-lane items handled so far, and the
+        # publish-lane batches waiting for earlier control-lane items (see _on_data).
+        self._ctl_seen: dict[tuple[bytes, int], int] = {}
+        self._ctl_wait: dict[tuple[bytes, int], deque] = {}
         # Caches of the deduplicating exchanges this shard owns (broker/dedup.py exchange_shard).
         self.exchange_dedup = ExchangeDedup(self)
         self.ack_timeouts: AckTimeouts | None = None  # consumer-argument and node-default timeouts
@@ -290,9 +294,37 @@ class ShardWorker:
             self._early.append((fe, header, items))
             return
         try:
-            epoch, batch_seq = header
-        except (TypeError, ValueError):
+            epoch, batch_seq = header[0], header[1]
+        except (TypeError, IndexError, KeyError):
             return
+        if len(header) > 3 and epoch == self.epoch:
+            # A frontend's lanes, ordered (docs/architecture.md "Lanes"): [epoch, seq|None, count, token].
+            # A publish-lane batch waits until the control lane has delivered `count` items: those the
+            # frontend put there before this batch's publishes (an ack before a publish on a channel).
+            control = fe[-1:] == _CONTROL_LANE_SUFFIX
+            key = (fe[:-1] if control else fe, header[3])
+            if control:
+                self._process(fe, epoch, batch_seq, items)
+                self._ctl_seen[key] = header[2]
+                if key in self._ctl_wait:
+                    self._release_ctl_wait(key)
+                return
+            need = header[2]
+            if need and (key in self._ctl_wait or need > self._ctl_seen.get(key, 0)):
+                self._ctl_wait.setdefault(key, deque()).append((fe, header, items))
+                return
+        self._process(fe, epoch, batch_seq, items)
+
+    def _release_ctl_wait(self, key: tuple[bytes, int]) -> None:
+        waiting = self._ctl_wait[key]
+        seen = self._ctl_seen.get(key, 0)
+        while waiting and waiting[0][1][2] <= seen:
+            fe, header, items = waiting.popleft()
+            self._process(fe, header[0], header[1], items)
+        if not waiting:
+            del self._ctl_wait[key]
+
+    def _process(self, fe: bytes, epoch: int, batch_seq: int | None, items: list) -> None:
         self._lane = fe  # the identity this batch came from (CHANNEL_CLOSED answers on it)
         if fe[-1:] == _CONTROL_LANE_SUFFIX:
             fe = fe[:-1]  # same frontend, control lane: state is keyed by the publish-lane identity
@@ -830,6 +862,10 @@ class ShardWorker:
             del self.channels[key]
         self._confirms = {k: v for k, v in self._confirms.items() if k[0] != fe}
         self._fwd_held.pop(fe, None)
+        for key in [k for k in self._ctl_seen if k[0] == fe]:
+            del self._ctl_seen[key]
+        for key in [k for k in self._ctl_wait if k[0] == fe]:
+            del self._ctl_wait[key]
         self._sync_waiting = [w for w in self._sync_waiting if w[0] != fe]
 
     # -------------------------------------------------------------- delivery
