@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 
+import pytest
 from pamqp import commands as C
 from pamqp import frame as pframe
 from pamqp import header as pheader
@@ -43,7 +44,10 @@ def exchange_owned_by(shard: int) -> str:
             return name
 
 
-def test_a_flood_into_a_deduplicating_exchange_is_paced_by_the_queue_shard_behind_the_owner(node):
+@pytest.mark.parametrize("frozen", ["queue-shard", "owner"])
+def test_a_flood_into_a_deduplicating_exchange_is_paced_by_the_shards_behind_it(node, frozen):
+    """The owner (shard 0) frozen: its frontend batches go unanswered. The queue's shard (1) frozen:
+    the owner's forwards go unanswered, and the owner holds its answers (the part this adds)."""
     conn = node.connect()
     ch = conn.channel()
     x = exchange_owned_by(0)
@@ -72,7 +76,7 @@ def test_a_flood_into_a_deduplicating_exchange_is_paced_by_the_queue_shard_behin
         except BaseException as exc:  # reported by the test thread
             failed.append(exc)
 
-    target = node.worker_pid("shard", 1)
+    target = node.worker_pid("shard", 0 if frozen == "owner" else 1)
     os.kill(target, signal.SIGSTOP)
     try:
         sender = threading.Thread(target=flood, daemon=True)
