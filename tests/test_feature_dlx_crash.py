@@ -119,3 +119,52 @@ def wait_unconfirmed_zero(node, shard: int) -> None:
             return
         assert time.monotonic() < deadline, f"shard {shard} still has unconfirmed dead letters"
         time.sleep(0.05)
+
+
+def unconfirmed(node, shard: int) -> float | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{node.prometheus_port}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return None
+    prefix = f'shardmq_shard_dead_letters_unconfirmed{{shard="{shard}"}} '
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            return float(line[len(prefix):])
+    return None
+
+
+def test_a_dead_letter_refused_by_a_full_queue_is_sent_again_once_there_is_room(node_factory):
+    """x-overflow reject-publish on the target (another shard) answers CONFIRM_NACK: the dead letter
+    stays in the source's outbox and is sent again every second (RabbitMQ's at-least-once worker
+    retries too) instead of being dropped."""
+    node = node_factory(name="node", frontends=2, shards=2, extra_args=["--stats-interval", "100"])
+    conn = node.connect()
+    ch = conn.channel()
+    ch.confirm_delivery()
+    target = uid_on(1, "full")
+    ch.queue_declare(target, durable=True, arguments={"x-max-length": 1, "x-overflow": "reject-publish"})
+    ch.basic_publish("", target, b"filler", pika.BasicProperties(delivery_mode=2))
+    source = uid_on(0, "src")
+    ch.queue_declare(source, durable=True, arguments={"x-dead-letter-exchange": "",
+                                                      "x-dead-letter-routing-key": target})
+    ch.basic_publish("", source, b"late", pika.BasicProperties(delivery_mode=2))
+    method, _p, _b = get_one_unacked(ch, source)
+    ch.basic_reject(method.delivery_tag, requeue=False)
+    # Unconfirmed for half a second: the full queue has refused it by then (the pause only makes
+    # sure the refusal came first; the test passes however long it takes).
+    deadline = time.monotonic() + WAIT
+    since = None
+    while since is None or time.monotonic() - since < 0.5:
+        assert time.monotonic() < deadline, "the dead letter never showed as unconfirmed"
+        if unconfirmed(node, 0) == 1.0:
+            since = since or time.monotonic()
+        else:
+            since = None
+        time.sleep(0.05)
+    assert ch.queue_declare(target, passive=True).method.message_count == 1
+    assert ch.basic_get(target, auto_ack=True)[2] == b"filler"  # room for one again
+    _props, body = wait_for_message(node, target)
+    assert body == b"late"
+    wait_unconfirmed_zero(node, 0)
+    conn.close()
