@@ -65,10 +65,11 @@ import msgpack
 # 4: STATS, ALARMS, CLOSE_CONNECTIONS by user/conn; KV_PUT, KV_GET (MQTT retained messages and
 # sessions). 5: REPL_STATUS, REPL_ISR (cluster).
 # 6: DEDUP_PUBLISH's return_to and RETURN; PEER_CHANNEL_DLX (dead letters carry peer confirms).
-# 7: dead letters into a deduplicating exchange carry confirm fields (PEER_CHANNEL_DLX); the confirm seq
+# 7: MARKED_PUBLISH, UNMARK, MARKED_ACK (MQTT QoS 2 exactly-once across a crash).
+# 8: dead letters into a deduplicating exchange carry confirm fields (PEER_CHANNEL_DLX); the confirm seq
 # of a dead letter is its outbox record id (unique across restarts of the sending shard). Frontend data
 # headers carry control_count and token (lane order: an ack before a publish stays before it).
-VERSION = 7
+VERSION = 8
 
 # --------------------------------------------------------------------------
 # Control plane: node <-> every worker (node.sock)
@@ -95,7 +96,9 @@ FORWARD = 5
 #   (published/delivered/acked: totals since the shard started; the node turns them into rates),
 #   "totals": [published, delivered, acked] summed over the shard's queues, "segment_bytes": n,
 #   "dead_letters_unconfirmed": n (dead letters to other shards in its outbox, not yet confirmed by them),
-#   "fsync": {"buckets": [le, ...], "counts": [n, ...], "sum": seconds, "count": n}
+#   "fsync": {"buckets": [le, ...], "counts": [n, ...], "sum": seconds, "count": n},
+#   "damaged": [[vhost, name, damaged_records, damaged_acks], ...]  (only queues with storage damage
+#   since the shard opened them; an older shard leaves the key out, read as none)
 STATS = 6
 # REPL_STATUS: [REPL_STATUS, {follower: [connected, in_sync, lag_bytes, lag_seconds, last_ack_monotonic,
 #                                         acked_position]}]
@@ -216,6 +219,24 @@ DEDUP_PUBLISH = 34
 #   [KV_GET, req_id, vhost, space, key|None] -> REPLY_DATA {"items": [[key, value], ...]} (None: all keys)
 KV_PUT = 35
 KV_GET = 36
+# MARKED_PUBLISH: a PUBLISH that carries a mark, for MQTT QoS 2 publishes of a persistent session
+# (mark = packet id, key = client id, space "mqtt.in2"). Publish lane.
+#   [MARKED_PUBLISH, vhost, space, key, mark, publish]  publish: the PUBLISH item for this shard
+# The shard keeps the marks of a key as a list in its KV store (vhost, space). A mark already there
+# means this shard stored the message before (a resend after a crash of the frontend or of this
+# shard): it is confirmed and not stored again. Otherwise the message is stored and the mark
+# written in the same handler, so no crash (kill -9) keeps one without the other.
+MARKED_PUBLISH = 37
+# UNMARK: [UNMARK, req_id|None, vhost, space, key, mark|None]  remove a mark (None: every mark of key);
+# with a req_id the shard answers REPLY_DATA {} once that is fsynced. MQTT sends it on PUBREL.
+UNMARK = 38
+# MARKED_ACK: [MARKED_ACK, req_id, conn_id, channel, queue_id, message_id, vhost, space, key, mark]
+# Acknowledge one delivered message and, only when that acknowledgement took (the delivery was still
+# this channel's), add mark to key's marks in the KV store (vhost, space), in the same handler: MQTT's
+# PUBREC of a QoS 2 delivery (mark = packet id, space "mqtt.out2"), so a crash keeps both or neither.
+# -> REPLY_DATA once the mark is fsynced (at once when the ack did not take). Control lane (ordered with ACK and
+# CONNECTION_CLOSED of the same connection).
+MARKED_ACK = 39
 
 # Channel numbers of the confirmed PUBLISH items a shard sends to another shard (conn_id 0): the
 # CONFIRM answers come back to the sender's peer DEALER and are told apart by this number.
@@ -259,8 +280,8 @@ MAX_BATCHES_IN_FLIGHT = 8
 # every reply goes to the publish-lane identity. A publish-lane batch waits for the control-lane
 # items put before it (header comment at the top of this module).
 CONTROL_LANE_SUFFIX = b"+"
-CONTROL_LANE_KINDS = frozenset((23, 24, 31, 21, 22, 26, 27, 28, 29))  # ACK NACK CREDIT CONSUME CANCEL QOS
-#                                                                        RECOVER CHANNEL_CLOSED CONNECTION_CLOSED
+CONTROL_LANE_KINDS = frozenset((23, 24, 31, 21, 22, 26, 27, 28, 29, 39))  # ACK NACK CREDIT CONSUME CANCEL QOS
+#                                                          RECOVER CHANNEL_CLOSED CONNECTION_CLOSED MARKED_ACK
 
 
 _packer = msgpack.Packer(use_bin_type=True, autoreset=True)
@@ -317,4 +338,37 @@ def worker_id(role: str, index: int) -> bytes:
 
 
 assert CONTROL_LANE_KINDS == frozenset((ACK, NACK, CREDIT, CONSUME, CANCEL, QOS, RECOVER, CHANNEL_CLOSED,
-                                        CONNECTION_CLOSED))
+                                        CONNECTION_CLOSED, MARKED_ACK))
+
+
+# --------------------------------------------------------------------------
+# Kind registry
+# --------------------------------------------------------------------------
+# Every message kind, by namespace (the socket it travels on, both directions: a receiver decodes
+# all of them), with the contract VERSION that introduced it (the history comment above VERSION
+# names it). Two branches once picked the same numbers independently: a new kind goes here too,
+# and tests/test_contract.py fails when a number is taken twice in a namespace, a kind constant is
+# missing from this table, or its version is not stated.
+KINDS: dict[str, dict[str, tuple[int, int]]] = {
+    "control": {  # node.sock: worker -> node 1..9, node -> worker 10..19
+        "HELLO": (HELLO, 1), "APPLIED": (APPLIED, 1), "REQUEST": (REQUEST, 1), "QUERY_REPLY": (QUERY_REPLY, 1),
+        "FORWARD": (FORWARD, 1), "STATS": (STATS, 4), "REPL_STATUS": (REPL_STATUS, 5), "REPL_ISR": (REPL_ISR, 5),
+        "SNAPSHOT": (SNAPSHOT, 1), "DEFS": (DEFS, 1), "REPLY": (REPLY, 1), "SHARD_UP": (SHARD_UP, 1),
+        "WORKER_DOWN": (WORKER_DOWN, 1), "QUERY": (QUERY, 1), "STOP": (STOP, 1),
+        "CLOSE_CONNECTIONS": (CLOSE_CONNECTIONS, 4), "FORWARDED": (FORWARDED, 1), "ALARMS": (ALARMS, 4),
+    },
+    "data": {  # shard-N.sock: to a shard 20..39, from a shard 40..
+        "PUBLISH": (PUBLISH, 1), "CONSUME": (CONSUME, 1), "CANCEL": (CANCEL, 1), "ACK": (ACK, 1), "NACK": (NACK, 1),
+        "GET": (GET, 1), "QOS": (QOS, 1), "RECOVER": (RECOVER, 1), "CHANNEL_CLOSED": (CHANNEL_CLOSED, 1),
+        "CONNECTION_CLOSED": (CONNECTION_CLOSED, 1), "PURGE": (PURGE, 1), "CREDIT": (CREDIT, 1),
+        "QUEUE_INFO": (QUEUE_INFO, 3), "DELAYED_PUBLISH": (DELAYED_PUBLISH, 2), "DEDUP_PUBLISH": (DEDUP_PUBLISH, 3),
+        "KV_PUT": (KV_PUT, 4), "KV_GET": (KV_GET, 4),
+        "MARKED_PUBLISH": (MARKED_PUBLISH, 7), "UNMARK": (UNMARK, 7), "MARKED_ACK": (MARKED_ACK, 7),
+        "DELIVER": (DELIVER, 1), "CONFIRM": (CONFIRM, 1), "CONFIRM_NACK": (CONFIRM_NACK, 1),
+        "REPLY_DATA": (REPLY_DATA, 1), "CANCEL_NOTIFY": (CANCEL_NOTIFY, 1), "PROCESSED": (PROCESSED, 1),
+        "CLOSE_CHANNEL": (CLOSE_CHANNEL, 1), "RETURN": (RETURN, 6),
+    },
+}
+# Integer constants of this module that are not message kinds.
+NOT_KINDS = ("VERSION", "CREDIT_WINDOW", "MAX_BATCHES_IN_FLIGHT", "PEER_CHANNEL_DEDUP", "PEER_CHANNEL_DELAYED",
+             "PEER_CHANNEL_DLX")

@@ -309,7 +309,9 @@ def test_ini_file_uses_the_names_of_the_design_and_loads_where_built(values, tmp
         built.write(fh)
     settings = load_settings(["--config", str(path)], {})
     assert (settings.bind, settings.port, settings.http_bind, settings.http_port) == ("0.0.0.0", 5672, "0.0.0.0", 15672)
-    assert (settings.frontends, settings.shards, settings.data_dir) == (2, 2, "/var/lib/shardmq")
+    # A subdirectory of the volume mounted at /var/lib/shardmq: fsGroup makes the volume's root
+    # group-writable, which the node refuses as a data dir.
+    assert (settings.frontends, settings.shards, settings.data_dir) == (2, 2, "/var/lib/shardmq/data")
     assert settings.loopback_users == []
 
 
