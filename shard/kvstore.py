@@ -42,8 +42,13 @@ class KVStore:
         self.items: dict[str, Any] = {}
         self.records = 0
         os.makedirs(os.path.dirname(path), exist_ok=True)
+        existed = os.path.exists(path)
         good = self._load()
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        if not existed and write_observer.current is not None:
+            # A store opened only to read (is_marked, an UNMARK of nothing) creates an empty log:
+            # followers must have it too, or the data dirs differ (nothing is appended to announce it).
+            write_observer.current.replace(path, b"")
         if os.fstat(self.fd).st_size != good:
             os.ftruncate(self.fd, good)  # a torn tail from a crash
         os.lseek(self.fd, good, os.SEEK_SET)

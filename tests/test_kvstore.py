@@ -84,7 +84,8 @@ def test_writes_are_reported_to_the_write_observer_for_replication(tmp_path):
         write_observer.subscribe(None)
     with open(path, "rb") as fh:
         on_disk = fh.read()
-    first, second, replaced = rec.calls
+    created, first, second, replaced = rec.calls
+    assert created == ("replace", path, b"")  # a new store's empty log reaches followers too
     assert first[:3] == ("append", path, 0) and second[:3] == ("append", path, len(first[3]))
     assert replaced == ("replace", path, on_disk)  # a follower applying these holds the same bytes
     st.close()
