@@ -72,10 +72,21 @@ class SegmentDir(MarkerFiles):
 
         A new queue dir is only durable once the entries naming it (in its vhost dir, and the vhost
         dir's in the data dir; for priority levels and delay stores one level more) are, so the
-        first sync of a store, which comes before the first confirm into it, makes them durable.
+        first sync of a store, which comes before the first confirm into it, makes them durable
+        (and its ``.queue`` name file, written without an fsync).
         """
         if self._parents_synced:
             return
+        # The name files were renamed into place without an fsync (shard/store.py queue_dir).
+        for name_file in (os.path.join(self.path, ".queue"), os.path.join(os.path.dirname(self.path), ".vhost")):
+            try:
+                fd = os.open(name_file, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         path = self.path
         for _ in range(3):
             path = os.path.dirname(path)
