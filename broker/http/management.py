@@ -192,6 +192,8 @@ async def vhost_put(request: web.Request) -> web.Response:
     for key in ("description", "default_queue_type"):
         if key in data:
             meta[key] = str(data[key])
+    if meta.get("default_queue_type", "classic") not in ("classic", "quorum", "stream"):
+        raise error(400, f"default_queue_type '{meta['default_queue_type']}' is not one of classic, quorum, stream")
     if "tags" in data:
         meta["tags"] = _tags_of(data["tags"])
     await node.commit(node.defs.plan_vhost_put(name, meta))
