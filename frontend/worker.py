@@ -63,6 +63,14 @@ class FrontendWorker:
         self.alarms: list[str] = []  # resource alarms in effect (node ALARMS): publishers are blocked
         # Totals since this frontend started, reported in STATS (Prometheus' *_opened_total/_closed_total).
         self.counters = {"connections_opened": 0, "connections_closed": 0}
+        # Publish totals for rabbitmq_global_messages_*: n_received is the one add per publish on
+        # the plain path; the others are counted on paths that already branch (confirm mode, no
+        # route) or once per confirm batch (frontend/amqp/channel.py emit_confirms).
+        self.n_received = 0
+        self.n_received_confirm = 0
+        self.n_confirmed = 0
+        self.n_unroutable_returned = 0
+        self.n_unroutable_dropped = 0
         self.node: BatchSocket | None = None
         self.servers: list[asyncio.AbstractServer] = []
         self._forwarded: dict[str, Callable] = {}

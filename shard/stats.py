@@ -47,14 +47,20 @@ def _segment_bytes(store: Any) -> int:
 
 
 def shard_stats(worker: ShardWorker) -> dict:
+    """Queue rows: vhost, name, ready, unacked, consumers, ready bytes, then the totals published,
+    delivered (all kinds), acked, delivered to no-ack consumers, got with ack, got without ack,
+    redelivered (broker/node_stats.py names the positions)."""
     queues = []
+    totals = [0] * 7
     for (vhost, name), q in worker.queues.items():
         info = q.info()
         ready = int(info.get("messages", 0))
         unacked = len(q.unacked)
+        counts = (q.n_published, q.n_delivered, q.n_acked, getattr(q, "n_deliver_no_ack", 0), getattr(q, "n_get", 0),
+                  getattr(q, "n_get_no_ack", 0), getattr(q.store, "n_redelivered", 0))
         queues.append([vhost, name, ready, unacked, len(q.consumers), int(getattr(q.store, "ready_bytes", 0) or 0),
-                       q.n_published, q.n_delivered, q.n_acked])
-    totals = [sum(q.n_published for q in worker.queues.values()), sum(q.n_delivered for q in worker.queues.values()),
-              sum(q.n_acked for q in worker.queues.values())]
+                       *counts])
+        for i, n in enumerate(counts):
+            totals[i] += n
     return {"queues": queues, "totals": totals, "fsync": worker.sync_histogram.report(),
             "segment_bytes": sum(_segment_bytes(q.store) for q in worker.queues.values())}

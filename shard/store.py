@@ -112,6 +112,7 @@ class QueueStore(SegmentDir):
         self.requeue_watch: set[int] | None = None
         self._ready = 0
         self._ready_bytes = 0
+        self.n_redelivered = 0  # requeued messages taken again, in total (shard/stats.py)
         self._closed = False
         # sync bookkeeping, guarded by _lock (flags are set lock-free, cleared under it before syncing)
         self._lock = threading.Lock()
@@ -199,6 +200,7 @@ class QueueStore(SegmentDir):
                 self._map(seg)
             ts, flags, ex, rk, props, body, _ = _read_record(seg.mm, msg_id & _POS_MASK)
             redelivered = True
+            self.n_redelivered += 1  # message_stats.redeliver (requeued ones; not those marked at boot)
         else:
             seg = self._rseg
             pos = self._rpos

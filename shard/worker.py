@@ -363,6 +363,10 @@ class ShardWorker:
             q.store.flush_acks()  # the delivered mark, before get-ok leaves (a slow path anyway)
             if msg is not None:
                 q.n_delivered += 1
+                if no_ack:
+                    q.n_get_no_ack += 1
+                else:
+                    q.n_get += 1
             self.data.put(fe, [contract.REPLY_DATA, req_id, True, {"message": msg}])
         elif kind == contract.QOS:
             _, conn_id, channel, prefetch = item
@@ -509,6 +513,7 @@ class ShardWorker:
 
     def _replace_queue(self, old: Queue, new: Queue) -> None:
         new.n_published, new.n_delivered, new.n_acked = old.n_published, old.n_delivered, old.n_acked
+        new.n_deliver_no_ack, new.n_get, new.n_get_no_ack = old.n_deliver_no_ack, old.n_get, old.n_get_no_ack
         self.queues[(old.vhost, old.name)] = new
         self.by_qid[old.qid] = new
         for key, (q, c) in list(self.consumers.items()):
@@ -772,9 +777,15 @@ class ShardWorker:
             if not q.deleted:
                 store = q.store
                 ready = store.ready
+                unacked = len(q.unacked)
                 q.deliver(put)
                 n = ready - store.ready
-                q.n_delivered += n  # per queue per turn, not per message (message_stats)
+                if n:
+                    q.n_delivered += n  # per queue per turn, not per message (message_stats)
+                    # Deliveries that did not enter the unacked map went to no-ack consumers.
+                    no_ack = n - (len(q.unacked) - unacked)
+                    if no_ack > 0 and q.__class__ is not StreamQueue:
+                        q.n_deliver_no_ack += no_ack
                 delivered += n
                 store.flush_acks()
                 if store.ready > _FLOW_BACKLOG and q.consumers and _consumer_waiting(q.consumers):
