@@ -20,7 +20,7 @@ from typing import Any
 
 import zmq
 
-from broker import contract
+from broker import contract, gc_pause
 from broker.alarms import CHECK_INTERVAL_S, ResourceMonitor, parse_disk_limit, parse_memory_watermark
 from broker.amqp.errors import AMQPConnectionError, AMQPError
 from broker.config import Settings, cluster_secret
@@ -197,9 +197,10 @@ class Node:
         s = self.settings
         # A fresh DefStore: in a cluster the files were rewritten by replication since the last load.
         self.defstore = DefStore(self.datadir.path)
-        self.defs = self.defstore.load(default_user=s.default_user, default_pass=s.default_pass)
-        self.defs.loopback_users = tuple(s.loopback_users)
-        self.defs.rebalance(s.shards)
+        with gc_pause.paused():  # 100,000 queue definitions: see broker/gc_pause.py
+            self.defs = self.defstore.load(default_user=s.default_user, default_pass=s.default_pass)
+            self.defs.loopback_users = tuple(s.loopback_users)
+            self.defs.rebalance(s.shards)
         if s.definitions:
             ops = plan_from_file(self.defs, read_definitions_file(s.definitions))
             self.defs.apply_all(ops)
@@ -210,6 +211,7 @@ class Node:
             {(v.name, q) for v in self.defs.vhosts.values() for q in v.queues})
         self.datadir.remove_stale_delay_stores(
             {(v.name, x) for v in self.defs.vhosts.values() for x in v.exchanges})
+        gc_pause.settle()
         self._shards_ready.clear()
         self.sup.held.clear()
         for i in range(s.shards):

@@ -17,7 +17,7 @@ from typing import Any
 
 import zmq
 
-from broker import contract
+from broker import contract, gc_pause
 from broker.definitions import Definitions
 from broker.tls import reload_certificate, server_context
 from broker.zmqio import BatchSocket, make_socket
@@ -98,7 +98,10 @@ class FrontendWorker:
         self.node.send_now(None, [[contract.HELLO, contract.VERSION, "frontend", self.index, os.getpid()]])
         version, defs_dict, epochs, settings = await self._snapshot
         self.settings = settings
-        self.defs = Definitions.from_dict(defs_dict)
+        with gc_pause.paused():  # see broker/gc_pause.py
+            self.defs = Definitions.from_dict(defs_dict)
+        del defs_dict
+        gc_pause.settle()
         self.shard_count = int(settings.get("shards", 1))
         self.epochs = [_epoch_of(epochs, i) for i in range(self.shard_count)]
         self._sent = [0] * self.shard_count

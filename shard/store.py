@@ -87,12 +87,26 @@ def _all_zero(path: str) -> bool:
     return True
 
 
+# Vhost dirs this process has made sure of (with their .vhost file): opening 100,000 queues of a
+# vhost at boot checks the vhost dir once, not per queue.
+_vhost_dirs: set[str] = set()
+
+
 def queue_dir(data_dir: str, vhost: str, name: str) -> str:
     """`<data_dir>/<sha1(vhost)>/<sha1(name)>/`, created, with its `.vhost` and `.queue` name files."""
     vdir = os.path.join(data_dir, _sha1(vhost))
     qdir = os.path.join(vdir, _sha1(name))
-    os.makedirs(qdir, exist_ok=True)
-    _write_name_file(os.path.join(vdir, ".vhost"), vhost)
+    if vdir not in _vhost_dirs:
+        os.makedirs(vdir, exist_ok=True)
+        _write_name_file(os.path.join(vdir, ".vhost"), vhost)
+        _vhost_dirs.add(vdir)
+    try:
+        os.mkdir(qdir)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:  # the vhost dir went away (vhost deleted) since we made sure of it
+        _vhost_dirs.discard(vdir)
+        return queue_dir(data_dir, vhost, name)
     _write_name_file(os.path.join(qdir, ".queue"), name)
     return qdir
 
@@ -127,7 +141,8 @@ class QueueStore(SegmentDir):
         # Records lost to damage (skipped, their bytes set aside; see docs/storage.md) since opened.
         self.damaged_records = 0
         self.damaged_acks = 0  # ack entries that failed their checksum
-        os.makedirs(path, exist_ok=True)
+        if not os.path.isdir(path):
+            os.makedirs(path)
         # Opened when a sync has a directory change to make durable: 100,000 idle queues hold no fd.
         self._dir_fd = -1
         self._recover()
@@ -142,7 +157,12 @@ class QueueStore(SegmentDir):
         # end of the data: ids of messages appended from now on are never below it.
         self._mark_fd = -1
         end = self._wseg.no << 32 | self._wseg.used
-        self._mark = self._redeliver_below = min(self._read_mark(), end)  # the mark never moves back
+        if self._wseg.fd < 0:
+            # No message was ever stored (placeholder segment): nothing to redeliver, no mark to
+            # write (writing it would hold a file open per idle queue).
+            self._mark = self._redeliver_below = end
+        else:
+            self._mark = self._redeliver_below = min(self._read_mark(), end)  # the mark never moves back
 
     # ------------------------------------------------------------ counters
     @property

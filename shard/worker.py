@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import zmq
 
-from broker import contract
+from broker import contract, gc_pause
 from broker.definitions import Definitions
 from broker.policies import POLICY_OPS
 from broker.zmqio import BatchSocket, make_socket
@@ -169,15 +169,17 @@ class ShardWorker:
         self.settings = settings
         self.epoch = int(epochs.get(self.index, epochs.get(str(self.index), 0)))
         self.epochs = {int(k): int(v) for k, v in epochs.items()}
-        self.defs = Definitions.from_dict(defs_dict)
-        self._connect_peers()
-        if self.ack_timeouts is None:
-            self.ack_timeouts = AckTimeouts(self, int(settings.get("consumer_timeout") or 0))
-        # A restarted shard opens (and recovers) every queue placed on it.
-        for v in self.defs.vhosts.values():
-            for name, q in v.queues.items():
-                if q.shard == self.index:
-                    self._open_queue(v.name, name)
+        with gc_pause.paused():
+            self.defs = Definitions.from_dict(defs_dict)
+            self._connect_peers()
+            if self.ack_timeouts is None:
+                self.ack_timeouts = AckTimeouts(self, int(settings.get("consumer_timeout") or 0))
+            # A restarted shard opens (and recovers) every queue placed on it.
+            for v in self.defs.vhosts.values():
+                for name, q in v.queues.items():
+                    if q.shard == self.index:
+                        self._open_queue(v.name, name)
+        gc_pause.settle()
         self.delayed.load()
         if settings.get("cluster") and self.repl is None:  # shards run on a leader only
             self.repl = ShardReplication(
