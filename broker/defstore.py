@@ -72,6 +72,35 @@ def is_durable_relevant(op: Sequence) -> bool:
     return True
 
 
+def durable_ops(defs: Definitions, ops: Sequence[Sequence]) -> list[Sequence]:
+    """The ops worth logging, judged against defs *before* they are applied.
+
+    Beyond is_durable_relevant: a binding with a transient end, and the deletion of a transient
+    queue or exchange, change nothing that survives a restart, so they are not logged (and their
+    *-Ok does not wait for an fsync, as RabbitMQ keeps transient bindings in memory only). An end
+    this batch itself declares is unknown yet: such ops are logged, which is always safe.
+    """
+    out = []
+    for op in ops:
+        kind = op[0]
+        if kind in ("bind", "unbind"):
+            src = defs.exchange(op[1], op[2])
+            dst = defs.queue(op[1], op[4]) if op[3] == "queue" else defs.exchange(op[1], op[4])
+            if src is not None and dst is not None and not (src.durable and dst.durable):
+                continue
+        elif kind == "queue.delete":
+            q = defs.queue(op[1], op[2])
+            if q is not None and not q.durable:
+                continue
+        elif kind == "exchange.delete":
+            x = defs.exchange(op[1], op[2])
+            if x is not None and not x.durable:
+                continue
+        if is_durable_relevant(op):
+            out.append(op)
+    return out
+
+
 def write_json_atomic(path: str, value: Any) -> None:
     """Write JSON so that path holds either the old or the new content after a crash."""
     tmp = path + ".tmp"

@@ -27,7 +27,7 @@ from broker.config import Settings, cluster_secret
 from broker.datadir import PRIVATE_UMASK, DataDir, DataDirLocked, DataDirUnsafe
 from broker.definitions import Definitions
 from broker.definitions_file import plan_from_file, read_definitions_file
-from broker.defstore import DefStore
+from broker.defstore import DefStore, durable_ops
 from broker.http.metrics import MetricsServer
 from broker.http.server import HttpServer
 from broker.node_stats import NodeStats
@@ -694,9 +694,10 @@ class Node:
         if not ops:
             return
         defs = self.defs
+        logged = durable_ops(defs, ops)  # judged before applying: a deleted queue is gone after
         defs.apply_all(ops)  # bumps defs.version once per op; every replica does the same
         version = defs.version
-        wrote = self.defstore.record(ops)
+        wrote = self.defstore.record(logged)
         self._broadcast(None, [contract.DEFS, version, ops])
         waits = [self._wait_all_applied(version)]
         if wrote:
