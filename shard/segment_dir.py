@@ -7,10 +7,26 @@ segments are renamed out of the way, never deleted, so they can be inspected.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 from broker import write_observer
+
+# Removes deleted stores' directories off the event loop: deleting a vhost of 100,000 queues must
+# not stall the shard's other queues for the seconds their unlinks take. One thread, created on
+# first use; a directory it has not removed yet when the process dies is removed at the next boot
+# (broker/datadir.py removes every queue directory no durable queue owns).
+_reaper: ThreadPoolExecutor | None = None
+_trash_seq = itertools.count()
+
+
+def _remove_later(path: str) -> None:
+    global _reaper
+    if _reaper is None:
+        _reaper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-reaper")
+    _reaper.submit(shutil.rmtree, path, True)
 
 
 class MarkerFiles:
@@ -52,10 +68,28 @@ class SegmentDir(MarkerFiles):
     def close(self) -> None:
         raise NotImplementedError
 
-    def delete(self) -> None:
-        """Close and remove the directory with all its files."""
+    def delete(self, later: bool = False) -> None:
+        """Close and remove the directory with all its files.
+
+        later (a queue's own directory, directly under its vhost dir): the directory is renamed
+        aside at once (so a queue of the same name can be declared right away) and its files are
+        removed by a background thread.
+        """
         self.close()
-        shutil.rmtree(self.path, ignore_errors=True)
+        if not later:
+            shutil.rmtree(self.path, ignore_errors=True)
+            if write_observer.current is not None:
+                write_observer.current.delete(self.path)
+            return
+        trash = f"{self.path}.deleted-{os.getpid()}-{next(_trash_seq)}"
+        try:
+            os.rename(self.path, trash)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            shutil.rmtree(self.path, ignore_errors=True)
+        else:
+            _remove_later(trash)
         if write_observer.current is not None:
             write_observer.current.delete(self.path)
 

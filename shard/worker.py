@@ -255,7 +255,10 @@ class ShardWorker:
         q.consumers.clear()
         self._dirty_queues.discard(q)
         self._sync_stores.discard(q.store)
-        q.store.delete()
+        if q.store.__class__ is QueueStore:
+            q.store.delete(later=True)  # off the loop: deleting 100,000 queues must not stall the others
+        else:
+            q.store.delete()
 
     def _answer_query(self, query_id: int, op: str, args: dict) -> None:
         if op == "queue_info":
