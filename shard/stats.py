@@ -10,6 +10,8 @@ from __future__ import annotations
 import bisect
 from typing import TYPE_CHECKING, Any
 
+from shard.queue import Queue
+
 if TYPE_CHECKING:
     from shard.worker import ShardWorker
 
@@ -51,16 +53,19 @@ def shard_stats(worker: ShardWorker) -> dict:
     delivered (all kinds), acked, delivered to no-ack consumers, got with ack, got without ack,
     redelivered (broker/node_stats.py names the positions)."""
     queues = []
-    totals = [0] * 7
+    append = queues.append
     for (vhost, name), q in worker.queues.items():
+        store = q.store
+        if q.__class__ is Queue:  # the common case, read directly: 100,000 queues every interval
+            append([vhost, name, store.ready, len(q.unacked), len(q.consumers), store.ready_bytes,
+                    q.n_published, q.n_delivered, q.n_acked, q.n_deliver_no_ack, q.n_get, q.n_get_no_ack,
+                    store.n_redelivered])
+            continue
         info = q.info()
-        ready = int(info.get("messages", 0))
-        unacked = len(q.unacked)
-        counts = (q.n_published, q.n_delivered, q.n_acked, getattr(q, "n_deliver_no_ack", 0), getattr(q, "n_get", 0),
-                  getattr(q, "n_get_no_ack", 0), getattr(q.store, "n_redelivered", 0))
-        queues.append([vhost, name, ready, unacked, len(q.consumers), int(getattr(q.store, "ready_bytes", 0) or 0),
-                       *counts])
-        for i, n in enumerate(counts):
-            totals[i] += n
+        append([vhost, name, int(info.get("messages", 0)), len(q.unacked), len(q.consumers),
+                int(getattr(store, "ready_bytes", 0) or 0), q.n_published, q.n_delivered, q.n_acked,
+                getattr(q, "n_deliver_no_ack", 0), getattr(q, "n_get", 0), getattr(q, "n_get_no_ack", 0),
+                getattr(store, "n_redelivered", 0)])
+    totals = [sum(row[i] for row in queues) for i in range(6, 13)]
     return {"queues": queues, "totals": totals, "fsync": worker.sync_histogram.report(),
             "segment_bytes": sum(_segment_bytes(q.store) for q in worker.queues.values())}
