@@ -11,6 +11,7 @@ import itertools
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from broker import write_observer
 
@@ -60,6 +61,7 @@ class SegmentDir(MarkerFiles):
     _dir_dirty: bool
     _syncing: int
     _deferred_close: list[int]
+    _dir_fd: int
 
     _closed: bool
     # Set once the directories above ours have been fsynced (see _sync_parents).
@@ -131,6 +133,14 @@ class SegmentDir(MarkerFiles):
                 os.close(fd)
         self._parents_synced = True
 
+    def _dirfd(self) -> int:
+        """The directory's fd, opened on first use (QueueStore opens it lazily: under the lock in
+        sync(), on the loop in recovery; StreamStore at creation)."""
+        fd = self._dir_fd
+        if fd < 0:
+            fd = self._dir_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        return fd
+
     def _release(self, fds: list[int]) -> None:
         """Close fds now, or after the running sync (which may be using them). Call with the lock held."""
         self._deferred_close.extend(fds)
@@ -145,6 +155,31 @@ class SegmentDir(MarkerFiles):
                 os.close(fd)
             except OSError:
                 pass
+
+    def _replace_damaged(self, seg: Any, start: int, stop: int, fill: bytes) -> str:
+        """Copy seg's damaged bytes [start, stop) to `msgs.N.damaged-<start>` (fsynced with the
+        directory) before anything changes, then overwrite them in place with `fill` (a filler
+        record of the same size) and fdatasync; returns the name of the copy."""
+        aside = f"{seg.path('msgs')}.damaged-{start}"
+        data = bytes(seg.mm[start:stop])
+        tmp = aside + ".tmp"
+        with open(tmp, "wb", opener=lambda path, flags: os.open(path, flags | os.O_CLOEXEC, 0o600)) as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, aside)
+        os.fsync(self._dirfd())
+        fd = os.open(seg.path("msgs"), os.O_RDWR | os.O_CLOEXEC)
+        try:
+            os.pwrite(fd, fill, start)
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+        obs = write_observer.current
+        if obs is not None:
+            obs.replace(aside, data)
+            obs.append(seg.path("msgs"), start, fill)
+        return os.path.basename(aside)
 
     def _set_aside(self, no: int) -> None:
         """Rename an unreadable segment out of the way (kept for inspection, never loaded again)."""
