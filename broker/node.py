@@ -20,14 +20,14 @@ from typing import Any
 
 import zmq
 
-from broker import contract
+from broker import contract, gc_pause
 from broker.alarms import CHECK_INTERVAL_S, ResourceMonitor, parse_disk_limit, parse_memory_watermark
 from broker.amqp.errors import AMQPConnectionError, AMQPError
 from broker.config import Settings, cluster_secret
 from broker.datadir import PRIVATE_UMASK, DataDir, DataDirLocked, DataDirUnsafe
 from broker.definitions import Definitions
 from broker.definitions_file import plan_from_file, read_definitions_file
-from broker.defstore import DefStore, is_durable_relevant
+from broker.defstore import DefStore, durable_ops, is_durable_relevant
 from broker.http.metrics import MetricsServer
 from broker.http.server import HttpServer
 from broker.node_stats import NodeStats
@@ -199,9 +199,10 @@ class Node:
         s = self.settings
         # A fresh DefStore: in a cluster the files were rewritten by replication since the last load.
         self.defstore = DefStore(self.datadir.path)
-        self.defs = self.defstore.load(default_user=s.default_user, default_pass=s.default_pass)
-        self.defs.loopback_users = tuple(s.loopback_users)
-        self.defs.rebalance(s.shards)
+        with gc_pause.paused():  # 100,000 queue definitions: see broker/gc_pause.py
+            self.defs = self.defstore.load(default_user=s.default_user, default_pass=s.default_pass)
+            self.defs.loopback_users = tuple(s.loopback_users)
+            self.defs.rebalance(s.shards)
         if s.definitions:
             ops = plan_from_file(self.defs, read_definitions_file(s.definitions))
             self.defs.apply_all(ops)
@@ -212,6 +213,7 @@ class Node:
             {(v.name, q) for v in self.defs.vhosts.values() for q in v.queues})
         self.datadir.remove_stale_delay_stores(
             {(v.name, x) for v in self.defs.vhosts.values() for x in v.exchanges})
+        gc_pause.settle()
         self._shards_ready.clear()
         self.sup.held.clear()
         for i in range(s.shards):
@@ -709,9 +711,10 @@ class Node:
         if gate and durable and not await definition_gate.wait_for_min_isr(repl):
             raise definition_gate.refusal(repl, op)
         defs = self.defs
+        logged = durable_ops(defs, ops)  # judged before applying: a deleted queue is gone after
         defs.apply_all(ops)  # bumps defs.version once per op; every replica does the same
         version = defs.version
-        wrote = self.defstore.record(ops)
+        wrote = self.defstore.record(logged)
         self._broadcast(None, [contract.DEFS, version, ops])
         waits = [self._wait_all_applied(version)]
         if wrote:

@@ -12,8 +12,53 @@ from typing import Any
 
 # Positions in a shard's queue rows and a frontend's connection rows (contract.STATS).
 Q_VHOST, Q_NAME, Q_READY, Q_UNACKED, Q_CONSUMERS, Q_BYTES, Q_PUBLISHED, Q_DELIVERED, Q_ACKED = range(9)
-COUNTERS = ((Q_PUBLISHED, "publish"), (Q_DELIVERED, "deliver_get"), (Q_ACKED, "ack"))
+# Then (shards of this version on; older rows stop at Q_ACKED): parts of Q_DELIVERED and redeliveries.
+Q_DELIVER_NO_ACK, Q_GET, Q_GET_NO_ACK, Q_REDELIVERED = range(9, 13)
 C_ID, C_HOST, C_PORT, C_USER, C_VHOST, C_PROPS, C_AT, C_RECV, C_SEND, C_BLOCKED, C_CHANNELS = range(11)
+# RabbitMQ's message_stats keys of a queue, in the order counts() returns them.
+KEYS = ("publish", "deliver_get", "ack", "deliver", "deliver_no_ack", "get", "get_no_ack", "redeliver")
+
+
+def counts(c: list | tuple) -> tuple[int, ...] | None:
+    """A row's (or a shard's totals') counters as KEYS' values; None when it has none.
+
+    c: [published, delivered, acked] or [published, delivered, acked, deliver_no_ack, get,
+    get_no_ack, redelivered]; "deliver" (consumers with manual ack) is what remains of delivered.
+    """
+    if len(c) < 3:
+        return None
+    published, delivered, acked = c[0], c[1], c[2]
+    if len(c) < 7:
+        return (published, delivered, acked, delivered, 0, 0, 0, 0)
+    no_ack, get, get_no_ack, redelivered = c[3], c[4], c[5], c[6]
+    return (published, delivered, acked, delivered - no_ack - get - get_no_ack, no_ack, get, get_no_ack,
+            redelivered)
+
+
+# message_stats keys RabbitMQ counts at the publishing channel, and the frontend counter of each.
+FRONTEND_KEYS = (("publish", "received"), ("confirm", "confirmed"), ("return_unroutable", "unroutable_returned"),
+                 ("drop_unroutable", "unroutable_dropped"))
+
+
+def _stats(cur: tuple, before: tuple | None, seconds: float) -> dict:
+    out: dict = {}
+    for i, key in enumerate(KEYS):
+        rate = 0.0
+        if before is not None and seconds > 0 and cur[i] >= before[i]:  # < : the shard restarted
+            rate = (cur[i] - before[i]) / seconds
+        out[key] = cur[i]
+        out[key + "_details"] = {"rate": round(rate, 1)}
+    return out
+
+
+def add_stats(into: dict, more: dict) -> dict:
+    """Sum two message_stats dicts (totals and rates)."""
+    for key in KEYS:
+        if key in more:
+            into[key] = into.get(key, 0) + more[key]
+            rate = into.get(key + "_details", {"rate": 0.0})["rate"] + more[key + "_details"]["rate"]
+            into[key + "_details"] = {"rate": round(rate, 1)}
+    return into
 
 
 class NodeStats:
@@ -23,6 +68,7 @@ class NodeStats:
         self.previous: dict[int, tuple[float, dict]] = {}
         self._prev_rows: dict[tuple[str, str], tuple[float, float, list]] | None = None
         self.frontends: dict[int, dict] = {}
+        self.previous_fe: dict[int, tuple[float, dict]] = {}  # as `previous`, for the frontends
         self.received_at: dict[tuple[str, int], float] = {}
         self._queues: dict[tuple[str, str], list] | None = None
 
@@ -35,11 +81,14 @@ class NodeStats:
                 self.previous[index] = (self.received_at[(role, index)], self.shards[index])
             self._queues = None
             self._prev_rows = None
+        elif index in self.frontends:
+            self.previous_fe[index] = (self.received_at[(role, index)], self.frontends[index])
         (self.shards if role == "shard" else self.frontends)[index] = payload
         self.received_at[(role, index)] = now
 
     def forget(self, role: str, index: int) -> None:
         (self.shards if role == "shard" else self.frontends).pop(index, None)
+        self.previous_fe.pop(index, None) if role != "shard" else None
         if role == "shard":
             self.previous.pop(index, None)
             self._queues = None
@@ -65,50 +114,57 @@ class NodeStats:
 
     def message_stats(self, row: list | None) -> dict:
         """RabbitMQ's message_stats of one queue: totals and a rate per second over the last interval."""
-        if row is None or len(row) <= Q_ACKED:
+        if row is None:
+            return {}
+        cur = counts(row[Q_PUBLISHED:])
+        if cur is None:
             return {}
         prev = self._previous_rows().get((row[Q_VHOST], row[Q_NAME]))
-        out: dict = {}
-        for i, key in COUNTERS:
-            rate = 0.0
-            if prev is not None and prev[1] > prev[0] and len(prev[2]) > i:
-                rate = max(0.0, (row[i] - prev[2][i]) / (prev[1] - prev[0]))  # < 0: the shard restarted
-            out[key] = row[i]
-            out[key + "_details"] = {"rate": round(rate, 1)}
-        return out
+        if prev is None or prev[1] <= prev[0]:
+            return _stats(cur, None, 0.0)
+        return _stats(cur, counts(prev[2][Q_PUBLISHED:]), prev[1] - prev[0])
 
     def totals(self, keys: set[tuple[str, str]] | None = None) -> dict:
         """message_stats summed over every queue (from the shards' own sums: O(shards)), or over the
         given queues (O(queues), for a user who sees only some vhosts)."""
         out: dict = {}
         if keys is None:
-            for j, (_, key) in enumerate(COUNTERS):
-                total = 0
-                rate = 0.0
-                for index, payload in self.shards.items():
-                    cur = payload.get("totals")
-                    if not cur:
-                        continue
-                    total += cur[j]
-                    prev_at, prev = self.previous.get(index, (0.0, {}))
-                    latest = self.received_at.get(("shard", index), prev_at)
-                    before = prev.get("totals")
-                    if before and latest > prev_at and cur[j] >= before[j]:
-                        rate += (cur[j] - before[j]) / (latest - prev_at)
-                out[key] = total
-                out[key + "_details"] = {"rate": round(rate, 1)}
-            return out
-        prev_rows = self._previous_rows()
-        for i, key in COUNTERS:
+            for index, payload in self.shards.items():
+                cur = counts(payload.get("totals") or ())
+                if cur is None:
+                    continue
+                prev_at, prev = self.previous.get(index, (0.0, {}))
+                latest = self.received_at.get(("shard", index), prev_at)
+                add_stats(out, _stats(cur, counts(prev.get("totals") or ()), latest - prev_at))
+        else:
+            queues = self.queues()
+            for k in keys:
+                row = queues.get(k)
+                if row is not None:
+                    add_stats(out, self.message_stats(row))
+        if not out:
+            out = _stats((0,) * len(KEYS), None, 0.0)
+        return out
+
+    def frontend_counter(self, key: str) -> int:
+        """A counter summed over the frontends' STATS (totals since each frontend started)."""
+        return sum(p.get("counters", {}).get(key, 0) for p in self.frontends.values())
+
+    def frontend_stats(self) -> dict:
+        """The publisher side of message_stats (RabbitMQ's channel-level figures), from the frontends'
+        counters: publish (received), confirm, return_unroutable, drop_unroutable, with rates."""
+        out: dict = {}
+        for key, counter in FRONTEND_KEYS:
             total = 0
             rate = 0.0
-            for k, row in self.queues().items():
-                if len(row) <= i or (keys is not None and k not in keys):
-                    continue
-                total += row[i]
-                prev = prev_rows.get(k)
-                if prev is not None and prev[1] > prev[0] and len(prev[2]) > i and row[i] >= prev[2][i]:
-                    rate += (row[i] - prev[2][i]) / (prev[1] - prev[0])
+            for index, payload in self.frontends.items():
+                cur = payload.get("counters", {}).get(counter, 0)
+                total += cur
+                prev_at, prev = self.previous_fe.get(index, (0.0, {}))
+                before = prev.get("counters", {}).get(counter) if prev else None
+                latest = self.received_at.get(("frontend", index), prev_at)
+                if before is not None and latest > prev_at and cur >= before:
+                    rate += (cur - before) / (latest - prev_at)
             out[key] = total
             out[key + "_details"] = {"rate": round(rate, 1)}
         return out

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 
 class ConfirmTracker:
-    __slots__ = ("next_seq", "_remaining", "_nacked", "_settled", "_low")
+    __slots__ = ("next_seq", "_remaining", "_nacked", "_settled", "_low", "n_acked")
 
     def __init__(self) -> None:
         self.next_seq = 1
+        self.n_acked = 0  # publishes drained as acked, in total (counted per drain, for the stats)
         # seq -> number of shards that have not answered yet
         self._remaining: dict[int, int] = {}
         # seqs that some shard nacked while others were still pending
@@ -98,6 +99,7 @@ class ConfirmTracker:
                     prefix_max = seq
             else:
                 singles.append(seq)
+        self.n_acked += prefix_count + len(singles)
         if prefix_count:
             out.append((prefix_max, prefix_count > 1, True))
         if singles:

@@ -37,4 +37,9 @@ def frontend_stats(worker: FrontendWorker) -> dict:
                             getattr(conn, "client_properties", {}), getattr(conn, "connected_at", 0),
                             getattr(conn, "recv_oct", 0), getattr(conn, "send_oct", 0),
                             bool(getattr(conn, "_read_pause", ())), channels])
-    return {"connections": connections, "consumers": consumers, "counters": dict(worker.counters)}
+    counters = dict(worker.counters)
+    counters["publishers"] = sum(1 for conn in worker.conns.values() if getattr(conn, "publisher", False))
+    counters.update(received=worker.n_received, received_confirm=worker.n_received_confirm,
+                    confirmed=worker.n_confirmed, unroutable_returned=worker.n_unroutable_returned,
+                    unroutable_dropped=worker.n_unroutable_dropped)
+    return {"connections": connections, "consumers": consumers, "counters": counters}

@@ -17,7 +17,7 @@ from typing import Any
 
 import zmq
 
-from broker import contract
+from broker import contract, gc_pause
 from broker.definitions import Definitions
 from broker.tls import reload_certificate, server_context
 from broker.zmqio import BatchSocket, make_socket
@@ -63,6 +63,14 @@ class FrontendWorker:
         self.alarms: list[str] = []  # resource alarms in effect (node ALARMS): publishers are blocked
         # Totals since this frontend started, reported in STATS (Prometheus' *_opened_total/_closed_total).
         self.counters = {"connections_opened": 0, "connections_closed": 0}
+        # Publish totals for rabbitmq_global_messages_*: n_received is the one add per publish on
+        # the plain path; the others are counted on paths that already branch (confirm mode, no
+        # route) or once per confirm batch (frontend/amqp/channel.py emit_confirms).
+        self.n_received = 0
+        self.n_received_confirm = 0
+        self.n_confirmed = 0
+        self.n_unroutable_returned = 0
+        self.n_unroutable_dropped = 0
         self.node: BatchSocket | None = None
         self.servers: list[asyncio.AbstractServer] = []
         self._forwarded: dict[str, Callable] = {}
@@ -90,7 +98,10 @@ class FrontendWorker:
         self.node.send_now(None, [[contract.HELLO, contract.VERSION, "frontend", self.index, os.getpid()]])
         version, defs_dict, epochs, settings = await self._snapshot
         self.settings = settings
-        self.defs = Definitions.from_dict(defs_dict)
+        with gc_pause.paused():  # see broker/gc_pause.py
+            self.defs = Definitions.from_dict(defs_dict)
+        del defs_dict
+        gc_pause.settle()
         self.shard_count = int(settings.get("shards", 1))
         self.epochs = [_epoch_of(epochs, i) for i in range(self.shard_count)]
         self._sent = [0] * self.shard_count

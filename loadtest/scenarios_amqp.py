@@ -45,27 +45,38 @@ def queue_count(args: argparse.Namespace, *, broker: str, scenario: str, broker_
         rss_before = broker_rss()
         t0 = time.monotonic()
         created: list[str] = []
+        chunk_s: list[float] = []  # seconds per chunk of 500 declares, in order
         deadline = t0 + (args.time_s or 600)
+        delete_s = None
         try:
             for start in range(0, n, 500):
                 chunk = names[start : start + 500]
+                t_chunk = time.monotonic()
                 c.send(b"".join(_encode(commands.Queue.Declare(queue=q, durable=args.durable)) for q in chunk))
                 for q in chunk:
                     c._wait_method(1, commands.Queue.DeclareOk)
                     created.append(q)
+                chunk_s.append(time.monotonic() - t_chunk)
                 if time.monotonic() > deadline:
                     break
             declare_s = time.monotonic() - t0
             rss_after = broker_rss()
         finally:
             if not args.keep:
+                t_del = time.monotonic()
                 for start in range(0, len(created), 500):
                     chunk = created[start : start + 500]
                     c.send(b"".join(_encode(commands.Queue.Delete(queue=q)) for q in chunk))
                     for _ in chunk:
                         c._wait_method(1, commands.Queue.DeleteOk)
+                delete_s = time.monotonic() - t_del
+    tenth = max(1, len(chunk_s) // 10)
     extra = {"queues": len(created), "declare_s": round(declare_s, 4),
              "declares_per_s": round(len(created) / declare_s, 1) if declare_s else None,
+             # Flatness: the rate over the first and the last tenth of the chunks (500 declares each).
+             "first_10pct_declares_per_s": round(500 * tenth / sum(chunk_s[:tenth]), 1) if chunk_s else None,
+             "last_10pct_declares_per_s": round(500 * tenth / sum(chunk_s[-tenth:]), 1) if chunk_s else None,
+             "deletes_per_s": round(len(created) / delete_s, 1) if delete_s else None,
              "rss_before_bytes": rss_before, "rss_after_bytes": rss_after,
              "rss_per_queue_bytes": (rss_after - rss_before) // len(created)
              if rss_before is not None and rss_after is not None and created else None}

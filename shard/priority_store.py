@@ -106,6 +106,10 @@ class PriorityStore(MarkerFiles):
         return self._ready_bytes
 
     @property
+    def n_redelivered(self) -> int:
+        return sum(store.n_redelivered for store in self._levels.values())
+
+    @property
     def dirty(self) -> bool:
         if self._dir_dirty:
             return True

@@ -24,13 +24,15 @@ class Queue:
     __slots__ = (
         "qid", "vhost", "name", "durable", "auto_delete", "arguments", "store", "consumers", "unacked",
         "_rr", "had_consumers", "exclusive_consumer", "deleted", "groups", "sac",
-        "n_published", "n_delivered", "n_acked",
+        "n_published", "n_delivered", "n_acked", "n_deliver_no_ack", "n_get", "n_get_no_ack",
     )
 
     def __init__(self, qid: int, vhost: str, name: str, defn: Any, store: QueueStore) -> None:
         self.qid = qid
         # Totals since this shard started, for the management API's message_stats (shard/stats.py).
         self.n_published = self.n_delivered = self.n_acked = 0
+        # Parts of n_delivered (the rest is deliver with manual ack), counted per delivery turn.
+        self.n_deliver_no_ack = self.n_get = self.n_get_no_ack = 0
         self.vhost = vhost
         self.name = name
         self.durable = bool(defn.durable)

@@ -7,11 +7,27 @@ segments are renamed out of the way, never deleted, so they can be inspected.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from broker import write_observer
+
+# Removes deleted stores' directories off the event loop: deleting a vhost of 100,000 queues must
+# not stall the shard's other queues for the seconds their unlinks take. One thread, created on
+# first use; a directory it has not removed yet when the process dies is removed at the next boot
+# (broker/datadir.py removes every queue directory no durable queue owns).
+_reaper: ThreadPoolExecutor | None = None
+_trash_seq = itertools.count()
+
+
+def _remove_later(path: str) -> None:
+    global _reaper
+    if _reaper is None:
+        _reaper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-reaper")
+    _reaper.submit(shutil.rmtree, path, True)
 
 
 class MarkerFiles:
@@ -54,10 +70,28 @@ class SegmentDir(MarkerFiles):
     def close(self) -> None:
         raise NotImplementedError
 
-    def delete(self) -> None:
-        """Close and remove the directory with all its files."""
+    def delete(self, later: bool = False) -> None:
+        """Close and remove the directory with all its files.
+
+        later (a queue's own directory, directly under its vhost dir): the directory is renamed
+        aside at once (so a queue of the same name can be declared right away) and its files are
+        removed by a background thread.
+        """
         self.close()
-        shutil.rmtree(self.path, ignore_errors=True)
+        if not later:
+            shutil.rmtree(self.path, ignore_errors=True)
+            if write_observer.current is not None:
+                write_observer.current.delete(self.path)
+            return
+        trash = f"{self.path}.deleted-{os.getpid()}-{next(_trash_seq)}"
+        try:
+            os.rename(self.path, trash)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            shutil.rmtree(self.path, ignore_errors=True)
+        else:
+            _remove_later(trash)
         if write_observer.current is not None:
             write_observer.current.delete(self.path)
 
@@ -74,10 +108,21 @@ class SegmentDir(MarkerFiles):
 
         A new queue dir is only durable once the entries naming it (in its vhost dir, and the vhost
         dir's in the data dir; for priority levels and delay stores one level more) are, so the
-        first sync of a store, which comes before the first confirm into it, makes them durable.
+        first sync of a store, which comes before the first confirm into it, makes them durable
+        (and its ``.queue`` name file, written without an fsync).
         """
         if self._parents_synced:
             return
+        # The name files were renamed into place without an fsync (shard/store.py queue_dir).
+        for name_file in (os.path.join(self.path, ".queue"), os.path.join(os.path.dirname(self.path), ".vhost")):
+            try:
+                fd = os.open(name_file, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         path = self.path
         for _ in range(3):
             path = os.path.dirname(path)
@@ -87,6 +132,14 @@ class SegmentDir(MarkerFiles):
             finally:
                 os.close(fd)
         self._parents_synced = True
+
+    def _dirfd(self) -> int:
+        """The directory's fd, opened on first use (QueueStore opens it lazily: under the lock in
+        sync(), on the loop in recovery; StreamStore at creation)."""
+        fd = self._dir_fd
+        if fd < 0:
+            fd = self._dir_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        return fd
 
     def _release(self, fds: list[int]) -> None:
         """Close fds now, or after the running sync (which may be using them). Call with the lock held."""
@@ -115,7 +168,7 @@ class SegmentDir(MarkerFiles):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, aside)
-        os.fsync(self._dir_fd)
+        os.fsync(self._dirfd())
         fd = os.open(seg.path("msgs"), os.O_RDWR | os.O_CLOEXEC)
         try:
             os.pwrite(fd, fill, start)

@@ -54,6 +54,9 @@ def _sha1(name: str) -> str:
 
 
 def _write_name_file(path: str, name: str) -> None:
+    """tmp + rename, not fsynced here: the store's first sync (SegmentDir._sync_parents, in the sync
+    thread, before the first confirm into the queue) makes it durable; a queue that never held a
+    message may lose it in a crash, and queue_dir() writes it again at the next open."""
     try:
         with open(path, encoding="utf-8") as f:
             if f.read() == name:
@@ -63,8 +66,6 @@ def _write_name_file(path: str, name: str) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(name)
-        f.flush()
-        os.fsync(f.fileno())
     os.replace(tmp, path)
     if write_observer.current is not None:
         write_observer.current.replace(path, name.encode())
@@ -86,12 +87,26 @@ def _all_zero(path: str) -> bool:
     return True
 
 
+# Vhost dirs this process has made sure of (with their .vhost file): opening 100,000 queues of a
+# vhost at boot checks the vhost dir once, not per queue.
+_vhost_dirs: set[str] = set()
+
+
 def queue_dir(data_dir: str, vhost: str, name: str) -> str:
     """`<data_dir>/<sha1(vhost)>/<sha1(name)>/`, created, with its `.vhost` and `.queue` name files."""
     vdir = os.path.join(data_dir, _sha1(vhost))
     qdir = os.path.join(vdir, _sha1(name))
-    os.makedirs(qdir, exist_ok=True)
-    _write_name_file(os.path.join(vdir, ".vhost"), vhost)
+    if vdir not in _vhost_dirs:
+        os.makedirs(vdir, exist_ok=True)
+        _write_name_file(os.path.join(vdir, ".vhost"), vhost)
+        _vhost_dirs.add(vdir)
+    try:
+        os.mkdir(qdir)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:  # the vhost dir went away (vhost deleted) since we made sure of it
+        _vhost_dirs.discard(vdir)
+        return queue_dir(data_dir, vhost, name)
     _write_name_file(os.path.join(qdir, ".queue"), name)
     return qdir
 
@@ -111,6 +126,7 @@ class QueueStore(SegmentDir):
         self.requeue_watch: set[int] | None = None
         self._ready = 0
         self._ready_bytes = 0
+        self.n_redelivered = 0  # requeued messages taken again, in total (shard/stats.py)
         self._closed = False
         # sync bookkeeping, guarded by _lock (flags are set lock-free, cleared under it before syncing)
         self._lock = threading.Lock()
@@ -125,13 +141,15 @@ class QueueStore(SegmentDir):
         # Records lost to damage (skipped, their bytes set aside; see docs/storage.md) since opened.
         self.damaged_records = 0
         self.damaged_acks = 0  # ack entries that failed their checksum
-        os.makedirs(path, exist_ok=True)
-        self._dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        if not os.path.isdir(path):
+            os.makedirs(path)
+        # Opened when a sync has a directory change to make durable: 100,000 idle queues hold no fd.
+        self._dir_fd = -1
         self._recover()
         first = min(self._segs)
         self._rseg = self._segs[first]  # read cursor: segment and position of the next unread record
         self._rpos = DATA_START
-        if self._rseg.mm is None:
+        if self._rseg.mm is None and self._wseg.fd >= 0:  # fd -1: the placeholder, no file to map
             self._map(self._rseg)
         # Where the read cursor was when this store was last used (DELIVERED_MARK): every message
         # before it may have been delivered and not acked when the shard stopped, so it comes back
@@ -139,7 +157,12 @@ class QueueStore(SegmentDir):
         # end of the data: ids of messages appended from now on are never below it.
         self._mark_fd = -1
         end = self._wseg.no << 32 | self._wseg.used
-        self._mark = self._redeliver_below = min(self._read_mark(), end)  # the mark never moves back
+        if self._wseg.fd < 0:
+            # No message was ever stored (placeholder segment): nothing to redeliver, no mark to
+            # write (writing it would hold a file open per idle queue).
+            self._mark = self._redeliver_below = end
+        else:
+            self._mark = self._redeliver_below = min(self._read_mark(), end)  # the mark never moves back
 
     # ------------------------------------------------------------ counters
     @property
@@ -165,6 +188,8 @@ class QueueStore(SegmentDir):
         seg = self._wseg
         pos = seg.used
         if pos + total > seg.alloc_end:
+            if seg.fd < 0:  # a fresh queue's first message: its segment file is made now
+                seg = self._materialize(total)
             if pos + total > seg.size:
                 seg = self._roll(total)
                 pos = seg.used
@@ -195,6 +220,7 @@ class QueueStore(SegmentDir):
                 self._map(seg)
             ts, flags, ex, rk, props, body, _ = _read_record(seg.mm, msg_id & _POS_MASK)
             redelivered = True
+            self.n_redelivered += 1  # message_stats.redeliver (requeued ones; not those marked at boot)
         else:
             seg = self._rseg
             pos = self._rpos
@@ -356,13 +382,15 @@ class QueueStore(SegmentDir):
                 self._acks_dirty = False
             dir_dirty = self._dir_dirty
             self._dir_dirty = False
+            # Opened under the lock, so a close() racing with this sync closes it (after the sync).
+            dir_fd = self._dirfd() if dir_dirty else -1
             self._syncing += 1
         done = False
         try:
             for fd in fds:
                 os.fdatasync(fd)
-            if dir_dirty:
-                os.fsync(self._dir_fd)
+            if dir_fd >= 0:
+                os.fsync(dir_fd)
             self._sync_parents()
             done = True
         finally:
@@ -391,7 +419,9 @@ class QueueStore(SegmentDir):
             fds = [seg.fd for seg in self._segs.values() if seg.fd >= 0]
             fds.extend(self._ack_fds)
             fds.extend(self._sync_fds)
-            fds.append(self._dir_fd)
+            if self._dir_fd >= 0:
+                fds.append(self._dir_fd)
+                self._dir_fd = -1
             self._ack_fds = set()
             self._sync_fds = []
             self._release(fds)
@@ -456,6 +486,24 @@ class QueueStore(SegmentDir):
             self._drop(old)
         elif old is not self._rseg:
             old.close_map()  # mapped again when the cursor or a requeue gets to it
+        return new
+
+    def _materialize(self, total: int) -> Segment:
+        """Create the file of the placeholder write segment (the only segment of an empty store)."""
+        old = self._wseg
+        size = max(self._segment_size, DATA_START + total)
+        try:
+            new = Segment.create(self.path, old.no, size)
+        except OSError:
+            # A full disk: a segment with room for nothing, so this append (and every one until
+            # there is space) is refused by the usual growth path, as for a full segment.
+            new = Segment.create(self.path, old.no, DATA_START)
+        with self._lock:
+            self._segs[new.no] = new
+            self._wseg = new
+            self._dir_dirty = True
+        if self._rseg is old:
+            self._rseg, self._rpos = new, DATA_START
         return new
 
     def _open_acks(self, seg: Segment) -> int:
@@ -583,6 +631,12 @@ class QueueStore(SegmentDir):
             self._segs[no] = seg
             if not seg.sealed:
                 wseg = seg
+        if wseg is None and not self._segs:
+            # Empty queue: a placeholder write segment without a file (fd -1, nothing allocated);
+            # the first append creates the file (_materialize). Declaring a queue then costs a
+            # directory and its name file, no segment, no allocation and no sync.
+            wseg = Segment(self.path, (msgs[-1] if msgs else 0) + 1)
+            self._segs[wseg.no] = wseg
         if wseg is None:
             no = (msgs[-1] if msgs else 0) + 1
             try:

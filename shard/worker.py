@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import zmq
 
-from broker import contract
+from broker import contract, gc_pause
 from broker.definitions import Definitions
 from broker.fsync_beacon import FsyncBeacon, stall_for_tests
 from broker.policies import POLICY_OPS
@@ -183,16 +183,18 @@ class ShardWorker:
         self.settings = settings
         self.epoch = int(epochs.get(self.index, epochs.get(str(self.index), 0)))
         self.epochs = {int(k): int(v) for k, v in epochs.items()}
-        self.defs = Definitions.from_dict(defs_dict)
-        self._connect_peers()
-        self.dead_letters.load()  # after the peers: what it recovered goes to them
-        if self.ack_timeouts is None:
-            self.ack_timeouts = AckTimeouts(self, int(settings.get("consumer_timeout") or 0))
-        # A restarted shard opens (and recovers) every queue placed on it.
-        for v in self.defs.vhosts.values():
-            for name, q in v.queues.items():
-                if q.shard == self.index:
-                    self._open_queue(v.name, name)
+        with gc_pause.paused():  # see broker/gc_pause.py
+            self.defs = Definitions.from_dict(defs_dict)
+            self._connect_peers()
+            self.dead_letters.load()  # after the peers: what it recovered goes to them
+            if self.ack_timeouts is None:
+                self.ack_timeouts = AckTimeouts(self, int(settings.get("consumer_timeout") or 0))
+            # A restarted shard opens (and recovers) every queue placed on it.
+            for v in self.defs.vhosts.values():
+                for name, q in v.queues.items():
+                    if q.shard == self.index:
+                        self._open_queue(v.name, name)
+        gc_pause.settle()
         self.delayed.load()
         if settings.get("cluster") and self.repl is None:  # shards run on a leader only
             self.repl = ShardReplication(
@@ -268,7 +270,10 @@ class ShardWorker:
         q.consumers.clear()
         self._dirty_queues.discard(q)
         self._sync_stores.discard(q.store)
-        q.store.delete()
+        if q.store.__class__ is QueueStore:
+            q.store.delete(later=True)  # off the loop: deleting 100,000 queues must not stall the others
+        else:
+            q.store.delete()
 
     def _answer_query(self, query_id: int, op: str, args: dict) -> None:
         if op == "queue_info":
@@ -414,6 +419,10 @@ class ShardWorker:
             q.store.flush_acks()  # the delivered mark, before get-ok leaves (a slow path anyway)
             if msg is not None:
                 q.n_delivered += 1
+                if no_ack:
+                    q.n_get_no_ack += 1
+                else:
+                    q.n_get += 1
             self.data.put(fe, [contract.REPLY_DATA, req_id, True, {"message": msg}])
         elif kind == contract.QOS:
             _, conn_id, channel, prefetch = item
@@ -596,6 +605,7 @@ class ShardWorker:
 
     def _replace_queue(self, old: Queue, new: Queue) -> None:
         new.n_published, new.n_delivered, new.n_acked = old.n_published, old.n_delivered, old.n_acked
+        new.n_deliver_no_ack, new.n_get, new.n_get_no_ack = old.n_deliver_no_ack, old.n_get, old.n_get_no_ack
         self.queues[(old.vhost, old.name)] = new
         self.by_qid[old.qid] = new
         for key, (q, c) in list(self.consumers.items()):
@@ -928,9 +938,15 @@ class ShardWorker:
             if not q.deleted:
                 store = q.store
                 ready = store.ready
+                unacked = len(q.unacked)
                 q.deliver(put)
                 n = ready - store.ready
-                q.n_delivered += n  # per queue per turn, not per message (message_stats)
+                if n:
+                    q.n_delivered += n  # per queue per turn, not per message (message_stats)
+                    # Deliveries that did not enter the unacked map went to no-ack consumers.
+                    no_ack = n - (len(q.unacked) - unacked)
+                    if no_ack > 0 and q.__class__ is not StreamQueue:
+                        q.n_deliver_no_ack += no_ack
                 delivered += n
                 store.flush_acks()
                 if store.ready > _FLOW_BACKLOG and q.consumers and _consumer_waiting(q.consumers):

@@ -142,3 +142,31 @@ def test_exclusive_queues_gone_and_vhosts_users_persist(tmp_path):
     again = DefStore(str(tmp_path)).load()
     a, b = loaded.to_dict(), again.to_dict()
     assert a["vhosts"] == b["vhosts"] and a["permissions"] == b["permissions"]
+
+
+def test_transient_bindings_and_deletes_are_not_logged(tmp_path):
+    """A binding with a transient end, or deleting a transient queue/exchange, survives nothing: not
+    logged (so its *-Ok waits for no fsync); the durable ones are, and a restart has exactly them."""
+    from broker.defstore import durable_ops
+
+    store = DefStore(str(tmp_path))
+    defs = store.load()
+    run(store, defs, q(defs, "dq") + q(defs, "tq", durable=False)
+        + defs.plan_exchange_declare(V, "dx", "direct", False, True, False, False, {})
+        + defs.plan_exchange_declare(V, "tx", "direct", False, False, False, False, {}))
+    transient = [defs.plan_bind(V, "tx", "queue", "dq", "k", {}, None),
+                 defs.plan_bind(V, "dx", "queue", "tq", "k", {}, None)]
+    for ops in transient:
+        assert durable_ops(defs, ops) == []
+        defs.apply_all(ops)
+    durable = defs.plan_bind(V, "dx", "queue", "dq", "k", {}, None)
+    assert durable_ops(defs, durable) == durable
+    defs.apply_all(durable)
+    store.record(durable)
+    assert durable_ops(defs, [["queue.delete", V, "tq"], ["exchange.delete", V, "tx"]]) == []
+    assert durable_ops(defs, [["queue.delete", V, "dq"]]) == [["queue.delete", V, "dq"]]
+    # An end declared in the same batch is not known yet: logged, which is always safe.
+    assert durable_ops(defs, [["bind", V, "new-x", "queue", "dq", "k", {}]]) != []
+    store.close()
+    again = DefStore(str(tmp_path)).load()
+    assert again.bindings(V) == [("dx", "queue", "dq", "k", {})]

@@ -232,3 +232,28 @@ def test_overview_totals(mnode, api):
     assert ov["object_totals"]["queues"] >= 1 and ov["listeners"][0]["port"] == mnode.port
     assert get_one(ch, qn)[2] == b"1"
     conn.close()
+
+
+def test_vhost_default_queue_type_applies_to_declares(mnode, api):
+    assert api.call("PUT", "/api/vhosts/dqt-bad", {"default_queue_type": "mirrored"})[0] == 400
+    api.put("/api/vhosts/dqt", {"default_queue_type": "quorum"})
+    assert api.get("/api/vhosts/dqt")["default_queue_type"] == "quorum"
+    api.put("/api/vhosts/dqt-stream", {"default_queue_type": "stream"})
+    conn = connect(mnode, "guest", "guest", vhost="dqt")
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.queue_declare("work", durable=True)  # no x-queue-type: the vhost's default
+    ch.queue_declare("work", durable=True)  # redeclared the same way: not "inequivalent"
+    ch.queue_declare("plain", durable=True, arguments={"x-queue-type": "classic"})
+    excl = ch.queue_declare("", exclusive=True).method.queue  # cannot be quorum: stays classic
+    ch.basic_publish("", "work", b"q", pika.BasicProperties(delivery_mode=2))
+    assert get_one(ch, "work")[2] == b"q"
+    types = {n: api.get(f"/api/queues/dqt/{q(n)}")["type"] for n in ("work", "plain", excl)}
+    assert types == {"work": "quorum", "plain": "classic", excl: "classic"}
+    conn.close()
+    sconn = connect(mnode, "guest", "guest", vhost="dqt-stream")
+    sch = sconn.channel()
+    sch.queue_declare("events", durable=True)
+    assert api.get("/api/queues/dqt-stream/events")["type"] == "stream"
+    assert api.get("/api/queues/dqt-stream/events")["arguments"] == {"x-queue-type": "stream"}
+    sconn.close()

@@ -71,3 +71,66 @@ def test_prometheus_port_zero_is_off(node_factory):
     node = node_factory(name="node", extra_args=["--prometheus-port", "0"])
     with pytest.raises(OSError):
         urllib.request.urlopen(f"http://127.0.0.1:{node.prometheus_port}/metrics", timeout=2)
+
+
+def test_global_message_counters_and_message_stats(node_factory):
+    """rabbitmq_global_messages_* and the API's message_stats split by kind, from the batched STATS."""
+    from tests.helpers import get_one
+    from tests.mgmt_api import Api
+
+    node = node_factory(name="node", extra_args=["--stats-interval", "200"])
+    qn = uid("glob")
+    conn = node.connect()
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.queue_declare(qn)
+    for _ in range(6):
+        ch.basic_publish("", qn, b"m")
+    plain = conn.channel()  # no confirms: an unroutable mandatory publish comes back as basic.return
+    plain.basic_publish("", uid("nowhere"), b"r", mandatory=True)
+    plain.basic_publish("", uid("nowhere"), b"d")
+    get_one(ch, qn, auto_ack=True)
+    method = get_one(ch, qn, auto_ack=False)[0]
+    ch.basic_nack(method.delivery_tag, requeue=True)
+    method, _props, _body = get_one(ch, qn, auto_ack=False)
+    assert method.redelivered
+    ch.basic_ack(method.delivery_tag)
+    consumer = conn.channel()
+    taken = 0
+    for method, _props, _body in consumer.consume(qn, auto_ack=True, inactivity_timeout=10):
+        assert method is not None, "the auto-ack consumer did not get the 4 remaining messages"
+        taken += 1
+        if taken == 4:
+            break
+    consumer.cancel()
+    ch.basic_publish("", qn, b"last")
+    for method, _props, _body in consumer.consume(qn, inactivity_timeout=10):
+        assert method is not None
+        consumer.basic_ack(method.delivery_tag)
+        break
+    consumer.cancel()
+    want = {"received": 9, "received_confirm": 7, "confirmed": 7, "routed": 7, "unroutable_returned": 1,
+            "unroutable_dropped": 1, "delivered": 8, "delivered_consume_auto_ack": 4,
+            "delivered_consume_manual_ack": 1, "delivered_get_auto_ack": 1, "delivered_get_manual_ack": 2,
+            "redelivered": 1, "acknowledged": 2}
+    deadline = time.monotonic() + 10
+    while True:
+        m = scrape(node)
+        got = {k: value(m[f"rabbitmq_global_messages_{k}"]) for k in want}
+        if got == want:
+            break
+        assert time.monotonic() < deadline, got
+        time.sleep(0.05)
+    assert value(m["rabbitmq_global_publishers"]) == 1
+    api = Api(node.http_port)
+    stats = api.get(f"/api/queues/%2F/{qn}")["message_stats"]
+    assert {k: stats[k] for k in ("publish", "deliver_get", "deliver", "deliver_no_ack", "get", "get_no_ack",
+                                  "redeliver", "ack")} == {
+        "publish": 7, "deliver_get": 8, "deliver": 1, "deliver_no_ack": 4, "get": 2, "get_no_ack": 1,
+        "redeliver": 1, "ack": 2}
+    assert all(set(stats[k + "_details"]) == {"rate"} for k in ("deliver", "get_no_ack", "redeliver"))
+    ov = api.get("/api/overview")["message_stats"]
+    assert (ov["publish"], ov["confirm"], ov["return_unroutable"], ov["drop_unroutable"]) == (9, 7, 1, 1)
+    assert ov["deliver_no_ack"] == 4 and "rate" in ov["confirm_details"]
+    assert api.get("/api/vhosts/%2F")["message_stats"]["get"] == 2
+    conn.close()

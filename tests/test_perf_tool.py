@@ -233,6 +233,8 @@ def test_other_amqp_scenarios(sink, capsys, cmd, tmp_path):
     assert r["broker_rss_bytes"] > 0 and r["extra"]
     if cmd[0] == "queue-count":
         assert r["extra"]["queues"] == 120
+        ex = r["extra"]
+        assert ex["first_10pct_declares_per_s"] > 0 and ex["last_10pct_declares_per_s"] > 0 and ex["deletes_per_s"] > 0
         with AMQPClient(sink.uri).connect() as c:
             assert not c.queue_exists("perf-qc-0")
     if cmd[0] == "connection-count":

@@ -373,6 +373,43 @@ def test_delete(tmp_path):
     s.sync()  # a sync scheduled before the delete must be harmless
 
 
+def test_delete_later_renames_at_once_and_reaps_in_the_background(tmp_path):
+    import time
+
+    path = queue_dir(str(tmp_path), "/", "q1")
+    s = QueueStore(path)
+    add(s, 1)
+    s.sync()
+    s.delete(later=True)
+    assert not os.path.exists(path)
+    again = QueueStore(queue_dir(str(tmp_path), "/", "q1"))  # the same name, right away: a fresh store
+    assert again.ready == 0
+    add(again, 2)
+    deadline = time.monotonic() + 10
+    while any(".deleted-" in n for n in os.listdir(os.path.dirname(path))):
+        assert time.monotonic() < deadline, "the deleted store's directory was never removed"
+        time.sleep(0.01)
+    assert drain(again) == [2]
+    again.close()
+
+
+def test_empty_store_has_no_segment_file_until_the_first_message(tmp_path):
+    path = queue_dir(str(tmp_path), "/", "lazy")
+    s = QueueStore(path)
+    assert sorted(os.listdir(path)) == [".queue"] and not s.dirty
+    s.sync()
+    s.close()
+    s = QueueStore(path)  # reopened empty: still nothing
+    assert sorted(os.listdir(path)) == [".queue"]
+    add(s, 7)
+    assert file_name("msgs", 1) in os.listdir(path) and s.dirty
+    s.sync()
+    s.close()
+    s = QueueStore(path)
+    assert drain(s) == [7]
+    s.close()
+
+
 def test_queue_dir_layout(tmp_path):
     path = queue_dir(str(tmp_path), "vh", "my-queue")
     vdir = os.path.dirname(path)

@@ -179,6 +179,16 @@ class PlanMixin:
         eff_durable = bool(durable) and not exclusive
         args = plain(arguments or {})
         q = v.queues.get(name)
+        default_type = v.metadata.get("default_queue_type")
+        if "x-queue-type" not in args and default_type in ("quorum", "stream"):
+            if q is not None:
+                # The type a queue got from the vhost's default is not "inequivalent" to an omitted one.
+                args["x-queue-type"] = q.arguments.get("x-queue-type", "classic")
+            elif eff_durable and not exclusive and not auto_delete:
+                # RabbitMQ 3.11+: a declare without x-queue-type gets the vhost's default_queue_type;
+                # exclusive, auto-delete and non-durable queues stay classic (as RabbitMQ 4 does;
+                # a quorum or stream queue cannot be any of them).
+                args["x-queue-type"] = default_type
         if q is not None:
             self._check_exclusive(q, want_owner, vhost, method, strict=True)
             where = _rs("queue", name, vhost)

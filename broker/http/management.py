@@ -97,12 +97,17 @@ async def overview(request: web.Request) -> web.Response:
                 unacked += row[Q_UNACKED]
                 consumers += row[Q_CONSUMERS]
     s = node.settings
+    message_stats = node.stats.totals(None if who.sees_all else
+                                      {(vn, qn) for vn in visible for qn in defs.vhosts[vn].queues})
+    if who.sees_all:
+        # As RabbitMQ's overview: publish/confirm/returns counted at the publishing channels (the
+        # frontends), so a message routed to three queues is one publish here, not three.
+        message_stats.update(node.stats.frontend_stats())
     return web.json_response({
         "management_version": RABBITMQ_VERSION, "rabbitmq_version": RABBITMQ_VERSION,
         "product_name": PRODUCT, "product_version": RABBITMQ_VERSION, "cluster_name": node_name(),
         "node": node_name(), "erlang_version": "n/a", "statistics_db_event_queue": 0,
-        "message_stats": node.stats.totals(None if who.sees_all else
-                                           {(vn, qn) for vn in visible for qn in defs.vhosts[vn].queues}),
+        "message_stats": message_stats,
         "queue_totals": {"messages": ready + unacked, "messages_ready": ready,
                          "messages_unacknowledged": unacked},
         "object_totals": {"connections": len(conns), "channels": sum(len(r[C_CHANNELS]) for r in conns),
@@ -160,11 +165,13 @@ def _vhost_json(node: Any, name: str) -> dict:
         if row is not None:
             ready += row[Q_READY]
             unacked += row[Q_UNACKED]
+    message_stats = node.stats.totals({(name, qname) for qname in v.queues})
     return {"name": name, "description": meta.get("description", ""), "tags": list(meta.get("tags", [])),
             "default_queue_type": meta.get("default_queue_type", "classic"),
             "metadata": {"description": meta.get("description", ""), "tags": list(meta.get("tags", []))},
             "tracing": False, "cluster_state": {node_name(): "running"},
-            "messages": ready + unacked, "messages_ready": ready, "messages_unacknowledged": unacked}
+            "messages": ready + unacked, "messages_ready": ready, "messages_unacknowledged": unacked,
+            "message_stats": message_stats}
 
 
 async def vhosts_list(request: web.Request) -> web.Response:
@@ -192,6 +199,8 @@ async def vhost_put(request: web.Request) -> web.Response:
     for key in ("description", "default_queue_type"):
         if key in data:
             meta[key] = str(data[key])
+    if meta.get("default_queue_type", "classic") not in ("classic", "quorum", "stream"):
+        raise error(400, f"default_queue_type '{meta['default_queue_type']}' is not one of classic, quorum, stream")
     if "tags" in data:
         meta["tags"] = _tags_of(data["tags"])
     await node.commit(node.defs.plan_vhost_put(name, meta))

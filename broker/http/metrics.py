@@ -37,15 +37,16 @@ from broker.node_stats import (
     C_CHANNELS,
     C_RECV,
     C_SEND,
+    KEYS,
     Q_ACKED,
     Q_BYTES,
     Q_CONSUMERS,
-    Q_DELIVERED,
     Q_NAME,
     Q_PUBLISHED,
     Q_READY,
     Q_UNACKED,
     Q_VHOST,
+    counts,
 )
 
 log = logging.getLogger("shardmq.metrics")
@@ -68,6 +69,65 @@ def node_processes(node: Any) -> list[tuple[str, int]]:
         if w.proc is not None and w.proc.returncode is None:
             procs.append((w.name, w.proc.pid))
     return procs
+
+
+# RabbitMQ's global counters from the shards' totals (node_stats.KEYS positions; each shard's part
+# restarts from 0 with the shard, as a counter reset).
+_SHARD_COUNTERS = (
+    ("rabbitmq_global_messages_delivered", "Total number of messages delivered to consumers", ("deliver_get",)),
+    ("rabbitmq_global_messages_delivered_consume_manual_ack",
+     "Total number of messages delivered to consumers using manual acknowledgement mode", ("deliver",)),
+    ("rabbitmq_global_messages_delivered_consume_auto_ack",
+     "Total number of messages delivered to consumers using automatic acknowledgement mode", ("deliver_no_ack",)),
+    ("rabbitmq_global_messages_delivered_get_manual_ack",
+     "Total number of messages fetched with basic.get using manual acknowledgement mode", ("get",)),
+    ("rabbitmq_global_messages_delivered_get_auto_ack",
+     "Total number of messages fetched with basic.get using automatic acknowledgement mode", ("get_no_ack",)),
+    ("rabbitmq_global_messages_redelivered", "Total number of messages redelivered to consumers", ("redeliver",)),
+    ("rabbitmq_global_messages_acknowledged", "Total number of messages acknowledged by consumers", ("ack",)),
+)
+# ... and from the frontends' counters (per publish, counted where the publish is handled).
+_FRONTEND_COUNTERS = (
+    ("rabbitmq_global_messages_received", "Total number of messages received from publishers", "received"),
+    ("rabbitmq_global_messages_received_confirm",
+     "Total number of messages received from publishers expecting confirmations", "received_confirm"),
+    ("rabbitmq_global_messages_confirmed", "Total number of messages confirmed to publishers", "confirmed"),
+    ("rabbitmq_global_messages_unroutable_dropped",
+     "Total number of messages published as non-mandatory into an exchange and dropped as unroutable",
+     "unroutable_dropped"),
+    ("rabbitmq_global_messages_unroutable_returned",
+     "Total number of messages published as mandatory into an exchange and returned to the publisher as unroutable",
+     "unroutable_returned"),
+)
+
+
+def _global_counters(stats: Any) -> Iterator[Metric]:
+    sums = dict.fromkeys(KEYS, 0)
+    for payload in stats.shards.values():
+        cur = counts(payload.get("totals") or ())
+        if cur is not None:
+            for key, n in zip(KEYS, cur, strict=True):
+                sums[key] += n
+    for name, doc, (key,) in _SHARD_COUNTERS:
+        c = CounterMetricFamily(name, doc)
+        c.add_metric([], sums[key])
+        yield c
+    fe = {counter: stats.frontend_counter(counter) for _, _, counter in _FRONTEND_COUNTERS}
+    for name, doc, counter in _FRONTEND_COUNTERS:
+        c = CounterMetricFamily(name, doc)
+        c.add_metric([], fe[counter])
+        yield c
+    routed = CounterMetricFamily("rabbitmq_global_messages_routed", "Total number of messages routed to queues")
+    routed.add_metric([], max(0, fe["received"] - fe["unroutable_dropped"] - fe["unroutable_returned"]))
+    yield routed
+    for name, doc, value in (
+            ("rabbitmq_global_publishers", "Current number of publishers (connections that published)",
+             stats.frontend_counter("publishers")),
+            ("rabbitmq_global_consumers", "Current number of consumers",
+             sum(len(p.get("consumers", ())) for p in stats.frontends.values()))):
+        g = GaugeMetricFamily(name, doc)
+        g.add_metric([], value)
+        yield g
 
 
 class NodeCollector:
@@ -102,15 +162,7 @@ class NodeCollector:
                         sum(r[Q_READY] + r[Q_UNACKED] for r in queues.values()))
         yield gauge("rabbitmq_queue_messages_ready_bytes", "Size in bytes of ready messages",
                     sum(r[Q_BYTES] for r in queues.values()))
-        # Totals since each shard started (a shard restart resets its part, as a counter reset).
-        # "routed" counts a message once per queue it reached.
-        for name, doc, i in (("rabbitmq_global_messages_routed", "Messages stored into queues", Q_PUBLISHED),
-                             ("rabbitmq_global_messages_delivered", "Messages delivered to consumers (and got)",
-                              Q_DELIVERED),
-                             ("rabbitmq_global_messages_acknowledged", "Messages acknowledged by consumers", Q_ACKED)):
-            c = CounterMetricFamily(name, doc)
-            c.add_metric([], sum(r[i] for r in queues.values() if len(r) > i))
-            yield c
+        yield from _global_counters(stats)
         for key, name, doc in (("connections_opened", "rabbitmq_connections_opened", "Total number of connections opened"),
                                ("connections_closed", "rabbitmq_connections_closed",
                                 "Total number of connections closed or terminated")):

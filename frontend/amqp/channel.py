@@ -310,7 +310,8 @@ class Channel:
         if not conn.publisher:
             conn.became_publisher()
         vhost = conn.vhost
-        defs = conn.worker.defs
+        worker = conn.worker
+        defs = worker.defs
         exchange = ev.exchange
         ex = defs.exchange(vhost, exchange)
         if ex is None:
@@ -324,6 +325,9 @@ class Channel:
                 ACCESS_REFUSED, f"cannot publish to internal exchange '{exchange}' in vhost '{vhost}'", 60, 40)
         if ev.immediate:
             raise AMQPConnectionError(NOT_IMPLEMENTED, "immediate=true", 60, 40)
+        # rabbitmq_global_messages_received_total (in STATS); refused publishes above count nowhere,
+        # so routed = received - unroutable (broker/http/metrics.py).
+        worker.n_received += 1
         props_raw = ev.props_raw
         try:
             persistent = delivery_mode(props_raw) == 2
@@ -351,10 +355,14 @@ class Channel:
             if not exchange and ev.routing_key.startswith(REPLY_PREFIX):
                 route_reply(conn.worker, ev.routing_key, exchange, props_raw, ev.body)
             elif ev.mandatory:
+                worker.n_unroutable_returned += 1
                 conn.write(encode_content(
                     self.number, C.Basic.Return(NO_ROUTE, "NO_ROUTE", exchange, ev.routing_key),
                     props_raw, ev.body, conn.frame_max))
+            else:
+                worker.n_unroutable_dropped += 1
             if confirm is not None:
+                worker.n_received_confirm += 1
                 confirm.publish(0)
                 conn.confirm_dirty(self)
             return
@@ -362,6 +370,7 @@ class Channel:
         if confirm is None:
             put_publish(conn.worker, groups, vhost, exchange, ev.routing_key, props_raw, ev.body, persistent)
         else:
+            worker.n_received_confirm += 1
             seq = confirm.publish(len(groups))
             put_publish(conn.worker, groups, vhost, exchange, ev.routing_key, props_raw, ev.body, persistent,
                         conn.conn_id, self.key, seq)
@@ -477,7 +486,10 @@ class Channel:
             return
         write = self.conn.write
         ch = self.number
-        for tag, multiple, is_ack in confirm.drain():
+        acked = confirm.n_acked
+        frames = confirm.drain()
+        self.conn.worker.n_confirmed += confirm.n_acked - acked  # once per batch of confirms
+        for tag, multiple, is_ack in frames:
             if is_ack:
                 write(encode_method(ch, C.Basic.Ack(tag, multiple)))
             else:
