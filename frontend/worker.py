@@ -17,7 +17,7 @@ from typing import Any
 
 import zmq
 
-from broker import contract
+from broker import contract, stage_trace
 from broker.definitions import Definitions
 from broker.tls import reload_certificate, server_context
 from broker.zmqio import BatchSocket, make_socket
@@ -81,6 +81,7 @@ class FrontendWorker:
         self._snapshot: asyncio.Future = loop.create_future()
         self.stopped = asyncio.Event()
         self._stopping = False
+        self._trace = stage_trace.get("frontend")  # --trace-stages (debug): None normally
 
     # ----------------------------------------------------------------- startup
     async def start(self) -> None:
@@ -99,6 +100,8 @@ class FrontendWorker:
             sock = make_socket(self.ctx, zmq.DEALER, self.ident)
             sock.connect(contract.shard_address(self.run_dir, i))
             self.shards.append(BatchSocket(self.loop, sock, self._shard_handler(i), self._header_for(i)))
+            if self._trace is not None:
+                self.shards[-1].set_trace(self._trace, "fe_deliver_in", "fe_publish_out", keep_in=True)
             ctl = make_socket(self.ctx, zmq.DEALER, self.ident + contract.CONTROL_LANE_SUFFIX)
             ctl.connect(contract.shard_address(self.run_dir, i))
             self.control.append(BatchSocket(self.loop, ctl, self._shard_handler(i), self._control_header_for(i)))
@@ -395,6 +398,8 @@ class FrontendWorker:
                 conn.flush_turn()
             except Exception as exc:
                 conn.internal_error(exc)
+        if self._trace is not None:
+            self._trace.mark_pending("fe_write")
 
     # ------------------------------------------------------------------ stop
     async def stop(self) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import zmq
 
-from broker import contract
+from broker import contract, stage_trace
 from broker.definitions import Definitions
 from broker.policies import POLICY_OPS
 from broker.zmqio import BatchSocket, make_socket
@@ -116,6 +116,9 @@ class ShardWorker:
         data_sock = make_socket(self.ctx, zmq.ROUTER)
         data_sock.bind(contract.shard_address(self.run_dir, self.index))
         self.data = BatchSocket(self.loop, data_sock, self._on_data)
+        trace = stage_trace.get("shard")  # --trace-stages (debug): None normally
+        if trace is not None:
+            self.data.set_trace(trace, "sh_publish_in", "sh_deliver_out")
         node_sock = make_socket(self.ctx, zmq.DEALER, self.ident)
         node_sock.connect(contract.node_address(self.run_dir))
         self.node = BatchSocket(self.loop, node_sock, self._on_control)
