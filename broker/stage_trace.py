@@ -16,7 +16,7 @@ Stages, in the order a message meets them:
 - ``sh_publish_in``: the shard received that batch;
 - ``sh_deliver_out``: the shard sends the DELIVER batch holding it (appended, delivered, turn ended);
 - ``fe_deliver_in``: a frontend received that batch;
-- ``fe_write``: the frontend wrote the frames to the client socket (end of that loop turn).
+- ``fe_write``: the frontend writes the frames to the client socket (end of that loop turn).
 
 The hooks are per batch (``BatchSocket``) and per frontend loop turn, so with the trace off the
 cost is one ``is None`` test per batch.

@@ -391,6 +391,8 @@ class FrontendWorker:
 
     def _end_of_turn(self) -> None:
         self._turn_scheduled = False
+        if self._trace is not None:  # stamped before the writes: the client may read them at once
+            self._trace.mark_pending("fe_write")
         dirty = self._dirty
         self._dirty = []
         for conn in dirty:
@@ -398,8 +400,6 @@ class FrontendWorker:
                 conn.flush_turn()
             except Exception as exc:
                 conn.internal_error(exc)
-        if self._trace is not None:
-            self._trace.mark_pending("fe_write")
 
     # ------------------------------------------------------------------ stop
     async def stop(self) -> None:
