@@ -123,9 +123,10 @@ class FrontendWorker:
         ws_port = int(settings.get("ws_port", 0) or 0)
         wss_port = int(settings.get("wss_port", 0) or 0) if tls is not None else 0
         if ws_port or wss_port:
-            from frontend import ws  # aiohttp is imported only by frontends that serve WebSocket
+            from frontend.ws_listener import LazyWebSocket  # aiohttp comes on the first WebSocket connection
 
-            self._ws_runner = await ws.start(self, bind, ws_port, wss_port, tls)
+            self._ws_runner = LazyWebSocket(self)
+            await self._ws_runner.listen(bind, ws_port, wss_port, tls)
             log.info("frontend %d (pid %d) listening for websocket on %s:%d%s", self.index, os.getpid(), bind,
                      ws_port, f" and over TLS on {wss_port}" if wss_port else "")
 

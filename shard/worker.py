@@ -297,6 +297,10 @@ class ShardWorker:
                     self._handle(fe, item)
                 except Exception:  # one bad item must not take the shard down
                     log.exception("shard %d: failed to handle item kind %r", self.index, item[:1])
+        # Deliver before the socket's flush is scheduled (call_soon runs in order): the DELIVERs of
+        # this turn then leave with its PROCESSED in the same flush, instead of waiting for the next
+        # loop iteration and a second ZeroMQ send.
+        self._schedule_deliver()
         if batch_seq is not None:
             if self._behind:
                 self._hold_processed(fe, batch_seq, len(items))
@@ -304,7 +308,6 @@ class ShardWorker:
                 self.data.put(fe, [contract.PROCESSED, batch_seq])
         if self._confirms:
             self._flush_confirms()
-        self._schedule_deliver()
 
     def _handle(self, fe: bytes, item: list) -> None:
         kind = item[0]
