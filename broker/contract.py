@@ -236,6 +236,10 @@ CREDIT_WINDOW = 2000
 # A frontend stops reading from its client sockets while more than this many publish-lane
 # batches to any one shard are not yet answered by PROCESSED.
 MAX_BATCHES_IN_FLIGHT = 8
+# ... or while the publish-lane batches to one shard that are not answered yet hold more than this
+# many bytes: with large bodies a few batches are already hundreds of MB (ZeroMQ queues them in both
+# processes). One turn's reads may go over it; the next batch waits.
+MAX_BYTES_IN_FLIGHT = 8 << 20
 
 # Lanes. Each frontend connects TWO DEALERs to every shard: the publish lane (identity
 # "fe-K") carries PUBLISH and everything that must stay ordered with publishes (GET, PURGE,

@@ -48,7 +48,7 @@ class BatchSocket:
     """A ROUTER (dest = peer identity) or DEALER (dest = None) with per-turn batching."""
 
     __slots__ = ("loop", "sock", "on_batch", "is_router", "header_for", "_pending", "_scheduled", "_closed",
-                 "_resume_scheduled", "_trace", "_trace_in", "_trace_out", "_trace_keep")
+                 "_resume_scheduled", "_trace", "_trace_in", "_trace_out", "_trace_keep", "on_sent")
 
     def __init__(
         self,
@@ -69,6 +69,8 @@ class BatchSocket:
         self._trace: Any = None  # broker.stage_trace.StageTrace under --trace-stages
         self._trace_in = self._trace_out = ""
         self._trace_keep = False
+        # Called with the size of every batch sent (after header_for): the frontend counts bytes in flight.
+        self.on_sent: Callable[[int], None] | None = None
         loop.add_reader(sock.getsockopt(zmq.FD), self._on_readable)
         # Messages may already be waiting (the FD only signals edges).
         loop.call_soon(self._on_readable)
@@ -118,6 +120,8 @@ class BatchSocket:
     def _send(self, dest: bytes | None, payload: bytes) -> None:
         if self._closed:
             return
+        if self.on_sent is not None:
+            self.on_sent(len(payload))
         try:
             if self.is_router:
                 self.sock.send_multipart((dest, payload), copy=len(payload) < 65536)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +40,7 @@ _CANCEL_NOTIFY = contract.CANCEL_NOTIFY
 _CLOSE_CHANNEL = contract.CLOSE_CHANNEL
 _RETURN = contract.RETURN
 _MAX_IN_FLIGHT = contract.MAX_BATCHES_IN_FLIGHT
+_MAX_BYTES_IN_FLIGHT = contract.MAX_BYTES_IN_FLIGHT
 _PUBLISH = contract.PUBLISH
 _CONTROL_LANE_KINDS = contract.CONTROL_LANE_KINDS
 
@@ -59,10 +61,15 @@ class FrontendWorker:
         self.control: list[BatchSocket] = []  # control lanes (see contract.CONTROL_LANE_KINDS)
         self._sent: list[int] = []  # last batch_seq flushed per shard
         self._processed: list[int] = []  # highest batch_seq a shard answered with PROCESSED
+        # Per shard: (batch_seq, bytes) of the publish-lane batches not answered yet, and their sum.
+        self._unanswered: list[deque[tuple[int, int]]] = []
+        self._bytes_in_flight: list[int] = []
+        self._unsent_bytes: list[int] = []  # bodies put on a publish lane since its last send
         self.pressure = False  # a shard is behind: reading paused on publishing connections
         self.alarms: list[str] = []  # resource alarms in effect (node ALARMS): publishers are blocked
         # Totals since this frontend started, reported in STATS (Prometheus' *_opened_total/_closed_total).
-        self.counters = {"connections_opened": 0, "connections_closed": 0}
+        self.counters = {"connections_opened": 0, "connections_closed": 0,
+                         "publish_bytes_in_flight_peak": 0}  # the most bytes in flight to one shard
         self.node: BatchSocket | None = None
         self.servers: list[asyncio.AbstractServer] = []
         self._forwarded: dict[str, Callable] = {}
@@ -96,10 +103,14 @@ class FrontendWorker:
         self.epochs = [_epoch_of(epochs, i) for i in range(self.shard_count)]
         self._sent = [0] * self.shard_count
         self._processed = [0] * self.shard_count
+        self._unanswered = [deque() for _ in range(self.shard_count)]
+        self._bytes_in_flight = [0] * self.shard_count
+        self._unsent_bytes = [0] * self.shard_count
         for i in range(self.shard_count):
             sock = make_socket(self.ctx, zmq.DEALER, self.ident)
             sock.connect(contract.shard_address(self.run_dir, i))
             self.shards.append(BatchSocket(self.loop, sock, self._shard_handler(i), self._header_for(i)))
+            self.shards[-1].on_sent = self._sent_bytes(i)
             if self._trace is not None:
                 self.shards[-1].set_trace(self._trace, "fe_deliver_in", "fe_publish_out", keep_in=True)
             ctl = make_socket(self.ctx, zmq.DEALER, self.ident + contract.CONTROL_LANE_SUFFIX)
@@ -174,12 +185,40 @@ class FrontendWorker:
 
         return header
 
+    def _sent_bytes(self, shard: int) -> Callable[[int], None]:
+        unanswered = self._unanswered[shard]
+        in_flight = self._bytes_in_flight
+        sent = self._sent
+        counters = self.counters
+
+        unsent = self._unsent_bytes
+
+        def on_sent(n: int) -> None:
+            unsent[shard] = 0
+            unanswered.append((sent[shard], n))
+            total = in_flight[shard] = in_flight[shard] + n
+            if total > counters["publish_bytes_in_flight_peak"]:
+                counters["publish_bytes_in_flight_peak"] = total
+            if total > _MAX_BYTES_IN_FLIGHT and not self.pressure:
+                self._set_pressure(True)
+
+        return on_sent
+
+    def _answered(self, shard: int, seq: int) -> None:
+        """PROCESSED up to ``seq``: those batches' bytes are no longer in flight."""
+        unanswered = self._unanswered[shard]
+        freed = 0
+        while unanswered and unanswered[0][0] <= seq:
+            freed += unanswered.popleft()[1]
+        self._bytes_in_flight[shard] -= freed
+
     def _control_header_for(self, shard: int) -> Callable[[bytes | None], list]:
         epochs = self.epochs
         return lambda _dest: [epochs[shard], None]
 
     def debug_state(self) -> dict:
         return {"pressure": self.pressure, "sent": list(self._sent), "processed": list(self._processed),
+                "bytes_in_flight": list(self._bytes_in_flight),
                 "connections": len(self.conns), "shard_pending": len(self._shard_pending),
                 "node_pending": len(self._node_pending)}
 
@@ -241,6 +280,7 @@ class FrontendWorker:
         log.info("frontend %d: shard %d restarted (epoch %d)", self.index, shard, epoch)
         # Nothing more will come back for batches the old incarnation had.
         self._processed[shard] = self._sent[shard]
+        self._answered(shard, self._sent[shard])
         self._update_pressure()
         # Connections stay open (frontend/amqp/shard_loss.py): what they had in flight there is settled...
         for conn in list(self.conns.values()):
@@ -296,6 +336,12 @@ class FrontendWorker:
                     return
             self.control[shard].put(None, item)
         else:
+            if kind == _PUBLISH:
+                # Bytes are checked as publishes come in, not only when the batch leaves: one loop
+                # turn can read megabytes per connection (libuv reads a socket up to 32 times).
+                n = self._unsent_bytes[shard] = self._unsent_bytes[shard] + len(item[6])
+                if n + self._bytes_in_flight[shard] > _MAX_BYTES_IN_FLIGHT and not self.pressure:
+                    self._set_pressure(True)
             self.shards[shard].put(None, item)
 
     def shard_request(self, shard: int, build: Callable[[int], list], conn: Session,
@@ -328,6 +374,7 @@ class FrontendWorker:
                 elif kind == _PROCESSED:
                     if item[1] > self._processed[shard]:
                         self._processed[shard] = item[1]
+                        self._answered(shard, item[1])
                         if self.pressure:
                             self._update_pressure()
                 elif kind == _REPLY_DATA:
@@ -365,7 +412,9 @@ class FrontendWorker:
     def _update_pressure(self) -> None:
         sent = self._sent
         processed = self._processed
-        behind = any(sent[i] - processed[i] > _MAX_IN_FLIGHT for i in range(self.shard_count))
+        in_flight = self._bytes_in_flight
+        behind = any(sent[i] - processed[i] > _MAX_IN_FLIGHT or in_flight[i] > _MAX_BYTES_IN_FLIGHT
+                     for i in range(self.shard_count))
         if behind != self.pressure:
             self._set_pressure(behind)
 
