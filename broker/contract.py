@@ -233,6 +233,10 @@ RETURN = 47
 # spends one; the frontend returns credit (CREDIT items) once it has written deliveries to a
 # client socket that is not paused, so a slow client never makes a frontend buffer unboundedly.
 CREDIT_WINDOW = 2000
+# A delivery costs 1 + (len(body) >> CREDIT_BYTES_SHIFT) credits (shard and frontend compute the same),
+# so the window bounds bytes too: about 8 MiB of large bodies per consumer instead of 2000 bodies
+# (2 GB of 1 MiB messages); bodies under 4 KiB cost 1, as before.
+CREDIT_BYTES_SHIFT = 12
 # A frontend stops reading from its client sockets while more than this many publish-lane
 # batches to any one shard are not yet answered by PROCESSED.
 MAX_BATCHES_IN_FLIGHT = 8

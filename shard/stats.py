@@ -43,7 +43,9 @@ def _segment_bytes(store: Any) -> int:
     if subs is not None:
         return sum(_segment_bytes(s) for s in subs)
     segs = getattr(store, "_segs", None) or {}
-    return sum(getattr(seg, "used", 0) for seg in segs.values())
+    if isinstance(segs, dict):  # a queue's segments by number; a stream keeps a list
+        segs = segs.values()
+    return sum(getattr(seg, "used", 0) for seg in segs)
 
 
 def shard_stats(worker: ShardWorker) -> dict:

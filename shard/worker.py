@@ -785,6 +785,8 @@ class ShardWorker:
                 store.flush_acks()
                 if store.ready > _FLOW_BACKLOG and q.consumers and _consumer_waiting(q.consumers):
                     behind = True
+                elif q.__class__ is StreamQueue and q.consumers and q.tail_consumer_waiting(_FLOW_BACKLOG):
+                    behind = True  # a stream's ready is 0: its live consumers are behind by their lag
         self._behind = behind
         if self._held:
             self._release_processed(delivered)
