@@ -39,11 +39,14 @@ def read(conn, q: str, n: int, args: dict | None = None, tag: str | None = None,
     ch = channel or conn.channel()
     ch.basic_qos(prefetch_count=prefetch)
     got: list[tuple[int, bytes]] = []
+    held: list[int] = []  # delivery tags acked once n have arrived, when only the first `ack` are to be
 
     def on_message(c, method, props, body):
         got.append((props.headers["x-stream-offset"], body))
-        if ack is None or len(got) <= ack:
+        if ack is None:
             c.basic_ack(method.delivery_tag)
+        else:
+            held.append(method.delivery_tag)
 
     kwargs = {"consumer_tag": tag} if tag else {}
     ctag = ch.basic_consume(q, on_message, arguments=args or {}, **kwargs)
@@ -51,12 +54,17 @@ def read(conn, q: str, n: int, args: dict | None = None, tag: str | None = None,
     while len(got) < n:
         assert time.monotonic() < deadline, f"got {len(got)} of {n}: {got}"
         conn.process_data_events(time_limit=0.05)
+    if ack is not None:
+        # Acked only now: acks sent as messages came would free prefetch slots, and more messages
+        # could arrive before the n-th is seen (a race that faster deliveries lost).
+        for delivery_tag in held[:ack]:
+            ch.basic_ack(delivery_tag)
     if wait_more:
         conn.process_data_events(time_limit=wait_more)
     ch.basic_cancel(ctag)
     if channel is None:
         ch.close()
-    return got
+    return got if ack is None or wait_more else got[:n]  # with partial acks, later deliveries are not read
 
 
 def bodies(n: int, prefix: str = "m") -> list[bytes]:
