@@ -350,6 +350,15 @@ def render_doc(machine: dict[str, str], command: str, table: str | None, when: s
     return "\n".join(lines)
 
 
+KEEP_MARKER = "<!-- kept by shardmq-perf bench: everything below is carried over when the page is rewritten -->"
+
+
+def kept_tail(old_doc: str) -> str:
+    """The hand-written part of the page (analyses, traces, memory) below KEEP_MARKER, marker included."""
+    at = old_doc.find(KEEP_MARKER)
+    return "" if at < 0 else old_doc[at:]
+
+
 def _report_table(report_md: Path) -> str:
     """The report's table and its notes, without the plots line (PNGs stay next to the results)."""
     text = report_md.read_text()
@@ -449,7 +458,9 @@ def main(argv: list[str] | None = None) -> int:
         machine = machine_info(rabbit_version)
         when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
         doc = render_doc(machine, _reproduce_command(argv), table, when, failures, str(results_dir))
-        Path(args.doc).write_text(doc)
+        old = Path(args.doc).read_text() if Path(args.doc).exists() else ""
+        tail = kept_tail(old)
+        Path(args.doc).write_text(doc + ("\n" + tail if tail else ""))
         print(f"wrote {args.doc}", file=sys.stderr)
     if failures:
         print(f"{len(failures)} of {len(outcomes)} runs failed", file=sys.stderr)

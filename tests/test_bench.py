@@ -130,3 +130,9 @@ def test_sigterm_during_a_run_still_stops_the_broker(tmp_path: Path) -> None:
             proc.wait()
         err.close()
     assert not _alive(beam)
+
+
+def test_rewriting_the_doc_keeps_the_hand_written_tail() -> None:
+    old = "# old page\n| stale table |\n" + bench.KEEP_MARKER + "\n## Memory\nmeasured by hand\n"
+    assert bench.kept_tail(old) == bench.KEEP_MARKER + "\n## Memory\nmeasured by hand\n"
+    assert bench.kept_tail("# a page without the marker\n") == ""
