@@ -238,7 +238,7 @@ class Node:
             "--prometheus-port", str(self.prometheus_port),
             "--mqtt-port", str(self.mqtt_port),
             "--ws-port", str(self.ws_port),
-            "--wss-port", "0", "--https-port", "0",  # a test that wants them over TLS passes its own after these
+            "--wss-port", "0", "--https-port", "0", "--prometheus-tls-port", "0",  # a test that wants them over TLS passes its own after these
             "--replication-port", str(self.replication_port),
             *self.extra_args,
         ]
@@ -297,7 +297,7 @@ class Node:
         """The node's other client listeners that are on (besides AMQP on self.port)."""
         ports = [p for p in (self.mqtt_port, self.ws_port) if p]
         args = self.extra_args
-        for flag in ("--amqps-port", "--mqtts-port", "--wss-port", "--https-port"):
+        for flag in ("--amqps-port", "--mqtts-port", "--wss-port", "--https-port", "--prometheus-tls-port"):
             if flag in args and int(args[args.index(flag) + 1]) and "--tls-cert" in args:
                 ports.append(int(args[args.index(flag) + 1]))
         return ports
