@@ -84,7 +84,9 @@ FORWARD = 5
 # a shard's: {"queues": [[vhost, name, ready, unacked, consumers, ready_bytes, published, delivered, acked], ...]}
 #   (published/delivered/acked: totals since the shard started; the node turns them into rates),
 #   "totals": [published, delivered, acked] summed over the shard's queues, "segment_bytes": n,
-#   "fsync": {"buckets": [le, ...], "counts": [n, ...], "sum": seconds, "count": n}
+#   "fsync": {"buckets": [le, ...], "counts": [n, ...], "sum": seconds, "count": n},
+#   "damaged": [[vhost, name, damaged_records, damaged_acks], ...]  (only queues with storage damage
+#   since the shard opened them; an older shard leaves the key out, read as none)
 STATS = 6
 # REPL_STATUS: [REPL_STATUS, {follower: [connected, in_sync, lag_bytes, lag_seconds, last_ack_monotonic,
 #                                         acked_position]}]
@@ -331,3 +333,36 @@ def worker_id(role: str, index: int) -> bytes:
 
 assert CONTROL_LANE_KINDS == frozenset((ACK, NACK, CREDIT, CONSUME, CANCEL, QOS, RECOVER, CHANNEL_CLOSED,
                                         CONNECTION_CLOSED, MARKED_ACK))
+
+
+# --------------------------------------------------------------------------
+# Kind registry
+# --------------------------------------------------------------------------
+# Every message kind, by namespace (the socket it travels on, both directions: a receiver decodes
+# all of them), with the contract VERSION that introduced it (the history comment above VERSION
+# names it). Two branches once picked the same numbers independently: a new kind goes here too,
+# and tests/test_contract.py fails when a number is taken twice in a namespace, a kind constant is
+# missing from this table, or its version is not stated.
+KINDS: dict[str, dict[str, tuple[int, int]]] = {
+    "control": {  # node.sock: worker -> node 1..9, node -> worker 10..19
+        "HELLO": (HELLO, 1), "APPLIED": (APPLIED, 1), "REQUEST": (REQUEST, 1), "QUERY_REPLY": (QUERY_REPLY, 1),
+        "FORWARD": (FORWARD, 1), "STATS": (STATS, 4), "REPL_STATUS": (REPL_STATUS, 5), "REPL_ISR": (REPL_ISR, 5),
+        "SNAPSHOT": (SNAPSHOT, 1), "DEFS": (DEFS, 1), "REPLY": (REPLY, 1), "SHARD_UP": (SHARD_UP, 1),
+        "WORKER_DOWN": (WORKER_DOWN, 1), "QUERY": (QUERY, 1), "STOP": (STOP, 1),
+        "CLOSE_CONNECTIONS": (CLOSE_CONNECTIONS, 4), "FORWARDED": (FORWARDED, 1), "ALARMS": (ALARMS, 4),
+    },
+    "data": {  # shard-N.sock: to a shard 20..39, from a shard 40..
+        "PUBLISH": (PUBLISH, 1), "CONSUME": (CONSUME, 1), "CANCEL": (CANCEL, 1), "ACK": (ACK, 1), "NACK": (NACK, 1),
+        "GET": (GET, 1), "QOS": (QOS, 1), "RECOVER": (RECOVER, 1), "CHANNEL_CLOSED": (CHANNEL_CLOSED, 1),
+        "CONNECTION_CLOSED": (CONNECTION_CLOSED, 1), "PURGE": (PURGE, 1), "CREDIT": (CREDIT, 1),
+        "QUEUE_INFO": (QUEUE_INFO, 3), "DELAYED_PUBLISH": (DELAYED_PUBLISH, 2), "DEDUP_PUBLISH": (DEDUP_PUBLISH, 3),
+        "KV_PUT": (KV_PUT, 4), "KV_GET": (KV_GET, 4),
+        "MARKED_PUBLISH": (MARKED_PUBLISH, 7), "UNMARK": (UNMARK, 7), "MARKED_ACK": (MARKED_ACK, 7),
+        "DELIVER": (DELIVER, 1), "CONFIRM": (CONFIRM, 1), "CONFIRM_NACK": (CONFIRM_NACK, 1),
+        "REPLY_DATA": (REPLY_DATA, 1), "CANCEL_NOTIFY": (CANCEL_NOTIFY, 1), "PROCESSED": (PROCESSED, 1),
+        "CLOSE_CHANNEL": (CLOSE_CHANNEL, 1), "RETURN": (RETURN, 6),
+    },
+}
+# Integer constants of this module that are not message kinds.
+NOT_KINDS = ("VERSION", "CREDIT_WINDOW", "MAX_BATCHES_IN_FLIGHT", "PEER_CHANNEL_DEDUP", "PEER_CHANNEL_DELAYED",
+             "PEER_CHANNEL_DLX")

@@ -34,20 +34,19 @@ def read(conn, q: str, n: int, args: dict | None = None, tag: str | None = None,
          ack: int | None = None, wait_more: float = 0.0, channel=None) -> list[tuple[int, bytes]]:
     """Consume n messages: [(x-stream-offset, body)]; acks the first `ack` (all when None), then cancels.
 
-    With wait_more > 0 it also checks that nothing beyond n arrives within that time.
+    Returns the first n; with wait_more > 0 everything that arrived, so the caller can check that
+    nothing beyond n arrived within that time.
     """
     ch = channel or conn.channel()
     ch.basic_qos(prefetch_count=prefetch)
     got: list[tuple[int, bytes]] = []
-    held: list[int] = []  # delivery tags acked once n have arrived, when only the first `ack` are to be
 
     def on_message(c, method, props, body):
         got.append((props.headers["x-stream-offset"], body))
-        if ack is None:
-            if len(got) <= n:  # what arrives after the n-th (acks free prefetch slots) is not read
-                c.basic_ack(method.delivery_tag)
-        else:
-            held.append(method.delivery_tag)
+        # Only the first n count: acks free credit, so more can arrive in the same batch; acking those
+        # too would move a tracked offset past what the caller read.
+        if len(got) <= n and (ack is None or len(got) <= ack):
+            c.basic_ack(method.delivery_tag)
 
     kwargs = {"consumer_tag": tag} if tag else {}
     ctag = ch.basic_consume(q, on_message, arguments=args or {}, **kwargs)
@@ -55,17 +54,11 @@ def read(conn, q: str, n: int, args: dict | None = None, tag: str | None = None,
     while len(got) < n:
         assert time.monotonic() < deadline, f"got {len(got)} of {n}: {got}"
         conn.process_data_events(time_limit=0.05)
-    if ack is not None:
-        # Acked only now: acks sent as messages came would free prefetch slots, and more messages
-        # could arrive before the n-th is seen (a race that faster deliveries lost).
-        for delivery_tag in held[:ack]:
-            ch.basic_ack(delivery_tag)
     if wait_more:
         conn.process_data_events(time_limit=wait_more)
     ch.basic_cancel(ctag)
     if channel is None:
         ch.close()
-    # Deliveries after the n-th (acks freed prefetch slots before the cancel) are not part of the read.
     return got if wait_more else got[:n]
 
 
