@@ -170,7 +170,7 @@ RECOVER = 27  # [RECOVER, conn_id, channel]  requeue this channel's unacked mess
 CHANNEL_CLOSED = 28
 CONNECTION_CLOSED = 29  # [CONNECTION_CLOSED, conn_id]
 PURGE = 30  # [PURGE, req_id, vhost, queue] -> REPLY_DATA {"messages": purged_count}
-CREDIT = 31  # [CREDIT, conn_id, channel, consumer_tag, n]  frontend wrote n deliveries out
+CREDIT = 31  # [CREDIT, conn_id, channel, consumer_tag, n]  frontend wrote deliveries costing n credits out
 # QUEUE_INFO: [QUEUE_INFO, req_id, vhost, queue] -> REPLY_DATA {"messages", "consumers"}. Asked on the
 # data path (not through the node) so the counts include every publish this frontend sent before.
 QUEUE_INFO = 32
@@ -251,7 +251,7 @@ CLOSE_CHANNEL = 46  # [CLOSE_CHANNEL, conn_id, channel, reply_code, text]  e.g. 
 RETURN = 47
 
 # Flow control. Every consumer starts with CREDIT_WINDOW credits on its shard; each DELIVER
-# spends one; the frontend returns credit (CREDIT items) once it has written deliveries to a
+# spends its cost (below); the frontend returns credit (CREDIT items) once it has written deliveries to a
 # client socket that is not paused, so a slow client never makes a frontend buffer unboundedly.
 CREDIT_WINDOW = 2000
 # A delivery costs 1 + (len(body) >> CREDIT_BYTES_SHIFT) credits (shard and frontend compute the same),
