@@ -364,5 +364,5 @@ KINDS: dict[str, dict[str, tuple[int, int]]] = {
     },
 }
 # Integer constants of this module that are not message kinds.
-NOT_KINDS = ("VERSION", "CREDIT_WINDOW", "MAX_BATCHES_IN_FLIGHT", "PEER_CHANNEL_DEDUP", "PEER_CHANNEL_DELAYED",
-             "PEER_CHANNEL_DLX")
+NOT_KINDS = ("VERSION", "CREDIT_WINDOW", "CREDIT_BYTES_SHIFT", "MAX_BATCHES_IN_FLIGHT", "MAX_BYTES_IN_FLIGHT",
+             "PEER_CHANNEL_DEDUP", "PEER_CHANNEL_DELAYED", "PEER_CHANNEL_DLX")
