@@ -62,4 +62,5 @@ def shard_stats(worker: ShardWorker) -> dict:
     totals = [sum(q.n_published for q in worker.queues.values()), sum(q.n_delivered for q in worker.queues.values()),
               sum(q.n_acked for q in worker.queues.values())]
     return {"queues": queues, "totals": totals, "fsync": worker.sync_histogram.report(),
-            "segment_bytes": sum(_segment_bytes(q.store) for q in worker.queues.values()), "damaged": damaged}
+            "segment_bytes": sum(_segment_bytes(q.store) for q in worker.queues.values()), "damaged": damaged,
+            "dead_letters_unconfirmed": len(worker.dead_letters.pending)}

@@ -158,6 +158,12 @@ class NodeCollector:
                 fsync.add_metric([str(index)], buckets, h["sum"])
         yield seg
         yield fsync
+        dl = GaugeMetricFamily("shardmq_shard_dead_letters_unconfirmed",
+                               "Dead letters sent to other shards and not yet confirmed by them (kept in the "
+                               "sending shard's outbox)", labels=["shard"])
+        for index, payload in sorted(stats.shards.items()):
+            dl.add_metric([str(index)], payload.get("dead_letters_unconfirmed", 0))
+        yield dl
         # Storage damage found by recovery or lazy verification (docs/storage.md "Recovery"), counted
         # since each shard opened its queues: records lost (bytes set aside) and ack entries ignored.
         damaged = stats.damaged()
