@@ -100,6 +100,9 @@ class Settings:
     # ms between the periodic statistics each worker sends the node (RabbitMQ's
     # collect_statistics_interval): queue counts, connections, counters for the API and Prometheus.
     stats_interval: int = 5000
+    # Debug: a directory where frontends and shards write a per-stage latency trace of a sample of
+    # messages (broker/stage_trace.py, python -m loadtest.trace_stages); None = off.
+    trace_stages: str | None = None
     # Resource alarms (broker/alarms.py): publishers are blocked while free disk space of the data dir is
     # below disk_free_limit or the node's memory is above vm_memory_high_watermark (RabbitMQ's syntax).
     disk_free_limit: str = "50MB"
@@ -237,6 +240,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("prometheus_tls_port", "int", "http",
            "Prometheus metrics over HTTPS, on when --tls-cert is set (0 = off)", 0, 65535),
     Option("stats_interval", "int", "http", "ms between the statistics reports of the workers", 100, 3600000),
+    Option("trace_stages", "path", "main",
+           "debug: directory for a per-stage latency trace of sampled messages (python -m loadtest.trace_stages)"),
     Option("cluster", "bool", "clustering", "run as a cluster member (etcd election, replication)",
            key="enabled"),
     Option("etcd_endpoints", "list", "clustering", "etcd endpoints HOST:PORT, comma separated"),

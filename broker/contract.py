@@ -182,7 +182,7 @@ RECOVER = 27  # [RECOVER, conn_id, channel]  requeue this channel's unacked mess
 CHANNEL_CLOSED = 28
 CONNECTION_CLOSED = 29  # [CONNECTION_CLOSED, conn_id]
 PURGE = 30  # [PURGE, req_id, vhost, queue] -> REPLY_DATA {"messages": purged_count}
-CREDIT = 31  # [CREDIT, conn_id, channel, consumer_tag, n]  frontend wrote n deliveries out
+CREDIT = 31  # [CREDIT, conn_id, channel, consumer_tag, n]  frontend wrote deliveries costing n credits out
 # QUEUE_INFO: [QUEUE_INFO, req_id, vhost, queue] -> REPLY_DATA {"messages", "consumers"}. Asked on the
 # data path (not through the node) so the counts include every publish this frontend sent before.
 QUEUE_INFO = 32
@@ -264,12 +264,20 @@ CLOSE_CHANNEL = 46  # [CLOSE_CHANNEL, conn_id, channel, reply_code, text]  e.g. 
 RETURN = 47
 
 # Flow control. Every consumer starts with CREDIT_WINDOW credits on its shard; each DELIVER
-# spends one; the frontend returns credit (CREDIT items) once it has written deliveries to a
+# spends its cost (below); the frontend returns credit (CREDIT items) once it has written deliveries to a
 # client socket that is not paused, so a slow client never makes a frontend buffer unboundedly.
 CREDIT_WINDOW = 2000
+# A delivery costs 1 + (len(body) >> CREDIT_BYTES_SHIFT) credits (shard and frontend compute the same),
+# so the window bounds bytes too: about 8 MiB of large bodies per consumer instead of 2000 bodies
+# (2 GB of 1 MiB messages); bodies under 4 KiB cost 1, as before.
+CREDIT_BYTES_SHIFT = 12
 # A frontend stops reading from its client sockets while more than this many publish-lane
 # batches to any one shard are not yet answered by PROCESSED.
 MAX_BATCHES_IN_FLIGHT = 8
+# ... or while the publish-lane batches to one shard that are not answered yet hold more than this
+# many bytes: with large bodies a few batches are already hundreds of MB (ZeroMQ queues them in both
+# processes). One turn's reads may go over it; the next batch waits.
+MAX_BYTES_IN_FLIGHT = 8 << 20
 
 # Lanes. Each frontend connects TWO DEALERs to every shard: the publish lane (identity
 # "fe-K") carries PUBLISH and everything that must stay ordered with publishes (GET, PURGE,
@@ -376,5 +384,5 @@ KINDS: dict[str, dict[str, tuple[int, int]]] = {
     },
 }
 # Integer constants of this module that are not message kinds.
-NOT_KINDS = ("VERSION", "CREDIT_WINDOW", "MAX_BATCHES_IN_FLIGHT", "PEER_CHANNEL_DEDUP", "PEER_CHANNEL_DELAYED",
-             "PEER_CHANNEL_DLX")
+NOT_KINDS = ("VERSION", "CREDIT_WINDOW", "CREDIT_BYTES_SHIFT", "MAX_BATCHES_IN_FLIGHT", "MAX_BYTES_IN_FLIGHT",
+             "PEER_CHANNEL_DEDUP", "PEER_CHANNEL_DELAYED", "PEER_CHANNEL_DLX")

@@ -48,7 +48,7 @@ class BatchSocket:
     """A ROUTER (dest = peer identity) or DEALER (dest = None) with per-turn batching."""
 
     __slots__ = ("loop", "sock", "on_batch", "is_router", "header_for", "_pending", "_scheduled", "_closed",
-                 "_resume_scheduled")
+                 "_resume_scheduled", "_trace", "_trace_in", "_trace_out", "_trace_keep", "on_sent")
 
     def __init__(
         self,
@@ -66,9 +66,18 @@ class BatchSocket:
         self._scheduled = False
         self._closed = False
         self._resume_scheduled = False
+        self._trace: Any = None  # broker.stage_trace.StageTrace under --trace-stages
+        self._trace_in = self._trace_out = ""
+        self._trace_keep = False
+        # Called with the size of every batch sent (after header_for): the frontend counts bytes in flight.
+        self.on_sent: Callable[[int], None] | None = None
         loop.add_reader(sock.getsockopt(zmq.FD), self._on_readable)
         # Messages may already be waiting (the FD only signals edges).
         loop.call_soon(self._on_readable)
+
+    def set_trace(self, trace: Any, stage_in: str, stage_out: str, keep_in: bool = False) -> None:
+        """Record the sampled messages of every batch received (``stage_in``) and sent (``stage_out``)."""
+        self._trace, self._trace_in, self._trace_out, self._trace_keep = trace, stage_in, stage_out, keep_in
 
     def put(self, dest: bytes | None, item: list) -> None:
         items = self._pending.get(dest)
@@ -78,6 +87,8 @@ class BatchSocket:
             items.append(item)
             if len(items) >= MAX_BATCH_ITEMS:
                 del self._pending[dest]
+                if self._trace is not None:
+                    self._trace.batch(self._trace_out, items)
                 self._send(dest, contract.pack(self.header_for(dest), items))
         if not self._scheduled:
             self._scheduled = True
@@ -97,7 +108,10 @@ class BatchSocket:
         if self._pending:
             pending = self._pending
             self._pending = {}
+            trace = self._trace
             for dest, items in pending.items():
+                if trace is not None:
+                    trace.batch(self._trace_out, items)
                 self._send(dest, contract.pack(self.header_for(dest), items))
         # Always, even when put() already sent everything (a full batch goes out at once): any
         # send may have consumed the FD's edge, and a missed edge leaves replies unread forever.
@@ -106,6 +120,8 @@ class BatchSocket:
     def _send(self, dest: bytes | None, payload: bytes) -> None:
         if self._closed:
             return
+        if self.on_sent is not None:
+            self.on_sent(len(payload))
         try:
             if self.is_router:
                 self.sock.send_multipart((dest, payload), copy=len(payload) < 65536)
@@ -145,6 +161,8 @@ class BatchSocket:
                 header, items = contract.unpack(payload)
             except ValueError:
                 continue
+            if self._trace is not None:
+                self._trace.batch(self._trace_in, items, self._trace_keep)
             on_batch(ident, header, items)
 
     def _resume(self) -> None:

@@ -12,12 +12,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 import zmq
 
-from broker import contract, gc_pause
+from broker import contract, gc_pause, stage_trace
 from broker.definitions import Definitions
 from broker.tls import reload_certificate, server_context
 from broker.zmqio import BatchSocket, make_socket
@@ -39,6 +40,7 @@ _CANCEL_NOTIFY = contract.CANCEL_NOTIFY
 _CLOSE_CHANNEL = contract.CLOSE_CHANNEL
 _RETURN = contract.RETURN
 _MAX_IN_FLIGHT = contract.MAX_BATCHES_IN_FLIGHT
+_MAX_BYTES_IN_FLIGHT = contract.MAX_BYTES_IN_FLIGHT
 _PUBLISH = contract.PUBLISH
 _CONTROL_LANE_KINDS = contract.CONTROL_LANE_KINDS
 
@@ -59,10 +61,15 @@ class FrontendWorker:
         self.control: list[BatchSocket] = []  # control lanes (see contract.CONTROL_LANE_KINDS)
         self._sent: list[int] = []  # last batch_seq flushed per shard
         self._processed: list[int] = []  # highest batch_seq a shard answered with PROCESSED
+        # Per shard: (batch_seq, bytes) of the publish-lane batches not answered yet, and their sum.
+        self._unanswered: list[deque[tuple[int, int]]] = []
+        self._bytes_in_flight: list[int] = []
+        self._unsent_bytes: list[int] = []  # bodies put on a publish lane since its last send
         self.pressure = False  # a shard is behind: reading paused on publishing connections
         self.alarms: list[str] = []  # resource alarms in effect (node ALARMS): publishers are blocked
         # Totals since this frontend started, reported in STATS (Prometheus' *_opened_total/_closed_total).
-        self.counters = {"connections_opened": 0, "connections_closed": 0}
+        self.counters = {"connections_opened": 0, "connections_closed": 0,
+                         "publish_bytes_in_flight_peak": 0}  # the most bytes in flight to one shard
         # Publish totals for rabbitmq_global_messages_*: n_received is the one add per publish on
         # the plain path; the others are counted on paths that already branch (confirm mode, no
         # route) or once per confirm batch (frontend/amqp/channel.py emit_confirms).
@@ -89,6 +96,7 @@ class FrontendWorker:
         self._snapshot: asyncio.Future = loop.create_future()
         self.stopped = asyncio.Event()
         self._stopping = False
+        self._trace = stage_trace.get("frontend")  # --trace-stages (debug): None normally
 
     # ----------------------------------------------------------------- startup
     async def start(self) -> None:
@@ -106,6 +114,9 @@ class FrontendWorker:
         self.epochs = [_epoch_of(epochs, i) for i in range(self.shard_count)]
         self._sent = [0] * self.shard_count
         self._processed = [0] * self.shard_count
+        self._unanswered = [deque() for _ in range(self.shard_count)]
+        self._bytes_in_flight = [0] * self.shard_count
+        self._unsent_bytes = [0] * self.shard_count
         # Lane order (docs/architecture.md "Lanes"): control-lane items put per shard, and that count
         # when the last publish-lane item was put (the shard handles a publish-lane batch only after
         # that many control-lane items: an ack before a publish on a channel stays before it).
@@ -115,6 +126,9 @@ class FrontendWorker:
             sock = make_socket(self.ctx, zmq.DEALER, self.ident)
             sock.connect(contract.shard_address(self.run_dir, i))
             self.shards.append(BatchSocket(self.loop, sock, self._shard_handler(i), self._header_for(i)))
+            self.shards[-1].on_sent = self._sent_bytes(i)
+            if self._trace is not None:
+                self.shards[-1].set_trace(self._trace, "fe_deliver_in", "fe_publish_out", keep_in=True)
             ctl = make_socket(self.ctx, zmq.DEALER, self.ident + contract.CONTROL_LANE_SUFFIX)
             ctl.connect(contract.shard_address(self.run_dir, i))
             self.control.append(BatchSocket(self.loop, ctl, self._shard_handler(i), self._control_header_for(i)))
@@ -136,9 +150,10 @@ class FrontendWorker:
         ws_port = int(settings.get("ws_port", 0) or 0)
         wss_port = int(settings.get("wss_port", 0) or 0) if tls is not None else 0
         if ws_port or wss_port:
-            from frontend import ws  # aiohttp is imported only by frontends that serve WebSocket
+            from frontend.ws_listener import LazyWebSocket  # aiohttp comes on the first WebSocket connection
 
-            self._ws_runner = await ws.start(self, bind, ws_port, wss_port, tls)
+            self._ws_runner = LazyWebSocket(self)
+            await self._ws_runner.listen(bind, ws_port, wss_port, tls)
             log.info("frontend %d (pid %d) listening for websocket on %s:%d%s", self.index, os.getpid(), bind,
                      ws_port, f" and over TLS on {wss_port}" if wss_port else "")
 
@@ -187,6 +202,33 @@ class FrontendWorker:
 
         return header
 
+    def _sent_bytes(self, shard: int) -> Callable[[int], None]:
+        unanswered = self._unanswered[shard]
+        in_flight = self._bytes_in_flight
+        sent = self._sent
+        counters = self.counters
+
+        unsent = self._unsent_bytes
+
+        def on_sent(n: int) -> None:
+            unsent[shard] = 0
+            unanswered.append((sent[shard], n))
+            total = in_flight[shard] = in_flight[shard] + n
+            if total > counters["publish_bytes_in_flight_peak"]:
+                counters["publish_bytes_in_flight_peak"] = total
+            if total > _MAX_BYTES_IN_FLIGHT and not self.pressure:
+                self._set_pressure(True)
+
+        return on_sent
+
+    def _answered(self, shard: int, seq: int) -> None:
+        """PROCESSED up to ``seq``: those batches' bytes are no longer in flight."""
+        unanswered = self._unanswered[shard]
+        freed = 0
+        while unanswered and unanswered[0][0] <= seq:
+            freed += unanswered.popleft()[1]
+        self._bytes_in_flight[shard] -= freed
+
     def _control_header_for(self, shard: int) -> Callable[[bytes | None], list]:
         epochs = self.epochs
         ctl_put = self._ctl_put
@@ -195,6 +237,7 @@ class FrontendWorker:
 
     def debug_state(self) -> dict:
         return {"pressure": self.pressure, "sent": list(self._sent), "processed": list(self._processed),
+                "bytes_in_flight": list(self._bytes_in_flight),
                 "connections": len(self.conns), "shard_pending": len(self._shard_pending),
                 "node_pending": len(self._node_pending)}
 
@@ -257,6 +300,7 @@ class FrontendWorker:
         self._ctl_put[shard] = self._pub_need[shard] = 0  # the new incarnation has seen none
         # Nothing more will come back for batches the old incarnation had.
         self._processed[shard] = self._sent[shard]
+        self._answered(shard, self._sent[shard])
         self._update_pressure()
         # Connections stay open (frontend/amqp/shard_loss.py): what they had in flight there is settled...
         for conn in list(self.conns.values()):
@@ -313,6 +357,12 @@ class FrontendWorker:
             self._ctl_put[shard] += 1  # before put: a full batch is sent inside it, counting this item
             self.control[shard].put(None, item)
         else:
+            if kind == _PUBLISH:
+                # Bytes are checked as publishes come in, not only when the batch leaves: one loop
+                # turn can read megabytes per connection (libuv reads a socket up to 32 times).
+                n = self._unsent_bytes[shard] = self._unsent_bytes[shard] + len(item[6])
+                if n + self._bytes_in_flight[shard] > _MAX_BYTES_IN_FLIGHT and not self.pressure:
+                    self._set_pressure(True)
             self._pub_need[shard] = self._ctl_put[shard]
             self.shards[shard].put(None, item)
 
@@ -346,6 +396,7 @@ class FrontendWorker:
                 elif kind == _PROCESSED:
                     if item[1] > self._processed[shard]:
                         self._processed[shard] = item[1]
+                        self._answered(shard, item[1])
                         if self.pressure:
                             self._update_pressure()
                 elif kind == _REPLY_DATA:
@@ -383,7 +434,9 @@ class FrontendWorker:
     def _update_pressure(self) -> None:
         sent = self._sent
         processed = self._processed
-        behind = any(sent[i] - processed[i] > _MAX_IN_FLIGHT for i in range(self.shard_count))
+        in_flight = self._bytes_in_flight
+        behind = any(sent[i] - processed[i] > _MAX_IN_FLIGHT or in_flight[i] > _MAX_BYTES_IN_FLIGHT
+                     for i in range(self.shard_count))
         if behind != self.pressure:
             self._set_pressure(behind)
 
@@ -410,6 +463,8 @@ class FrontendWorker:
 
     def _end_of_turn(self) -> None:
         self._turn_scheduled = False
+        if self._trace is not None:  # stamped before the writes: the client may read them at once
+            self._trace.mark_pending("fe_write")
         dirty = self._dirty
         self._dirty = []
         for conn in dirty:

@@ -6,14 +6,14 @@ is the class the listener table names for that protocol, unchanged: ``WSTranspor
 asyncio transport gives (write, close, pause/resume reading, the peer address); each binary
 WebSocket message is fed to ``data_received`` as it comes (the codecs are streaming, a message may
 carry part of a packet or several). WebSocket is a browser path, not the high-rate one: a write
-burst of a loop turn becomes one binary message sent by a task.
+burst of a loop turn becomes one binary message sent by a task. The listeners are in
+``frontend/ws_listener.py``, which imports this module (and aiohttp) on the first connection.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import ssl
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import WSMsgType, web
@@ -124,15 +124,3 @@ def make_app(worker: FrontendWorker) -> web.Application:
     for path in PATHS:
         app.router.add_get(path, handle)
     return app
-
-
-async def start(worker: FrontendWorker, bind: str, port: int, tls_port: int = 0,
-                tls: ssl.SSLContext | None = None) -> web.AppRunner:
-    """One app on the plain port and, with a TLS context, on the TLS port too (WSS)."""
-    runner = web.AppRunner(make_app(worker), access_log=None, handle_signals=False)
-    await runner.setup()
-    if port:
-        await web.TCPSite(runner, bind, port, reuse_port=True, backlog=1024).start()
-    if tls is not None and tls_port:
-        await web.TCPSite(runner, bind, tls_port, reuse_port=True, backlog=1024, ssl_context=tls).start()
-    return runner

@@ -34,6 +34,7 @@ from pamqp import commands
 from pamqp import frame as pamqp_frame
 
 from broker.amqp import encoder, events
+from broker.stage_trace import sampled
 from loadtest.amqp_client import AMQPClient, AMQPClosed
 from loadtest.results import RunResult, empty_latency, latency_summary, now_iso
 
@@ -77,6 +78,7 @@ class ThroughputOptions:
     time_s: float = 0.0  # 0 = none (a default of 10 s applies when no count limit is set either)
     verify: bool = False
     keep: bool = False
+    trace_stages: str = ""  # DIR: consumers append "client_recv KEY T" for the traced sample (broker.stage_trace)
     # after publishers finish, wait at most drain_timeout_s for consumers and stop early once they
     # received nothing for drain_idle_s. Consume-only runs (no publishers) end at --cmessages, -z, or
     # drain_idle_s after the last delivery; without -z, also when nothing came within drain_timeout_s.
@@ -211,7 +213,9 @@ def _publisher(idx: int, base: int, o: ThroughputOptions, sh: _Shared) -> dict[s
         if o.confirm:
             batch = min(batch, o.confirm)
         if o.rate:
-            batch = min(batch, max(1, o.rate // 50))  # >= 50 sends/s keeps the pacing smooth
+            # 1,000 sends/s: a steady rate, not bursts (a burst's tail waits for its head in the broker,
+            # which a latency measurement at a fixed rate must not count as the broker's latency)
+            batch = min(batch, max(1, o.rate // 1000))
         buf = bytearray(one * batch)
         view = memoryview(buf)
         offs = [i * step + body_at for i in range(batch)] if body_at >= 0 else []
@@ -319,6 +323,8 @@ def _consume_loop(client: AMQPClient, base: int, o: ThroughputOptions, sh: _Shar
     stride = 1
     skip = 0
     seen: dict[int, bytearray] = {}
+    tracing = bool(o.trace_stages)
+    traced: list[str] = []
     dups = 0
     foreign = 0
     t_last = 0
@@ -366,6 +372,10 @@ def _consume_loop(client: AMQPClient, base: int, o: ThroughputOptions, sh: _Shar
                         else:
                             ts = u64(buf, pos + 7)[0]
                         lat = now - ts
+                        if tracing and size >= 16:
+                            key = bytes(buf[pos + 7:pos + 23])
+                            if sampled(key):
+                                traced.append(f"client_recv {key.hex()} {now}\n")
                         if lat < lat_min:
                             lat_min = lat
                         if lat > lat_max:
@@ -409,6 +419,10 @@ def _consume_loop(client: AMQPClient, base: int, o: ThroughputOptions, sh: _Shar
                 time.sleep(ahead)
     if unacked:
         sock.sendall(encode_ack(1, tag, True))
+    if traced:
+        os.makedirs(o.trace_stages, exist_ok=True)
+        with open(os.path.join(o.trace_stages, f"client-{os.getpid()}.trace"), "a") as fh:
+            fh.writelines(traced)
     return {"consumed": consumed, "t_last": t_last, "lat_min": lat_min if lat_max >= 0 else None,
             "lat_max": lat_max if lat_max >= 0 else None, "lats": lats.tobytes(), "times": times.tobytes(),
             "stride": stride, "seen": {k: bytes(v) for k, v in seen.items()}, "dups": dups, "foreign": foreign}

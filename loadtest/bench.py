@@ -32,8 +32,8 @@ from loadtest.rabbitmq import PrivateRabbitMQ, package_version
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DOC = ROOT / "docs" / "benchmarks.md"
-SHARDMQ_BIN = ROOT / ".venv" / "bin" / "shardmq"
 DURATION = "{duration}"  # placeholder in scenario argv, replaced by --duration
+LATENCY_RATES = (1_000, 10_000, 50_000)  # msg/s of the fixed-rate latency scenarios
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,12 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("bindings-per-second",
              ("bind-churn", "--time", DURATION),
              "queue.bind + queue.unbind round trips on one channel: bindings/s"),
+    *(Scenario(f"latency-{rate // 1000}k-{'autoack' if not ack else 'ack'}",
+               ("throughput", "--publishers", "1", "--consumers", "1", "--size", "16", "--rate", str(rate),
+                *(("--ack-every", "1", "--prefetch", "1000") if ack else ()), "--time", DURATION),
+               f"1P/1C 16 B at a steady {rate:,} msg/s ({'manual ack of every message, prefetch 1000' if ack else 'no-ack'}):"
+               " end-to-end latency p50/p99 at a rate both brokers sustain")
+      for rate in LATENCY_RATES for ack in (False, True)),
 )
 BY_NAME = {s.name: s for s in SCENARIOS}
 
@@ -100,7 +106,7 @@ BY_NAME = {s.name: s for s in SCENARIOS}
 
 
 class ShardMQNode:
-    """``.venv/bin/shardmq --data-dir TMP --port FREE``; the node pid's tree is the broker."""
+    """``python -m broker.cli --data-dir TMP --port FREE` (the checkout's code)`; the node pid's tree is the broker."""
 
     name = "shardmq"
 
@@ -121,11 +127,15 @@ class ShardMQNode:
         return self.proc.pid if self.proc else None
 
     def start(self) -> ShardMQNode:
-        exe = str(SHARDMQ_BIN) if SHARDMQ_BIN.exists() else shutil.which("shardmq") or "shardmq"
-        cmd = [exe, "--data-dir", str(self.dir / "data"), "--bind", "127.0.0.1", "--port", str(self.port),
-               *self.extra_args]
+        # `python -m broker.cli` from this checkout, not the `shardmq` console script: worktrees share
+        # one venv whose script imports whichever tree it was installed from.
+        # Every listener the defaults turn on runs (they are part of the node a user gets, and of its
+        # RSS), each on a free port so the bench never collides with another node on this host.
+        ports = [(flag, str(free_port())) for flag in ("--mqtt-port", "--ws-port", "--http-port", "--prometheus-port")]
+        cmd = [sys.executable, "-m", "broker.cli", "--data-dir", str(self.dir / "data"), "--bind", "127.0.0.1",
+               "--port", str(self.port), *(a for pair in ports for a in pair), *self.extra_args]
         log = open(self.dir / "node.log", "wb")
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         log.close()
         try:
@@ -302,7 +312,7 @@ def render_doc(machine: dict[str, str], command: str, table: str | None, when: s
         "(`python -m loadtest.bench` takes the same arguments.)",
         "",
         "Both brokers run on the same host on free loopback ports, each from an empty temp dir: ShardMQ as",
-        "`.venv/bin/shardmq --data-dir TMP --port FREE`, RabbitMQ as Debian's `rabbitmq-server` with its own",
+        "`python -m broker.cli --data-dir TMP --port FREE` (the checkout's code), RabbitMQ as Debian's `rabbitmq-server` with its own",
         "mnesia/log dirs, node name and epmd. Every scenario runs `--repeats` times per broker, alternating",
         "ShardMQ, RabbitMQ, ShardMQ, ... Each run is one `python -m loadtest.cli amqp ...` invocation.",
         "",
@@ -346,6 +356,15 @@ def render_doc(machine: dict[str, str], command: str, table: str | None, when: s
         "",
     ]
     return "\n".join(lines)
+
+
+KEEP_MARKER = "<!-- kept by shardmq-perf bench: everything below is carried over when the page is rewritten -->"
+
+
+def kept_tail(old_doc: str) -> str:
+    """The hand-written part of the page (analyses, traces, memory) below KEEP_MARKER, marker included."""
+    at = old_doc.find(KEEP_MARKER)
+    return "" if at < 0 else old_doc[at:]
 
 
 def _report_table(report_md: Path) -> str:
@@ -447,7 +466,9 @@ def main(argv: list[str] | None = None) -> int:
         machine = machine_info(rabbit_version)
         when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
         doc = render_doc(machine, _reproduce_command(argv), table, when, failures, str(results_dir))
-        Path(args.doc).write_text(doc)
+        old = Path(args.doc).read_text() if Path(args.doc).exists() else ""
+        tail = kept_tail(old)
+        Path(args.doc).write_text(doc + ("\n" + tail if tail else ""))
         print(f"wrote {args.doc}", file=sys.stderr)
     if failures:
         print(f"{len(failures)} of {len(outcomes)} runs failed", file=sys.stderr)

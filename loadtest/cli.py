@@ -56,6 +56,9 @@ def _throughput_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify", action="store_true",
                    help="number messages per publisher; fail (exit 1) on loss or duplicates")
     p.add_argument("--keep", action="store_true", help="keep the queues/exchange the run declared")
+    p.add_argument("--trace-stages", default="", metavar="DIR",
+                   help="consumers write the receive time of the traced sample of messages to DIR (run the broker "
+                        "with the same --trace-stages DIR; then: python -m loadtest.trace_stages DIR)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,7 +170,7 @@ def _throughput_opts(args: argparse.Namespace) -> Any:
         exchange=args.exchange, exchange_type=args.exchange_type, routing_key=args.routing_key,
         queue=args.queue, queues=args.queues, queue_args=args.queue_args, rate=args.rate,
         consume_rate=args.consume_rate, pmessages=args.pmessages, cmessages=args.cmessages,
-        time_s=args.time_s, verify=args.verify, keep=args.keep)
+        time_s=args.time_s, verify=args.verify, keep=args.keep, trace_stages=args.trace_stages)
 
 
 def cmd_amqp_throughput(args: argparse.Namespace, *, sink: bool = False) -> int:

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from shard.worker import ShardWorker
 
 _DELIVER = contract.DELIVER
+_CREDIT_SHIFT = contract.CREDIT_BYTES_SHIFT
 _CLOSE_CHANNEL = contract.CLOSE_CHANNEL
 
 # Queue arguments that need this class; a queue with none of them is a plain Queue.
@@ -235,7 +236,7 @@ class FeatureQueue(Queue):
                 count = returns.get(msg_id)
                 if count:
                     props_raw = _with_delivery_count(props_raw, count)
-            c.credit -= 1
+            c.credit -= 1 + (len(body) >> _CREDIT_SHIFT)
             if c.no_ack:
                 store.ack(msg_id)
                 returns.pop(msg_id, None)

@@ -18,6 +18,7 @@ from shard.store import QueueStore
 Send = Callable[[bytes, list], None]
 
 _DELIVER = contract.DELIVER
+_CREDIT_SHIFT = contract.CREDIT_BYTES_SHIFT
 
 
 class Queue:
@@ -95,7 +96,7 @@ class Queue:
                 break
             idle = 0
             msg_id, redelivered, _ts, _flags, exchange, routing_key, props_raw, body = msg
-            c.credit -= 1
+            c.credit -= 1 + (len(body) >> _CREDIT_SHIFT)
             if c.no_ack:
                 store.ack(msg_id)
             else:

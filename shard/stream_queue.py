@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 Send = Callable[[bytes, list], None]
 
 _DELIVER = contract.DELIVER
+_CREDIT_SHIFT = contract.CREDIT_BYTES_SHIFT
 _FILTER_KEY = b"x-stream-filter-value"
 _OFFSET_KEY = b"\x0fx-stream-offset"
 _OFFSET_ENTRY = struct.Struct(">q")
@@ -38,6 +39,8 @@ _U32 = struct.Struct(">I")
 _FLAG_HEADERS = 0x2000
 # Records a filtering consumer may skip in one delivery turn before the shard serves others.
 _SCAN_PER_TURN = 4096
+# Messages behind the tail within which a waiting consumer paces publishers (tail_consumer_waiting).
+NEAR_TAIL = 100_000
 
 OFFSET_ERROR = ("x-stream-offset must be an integer, a timestamp, an interval such as '1h', "
                 "'first', 'next' or 'last'")
@@ -313,7 +316,7 @@ class StreamQueue:
                     continue
                 did = self._next_id
                 self._next_id = did + 1
-                c.credit -= 1
+                c.credit -= 1 + (len(body) >> _CREDIT_SHIFT)
                 c.unacked += 1
                 c.chan.unacked += 1
                 unacked[did] = c
@@ -324,6 +327,22 @@ class StreamQueue:
                 self._track_dirty.add(reader)
         if more:
             self.shard.mark_dirty(self)
+
+    def tail_consumer_waiting(self, backlog: int) -> bool:
+        """A consumer near the tail (more than ``backlog`` behind it, less than NEAR_TAIL) cannot take
+        more now: publishers are paced for it as for a queue's consumers (the worker's flow control).
+
+        A consumer far behind (replaying history) does not slow publishers down: it is reading a log,
+        not falling behind live traffic.
+        """
+        tail = self.store.next_offset
+        readers = self.readers
+        for c in self.consumers:
+            if c.active and not c.can_take():
+                reader = readers.get(c)
+                if reader is not None and backlog < tail - reader.cursor.offset <= NEAR_TAIL:
+                    return True
+        return False
 
     def get(self, chan: ChannelRef, no_ack: bool) -> list | None:
         return None  # the worker refuses basic.get on a stream before it gets here

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import zmq
 
-from broker import contract, gc_pause
+from broker import contract, gc_pause, stage_trace
 from broker.definitions import Definitions
 from broker.fsync_beacon import FsyncBeacon, stall_for_tests
 from broker.policies import POLICY_OPS
@@ -129,6 +129,9 @@ class ShardWorker:
         data_sock = make_socket(self.ctx, zmq.ROUTER)
         data_sock.bind(contract.shard_address(self.run_dir, self.index))
         self.data = BatchSocket(self.loop, data_sock, self._on_data)
+        trace = stage_trace.get("shard")  # --trace-stages (debug): None normally
+        if trace is not None:
+            self.data.set_trace(trace, "sh_publish_in", "sh_deliver_out")
         node_sock = make_socket(self.ctx, zmq.DEALER, self.ident)
         node_sock.connect(contract.node_address(self.run_dir))
         self.node = BatchSocket(self.loop, node_sock, self._on_control)
@@ -342,6 +345,10 @@ class ShardWorker:
                     self._handle(fe, item)
                 except Exception:  # one bad item must not take the shard down
                     log.exception("shard %d: failed to handle item kind %r", self.index, item[:1])
+        # Deliver before the socket's flush is scheduled (call_soon runs in order): the DELIVERs of
+        # this turn then leave with its PROCESSED in the same flush, instead of waiting for the next
+        # loop iteration and a second ZeroMQ send.
+        self._schedule_deliver()
         if batch_seq is not None:
             if self._fwd_held and fe in self._fwd_held:
                 self._fwd_held[fe].append(batch_seq)  # after one held, the later ones (PROCESSED is a max)
@@ -354,7 +361,6 @@ class ShardWorker:
         self._batch_forwards = False
         if self._confirms:
             self._flush_confirms()
-        self._schedule_deliver()
 
     def _handle(self, fe: bytes, item: list) -> None:
         kind = item[0]
@@ -951,6 +957,8 @@ class ShardWorker:
                 store.flush_acks()
                 if store.ready > _FLOW_BACKLOG and q.consumers and _consumer_waiting(q.consumers):
                     behind = True
+                elif q.__class__ is StreamQueue and q.consumers and q.tail_consumer_waiting(_FLOW_BACKLOG):
+                    behind = True  # a stream's ready is 0: its live consumers are behind by their lag
         self._behind = behind
         if self._held:
             self._release_processed(delivered)

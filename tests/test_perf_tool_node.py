@@ -56,3 +56,28 @@ def test_persistent_confirm_and_ack_flood_keeps_flowing(node):
         r = json.loads(proc.stdout.strip().splitlines()[-1])
         assert r["published"] == r["confirmed"] > 0, r
         assert r["consumed"] > 0, r
+
+
+def test_trace_stages_follows_sampled_messages_through_every_hop(node_factory, tmp_path, capsys):
+    """--trace-stages on the node and the perf tool: every traced message has all stages, in order."""
+    from broker.stage_trace import SAMPLE
+    from loadtest import trace_stages
+
+    trace_dir = tmp_path / "trace"
+    node = node_factory(frontends=1, shards=1, extra_args=["--trace-stages", str(trace_dir)])
+    n = 40 * SAMPLE  # ~40 sampled messages
+    rc = main(["amqp", "throughput", "--uri", node.url, "-x", "1", "-y", "1", "-s", "16", "--pmessages", str(n),
+               "--cmessages", str(n), "-z", "60", "--rate", "20000", "--trace-stages", str(trace_dir), "--json"])
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == EXIT_OK and r["consumed"] == n, r
+    roles = {p.name.split("-")[0] for p in trace_dir.glob("*.trace")}
+    assert roles == {"frontend", "shard", "client"}, roles
+    paths = trace_stages.load(trace_dir)
+    # The frontend and shard flush their trace lines as they go (line-buffered files).
+    complete = [s for s in paths.values() if set(trace_stages.STAGES) <= set(s)]
+    assert len(complete) >= 10, len(complete)
+    for s in complete:
+        times = [s[stage] for stage in trace_stages.STAGES]
+        assert times == sorted(times), s
+    assert set(trace_stages.breakdown(paths)) == set(trace_stages.HOPS)
+    assert trace_stages.main([str(trace_dir)]) == 0

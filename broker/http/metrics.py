@@ -169,6 +169,11 @@ class NodeCollector:
             c = CounterMetricFamily(name, doc)
             c.add_metric([], sum(p.get("counters", {}).get(key, 0) for p in stats.frontends.values()))
             yield c
+        yield gauge("shardmq_publish_bytes_in_flight_peak",
+                    "Most bytes of publishes a frontend had sent to one shard and not yet seen processed "
+                    "(bounded by contract.MAX_BYTES_IN_FLIGHT plus one loop turn's reads)",
+                    max((p.get("counters", {}).get("publish_bytes_in_flight_peak", 0)
+                         for p in stats.frontends.values()), default=0))
         yield gauge("rabbitmq_connection_incoming_bytes_total", "Total number of bytes received on connections",
                     sum(r[C_RECV] for _, r in conns))
         yield gauge("rabbitmq_connection_outgoing_bytes_total", "Total number of bytes sent on connections",

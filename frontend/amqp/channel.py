@@ -70,6 +70,7 @@ _NO_PROPS = b"\x00\x00"  # property flags: none
 _MODE_ONLY = b"\x10\x00"  # property flags: delivery-mode only
 _ACK = contract.ACK
 _NACK = contract.NACK
+_CREDIT_SHIFT = contract.CREDIT_BYTES_SHIFT
 
 
 def _ids(method: Any) -> tuple[int, int]:
@@ -522,7 +523,7 @@ class Channel:
         tag = tags.skip() if consumer.no_ack else tags.add(shard, item[4], item[5])
         conn.write(encode_deliver(self.number, item[3], tag, item[6], item[7], item[8], item[9], item[10],
                                   conn.frame_max))
-        conn.add_credit(shard, self.key, item[3])
+        conn.add_credit(shard, self.key, item[3], 1 + (len(item[10]) >> _CREDIT_SHIFT))  # as the shard charged
 
     def _release_held(self) -> None:
         held = self.held

@@ -277,10 +277,10 @@ class AMQPConnection(asyncio.Protocol):
             self._dirty = True
             self.worker.mark_dirty(self)
 
-    def add_credit(self, shard: int, channel: int, tag: str) -> None:
+    def add_credit(self, shard: int, channel: int, tag: str, n: int = 1) -> None:
         key = (shard, channel, tag)
         credit = self._credit
-        credit[key] = credit.get(key, 0) + 1
+        credit[key] = credit.get(key, 0) + n
 
     def flush_turn(self) -> None:
         """End of a loop turn: confirms, then one write, then the credit for what was written."""

@@ -75,6 +75,7 @@ CLOSED = 2
 
 _ACK = contract.ACK
 _CREDIT = contract.CREDIT
+_CREDIT_SHIFT = contract.CREDIT_BYTES_SHIFT
 _KV_PUT = contract.KV_PUT
 _KV_GET = contract.KV_GET
 _UNMARK = contract.UNMARK
@@ -854,7 +855,7 @@ class MQTTConnection(asyncio.Protocol):
         tag = item[3]
         key = (shard, tag)
         credit = self._credit
-        credit[key] = credit.get(key, 0) + 1
+        credit[key] = credit.get(key, 0) + 1 + (len(item[10]) >> _CREDIT_SHIFT)  # as the shard charged
         settled = tag == TAG_NO_ACK
         if self.state != RUNNING:
             return  # the shard requeues it when the connection's end reaches it

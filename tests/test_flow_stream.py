@@ -1,0 +1,58 @@
+"""A stream consumer near the tail keeps receiving while a publisher floods the stream unconfirmed.
+
+A stream has no backlog (its ready count is 0), so the queue pacing of publishers never applied: a
+consumer with prefetch 10 got ~30 msg/s while an unconfirmed publisher pushed 38,000 msg/s. Now a
+waiting consumer within stream_queue.NEAR_TAIL of the tail paces publishers like a queue's consumer.
+Count-based: the flood goes on until the consumer has its messages, within a generous deadline.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from broker.amqp import encoder, events
+from loadtest.amqp_client import AMQPClient
+
+WANT = 3000  # ~100 s at the starved rate; well under a second when paced
+PREFETCH = 10
+
+
+def test_stream_consumer_progresses_during_an_unconfirmed_publish_flood(node_factory):
+    node = node_factory(frontends=1, shards=1)
+    queue = "flooded-stream"
+    stop = threading.Event()
+    published = [0]
+    errors: list = []
+
+    def flood() -> None:
+        try:
+            with AMQPClient(node.url, timeout=30.0).connect() as pub:
+                chunk = encoder.encode_publish(1, "", queue, False, b"\x00\x00", b"x" * 16, pub.frame_max) * 500
+                while not stop.is_set():
+                    pub.send(chunk)
+                    published[0] += 500
+        except Exception as exc:
+            errors.append(exc)
+
+    with AMQPClient(node.url, timeout=30.0).connect() as con:
+        con.queue_declare(queue, durable=True, arguments={"x-queue-type": "stream"})
+        con.basic_qos(PREFETCH)
+        con.basic_consume(queue, no_ack=False)  # x-stream-offset defaults to next: the tail
+        publisher = threading.Thread(target=flood, daemon=True)
+        publisher.start()
+        try:
+            got = 0
+            deadline = time.monotonic() + 60
+            while got < WANT:
+                assert time.monotonic() < deadline, f"{got} of {WANT} delivered while {published[0]} were published"
+                assert not errors, errors
+                ev = con.next_event()
+                con._handle_close(ev)
+                if isinstance(ev, events.Deliver):
+                    got += 1
+                    con.send(encoder.encode_ack(1, ev.delivery_tag, False))
+            assert published[0] > 0 and not errors, errors
+        finally:
+            stop.set()
+            publisher.join(30)
