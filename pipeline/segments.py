@@ -1,9 +1,10 @@
 """Reading a node's segment files directly (a stopped node's data dir, a follower's copy, a backup).
 
-Spark-free: `plan()` lists the segment files under a path, `read_segment()` yields their records.
-Records are found, checked and decoded with the storage's own reader (`shard.record.scan_records`: CRC32 and
-field lengths of every record, the stop rules of `shard.record.scan`); files are mapped read-only and never changed (the
-node's recovery cuts and rewrites files, so its stores are not opened here).
+Spark-free: `plan()` lists the segment files under a path, `read_segment_batches()` yields their
+records as columns (`read_segment()`: one tuple per record). Records are checked with the storage's
+rules (CRC32 and field lengths of every record, `pipeline.segment_columns`), and wherever reading
+stops, the storage's own reader (`shard.record.scan`) decides why; files are mapped read-only and
+never changed (the node's recovery cuts and rewrites files, so its stores are not opened here).
 
 A record that fails its check is never returned as data. In PERMISSIVE mode it is counted and
 skipped: when its length field is intact the next record follows it (a flipped byte in a body),
