@@ -301,7 +301,7 @@ def _batches(mm: mmap.mmap, seg: SegmentFile, end: int, mode: str, include_acked
                 batch = _select(run, offset, acked_at, include_acked, st)
                 if offset is not None:
                     offset += good
-                if batch is not None:
+                if batch is not None and len(batch):
                     yield batch
                 if good == rows:
                     pos = stop
