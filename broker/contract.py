@@ -57,7 +57,8 @@ import msgpack
 # 4: STATS, ALARMS, CLOSE_CONNECTIONS by user/conn; KV_PUT, KV_GET (MQTT retained messages and
 # sessions). 5: REPL_STATUS, REPL_ISR (cluster).
 # 6: DEDUP_PUBLISH's return_to and RETURN; PEER_CHANNEL_DLX (dead letters carry peer confirms).
-VERSION = 6
+# 7: MARKED_PUBLISH, UNMARK, MARKED_ACK (MQTT QoS 2 exactly-once across a crash).
+VERSION = 7
 
 # --------------------------------------------------------------------------
 # Control plane: node <-> every worker (node.sock)
@@ -203,6 +204,24 @@ DEDUP_PUBLISH = 34
 #   [KV_GET, req_id, vhost, space, key|None] -> REPLY_DATA {"items": [[key, value], ...]} (None: all keys)
 KV_PUT = 35
 KV_GET = 36
+# MARKED_PUBLISH: a PUBLISH that carries a mark, for MQTT QoS 2 publishes of a persistent session
+# (mark = packet id, key = client id, space "mqtt.in2"). Publish lane.
+#   [MARKED_PUBLISH, vhost, space, key, mark, publish]  publish: the PUBLISH item for this shard
+# The shard keeps the marks of a key as a list in its KV store (vhost, space). A mark already there
+# means this shard stored the message before (a resend after a crash of the frontend or of this
+# shard): it is confirmed and not stored again. Otherwise the message is stored and the mark
+# written in the same handler, so no crash (kill -9) keeps one without the other.
+MARKED_PUBLISH = 37
+# UNMARK: [UNMARK, req_id|None, vhost, space, key, mark|None]  remove a mark (None: every mark of key);
+# with a req_id the shard answers REPLY_DATA {} once that is fsynced. MQTT sends it on PUBREL.
+UNMARK = 38
+# MARKED_ACK: [MARKED_ACK, req_id, conn_id, channel, queue_id, message_id, vhost, space, key, mark]
+# Acknowledge one delivered message and, only when that acknowledgement took (the delivery was still
+# this channel's), add mark to key's marks in the KV store (vhost, space), in the same handler: MQTT's
+# PUBREC of a QoS 2 delivery (mark = packet id, space "mqtt.out2"), so a crash keeps both or neither.
+# -> REPLY_DATA once the mark is fsynced (at once when the ack did not take). Control lane (ordered with ACK and
+# CONNECTION_CLOSED of the same connection).
+MARKED_ACK = 39
 
 # Channel numbers of the confirmed PUBLISH items a shard sends to another shard (conn_id 0): the
 # CONFIRM answers come back to the sender's peer DEALER and are told apart by this number.
@@ -245,8 +264,8 @@ MAX_BATCHES_IN_FLIGHT = 8
 # Control-lane batches carry header [epoch, None] and get no PROCESSED answer; every reply
 # goes to the publish-lane identity.
 CONTROL_LANE_SUFFIX = b"+"
-CONTROL_LANE_KINDS = frozenset((23, 24, 31, 21, 22, 26, 27, 28, 29))  # ACK NACK CREDIT CONSUME CANCEL QOS
-#                                                                        RECOVER CHANNEL_CLOSED CONNECTION_CLOSED
+CONTROL_LANE_KINDS = frozenset((23, 24, 31, 21, 22, 26, 27, 28, 29, 39))  # ACK NACK CREDIT CONSUME CANCEL QOS
+#                                                          RECOVER CHANNEL_CLOSED CONNECTION_CLOSED MARKED_ACK
 
 
 _packer = msgpack.Packer(use_bin_type=True, autoreset=True)
@@ -303,4 +322,4 @@ def worker_id(role: str, index: int) -> bytes:
 
 
 assert CONTROL_LANE_KINDS == frozenset((ACK, NACK, CREDIT, CONSUME, CANCEL, QOS, RECOVER, CHANNEL_CLOSED,
-                                        CONNECTION_CLOSED))
+                                        CONNECTION_CLOSED, MARKED_ACK))

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from loadtest.mosquitto import PrivateMosquitto, package_version
-from loadtest.rabbitmq import free_port
+from loadtest.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = (("qos0-1p1c", 0, 1, 1), ("qos1-1p1c", 1, 1, 1), ("qos0-4p4c", 0, 4, 4), ("qos1-4p4c", 1, 4, 4))
@@ -37,7 +37,9 @@ class ShardMQ:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "broker.cli", "--data-dir", self.dir, "--port", str(self.port), "--mqtt-port",
              str(self.mqtt_port), "--mqtt-max-inflight", str(inflight), "--frontends", str(frontends),
-             "--shards", str(shards), "--log-level", "warning", "--ws-port", "0"],
+             "--shards", str(shards), "--log-level", "warning", "--ws-port", "0",
+             # Only the MQTT port is measured; the default HTTP/metrics ports may be taken on a shared host.
+             "--http-port", "0", "--prometheus-port", "0"],
             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(os.path.join(self.dir, "node.log"), "wb"))
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:

@@ -417,10 +417,45 @@ class ShardWorker:
             self.kv.handle_put(fe, item)
         elif kind == contract.KV_GET:
             self.kv.handle_get(fe, item)
+        elif kind == contract.MARKED_PUBLISH:
+            self._marked_publish(fe, item)
+        elif kind == contract.UNMARK:
+            self.kv.handle_unmark(fe, item)
+        elif kind == contract.MARKED_ACK:
+            _, req_id, conn_id, channel, qid, mid, vhost, space, key, mark = item
+            q = self.by_qid.get(qid)
+            if q is not None and q.ack(mid, fe, conn_id, channel):
+                q.n_acked += 1
+                self._dirty_queues.add(q)
+                self.kv.mark(vhost, space, key, mark, fe, req_id)  # same step as the ack: both or neither
+            else:
+                self.data.put(fe, [contract.REPLY_DATA, req_id, True, {"acked": False}])
         else:
             log.warning("shard %d: unknown item kind %r", self.index, kind)
 
-    def _publish(self, fe: bytes, item: list) -> None:
+    def _marked_publish(self, fe: bytes, item: list) -> None:
+        """[MARKED_PUBLISH, vhost, space, key, mark, publish]: store once per mark (MQTT QoS 2 exactly-once).
+
+        The append and the mark's write happen in this one call, with no await between: a kill -9 of
+        this shard keeps both or neither (both are in the kernel once written), and one of the frontend
+        cannot come between them at all. So a resend after any crash finds the mark iff the message is here.
+        """
+        _, vhost, space, key, mark, pub = item
+        if self.kv.is_marked(vhost, space, key, mark):
+            seq = pub[10]
+            if seq is not None:  # stored here before: confirmed, not stored again
+                ck = (fe, pub[8], pub[9])
+                seqs = self._confirms.get(ck)
+                if seqs is None:
+                    self._confirms[ck] = [seq]
+                else:
+                    seqs.append(seq)
+            return
+        if self._publish(fe, pub):
+            self.kv.mark(vhost, space, key, mark)
+
+    def _publish(self, fe: bytes, item: list) -> bool:
+        """Store a PUBLISH; False when a queue refused it (the publisher gets a nack)."""
         (_, vhost, names, exchange, routing_key, props_raw, body, persistent,
          conn_id, channel, seq) = item
         ts = int(time.time() * 1000)
@@ -465,6 +500,7 @@ class ShardWorker:
                     self._confirms[key] = [seq]
                 else:
                     seqs.append(seq)
+        return not rejected
 
     def _store_failed(self, q: Queue, exc: OSError) -> None:
         """Log a refused append at most once a second per shard (a full disk refuses every one)."""

@@ -1,5 +1,8 @@
 """Prometheus metrics on ``--prometheus-port`` (15692, RabbitMQ's): ``/metrics`` and ``/metrics/per-object``.
 
+With ``--tls-cert`` the same endpoints are also served over HTTPS on ``--prometheus-tls-port`` (15691, RabbitMQ's
+``prometheus.ssl.port``), with the node's TLS context (broker/tls.py: TLS 1.2+, reloaded on SIGHUP).
+
 Multiprocess choice: the node renders everything from what it already has (its definitions and the
 workers' periodic STATS, see broker/node_stats.py) with a prometheus-client Collector. We do not use
 prometheus-client's multiprocess mode: it has every process write its own mmap'd files (a write per
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import ssl
 from collections.abc import Iterator
 from typing import Any
 
@@ -202,12 +206,14 @@ def _render(node: Any, per_object: bool) -> bytes:
 
 
 class MetricsServer:
-    """The Prometheus listener of one node; port 0 = off."""
+    """The Prometheus listeners of one node: HTTP on ``port``, HTTPS on ``tls_port`` with a TLS context; 0 = off."""
 
-    def __init__(self, node: Any, bind: str, port: int) -> None:
+    def __init__(self, node: Any, bind: str, port: int, tls_port: int = 0, tls: ssl.SSLContext | None = None) -> None:
         self.node = node
         self.bind = bind
         self.port = port
+        self.tls_port = tls_port if tls is not None else 0
+        self.tls = tls
         self._runner: web.AppRunner | None = None
 
     async def _metrics(self, request: web.Request) -> web.Response:
@@ -216,15 +222,19 @@ class MetricsServer:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def start(self) -> None:
-        if not self.port:
+        if not self.port and not self.tls_port:
             return
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/metrics/per-object", self._metrics)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
-        await web.TCPSite(self._runner, self.bind, self.port, reuse_address=True).start()
-        log.info("Prometheus metrics on %s:%d", self.bind, self.port)
+        if self.port:
+            await web.TCPSite(self._runner, self.bind, self.port, reuse_address=True).start()
+            log.info("Prometheus metrics on %s:%d", self.bind, self.port)
+        if self.tls_port:
+            await web.TCPSite(self._runner, self.bind, self.tls_port, reuse_address=True, ssl_context=self.tls).start()
+            log.info("Prometheus metrics over HTTPS on %s:%d", self.bind, self.tls_port)
 
     async def stop(self) -> None:
         if self._runner is not None:
