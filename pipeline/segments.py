@@ -298,9 +298,9 @@ def _batches(mm: mmap.mmap, seg: SegmentFile, end: int, mode: str, include_acked
             good = 0
             if positions:
                 run, good = segment_columns.decode_run(a, data, positions)
-                batch = _select(run, offset, acked_at, include_acked, st)
+                batch, taken = _select(run, offset, acked_at, include_acked, st)
                 if offset is not None:
-                    offset += good
+                    offset += taken
                 if batch is not None and len(batch):
                     yield batch
                 if good == rows:
@@ -335,11 +335,18 @@ def _batches(mm: mmap.mmap, seg: SegmentFile, end: int, mode: str, include_acked
 
 
 def _select(run: Run, offset: int | None, acked_at: np.ndarray | None, include_acked: bool,
-            st: ScanStats) -> SegmentBatch | None:
-    """The rows of `run` to return (no fillers; acked ones only if asked), counted into `st`."""
-    n = len(run)
-    offsets = np.arange(offset, offset + n, dtype=np.int64) if offset is not None else None
+            st: ScanStats) -> tuple[SegmentBatch | None, int]:
+    """(the rows of `run` to return: no fillers, acked ones only if asked; the stream offsets the run
+    takes), counted into `st`. A stream's filler record (damaged records set aside by the node's
+    recovery) takes as many offsets as its timestamp field says (at least one)."""
     keep = (run.flags & record.FLAG_FILLER) == 0
+    taken = len(run)
+    offsets = None
+    if offset is not None:
+        step = np.where(keep, 1, np.maximum(run.ts, 1))
+        ends = np.cumsum(step) + offset
+        offsets = ends - step
+        taken = int(ends[-1] - offset) if len(run) else 0
     acked = np.isin(run.position, acked_at) if acked_at is not None else None
     st.records += int(keep.sum())
     if acked is not None:
@@ -349,13 +356,13 @@ def _select(run: Run, offset: int | None, acked_at: np.ndarray | None, include_a
             keep &= ~acked
     if not keep.all():
         if not keep.any():
-            return None
+            return None, taken
         run = run.take(keep)
         offsets = offsets[keep] if offsets is not None else None
         acked = acked[keep] if acked is not None else None
     if acked is not None and not acked.any():
         acked = None
-    return SegmentBatch(run, offsets, acked)
+    return SegmentBatch(run, offsets, acked), taken
 
 
 def read_segment(seg: SegmentFile, mode: str = "PERMISSIVE", include_acked: bool = False,

@@ -153,6 +153,20 @@ class NodeCollector:
                 fsync.add_metric([str(index)], buckets, h["sum"])
         yield seg
         yield fsync
+        dl = GaugeMetricFamily("shardmq_shard_dead_letters_unconfirmed",
+                               "Dead letters sent to other shards and not yet confirmed by them (kept in the "
+                               "sending shard's outbox)", labels=["shard"])
+        for index, payload in sorted(stats.shards.items()):
+            dl.add_metric([str(index)], payload.get("dead_letters_unconfirmed", 0))
+        yield dl
+        # Storage damage found by recovery or lazy verification (docs/storage.md "Recovery"), counted
+        # since each shard opened its queues: records lost (bytes set aside) and ack entries ignored.
+        damaged = stats.damaged()
+        for name, doc, i in (("shardmq_damaged_records", "Stored messages lost to damaged bytes (set aside)", 0),
+                             ("shardmq_damaged_ack_entries", "Ack entries ignored because their checksum failed", 1)):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], sum(v[i] for v in damaged.values()))
+            yield c
         per_fe = GaugeMetricFamily("shardmq_frontend_connections", "Client connections per frontend",
                                    labels=["frontend"])
         fe_in = GaugeMetricFamily("shardmq_frontend_incoming_bytes", "Bytes received per frontend (open connections)",
@@ -168,10 +182,10 @@ class NodeCollector:
         yield fe_in
         yield fe_out
         if self.per_object:
-            yield from self._per_queue(queues)
+            yield from self._per_queue(queues, damaged)
 
     @staticmethod
-    def _per_queue(queues: dict) -> Iterator[Metric]:
+    def _per_queue(queues: dict, damaged: dict) -> Iterator[Metric]:
         labels = ["vhost", "queue"]
         families = {
             "ready": GaugeMetricFamily("rabbitmq_queue_messages_ready", "Messages ready to be delivered to consumers",
@@ -185,6 +199,13 @@ class NodeCollector:
         published = CounterMetricFamily("rabbitmq_queue_messages_published", "Messages published into a queue",
                                         labels=labels)
         acked = CounterMetricFamily("rabbitmq_queue_messages_acked", "Messages acknowledged on a queue", labels=labels)
+        lost = CounterMetricFamily("shardmq_queue_damaged_records", "Messages of a queue lost to damaged bytes",
+                                   labels=labels)
+        lost_acks = CounterMetricFamily("shardmq_queue_damaged_ack_entries",
+                                        "Ack entries of a queue ignored because their checksum failed", labels=labels)
+        for (vhost, name), (records, acks) in damaged.items():
+            lost.add_metric([vhost, name], records)
+            lost_acks.add_metric([vhost, name], acks)
         for row in queues.values():
             key = [row[Q_VHOST], row[Q_NAME]]
             families["ready"].add_metric(key, row[Q_READY])
@@ -197,6 +218,8 @@ class NodeCollector:
         yield from families.values()
         yield published
         yield acked
+        yield lost
+        yield lost_acks
 
 
 def _render(node: Any, per_object: bool) -> bytes:
