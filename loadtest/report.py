@@ -18,7 +18,6 @@ import glob
 import json
 import os
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,16 +44,6 @@ SPARK_CONF = {
     "spark.ui.showConsoleProgress": "false",
 }
 
-_LOG4J2 = """\
-rootLogger.level = error
-rootLogger.appenderRef.stderr.ref = console
-appender.console.type = Console
-appender.console.name = console
-appender.console.target = SYSTEM_ERR
-appender.console.layout.type = PatternLayout
-appender.console.layout.pattern = %d{HH:mm:ss} %p %c{1}: %m%n
-"""
-
 _session: SparkSession | None = None
 
 
@@ -63,20 +52,9 @@ def get_spark(master: str = "local[*]") -> SparkSession:
     global _session
     if _session is not None:
         return _session
-    from pyspark.sql import SparkSession
+    from loadtest.spark_session import quiet_session
 
-    # Workers must run this interpreter (the venv), not whatever `python3` is on PATH.
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    log_conf = Path(tempfile.gettempdir()) / "shardmq-report-log4j2.properties"
-    if not log_conf.exists():
-        log_conf.write_text(_LOG4J2)
-    builder = SparkSession.builder.master(master).appName("shardmq-perf-report")
-    for key, value in SPARK_CONF.items():
-        builder = builder.config(key, value)
-    builder = builder.config("spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile=file:{log_conf}")
-    _session = builder.getOrCreate()
-    _session.sparkContext.setLogLevel("ERROR")
+    _session = quiet_session(master, "shardmq-perf-report", SPARK_CONF)
     return _session
 
 

@@ -4,7 +4,8 @@
     register(spark)
 
 See docs/pipeline.md. PySpark (>= 4.0, the Python Data Source API) and pyarrow are the
-`spark` extra of the package; nothing here imports them until `register` is called.
+`spark` extra of the package (with numpy); nothing here imports them until `register` is called
+(`pipeline.segments`, the Spark-free segment reader, needs numpy and pyarrow).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from pamqp import commands
 
 from broker.amqp import encoder, events
 from loadtest.amqp_client import AMQPClient, AMQPClosed
-from pipeline.props import split_offset
+from pipeline.props import OffsetSplitter, split_offset
 
 PREFETCH = 4000
 _Deliver = events.Deliver
@@ -143,6 +143,7 @@ def read_range(client: AMQPClient, queue: str, start: int, end: int, *, idle_tim
     unacked = 0
     last_tag = 0
     expect = start
+    split = OffsetSplitter().split
     pending = list(client._events)
     client._events.clear()
     data = bytes(client.take_pending())
@@ -157,7 +158,7 @@ def read_range(client: AMQPClient, queue: str, start: int, end: int, *, idle_tim
                     if isinstance(ev, events.MethodFrame) and isinstance(ev.method, commands.Basic.Cancel):
                         raise StreamError(f"stream '{queue}': the broker cancelled the consumer (queue deleted?)")
                     continue
-                offset, props = split_offset(ev.props_raw)
+                offset, props = split(ev.props_raw)
                 if offset is None:
                     raise StreamError(f"queue '{queue}' is not a stream queue (its deliveries have no "
                                       "x-stream-offset header)")

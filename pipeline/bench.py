@@ -7,18 +7,23 @@ and measures, each as records/s:
 - `amqp pika`: one pika consumer (a widely used client) on the first 200k messages;
 - `spark shardmq batch`: `spark.read.format("shardmq")` on --master, count + sum(length(body));
 - `spark shardmq stream`: a streaming query draining the same backlog (Trigger.AvailableNow);
-- `segments plain`: `pipeline.segments.read_segment` over the stream's files in one process;
+- `segments plain`: `pipeline.segments.read_segment_batches` over the stream's files in one process;
 - `spark shardmq-segments`: `spark.read.format("shardmq-segments")` on the same files;
 
 then the end-to-end lag of a streaming query (publish time to the end of the micro-batch that
 processed it) while a publisher sends --lag-rate msg/s for --lag-seconds.
-Spark figures are the second of two runs (the first warms the JVM and the Python workers).
+
+Every read is measured --runs times (Spark's after one warm-up run that starts the JVM's work and
+the Python workers) and printed with the load average and the CPU time per record of this process
+and all its children (the JVM, Spark's Python workers), plus the broker's with --broker-pid: on a
+shared machine the rate swings with the load, the CPU time per record much less.
 """
 
 from __future__ import annotations
 
 import os
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -54,21 +59,63 @@ def _rate(n: int, seconds: float) -> float:
     return n / seconds if seconds > 0 else float("inf")
 
 
-def _plain_amqp(uri: str, queue: str, n: int) -> float:
-    with AMQPClient(uri).connect() as c:
+def _tree_cpu(root: int) -> float:
+    """CPU seconds used so far by process `root` and its live descendants (and the children they reaped)."""
+    children: dict[int, list[int]] = {}
+    own: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        pid = int(name)
+        children.setdefault(int(fields[1]), []).append(pid)
+        own[pid] = sum(int(x) for x in fields[11:15]) / tick  # utime stime cutime cstime
+    total = 0.0
+    stack = [root]
+    while stack:
+        pid = stack.pop()
+        total += own.get(pid, 0.0)
+        stack.extend(children.get(pid, ()))
+    return total
+
+
+class Meter:
+    """Times one measured read: records/s, and CPU µs per record of this process tree (+ the broker's)."""
+
+    def __init__(self, broker_pid: int | None) -> None:
+        self.broker_pid = broker_pid
+
+    def _cpu(self) -> tuple[float, float]:
+        return _tree_cpu(os.getpid()), (_tree_cpu(self.broker_pid) if self.broker_pid else 0.0)
+
+    def run(self, fn: Any) -> dict[str, float]:
+        c0, b0 = self._cpu()
         t = time.perf_counter()
-        got = sum(1 for _ in read_range(c, queue, 0, n))
-        return _rate(got, time.perf_counter() - t)
+        n = fn()
+        secs = time.perf_counter() - t
+        c1, b1 = self._cpu()
+        return {"rate": _rate(n, secs), "cpu_us": (c1 - c0) / n * 1e6 if n else float("nan"),
+                "broker_us": (b1 - b0) / n * 1e6 if n and self.broker_pid else float("nan"),
+                "load": os.getloadavg()[0]}
 
 
-def _pika(uri: str, queue: str, n: int) -> float:
+def _plain_amqp(uri: str, queue: str, n: int) -> int:
+    with AMQPClient(uri).connect() as c:
+        return sum(1 for _ in read_range(c, queue, 0, n))
+
+
+def _pika(uri: str, queue: str, n: int) -> int:
     import pika
 
     conn = pika.BlockingConnection(pika.URLParameters(uri))
     ch = conn.channel()
     ch.basic_qos(prefetch_count=2000)
     got = 0
-    t = time.perf_counter()
     for method, _p, _b in ch.consume(queue, arguments={"x-stream-offset": "first"}, inactivity_timeout=5):
         if method is None:
             break
@@ -77,40 +124,29 @@ def _pika(uri: str, queue: str, n: int) -> float:
             ch.basic_ack(method.delivery_tag, multiple=True)
         if got >= n:
             break
-    secs = time.perf_counter() - t
     conn.close()
-    return _rate(got, secs)
+    return got
 
 
-def _spark_count(df: Any, n: int) -> tuple[float, float]:
-    rates = []
-    for _ in range(2):
-        t = time.perf_counter()
-        count, _total = df.selectExpr("count(*)", "sum(length(body))").first()
-        rates.append(_rate(count, time.perf_counter() - t))
-        assert count == n, f"read {count} of {n}"
-    return rates[0], rates[1]
+def _spark_count(df: Any, n: int) -> int:
+    count, _total = df.selectExpr("count(*)", "sum(length(body))").first()
+    assert count == n, f"read {count} of {n}"
+    return count
 
 
-def _spark_stream(spark: Any, uri: str, queue: str, n: int) -> tuple[float, float]:
-    """(rate over the query's wall time including its start, Spark's processedRowsPerSecond over its batches)."""
-    rates = []
-    processed = 0.0
-    for _ in range(2):
-        d = tempfile.mkdtemp(prefix="shardmq-bench-")
-        q = (spark.readStream.format("shardmq").option("uri", uri).option("queue", queue)
-             .option("startingOffset", "first").load().selectExpr("length(body) AS n")
-             .writeStream.format("noop").option("checkpointLocation", os.path.join(d, "ck"))
-             .trigger(availableNow=True).start())
-        t = time.perf_counter()
-        q.awaitTermination()
-        secs = time.perf_counter() - t
-        got = sum(p["numInputRows"] for p in q.recentProgress)
-        assert got == n, f"streamed {got} of {n}"
-        rates.append(_rate(got, secs))
-        busy = sum(p["durationMs"].get("triggerExecution", 0) for p in q.recentProgress) / 1000
-        processed = _rate(got, busy)
-    return rates[1], processed
+def _spark_stream(spark: Any, uri: str, queue: str, n: int, busy: list[float]) -> int:
+    """Drain the stream with Trigger.AvailableNow; appends Spark's processedRowsPerSecond over its batches to `busy`."""
+    d = tempfile.mkdtemp(prefix="shardmq-bench-")
+    q = (spark.readStream.format("shardmq").option("uri", uri).option("queue", queue)
+         .option("startingOffset", "first").load().selectExpr("length(body) AS n")
+         .writeStream.format("noop").option("checkpointLocation", os.path.join(d, "ck"))
+         .trigger(availableNow=True).start())
+    q.awaitTermination()
+    got = sum(p["numInputRows"] for p in q.recentProgress)
+    assert got == n, f"streamed {got} of {n}"
+    secs = sum(p["durationMs"].get("triggerExecution", 0) for p in q.recentProgress) / 1000
+    busy.append(_rate(got, secs))
+    return got
 
 
 def _writes(spark: Any, uri: str, n: int, size: int) -> tuple[float, float]:
@@ -141,13 +177,8 @@ def _writes(spark: Any, uri: str, n: int, size: int) -> tuple[float, float]:
     return plain, rates[1]
 
 
-def _segments_plain(files: list) -> float:
-    t = time.perf_counter()
-    got = 0
-    for f in files:
-        for _ in segments.read_segment(f):
-            got += 1
-    return _rate(got, time.perf_counter() - t)
+def _segments_plain(files: list) -> int:
+    return sum(len(b) for f in files for b in segments.read_segment_batches(f))
 
 
 def _lag(spark: Any, uri: str, queue: str, rate: int, seconds: int) -> dict[str, float]:
@@ -198,42 +229,71 @@ def _lag(spark: Any, uri: str, queue: str, rate: int, seconds: int) -> dict[str,
             "max_ms": max(warm) if warm else float("nan")}
 
 
+PARTS = ("plain", "pika", "batch", "stream", "segments", "write", "lag")
+
+
+def _print(name: str, results: list[dict[str, float]]) -> None:
+    for i, r in enumerate(results):
+        broker = f"  broker {r['broker_us']:6.2f} us/rec" if r["broker_us"] == r["broker_us"] else ""
+        print(f"  {name if i == 0 else '':48} {r['rate']:10,.0f} /s  cpu {r['cpu_us']:6.2f} us/rec{broker}"
+              f"  load {r['load']:5.1f}")
+    if len(results) > 1:
+        print(f"  {'':48} {statistics.median(r['rate'] for r in results):10,.0f} /s median, cpu "
+              f"{statistics.median(r['cpu_us'] for r in results):.2f} us/rec median")
+    sys.stdout.flush()
+
+
 def main(args: Any) -> int:
     from pipeline.session import local_session
 
     uri, n, size = args.uri, args.messages, args.size
+    only = set(args.only.split(",")) if args.only else set(PARTS)
+    if only - set(PARTS):
+        raise ValueError(f"--only takes a comma-separated list of {', '.join(PARTS)}, not {args.only!r}")
+    meter = Meter(args.broker_pid)
+    runs = max(1, args.runs)
     queue = f"bench-{int(time.time())}"
     with AMQPClient(uri).connect() as c:
         c.queue_declare(queue, durable=True, arguments={"x-queue-type": "stream"})
     t = time.perf_counter()
     _publish(uri, queue, n, size)
-    print(f"published {n} x {size} B to stream '{queue}' in {time.perf_counter() - t:.1f}s")
-    results: dict[str, float] = {}
-    results["amqp plain (1 consumer, project client)"] = _plain_amqp(uri, queue, n)
-    results["amqp pika (1 consumer)"] = _pika(uri, queue, min(n, 200_000))
-    spark = local_session(master=args.master, app="shardmq-bench")
-    df = spark.read.format("shardmq").option("uri", uri).option("queue", queue).load()
-    first, second = _spark_count(df, n)
-    results[f"spark shardmq batch ({args.master}, cold)"] = first
-    results[f"spark shardmq batch ({args.master})"] = second
-    wall, busy = _spark_stream(spark, uri, queue, n)
-    results[f"spark shardmq stream ({args.master}, AvailableNow, wall)"] = wall
-    results[f"spark shardmq stream ({args.master}, in its batches)"] = busy
-    if args.data_dir:
+    print(f"published {n} x {size} B to stream '{queue}' in {time.perf_counter() - t:.1f}s; "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(f"read rates, {n} records of {size} B, {runs} run(s) each (CPU: this process tree incl. "
+          "Spark's JVM and Python workers):")
+    if "plain" in only:
+        _print("amqp plain (1 consumer, project client)", [meter.run(lambda: _plain_amqp(uri, queue, n))
+                                                           for _ in range(runs)])
+    if "pika" in only:
+        _print("amqp pika (1 consumer)", [meter.run(lambda: _pika(uri, queue, min(n, 200_000))) for _ in range(runs)])
+    spark = None
+    if only & {"batch", "stream", "segments", "write", "lag"}:
+        spark = local_session(master=args.master, app="shardmq-bench")
+    if "batch" in only:
+        df = spark.read.format("shardmq").option("uri", uri).option("queue", queue).load()
+        _spark_count(df, n)  # warm-up
+        _print(f"spark shardmq batch ({args.master})", [meter.run(lambda: _spark_count(df, n)) for _ in range(runs)])
+    if "stream" in only:
+        busy: list[float] = []
+        _spark_stream(spark, uri, queue, n, busy)  # warm-up
+        busy.clear()
+        _print(f"spark shardmq stream ({args.master}, AvailableNow, wall)",
+               [meter.run(lambda: _spark_stream(spark, uri, queue, n, busy)) for _ in range(runs)])
+        print(f"  {'  ... Spark rate over its batches':48} " + ", ".join(f"{b:,.0f}" for b in busy))
+    if "segments" in only and args.data_dir:
         files = segments.plan(args.data_dir, queue=queue)
-        results["segments plain (1 process)"] = _segments_plain(files)
+        _print("segments plain (read_segment_batches, 1 process)",
+               [meter.run(lambda: _segments_plain(files)) for _ in range(runs)])
         sdf = spark.read.format("shardmq-segments").option("queue", queue).load(args.data_dir)
-        first, second = _spark_count(sdf, n)
-        results[f"spark shardmq-segments ({args.master}, cold)"] = first
-        results[f"spark shardmq-segments ({args.master})"] = second
-    w_plain, w_spark = _writes(spark, uri, min(n, 200_000), size)
-    print(f"\nread rates, {n} records of {size} B (records/s):")
-    for k, v in results.items():
-        print(f"  {k:48} {v:12,.0f}")
-    print(f"\nwrite rates, {min(n, 200_000)} records of {size} B with confirms (records/s):")
-    print(f"  {'plain Publisher loop (1 connection)':48} {w_plain:12,.0f}")
-    print(f"  {'spark df.write.format(shardmq) (' + args.master + ', 2 partitions)':48} {w_spark:12,.0f}")
-    if args.lag_rate:
+        _spark_count(sdf, n)  # warm-up
+        _print(f"spark shardmq-segments ({args.master})", [meter.run(lambda: _spark_count(sdf, n))
+                                                           for _ in range(runs)])
+    if "write" in only:
+        w_plain, w_spark = _writes(spark, uri, min(n, 200_000), size)
+        print(f"\nwrite rates, {min(n, 200_000)} records of {size} B with confirms (records/s):")
+        print(f"  {'plain Publisher loop (1 connection)':48} {w_plain:12,.0f}")
+        print(f"  {'spark df.write.format(shardmq) (' + args.master + ', 2 partitions)':48} {w_spark:12,.0f}")
+    if "lag" in only and args.lag_rate:
         lag_q = f"{queue}-lag"
         with AMQPClient(uri).connect() as c:
             c.queue_declare(lag_q, durable=True, arguments={"x-queue-type": "stream"})
@@ -241,5 +301,6 @@ def main(args: Any) -> int:
         print(f"\nstreaming lag at {args.lag_rate} msg/s for {args.lag_seconds}s (publish -> end of its micro-batch):")
         for k, v in lag.items():
             print(f"  {k:24} {v:10.0f}")
-    spark.stop()
+    if spark is not None:
+        spark.stop()
     return 0

@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--lag-rate", type=int, default=2000, help="publish rate (msg/s) of the lag test; 0 skips it")
     b.add_argument("--lag-seconds", type=int, default=30, help="duration of the lag test")
     b.add_argument("--master", default="local[2]", help="Spark master (default local[2])")
+    b.add_argument("--runs", type=int, default=3, help="measured runs of each read (default 3)")
+    b.add_argument("--only", help="comma-separated parts to run: plain,pika,batch,stream,segments,write,lag")
+    b.add_argument("--broker-pid", type=int, help="the node's pid: also report the broker's CPU time per record")
     b.set_defaults(fn=_bench)
     args = p.parse_args(argv)
     try:

@@ -84,6 +84,43 @@ def split_offset(props_raw: bytes) -> tuple[int | None, bytes]:
     return offset, props_raw[:pos] + _U32.pack(tlen - _OFFSET_ENTRY_LEN) + props_raw[pos + 4:start] + props_raw[end:]
 
 
+class OffsetSplitter:
+    """`split_offset` with a memo of the last blob's layout, for a consumer of one stream.
+
+    Consecutive deliveries of a stream usually differ only in the 8 bytes of their offset: when a blob
+    has the last one's length, the bytes before the offset entry, the entry's name and the bytes after
+    it, it is the last blob with another offset, and the same props object is returned without slicing
+    (C-level `startswith`/`endswith`, no copies; the dict lookups that follow reuse its cached hash).
+    """
+
+    __slots__ = ("_entry_at", "_len", "_prefix", "_props", "_suffix")
+
+    def __init__(self) -> None:
+        self._len = -1
+        self._entry_at = 0
+        self._prefix = b""
+        self._suffix = b""
+        self._props = b""
+
+    def split(self, props_raw: bytes) -> tuple[int | None, bytes]:
+        at = self._entry_at
+        if (len(props_raw) == self._len and props_raw.startswith(_OFFSET_ENTRY, at)
+                and props_raw.startswith(self._prefix) and props_raw.endswith(self._suffix)):
+            return _I64.unpack_from(props_raw, at + len(_OFFSET_ENTRY))[0], self._props
+        offset, props = split_offset(props_raw)
+        if offset is not None:
+            # The entry's 8-byte value ends the headers table; the table's length field is in the prefix.
+            pos = headers_offset(props_raw)
+            assert pos is not None
+            end = pos + 4 + _U32.unpack_from(props_raw, pos)[0]
+            self._len = len(props_raw)
+            self._entry_at = end - _OFFSET_ENTRY_LEN
+            self._prefix = props_raw[:self._entry_at]
+            self._suffix = props_raw[end:]
+            self._props = props
+        return offset, props
+
+
 class PropsDecoder:
     """props_raw -> (headers as (key, value) pairs or None, properties dict), cached per distinct blob."""
 

@@ -128,48 +128,56 @@ class BatchBuilder:
         """The collected rows as one RecordBatch (and start over); the arguments fill the segment columns."""
         pa = self._pa
         sch = self.arrow_schema
-        n = len(self.pidx)
         idx = pa.array(self.pidx, pa.int32())
-        headers = pa.array([d[0] for d in self.distinct], sch.field(4).type).take(idx)
-        props = pa.array([d[1] for d in self.distinct], sch.field(5).type).take(idx)
         if self.segments:
             ts = pa.array(self.ts, pa.int64())
-            ts = pa.compute.multiply(ts, 1000).cast(sch.field(1).type)
         else:
-            ts = pa.array([d[1]["timestamp"] for d in self.distinct], pa.int64()).take(idx).cast(sch.field(1).type)
-        cols = [
-            pa.array(self.offset, sch.field(0).type),
-            ts,
-            pa.array(self.rk, sch.field(2).type),
-            pa.array(self.ex, sch.field(3).type),
-            headers,
-            props,
-        ]
-        if self.body_format == "binary":
-            cols.append(pa.array(self.body, pa.binary()))
-        elif self.body_format == "text":
-            cols.append(pa.array([b.decode("utf-8", "replace") for b in self.body], pa.string()))
-        else:
-            cols.extend(self._json_columns())
-        if self.segments:
-            base = len(cols)
-            cols.append(pa.repeat(pa.scalar(vhost, sch.field(base).type), n))
-            cols.append(pa.repeat(pa.scalar(queue, sch.field(base + 1).type), n))
-            cols.append(pa.repeat(pa.scalar(segment, sch.field(base + 2).type), n))
-            cols.append(pa.array(self.position, sch.field(base + 3).type))
-            if self.acked:
-                cols.append(pa.array(self.acked, sch.field(base + 4).type))
-            else:
-                cols.append(pa.repeat(pa.scalar(False, sch.field(base + 4).type), n))
-        batch = pa.RecordBatch.from_arrays(cols, schema=sch)
+            ts = pa.array([d[1]["timestamp"] for d in self.distinct], pa.int64()).take(idx)
+            ts = ts.cast(sch.field(1).type)
+        batch = self.assemble(
+            pa.array(self.offset, sch.field(0).type), ts, pa.array(self.rk, sch.field(2).type),
+            pa.array(self.ex, sch.field(3).type), self.distinct, idx, self.body,
+            (vhost, queue, segment, pa.array(self.position, sch.field(len(sch.names) - 2).type),
+             pa.array(self.acked, pa.bool_()) if self.acked else None) if self.segments else None)
         self._reset()
         return batch
 
-    def _json_columns(self) -> list:
+    def assemble(self, offset: Any, ts: Any, rk: Any, ex: Any, distinct: list, pidx: Any, body: Any,
+                 segment: tuple | None = None) -> Any:
+        """One RecordBatch from whole columns: Arrow arrays, `distinct` decoded properties blobs (PropsDecoder)
+        gathered by the int32 array `pidx`, `body` a binary array or a list of bytes. For segments, `ts` is in
+        ms and `segment` = (vhost, queue, segment no, position array, acked array or None)."""
+        pa = self._pa
+        sch = self.arrow_schema
+        n = len(pidx)
+        headers = pa.array([d[0] for d in distinct], sch.field(4).type).take(pidx)
+        props = pa.array([d[1] for d in distinct], sch.field(5).type).take(pidx)
+        if segment is not None:
+            ts = pa.compute.multiply(ts, 1000).cast(sch.field(1).type)
+        cols = [offset, ts, rk, ex, headers, props]
+        if self.body_format == "binary":
+            cols.append(body if isinstance(body, pa.Array) else pa.array(body, pa.binary()))
+        else:
+            bodies = body.to_pylist() if isinstance(body, pa.Array) else body
+            if self.body_format == "text":
+                cols.append(pa.array([b.decode("utf-8", "replace") for b in bodies], pa.string()))
+            else:
+                cols.extend(self._json_columns(bodies))
+        if segment is not None:
+            vhost, queue, no, position, acked = segment
+            base = len(cols)
+            cols.append(pa.repeat(pa.scalar(vhost, sch.field(base).type), n))
+            cols.append(pa.repeat(pa.scalar(queue, sch.field(base + 1).type), n))
+            cols.append(pa.repeat(pa.scalar(no, sch.field(base + 2).type), n))
+            cols.append(position)
+            cols.append(acked if acked is not None else pa.repeat(pa.scalar(False, sch.field(base + 4).type), n))
+        return pa.RecordBatch.from_arrays(cols, schema=sch)
+
+    def _json_columns(self, bodies: list) -> list:
         pa = self._pa
         rows = []
         ts_fields = self._json_ts
-        for b in self.body:
+        for b in bodies:
             try:
                 v = json.loads(b)
             except ValueError:

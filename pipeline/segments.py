@@ -1,9 +1,10 @@
 """Reading a node's segment files directly (a stopped node's data dir, a follower's copy, a backup).
 
-Spark-free: `plan()` lists the segment files under a path, `read_segment()` yields their records.
-Records are found, checked and decoded with the storage's own reader (`shard.record.scan_records`: CRC32 and
-field lengths of every record, the stop rules of `shard.record.scan`); files are mapped read-only and never changed (the
-node's recovery cuts and rewrites files, so its stores are not opened here).
+Spark-free: `plan()` lists the segment files under a path, `read_segment_batches()` yields their
+records as columns (`read_segment()`: one tuple per record). Records are checked with the storage's
+rules (CRC32 and field lengths of every record, `pipeline.segment_columns`), and wherever reading
+stops, the storage's own reader (`shard.record.scan`) decides why; files are mapped read-only and
+never changed (the node's recovery cuts and rewrites files, so its stores are not opened here).
 
 A record that fails its check is never returned as data. In PERMISSIVE mode it is counted and
 skipped: when its length field is intact the next record follows it (a flipped byte in a body),
@@ -24,6 +25,11 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
+import pyarrow as pa
+
+from pipeline import segment_columns
+from pipeline.segment_columns import Run
 from shard import record
 from shard.segment import DATA_START, FORMAT_VERSION, META_SIZE, VERSION_HEADER, Meta, read_ack_entries
 from shard.stream_store import StreamSegment
@@ -222,9 +228,25 @@ def _good_at(mm: mmap.mmap, pos: int, end: int) -> bool:
     return next(record.scan(mm, pos, end, True, record.ScanResult()), None) is not None
 
 
-def read_segment(seg: SegmentFile, mode: str = "PERMISSIVE", include_acked: bool = False,
-                 stats: ScanStats | None = None) -> Iterator[SegmentRecord]:
-    """The records of one segment file, checked; see the module docstring for bad records."""
+@dataclass
+class SegmentBatch:
+    """Consecutive good records of one segment file as columns (`pipeline.segment_columns.Run`)."""
+
+    run: Run
+    offset: np.ndarray | None  # int64 stream offsets; None where unknown (classic queues, after a resync)
+    acked: np.ndarray | None  # bool, classic queues with an acks file; None = none acked
+
+    def __len__(self) -> int:
+        return len(self.run)
+
+
+def read_segment_batches(seg: SegmentFile, mode: str = "PERMISSIVE", include_acked: bool = False,
+                         stats: ScanStats | None = None, rows: int = 8192) -> Iterator[SegmentBatch]:
+    """The records of one segment file, checked, in batches of at most `rows` records.
+
+    Filler records (written by the node's damage recovery over bad bytes) are never messages and are
+    left out. See the module docstring for bad records.
+    """
     if mode not in MODES:
         raise ValueError(f"mode must be PERMISSIVE or FAILFAST, not {mode!r}")
     st = stats if stats is not None else ScanStats()
@@ -249,54 +271,107 @@ def read_segment(seg: SegmentFile, mode: str = "PERMISSIVE", include_acked: bool
             st.problems.append(problem)
             log.warning("shardmq-segments: %s; file skipped", problem)
             return
+        if not segment_columns.usable(size):
+            raise ValueError(f"{seg.path}: segment files over 2 GiB are not supported")
         used = _meta_used(seg)
         end = min(size, used) if used is not None and used >= DATA_START else size
         acks = read_acks(os.path.join(seg.queue_dir, f"acks.{seg.no:010d}")) if seg.kind == "classic" else set()
-        yield from _records(mm, seg, end, mode, include_acked, acks, st)
+        yield from _batches(mm, seg, end, mode, include_acked, acks, st, rows)
     finally:
-        mm.close()
+        try:
+            mm.close()
+        except BufferError:  # a caller still holds a view of the map: the GC unmaps it with the last one
+            pass
 
 
-def _records(mm: mmap.mmap, seg: SegmentFile, end: int, mode: str, include_acked: bool, acks: set[int],
-             st: ScanStats) -> Iterator[SegmentRecord]:
+def _batches(mm: mmap.mmap, seg: SegmentFile, end: int, mode: str, include_acked: bool, acks: set[int],
+             st: ScanStats, rows: int) -> Iterator[SegmentBatch]:
+    a = np.frombuffer(mm, np.uint8)
+    data = pa.py_buffer(mm)
+    mv = memoryview(mm)
+    acked_at = np.array(sorted(acks), np.int64) if acks else None
     offset = seg.first_offset
     pos = DATA_START
-    while True:
-        result = record.ScanResult()
-        if not acks and offset is not None:  # a stream: nothing acked, offsets count on
-            for p, ts, flags, ex, rk, props, body in record.scan_records(mm, pos, end, result):
-                if flags & record.FLAG_FILLER:  # damaged records set aside by recovery: ts = their offsets
-                    offset += max(ts, 1)
-                    continue
-                yield offset, ts, flags, ex, rk, props, body, p, False
-                offset += 1
-                st.records += 1
-        else:
-            for p, ts, flags, ex, rk, props, body in record.scan_records(mm, pos, end, result):
-                st.records += 1
+    try:
+        while True:
+            positions, stop = segment_columns.crc_run(mm, mv, pos, end, rows)
+            good = 0
+            if positions:
+                run, good = segment_columns.decode_run(a, data, positions)
+                batch, taken = _select(run, offset, acked_at, include_acked, st)
                 if offset is not None:
-                    offset += 1
-                acked = p in acks
-                if acked:
-                    st.acked += 1
-                    if not include_acked:
-                        continue
-                yield (offset - 1 if offset is not None else None), ts, flags, ex, rk, props, body, p, acked
-        if not result.reason:
-            return
-        problem = f"{seg.path}: {result.reason}"
-        if mode == "FAILFAST":
-            raise CorruptRecord(problem)
-        st.corrupt += 1
-        st.problems.append(problem)
-        nxt = _resync(mm, result.end, end)
-        length = _U32.unpack_from(mm, result.end)[0] if result.end + 4 <= end else 0
-        if nxt == result.end + record.HEADER_SIZE + length and offset is not None:
-            offset += 1  # exactly one record skipped: later offsets stay right
-        elif offset is not None and nxt < end:
-            log.warning("shardmq-segments: %s: offsets after position %d are unknown", seg.path, nxt)
-            offset = None
-        log.warning("shardmq-segments: %s; skipped %d bytes", problem, nxt - result.end)
-        if nxt >= end:
-            return
-        pos = nxt
+                    offset += taken
+                if batch is not None and len(batch):
+                    yield batch
+                if good == rows:
+                    pos = stop
+                    continue
+            at = positions[good] if good < len(positions) else stop
+            # What is at `at` (a clean end, or why the record there is bad) is the storage reader's answer.
+            result = record.ScanResult()
+            if next(record.scan(mm, at, end, True, result), None) is not None:
+                raise RuntimeError(f"{seg.path}: the segment reader and shard.record.scan disagree at {at}")
+            if not result.reason:
+                return
+            problem = f"{seg.path}: {result.reason}"
+            if mode == "FAILFAST":
+                raise CorruptRecord(problem)
+            st.corrupt += 1
+            st.problems.append(problem)
+            nxt = _resync(mm, result.end, end)
+            length = _U32.unpack_from(mm, result.end)[0] if result.end + 4 <= end else 0
+            if nxt == result.end + record.HEADER_SIZE + length and offset is not None:
+                offset += 1  # exactly one record skipped: later offsets stay right
+            elif offset is not None and nxt < end:
+                log.warning("shardmq-segments: %s: offsets after position %d are unknown", seg.path, nxt)
+                offset = None
+            log.warning("shardmq-segments: %s; skipped %d bytes", problem, nxt - result.end)
+            if nxt >= end:
+                return
+            pos = nxt
+    finally:
+        mv.release()
+        del a, data
+
+
+def _select(run: Run, offset: int | None, acked_at: np.ndarray | None, include_acked: bool,
+            st: ScanStats) -> tuple[SegmentBatch | None, int]:
+    """(the rows of `run` to return: no fillers, acked ones only if asked; the stream offsets the run
+    takes), counted into `st`. A stream's filler record (damaged records set aside by the node's
+    recovery) takes as many offsets as its timestamp field says (at least one)."""
+    keep = (run.flags & record.FLAG_FILLER) == 0
+    taken = len(run)
+    offsets = None
+    if offset is not None:
+        step = np.where(keep, 1, np.maximum(run.ts, 1))
+        ends = np.cumsum(step) + offset
+        offsets = ends - step
+        taken = int(ends[-1] - offset) if len(run) else 0
+    acked = np.isin(run.position, acked_at) if acked_at is not None else None
+    st.records += int(keep.sum())
+    if acked is not None:
+        acked &= keep
+        st.acked += int(acked.sum())
+        if not include_acked:
+            keep &= ~acked
+    if not keep.all():
+        if not keep.any():
+            return None, taken
+        run = run.take(keep)
+        offsets = offsets[keep] if offsets is not None else None
+        acked = acked[keep] if acked is not None else None
+    if acked is not None and not acked.any():
+        acked = None
+    return SegmentBatch(run, offsets, acked), taken
+
+
+def read_segment(seg: SegmentFile, mode: str = "PERMISSIVE", include_acked: bool = False,
+                 stats: ScanStats | None = None) -> Iterator[SegmentRecord]:
+    """The records of one segment file, checked, one tuple each (`read_segment_batches` as rows)."""
+    for b in read_segment_batches(seg, mode, include_acked, stats):
+        r = b.run
+        n = len(r)
+        yield from zip(b.offset.tolist() if b.offset is not None else [None] * n, r.ts.tolist(),
+                       r.flags.tolist(), r.exchange.to_pylist(), r.routing_key.to_pylist(), r.props.to_pylist(),
+                       r.body.to_pylist(), r.position.tolist(),
+                       b.acked.tolist() if b.acked is not None else [False] * n, strict=True)

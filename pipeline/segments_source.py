@@ -1,7 +1,8 @@
 """`spark.read.format("shardmq-segments").load(PATH)`: a node's segment files as a DataFrame.
 
 One Spark partition per segment file (8 MiB by default), read by `pipeline.segments` with a
-CRC32 check of every record. Options:
+CRC32 check of every record, in Arrow batches of up to BATCH_ROWS records built from whole columns
+(`pipeline.segment_columns`), never a Python object per record. Options:
 
 - `vhost`, `queue`: only that vhost / queue (names, as in the `.vhost` / `.queue` files).
 - `mode`: `PERMISSIVE` (default: a corrupt record is counted, skipped and logged at WARNING) or
@@ -21,7 +22,7 @@ from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
 from pipeline.props import PropsDecoder
 from pipeline.schema import BatchBuilder, OptionError, body_options, schema_ddl
-from pipeline.segments import MODES, ScanStats, SegmentFile, plan, read_segment
+from pipeline.segments import MODES, ScanStats, SegmentFile, plan, read_segment_batches
 
 log = logging.getLogger(__name__)
 BATCH_ROWS = 8192
@@ -61,41 +62,24 @@ class SegmentsReader(DataSourceReader):
     def read(self, partition: SegmentPartition) -> Iterator[Any]:
         if not isinstance(partition, SegmentPartition):
             return  # Spark plans one placeholder partition when partitions() is empty
+        import pyarrow as pa
+
         seg = partition.seg
         builder = BatchBuilder(self.schema, self.body_format, segments=True)
+        offset_type = builder.arrow_schema.field(0).type
         decode = PropsDecoder().decode
         stats = ScanStats()
-        consts = (seg.vhost, seg.queue, seg.no)
-        any_acked = False
-        b_off, b_ts, b_rk, b_ex, b_idx, b_body, b_pos = (
-            builder.offset, builder.ts, builder.rk, builder.ex, builder.pidx, builder.body, builder.position)
-        pmap = builder.pmap
-        for offset, ts, _flags, ex, rk, props, body, pos, acked in read_segment(
-                seg, self.mode, self.include_acked, stats):
-            i = pmap.get(props)
-            if i is None:
-                i = builder.new_props(props, decode(props))
-            b_idx.append(i)
-            b_off.append(offset)
-            b_ts.append(ts)
-            b_rk.append(rk)
-            b_ex.append(ex)
-            b_body.append(body)
-            b_pos.append(pos)
-            if acked and not any_acked:  # the acked column is built only for batches holding acked rows
-                any_acked = True
-                builder.acked.extend([False] * (len(b_idx) - 1))
-            if any_acked:
-                builder.acked.append(acked)
-            if len(b_idx) >= BATCH_ROWS:
-                yield builder.flush(*consts)
-                any_acked = False
-                b_off, b_ts, b_rk, b_ex, b_idx, b_body, b_pos = (
-                    builder.offset, builder.ts, builder.rk, builder.ex, builder.pidx, builder.body,
-                    builder.position)
-                pmap = builder.pmap
-        if len(builder):
-            yield builder.flush(*consts)
+        for batch in read_segment_batches(seg, self.mode, self.include_acked, stats, BATCH_ROWS):
+            run = batch.run
+            # Properties: a stream usually holds a few distinct blobs; each is decoded once per batch.
+            props = run.props.dictionary_encode()
+            distinct = [decode(p) for p in props.dictionary.to_pylist()]
+            offset = (pa.array(batch.offset, offset_type) if batch.offset is not None
+                      else pa.nulls(len(run), offset_type))
+            yield builder.assemble(
+                offset, pa.array(run.ts), run.routing_key, run.exchange, distinct, props.indices, run.body,
+                (seg.vhost, seg.queue, seg.no, pa.array(run.position),
+                 pa.array(batch.acked) if batch.acked is not None else None))
         if stats.corrupt:
             log.warning("shardmq-segments: %s: %d corrupt record(s) skipped (mode PERMISSIVE): %s",
                         seg.path, stats.corrupt, "; ".join(stats.problems[:5]))

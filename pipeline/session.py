@@ -6,8 +6,6 @@ JVM start-up costs seconds: one process makes one session (`getOrCreate`) and sh
 from __future__ import annotations
 
 import os
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -24,37 +22,16 @@ CONF = {
     "spark.python.worker.reuse": "true",
 }
 
-_LOG4J2 = """\
-rootLogger.level = error
-rootLogger.appenderRef.stderr.ref = console
-appender.console.type = Console
-appender.console.name = console
-appender.console.target = SYSTEM_ERR
-appender.console.layout.type = PatternLayout
-appender.console.layout.pattern = %d{HH:mm:ss} %p %c{1}: %m%n
-"""
-
 
 def local_session(master: str = "local[2]", app: str = "shardmq-pipeline", **conf: str) -> Any:
     """getOrCreate a local session (UI off, small memory, quiet logs) and register the shardmq formats."""
-    from pyspark.sql import SparkSession
-
+    from loadtest.spark_session import quiet_session
     from pipeline import register
 
-    # Python workers must run this interpreter (the venv) and import this checkout's packages.
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    # Python workers must import this checkout's packages.
     paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     if str(ROOT) not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *[p for p in paths if p]])
-    log_conf = Path(tempfile.gettempdir()) / "shardmq-pipeline-log4j2.properties"
-    if not log_conf.exists():
-        log_conf.write_text(_LOG4J2)
-    builder = SparkSession.builder.master(master).appName(app)
-    for key, value in {**CONF, **conf}.items():
-        builder = builder.config(key, value)
-    builder = builder.config("spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile=file:{log_conf}")
-    spark = builder.getOrCreate()
-    spark.sparkContext.setLogLevel("ERROR")
+    spark = quiet_session(master, app, {**CONF, **conf})
     register(spark)
     return spark
