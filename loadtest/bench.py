@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from loadtest.rabbitmq import PrivateRabbitMQ, free_port, package_version
+from loadtest.ports import free_port
+from loadtest.rabbitmq import PrivateRabbitMQ, package_version
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DOC = ROOT / "docs" / "benchmarks.md"

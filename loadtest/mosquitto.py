@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from loadtest.rabbitmq import free_port
+from loadtest.ports import free_port
 
 MOSQUITTO = "mosquitto"
 

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from loadtest.mosquitto import PrivateMosquitto, package_version
-from loadtest.rabbitmq import free_port
+from loadtest.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = (("qos0-1p1c", 0, 1, 1), ("qos1-1p1c", 1, 1, 1), ("qos0-4p4c", 0, 4, 4), ("qos1-4p4c", 1, 4, 4))

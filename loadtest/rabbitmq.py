@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from loadtest.ports import free_port
+
 RABBITMQ_SERVER = "/usr/lib/rabbitmq/bin/rabbitmq-server"
 RABBITMQ_CONF = """\
 loopback_users = none
@@ -33,10 +35,6 @@ class RabbitMQError(RuntimeError):
     pass
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _system_rabbit_pids() -> list[int]:

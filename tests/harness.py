@@ -29,8 +29,10 @@ from pathlib import Path
 
 import pika
 
+from loadtest.ports import free_port  # noqa: F401  (tests import it from here)
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-STARTUP_TIMEOUT = 20.0
+STARTUP_TIMEOUT = 30.0  # generous: only a node that never comes up pays it
 STOP_TIMEOUT = 15.0
 # Workers die with the node (PR_SET_PDEATHSIG); give them this long before the harness kills them.
 ORPHAN_GRACE = 5.0
@@ -38,25 +40,6 @@ ORPHAN_GRACE = 5.0
 
 class NodeError(AssertionError):
     """The node did not do what the harness waited for; the message carries the log tail."""
-
-
-_HANDED_OUT: set[int] = set()
-
-
-def free_port() -> int:
-    """A free loopback port never handed out before in this test process.
-
-    The kernel may give the same ephemeral port to two binds in a row once the first socket is
-    closed, so a node's AMQP port could equal another listener's (HTTP, Prometheus, replication)
-    picked a moment later: that node then never answers AMQP. Remembering them rules that out.
-    """
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
 
 
 def pid_alive(pid: int) -> bool:

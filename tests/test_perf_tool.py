@@ -31,6 +31,7 @@ from loadtest.mqtt_throughput import (
     encode_varint,
     split_packets,
 )
+from loadtest.ports import free_port
 from loadtest.scenarios_amqp import rss_growth
 from loadtest.sink import SinkProcess
 
@@ -213,10 +214,7 @@ def test_cleans_up_only_what_it_created(sink, capsys):
 
 def test_usage_and_connection_errors(capsys):
     assert main(["amqp", "throughput", "--uri", "amqp://127.0.0.1:1/", "--verify", "-s", "8"]) == 2
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
+    port = free_port()  # nobody listens there
     assert main(["amqp", "throughput", "--uri", f"amqp://127.0.0.1:{port}/", "-z", "1"]) == EXIT_ERROR
 
 

@@ -1,0 +1,68 @@
+"""Free loopback ports for test and benchmark servers, chosen outside the ephemeral range."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _port_candidates() -> list[int]:
+    """Ports below (or above) the kernel's ephemeral range, starting at a per-process offset.
+
+    A port the kernel hands out for binding to 0 lies in the ephemeral range, where every outgoing
+    connection of the test run also takes its source port: between free_port() and the node's
+    bind, a client socket could take the port (the node's bind then fails), or a client
+    connecting to a port nobody listens on yet could connect to itself (TCP self-connect on
+    loopback) and read its own bytes back. Outside that range neither can happen.
+    """
+    low, high = _ephemeral_range()
+    spans = [(p, q) for p, q in ((10000, low), (high + 1, 65536)) if q - p >= 1000]
+    ports = [port for p, q in spans for port in range(p, q)]
+    if not ports:  # an unusual range that covers nearly everything: fall back to the kernel's pick
+        return []
+    start = (os.getpid() * 7919) % len(ports)  # concurrent test processes start apart
+    return ports[start:] + ports[:start]
+
+
+_CANDIDATES: list[int] | None = None
+_NEXT = 0
+
+
+def free_port() -> int:
+    """A free loopback port outside the ephemeral range, never handed out before in this process.
+
+    Remembering the ports handed out rules out two listeners of one run getting the same port.
+    """
+    global _CANDIDATES, _NEXT
+    if _CANDIDATES is None:
+        _CANDIDATES = _port_candidates()
+    while _NEXT < len(_CANDIDATES):
+        port = _CANDIDATES[_NEXT]
+        _NEXT += 1
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # somebody else's listener (or a lingering socket): try the next one
+        _HANDED_OUT.add(port)
+        return port
+    while True:  # candidates exhausted (or none): the kernel's pick, deduplicated
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
