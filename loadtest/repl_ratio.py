@@ -30,7 +30,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from loadtest.etcd import EtcdCluster, free_port
+from loadtest.etcd import EtcdCluster
+from loadtest.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PERF = ["-x", "1", "-y", "1", "-s", "1024", "--persistent", "-c", "1000", "-q", "1000", "-z", "10"]
