@@ -458,6 +458,7 @@ def test_role_api_leader_becomes_follower_and_resyncs_to_the_new_leader(node_fac
     data = tmp_path / "n2"
     settings = load_settings(
         ["--data-dir", str(data), "--port", str(amqp_port), "--http-port", "0", "--shards", "2", "--frontends", "1",
+         "--prometheus-port", "0", "--mqtt-port", "0", "--ws-port", "0",  # fixed default ports: off
          "--cluster", "--etcd-endpoints", "none", "--node-name", "n2", "--replication-port", str(free_port())],
         dict(os.environ))
     loop = asyncio.new_event_loop()
