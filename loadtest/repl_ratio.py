@@ -2,6 +2,7 @@
 
     python -m loadtest.repl_ratio --runs 3                      # from the repository root
     python -m loadtest.repl_ratio --runs 3 -- -x 1 -y 1 -s 1024 --persistent -c 1000 -q 1000 -z 10
+    python -m loadtest.repl_ratio --tree /tmp/base      # nodes from another checkout (git worktree)
 
 Alternates, ``--runs`` times: a standalone node, then a three-node cluster (a private one-member
 etcd, three ``--cluster`` nodes on loopback, all in the ISR), each measured with the same
@@ -258,8 +259,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--followers", type=int, default=2, help="followers of the leader (default 2)")
     ap.add_argument("--frontends", type=int, default=0, help="--frontends of every node (default: the node's)")
     ap.add_argument("--shards", type=int, default=0, help="--shards of every node (default: the node's)")
+    ap.add_argument("--tree", help="run the nodes from this checkout (A/B a revision; default: this one)")
     ap.add_argument("--json", action="store_true", help="print one JSON object per run")
     args = ap.parse_args(argv)
+    if args.tree:
+        global REPO_ROOT
+        REPO_ROOT = Path(args.tree).resolve()
     node_args: list[str] = []
     if args.frontends:
         node_args += ["--frontends", str(args.frontends)]
