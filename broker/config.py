@@ -106,6 +106,8 @@ class Settings:
     vm_memory_high_watermark: str = "0.4"
     # Prometheus /metrics and /metrics/per-object (broker/http/metrics.py), bound to http_bind; 0 = off.
     prometheus_port: int = 15692
+    # Prometheus over HTTPS (RabbitMQ's prometheus.ssl listener, 15691), on when --tls-cert is set; 0 = off.
+    prometheus_tls_port: int = 15691
     # Cluster (replication/): off = today's standalone node, no etcd needed.
     cluster: bool = False
     etcd_endpoints: list[str] = field(default_factory=lambda: ["127.0.0.1:2379"])
@@ -232,6 +234,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("vm_memory_high_watermark", "str", "main",
            "node memory above which publishers are blocked: a fraction of RAM (0.4) or an amount (2GB)"),
     Option("prometheus_port", "int", "http", "Prometheus metrics port (0 = off)", 0, 65535),
+    Option("prometheus_tls_port", "int", "http",
+           "Prometheus metrics over HTTPS, on when --tls-cert is set (0 = off)", 0, 65535),
     Option("stats_interval", "int", "http", "ms between the statistics reports of the workers", 100, 3600000),
     Option("cluster", "bool", "clustering", "run as a cluster member (etcd election, replication)",
            key="enabled"),

@@ -23,16 +23,24 @@ Sockets (all ``ipc://`` under the node's run directory):
   channel PEER_CHANNEL_DELAYED or PEER_CHANNEL_DEDUP and the sending shard's own
   confirm_seq; shard N answers CONFIRM/CONFIRM_NACK to shard M exactly as to a
   frontend, and the channel tells M which of its parts waits for the answer.
-  Dead letters carry them too (PEER_CHANNEL_DLX): M sends them again to a restarted N.
+  Dead letters carry them too (PEER_CHANNEL_DLX; PUBLISH, or DEDUP_PUBLISH to the owner of a
+  deduplicating exchange, M itself included): M keeps each in its outbox until N confirmed it, sends
+  it again to a restarted N and, after M's own restart, again to every N (at least once).
 
 One ZeroMQ message is one *batch*: ``msgpack([header, items])``. Items are
 lists whose first element is a kind (small int). Senders collect items during
 one event-loop turn and flush once at the end of it (see ``broker.zmqio``).
 
-Data batches from a frontend to a shard carry header ``[epoch, batch_seq]``:
+Data batches from a frontend to a shard carry header ``[epoch, batch_seq, control_count, token]``
+(control lane: batch_seq None; shard-to-shard batches ``[epoch, batch_seq]``):
 a shard drops batches whose epoch is not its own (they were meant for a
 previous incarnation of that shard) and answers each batch_seq with a
 PROCESSED item so frontends can apply back-pressure to publishers.
+control_count orders the lanes: the number of control-lane items the frontend put for
+that shard (up to the batch's last item; for a publish-lane batch, as of its last item);
+the shard handles a publish-lane batch only after the control-lane batch that brings
+the count that far from the same token (the frontend's pid). Counts restart at 0 with a
+new shard epoch.
 Batches in the other direction and all control batches carry header ``0``.
 
 Channels: the ``channel`` field of every frontend <-> shard item is the channel's *key*,
@@ -57,7 +65,11 @@ import msgpack
 # 4: STATS, ALARMS, CLOSE_CONNECTIONS by user/conn; KV_PUT, KV_GET (MQTT retained messages and
 # sessions). 5: REPL_STATUS, REPL_ISR (cluster).
 # 6: DEDUP_PUBLISH's return_to and RETURN; PEER_CHANNEL_DLX (dead letters carry peer confirms).
-VERSION = 6
+# 7: MARKED_PUBLISH, UNMARK, MARKED_ACK (MQTT QoS 2 exactly-once across a crash).
+# 8: dead letters into a deduplicating exchange carry confirm fields (PEER_CHANNEL_DLX); the confirm seq
+# of a dead letter is its outbox record id (unique across restarts of the sending shard). Frontend data
+# headers carry control_count and token (lane order: an ack before a publish stays before it).
+VERSION = 8
 
 # --------------------------------------------------------------------------
 # Control plane: node <-> every worker (node.sock)
@@ -83,7 +95,10 @@ FORWARD = 5
 # a shard's: {"queues": [[vhost, name, ready, unacked, consumers, ready_bytes, published, delivered, acked], ...]}
 #   (published/delivered/acked: totals since the shard started; the node turns them into rates),
 #   "totals": [published, delivered, acked] summed over the shard's queues, "segment_bytes": n,
-#   "fsync": {"buckets": [le, ...], "counts": [n, ...], "sum": seconds, "count": n}
+#   "dead_letters_unconfirmed": n (dead letters to other shards in its outbox, not yet confirmed by them),
+#   "fsync": {"buckets": [le, ...], "counts": [n, ...], "sum": seconds, "count": n},
+#   "damaged": [[vhost, name, damaged_records, damaged_acks], ...]  (only queues with storage damage
+#   since the shard opened them; an older shard leaves the key out, read as none)
 STATS = 6
 # REPL_STATUS: [REPL_STATUS, {follower: [connected, in_sync, lag_bytes, lag_seconds, last_ack_monotonic,
 #                                         acked_position]}]
@@ -182,7 +197,8 @@ DELAYED_PUBLISH = 33
 
 # DEDUP_PUBLISH: a publish to a deduplicating exchange (x-message-deduplication), sent by the
 # frontend to the exchange's owner shard (broker.dedup.exchange_shard) only, instead of PUBLISHes
-# (also by a shard dead-lettering to such an exchange, over its peer DEALER, unconfirmed):
+# (also by a shard dead-lettering to such an exchange, over its peer DEALER, with conn_id 0, channel
+# PEER_CHANNEL_DLX and its outbox record id as confirm_seq: the owner confirms it as a publisher's):
 #   [DEDUP_PUBLISH, vhost, exchange, routing_key, props_raw(bytes), body(bytes), persistent(bool),
 #    conn_id|None, channel|None, confirm_seq|None, key|None, ttl_ms|None, groups, return_to|None]
 # key: the dedup header's value (str, bytes, int, or a tagged str for other field types), None
@@ -203,6 +219,24 @@ DEDUP_PUBLISH = 34
 #   [KV_GET, req_id, vhost, space, key|None] -> REPLY_DATA {"items": [[key, value], ...]} (None: all keys)
 KV_PUT = 35
 KV_GET = 36
+# MARKED_PUBLISH: a PUBLISH that carries a mark, for MQTT QoS 2 publishes of a persistent session
+# (mark = packet id, key = client id, space "mqtt.in2"). Publish lane.
+#   [MARKED_PUBLISH, vhost, space, key, mark, publish]  publish: the PUBLISH item for this shard
+# The shard keeps the marks of a key as a list in its KV store (vhost, space). A mark already there
+# means this shard stored the message before (a resend after a crash of the frontend or of this
+# shard): it is confirmed and not stored again. Otherwise the message is stored and the mark
+# written in the same handler, so no crash (kill -9) keeps one without the other.
+MARKED_PUBLISH = 37
+# UNMARK: [UNMARK, req_id|None, vhost, space, key, mark|None]  remove a mark (None: every mark of key);
+# with a req_id the shard answers REPLY_DATA {} once that is fsynced. MQTT sends it on PUBREL.
+UNMARK = 38
+# MARKED_ACK: [MARKED_ACK, req_id, conn_id, channel, queue_id, message_id, vhost, space, key, mark]
+# Acknowledge one delivered message and, only when that acknowledgement took (the delivery was still
+# this channel's), add mark to key's marks in the KV store (vhost, space), in the same handler: MQTT's
+# PUBREC of a QoS 2 delivery (mark = packet id, space "mqtt.out2"), so a crash keeps both or neither.
+# -> REPLY_DATA once the mark is fsynced (at once when the ack did not take). Control lane (ordered with ACK and
+# CONNECTION_CLOSED of the same connection).
+MARKED_ACK = 39
 
 # Channel numbers of the confirmed PUBLISH items a shard sends to another shard (conn_id 0): the
 # CONFIRM answers come back to the sender's peer DEALER and are told apart by this number.
@@ -242,11 +276,12 @@ MAX_BATCHES_IN_FLIGHT = 8
 # QUEUE_INFO); the control lane (identity "fe-K" + CONTROL_LANE_SUFFIX) carries acks, credit,
 # consume/cancel and channel/connection ends. The shard's ROUTER fair-queues between the two,
 # so under a publish flood acks and credit are not stuck behind thousands of queued publishes.
-# Control-lane batches carry header [epoch, None] and get no PROCESSED answer; every reply
-# goes to the publish-lane identity.
+# Control-lane batches carry header [epoch, None, control_count, token] and get no PROCESSED answer;
+# every reply goes to the publish-lane identity. A publish-lane batch waits for the control-lane
+# items put before it (header comment at the top of this module).
 CONTROL_LANE_SUFFIX = b"+"
-CONTROL_LANE_KINDS = frozenset((23, 24, 31, 21, 22, 26, 27, 28, 29))  # ACK NACK CREDIT CONSUME CANCEL QOS
-#                                                                        RECOVER CHANNEL_CLOSED CONNECTION_CLOSED
+CONTROL_LANE_KINDS = frozenset((23, 24, 31, 21, 22, 26, 27, 28, 29, 39))  # ACK NACK CREDIT CONSUME CANCEL QOS
+#                                                          RECOVER CHANNEL_CLOSED CONNECTION_CLOSED MARKED_ACK
 
 
 _packer = msgpack.Packer(use_bin_type=True, autoreset=True)
@@ -303,4 +338,37 @@ def worker_id(role: str, index: int) -> bytes:
 
 
 assert CONTROL_LANE_KINDS == frozenset((ACK, NACK, CREDIT, CONSUME, CANCEL, QOS, RECOVER, CHANNEL_CLOSED,
-                                        CONNECTION_CLOSED))
+                                        CONNECTION_CLOSED, MARKED_ACK))
+
+
+# --------------------------------------------------------------------------
+# Kind registry
+# --------------------------------------------------------------------------
+# Every message kind, by namespace (the socket it travels on, both directions: a receiver decodes
+# all of them), with the contract VERSION that introduced it (the history comment above VERSION
+# names it). Two branches once picked the same numbers independently: a new kind goes here too,
+# and tests/test_contract.py fails when a number is taken twice in a namespace, a kind constant is
+# missing from this table, or its version is not stated.
+KINDS: dict[str, dict[str, tuple[int, int]]] = {
+    "control": {  # node.sock: worker -> node 1..9, node -> worker 10..19
+        "HELLO": (HELLO, 1), "APPLIED": (APPLIED, 1), "REQUEST": (REQUEST, 1), "QUERY_REPLY": (QUERY_REPLY, 1),
+        "FORWARD": (FORWARD, 1), "STATS": (STATS, 4), "REPL_STATUS": (REPL_STATUS, 5), "REPL_ISR": (REPL_ISR, 5),
+        "SNAPSHOT": (SNAPSHOT, 1), "DEFS": (DEFS, 1), "REPLY": (REPLY, 1), "SHARD_UP": (SHARD_UP, 1),
+        "WORKER_DOWN": (WORKER_DOWN, 1), "QUERY": (QUERY, 1), "STOP": (STOP, 1),
+        "CLOSE_CONNECTIONS": (CLOSE_CONNECTIONS, 4), "FORWARDED": (FORWARDED, 1), "ALARMS": (ALARMS, 4),
+    },
+    "data": {  # shard-N.sock: to a shard 20..39, from a shard 40..
+        "PUBLISH": (PUBLISH, 1), "CONSUME": (CONSUME, 1), "CANCEL": (CANCEL, 1), "ACK": (ACK, 1), "NACK": (NACK, 1),
+        "GET": (GET, 1), "QOS": (QOS, 1), "RECOVER": (RECOVER, 1), "CHANNEL_CLOSED": (CHANNEL_CLOSED, 1),
+        "CONNECTION_CLOSED": (CONNECTION_CLOSED, 1), "PURGE": (PURGE, 1), "CREDIT": (CREDIT, 1),
+        "QUEUE_INFO": (QUEUE_INFO, 3), "DELAYED_PUBLISH": (DELAYED_PUBLISH, 2), "DEDUP_PUBLISH": (DEDUP_PUBLISH, 3),
+        "KV_PUT": (KV_PUT, 4), "KV_GET": (KV_GET, 4),
+        "MARKED_PUBLISH": (MARKED_PUBLISH, 7), "UNMARK": (UNMARK, 7), "MARKED_ACK": (MARKED_ACK, 7),
+        "DELIVER": (DELIVER, 1), "CONFIRM": (CONFIRM, 1), "CONFIRM_NACK": (CONFIRM_NACK, 1),
+        "REPLY_DATA": (REPLY_DATA, 1), "CANCEL_NOTIFY": (CANCEL_NOTIFY, 1), "PROCESSED": (PROCESSED, 1),
+        "CLOSE_CHANNEL": (CLOSE_CHANNEL, 1), "RETURN": (RETURN, 6),
+    },
+}
+# Integer constants of this module that are not message kinds.
+NOT_KINDS = ("VERSION", "CREDIT_WINDOW", "MAX_BATCHES_IN_FLIGHT", "PEER_CHANNEL_DEDUP", "PEER_CHANNEL_DELAYED",
+             "PEER_CHANNEL_DLX")

@@ -16,6 +16,9 @@ log = logging.getLogger("shardmq.datadir")
 # Outside the vhost directories, so no queue name can collide with them and remove_stale_queues
 # leaves them alone.
 DELAYED_DIR = "delayed"
+# Each shard's outbox of dead letters sent to other shards and not yet confirmed by them:
+# <data>/dead-letters/shard-N/ (shard/dead_letter_forwards.py).
+DEAD_LETTERS_DIR = "dead-letters"
 
 
 class DataDirLocked(RuntimeError):

@@ -88,7 +88,8 @@ class Node:
         self.alarms: list[str] = []
         self.tls = server_context(dataclasses.asdict(settings))  # HTTPS; the frontends build their own
         self.http = HttpServer(self, settings.http_bind, settings.http_port, settings.https_port, self.tls)
-        self.metrics = MetricsServer(self, settings.http_bind, settings.prometheus_port)
+        self.metrics = MetricsServer(self, settings.http_bind, settings.prometheus_port, settings.prometheus_tls_port,
+                                     self.tls)
         # In a cluster (--cluster): the etcd-driven role of this node (replication/cluster.py).
         self.cluster: Any = None
 

@@ -113,6 +113,13 @@ class NodeStats:
             out[key + "_details"] = {"rate": round(rate, 1)}
         return out
 
+    def damaged(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """(vhost, name) -> (damaged records, damaged ack entries) of the queues whose shard found
+        storage damage since it opened them; queues without damage are absent."""
+        return {(row[0], row[1]): (int(row[2]), int(row[3]))
+                for payload in self.shards.values() for row in payload.get("damaged", ())
+                if isinstance(row, list | tuple) and len(row) >= 4}
+
     def connections(self) -> list[tuple[int, list]]:
         """(frontend index, connection row) for every open connection."""
         return [(fe, row) for fe, payload in sorted(self.frontends.items())

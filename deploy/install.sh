@@ -80,7 +80,7 @@ run install -d -m 0755 "$PREFIX"
 run "$PYTHON" -m venv "$PREFIX/venv"
 run "$PREFIX/venv/bin/pip" install --quiet --upgrade pip
 run "$PREFIX/venv/bin/pip" install --quiet "${WHEEL:-$REPO}"
-run install -d -m 0750 -o "$SERVICE_USER" -g "$SERVICE_USER" "$DATA_DIR"
+run install -d -m 0700 -o "$SERVICE_USER" -g "$SERVICE_USER" "$DATA_DIR"
 run install -d -m 0750 -o root -g "$SERVICE_USER" "$CONF_DIR"
 install_new "$HERE/systemd/shardmq.ini" "$CONF_DIR/shardmq.ini" 0640
 run install -m 0640 -o root -g "$SERVICE_USER" "$HERE/systemd/shardmq.ini.example" "$CONF_DIR/shardmq.ini.example"

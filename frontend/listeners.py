@@ -32,6 +32,7 @@ LISTENERS: tuple[Listener, ...] = (
 FORWARDED: dict[str, str] = {
     "reply": "frontend.amqp.direct_reply:deliver_reply",  # direct reply-to answered on another frontend
     "mqtt.takeover": "frontend.mqtt.connection:forwarded_takeover",  # a client id connected elsewhere
+    "mqtt.taken": "frontend.mqtt.connection:forwarded_taken",  # ... and that frontend flushed its session writes
 }
 
 

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from frontend.worker import FrontendWorker
 
 _PUBLISH = contract.PUBLISH
+_MARKED_PUBLISH = contract.MARKED_PUBLISH
 
 
 def queues_by_shard(defs: Definitions, vhost: str, queues: Sequence[str]) -> dict[int, list]:
@@ -43,3 +44,14 @@ def put_publish(worker: FrontendWorker, groups: dict[int, list], vhost: str, exc
     for shard, names in groups.items():
         put(shard, [_PUBLISH, vhost, names, exchange, routing_key, props_raw, body, persistent,
                     conn_id, channel, seq])
+
+
+def put_marked_publish(worker: FrontendWorker, groups: dict[int, list], vhost: str, space: str, key: str,
+                       mark: object, exchange: str, routing_key: str, props_raw: bytes, body: bytes,
+                       conn_id: int, channel: int, seq: int) -> None:
+    """A confirmed persistent publish stored at most once per (key, mark) on each shard (MARKED_PUBLISH):
+    MQTT QoS 2 of a persistent session, where mark is the packet id."""
+    put = worker.shard_put
+    for shard, names in groups.items():
+        put(shard, [_MARKED_PUBLISH, vhost, space, key, mark,
+                    [_PUBLISH, vhost, names, exchange, routing_key, props_raw, body, True, conn_id, channel, seq]])

@@ -95,6 +95,11 @@ class FrontendWorker:
         self.epochs = [_epoch_of(epochs, i) for i in range(self.shard_count)]
         self._sent = [0] * self.shard_count
         self._processed = [0] * self.shard_count
+        # Lane order (docs/architecture.md "Lanes"): control-lane items put per shard, and that count
+        # when the last publish-lane item was put (the shard handles a publish-lane batch only after
+        # that many control-lane items: an ack before a publish on a channel stays before it).
+        self._ctl_put = [0] * self.shard_count
+        self._pub_need = [0] * self.shard_count
         for i in range(self.shard_count):
             sock = make_socket(self.ctx, zmq.DEALER, self.ident)
             sock.connect(contract.shard_address(self.run_dir, i))
@@ -160,19 +165,22 @@ class FrontendWorker:
 
     def _header_for(self, shard: int) -> Callable[[bytes | None], list]:
         sent = self._sent
+        token = os.getpid()  # tells this process's counts from an earlier frontend's with our identity
 
         def header(_dest: bytes | None) -> list:
             seq = sent[shard] + 1
             sent[shard] = seq
             if seq - self._processed[shard] > _MAX_IN_FLIGHT and not self.pressure:
                 self._set_pressure(True)
-            return [self.epochs[shard], seq]
+            return [self.epochs[shard], seq, self._pub_need[shard], token]
 
         return header
 
     def _control_header_for(self, shard: int) -> Callable[[bytes | None], list]:
         epochs = self.epochs
-        return lambda _dest: [epochs[shard], None]
+        ctl_put = self._ctl_put
+        token = os.getpid()
+        return lambda _dest: [epochs[shard], None, ctl_put[shard], token]
 
     def debug_state(self) -> dict:
         return {"pressure": self.pressure, "sent": list(self._sent), "processed": list(self._processed),
@@ -235,6 +243,7 @@ class FrontendWorker:
             return
         self.epochs[shard] = epoch
         log.info("frontend %d: shard %d restarted (epoch %d)", self.index, shard, epoch)
+        self._ctl_put[shard] = self._pub_need[shard] = 0  # the new incarnation has seen none
         # Nothing more will come back for batches the old incarnation had.
         self._processed[shard] = self._sent[shard]
         self._update_pressure()
@@ -290,8 +299,10 @@ class FrontendWorker:
                 if held is not None:
                     held.append(item)
                     return
+            self._ctl_put[shard] += 1  # before put: a full batch is sent inside it, counting this item
             self.control[shard].put(None, item)
         else:
+            self._pub_need[shard] = self._ctl_put[shard]
             self.shards[shard].put(None, item)
 
     def shard_request(self, shard: int, build: Callable[[int], list], conn: Session,

@@ -37,7 +37,9 @@ class ShardMQ:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "broker.cli", "--data-dir", self.dir, "--port", str(self.port), "--mqtt-port",
              str(self.mqtt_port), "--mqtt-max-inflight", str(inflight), "--frontends", str(frontends),
-             "--shards", str(shards), "--log-level", "warning", "--ws-port", "0"],
+             "--shards", str(shards), "--log-level", "warning", "--ws-port", "0",
+             # Only the MQTT port is measured; the default HTTP/metrics ports may be taken on a shared host.
+             "--http-port", "0", "--prometheus-port", "0"],
             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(os.path.join(self.dir, "node.log"), "wb"))
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:

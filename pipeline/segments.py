@@ -264,11 +264,13 @@ def _records(mm: mmap.mmap, seg: SegmentFile, end: int, mode: str, include_acked
     while True:
         result = record.ScanResult()
         if not acks and offset is not None:  # a stream: nothing acked, offsets count on
-            first = offset
             for p, ts, flags, ex, rk, props, body in record.scan_records(mm, pos, end, result):
+                if flags & record.FLAG_FILLER:  # damaged records set aside by recovery: ts = their offsets
+                    offset += max(ts, 1)
+                    continue
                 yield offset, ts, flags, ex, rk, props, body, p, False
                 offset += 1
-            st.records += offset - first
+                st.records += 1
         else:
             for p, ts, flags, ex, rk, props, body in record.scan_records(mm, pos, end, result):
                 st.records += 1

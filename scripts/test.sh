@@ -42,6 +42,9 @@ cd "$REPO_ROOT"
 status=0
 log "ruff check ."
 "$VENV/bin/ruff" check . || status=1
-log "pytest -q -p no:cacheprovider $*"
-"$VENV/bin/pytest" -q -p no:cacheprovider "$@" || status=$?
+# --tb=native: pytest's own traceback formatting parses source with ast, and CPython 3.11's ast
+# can raise "SystemError: AST constructor recursion depth mismatch" there (gh-106905), which turns
+# one failing test into an INTERNALERROR that ends the whole run without its summary.
+log "pytest -q -p no:cacheprovider --tb=native $*"
+"$VENV/bin/pytest" -q -p no:cacheprovider --tb=native "$@" || status=$?
 exit "$status"

@@ -1,59 +1,167 @@
-"""Dead letters sent to queues on other shards, kept until those shards confirm them.
+"""Dead letters sent to other shards, kept on disk until those shards confirm them.
 
-A dead letter for a queue on another shard travels as a PUBLISH over the peer DEALER with
-confirm fields (conn_id 0, channel contract.PEER_CHANNEL_DLX, seq); the target answers CONFIRM
-once it is stored (synced when persistent into a durable queue). Until then the item is kept
-here, and sent again when a restarted target is ready if it went to the previous incarnation
-(whose batches the new one drops by epoch): a target shard restarting at that moment no longer
-loses it. At least once: a copy the old incarnation stored but had not confirmed comes twice. The source
-queue has already let the message go, so a crash of this shard still loses what is unconfirmed.
+A dead letter for a queue on another shard (or for a deduplicating exchange, whose owner shard
+decides where it goes) travels over the peer DEALER as a PUBLISH (or DEDUP_PUBLISH) item with
+confirm fields: conn_id 0, channel contract.PEER_CHANNEL_DLX and a seq. The target answers CONFIRM
+once it is stored (synced when persistent into a durable queue; a dedup owner once every shard it
+forwarded to has).
+
+Before it is sent, the dead letter is appended to this shard's *outbox*, a QueueStore under
+``<data>/dead-letters/shard-N/`` whose record body is the packed list of [target shard, item]; the
+record's msg id is the items' confirm seq (unique across restarts, so a late CONFIRM meant for an
+earlier incarnation of this shard still names the right record). The source queue's removal of the
+message is written after the outbox record (same loop turn, later; the group sync fsyncs the outbox
+first), so when this shard is killed the dead letter is in the outbox: a restarted shard reads every
+record still there and sends it again once its targets are ready. A record is removed when every
+target confirmed it. This is RabbitMQ quorum queues' at-least-once dead-lettering: duplicates are
+possible (a target that stored a copy but whose CONFIRM never arrived), loss is not. Transient dead
+letters are not kept across a restart, as transient messages are not.
+
+While this shard runs, an item is also kept in memory and sent again when its target restarts
+(a new epoch: batches to the old one are dropped) and is ready.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
+import os
 from typing import TYPE_CHECKING
+
+from broker import contract
+from broker.datadir import DEAD_LETTERS_DIR
+from shard.store import QueueStore
 
 if TYPE_CHECKING:
     from shard.worker import ShardWorker
 
 log = logging.getLogger("shardmq.shard")
 
-# A target that stays down must not make the source shard grow without bound.
+# Items kept in memory for a resend while this shard runs: a target that stays down must not make
+# the source shard grow without bound. Beyond it the oldest stays in the outbox only (sent again
+# after this shard's next restart).
 MAX_PENDING = 100_000
+# A dead letter a target refused (CONFIRM_NACK) is sent again after this long.
+RETRY_S = 1.0
+
+# Where an item kind keeps its confirm seq (contract.PUBLISH / DEDUP_PUBLISH field lists).
+_SEQ_FIELD = {contract.PUBLISH: 10, contract.DEDUP_PUBLISH: 9}
 
 
 class DeadLetterForwards:
     def __init__(self, worker: ShardWorker) -> None:
         self.worker = worker
-        self._seq = itertools.count(1)
-        # seq -> {target shard: [epoch it was sent to, PUBLISH item]}
+        self.store: QueueStore | None = None  # the outbox, opened by load()
+        # outbox msg id (= confirm seq) -> {target shard: [epoch it was sent to, item]}
         self.pending: dict[int, dict[int, list]] = {}
+        self._retry_armed = False
 
-    def next_seq(self) -> int:
-        return next(self._seq)
+    def path(self) -> str:
+        w = self.worker
+        return os.path.join(w.settings["data_dir"], DEAD_LETTERS_DIR, f"shard-{w.index}")
 
-    def sent(self, seq: int, items: dict[int, list]) -> None:
+    def load(self) -> None:
+        """Open the outbox; what it still holds is sent again as each target reports ready (peer_up)."""
+        if self.store is not None:
+            return
+        store = self.store = QueueStore(self.path(), segment_size=int(self.worker.settings.get("segment_size",
+                                                                                            8 << 20)))
+        n = 0
+        while (msg := store.shift()) is not None:
+            msg_id, body = msg[0], msg[7]
+            try:
+                _version, targets = contract.unpack(body)
+                items = {int(shard): [-1, _with_seq(item, msg_id)] for shard, item in targets}
+            except (ValueError, TypeError, KeyError, IndexError):
+                log.warning("shard %d: unreadable dead letter %#x in the outbox dropped", self.worker.index, msg_id)
+                store.ack(msg_id)
+                continue
+            self.pending[msg_id] = items  # epoch -1: sent on the target's next SHARD_UP as ready
+            n += 1
+        store.flush_acks()
+        own = self.worker.index
+        for items in self.pending.values():  # a deduplicating exchange we own: our own ROUTER is ready
+            sent = items.get(own)
+            if sent is not None:
+                sent[0] = self.worker.epoch
+                self.worker.send_to_peer(own, sent[1])
+        if n:
+            log.info("shard %d: %d dead letters unconfirmed before the restart are sent again", self.worker.index, n)
+
+    def send(self, items: dict[int, list], persistent: bool) -> None:
+        """Keep `items` (target shard -> PUBLISH/DEDUP_PUBLISH with seq None) in the outbox, then send them."""
         if not items:
             return
+        w = self.worker
+        msg_id = self._keep(items, persistent)
+        if msg_id is None:  # not kept (a full disk): sent all the same, unconfirmed, as before the outbox
+            for shard, item in items.items():
+                w.send_to_peer(shard, item)
+            return
         if len(self.pending) >= MAX_PENDING:
-            oldest = next(iter(self.pending))
-            del self.pending[oldest]
-            log.warning("shard %d: %d dead letters unconfirmed by other shards; the oldest is no longer "
-                        "kept for a resend", self.worker.index, MAX_PENDING)
-        epochs = self.worker.epochs
-        self.pending[seq] = {shard: [epochs.get(shard, 0), item] for shard, item in items.items()}
+            del self.pending[next(iter(self.pending))]
+            log.warning("shard %d: %d dead letters unconfirmed by other shards; the oldest is resent only "
+                        "after a restart", w.index, MAX_PENDING)
+        epochs = w.epochs
+        kept = self.pending[msg_id] = {}
+        for shard, item in items.items():
+            item = _with_seq(item, msg_id)
+            kept[shard] = [w.epoch if shard == w.index else epochs.get(shard, 0), item]
+            w.send_to_peer(shard, item)
 
-    def confirmed(self, shard: int, seqs: list[int]) -> None:
-        """CONFIRM (or CONFIRM_NACK: the target could not take it, nothing to resend) from `shard`."""
+    def _keep(self, items: dict[int, list], persistent: bool) -> int | None:
+        """Append the outbox record; its msg id, or None when it could not be written."""
+        store = self.store
+        if store is None:
+            return None
+        body = contract.pack(contract.VERSION, [[shard, item] for shard, item in items.items()])
+        try:
+            msg_id = store.append(0, 1 if persistent else 0, "", "", b"", body)
+        except OSError as exc:
+            log.warning("shard %d: dead letter not kept in the outbox (%s)", self.worker.index, exc)
+            return None
+        store.shift()  # the cursor passes it at once: records are removed in confirm order
+        if persistent:
+            self.worker.sync_first(store)
+        return msg_id
+
+    def confirmed(self, shard: int, seqs: list[int], ok: bool = True) -> None:
+        """CONFIRM from `shard`; CONFIRM_NACK (a full target queue with x-overflow reject-publish, a
+        full disk, a dedup owner whose forward went to a shard that restarted) is retried later, as
+        RabbitMQ's at-least-once dead-letter worker retries what was not confirmed."""
         pending = self.pending
+        store = self.store
+        if not ok:
+            for seq in seqs:
+                sent = pending.get(seq, {}).get(shard)
+                if sent is not None:
+                    sent[0] = -1  # not held by the target: sent again by _retry
+            if not self._retry_armed:
+                self._retry_armed = True
+                self.worker.loop.call_later(RETRY_S, self._retry)
+            return
         for seq in seqs:
             items = pending.get(seq)
             if items is not None:
                 items.pop(shard, None)
                 if not items:
                     del pending[seq]
+                    if store is not None:
+                        store.ack(seq)
+            elif store is not None and store.holds(seq):
+                store.ack(seq)  # dropped from memory (MAX_PENDING) and confirmed after all
+        if store is not None:
+            store.flush_acks()
+
+    def _retry(self) -> None:
+        self._retry_armed = False
+        w = self.worker
+        if w._stopping:
+            return
+        for items in self.pending.values():
+            for shard, sent in items.items():
+                if sent[0] == -1 and (shard == w.index or shard in w.epochs):
+                    sent[0] = w.epoch if shard == w.index else w.epochs[shard]
+                    w.send_to_peer(shard, sent[1])
 
     def peer_up(self, index: int, restarted: bool) -> None:
         """SHARD_UP: a new epoch means the peer died; the known epoch again means it is ready now,
@@ -64,8 +172,23 @@ class DeadLetterForwards:
         epoch = worker.epochs.get(index, 0)
         for items in self.pending.values():
             sent = items.get(index)
-            # Only what went to an earlier incarnation: what was sent to this one (held until its
-            # snapshot) is handled and confirmed by it, and a resend would double it.
+            # Only what went to an earlier incarnation (or nowhere yet: recovered from the outbox):
+            # what was sent to this one (held until its snapshot) is handled and confirmed by it,
+            # and a resend would double it.
             if sent is not None and sent[0] < epoch:
                 sent[0] = epoch
-                worker.forward(index, sent[1])
+                worker.send_to_peer(index, sent[1])
+
+    def all_stores(self) -> list[QueueStore]:
+        return [] if self.store is None else [self.store]
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
+
+def _with_seq(item: list, seq: int) -> list:
+    item = list(item)
+    item[_SEQ_FIELD[item[0]]] = seq
+    return item

@@ -170,7 +170,7 @@ class ExchangeDedup:
             if cache_key is not None:
                 self.inflight[cache_key] = pending
         for shard, names in groups:
-            sock = self._socket(int(shard))
+            sock = self.socket_to(int(shard))
             if sock is None:
                 if token is not None:
                     self._settle(token, int(shard), False)
@@ -182,7 +182,9 @@ class ExchangeDedup:
 
     def dead_letter(self, x: Any, vhost: str, routing_key: str, props_raw: bytes, body: bytes, persistent: bool,
                     queues: list[str]) -> None:
-        """A message dead-lettered to deduplicating exchange `x`: to its owner, unconfirmed."""
+        """A message dead-lettered to deduplicating exchange `x`: to its owner (this shard too, over
+        the DEALER to our own ROUTER), kept in the outbox until the owner confirms it as it confirms a
+        publisher (shard/dead_letter_forwards.py)."""
         if not queues:
             return
         worker = self.worker
@@ -192,15 +194,11 @@ class ExchangeDedup:
             if defn is not None:
                 groups.setdefault(defn.shard, []).append(name)
         key, ttl = dedup_key(props_raw, x.dedup)
-        item = [contract.DEDUP_PUBLISH, vhost, x.name, routing_key, props_raw, body, persistent, None, None, None,
-                key, ttl, [[shard, names] for shard, names in groups.items()], None]
+        # conn_id 0, channel PEER_CHANNEL_DLX; the seq (the outbox record's id) is set by the outbox.
+        item = [contract.DEDUP_PUBLISH, vhost, x.name, routing_key, props_raw, body, persistent, 0,
+                contract.PEER_CHANNEL_DLX, None, key, ttl, [[shard, names] for shard, names in groups.items()], None]
         owner = exchange_shard(vhost, x.name, int(worker.settings.get("shards", 1)))
-        if owner == worker.index:
-            self.publish(worker.ident, item)
-        else:
-            peer = worker.peers.get(owner)
-            if peer is not None:
-                peer.put(None, item)
+        worker.dead_letters.send({owner: item}, persistent)
 
     def _cache(self, vhost: str, exchange: str) -> DedupCache | None:
         x = self.worker.defs.exchange(vhost, exchange)
@@ -221,7 +219,8 @@ class ExchangeDedup:
         self.caches[(vhost, exchange)] = (x, cache)
         return cache
 
-    def _socket(self, shard: int) -> BatchSocket | None:
+    def socket_to(self, shard: int) -> BatchSocket | None:
+        """The DEALER to `shard`'s ROUTER: a peer's, or ours connected to our own ROUTER."""
         worker = self.worker
         if shard != worker.index:
             return worker.peers.get(shard)
@@ -231,6 +230,10 @@ class ExchangeDedup:
             self._self_socket = BatchSocket(worker.loop, sock, worker.on_peer_answers(worker.index),
                                             header_for=self._self_header)
         return self._self_socket
+
+    def self_batches(self) -> int:
+        """Batches sent so far to our own ROUTER (forward back-pressure, ShardWorker.forwards_behind)."""
+        return self._self_seq
 
     def _self_header(self, _dest: bytes | None) -> list:
         self._self_seq += 1

@@ -138,6 +138,38 @@ class KVStores:
         _, req_id, vhost, space, key, value = item
         st = self.store(vhost, space)
         st.put(key, value)
+        self._written(st, fe, req_id)
+
+    def mark(self, vhost: str, space: str, key: str, mark: Any, fe: bytes | None = None,
+             req_id: int | None = None) -> bool:
+        """Add mark to key's list of marks (MARKED_PUBLISH); False when it was there already.
+
+        Written (os.write) now, so a kill -9 after this returns keeps it; synced with the next round.
+        """
+        st = self.store(vhost, space)
+        marks = st.items.get(key)
+        if marks is not None and mark in marks:
+            self._written(st, fe, req_id)
+            return False
+        st.put(key, [*(marks or ()), mark])
+        self._written(st, fe, req_id)
+        return True
+
+    def is_marked(self, vhost: str, space: str, key: str, mark: Any) -> bool:
+        marks = self.store(vhost, space).items.get(key)
+        return marks is not None and mark in marks
+
+    def handle_unmark(self, fe: bytes, item: list) -> None:
+        """[UNMARK, req_id|None, vhost, space, key, mark|None]"""
+        _, req_id, vhost, space, key, mark = item
+        st = self.store(vhost, space)
+        marks = st.items.get(key)
+        if marks is not None and (mark is None or mark in marks):
+            rest = [] if mark is None else [m for m in marks if m != mark]
+            st.put(key, rest or None)
+        self._written(st, fe, req_id)
+
+    def _written(self, st: KVStore, fe: bytes | None, req_id: int | None) -> None:
         if st.wants_compaction and not self._syncing:
             # Small stores (retained messages, session records): the rewrite's fsync is short, and a
             # sync thread never holds this fd at the same time.

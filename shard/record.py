@@ -249,6 +249,36 @@ def _valid_at(buf: Any, mv: memoryview, pos: int, end: int) -> int:
     return nxt
 
 
+def chain_count(buf: Any, start: int, stop: int) -> int | None:
+    """How many records the length fields between `start` and `stop` describe, None if they do not
+    add up to exactly `stop` (a damaged length field). Damage inside a body or a CRC leaves the
+    lengths intact, so this tells how many records a damaged range held."""
+    n = 0
+    pos = start
+    while pos < stop:
+        if pos + HEADER_SIZE > stop:
+            return None
+        length = _unpack_header(buf, pos)[0]
+        if length < MIN_PAYLOAD:
+            return None
+        pos += HEADER_SIZE + length
+        n += 1
+    return n if pos == stop else None
+
+
+def _last_nonzero(mv: memoryview, start: int, end: int) -> int:
+    """Index of the last non-zero byte in [start, end), or start - 1."""
+    step = 1 << 16
+    hi = end
+    while hi > start:
+        lo = max(start, hi - step)
+        kept = len(bytes(mv[lo:hi]).rstrip(b"\0"))
+        if kept:
+            return lo + kept - 1
+        hi = lo
+    return start - 1
+
+
 def resync(buf: Any, start: int, end: int) -> int:
     """Position of the first valid record after damage at `start`, or -1 if none follows.
 
@@ -259,7 +289,10 @@ def resync(buf: Any, start: int, end: int) -> int:
     """
     mv = memoryview(buf)
     try:
-        for pos in range(start + 1, end - MIN_RECORD + 1):
+        # A record starts with a non-zero length: no candidate lies after the last non-zero byte
+        # (a write segment is zeros after its data; trying each of those positions took seconds).
+        last = _last_nonzero(mv, start, end)
+        for pos in range(start + 1, min(end - MIN_RECORD, last) + 1):
             nxt = _valid_at(buf, mv, pos, end)
             if nxt < 0:
                 continue
@@ -270,7 +303,11 @@ def resync(buf: Any, start: int, end: int) -> int:
         mv.release()
 
 
-def filler(size: int) -> bytes:
-    """A whole record of `size` (>= MIN_RECORD) bytes that recovery writes over damaged bytes."""
-    payload = encode_payload(0, FLAG_FILLER, b"", b"", b"", bytes(size - MIN_RECORD))
+def filler(size: int, offsets: int = 0) -> bytes:
+    """A whole record of `size` (>= MIN_RECORD) bytes that recovery writes over damaged bytes.
+
+    In a stream, `offsets` (stored in the timestamp field) is how many message offsets the
+    damaged bytes held, so the offsets of the records after it do not move.
+    """
+    payload = encode_payload(offsets, FLAG_FILLER, b"", b"", b"", bytes(size - MIN_RECORD))
     return HEADER.pack(len(payload), _crc32(payload)) + payload

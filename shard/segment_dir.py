@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from typing import Any
 
 from broker import write_observer
 
@@ -44,6 +45,7 @@ class SegmentDir(MarkerFiles):
     _dir_dirty: bool
     _syncing: int
     _deferred_close: list[int]
+    _dir_fd: int
 
     _closed: bool
     # Set once the directories above ours have been fsynced (see _sync_parents).
@@ -100,6 +102,31 @@ class SegmentDir(MarkerFiles):
                 os.close(fd)
             except OSError:
                 pass
+
+    def _replace_damaged(self, seg: Any, start: int, stop: int, fill: bytes) -> str:
+        """Copy seg's damaged bytes [start, stop) to `msgs.N.damaged-<start>` (fsynced with the
+        directory) before anything changes, then overwrite them in place with `fill` (a filler
+        record of the same size) and fdatasync; returns the name of the copy."""
+        aside = f"{seg.path('msgs')}.damaged-{start}"
+        data = bytes(seg.mm[start:stop])
+        tmp = aside + ".tmp"
+        with open(tmp, "wb", opener=lambda path, flags: os.open(path, flags | os.O_CLOEXEC, 0o600)) as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, aside)
+        os.fsync(self._dir_fd)
+        fd = os.open(seg.path("msgs"), os.O_RDWR | os.O_CLOEXEC)
+        try:
+            os.pwrite(fd, fill, start)
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+        obs = write_observer.current
+        if obs is not None:
+            obs.replace(aside, data)
+            obs.append(seg.path("msgs"), start, fill)
+        return os.path.basename(aside)
 
     def _set_aside(self, no: int) -> None:
         """Rename an unreadable segment out of the way (kept for inspection, never loaded again)."""

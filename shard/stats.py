@@ -43,13 +43,18 @@ def _segment_bytes(store: Any) -> int:
     if subs is not None:
         return sum(_segment_bytes(s) for s in subs)
     segs = getattr(store, "_segs", None) or {}
-    return sum(getattr(seg, "used", 0) for seg in segs.values())
+    if isinstance(segs, dict):  # QueueStore: by segment number; StreamStore: a list, oldest first
+        segs = segs.values()
+    return sum(getattr(seg, "used", 0) for seg in segs)
 
 
 def shard_stats(worker: ShardWorker) -> dict:
     queues = []
+    damaged = []  # only queues with storage damage (docs/storage.md "Recovery"): usually none
     for (vhost, name), q in worker.queues.items():
         info = q.info()
+        if info.get("damaged_records") or info.get("damaged_acks"):
+            damaged.append([vhost, name, int(info.get("damaged_records", 0)), int(info.get("damaged_acks", 0))])
         ready = int(info.get("messages", 0))
         unacked = len(q.unacked)
         queues.append([vhost, name, ready, unacked, len(q.consumers), int(getattr(q.store, "ready_bytes", 0) or 0),
@@ -57,4 +62,5 @@ def shard_stats(worker: ShardWorker) -> dict:
     totals = [sum(q.n_published for q in worker.queues.values()), sum(q.n_delivered for q in worker.queues.values()),
               sum(q.n_acked for q in worker.queues.values())]
     return {"queues": queues, "totals": totals, "fsync": worker.sync_histogram.report(),
-            "segment_bytes": sum(_segment_bytes(q.store) for q in worker.queues.values())}
+            "segment_bytes": sum(_segment_bytes(q.store) for q in worker.queues.values()), "damaged": damaged,
+            "dead_letters_unconfirmed": len(worker.dead_letters.pending)}

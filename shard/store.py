@@ -752,28 +752,9 @@ class QueueStore(SegmentDir):
 
     def _repair(self, seg: Segment, start: int, stop: int, reason: str) -> None:
         """Copy damaged bytes [start, stop) aside (durably), then overwrite them with a filler record."""
-        aside = f"{seg.path('msgs')}.damaged-{start}"
-        tmp = aside + ".tmp"
-        with open(tmp, "wb") as f:
-            f.write(bytes(seg.mm[start:stop]))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, aside)
-        os.fsync(self._dir_fd)
-        data = bytes(seg.mm[start:stop])
-        fill = record.filler(stop - start)
-        fd = os.open(seg.path("msgs"), os.O_RDWR | os.O_CLOEXEC)
-        try:
-            os.pwrite(fd, fill, start)
-            os.fdatasync(fd)
-        finally:
-            os.close(fd)
-        obs = write_observer.current
-        if obs is not None:
-            obs.replace(aside, data)
-            obs.append(seg.path("msgs"), start, fill)
+        aside = self._replace_damaged(seg, start, stop, record.filler(stop - start))
         log.error("queue %s: segment %d: %s; damaged bytes %d..%d (%d) copied to %s and skipped",
-                  self.path, seg.no, reason, start, stop, stop - start, os.path.basename(aside))
+                  self.path, seg.no, reason, start, stop, stop - start, aside)
 
     def _rewrite_meta(self, seg: Segment) -> None:
         fd = seg.write_meta()

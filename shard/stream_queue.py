@@ -372,4 +372,5 @@ class StreamQueue:
         return 0  # the worker refuses queue.purge on a stream before it gets here
 
     def info(self) -> dict:
-        return {"messages": self.store.count, "consumers": len(self.consumers)}
+        return {"messages": self.store.count, "consumers": len(self.consumers),
+                "damaged_records": self.store.damaged_records, "damaged_acks": 0}

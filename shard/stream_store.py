@@ -46,6 +46,7 @@ _unpack_u32 = _U32.unpack_from
 _unpack_u64 = _U64.unpack_from
 _HEADER_SIZE = record.HEADER_SIZE
 _read_record = record.read
+_FILLER = record.FLAG_FILLER
 
 # (offset, ts_ms, flags, exchange, routing_key, props_raw, body)
 StreamMessage = tuple[int, int, int, str, str, bytes, bytes]
@@ -153,6 +154,8 @@ class StreamStore(SegmentDir):
         self._sync_fds: list[int] = []
         self._syncing = 0
         self._deferred_close: list[int] = []
+        # Messages lost to damage since opened (skipped, bytes set aside; docs/storage.md).
+        self.damaged_records = 0
         os.makedirs(path, exist_ok=True)
         self._dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self._recover()
@@ -344,6 +347,9 @@ class StreamStore(SegmentDir):
         ts, flags, ex, rk, props, body, nxt_pos = _read_record(seg.mm, c.pos)
         offset = c.offset
         c.pos = nxt_pos
+        if flags & _FILLER:  # damaged records set aside by recovery: their offsets are skipped
+            c.offset = offset + max(ts, 1)
+            return self.read(c)
         c.offset = offset + 1
         return offset, ts, flags, ex, rk, props, body
 
@@ -371,10 +377,36 @@ class StreamStore(SegmentDir):
                 return True
         return False
 
-    @staticmethod
-    def _map(seg: StreamSegment) -> None:
+    def _map(self, seg: StreamSegment) -> None:
+        """Map a sealed segment for reading; the first time, CRC-check it (lazy verification)."""
         if seg.mm is None and not seg.dropped:
             seg.map_readonly()
+            if seg.unverified:
+                seg.unverified = False
+                self._verify_sealed(seg)
+
+    def _verify_sealed(self, seg: StreamSegment) -> None:
+        """Check every record of a segment its smeta vouched for; repair damage keeping its offsets."""
+        count, used = seg.count, seg.used
+        try:
+            if not self._load(seg, used, True, count):
+                return
+        except OSError:  # no space to copy the damage aside: read it as it is, repair at the next start
+            log.error("stream %s: segment %d: damage could not be set aside", self.path, seg.no, exc_info=True)
+            return
+        self.count += seg.count - count
+        self.bytes += seg.used - used
+        with self._lock:
+            self._sync_fds.append(seg.write_smeta())
+            self._dir_dirty = True
+
+    @staticmethod
+    def _skip(mm: object, pos: int) -> tuple[int, int]:
+        """(position after the record at pos, how many offsets it takes: a filler can take several)."""
+        length = _unpack_u32(mm, pos)[0]
+        if mm[pos + _HEADER_SIZE + 8] & _FILLER:  # type: ignore[index]
+            return pos + _HEADER_SIZE + length, max(_unpack_u64(mm, pos + _HEADER_SIZE)[0], 1)
+        return pos + _HEADER_SIZE + length, 1
 
     def _at_offset(self, offset: int) -> Cursor:
         i = bisect.bisect_right(self._firsts, offset) - 1
@@ -382,9 +414,14 @@ class StreamStore(SegmentDir):
         self._map(seg)
         pos = DATA_START
         mm = seg.mm
-        for _ in range(offset - seg.first):
-            pos += _HEADER_SIZE + _unpack_u32(mm, pos)[0]
-        return Cursor(seg, pos, offset)
+        at = seg.first
+        skip = self._skip
+        while at < offset and pos < seg.used:
+            nxt, n = skip(mm, pos)
+            if at + n > offset:  # inside damaged offsets: the next valid record after them
+                break
+            pos, at = nxt, at + n
+        return Cursor(seg, pos, at)
 
     def _at_time(self, ts_ms: int) -> Cursor:
         """The first message stored at or after ts_ms (the end of the log when there is none)."""
@@ -394,9 +431,10 @@ class StreamStore(SegmentDir):
                 mm = seg.mm
                 pos = DATA_START
                 offset = seg.first
-                while pos < seg.used and _unpack_u64(mm, pos + _HEADER_SIZE)[0] < ts_ms:
-                    pos += _HEADER_SIZE + _unpack_u32(mm, pos)[0]
-                    offset += 1
+                while pos < seg.used and (_unpack_u64(mm, pos + _HEADER_SIZE)[0] < ts_ms
+                                          or mm[pos + _HEADER_SIZE + 8] & _FILLER):
+                    pos, n = self._skip(mm, pos)
+                    offset += n
                 return Cursor(seg, pos, offset)
         w = self._segs[-1]
         return Cursor(w, w.used, self.next_offset)
@@ -529,11 +567,18 @@ class StreamStore(SegmentDir):
         for no in found["smeta"] - found["msgs"]:
             self._unlink(_name("smeta", no))  # left by a crash while removing a segment
         msgs = sorted(found["msgs"])
+        # First offsets from the smeta files: a segment's count is known from the next one's first
+        # offset even when its own final smeta is missing, so damage there keeps the offsets.
+        firsts: dict[int, int] = {}
+        for no in msgs:
+            meta = StreamSegment(self.path, no).read_smeta()
+            if meta is not None:
+                firsts[no] = meta[1]
         expect = 0  # first offset of the next segment, from the previous one
         for i, no in enumerate(msgs):
             last = i == len(msgs) - 1
             try:
-                seg = self._recover_segment(no, last, expect)
+                seg = self._recover_segment(no, last, expect, None if last else firsts.get(msgs[i + 1]))
             except Exception:
                 log.warning("stream %s: segment %d unreadable, set aside", self.path, no, exc_info=True)
                 self._set_aside(no)
@@ -551,7 +596,7 @@ class StreamStore(SegmentDir):
         self.count = sum(s.count for s in self._segs)
         self.bytes = sum(s.used - DATA_START for s in self._segs)
 
-    def _recover_segment(self, no: int, last: bool, expect: int) -> StreamSegment | None:
+    def _recover_segment(self, no: int, last: bool, expect: int, next_first: int | None) -> StreamSegment | None:
         seg = StreamSegment(self.path, no)
         msgs_path = seg.path("msgs")
         size = os.stat(msgs_path).st_size
@@ -574,10 +619,11 @@ class StreamStore(SegmentDir):
             _sealed, seg.first, seg.count, seg.used, seg.first_ts, seg.last_ts, seg.body_bytes = meta
             seg.sealed = True
             seg.size = seg.used
+            seg.unverified = True  # CRC-checked when first read (_map), not at every start
             return seg
         if last:
             seg.open_mapped(writable=True)
-            cut = self._scan(seg, size)
+            cut = self._load(seg, size, False, None)
             if cut or size < self._segment_size:
                 seg.regrow(max(size, self._segment_size))
                 self._wdirty = True
@@ -587,7 +633,8 @@ class StreamStore(SegmentDir):
             return seg
         # Sealed (not the last) but its final smeta never got written: scan, cut, write it.
         seg.map_readonly()
-        self._scan(seg, size)
+        known = next_first - seg.first if next_first is not None and next_first >= seg.first else None
+        self._load(seg, size, True, known)
         seg.close_map()
         if seg.used < size:
             os.truncate(msgs_path, seg.used)
@@ -597,22 +644,73 @@ class StreamStore(SegmentDir):
         self._dir_dirty = True
         return seg
 
-    def _scan(self, seg: StreamSegment, end: int) -> bool:
-        """Count the good records (CRC checked); True if a torn or corrupt tail was cut off."""
-        result = record.ScanResult()
+    def _load(self, seg: StreamSegment, end: int, sealed: bool, known: int | None) -> bool:
+        """Scan `seg` up to `end` with CRC checks: count its offsets, repair damage, cut a torn tail.
+
+        The rules are QueueStore's (docs/storage.md): a bad record followed by valid ones, or any
+        bad record of a sealed segment, is damage: its bytes are copied aside and overwritten by
+        one filler record that stands for as many offsets as the damaged bytes held (from their
+        length fields, else from `known`, the segment's offset count from its smeta or the next
+        segment's first offset, else one), so every valid record keeps its offset. A bad record of
+        the write segment with nothing valid after it is a torn tail (never confirmed): cut.
+        Sets used, count, body_bytes and the timestamps; returns whether the file changed.
+        """
         mm = seg.mm
-        count = body = 0
+        count = valid = body = 0
         first_ts = last_ts = 0
-        for pos, _flags, blen in record.scan(mm, DATA_START, end, True, result):
-            ts = _unpack_u64(mm, pos + _HEADER_SIZE)[0]
-            if not count:
-                first_ts = ts
-            last_ts = ts
-            count += 1
-            body += blen
-        if result.reason:
-            log.warning("stream %s: segment %d: %s; cut %d bytes from there",
-                        self.path, seg.no, result.reason, end - result.end)
+        regions: list[tuple[int, int, str, int | None, int]] = []  # start, stop, reason, records, offset
+        pos = DATA_START
+        cut = False
+        while True:
+            result = record.ScanResult()
+            for p, flags, blen in record.scan(mm, pos, end, True, result):
+                ts = _unpack_u64(mm, p + _HEADER_SIZE)[0]
+                if flags & _FILLER:  # repaired by an earlier recovery: its ts field is its offset count
+                    count += max(ts, 1)
+                    continue
+                if not valid:
+                    first_ts = ts
+                last_ts = ts
+                valid += 1
+                count += 1
+                body += blen
+            if not result.reason:
+                break
+            bad = result.end
+            nxt = record.resync(mm, bad, end)
+            stop = nxt if nxt >= 0 else end
+            if (nxt < 0 and not sealed) or stop - bad < record.MIN_RECORD:
+                log.warning("stream %s: segment %d: %s; cut %d bytes from there (a torn tail: never confirmed)",
+                            self.path, seg.no, result.reason, end - bad)
+                cut = True
+                break
+            regions.append((bad, stop, result.reason, record.chain_count(mm, bad, stop), count))
+            result.end = stop
+            if nxt < 0:
+                break
+            pos = nxt
+        if regions:
+            unknown = [i for i, r in enumerate(regions) if r[3] is None]
+            ks = [1 if r[3] is None else r[3] for r in regions]
+            if known is not None:
+                missing = known - count - sum(ks)
+                if unknown:
+                    ks[unknown[-1]] += max(0, missing)
+                elif missing and len(ks) == 1:
+                    ks[0] = max(1, ks[0] + missing)
+            before = 0
+            for (bad, stop, reason, _n, at), k in zip(regions, ks, strict=True):
+                aside = self._replace_damaged(seg, bad, stop, record.filler(stop - bad, k))
+                first = seg.first + at + before
+                log.error("stream %s: segment %d: %s; damaged bytes %d..%d (%d) copied to %s and skipped: "
+                          "offsets %d..%d lost", self.path, seg.no, reason, bad, stop, stop - bad, aside,
+                          first, first + k - 1)
+                before += k
+            count += before
+            self.damaged_records += before
+            log.error("stream %s: segment %d: %d damaged record(s) lost in %d region(s)%s; %d valid records kept",
+                      self.path, seg.no, before, len(regions),
+                      "" if known is not None or not unknown else " (at least: a length field was damaged)", valid)
         seg.used = result.end
         seg.count, seg.body_bytes, seg.first_ts, seg.last_ts = count, body, first_ts, last_ts
-        return bool(result.reason)
+        return cut or bool(regions)

@@ -13,10 +13,17 @@ from __future__ import annotations
 import argparse
 import mmap
 import os
+import struct
 import sys
+import zlib
 
 from shard import record
 from shard.segment import DATA_START, FORMAT_VERSION, META_SIZE, VERSION_HEADER, Meta, read_ack_entries
+
+# A stream's smeta file (shard/stream_store.py; not imported, so that this module stays a leaf).
+_SMETA = struct.Struct("<IIQQQQQQ")
+_SMETA_SIZE = _SMETA.size + 4
+_U64 = struct.Struct("<Q")
 
 
 class Report:
@@ -49,23 +56,58 @@ def verify_dir(path: str, report: Report) -> None:
     names = os.listdir(path)
     msgs = _numbers(names, "msgs")
     metas = set(_numbers(names, "meta"))
+    smetas = set(_numbers(names, "smeta"))
     for name in sorted(names):
         if ".damaged-" in name:
             report.say("set-aside", os.path.join(path, name), "bytes an earlier recovery copied aside")
+    expect: int | None = None  # a stream segment's first offset, from the previous segment
     for i, no in enumerate(msgs):
         last = i == len(msgs) - 1
         seg_path = os.path.join(path, f"msgs.{no:010d}")
         report.segments += 1
-        starts = _verify_segment(seg_path, last, no in metas, report)
+        smeta = _read_smeta(os.path.join(path, f"smeta.{no:010d}"), report) if no in smetas else None
+        sealed = no in metas or (smeta is not None and bool(smeta[1]))
+        starts = _verify_segment(seg_path, last, sealed, report)
         if no in metas:
             _verify_meta(os.path.join(path, f"meta.{no:010d}"), starts, report)
+        if smeta is not None:
+            expect = _verify_smeta(os.path.join(path, f"smeta.{no:010d}"), smeta, starts, expect, report)
+        else:
+            expect = None  # no (valid) smeta: where the next segment's offsets start is not known here
         acks = os.path.join(path, f"acks.{no:010d}")
         if os.path.exists(acks) and starts is not None:
             _verify_acks(acks, starts[0], report)
 
 
+def _read_smeta(path: str, report: Report) -> tuple | None:
+    """(version, sealed, first, count, used, ...) of a stream smeta file, None (reported) if damaged."""
+    with open(path, "rb") as f:
+        data = f.read(_SMETA_SIZE + 1)
+    if len(data) != _SMETA_SIZE or zlib.crc32(data[:_SMETA.size]) != struct.unpack_from("<I", data, _SMETA.size)[0]:
+        report.say("damaged", path, "stream meta file does not decode or its CRC does not match (recovery rescans)")
+        return None
+    return _SMETA.unpack_from(data)
+
+
+def _verify_smeta(path: str, smeta: tuple, scanned: tuple[set[int], int, int] | None, expect: int | None,
+                  report: Report) -> int | None:
+    """Check a stream segment's smeta against its records; returns the next segment's first offset."""
+    _version, sealed, first, count, used = smeta[:5]
+    if expect is not None and first != expect:
+        report.say("damaged", path, f"first offset {first}, the previous segment ends at offset {expect}")
+    if not sealed:
+        return first + scanned[1] if scanned is not None else None
+    if scanned is not None and (count, used) != (scanned[1], scanned[2]):
+        report.say("damaged", path, f"stream meta says {count} offsets in {used} bytes, the segment holds "
+                   f"{scanned[1]} in {scanned[2]}")
+    return first + count
+
+
 def _verify_segment(path: str, last: bool, has_meta: bool, report: Report) -> tuple[set[int], int, int] | None:
-    """(record starts, record count, used bytes), or None when the file cannot be read as a segment."""
+    """(record starts, offset count, used bytes), or None when the file cannot be read as a segment.
+
+    The offset count is the record count, except that a stream's filler (damaged records set aside
+    by recovery) counts for the offsets it stands for (its timestamp field)."""
     size = os.path.getsize(path)
     if size < DATA_START:
         if not last:
@@ -78,24 +120,26 @@ def _verify_segment(path: str, last: bool, has_meta: bool, report: Report) -> tu
         mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
     try:
         starts: set[int] = set()
+        offsets = 0
         pos = DATA_START
         while True:
             result = record.ScanResult()
-            for p, _flags, _blen in record.scan(mm, pos, size, True, result):
+            for p, flags, _blen in record.scan(mm, pos, size, True, result):
                 starts.add(p)
                 report.records += 1
+                offsets += max(1, _U64.unpack_from(mm, p + record.HEADER_SIZE)[0]) if flags & record.FLAG_FILLER else 1
             if not result.reason:
-                return starts, len(starts), result.end
+                return starts, offsets, result.end
             nxt = record.resync(mm, result.end, size)
             if nxt < 0 and last and not has_meta:
                 report.say("torn-tail", path, f"{result.reason}; {size - result.end} bytes after it hold no valid "
                            "record (a write cut short by a crash: never confirmed, recovery cuts it)")
-                return starts, len(starts), result.end
+                return starts, offsets, result.end
             stop = nxt if nxt >= 0 else size
             report.say("damaged", path, f"{result.reason}; bytes {result.end}..{stop} damaged, "
                        f"{'valid records follow' if nxt >= 0 else 'up to the end of the file'}")
             if nxt < 0:
-                return starts, len(starts), size
+                return starts, offsets, size
             pos = nxt
     finally:
         mm.close()

@@ -102,6 +102,16 @@ class ShardWorker:
         self.epochs: dict[int, int] = {}
         self.peers: dict[int, BatchSocket] = {}
         self._peer_seq: dict[int, int] = {}
+        # Forward back-pressure (a deduplicating exchange's owner): the highest batch each peer
+        # answered with PROCESSED (ours: key self.index, for the DEALER to our own ROUTER), and the
+        # PROCESSED answers held from frontends while forwards are behind (see _forwards_behind).
+        self.peer_processed: dict[int, int] = {}
+        self._fwd_held: dict[bytes, list[int]] = {}
+        self._batch_forwards = False  # the batch being handled holds a DEDUP_PUBLISH
+        # Lane order, per (frontend, its process token): control-lane items handled so far, and the
+        # publish-lane batches waiting for earlier control-lane items (see _on_data).
+        self._ctl_seen: dict[tuple[bytes, int], int] = {}
+        self._ctl_wait: dict[tuple[bytes, int], deque] = {}
         # Caches of the deduplicating exchanges this shard owns (broker/dedup.py exchange_shard).
         self.exchange_dedup = ExchangeDedup(self)
         self.ack_timeouts: AckTimeouts | None = None  # consumer-argument and node-default timeouts
@@ -156,6 +166,7 @@ class ShardWorker:
                 self.epochs[index] = epoch
                 if restarted:
                     self.exchange_dedup.shard_up(index)
+                    self._peer_restarted(index)
                 self.delayed.peer_up(index, restarted)
                 self.dead_letters.peer_up(index, restarted)
             elif kind == contract.REPLY:
@@ -171,6 +182,7 @@ class ShardWorker:
         self.epochs = {int(k): int(v) for k, v in epochs.items()}
         self.defs = Definitions.from_dict(defs_dict)
         self._connect_peers()
+        self.dead_letters.load()  # after the peers: what it recovered goes to them
         if self.ack_timeouts is None:
             self.ack_timeouts = AckTimeouts(self, int(settings.get("consumer_timeout") or 0))
         # A restarted shard opens (and recovers) every queue placed on it.
@@ -282,9 +294,37 @@ class ShardWorker:
             self._early.append((fe, header, items))
             return
         try:
-            epoch, batch_seq = header
-        except (TypeError, ValueError):
+            epoch, batch_seq = header[0], header[1]
+        except (TypeError, IndexError, KeyError):
             return
+        if len(header) > 3 and epoch == self.epoch:
+            # A frontend's lanes, ordered (docs/architecture.md "Lanes"): [epoch, seq|None, count, token].
+            # A publish-lane batch waits until the control lane has delivered `count` items: those the
+            # frontend put there before this batch's publishes (an ack before a publish on a channel).
+            control = fe[-1:] == _CONTROL_LANE_SUFFIX
+            key = (fe[:-1] if control else fe, header[3])
+            if control:
+                self._process(fe, epoch, batch_seq, items)
+                self._ctl_seen[key] = header[2]
+                if key in self._ctl_wait:
+                    self._release_ctl_wait(key)
+                return
+            need = header[2]
+            if need and (key in self._ctl_wait or need > self._ctl_seen.get(key, 0)):
+                self._ctl_wait.setdefault(key, deque()).append((fe, header, items))
+                return
+        self._process(fe, epoch, batch_seq, items)
+
+    def _release_ctl_wait(self, key: tuple[bytes, int]) -> None:
+        waiting = self._ctl_wait[key]
+        seen = self._ctl_seen.get(key, 0)
+        while waiting and waiting[0][1][2] <= seen:
+            fe, header, items = waiting.popleft()
+            self._process(fe, header[0], header[1], items)
+        if not waiting:
+            del self._ctl_wait[key]
+
+    def _process(self, fe: bytes, epoch: int, batch_seq: int | None, items: list) -> None:
         self._lane = fe  # the identity this batch came from (CHANNEL_CLOSED answers on it)
         if fe[-1:] == _CONTROL_LANE_SUFFIX:
             fe = fe[:-1]  # same frontend, control lane: state is keyed by the publish-lane identity
@@ -295,10 +335,15 @@ class ShardWorker:
                 except Exception:  # one bad item must not take the shard down
                     log.exception("shard %d: failed to handle item kind %r", self.index, item[:1])
         if batch_seq is not None:
-            if self._behind:
+            if self._fwd_held and fe in self._fwd_held:
+                self._fwd_held[fe].append(batch_seq)  # after one held, the later ones (PROCESSED is a max)
+            elif self._batch_forwards and self.forwards_behind():
+                self._fwd_held[fe] = [batch_seq]
+            elif self._behind:
                 self._hold_processed(fe, batch_seq, len(items))
             else:
                 self.data.put(fe, [contract.PROCESSED, batch_seq])
+        self._batch_forwards = False
         if self._confirms:
             self._flush_confirms()
         self._schedule_deliver()
@@ -309,6 +354,9 @@ class ShardWorker:
             self._publish(fe, item)
         elif kind == contract.DEDUP_PUBLISH:
             self.exchange_dedup.publish(fe, item)
+            # Only a frontend's batches are held: a shard's (dead letters) never, or two shards
+            # forwarding to each other could each wait for the other.
+            self._batch_forwards = fe[:3] == b"fe-"
         elif kind == contract.ACK:
             _, conn_id, channel, refs = item
             by_qid = self.by_qid
@@ -417,10 +465,45 @@ class ShardWorker:
             self.kv.handle_put(fe, item)
         elif kind == contract.KV_GET:
             self.kv.handle_get(fe, item)
+        elif kind == contract.MARKED_PUBLISH:
+            self._marked_publish(fe, item)
+        elif kind == contract.UNMARK:
+            self.kv.handle_unmark(fe, item)
+        elif kind == contract.MARKED_ACK:
+            _, req_id, conn_id, channel, qid, mid, vhost, space, key, mark = item
+            q = self.by_qid.get(qid)
+            if q is not None and q.ack(mid, fe, conn_id, channel):
+                q.n_acked += 1
+                self._dirty_queues.add(q)
+                self.kv.mark(vhost, space, key, mark, fe, req_id)  # same step as the ack: both or neither
+            else:
+                self.data.put(fe, [contract.REPLY_DATA, req_id, True, {"acked": False}])
         else:
             log.warning("shard %d: unknown item kind %r", self.index, kind)
 
-    def _publish(self, fe: bytes, item: list) -> None:
+    def _marked_publish(self, fe: bytes, item: list) -> None:
+        """[MARKED_PUBLISH, vhost, space, key, mark, publish]: store once per mark (MQTT QoS 2 exactly-once).
+
+        The append and the mark's write happen in this one call, with no await between: a kill -9 of
+        this shard keeps both or neither (both are in the kernel once written), and one of the frontend
+        cannot come between them at all. So a resend after any crash finds the mark iff the message is here.
+        """
+        _, vhost, space, key, mark, pub = item
+        if self.kv.is_marked(vhost, space, key, mark):
+            seq = pub[10]
+            if seq is not None:  # stored here before: confirmed, not stored again
+                ck = (fe, pub[8], pub[9])
+                seqs = self._confirms.get(ck)
+                if seqs is None:
+                    self._confirms[ck] = [seq]
+                else:
+                    seqs.append(seq)
+            return
+        if self._publish(fe, pub):
+            self.kv.mark(vhost, space, key, mark)
+
+    def _publish(self, fe: bytes, item: list) -> bool:
+        """Store a PUBLISH; False when a queue refused it (the publisher gets a nack)."""
         (_, vhost, names, exchange, routing_key, props_raw, body, persistent,
          conn_id, channel, seq) = item
         ts = int(time.time() * 1000)
@@ -465,6 +548,7 @@ class ShardWorker:
                     self._confirms[key] = [seq]
                 else:
                     seqs.append(seq)
+        return not rejected
 
     def _store_failed(self, q: Queue, exc: OSError) -> None:
         """Log a refused append at most once a second per shard (a full disk refuses every one)."""
@@ -576,20 +660,24 @@ class ShardWorker:
                 log.debug("shard %d: dead-letter cycle to %r dropped", self.index, name)
                 continue
             names.append(name)
-        seq = self.dead_letters.next_seq()
-        _sync, sent = self.route_to_queues(vhost, names, flags, dlx, rk, props, body, seq, contract.PEER_CHANNEL_DLX)
-        self.dead_letters.sent(seq, sent)
+        # Other shards' copies are kept in the outbox until confirmed (shard/dead_letter_forwards.py);
+        # the seq is the outbox record's id, filled in there.
+        _sync, remote = self.route_to_queues(vhost, names, flags, dlx, rk, props, body, 0,
+                                             contract.PEER_CHANNEL_DLX, send=False)
+        self.dead_letters.send(remote, bool(flags & 1))
 
     def route_to_queues(self, vhost: str, names: list[str] | tuple, flags: int, exchange: str, routing_key: str,
                         props: bytes, body: bytes, confirm_seq: int | None = None,
-                        peer_channel: int = contract.PEER_CHANNEL_DELAYED) -> tuple[bool, dict[int, list]]:
+                        peer_channel: int = contract.PEER_CHANNEL_DELAYED,
+                        send: bool = True) -> tuple[bool, dict[int, list]]:
         """Append a message the shard republishes itself (a dead letter, a due delayed message).
 
         Queues here get it appended, queues of other shards a PUBLISH over the peer DEALERs.
         Returns (whether a local append is persistent into a durable queue and waits for the
         next group sync, the PUBLISH item sent to each other shard). With ``confirm_seq`` the
-        other shards answer CONFIRM for it (see ``_on_peer``); without, a copy in flight to a
-        shard that is restarting is lost.
+        other shards answer CONFIRM for it (see ``on_peer_answers``); without, a copy in flight to a
+        shard that is restarting is lost. With ``send=False`` the items are only built (the caller
+        sends them, with their seq, through ``send_to_peer``).
         """
         if len(props) > 1 and props[0] & 1:  # per-message TTL: plain queues here need FeatureQueue
             self._upgrade_queues(vhost, list(names))
@@ -621,7 +709,8 @@ class ShardWorker:
             if peer is not None:
                 item = sent[shard] = [contract.PUBLISH, vhost, names, exchange, routing_key, props, body,
                                       bool(flags & 1), conn_to, chan_to, confirm_seq]
-                peer.put(None, item)
+                if send:
+                    peer.put(None, item)
         return needs_sync and self._fsync, sent
 
     def forward(self, shard: int, item: list) -> None:
@@ -629,6 +718,20 @@ class ShardWorker:
         peer = self.peers.get(shard)
         if peer is not None:
             peer.put(None, item)
+
+    def send_to_peer(self, shard: int, item: list) -> None:
+        """Send an item over the peer DEALER to `shard`, this shard included (a deduplicating exchange
+        it owns): the answers come back through ``on_peer_answers``."""
+        sock = self.exchange_dedup.socket_to(shard)
+        if sock is not None:
+            sock.put(None, item)
+
+    def sync_first(self, store: QueueStore) -> None:
+        """`store` is synced in the next group sync, before any other store of it (the dead-letter
+        outbox: its record must be durable no later than the source queue's removal of the message)."""
+        if self._fsync:
+            self._sync_stores.add(store)
+            self._start_sync()
 
     def confirm_stored(self, fe: bytes, conn_id: int | None, channel: int | None, seq: int | None,
                        sync_store: QueueStore | None) -> None:
@@ -662,21 +765,66 @@ class ShardWorker:
     def on_peer_answers(self, shard: int) -> Callable[[bytes | None, object, list], None]:
         """Answers of another shard (or our own, for dedup forwards) to our PUBLISH items.
 
-        CONFIRM/CONFIRM_NACK settle forwarded delayed messages or deduplicating-exchange publishes,
-        told apart by their channel (contract.PEER_CHANNEL_*); PROCESSED answers are ignored and dead
-        letters carry no confirm fields.
+        CONFIRM/CONFIRM_NACK settle forwarded delayed messages, dead letters or deduplicating-exchange
+        publishes, told apart by their channel (contract.PEER_CHANNEL_*); PROCESSED answers are ignored.
         """
         def on_batch(_ident: bytes | None, _header: object, items: list) -> None:
             for item in items:
                 kind = item[0]
-                if kind == contract.CONFIRM or kind == contract.CONFIRM_NACK:
+                if kind == contract.PROCESSED:
+                    if item[1] > self.peer_processed.get(shard, 0):
+                        self.peer_processed[shard] = item[1]
+                        if self._fwd_held:
+                            self._release_forward_held()
+                elif kind == contract.CONFIRM or kind == contract.CONFIRM_NACK:
                     if item[2] == contract.PEER_CHANNEL_DELAYED:
                         self.delayed.peer_confirmed(shard, item[3])
                     elif item[2] == contract.PEER_CHANNEL_DLX:
-                        self.dead_letters.confirmed(shard, item[3])
+                        self.dead_letters.confirmed(shard, item[3], kind == contract.CONFIRM)
                     else:
                         self.exchange_dedup.peer_confirmed(shard, item[3], kind == contract.CONFIRM)
         return on_batch
+
+    # ------------------------------------------------------ forward back-pressure
+    # A deduplicating exchange's owner forwards every publish to the shards of the routed queues.
+    # Those answer its batches with PROCESSED like a frontend's (held while their consumers cannot
+    # keep up, never while they are stopped); while more than MAX_BATCHES_IN_FLIGHT of the owner's
+    # batches to one of them are unanswered, the owner holds its own PROCESSED answers to the
+    # frontends' batches that carried DEDUP_PUBLISH items (no time limit: there is nowhere to put
+    # the messages), so the frontends pause their publishers. The owner's memory stays bounded
+    # however slow a target shard is, and the target's consumer pacing reaches the publisher.
+    def forwards_behind(self) -> bool:
+        limit = contract.MAX_BATCHES_IN_FLIGHT
+        processed = self.peer_processed
+        for shard, sent in self.peer_batches().items():
+            if sent - processed.get(shard, 0) > limit:
+                return True
+        return False
+
+    def peer_batches(self) -> dict[int, int]:
+        """Batches sent so far over each peer DEALER (ours to our own ROUTER under our own index)."""
+        sent = dict(self._peer_seq)
+        own = self.exchange_dedup.self_batches()
+        if own:
+            sent[self.index] = own
+        return sent
+
+    def _release_forward_held(self) -> None:
+        if self.forwards_behind():
+            return
+        held = self._fwd_held
+        self._fwd_held = {}
+        put = self.data.put
+        for fe, seqs in held.items():
+            put(fe, [contract.PROCESSED, seqs[-1]])
+
+    def _peer_restarted(self, index: int) -> None:
+        """Batches to its dead incarnation get no answer: they no longer count as in flight."""
+        sent = self.peer_batches().get(index)
+        if sent is not None:
+            self.peer_processed[index] = sent
+        if self._fwd_held:
+            self._release_forward_held()
 
     def _peer_header(self, shard: int) -> Callable[[bytes | None], list]:
         def header(_dest: bytes | None) -> list:
@@ -749,6 +897,11 @@ class ShardWorker:
         for key in [k for k in self.channels if k[0] == fe]:
             del self.channels[key]
         self._confirms = {k: v for k, v in self._confirms.items() if k[0] != fe}
+        self._fwd_held.pop(fe, None)
+        for key in [k for k in self._ctl_seen if k[0] == fe]:
+            del self._ctl_seen[key]
+        for key in [k for k in self._ctl_wait if k[0] == fe]:
+            del self._ctl_wait[key]
         self._sync_waiting = [w for w in self._sync_waiting if w[0] != fe]
 
     # -------------------------------------------------------------- delivery
@@ -791,6 +944,8 @@ class ShardWorker:
             "sync_stores": len(self._sync_stores), "dirty": len(self._dirty_queues),
             "deliver_scheduled": self._deliver_scheduled,
             "delayed": self.delayed.info(),
+            "peer_batches": self.peer_batches(), "peer_processed": self.peer_processed,
+            "forward_held": {fe.decode(): len(seqs) for fe, seqs in self._fwd_held.items()},
             "consumers": {f"{k[1]}/{k[2]}/{k[3]}": [c.credit, c.unacked, c.prefetch] for k, (_q, c)
                           in self.consumers.items()},
         }
@@ -849,14 +1004,18 @@ class ShardWorker:
         started = time.monotonic()
         # In a cluster the confirms also wait for the ISR followers to ack everything written so far.
         target = self.repl.position() if waiting and self.repl is not None and self.repl.gating else -1
-        fut = self.loop.run_in_executor(None, _sync_all, list(stores))
+        ordered = sorted(stores, key=self._sync_order)
+        fut = self.loop.run_in_executor(None, _sync_all, ordered)
         fut.add_done_callback(lambda f: self._sync_done(f, waiting, after, target, started))
+
+    def _sync_order(self, store: QueueStore) -> int:
+        return 0 if store is self.dead_letters.store else 1  # the outbox first (sync_first)
 
     def _owned_store_paths(self) -> list[str]:
         """Directories of the stores this shard owns, and the KV store files it has open (its
         replication stream's files; KV files are listed by the node stream too, see docs/cluster.md)."""
         return ([q.store.path for q in self.queues.values()] + [s.path for s in self.delayed.all_stores()]
-                + [st.path for st in self.kv.stores.values()])
+                + [s.path for s in self.dead_letters.all_stores()] + [st.path for st in self.kv.stores.values()])
 
     def _replicated(self, waiting: list, ok: bool) -> None:
         kind = contract.CONFIRM if ok else contract.CONFIRM_NACK
@@ -905,6 +1064,7 @@ class ShardWorker:
                 if isinstance(q, FeatureQueue) and q.count_returns:
                     q.save_returns()
             self._sync_stores.update(self.delayed.dirty_stores())
+            self._sync_stores.update(s for s in self.dead_letters.all_stores() if s.dirty)
             self._start_sync()
             self.loop.call_later(_PERIODIC_SYNC_S, self._periodic_sync)
 
@@ -924,7 +1084,7 @@ class ShardWorker:
         self._after_sync = []
         for callback in after:  # the final sync below covers what they wait for
             callback()
-        stores = [q.store for q in self.queues.values()] + self.delayed.all_stores()
+        stores = self.dead_letters.all_stores() + [q.store for q in self.queues.values()] + self.delayed.all_stores()
         for store in stores:
             store.flush_acks()
         await self.loop.run_in_executor(None, _sync_all, stores)

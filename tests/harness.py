@@ -42,6 +42,24 @@ class NodeError(AssertionError):
     """The node did not do what the harness waited for; the message carries the log tail."""
 
 
+DEFAULT_COMMAND = [sys.executable, "-m", "broker.cli"]
+
+
+def listening_sockets(port: int) -> int:
+    """How many TCP sockets listen on ``port`` (any address), from /proc/net/tcp and tcp6."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                count += 1
+    return count
+
+
 def pid_alive(pid: int) -> bool:
     """True while ``pid`` exists and is not a zombie."""
     try:
@@ -208,7 +226,7 @@ class Node:
         self.env = env or {}
         self.log_level = log_level
         # Tests of the harness itself swap the broker for a stand-in; node tests never pass this.
-        self.command = list(command) if command else [sys.executable, "-m", "broker.cli"]
+        self.command = list(command) if command else DEFAULT_COMMAND
         self.startup_timeout = startup_timeout
         self.orphan_grace = orphan_grace
         self.registry = registry
@@ -238,7 +256,7 @@ class Node:
             "--prometheus-port", str(self.prometheus_port),
             "--mqtt-port", str(self.mqtt_port),
             "--ws-port", str(self.ws_port),
-            "--wss-port", "0", "--https-port", "0",  # a test that wants them over TLS passes its own after these
+            "--wss-port", "0", "--https-port", "0", "--prometheus-tls-port", "0",  # a test that wants them over TLS passes its own after these
             "--replication-port", str(self.replication_port),
             *self.extra_args,
         ]
@@ -284,6 +302,10 @@ class Node:
                     conn.close()
                 for port in self.listener_ports():  # MQTT, TLS, WebSocket listeners bind after AMQP's
                     socket.create_connection(("127.0.0.1", port), timeout=min(1.0, left)).close()
+                if self.command == DEFAULT_COMMAND and listening_sockets(self.port) < self.frontends:
+                    # Each frontend binds its own SO_REUSEPORT socket: one answering does not mean
+                    # all do, and tests that need connections on two frontends would see only one.
+                    raise NodeError(f"{listening_sockets(self.port)} of {self.frontends} frontends listen")
                 return
             except Exception as exc:  # any failure means "not ready yet"; the deadline bounds it
                 last_error = exc
@@ -297,7 +319,7 @@ class Node:
         """The node's other client listeners that are on (besides AMQP on self.port)."""
         ports = [p for p in (self.mqtt_port, self.ws_port) if p]
         args = self.extra_args
-        for flag in ("--amqps-port", "--mqtts-port", "--wss-port", "--https-port"):
+        for flag in ("--amqps-port", "--mqtts-port", "--wss-port", "--https-port", "--prometheus-tls-port"):
             if flag in args and int(args[args.index(flag) + 1]) and "--tls-cert" in args:
                 ports.append(int(args[args.index(flag) + 1]))
         return ports

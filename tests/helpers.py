@@ -42,9 +42,9 @@ def same_shard_name(queue: str, shards: int = 2, prefix: str = "barrier") -> str
 def control_lane_barrier(conn, queue: str, shards: int = 2) -> None:
     """Return once the shard of ``queue`` has handled what ``conn`` sent it on the control lane.
 
-    Acks, nacks and credit travel a frontend's control lane, publishes its publish lane, and the
-    shard reads the two lanes in no fixed order (docs/architecture.md): an ack written before a
-    publish may be handled after it. A basic.consume travels the same ordered control lane and its
+    Acks, nacks and credit travel a frontend's control lane, publishes its publish lane; the shard
+    handles a frontend's publish batch after the control items put before it (docs/architecture.md),
+    but nothing orders the lanes of two frontends. A basic.consume travels the same ordered control lane and its
     consume-ok comes from the shard, so once it is answered every earlier ack of this connection
     to that shard has been handled. The barrier queue is empty and deleted again.
     """

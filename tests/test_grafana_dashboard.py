@@ -12,8 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from broker.config import OPTIONS_BY_NAME
-
 DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "shardmq-overview.json"
 # RabbitMQ's rabbitmq_prometheus names the dashboard may use, and ShardMQ's per-process additions.
 RABBITMQ_NAMES = {
@@ -70,8 +68,6 @@ def test_dashboard_uses_only_rabbitmq_and_shardmq_names():
 
 
 @pytest.mark.integration
-@pytest.mark.skipif("prometheus_port" not in OPTIONS_BY_NAME,
-                    reason="--prometheus-port is not built on this branch yet (issue of the mgmt branch)")
 def test_every_metric_the_dashboard_queries_is_served_by_a_node(node_factory):
     node = node_factory(frontends=1, shards=1)
     with node.connect() as conn:

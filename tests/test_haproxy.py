@@ -21,7 +21,6 @@ import pika
 import pika.exceptions
 import pytest
 
-from broker.config import OPTIONS_BY_NAME
 from tests.harness import NodeFactory, free_port
 
 pytestmark = pytest.mark.integration
@@ -31,8 +30,6 @@ HAPROXY = "/usr/sbin/haproxy"
 # Standard port of each backend's servers -> the node attribute it becomes on loopback.
 NODE_PORTS = {"5672": "port", "15672": "http_port", "1883": "mqtt_port"}
 # Parts being built on other branches: their tests run once they are merged.
-MQTT_BUILT = "mqtt_port" in OPTIONS_BY_NAME
-PROXY_BUILT = "proxy_protocol" in OPTIONS_BY_NAME
 
 
 def haproxy_binary() -> str:
@@ -132,7 +129,7 @@ def three_nodes(tmp_path_factory):
 
 
 def _mqtt_kwargs() -> dict:
-    return {"mqtt_port": free_port()} if MQTT_BUILT else {}
+    return {"mqtt_port": free_port()}
 
 
 @pytest.fixture
@@ -256,14 +253,12 @@ def mqtt_roundtrip(port: int, topic: str) -> None:
         client.loop_stop()
 
 
-@pytest.mark.skipif(not MQTT_BUILT, reason="--mqtt-port is not built on this branch yet (mqtt branch)")
 def test_mqtt_through_haproxy(three_nodes, haproxy):
     frontends, stats = haproxy()
     wait_for(lambda: servers_up(stats, "be_mqtt") == ["mq1", "mq2", "mq3"], 15, "MQTT backends UP")
     mqtt_roundtrip(frontends["fe_mqtt"], "deploy/haproxy")
 
 
-@pytest.mark.skipif(not PROXY_BUILT, reason="--proxy-protocol is not built on this branch yet (mqtt branch)")
 def test_send_proxy_v2_variant_with_nodes_that_expect_it(node_factory, haproxy):
     # The commented send-proxy-v2 line, switched on, in front of nodes run with --proxy-protocol 1:
     # clients get through haproxy, while a client that connects to a node directly (no PROXY

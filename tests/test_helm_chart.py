@@ -26,7 +26,7 @@ import pika
 import pytest
 import yaml
 
-from broker.config import OPTIONS_BY_NAME, load_settings
+from broker.config import load_settings
 from tests.design_names import known_ini_keys, unknown_names
 from tests.kube_api_stub import KubeApiStub
 
@@ -309,7 +309,9 @@ def test_ini_file_uses_the_names_of_the_design_and_loads_where_built(values, tmp
         built.write(fh)
     settings = load_settings(["--config", str(path)], {})
     assert (settings.bind, settings.port, settings.http_bind, settings.http_port) == ("0.0.0.0", 5672, "0.0.0.0", 15672)
-    assert (settings.frontends, settings.shards, settings.data_dir) == (2, 2, "/var/lib/shardmq")
+    # A subdirectory of the volume mounted at /var/lib/shardmq: fsGroup makes the volume's root
+    # group-writable, which the node refuses as a data dir.
+    assert (settings.frontends, settings.shards, settings.data_dir) == (2, 2, "/var/lib/shardmq/data")
     assert settings.loopback_users == []
 
 
@@ -489,7 +491,6 @@ def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
 
 
 @pytest.mark.integration
-@pytest.mark.skipif("amqps_port" not in OPTIONS_BY_NAME, reason="TLS is not built on this branch yet (mqtt branch)")
 def test_the_tls_pod_as_rendered_serves_amqps_with_the_secret_material(node_factory, tmp_path):
     # TLS from inline PEM: the chart's TLS Secret, mounted where its INI says, serves AMQPS; a client
     # that trusts the CA logs in as the default user over TLS.
@@ -500,9 +501,13 @@ def test_the_tls_pod_as_rendered_serves_amqps_with_the_secret_material(node_fact
     cert, key = _self_signed(tmp_path)
     docs = render("standalone-values.yaml", sets=("tls.enabled=true",),
                   set_files=(f"tls.cert={cert}", f"tls.key={key}", f"tls.ca={cert}"))
-    amqps = free_port()
+    amqps, metrics_tls = free_port(), free_port()
+    assert ini_of(docs)["http"]["prometheus_tls_port"] == "15691"  # and the Service exposes it:
+    service_ports = {p["name"]: p["port"] for p in one(docs, "Service", "mq-shardmq")["spec"]["ports"]}
+    assert service_ports["metrics-tls"] == 15691
     pod = PodProcess(docs, node_factory, tmp_path / "pod", "mq-shardmq-0",
-                     ini_overrides={("amqp", "tls_port"): str(amqps), ("mqtt", "tls_port"): str(free_port())})
+                     ini_overrides={("amqp", "tls_port"): str(amqps), ("mqtt", "tls_port"): str(free_port())},
+                     extra_args=("--prometheus-tls-port", str(metrics_tls)))  # the harness turns it off
     pod.wait_probes()
     ctx = ssl.create_default_context(cafile=str(cert))
     conn = pika.BlockingConnection(pika.ConnectionParameters(
@@ -510,11 +515,21 @@ def test_the_tls_pod_as_rendered_serves_amqps_with_the_secret_material(node_fact
         credentials=pika.PlainCredentials(pod.user, pod.password), connection_attempts=1))
     conn.channel().queue_declare("over-tls")
     conn.close()
+    # Prometheus over HTTPS with the same Secret's certificate (waits for the listener to come up).
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with urllib.request.urlopen(f"https://127.0.0.1:{metrics_tls}/metrics", context=ctx, timeout=5) as resp:
+                assert b"rabbitmq_queues" in resp.read()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
     assert pod.node.stop() == 0
 
 
 @pytest.mark.integration
-@pytest.mark.skipif("cluster" not in OPTIONS_BY_NAME, reason="--cluster is not built on this branch yet (cluster branches)")
 def test_the_cluster_pods_as_rendered_elect_a_leader_and_both_pass_their_probes(node_factory, tmp_path):
     # Two pods of the default (cluster) release as processes, on a real etcd instead of the
     # bundled one: one leads, the other follows, both pass the readiness probe (a follower serves

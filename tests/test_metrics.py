@@ -57,6 +57,8 @@ def test_aggregated_and_per_object_metrics(node_factory):
     assert sum(s.value for s in m["shardmq_shard_segment_bytes"]) > 50  # 5 records of 10-byte bodies
     syncs = [s for s in m["shardmq_shard_fsync_seconds"] if s.name.endswith("_count")]
     assert sum(s.value for s in syncs) >= 1
+    assert value(m["shardmq_damaged_records"]) == 0  # storage damage (tests/test_safety_stream.py has some)
+    assert value(m["shardmq_damaged_ack_entries"]) == 0
     assert all(not s.labels for s in m["rabbitmq_queue_messages_ready"])  # aggregate: no per-queue labels
     per = scrape(node, "/metrics/per-object")
     assert value(per["rabbitmq_queue_messages_ready"], vhost="/", queue=qn) == 5

@@ -7,6 +7,7 @@ message it received but had not yet acknowledged may come again under a new pack
 
 from __future__ import annotations
 
+import os
 import time
 
 import pika
@@ -233,3 +234,245 @@ def test_a_shard_restart_closes_its_mqtt_consumers_and_the_session_goes_on(mnode
     assert again == {b"%d" % i for i in range(1, 11)}
     back.disconnect()
     pub.disconnect()
+
+
+@pytest.fixture
+def one_frontend(node_factory):
+    return node_factory(name="node", frontends=1, shards=2, mqtt_port=free_port())
+
+
+def _connect_retrying(node, client_id: str, timeout: float = 30.0) -> tuple[RawMQTT, M.ConnAck]:
+    """CONNECT until the node answers (a killed worker is restarted by the node meanwhile)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            raw = RawMQTT(node.mqtt_port)
+            return raw, raw.connect(client_id, clean=False)
+        except (OSError, AssertionError):
+            assert time.monotonic() < deadline, f"no CONNACK for {client_id} after a restart\n{node.log_tail()}"
+            time.sleep(0.1)
+
+
+@pytest.mark.parametrize("kill", ["frontend", "queue-shard", "session-shard", "frontend-and-session-shard", "node"])
+def test_qos2_publish_is_stored_once_across_a_kill_9(one_frontend, kill):
+    """A QoS 2 PUBLISH is stored, then a worker dies (kill -9) before the client got PUBREC: the client
+    resends it (DUP) on its next connection, and exactly one copy is stored. The session shard is held
+    stopped (SIGSTOP) from the publish to the kill, so the session record cannot have caught up with the
+    queue's shard: the awkward moment, every time."""
+    import signal
+
+    from frontend.mqtt.messages import session_shard
+    from tests.mgmt_api import Api
+
+    node = one_frontend
+    q = _amqp_counter(node, "once")
+    _status, info = Api(node.http_port).call("GET", f"/api/queues/%2F/{q}")
+    queue_shard = info["shard"]
+    name = next(f"once-{i}" for i in range(100) if session_shard("/", f"once-{i}", 2) != queue_shard)
+    session = 1 - queue_shard
+    pub = RawMQTT(node.mqtt_port)
+    assert pub.connect(name, clean=False).return_code == 0
+    stopped = node.worker_pid("shard", session)
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        pub.publish("once/x", b"exactly once", qos=2, pid=7)
+        counter = node.connect()
+        ch = counter.channel()
+        deadline = time.monotonic() + 10
+        while ch.queue_declare(q, passive=True).method.message_count < 1:  # stored on the queue's shard
+            assert time.monotonic() < deadline, "the QoS 2 message was not stored"
+            time.sleep(0.02)
+        counter.close()
+        if kill == "frontend":
+            node.wait_worker_restarted("frontend", 0, node.kill_worker("frontend", 0))
+        elif kill == "queue-shard":
+            node.wait_worker_restarted("shard", queue_shard, node.kill_worker("shard", queue_shard))
+        elif kill == "session-shard":
+            node.kill_worker("shard", session)
+            node.wait_worker_restarted("shard", session, stopped)
+        elif kill == "frontend-and-session-shard":
+            # The session record's write dies with both: only the queue's shard knows the message.
+            node.kill_worker("shard", session)
+            node.wait_worker_restarted("frontend", 0, node.kill_worker("frontend", 0))
+            node.wait_worker_restarted("shard", session, stopped)
+        else:
+            node.kill9()
+            node.start()
+    finally:
+        if kill in ("frontend", "queue-shard"):
+            os.kill(stopped, signal.SIGCONT)
+    pub.close()
+    pub, ack = _connect_retrying(node, name)
+    assert (ack.session_present, ack.return_code) == (True, 0)
+    pub.publish("once/x", b"exactly once", qos=2, pid=7, dup=True)  # no PUBREC seen: sent again
+    assert pub.recv(timeout=10) == M.Ack(M.PUBREC, 7)
+    pub.ack(M.PUBREL, 7)
+    assert pub.recv(timeout=10) == M.Ack(M.PUBCOMP, 7)
+    # The packet id is free again: a new message with it is stored, not taken for the old one.
+    pub.publish("once/x", b"a new one", qos=2, pid=7)
+    assert pub.recv(timeout=10) == M.Ack(M.PUBREC, 7)
+    pub.ack(M.PUBREL, 7)
+    assert pub.recv(timeout=10) == M.Ack(M.PUBCOMP, 7)
+    pub.disconnect()
+    assert sorted(_drain(node, q, 2)) == [b"a new one", b"exactly once"]
+
+
+def _frontend_of(node, client_port: int) -> int | None:
+    """Which frontend process holds the server side of the TCP connection from client_port (None: not
+    accepted yet), from /proc/net/tcp and the frontends' open file descriptors."""
+    inode = None
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(path) as fh:
+            for line in fh.readlines()[1:]:
+                f = line.split()
+                if int(f[1].rsplit(":", 1)[1], 16) == node.mqtt_port and int(f[2].rsplit(":", 1)[1], 16) == client_port:
+                    inode = f[9]
+    if inode is None:
+        return None
+    for index, pid in node.pids()["frontend"].items():
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except FileNotFoundError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == f"socket:[{inode}]":
+                    return int(index)
+            except OSError:
+                continue
+    return None
+
+
+def _wait_frontend_of(node, raw: RawMQTT, timeout: float = 5.0) -> int | None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = _frontend_of(node, raw.sock.getsockname()[1])
+        if found is not None:
+            return found
+        time.sleep(0.01)
+    return None
+
+
+@pytest.mark.parametrize("round_", range(3))
+def test_a_reconnect_on_another_frontend_resumes_the_latest_session_state(node_factory, round_):
+    """The client acknowledges a QoS 2 delivery (PUBREC) and reconnects at once on the other frontend while
+    the first one has not yet written that to the session record (it is held by SIGSTOP). The resumed
+    session must go on from the PUBREC (PUBREL) or from before it (the PUBLISH again, DUP, same packet
+    id), never lose the message: the new frontend reads the record only after the old one flushed it."""
+    import signal
+
+    node = node_factory(name="node", frontends=2, shards=1, mqtt_port=free_port())
+    name = f"fast-{round_}"
+    sub = RawMQTT(node.mqtt_port)
+    assert sub.connect(name, clean=False).return_code == 0
+    assert sub.subscribe(1, [("fast/t", 2)]) == [2]
+    old = _wait_frontend_of(node, sub)
+    assert old is not None
+    pub = RawMQTT(node.mqtt_port)
+    assert pub.connect(f"pub-{round_}").return_code == 0
+    pub.publish("fast/t", b"once", qos=2, pid=1)
+    assert pub.recv() == M.Ack(M.PUBREC, 1)
+    pub.ack(M.PUBREL, 1)
+    assert pub.recv() == M.Ack(M.PUBCOMP, 1)
+    pub.disconnect()
+    msg = sub.recv()
+    assert (msg.qos, msg.payload) == (2, b"once")
+    stopped = node.worker_pid("frontend", old)
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        sub.ack(M.PUBREC, msg.packet_id)
+        sub.close()
+        deadline = time.monotonic() + 20
+        while True:  # a connection the stopped frontend's listener takes stays unaccepted: try again
+            assert time.monotonic() < deadline, "never reached the other frontend"
+            new = RawMQTT(node.mqtt_port)
+            if _wait_frontend_of(node, new, 0.5) == 1 - old:
+                break
+            new.close()
+        new.send(M.encode_connect(name, False, 60, "guest", b"guest"))
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+    ack = new.recv(timeout=10)
+    assert (ack.session_present, ack.return_code) == (True, 0)
+    got = new.recv(timeout=10)
+    delivered = 0
+    if got == M.Ack(M.PUBREL, msg.packet_id):  # the PUBREC was applied first
+        delivered += 1
+    else:  # the PUBREC was never read: the message again, same packet id [MQTT-4.4.0-1]
+        assert (got.payload, got.packet_id, got.dup) == (b"once", msg.packet_id, True), got
+        new.ack(M.PUBREC, got.packet_id)
+        assert new.recv(timeout=10) == M.Ack(M.PUBREL, msg.packet_id)
+        delivered += 1
+    new.ack(M.PUBCOMP, msg.packet_id)
+    assert delivered == 1
+    new.disconnect()
+
+
+def _queue_counts(node, name: str) -> tuple[int, int]:
+    from tests.mgmt_api import Api
+
+    _status, info = Api(node.http_port).call("GET", f"/api/queues/%2F/{name}")
+    return info.get("messages_ready", 0), info.get("messages_unacknowledged", 0)
+
+
+def test_qos2_pubrec_survives_a_kill_9_of_the_frontend_and_the_session_shard(node_factory):
+    """The client PUBRECs a QoS 2 delivery; the message's ack reaches the queue's shard while the session
+    record cannot be written (its shard held by SIGSTOP); then the frontend and the session shard die
+    (kill -9). On reconnect the broker still owes PUBREL for that packet id (not the message again, not
+    nothing): the queue's shard wrote the packet id with the ack."""
+    import signal
+
+    from frontend.mqtt.messages import session_queue, session_shard
+    from tests.mgmt_api import Api
+
+    node = node_factory(name="node", frontends=1, shards=2, mqtt_port=free_port(),
+                        extra_args=["--stats-interval", "100"])
+    api = Api(node.http_port)
+    for i in range(50):  # a client id whose session record and session queue are on different shards
+        name = f"out2-{i}"
+        sub = RawMQTT(node.mqtt_port)
+        assert sub.connect(name, clean=False).return_code == 0
+        assert sub.subscribe(1, [("out2/t", 2)]) == [2]
+        queue_shard = api.call("GET", f"/api/queues/%2F/{session_queue(name)}")[1]["shard"]
+        if session_shard("/", name, 2) != queue_shard:
+            break
+        sub.disconnect()
+    pub = RawMQTT(node.mqtt_port)
+    assert pub.connect("out2-pub").return_code == 0
+    pub.publish("out2/t", b"once", qos=2, pid=1)
+    assert pub.recv() == M.Ack(M.PUBREC, 1)
+    pub.ack(M.PUBREL, 1)
+    assert pub.recv() == M.Ack(M.PUBCOMP, 1)
+    msg = sub.recv()
+    assert (msg.qos, msg.payload) == (2, b"once")
+    deadline = time.monotonic() + 10
+    while _queue_counts(node, session_queue(name)) != (0, 1):
+        assert time.monotonic() < deadline, "the delivery is not counted as unacknowledged"
+        time.sleep(0.05)
+    stopped = node.worker_pid("shard", 1 - queue_shard)
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        sub.ack(M.PUBREC, msg.packet_id)
+        while _queue_counts(node, session_queue(name)) != (0, 0):  # acknowledged on the queue's shard
+            assert time.monotonic() < deadline + 10, "the PUBREC did not acknowledge the message"
+            time.sleep(0.05)
+        node.kill_worker("shard", 1 - queue_shard)
+        frontend = node.kill_worker("frontend", 0)
+    except BaseException:
+        os.kill(stopped, signal.SIGCONT)
+        raise
+    sub.close()
+    node.wait_worker_restarted("frontend", 0, frontend)
+    node.wait_worker_restarted("shard", 1 - queue_shard, stopped)
+    sub, ack = _connect_retrying(node, name)
+    assert (ack.session_present, ack.return_code) == (True, 0)
+    assert sub.recv(timeout=10) == M.Ack(M.PUBREL, msg.packet_id)
+    sub.ack(M.PUBCOMP, msg.packet_id)
+    pub = RawMQTT(node.mqtt_port)
+    assert pub.connect("out2-pub").return_code == 0
+    pub.publish("out2/t", b"next", qos=1, pid=2)
+    assert pub.recv() == M.Ack(M.PUBACK, 2)
+    pub.disconnect()
+    nxt = sub.recv(timeout=10)  # the next message, not the old one again
+    assert nxt.payload == b"next", nxt
+    sub.disconnect()

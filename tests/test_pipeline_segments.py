@@ -82,6 +82,27 @@ def test_flipped_body_byte_is_skipped_or_fails(tmp_path):
         _all(str(tmp_path), mode="FAILFAST")
 
 
+def test_stream_repaired_by_the_node_reads_with_the_same_offsets(tmp_path):
+    qdir = _stream(tmp_path, 100)
+    with open(os.path.join(qdir, "msgs.0000000002"), "r+b") as f:
+        f.seek(DATA_START + 20)  # the first record of segment 2 (sealed)
+        byte = f.read(1)
+        f.seek(DATA_START + 20)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    bad_offset = segments.plan(str(tmp_path))[1].first_offset
+    st = StreamStore(qdir, segment_size=4096)  # what a node does: reading repairs it (a filler record)
+    c = st.cursor("first")
+    while st.read(c) is not None:
+        pass
+    assert st.damaged_records == 1
+    st.sync()
+    st.close()
+    rows, stats = _all(str(tmp_path))  # the filler is neither delivered nor counted, offsets stay
+    assert [r[0] for r in rows] == [i for i in range(100) if i != bad_offset]
+    assert all(r[6] == b"body-%05d" % r[0] for r in rows)
+    assert stats.corrupt == 0 and stats.records == 99
+
+
 def test_garbage_length_resyncs_at_the_next_valid_record(tmp_path):
     qdir = _stream(tmp_path, 40, segment_size=1 << 20)
     msgs = os.path.join(qdir, "msgs.0000000001")

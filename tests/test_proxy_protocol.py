@@ -202,3 +202,38 @@ def test_connections_without_the_header_are_refused(haproxy_node):
                 pass
         assert data == b""
     _wait_log(node, "refused: no PROXY protocol header")
+
+
+def test_mqtt_subscribe_after_amqp_traffic_through_haproxy_v2_always_gets_suback(haproxy_node):
+    """Reported once (~1 run in 4 on an older main, three nodes behind the shipped haproxy config): after
+    AMQP traffic through send-proxy-v2, the first MQTT SUBSCRIBE got no SUBACK. Looped here, with paho
+    (which sends SUBSCRIBE without waiting for CONNACK) and the AMQP round trip before each client."""
+    import threading
+
+    import paho.mqtt.client as mqtt
+
+    node, ports = haproxy_node
+    for i in range(15):
+        conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", ports["amqp_v2"]))
+        ch = conn.channel()
+        ch.confirm_delivery()
+        ch.queue_declare(f"pp-{i}")
+        ch.basic_publish("", f"pp-{i}", b"x")
+        assert ch.basic_get(f"pp-{i}", auto_ack=True)[2] == b"x"
+        ch.queue_delete(f"pp-{i}")
+        conn.close()
+        got, subscribed = threading.Event(), threading.Event()
+        client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"pp-{i}")
+        client.username_pw_set("guest", "guest")
+        client.on_subscribe = lambda *_args, ev=subscribed: ev.set()
+        client.on_message = lambda _c, _u, msg, ev=got: ev.set() if msg.payload == b"via v2" else None
+        client.connect("127.0.0.1", ports["mqtt_v2"], keepalive=30)
+        client.loop_start()
+        try:
+            client.subscribe(f"pp/{i}", qos=1)
+            assert subscribed.wait(10), f"no SUBACK (client {i})\n{node.log_tail(30)}"
+            client.publish(f"pp/{i}", b"via v2", qos=1).wait_for_publish(10)
+            assert got.wait(10), f"the message did not come back (client {i})"
+        finally:
+            client.disconnect()
+            client.loop_stop()

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from broker.config import OPTIONS_BY_NAME
 from broker.sdnotify import Notifier
 
 
@@ -154,7 +153,6 @@ def _bound_socket(tmpdir: str, name: str) -> tuple[socket.socket, str]:
 
 
 @pytest.mark.integration
-@pytest.mark.skipif("cluster" not in OPTIONS_BY_NAME, reason="--cluster is not built on this branch yet (cluster branches)")
 def test_cluster_leader_and_follower_send_ready_and_the_status_follows_a_failover(node_factory, tmp_path):
     # READY=1 means "serves, or follows and proxies": both nodes of a cluster send it; the STATUS
     # line says which, and changes when the follower is promoted.

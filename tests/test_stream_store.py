@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 
 from shard import record
 from shard.segment import DATA_START
 from shard.stream_store import OFFSETS_FILE, StreamStore
+from shard.verify import Report, verify_dir
 
 PROPS = b"\x10\x00\x02"
 SEG = 400  # a few records per segment
@@ -114,7 +116,7 @@ def _record_starts(path: str) -> list[int]:
     return [pos for pos, _f, _b in record.scan(data, DATA_START, len(data), True, result)]
 
 
-def test_torn_tail_is_cut_at_the_first_bad_crc(tmp_path, caplog):
+def test_damaged_record_before_valid_ones_is_skipped_and_offsets_kept(tmp_path, caplog):
     s = StreamStore(str(tmp_path), segment_size=SEG)
     fill(s, 10)
     s.sync()
@@ -129,16 +131,18 @@ def test_torn_tail_is_cut_at_the_first_bad_crc(tmp_path, caplog):
         f.write(bytes([b[0] ^ 0xFF]))
     with caplog.at_level(logging.WARNING):
         s = StreamStore(str(tmp_path), segment_size=SEG)
-    assert "CRC mismatch" in caplog.text
-    kept = s.next_offset
-    assert kept == 10 - 2  # the bad record and everything after it are gone
-    assert [o for o, _ in read_all(s)] == list(range(kept))
-    # New appends take the offsets after the cut and survive another reopen.
+    assert "CRC mismatch" in caplog.text and "offsets 8..8 lost" in caplog.text
+    # Damage, not a torn tail (a valid record follows): only that record is gone, offsets stay.
+    assert s.next_offset == 10 and s.damaged_records == 1
+    assert [o for o, _ in read_all(s)] == [0, 1, 2, 3, 4, 5, 6, 7, 9]
+    assert os.path.exists(last + f".damaged-{starts[-2]}")
+    # New appends take the offsets after the last one and survive another reopen (no new loss).
     fill(s, 2, start=100)
     s.sync()
     s.close()
     s = StreamStore(str(tmp_path), segment_size=SEG)
-    assert read_all(s)[-2:] == [(kept, b"m100"), (kept + 1, b"m101")]
+    assert s.damaged_records == 0
+    assert read_all(s)[-3:] == [(9, b"m009"), (10, b"m100"), (11, b"m101")]
     s.close()
 
 
@@ -242,3 +246,56 @@ def test_record_bigger_than_a_segment_and_sync_while_appending(tmp_path):
     s = StreamStore(str(tmp_path), segment_size=SEG)
     assert s.next_offset == 3003
     s.close()
+
+
+def _flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x5A]))
+
+
+def test_damage_in_sealed_segments_keeps_every_offset(tmp_path, caplog):
+    s = StreamStore(str(tmp_path), segment_size=SEG)
+    fill(s, 40)
+    s.sync()
+    s.close()
+    segs = [os.path.join(tmp_path, n) for n in segment_files(tmp_path) if n.startswith("msgs.")]
+    assert len(segs) >= 5
+    starts = [_record_starts(p) for p in segs]
+    firsts = [sum(map(len, starts[:i])) for i in range(len(starts))]
+    _flip(segs[0], starts[0][1] + 30)  # segment 1 (valid smeta): found when first read
+    with open(segs[1], "r+b") as f:  # segment 2: a length field; the smeta's count says how many
+        f.seek(starts[1][1])
+        f.write(b"\xff\xff\x00\x00")
+    os.unlink(segs[2].replace("msgs.", "smeta."))  # segment 3 without smeta: scanned at start,
+    _flip(segs[2], starts[2][0] + 2)  # its count from segment 4's first offset
+    lost = {firsts[0] + 1, firsts[1] + 1, firsts[2]}
+    with caplog.at_level(logging.WARNING):
+        s = StreamStore(str(tmp_path), segment_size=SEG)
+    assert s.damaged_records == 1 and s.next_offset == 40  # segment 3 at start; 1 and 2 not read yet
+    want = [(i, b"m%03d" % i) for i in range(40) if i not in lost]
+    assert read_all(s) == want
+    assert s.damaged_records == 3 and s.count == 40
+    # Addressing by offset and by time around the damage.
+    assert read_all(s, "offset", firsts[1] + 1)[0] == (firsts[1] + 2, b"m%03d" % (firsts[1] + 2))
+    assert read_all(s, "offset", firsts[1] + 2)[0][0] == firsts[1] + 2
+    assert read_all(s, "timestamp", 1_000_000 + firsts[1] + 1)[0][0] == firsts[1] + 2
+    assert f"offsets {firsts[1] + 1}..{firsts[1] + 1} lost" in caplog.text
+    for i, n in ((0, starts[0][1]), (1, starts[1][1]), (2, starts[2][0])):
+        assert os.path.exists(f"{segs[i]}.damaged-{n}")
+    s.sync()
+    s.close()
+    # Durable: the same offsets after a reopen, nothing new lost, and verify finds it all clean.
+    s = StreamStore(str(tmp_path), segment_size=SEG)
+    assert read_all(s) == want and s.damaged_records == 0
+    s.close()
+    report = Report(io.StringIO())
+    verify_dir(str(tmp_path), report)
+    assert report.damage == 0 and report.segments == len(segs)
+    _flip(segs[1].replace("msgs.", "smeta."), 20)  # a sealed smeta's count: verify says so
+    out = io.StringIO()
+    report = Report(out)
+    verify_dir(str(tmp_path), report)
+    assert report.damage == 1 and "stream meta file does not decode" in out.getvalue()

@@ -8,8 +8,10 @@ the way systemd does (unknown keys, bad values, missing binaries). The node's si
 from __future__ import annotations
 
 import configparser
+import logging
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from broker.config import load_settings
+from broker.datadir import DataDir
 from tests.design_names import unknown_names
 
 REPO = Path(__file__).resolve().parent.parent
@@ -92,6 +95,24 @@ def test_service_unit_settings():
     assert unknown_names(flags={a for a in argv[1:] if a.startswith("--")}) == []
 
 
+def test_state_directories_are_as_private_as_the_node_requires(tmp_path, caplog):
+    """systemd resets a StateDirectory to StateDirectoryMode at every start: it must be the 0700 the
+    node requires (shardmq.service said 0750: the node chmodded it back and warned at every start)."""
+    modes = {}
+    for path in sorted(SYSTEMD.glob("*.service")):
+        service = read_unit(path)["Service"]
+        if "StateDirectory" in service:
+            modes[path.name] = service.get("StateDirectoryMode", "0755")  # systemd's default
+    assert set(modes) == {"shardmq.service", "shardmq-etcd.service"}
+    assert modes == dict.fromkeys(modes, "0700"), modes
+    data = tmp_path / "data"
+    data.mkdir()
+    os.chmod(data, int(modes["shardmq.service"], 8))
+    with caplog.at_level(logging.WARNING):
+        DataDir(str(data)).check_private()  # the node's own check, as at start
+    assert stat.S_IMODE(os.stat(data).st_mode) == 0o700 and "changed to 0700" not in caplog.text
+
+
 def test_example_configs_use_design_names_and_known_keys_load(tmp_path):
     # The cluster example: every key is built already or fixed by DESIGN.
     example = configparser.ConfigParser(interpolation=None)
@@ -131,7 +152,7 @@ def test_install_dry_run_prints_the_plan_and_changes_nothing(tmp_path):
         "install -d -m 0755 /srv/mq",
         "python3 -m venv /srv/mq/venv",
         f"/srv/mq/venv/bin/pip install --quiet {wheel}",
-        "install -d -m 0750 -o shardmq -g shardmq /var/lib/shardmq",
+        "install -d -m 0700 -o shardmq -g shardmq /var/lib/shardmq",
         f"install -m 0644 {stage}/shardmq.service /etc/systemd/system/shardmq.service",
         "systemctl daemon-reload",
         "systemctl enable --now shardmq.service",

@@ -243,3 +243,23 @@ def test_bad_tls_settings_stop_the_cli_naming_the_flag(tmp_path, pki):
     assert r.returncode == 2 and "--tls-cert/--tls-key: cannot load" in r.stderr
     r = run("--tls-cert", pki["server"][0], "--tls-key", pki["server"][1], "--tls-verify-peer", "1")
     assert r.returncode == 2 and "--tls-verify-peer needs --tls-ca" in r.stderr
+
+
+def test_prometheus_metrics_over_https(node_factory, pki):
+    import urllib.error
+    import urllib.request
+
+    port = free_port()
+    node = node_factory(name="prom-tls", frontends=1, shards=1,
+                        extra_args=[*_tls_args(pki), "--prometheus-tls-port", str(port)])
+    with urllib.request.urlopen(f"https://localhost:{port}/metrics", context=_client_ctx(pki["ca"]),
+                                timeout=10) as resp:
+        assert resp.status == 200 and b"rabbitmq_queues" in resp.read()
+    with pytest.raises(urllib.error.URLError):  # a client that trusts another CA refuses the server
+        urllib.request.urlopen(f"https://localhost:{port}/metrics", context=_client_ctx(pki["other_ca"]), timeout=10)
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:  # plain HTTP gets no metrics
+        sock.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        assert b"rabbitmq_" not in sock.recv(65536)
+    # the plain port still serves as before
+    with urllib.request.urlopen(f"http://127.0.0.1:{node.prometheus_port}/metrics", timeout=10) as resp:
+        assert resp.status == 200

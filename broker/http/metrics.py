@@ -1,5 +1,8 @@
 """Prometheus metrics on ``--prometheus-port`` (15692, RabbitMQ's): ``/metrics`` and ``/metrics/per-object``.
 
+With ``--tls-cert`` the same endpoints are also served over HTTPS on ``--prometheus-tls-port`` (15691, RabbitMQ's
+``prometheus.ssl.port``), with the node's TLS context (broker/tls.py: TLS 1.2+, reloaded on SIGHUP).
+
 Multiprocess choice: the node renders everything from what it already has (its definitions and the
 workers' periodic STATS, see broker/node_stats.py) with a prometheus-client Collector. We do not use
 prometheus-client's multiprocess mode: it has every process write its own mmap'd files (a write per
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import ssl
 from collections.abc import Iterator
 from typing import Any
 
@@ -149,6 +153,20 @@ class NodeCollector:
                 fsync.add_metric([str(index)], buckets, h["sum"])
         yield seg
         yield fsync
+        dl = GaugeMetricFamily("shardmq_shard_dead_letters_unconfirmed",
+                               "Dead letters sent to other shards and not yet confirmed by them (kept in the "
+                               "sending shard's outbox)", labels=["shard"])
+        for index, payload in sorted(stats.shards.items()):
+            dl.add_metric([str(index)], payload.get("dead_letters_unconfirmed", 0))
+        yield dl
+        # Storage damage found by recovery or lazy verification (docs/storage.md "Recovery"), counted
+        # since each shard opened its queues: records lost (bytes set aside) and ack entries ignored.
+        damaged = stats.damaged()
+        for name, doc, i in (("shardmq_damaged_records", "Stored messages lost to damaged bytes (set aside)", 0),
+                             ("shardmq_damaged_ack_entries", "Ack entries ignored because their checksum failed", 1)):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], sum(v[i] for v in damaged.values()))
+            yield c
         per_fe = GaugeMetricFamily("shardmq_frontend_connections", "Client connections per frontend",
                                    labels=["frontend"])
         fe_in = GaugeMetricFamily("shardmq_frontend_incoming_bytes", "Bytes received per frontend (open connections)",
@@ -164,10 +182,10 @@ class NodeCollector:
         yield fe_in
         yield fe_out
         if self.per_object:
-            yield from self._per_queue(queues)
+            yield from self._per_queue(queues, damaged)
 
     @staticmethod
-    def _per_queue(queues: dict) -> Iterator[Metric]:
+    def _per_queue(queues: dict, damaged: dict) -> Iterator[Metric]:
         labels = ["vhost", "queue"]
         families = {
             "ready": GaugeMetricFamily("rabbitmq_queue_messages_ready", "Messages ready to be delivered to consumers",
@@ -181,6 +199,13 @@ class NodeCollector:
         published = CounterMetricFamily("rabbitmq_queue_messages_published", "Messages published into a queue",
                                         labels=labels)
         acked = CounterMetricFamily("rabbitmq_queue_messages_acked", "Messages acknowledged on a queue", labels=labels)
+        lost = CounterMetricFamily("shardmq_queue_damaged_records", "Messages of a queue lost to damaged bytes",
+                                   labels=labels)
+        lost_acks = CounterMetricFamily("shardmq_queue_damaged_ack_entries",
+                                        "Ack entries of a queue ignored because their checksum failed", labels=labels)
+        for (vhost, name), (records, acks) in damaged.items():
+            lost.add_metric([vhost, name], records)
+            lost_acks.add_metric([vhost, name], acks)
         for row in queues.values():
             key = [row[Q_VHOST], row[Q_NAME]]
             families["ready"].add_metric(key, row[Q_READY])
@@ -193,6 +218,8 @@ class NodeCollector:
         yield from families.values()
         yield published
         yield acked
+        yield lost
+        yield lost_acks
 
 
 def _render(node: Any, per_object: bool) -> bytes:
@@ -202,12 +229,14 @@ def _render(node: Any, per_object: bool) -> bytes:
 
 
 class MetricsServer:
-    """The Prometheus listener of one node; port 0 = off."""
+    """The Prometheus listeners of one node: HTTP on ``port``, HTTPS on ``tls_port`` with a TLS context; 0 = off."""
 
-    def __init__(self, node: Any, bind: str, port: int) -> None:
+    def __init__(self, node: Any, bind: str, port: int, tls_port: int = 0, tls: ssl.SSLContext | None = None) -> None:
         self.node = node
         self.bind = bind
         self.port = port
+        self.tls_port = tls_port if tls is not None else 0
+        self.tls = tls
         self._runner: web.AppRunner | None = None
 
     async def _metrics(self, request: web.Request) -> web.Response:
@@ -216,15 +245,19 @@ class MetricsServer:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def start(self) -> None:
-        if not self.port:
+        if not self.port and not self.tls_port:
             return
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/metrics/per-object", self._metrics)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
-        await web.TCPSite(self._runner, self.bind, self.port, reuse_address=True).start()
-        log.info("Prometheus metrics on %s:%d", self.bind, self.port)
+        if self.port:
+            await web.TCPSite(self._runner, self.bind, self.port, reuse_address=True).start()
+            log.info("Prometheus metrics on %s:%d", self.bind, self.port)
+        if self.tls_port:
+            await web.TCPSite(self._runner, self.bind, self.tls_port, reuse_address=True, ssl_context=self.tls).start()
+            log.info("Prometheus metrics over HTTPS on %s:%d", self.bind, self.tls_port)
 
     async def stop(self) -> None:
         if self._runner is not None:

@@ -41,6 +41,8 @@ from broker.permissions import READ, Access
 from broker.tls import peer_common_name
 from frontend.mqtt.messages import (
     EXCHANGE,
+    INBOUND2,
+    OUTBOUND2,
     PROPS,
     RETAINED,
     SESSIONS,
@@ -50,7 +52,7 @@ from frontend.mqtt.messages import (
     session_shard,
     transient_queue,
 )
-from frontend.publish import put_publish, queues_by_shard
+from frontend.publish import put_marked_publish, put_publish, queues_by_shard
 from frontend.session import CONNECTION_FORCED
 
 if TYPE_CHECKING:
@@ -75,6 +77,8 @@ _ACK = contract.ACK
 _CREDIT = contract.CREDIT
 _KV_PUT = contract.KV_PUT
 _KV_GET = contract.KV_GET
+_UNMARK = contract.UNMARK
+_MARKED_ACK = contract.MARKED_ACK
 
 
 
@@ -402,7 +406,16 @@ class MQTTConnection(asyncio.Protocol):
             self._refuse(M.REFUSED_SERVER_UNAVAILABLE)
             return
         self.registered = True
-        takeover(self.worker, self.vhost, self.client_id, [self.worker.index, self.conn_id])
+        owner = [self.worker.index, self.conn_id]
+        if self.clean:
+            takeover(self.worker, self.vhost, self.client_id, owner)
+            self._resume()
+        else:
+            # The session record is read once the other frontends have flushed what an older connection
+            # of this client id wrote to it (a reconnect within milliseconds must not read it stale).
+            takeover(self.worker, self.vhost, self.client_id, owner, then=self._guard(self._resume))
+
+    def _resume(self) -> None:
         defs = self.worker.defs
         durable = session_queue(self.client_id)
         exists = defs.queue(self.vhost, durable) is not None
@@ -432,7 +445,22 @@ class MQTTConnection(asyncio.Protocol):
                     self._refuse(M.REFUSED_NOT_AUTHORIZED if result[0] == 403 else M.REFUSED_SERVER_UNAVAILABLE)
                     return
                 self._set_queue(durable)
-                self._accept(exists, consume=bool(self.subs))
+                if not exists:  # a new session: no QoS 2 mark of an older one with this client id may count
+                    self._unmark(None, lambda: self._accept(False, consume=bool(self.subs)))
+                    return
+
+                def owed(ok: bool, result: Any) -> None:
+                    if ok:  # PUBREL owed for these (the shard keeps them with the acks, see _on_pubrec)
+                        for _key, marks in result.get("items", ()):
+                            self.out2.update(int(m) for m in marks)
+                    self._accept(True, consume=bool(self.subs))
+
+                if self.queue_shard is None:
+                    self._accept(True, consume=bool(self.subs))
+                else:
+                    vhost, client_id = self.vhost, self.client_id
+                    self._shard_request(self.queue_shard, lambda req: [_KV_GET, req, vhost, OUTBOUND2, client_id],
+                                        owed)
 
             self._node("queue.declare", {"queue": durable, "durable": True, "exclusive": False,
                                          "auto_delete": False, "arguments": {}}, declared)
@@ -509,12 +537,14 @@ class MQTTConnection(asyncio.Protocol):
         if p.retain:
             entry[0] += 1
             self._retain(p.topic, qos, p.payload, lambda: self._settle(seq, True))
+        mark = None
         if qos == 2:
             self.in2.add(p.packet_id)
             if not self.clean:
-                entry[0] += 1
-                self._save_state(lambda: self._settle(seq, True))
-        entry[0] += self._route(p.topic, p.payload, qos, seq)
+                # Each shard that stores it keeps the packet id with it (MARKED_PUBLISH): a resend after a
+                # crash of this frontend or of that shard is not stored twice; PUBREL removes the marks.
+                mark = p.packet_id
+        entry[0] += self._route(p.topic, p.payload, qos, seq, mark)
         self._settle(seq, True)
 
     def _may_publish(self, topic: str) -> bool:
@@ -538,7 +568,7 @@ class MQTTConnection(asyncio.Protocol):
             key = self._key_cache[topic] = topic_to_key(topic)
         return key
 
-    def _route(self, topic: str, payload: bytes, qos: int, seq: int | None) -> int:
+    def _route(self, topic: str, payload: bytes, qos: int, seq: int | None, mark: int | None = None) -> int:
         """Publish to amq.topic; the number of shards that will confirm (seq set)."""
         worker = self.worker
         defs = worker.defs
@@ -552,7 +582,11 @@ class MQTTConnection(asyncio.Protocol):
         if seq is None:
             put_publish(worker, groups, vhost, EXCHANGE, key, props, payload, qos > 0)
             return 0
-        put_publish(worker, groups, vhost, EXCHANGE, key, props, payload, True, self.conn_id, LANE, seq)
+        if mark is None:
+            put_publish(worker, groups, vhost, EXCHANGE, key, props, payload, True, self.conn_id, LANE, seq)
+        else:
+            put_marked_publish(worker, groups, vhost, INBOUND2, self.client_id, mark, EXCHANGE, key, props, payload,
+                               self.conn_id, LANE, seq)
         self.shards.update(groups)
         return len(groups)
 
@@ -581,9 +615,33 @@ class MQTTConnection(asyncio.Protocol):
                 done()
             return
         shard = session_shard(self.vhost, self.client_id, self.worker.shard_count)
+        # The inbound QoS 2 packet ids are not here: the shards keep them with the messages (_unmark).
         self._kv_put(shard, SESSIONS, self.client_id,
-                     {"subs": dict(self.subs), "in2": sorted(self.in2), "out2": sorted(self.out2),
-                      "pub2": sorted(self.pub2.items())}, done)
+                     {"subs": dict(self.subs), "out2": sorted(self.out2), "pub2": sorted(self.pub2.items())}, done)
+
+    def _unmark(self, mark: int | None, done: Callable[[], None]) -> None:
+        """Remove an inbound QoS 2 packet id's marks (None: all marks of this client id, both ways) from every
+        shard, then done().
+
+        Every shard, not just those this connection routed to: the message may have been stored by an
+        earlier connection (before a crash) whose routes we do not know.
+        """
+        vhost, client_id = self.vhost, self.client_id
+        count = self.worker.shard_count
+        left = [count]
+
+        def one(ok: bool, result: Any) -> None:
+            if not ok:  # MQTT has no error for PUBREL: close; the client sends PUBREL again on reconnect
+                raise RuntimeError(f"QoS 2 mark not removed: {result}")
+            left[0] -= 1
+            if not left[0]:
+                done()
+
+        spaces = (INBOUND2,) if mark is not None else (INBOUND2, OUTBOUND2)
+        left[0] *= len(spaces)
+        for shard in range(count):
+            for space in spaces:
+                self._shard_request(shard, lambda req, space=space: [_UNMARK, req, vhost, space, client_id, mark], one)
 
     def _settle(self, seq: int, ok: bool) -> None:
         entry = self._pending.get(seq)
@@ -613,11 +671,11 @@ class MQTTConnection(asyncio.Protocol):
             self._settle(seq, ok)
 
     def _on_pubrel(self, pid: int) -> None:
-        if pid in self.in2:
-            self.in2.discard(pid)
-            if not self.clean:
-                self._save_state(self._guard(lambda: self.write(M.encode_ack(M.PUBCOMP, pid))))
-                return
+        self.in2.discard(pid)
+        if not self.clean:
+            # Also for an id this connection does not know: it may be marked since before a crash.
+            self._unmark(pid, lambda: self.write(M.encode_ack(M.PUBCOMP, pid)))
+            return
         self.write(M.encode_ack(M.PUBCOMP, pid))  # also for an id we no longer know [MQTT-4.3.3-2]
 
     def _publish_will(self) -> None:
@@ -866,6 +924,29 @@ class MQTTConnection(asyncio.Protocol):
 
     def _on_pubrec(self, pid: int) -> None:
         entry = self.inflight.pop(pid, None)
+        if entry is not None and entry[0] is not None and entry[1] == 2 and not self.clean:
+            # The queue's shard acknowledges the message and keeps the packet id (PUBREL owed) in one
+            # step (MARKED_ACK): after any crash the message is either still there to send again with
+            # its packet id, or gone and PUBREL is owed. PUBREL once that is durable.
+            shard, qid, mid = entry[0]
+            self.out2.add(pid)
+            vhost, client_id, conn_id = self.vhost, self.client_id, self.conn_id
+
+            def marked(ok: bool, result: Any) -> None:
+                if not ok:
+                    raise RuntimeError(f"PUBREC not recorded: {result}")
+                if isinstance(result, dict) and result.get("acked") is False:
+                    # The delivery was no longer ours (requeued by a shard restart): it comes again, with
+                    # its packet id; no PUBREL for it now.
+                    self.out2.discard(pid)
+                    return
+                self.pub2.pop(mid, None)
+                self._save_state()  # pub2 housekeeping only, not waited for
+                self.write(M.encode_ack(M.PUBREL, pid))
+
+            self._shard_request(shard, lambda req: [_MARKED_ACK, req, conn_id, LANE, qid, mid, vhost, OUTBOUND2,
+                                                    client_id, pid], marked)
+            return
         if entry is not None:
             if entry[0] is not None:
                 self._ack(*entry[0])
@@ -884,6 +965,8 @@ class MQTTConnection(asyncio.Protocol):
         if pid in self.out2:
             self.out2.discard(pid)
             self._save_state()
+            if not self.clean and self.queue_shard is not None:
+                self.worker.shard_put(self.queue_shard, [_UNMARK, None, self.vhost, OUTBOUND2, self.client_id, pid])
 
     # --------------------------------------------------------- worker side
     def on_cancel_notify(self, channel: int, tag: str) -> None:
@@ -939,19 +1022,74 @@ class MQTTConnection(asyncio.Protocol):
             worker.node_request("connection.closed", {"owner": [worker.index, self.conn_id]}, None)
 
 
-def takeover(worker: FrontendWorker, vhost: str, client_id: str, owner: list, forward: bool = True) -> None:
-    """Close every other connection of this client id [MQTT-3.1.4-2]: here, and on the other frontends."""
+def takeover(worker: FrontendWorker, vhost: str, client_id: str, owner: list, forward: bool = True,
+             then: Callable[[], None] | None = None) -> None:
+    """Close every other connection of this client id [MQTT-3.1.4-2]: here, and on the other frontends.
+
+    With ``then``: call it once every other frontend has answered that the session writes of its
+    connections of this client id have reached the session shard (or after TAKEOVER_WAIT, for a
+    frontend that is down).
+    """
     for conn in list(worker.conns.values()):
         if (isinstance(conn, MQTTConnection) and conn.client_id == client_id and conn.vhost == vhost
                 and [worker.index, conn.conn_id] != list(owner) and conn.state == RUNNING):
             log.info("mqtt connection %s: client id '%s' connected again: taken over", conn.conn_id, client_id)
             conn.close()
-    if forward:
-        for index in range(int(worker.settings.get("frontends", 1))):
-            if index != worker.index:
-                worker.node.put(None, [contract.FORWARD, index, ["mqtt.takeover", vhost, client_id, owner]])
+    others = [i for i in range(int(worker.settings.get("frontends", 1))) if i != worker.index] if forward else []
+    if then is not None:
+        if not others:
+            then()
+            return
+        key = (vhost, client_id, owner[1])
+        waits = _takeover_waits(worker)
+        timer = worker.loop.call_later(TAKEOVER_WAIT, _takeover_answered, worker, key, True)
+        waits[key] = [len(others), then, timer]
+    for index in others:
+        worker.node.put(None, [contract.FORWARD, index, ["mqtt.takeover", vhost, client_id, owner, then is not None]])
 
 
-def forwarded_takeover(worker: FrontendWorker, vhost: str, client_id: str, owner: list) -> None:
+TAKEOVER_WAIT = 2.0  # s a resuming session waits at most for the other frontends' answers
+
+
+def _takeover_waits(worker: FrontendWorker) -> dict:
+    """(vhost, client id, conn id) -> [answers missing, then, timer] of this frontend's resuming sessions."""
+    waits = worker.__dict__.get("mqtt_takeover_waits")
+    if waits is None:
+        waits = worker.__dict__["mqtt_takeover_waits"] = {}
+    return waits
+
+
+def _takeover_answered(worker: FrontendWorker, key: tuple, timed_out: bool = False) -> None:
+    waits = _takeover_waits(worker)
+    wait = waits.get(key)
+    if wait is None:
+        return
+    wait[0] -= 1
+    if timed_out:
+        log.warning("mqtt: client id '%s': no answer from another frontend in %.0fs; resuming the session",
+                    key[1], TAKEOVER_WAIT)
+    elif wait[0] > 0:
+        return
+    del waits[key]
+    wait[2].cancel()
+    wait[1]()
+
+
+def forwarded_takeover(worker: FrontendWorker, vhost: str, client_id: str, owner: list, answer: bool = False) -> None:
     """The FORWARDED "mqtt.takeover" handler (frontend/listeners.py)."""
     takeover(worker, vhost, client_id, owner, forward=False)
+    if not answer:
+        return
+
+    def flushed(_ok: bool, _result: Any) -> None:
+        worker.node.put(None, [contract.FORWARD, owner[0], ["mqtt.taken", vhost, client_id, owner]])
+
+    # Any session write of this client id this frontend made went out before this request, on the same
+    # (publish) lane to the session shard, which answers in order: the answer means they are applied.
+    shard = session_shard(vhost, client_id, worker.shard_count)
+    worker.shard_request(shard, lambda req: [_KV_GET, req, vhost, SESSIONS, client_id], None, flushed)
+
+
+def forwarded_taken(worker: FrontendWorker, vhost: str, client_id: str, owner: list) -> None:
+    """The FORWARDED "mqtt.taken" handler: another frontend has flushed its writes to this session."""
+    _takeover_answered(worker, (vhost, client_id, owner[1]))

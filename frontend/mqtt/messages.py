@@ -26,6 +26,12 @@ _QOS_MARK = QOS_HEADER.encode()
 # KV spaces (shard/kvstore.py)
 RETAINED = "mqtt.retained"
 SESSIONS = "mqtt.session"
+# Marks of the QoS 2 publishes of persistent sessions (key: client id; marks: packet ids received and
+# not yet released), kept by every shard that stored such a message (contract MARKED_PUBLISH).
+INBOUND2 = "mqtt.in2"
+# Marks of the QoS 2 deliveries a persistent session's client has PUBREC'd and not yet PUBCOMP'd (key: client
+# id; marks: packet ids), on the shard of the session queue, written with the message's ack (MARKED_ACK).
+OUTBOUND2 = "mqtt.out2"
 
 
 def qos_of(props_raw: bytes) -> int:

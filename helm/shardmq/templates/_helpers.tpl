@@ -134,6 +134,9 @@ Call with (dict "ctx" $ "key" "cluster-secret" "given" .Values.cluster.secret).
 {{- end -}}
 {{- $ports = append $ports (dict "name" "http" "port" $l.http) -}}
 {{- $ports = append $ports (dict "name" "metrics" "port" $l.prometheus) -}}
+{{- if .Values.tls.enabled -}}
+{{- $ports = append $ports (dict "name" "metrics-tls" "port" $l.prometheusTls) -}}
+{{- end -}}
 {{- toJson $ports -}}
 {{- end -}}
 
