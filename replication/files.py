@@ -9,6 +9,7 @@ exchange; everything else in the data dir except ``run/`` and ``.lock`` belongs 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import shutil
@@ -259,9 +260,32 @@ class FileWriter:
         self._dirty_fds = set()
 
 
-def make_durable(fds: list[int], dirs: list[str]) -> None:
-    """fdatasync the fds (and close them), fsync the directories. Runs in a worker thread."""
+def _sync_file_range() -> Callable[[int], None] | None:
+    """``fd -> start writeback of its dirty pages`` (Linux sync_file_range, SYNC_FILE_RANGE_WRITE),
+    or None where libc has no such call."""
     try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    return lambda fd: fn(fd, 0, 0, 2)  # 2 = SYNC_FILE_RANGE_WRITE; a failure only loses the hint
+
+
+_start_writeback = _sync_file_range()
+
+
+def make_durable(fds: list[int], dirs: list[str]) -> None:
+    """fdatasync the fds (and close them), fsync the directories. Runs in a worker thread.
+
+    With several files, writeback of all of them is started first: ext4 allocates their blocks
+    then, so the first fdatasync's journal commit carries every file's metadata and the next ones
+    only wait for their data, instead of one journal commit per file, one after the other."""
+    try:
+        if len(fds) > 1 and _start_writeback is not None:
+            for fd in fds:
+                _start_writeback(fd)
         for fd in fds:
             os.fdatasync(fd)
     finally:

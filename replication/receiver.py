@@ -2,8 +2,8 @@
 
 Each stream has its own :class:`~replication.files.FileWriter`, so a durable batch of one stream
 covers exactly the writes it acks. Acks go out after the batch is durable (fdatasync of the
-written files and fsync of changed directories, in a worker thread, one batch at a time while
-the next one is received), never per action.
+written files and fsync of changed directories, in a worker thread, at most ``MAX_SYNCS`` batches
+at a time while the next one is received), never per action, and in order.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections import deque
 
 from replication import protocol as p
 from replication.files import CrcCache, FileWriter, make_durable, store_dirs, walk
@@ -19,6 +20,10 @@ log = logging.getLogger("shardmq.replication")
 
 _READ = 1 << 20
 HANDSHAKE_TIMEOUT_S = 10.0
+# Durability batches in flight per stream. With one, data that arrives while an fdatasync is slow
+# (a journal commit behind other writers) waits for it to end and then for its own; with two it
+# starts its own at once, and the confirm that waits for it is released sooner.
+MAX_SYNCS = 2
 
 
 class AuthFailed(Exception):
@@ -41,7 +46,10 @@ class StreamReceiver:
         self.sync_done = False  # SYNC_DONE received (and everything before it applied)
         self.synced = False  # ... and made durable and acked
         self.synced_event = asyncio.Event()
-        self._syncing = False
+        # Syncs started and not yet acked: (future, position, sync_done), oldest first.
+        self._inflight: deque[tuple[asyncio.Future, int, bool]] = deque()
+        self._sub_position = 0  # what the newest started sync covers
+        self._sub_sync_done = False
         self._writer_w: asyncio.StreamWriter | None = None
         self._events: list = []
 
@@ -144,21 +152,33 @@ class StreamReceiver:
             raise p.ProtocolError(f"unexpected {type(ev).__name__} while streaming")
 
     def _maybe_sync(self, loop: asyncio.AbstractEventLoop) -> None:
-        if self._syncing or (self.position == self.acked and (self.synced or not self.sync_done)):
+        # Nothing new since the last sync was started (SYNC_DONE also needs its own, flagged ack).
+        if len(self._inflight) >= MAX_SYNCS or (self.position == self._sub_position
+                                                and self.sync_done == self._sub_sync_done):
             return
-        self._syncing = True
-        position, sync_done = self.position, self.sync_done
+        self._sub_position, self._sub_sync_done = self.position, self.sync_done
         fds, dirs = self.writer.take_dirty()
         fut = loop.run_in_executor(None, make_durable, fds, dirs)
-        fut.add_done_callback(lambda f: self._synced(f, loop, position, sync_done))
+        self._inflight.append((fut, self.position, self.sync_done))
+        fut.add_done_callback(lambda _f: self._synced(loop))
 
-    def _synced(self, fut: asyncio.Future, loop: asyncio.AbstractEventLoop, position: int, sync_done: bool) -> None:
-        self._syncing = False
-        if fut.exception() is not None:
-            log.error("replication %s: making received data durable failed: %s", self.stream, fut.exception())
-            if self._writer_w is not None:
-                self._writer_w.close()
+    def _synced(self, loop: asyncio.AbstractEventLoop) -> None:
+        # Syncs may finish out of order; a position is acked only once every sync before it is done.
+        inflight = self._inflight
+        ack: tuple[int, bool] | None = None
+        while inflight and inflight[0][0].done():
+            fut, position, sync_done = inflight.popleft()
+            exc = None if fut.cancelled() else fut.exception()
+            if fut.cancelled() or exc is not None:
+                log.error("replication %s: making received data durable failed: %s", self.stream, exc)
+                inflight.clear()
+                if self._writer_w is not None:
+                    self._writer_w.close()
+                return
+            ack = (position, sync_done)
+        if ack is None:
             return
+        position, sync_done = ack
         self.acked = position
         if self._writer_w is not None and not self._writer_w.is_closing():
             self._writer_w.write(p.encode_ack(position, sync_done))
@@ -167,4 +187,3 @@ class StreamReceiver:
             self.synced_event.set()
             log.info("replication %s: in sync with %s", self.stream, self.leader)
         self._maybe_sync(loop)
-

@@ -406,6 +406,8 @@ def test_role_api_follower_promoted_by_become_leader_then_replicates_to_a_new_fo
     amqp_port, rport = free_port(), free_port()
     settings = load_settings(
         ["--data-dir", str(tmp_path / "n2"), "--port", str(amqp_port), "--http-port", "0", "--shards", "2",
+         # Listeners with fixed default ports off: another node on the machine may hold them.
+         "--prometheus-port", "0", "--mqtt-port", "0", "--ws-port", "0",
          "--frontends", "1", "--cluster", "--node-name", "n2", "--replication-port", str(rport),
          "--follow", f"127.0.0.1:{leader.rport}"], dict(os.environ))
     loop = asyncio.new_event_loop()
@@ -496,6 +498,7 @@ def test_role_api_leader_becomes_follower_and_resyncs_to_the_new_leader(node_fac
     data = tmp_path / "n2"
     settings = load_settings(
         ["--data-dir", str(data), "--port", str(amqp_port), "--http-port", "0", "--shards", "2", "--frontends", "1",
+         "--prometheus-port", "0", "--mqtt-port", "0", "--ws-port", "0",  # fixed default ports: off
          "--cluster", "--etcd-endpoints", "none", "--node-name", "n2", "--replication-port", str(free_port())],
         dict(os.environ))
     loop = asyncio.new_event_loop()

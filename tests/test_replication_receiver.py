@@ -1,0 +1,103 @@
+"""replication/receiver.py: durability batches overlap, but acks only name positions whose every
+earlier batch is durable (a follower must never ack bytes it could still lose)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+
+from replication import protocol as p
+from replication import receiver as rmod
+from replication.files import CrcCache, make_durable
+
+
+class _AckSink:
+    """Stands in for the stream's socket writer: collects the acks the receiver sends."""
+
+    def __init__(self) -> None:
+        self.acks: list[p.Ack] = []
+        self._dec = p.Decoder()
+
+    def write(self, data: bytes) -> None:
+        self.acks.extend(self._dec.feed(data))
+
+    def is_closing(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+def test_overlapping_syncs_ack_in_order_and_only_what_is_durable(tmp_path, monkeypatch) -> None:
+    gates: list[threading.Event] = []
+    lock = threading.Lock()
+
+    def gated_make_durable(fds: list[int], dirs: list[str]) -> None:
+        gate = threading.Event()
+        with lock:
+            gates.append(gate)
+        assert gate.wait(10)
+        make_durable(fds, dirs)  # the real one, once the test lets this batch finish
+
+    monkeypatch.setattr(rmod, "make_durable", gated_make_durable)
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        rec = rmod.StreamReceiver(str(tmp_path), b"s", "f", "shard-0", CrcCache())
+        sink = _AckSink()
+        rec._writer_w = sink  # type: ignore[assignment]
+        rec.sync_done = True  # streaming (the full sync is behind us)
+        rec.synced = True
+
+        async def until(pred, what: str) -> None:
+            for _ in range(500):
+                if pred():
+                    return
+                await asyncio.sleep(0.01)
+            raise AssertionError(f"timed out waiting for {what}")
+
+        def append(offset: int, data: bytes) -> int:
+            frame = p.encode_append("q/msgs.0000000001", offset, data)
+            (ev,) = p.Decoder().feed(frame)
+            rec._apply(ev)
+            rec._maybe_sync(loop)
+            return rec.position
+
+        (tmp_path / "q").mkdir()
+        first = append(0, b"a" * 100)
+        second = append(100, b"b" * 100)
+        third = append(200, b"c" * 100)  # two batches in flight already: waits for one to end
+        await until(lambda: len(gates) == 2, "two syncs in flight")
+        assert rec.acked == 0 and sink.acks == []
+
+        gates[1].set()  # the second batch is durable first: nothing may be acked before the first
+        await asyncio.sleep(0.2)
+        assert sink.acks == [] and rec.acked == 0
+
+        gates[0].set()  # now both: one ack for the newer position
+        await until(lambda: sink.acks, "the ack of the first two batches")
+        assert sink.acks[0].position == second > first
+        await until(lambda: len(gates) == 3, "the third batch's sync")
+        gates[2].set()
+        await until(lambda: rec.acked == third, "the third ack")
+        assert [a.position for a in sink.acks] == [second, third]
+        with open(tmp_path / "q" / "msgs.0000000001", "rb") as f:
+            assert f.read() == b"a" * 100 + b"b" * 100 + b"c" * 100
+        rec.writer.close()
+
+    asyncio.run(scenario())
+
+
+def test_make_durable_with_several_files_syncs_and_closes_them(tmp_path) -> None:
+    fds = [os.open(tmp_path / f"f{i}", os.O_WRONLY | os.O_CREAT, 0o644) for i in range(3)]
+    for i, fd in enumerate(fds):
+        os.write(fd, bytes([i]) * 5000)
+    make_durable(fds, [str(tmp_path)])
+    for fd in fds:
+        try:
+            os.fstat(fd)
+        except OSError:
+            continue
+        raise AssertionError("make_durable left an fd open")
+    assert [(tmp_path / f"f{i}").read_bytes() for i in range(3)] == [bytes([i]) * 5000 for i in range(3)]
