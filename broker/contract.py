@@ -69,7 +69,9 @@ import msgpack
 # 8: dead letters into a deduplicating exchange carry confirm fields (PEER_CHANNEL_DLX); the confirm seq
 # of a dead letter is its outbox record id (unique across restarts of the sending shard). Frontend data
 # headers carry control_count and token (lane order: an ack before a publish stays before it).
-VERSION = 8
+# 9: a shard's STATS carries deltas: "seq", "full", "removed", "rows_sent" (only the queue rows changed since
+# its last report); QUERY op "stats_full" asks for every row.
+VERSION = 9
 
 # --------------------------------------------------------------------------
 # Control plane: node <-> every worker (node.sock)
@@ -99,6 +101,13 @@ FORWARD = 5
 #   "fsync": {"buckets": [le, ...], "counts": [n, ...], "sum": seconds, "count": n},
 #   "damaged": [[vhost, name, damaged_records, damaged_acks], ...]  (only queues with storage damage
 #   since the shard opened them; an older shard leaves the key out, read as none)
+#   "seq": n (1, 2, ... per report since the shard started), "full": bool, "removed": [[vhost, name], ...],
+#   "rows_sent": n (queue rows sent in reports since the shard started). "queues" holds only the rows that
+#   changed since the shard's previous report, and "removed" the queues gone since then, unless "full":
+#   then "queues" is every row and "removed" is []. The first report after a shard starts is full; when
+#   the node sees a seq that does not follow the last one, it sends QUERY "stats_full" and the next
+#   report is full. (A payload without "seq" is read as full.) Rows now also carry deliver_no_ack, get,
+#   get_no_ack, redelivered after acked, and "totals" the same seven counters (broker/node_stats.py).
 STATS = 6
 # REPL_STATUS: [REPL_STATUS, {follower: [connected, in_sync, lag_bytes, lag_seconds, last_ack_monotonic,
 #                                         acked_position]}]
@@ -150,6 +159,7 @@ QUERY_OPS = (
     "purge",  # management API, see shard/admin.py for these three
     "get",
     "publish",
+    "stats_full",  # {} -> {}: the shard's next STATS carries every queue row (see STATS)
 )
 
 # --------------------------------------------------------------------------

@@ -398,7 +398,9 @@ class Node:
                 if target is not None and target.connected:
                     self.ctl.put(contract.worker_id("frontend", int(item[1])), [contract.FORWARDED, item[2]])
             elif kind == contract.STATS:
-                self.stats.update(w.role, w.index, item[1])
+                if self.stats.update(w.role, w.index, item[1]):
+                    # Its deltas do not follow on from what we hold: ask for every row once.
+                    self._spawn_task(self.shard_query(w.index, "stats_full", {}))
             elif kind == contract.QUERY_REPLY:
                 admin = self._admin_queries.pop(item[1], None)
                 if admin is not None:

@@ -1,8 +1,9 @@
 """The node's view of its workers' periodic STATS (broker/contract.py): queue counts, connections.
 
 Each worker's latest report replaces its previous one, so what the API shows is at most one
-stats_interval old. Lookups are built lazily, once per new report, so listing 100,000 queues
-does not rebuild anything per request.
+stats_interval old. A shard reports only the queue rows that changed since its last report (and
+the queues removed), merged here into one table in O(changed rows): 100,000 idle queues cost the
+node's event loop nothing per interval, and listing them rebuilds nothing per request.
 """
 
 from __future__ import annotations
@@ -63,54 +64,93 @@ def add_stats(into: dict, more: dict) -> dict:
 
 class NodeStats:
     def __init__(self) -> None:
+        # Each worker's latest payload (a shard's "queues" there is only its latest delta).
         self.shards: dict[int, dict] = {}
         # The report before the latest one per shard, and when both arrived: rates are their difference.
         self.previous: dict[int, tuple[float, dict]] = {}
-        self._prev_rows: dict[tuple[str, str], tuple[float, float, list]] | None = None
+        # Per shard: its queue rows as merged from full snapshots and deltas; and, for the rows its
+        # latest report changed, the row before (rates; an unchanged row's rate is 0).
+        self.rows: dict[int, dict[tuple[str, str], list]] = {}
+        self.changed_prev: dict[int, dict[tuple[str, str], list]] = {}
+        self.seq: dict[int, int] = {}  # the latest report's seq per shard: a gap asks for a full snapshot
+        self.rows_received: dict[int, int] = {}  # queue rows received per shard since it (re)started
         self.frontends: dict[int, dict] = {}
         self.previous_fe: dict[int, tuple[float, dict]] = {}  # as `previous`, for the frontends
         self.received_at: dict[tuple[str, int], float] = {}
-        self._queues: dict[tuple[str, str], list] | None = None
+        self._queues: dict[tuple[str, str], list] = {}  # every shard's rows, merged
 
-    def update(self, role: str, index: int, payload: Any) -> None:
+    def update(self, role: str, index: int, payload: Any) -> bool:
+        """Take a worker's report; True when a shard's deltas do not follow on from what we hold
+        (the caller asks that shard for a full snapshot, QUERY "stats_full")."""
         if not isinstance(payload, dict):
-            return
+            return False
         now = time.time()
+        need_full = False
         if role == "shard":
             if index in self.shards:
                 self.previous[index] = (self.received_at[(role, index)], self.shards[index])
-            self._queues = None
-            self._prev_rows = None
+            need_full = self._merge(index, payload)
         elif index in self.frontends:
             self.previous_fe[index] = (self.received_at[(role, index)], self.frontends[index])
         (self.shards if role == "shard" else self.frontends)[index] = payload
         self.received_at[(role, index)] = now
+        return need_full
+
+    def _merge(self, index: int, payload: dict) -> bool:
+        """Apply a shard's rows: O(rows in the report), so idle queues cost nothing here."""
+        merged = self._queues
+        table = self.rows.setdefault(index, {})
+        before: dict[tuple[str, str], list] = {}
+        seq = payload.get("seq")
+        full = bool(payload.get("full", True)) or seq is None  # no seq: an older shard, always full
+        last = self.seq.get(index)
+        if full:
+            fresh: dict[tuple[str, str], list] = {}
+            for row in payload.get("queues", ()):
+                key = (row[Q_VHOST], row[Q_NAME])
+                fresh[key] = row
+                old = table.get(key)
+                if old is not None and old != row:
+                    before[key] = old
+            for key in table.keys() - fresh.keys():
+                merged.pop(key, None)
+            merged.update(fresh)
+            self.rows[index] = fresh
+            self.rows_received[index] = self.rows_received.get(index, 0) + len(fresh)
+        else:
+            n = 0
+            for row in payload.get("queues", ()):
+                key = (row[Q_VHOST], row[Q_NAME])
+                old = table.get(key)
+                if old is not None:
+                    before[key] = old
+                table[key] = row
+                merged[key] = row
+                n += 1
+            for key in payload.get("removed", ()):
+                key = (key[0], key[1])
+                table.pop(key, None)
+                merged.pop(key, None)
+            self.rows_received[index] = self.rows_received.get(index, 0) + n
+        self.changed_prev[index] = before
+        if seq is not None:
+            self.seq[index] = int(seq)
+        return not full and (last is None or int(seq) != last + 1)
 
     def forget(self, role: str, index: int) -> None:
         (self.shards if role == "shard" else self.frontends).pop(index, None)
         self.previous_fe.pop(index, None) if role != "shard" else None
         if role == "shard":
             self.previous.pop(index, None)
-            self._queues = None
-            self._prev_rows = None
+            for key in self.rows.pop(index, {}):
+                self._queues.pop(key, None)
+            self.changed_prev.pop(index, None)
+            self.seq.pop(index, None)
+            self.rows_received.pop(index, None)
 
     def queues(self) -> dict[tuple[str, str], list]:
-        """(vhost, name) -> [vhost, name, ready, unacked, consumers, ready_bytes]."""
-        if self._queues is None:
-            self._queues = {(row[Q_VHOST], row[Q_NAME]): row
-                            for payload in self.shards.values() for row in payload.get("queues", ())}
+        """(vhost, name) -> [vhost, name, ready, unacked, consumers, ready_bytes, ...] (read only)."""
         return self._queues
-
-    def _previous_rows(self) -> dict[tuple[str, str], tuple[float, float, list]]:
-        """(vhost, name) -> (previous report time, latest report time, previous row)."""
-        if self._prev_rows is None:
-            rows = {}
-            for index, (at, payload) in self.previous.items():
-                latest = self.received_at.get(("shard", index), at)
-                for row in payload.get("queues", ()):
-                    rows[(row[Q_VHOST], row[Q_NAME])] = (at, latest, row)
-            self._prev_rows = rows
-        return self._prev_rows
 
     def message_stats(self, row: list | None) -> dict:
         """RabbitMQ's message_stats of one queue: totals and a rate per second over the last interval."""
@@ -119,10 +159,16 @@ class NodeStats:
         cur = counts(row[Q_PUBLISHED:])
         if cur is None:
             return {}
-        prev = self._previous_rows().get((row[Q_VHOST], row[Q_NAME]))
-        if prev is None or prev[1] <= prev[0]:
-            return _stats(cur, None, 0.0)
-        return _stats(cur, counts(prev[2][Q_PUBLISHED:]), prev[1] - prev[0])
+        key = (row[Q_VHOST], row[Q_NAME])
+        for index, changed in self.changed_prev.items():  # O(shards)
+            prev = changed.get(key)
+            if prev is not None:
+                at = self.previous.get(index, (0.0, None))[0]
+                latest = self.received_at.get(("shard", index), at)
+                if latest > at > 0:
+                    return _stats(cur, counts(prev[Q_PUBLISHED:]), latest - at)
+                break
+        return _stats(cur, None, 0.0)
 
     def totals(self, keys: set[tuple[str, str]] | None = None) -> dict:
         """message_stats summed over every queue (from the shards' own sums: O(shards)), or over the

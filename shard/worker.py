@@ -35,7 +35,7 @@ from shard.kvstore import KVStores
 from shard.priority_store import open_store
 from shard.queue import Queue
 from shard.replication_stream import ShardReplication
-from shard.stats import SyncHistogram, shard_stats
+from shard.stats import StatsReporter, SyncHistogram
 from shard.store import QueueStore, queue_dir
 from shard.stream_queue import StreamQueue, consume_error, retention_args, segment_size
 from shard.stream_store import StreamStore
@@ -71,6 +71,7 @@ class ShardWorker:
         self.settings: dict = {}
         self.queues: dict[tuple[str, str], Queue] = {}
         self.sync_histogram = SyncHistogram()  # group sync durations, reported in STATS
+        self.stats_reporter = StatsReporter()  # STATS as deltas: rows changed since the last report
         # Since when the running group sync runs, for the cluster leader's disk-stall check.
         self.fsync_beacon = FsyncBeacon(run_dir, index)
         self.by_qid: dict[int, Queue] = {}
@@ -145,7 +146,7 @@ class ShardWorker:
         if self._stopping:
             return
         try:
-            self.node.put(None, [contract.STATS, shard_stats(self)])
+            self.node.put(None, [contract.STATS, self.stats_reporter.report(self)])
         except Exception:
             log.exception("shard %d: stats report failed", self.index)
         interval = int(self.settings.get("stats_interval") or 5000) / 1000
@@ -285,6 +286,10 @@ class ShardWorker:
                 self.node.put(None, [contract.QUERY_REPLY, query_id, False, None])
             else:
                 self.node.put(None, [contract.QUERY_REPLY, query_id, True, q.info()])
+        elif op == "stats_full":
+            # The node lost track of our rows (a seq gap): the next report carries all of them.
+            self.stats_reporter.full_next = True
+            self.node.put(None, [contract.QUERY_REPLY, query_id, True, {}])
         elif op in ("purge", "get", "publish"):
             # The management API's operations (low rate; see shard/admin.py).
             ok, result = admin_query(self, op, args)

@@ -192,9 +192,18 @@ class NodeCollector:
             rss.add_metric([label], rss_bytes(pid))
         yield rss
         per_shard = GaugeMetricFamily("shardmq_shard_queues", "Queues owned by each shard", labels=["shard"])
+        rows_sent = CounterMetricFamily("shardmq_shard_stats_rows_sent",
+                                        "Queue rows a shard sent in its STATS reports since it started (only "
+                                        "changed rows after the first report)", labels=["shard"])
+        reports = CounterMetricFamily("shardmq_shard_stats_reports", "STATS reports a shard sent since it started",
+                                      labels=["shard"])
         for index, payload in sorted(stats.shards.items()):
-            per_shard.add_metric([str(index)], len(payload.get("queues", ())))
+            per_shard.add_metric([str(index)], len(stats.rows.get(index, ())))
+            rows_sent.add_metric([str(index)], payload.get("rows_sent", 0))
+            reports.add_metric([str(index)], payload.get("seq", 0))
         yield per_shard
+        yield rows_sent
+        yield reports
         seg = GaugeMetricFamily("shardmq_shard_segment_bytes", "Bytes written into the segments of each shard's queues",
                                 labels=["shard"])
         fsync = HistogramMetricFamily("shardmq_shard_fsync_seconds", "Duration of each group sync (fsync batch)",

@@ -1,0 +1,163 @@
+"""Shards report only the queue rows that changed (issue #11): the node's table stays right across
+changes, deletions and a shard's kill -9, and an idle shard sends no rows after its first report."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pika
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from broker.node_stats import NodeStats
+from tests.mgmt_api import Api, q
+
+pytestmark = pytest.mark.integration
+
+
+def shard_metrics(node) -> dict[str, dict[str, float]]:
+    """{metric name: {shard label: value}} of the per-shard STATS series."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{node.prometheus_port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    out: dict[str, dict[str, float]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name.startswith("shardmq_shard_") and "shard" in s.labels:
+                out.setdefault(s.name, {})[s.labels["shard"]] = s.value
+    return out
+
+
+def wait_metrics(node, predicate, timeout: float = 15.0) -> dict:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        m = shard_metrics(node)
+        if predicate(m):
+            return m
+        assert time.monotonic() < deadline, f"metrics never matched: {m}"
+        time.sleep(0.05)
+
+
+def by_name(items: list) -> dict[str, dict]:
+    return {i["name"]: i for i in items}
+
+
+def publish(node, counts: dict[str, int]) -> None:
+    conn = pika.BlockingConnection(pika.URLParameters(node.url))
+    try:
+        ch = conn.channel()
+        ch.confirm_delivery()
+        for name, n in counts.items():
+            for i in range(n):
+                ch.basic_publish("", name, f"m{i}".encode(), pika.BasicProperties(delivery_mode=2))
+    finally:
+        conn.close()
+
+
+def test_table_follows_changes_deletions_and_shard_restart(node_factory):
+    node = node_factory(name="node", frontends=1, shards=2, extra_args=["--stats-interval", "100"])
+    api = Api(node.http_port)
+    names = [f"dq-{i:02d}" for i in range(12)]
+    for name in names:
+        api.put(f"/api/queues/%2F/{q(name)}", {"durable": True})
+    want = {name: i % 4 for i, name in enumerate(names)}
+    publish(node, want)
+
+    def matches(expected: dict[str, int], key: str = "messages"):
+        def check(items: list) -> bool:
+            got = by_name(items)
+            return set(got) == set(expected) and all(got[n].get(key) == v for n, v in expected.items())
+        return check
+
+    api.wait_for("/api/queues", matches(want))
+    items = api.wait_for("/api/queues", lambda items: all(
+        i.get("message_stats", {}).get("publish") == want[i["name"]] for i in items))
+    # Idle again: every rate falls back to 0 (the rows stop changing, so no report carries them).
+    api.wait_for("/api/queues", lambda items: all(
+        i["message_stats"]["publish_details"]["rate"] == 0.0 for i in items))
+
+    # Changes: get (with ack) from some queues, publish to others.
+    conn = pika.BlockingConnection(pika.URLParameters(node.url))
+    try:
+        ch = conn.channel()
+        for name in names[1:4]:
+            method, _props, _body = ch.basic_get(name, auto_ack=True)
+            assert method is not None
+            want[name] -= 1
+    finally:
+        conn.close()
+    publish(node, {names[0]: 2})
+    want[names[0]] += 2
+    api.wait_for("/api/queues", matches(want))
+    items = api.get("/api/queues")
+    assert by_name(items)[names[0]]["message_stats"]["publish"] == 2
+
+    # Deletions: the node drops their rows (also from the paged listing's count).
+    for name in names[:5]:
+        api.delete(f"/api/queues/%2F/{q(name)}")
+        del want[name]
+    api.wait_for("/api/queues", matches(want))
+    page = api.get("/api/queues?page=1&page_size=100")
+    assert page["total_count"] == len(want) and {i["name"] for i in page["items"]} == set(want)
+
+    # A shard killed with -9 and restarted: its rows come back in full (durable messages recovered),
+    # the other shard's rows never leave.
+    m = shard_metrics(node)
+    old = node.kill_worker("shard", 0)
+    node.wait_worker_restarted("shard", 0, old)
+    wait_metrics(node, lambda m: m.get("shardmq_shard_queues", {}).get("0", 0) + m.get(
+        "shardmq_shard_queues", {}).get("1", 0) == len(want))
+    api.wait_for("/api/queues", matches(want))
+    # A queue deleted after the restart leaves no row behind either.
+    gone = sorted(want)[0]
+    api.delete(f"/api/queues/%2F/{q(gone)}")
+    del want[gone]
+    api.wait_for("/api/queues", matches(want))
+    assert m  # the metrics were readable before the kill too
+
+
+def test_idle_shard_sends_no_rows_after_its_first_report(node_factory):
+    node = node_factory(name="node", frontends=1, shards=1, extra_args=["--stats-interval", "100"])
+    api = Api(node.http_port)
+    n = 200
+    for i in range(n):
+        api.put(f"/api/queues/%2F/idle-{i:03d}", {"durable": True})
+    m = wait_metrics(node, lambda m: m.get("shardmq_shard_queues", {}).get("0") == n)
+    # Past the report that carried the last declare: take the counters once they stop moving.
+    reports0 = m["shardmq_shard_stats_reports_total"]["0"]
+    m = wait_metrics(node, lambda m: m["shardmq_shard_stats_reports_total"]["0"] >= reports0 + 2)
+    rows0, reports1 = m["shardmq_shard_stats_rows_sent_total"]["0"], m["shardmq_shard_stats_reports_total"]["0"]
+    assert n <= rows0 <= 2 * n  # every queue sent once (a declare between two reports: maybe twice)
+    m = wait_metrics(node, lambda m: m["shardmq_shard_stats_reports_total"]["0"] >= reports1 + 5)
+    assert m["shardmq_shard_stats_rows_sent_total"]["0"] == rows0, "an idle shard sent rows"
+
+    # One message into one queue: exactly that one row is sent, once.
+    publish(node, {"idle-007": 1})
+    m = wait_metrics(node, lambda m: m["shardmq_shard_stats_rows_sent_total"]["0"] > rows0)
+    reports2 = m["shardmq_shard_stats_reports_total"]["0"]
+    m = wait_metrics(node, lambda m: m["shardmq_shard_stats_reports_total"]["0"] >= reports2 + 3)
+    assert m["shardmq_shard_stats_rows_sent_total"]["0"] == rows0 + 1
+    assert api.get("/api/queues/%2F/idle-007")["messages"] == 1
+
+
+def test_seq_gap_asks_for_a_full_snapshot_and_full_replaces_the_table():
+    st = NodeStats()
+    row = ["/", "a", 1, 0, 0, 10, 1, 0, 0, 0, 0, 0, 0]
+    assert st.update("shard", 0, {"seq": 1, "full": True, "queues": [row, ["/", "b", *row[2:]]], "removed": []}) is False
+    assert st.update("shard", 0, {"seq": 2, "full": False, "queues": [], "removed": [["/", "b"]]}) is False
+    assert set(st.queues()) == {("/", "a")}
+    # seq 3 lost: the node must ask for every row
+    assert st.update("shard", 0, {"seq": 4, "full": False, "queues": [["/", "c", *row[2:]]], "removed": []}) is True
+    assert st.update("shard", 0, {"seq": 5, "full": False, "queues": [], "removed": []}) is False
+    # the full snapshot drops what the shard no longer has ("a" went in the lost report)
+    assert st.update("shard", 0, {"seq": 6, "full": True, "queues": [["/", "c", *row[2:]]], "removed": []}) is False
+    assert set(st.queues()) == {("/", "c")}
+    # a changed row shows its new counters; an unchanged one reads a rate of 0
+    st.update("shard", 1, {"seq": 1, "full": True, "queues": [["/", "d", *row[2:]]], "removed": []})
+    changed = ["/", "d", 0, 0, 0, 0, 11, 0, 0, 0, 0, 0, 0]
+    st.update("shard", 1, {"seq": 2, "full": False, "queues": [changed], "removed": []})
+    assert st.message_stats(st.queues()[("/", "d")])["publish"] == 11
+    assert st.message_stats(st.queues()[("/", "c")])["publish_details"]["rate"] == 0.0
+    st.forget("shard", 0)
+    assert set(st.queues()) == {("/", "d")}
