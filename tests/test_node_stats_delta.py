@@ -161,3 +161,38 @@ def test_seq_gap_asks_for_a_full_snapshot_and_full_replaces_the_table():
     assert st.message_stats(st.queues()[("/", "c")])["publish_details"]["rate"] == 0.0
     st.forget("shard", 0)
     assert set(st.queues()) == {("/", "d")}
+
+
+def test_reporter_sends_changes_and_removals_and_full_on_request():
+    from types import SimpleNamespace
+
+    from shard.stats import StatsReporter, SyncHistogram
+
+    class Q:  # a queue as the generic path reads it (info() and counters)
+        def __init__(self, messages: int = 0) -> None:
+            self.messages = messages
+            self.store = SimpleNamespace(ready_bytes=0, n_redelivered=0)
+            self.unacked, self.consumers = {}, []
+            self.n_published = self.n_delivered = self.n_acked = 0
+
+        def info(self) -> dict:
+            return {"messages": self.messages}
+
+    worker = SimpleNamespace(queues={("/", "a"): Q(), ("/", "b"): Q()}, sync_histogram=SyncHistogram(),
+                             dead_letters=SimpleNamespace(pending={}))
+    rep = StatsReporter()
+    first = rep.report(worker)
+    assert first["full"] and first["seq"] == 1 and len(first["queues"]) == 2
+    assert rep.report(worker)["queues"] == []
+    worker.queues[("/", "a")].messages = 3
+    second = rep.report(worker)
+    assert [r[1] for r in second["queues"]] == ["a"] and second["removed"] == []
+    # one queue gone and one new in the same interval (same count): both are reported
+    del worker.queues[("/", "b")]
+    worker.queues[("/", "c")] = Q()
+    third = rep.report(worker)
+    assert [r[1] for r in third["queues"]] == ["c"] and third["removed"] == [["/", "b"]]
+    rep.full_next = True  # what QUERY "stats_full" sets
+    full = rep.report(worker)
+    assert full["full"] and sorted(r[1] for r in full["queues"]) == ["a", "c"] and full["removed"] == []
+    assert full["rows_sent"] == 2 + 1 + 1 + 2 and full["seq"] == 5
