@@ -27,7 +27,7 @@ import time
 import zlib
 
 from broker import write_observer
-from shard import record
+from shard import record, synced_mark
 from shard.segment import DATA_START, FORMAT_VERSION, VERSION_HEADER, Segment, open_write_segments
 from shard.segment_dir import SegmentDir
 
@@ -154,6 +154,9 @@ class StreamStore(SegmentDir):
         self._sync_fds: list[int] = []
         self._syncing = 0
         self._deferred_close: list[int] = []
+        # The synced mark (shard/synced_mark.py), as in QueueStore.
+        self._synced_fd = -1
+        self._synced_unflushed = False
         # Messages lost to damage since opened (skipped, bytes set aside; docs/storage.md).
         self.damaged_records = 0
         os.makedirs(path, exist_ok=True)
@@ -497,9 +500,19 @@ class StreamStore(SegmentDir):
             fds = self._sync_fds
             self._sync_fds = []
             owned = len(fds)
+            mark = b""
             if self._wdirty:
-                fds.append(self._segs[-1].fd)
+                wseg = self._segs[-1]
+                fds.append(wseg.fd)
                 self._wdirty = False
+                mark = synced_mark.encode(wseg.no, wseg.used)
+            if self._synced_unflushed:
+                fds.append(self._synced_fd)
+                self._synced_unflushed = False
+            if mark and self._synced_fd < 0:
+                self._synced_fd = os.open(os.path.join(self.path, synced_mark.NAME),
+                                          os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                self._dir_dirty = True
             blob = self._tracked_blob
             self._tracked_blob = None
             dir_dirty = self._dir_dirty or blob is not None
@@ -514,11 +527,18 @@ class StreamStore(SegmentDir):
             if dir_dirty:
                 os.fsync(self._dir_fd)
             self._sync_parents()
+            if mark:
+                # After the data's fsync; fsynced with the next round (see QueueStore.sync).
+                os.pwrite(self._synced_fd, mark, 0)
+                if write_observer.current is not None:
+                    write_observer.current.append(os.path.join(self.path, synced_mark.NAME), 0, mark)
             done = True
         finally:
             with self._lock:
                 if done:
                     self._deferred_close.extend(fds[:owned])
+                    if mark:
+                        self._synced_unflushed = True
                 else:
                     self._sync_fds[:0] = fds[:owned]
                     self._wdirty = True
@@ -547,6 +567,9 @@ class StreamStore(SegmentDir):
             fds = [seg.fd for seg in self._segs if seg.fd >= 0]
             fds.extend(self._sync_fds)
             fds.append(self._dir_fd)
+            if self._synced_fd >= 0:
+                fds.append(self._synced_fd)
+                self._synced_fd = -1
             self._sync_fds = []
             self._release(fds)
         self._cursors.clear()
@@ -592,6 +615,10 @@ class StreamStore(SegmentDir):
         if not self._segs or self._segs[-1].sealed:
             no = (msgs[-1] if msgs else 0) + 1
             self._segs.append(self._create(no, expect, self._segment_size))
+        mark = synced_mark.read(self.path)
+        if mark is not None and mark[0] != self._segs[-1].no:
+            self._unlink(synced_mark.NAME)  # stale (see QueueStore._recover)
+            self._dir_dirty = True
         self._firsts = [s.first for s in self._segs]
         self.count = sum(s.count for s in self._segs)
         self.bytes = sum(s.used - DATA_START for s in self._segs)
@@ -623,7 +650,7 @@ class StreamStore(SegmentDir):
             return seg
         if last:
             seg.open_mapped(writable=True)
-            cut = self._load(seg, size, False, None)
+            cut = self._load(seg, size, False, None, min(synced_mark.synced_end(self.path, no), size))
             if cut or size < self._segment_size:
                 seg.regrow(max(size, self._segment_size))
                 self._wdirty = True
@@ -644,7 +671,7 @@ class StreamStore(SegmentDir):
         self._dir_dirty = True
         return seg
 
-    def _load(self, seg: StreamSegment, end: int, sealed: bool, known: int | None) -> bool:
+    def _load(self, seg: StreamSegment, end: int, sealed: bool, known: int | None, synced: int = 0) -> bool:
         """Scan `seg` up to `end` with CRC checks: count its offsets, repair damage, cut a torn tail.
 
         The rules are QueueStore's (docs/storage.md): a bad record followed by valid ones, or any
@@ -652,8 +679,9 @@ class StreamStore(SegmentDir):
         one filler record that stands for as many offsets as the damaged bytes held (from their
         length fields, else from `known`, the segment's offset count from its smeta or the next
         segment's first offset, else one), so every valid record keeps its offset. A bad record of
-        the write segment with nothing valid after it is a torn tail (never confirmed): cut.
-        Sets used, count, body_bytes and the timestamps; returns whether the file changed.
+        the write segment with nothing valid after it is a torn tail (never confirmed): cut, unless
+        it starts before `synced` (the synced mark: confirmed), which makes it damage up to the mark,
+        as is a clean end of data before the mark. Sets used, count, body_bytes and the timestamps; returns whether the file changed.
         """
         mm = seg.mm
         count = valid = body = 0
@@ -675,11 +703,15 @@ class StreamStore(SegmentDir):
                 count += 1
                 body += blen
             if not result.reason:
-                break
+                if result.end >= synced:
+                    break
+                result.reason = f"end of data at {result.end} before the synced position {synced}"
             bad = result.end
             nxt = record.resync(mm, bad, end)
             stop = nxt if nxt >= 0 else end
-            if (nxt < 0 and not sealed) or stop - bad < record.MIN_RECORD:
+            if nxt < 0 and not sealed and bad < synced:
+                stop = synced  # damage up to the mark; what follows it was never synced: a tail
+            if (nxt < 0 and not sealed and bad >= synced) or stop - bad < record.MIN_RECORD:
                 log.warning("stream %s: segment %d: %s; cut %d bytes from there (a torn tail: never confirmed)",
                             self.path, seg.no, result.reason, end - bad)
                 cut = True
