@@ -803,8 +803,14 @@ class QueueStore(SegmentDir):
             if nxt < 0 and not seg.sealed and bad < synced:
                 stop = synced  # damage up to the mark; what follows it was never synced: a tail
             if (nxt < 0 and not seg.sealed and bad >= synced) or stop - bad < record.MIN_RECORD:
-                log.warning("queue %s: segment %d: %s; cut %d bytes from there (a torn tail: never confirmed)",
-                            self.path, seg.no, result.reason, end - bad)
+                if bad < synced:
+                    # Synced bytes too few for a filler (the file was cut below the mark): lost, and said so.
+                    self.damaged_records += 1
+                    log.error("queue %s: segment %d: %s before the synced position %d; cut %d bytes from "
+                              "there: confirmed data lost", self.path, seg.no, result.reason, synced, end - bad)
+                else:
+                    log.warning("queue %s: segment %d: %s; cut %d bytes from there (a torn tail: never "
+                                "confirmed)", self.path, seg.no, result.reason, end - bad)
                 changed = True
                 break
             self._repair(seg, bad, stop, result.reason)

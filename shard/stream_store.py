@@ -712,8 +712,14 @@ class StreamStore(SegmentDir):
             if nxt < 0 and not sealed and bad < synced:
                 stop = synced  # damage up to the mark; what follows it was never synced: a tail
             if (nxt < 0 and not sealed and bad >= synced) or stop - bad < record.MIN_RECORD:
-                log.warning("stream %s: segment %d: %s; cut %d bytes from there (a torn tail: never confirmed)",
-                            self.path, seg.no, result.reason, end - bad)
+                if bad < synced:
+                    # Synced bytes too few for a filler (the file was cut below the mark): lost, and said so.
+                    self.damaged_records += 1
+                    log.error("stream %s: segment %d: %s before the synced position %d; cut %d bytes from "
+                              "there: confirmed data lost", self.path, seg.no, result.reason, synced, end - bad)
+                else:
+                    log.warning("stream %s: segment %d: %s; cut %d bytes from there (a torn tail: never "
+                                "confirmed)", self.path, seg.no, result.reason, end - bad)
                 cut = True
                 break
             regions.append((bad, stop, result.reason, record.chain_count(mm, bad, stop), count))
