@@ -138,10 +138,10 @@ class QueueStore(SegmentDir):
         self._ack_pending: dict[Segment, list[int]] = {}  # acks not yet written (see flush_acks)
         self._syncing = 0
         self._deferred_close: list[int] = []
-        # The synced mark (shard/synced_mark.py): its fd (opened by the first sync that moves it) and
-        # whether it was written since the last fsync round (which then includes it).
-        self._synced_fd = -1
+        # The synced mark (shard/synced_mark.py): whether it was written since the last fsync round
+        # (which then includes it), and whether this process made its directory entry durable yet.
         self._synced_unflushed = False
+        self._synced_named = False
         # Records lost to damage (skipped, their bytes set aside; see docs/storage.md) since opened.
         self.damaged_records = 0
         self.damaged_acks = 0  # ack entries that failed their checksum
@@ -385,15 +385,17 @@ class QueueStore(SegmentDir):
                 self._wdirty = False
                 # Everything below `used` is in the page cache now; durable once the fsyncs below ran.
                 mark = synced_mark.encode(wseg.no, wseg.used)
-            if self._synced_unflushed:
-                fds.append(self._synced_fd)
-                self._synced_unflushed = False
-            if mark and self._synced_fd < 0:
-                # Opened under the lock (close() releases it after a running sync); its name is
-                # durable with the next directory fsync.
-                self._synced_fd = os.open(os.path.join(self.path, synced_mark.NAME),
-                                          os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-                self._dir_dirty = True
+            # Opened per sync, not kept: a store holds no extra fd for it (100,000 queues).
+            mark_fd = synced_mark.open_fd(self.path) if mark or self._synced_unflushed else -1
+            if mark_fd < 0:
+                mark = b""
+            else:
+                if self._synced_unflushed:
+                    fds.append(mark_fd)
+                    self._synced_unflushed = False
+                if not self._synced_named:
+                    self._synced_named = True
+                    self._dir_dirty = True
             if self._acks_dirty:
                 fds.extend(self._ack_fds)
                 self._acks_dirty = False
@@ -413,7 +415,7 @@ class QueueStore(SegmentDir):
                 # Only after the data's fsync: the mark never claims more than is durable. It is
                 # fsynced with the next round (no extra fsync here); until then a power loss may
                 # take it back one sync, which only makes recovery call a little more a tail.
-                os.pwrite(self._synced_fd, mark, 0)
+                os.pwrite(mark_fd, mark, 0)
                 if write_observer.current is not None:
                     write_observer.current.append(os.path.join(self.path, synced_mark.NAME), 0, mark)
             done = True
@@ -424,6 +426,8 @@ class QueueStore(SegmentDir):
                     if mark:
                         self._synced_unflushed = True
                 else:
+                    if mark_fd >= 0:
+                        self._synced_unflushed = True  # its fsync may not have run: again next time
                     # Put it all back so the next sync tries again.
                     self._sync_fds[:0] = fds[:owned]
                     self._wdirty = self._acks_dirty = True
@@ -431,6 +435,8 @@ class QueueStore(SegmentDir):
                 self._syncing -= 1
                 if not self._syncing:
                     self._close_deferred()
+            if mark_fd >= 0:
+                os.close(mark_fd)
 
     def close(self) -> None:
         """Release maps and fds. Does not sync: call sync() first for a clean shutdown."""
@@ -448,9 +454,6 @@ class QueueStore(SegmentDir):
             if self._dir_fd >= 0:
                 fds.append(self._dir_fd)
                 self._dir_fd = -1
-            if self._synced_fd >= 0:
-                fds.append(self._synced_fd)
-                self._synced_fd = -1
             self._ack_fds = set()
             self._sync_fds = []
             self._release(fds)

@@ -154,9 +154,10 @@ class StreamStore(SegmentDir):
         self._sync_fds: list[int] = []
         self._syncing = 0
         self._deferred_close: list[int] = []
-        # The synced mark (shard/synced_mark.py), as in QueueStore.
-        self._synced_fd = -1
+        # The synced mark (shard/synced_mark.py): whether it was written since the last fsync round
+        # (which then includes it), and whether this process made its directory entry durable yet.
         self._synced_unflushed = False
+        self._synced_named = False
         # Messages lost to damage since opened (skipped, bytes set aside; docs/storage.md).
         self.damaged_records = 0
         os.makedirs(path, exist_ok=True)
@@ -506,13 +507,17 @@ class StreamStore(SegmentDir):
                 fds.append(wseg.fd)
                 self._wdirty = False
                 mark = synced_mark.encode(wseg.no, wseg.used)
-            if self._synced_unflushed:
-                fds.append(self._synced_fd)
-                self._synced_unflushed = False
-            if mark and self._synced_fd < 0:
-                self._synced_fd = os.open(os.path.join(self.path, synced_mark.NAME),
-                                          os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-                self._dir_dirty = True
+            # Opened per sync, not kept: a store holds no extra fd for it (100,000 queues).
+            mark_fd = synced_mark.open_fd(self.path) if mark or self._synced_unflushed else -1
+            if mark_fd < 0:
+                mark = b""
+            else:
+                if self._synced_unflushed:
+                    fds.append(mark_fd)
+                    self._synced_unflushed = False
+                if not self._synced_named:
+                    self._synced_named = True
+                    self._dir_dirty = True
             blob = self._tracked_blob
             self._tracked_blob = None
             dir_dirty = self._dir_dirty or blob is not None
@@ -529,7 +534,7 @@ class StreamStore(SegmentDir):
             self._sync_parents()
             if mark:
                 # After the data's fsync; fsynced with the next round (see QueueStore.sync).
-                os.pwrite(self._synced_fd, mark, 0)
+                os.pwrite(mark_fd, mark, 0)
                 if write_observer.current is not None:
                     write_observer.current.append(os.path.join(self.path, synced_mark.NAME), 0, mark)
             done = True
@@ -540,6 +545,8 @@ class StreamStore(SegmentDir):
                     if mark:
                         self._synced_unflushed = True
                 else:
+                    if mark_fd >= 0:
+                        self._synced_unflushed = True  # its fsync may not have run: again next time
                     self._sync_fds[:0] = fds[:owned]
                     self._wdirty = True
                     self._dir_dirty = self._dir_dirty or dir_dirty
@@ -548,6 +555,8 @@ class StreamStore(SegmentDir):
                 self._syncing -= 1
                 if not self._syncing:
                     self._close_deferred()
+            if mark_fd >= 0:
+                os.close(mark_fd)
 
     def close(self) -> None:
         """Release maps and fds. Does not sync the log, but writes tracked offsets not yet written."""
@@ -567,9 +576,6 @@ class StreamStore(SegmentDir):
             fds = [seg.fd for seg in self._segs if seg.fd >= 0]
             fds.extend(self._sync_fds)
             fds.append(self._dir_fd)
-            if self._synced_fd >= 0:
-                fds.append(self._synced_fd)
-                self._synced_fd = -1
             self._sync_fds = []
             self._release(fds)
         self._cursors.clear()

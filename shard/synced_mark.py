@@ -30,6 +30,15 @@ def encode(segment_no: int, pos: int) -> bytes:
     return _MARK.pack(value, zlib.crc32(packed))
 
 
+def open_fd(dir_path: str) -> int:
+    """An fd of the directory's mark (created if missing), -1 if it cannot be opened (a store being
+    deleted, no fds left): the mark is then not moved, which is always safe."""
+    try:
+        return os.open(os.path.join(dir_path, NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return -1
+
+
 def read(dir_path: str) -> tuple[int, int] | None:
     """(segment number, synced end position) from the directory's mark, None if absent or damaged."""
     try:
