@@ -82,6 +82,12 @@ class WSTransport:
         self._pending.clear()
         self._loop.create_task(self._ws.close())
 
+    def can_write_eof(self) -> bool:
+        return False  # a WebSocket has no half-close: a lingering session closes on its timer or the client's close
+
+    def write_eof(self) -> None:
+        raise NotImplementedError("a WebSocket cannot half-close")
+
     def is_closing(self) -> bool:
         return self._closing or self._ws.closed
 

@@ -176,63 +176,6 @@ def scan(buf: Any, start: int, end: int, verify: bool, result: ScanResult) -> It
         mv.release()
 
 
-def scan_records(buf: Any, start: int, end: int, result: ScanResult) -> Iterator[tuple]:
-    """Like `scan` with CRC checks, but decoding as it goes: yield (pos, ts_ms, flags, exchange,
-    routing_key, props, body) for each good record of buf[start:end].
-
-    One pass per record for readers of whole segments (pipeline/segments.py); the stop rules and
-    `result` are exactly `scan`'s with verify=True. Names are returned as str (UTF-8, errors replaced:
-    a record whose CRC matches is what was written), props and body as bytes.
-    """
-    mv = memoryview(buf)
-    unpack_header = _unpack_header
-    unpack_head = _unpack_head
-    unpack_u32 = _unpack_u32
-    unpack_u64 = _unpack_u64
-    crc32 = _crc32
-    try:
-        pos = start
-        while True:
-            if pos + HEADER_SIZE > end:
-                if pos < end and any(mv[pos:end]):
-                    result.reason = f"torn record header at {pos}"
-                break
-            length, crc = unpack_header(buf, pos)
-            if length == 0:
-                if crc != 0:
-                    result.reason = f"garbage at {pos}"
-                break
-            if length < MIN_PAYLOAD:
-                result.reason = f"bad record length {length} at {pos}"
-                break
-            p = pos + HEADER_SIZE
-            nxt = p + length
-            if nxt > end:
-                result.reason = f"torn record at {pos} (length {length} runs past {end})"
-                break
-            if crc32(mv[p:nxt]) != crc:
-                result.reason = f"CRC mismatch in record at {pos}"
-                break
-            ts, flags, el = unpack_head(buf, p)
-            q = p + 10
-            rl = buf[q + el] if q + el < nxt else 0
-            r = q + el + 1
-            if r + rl + 4 > nxt:
-                result.reason = f"inconsistent field lengths in record at {pos}"
-                break
-            pl = unpack_u32(buf, r + rl)[0]
-            b = r + rl + 4 + pl
-            if b + 8 > nxt or b + 8 + unpack_u64(buf, b)[0] != nxt:
-                result.reason = f"inconsistent field lengths in record at {pos}"
-                break
-            yield (pos, ts, flags, buf[q:q + el].decode("utf-8", "replace") if el else "",
-                   buf[r:r + rl].decode("utf-8", "replace") if rl else "", buf[r + rl + 4:b], buf[b + 8:nxt])
-            pos = nxt
-        result.end = pos
-    finally:
-        mv.release()
-
-
 FLAG_FILLER = 2  # a record recovery wrote over damaged bytes: never delivered, always removed
 
 

@@ -90,7 +90,10 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
 
 
-def test_cluster_status_cli_prints_leader_nodes_and_isr(cluster):
+def test_cluster_status_cli_prints_leader_nodes_and_isr(node_factory, etcd):
+    # A 10 s lease: this test is about what status prints, and a 1 s lease on a loaded machine can
+    # move the leadership between the test's look and the CLI's.
+    cluster = Cluster(node_factory, etcd.endpoints, ttl=10)
     nodes = cluster.start(2)
     wait_isr(cluster, nodes)
     leader = cluster.leader()

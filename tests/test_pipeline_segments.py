@@ -231,30 +231,6 @@ def test_spark_corrupt_record_permissive_and_failfast(spark, stopped_node_dir, t
 
 
 @settings(max_examples=60, deadline=None)
-@given(n=hs.integers(0, 12), flips=hs.lists(hs.tuples(hs.integers(0, 2000), hs.integers(1, 255)), max_size=3),
-       cut=hs.integers(0, 2000))
-def test_scan_records_stops_exactly_where_scan_does(n, flips, cut):
-    buf = bytearray(4096)
-    pos = DATA_START
-    for i in range(n):
-        payload = record.encode_payload(1_700_000_000_000 + i, i & 1, b"ex" * (i % 3), b"rk.%d" % i, PROPS,
-                                        b"b" * (i * 7))
-        pos += record.write(buf, pos, payload)
-    for at, x in flips:
-        buf[at % len(buf)] ^= x
-    end = DATA_START + cut % (len(buf) - DATA_START)
-    want = record.ScanResult()
-    plain = [p for p, _f, _b in record.scan(buf, DATA_START, end, True, want)]
-    got = record.ScanResult()
-    decoded = list(record.scan_records(buf, DATA_START, end, got))
-    assert [d[0] for d in decoded] == plain
-    assert (got.end, got.reason) == (want.end, want.reason)
-    for d in decoded:
-        ts, flags, ex, rk, props, body, _ = record.read(buf, d[0])
-        assert d[1:] == (ts, flags, ex, rk, props, body)
-
-
-@settings(max_examples=60, deadline=None)
 @given(n=hs.integers(0, 14), rows=hs.integers(1, 5),
        flips=hs.lists(hs.tuples(hs.integers(0, 2000), hs.integers(1, 255)), max_size=3), cut=hs.integers(0, 2000))
 def test_columnar_reader_takes_exactly_the_records_scan_does(n, rows, flips, cut):

@@ -142,3 +142,18 @@ def test_a_malformed_packet_over_websocket_closes_that_socket_only(ws_node):
         good = WSMQTT(ws)
         good.send(M.encode_connect("good-ws", username="guest", password=b"guest"))
         assert good.recv() == M.ConnAck(False, 0)
+
+
+def test_amqp_over_websocket_close_leaves_the_frontend_alive(ws_node):
+    # close-ok is followed by a half-close on TCP (write_eof); a WebSocket has no half-close, and the
+    # frontend must not trip over that: same frontend processes, later sessions work, no traceback.
+    before = {k: v for k, v in ws_node.pids().items() if k.startswith("frontend")}
+    tracebacks = ws_node.log_text().count("Traceback")
+    for _ in range(2):
+        with ws_connect(ws_node.ws_port, "/amqp", ["amqp"]) as ws:
+            _amqp_session(ws)
+    with ws_connect(ws_node.ws_port, "/amqp", ["amqp"]) as ws:  # one more round trip after the closes
+        _amqp_session(ws)
+    after = {k: v for k, v in ws_node.pids().items() if k.startswith("frontend")}
+    assert after == before
+    assert ws_node.log_text().count("Traceback") == tracebacks
