@@ -19,6 +19,7 @@ import logging
 import os
 import struct
 import threading
+import time
 
 from broker import write_observer
 from shard import record, synced_mark
@@ -142,6 +143,7 @@ class QueueStore(SegmentDir):
         # (which then includes it), and whether this process made its directory entry durable yet.
         self._synced_unflushed = False
         self._synced_named = False
+        self._synced_flushed_at = 0.0  # monotonic time the mark was last included in an fsync round
         # Records lost to damage (skipped, their bytes set aside; see docs/storage.md) since opened.
         self.damaged_records = 0
         self.damaged_acks = 0  # ack entries that failed their checksum
@@ -390,9 +392,11 @@ class QueueStore(SegmentDir):
             if mark_fd < 0:
                 mark = b""
             else:
-                if self._synced_unflushed:
+                now = time.monotonic()
+                if self._synced_unflushed and now - self._synced_flushed_at >= synced_mark.FLUSH_INTERVAL_S:
                     fds.append(mark_fd)
                     self._synced_unflushed = False
+                    self._synced_flushed_at = now
                 if not self._synced_named:
                     self._synced_named = True
                     self._dir_dirty = True

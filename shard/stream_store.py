@@ -158,6 +158,7 @@ class StreamStore(SegmentDir):
         # (which then includes it), and whether this process made its directory entry durable yet.
         self._synced_unflushed = False
         self._synced_named = False
+        self._synced_flushed_at = 0.0  # monotonic time the mark was last included in an fsync round
         # Messages lost to damage since opened (skipped, bytes set aside; docs/storage.md).
         self.damaged_records = 0
         os.makedirs(path, exist_ok=True)
@@ -512,9 +513,11 @@ class StreamStore(SegmentDir):
             if mark_fd < 0:
                 mark = b""
             else:
-                if self._synced_unflushed:
+                now = time.monotonic()
+                if self._synced_unflushed and now - self._synced_flushed_at >= synced_mark.FLUSH_INTERVAL_S:
                     fds.append(mark_fd)
                     self._synced_unflushed = False
+                    self._synced_flushed_at = now
                 if not self._synced_named:
                     self._synced_named = True
                     self._dir_dirty = True

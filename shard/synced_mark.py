@@ -4,9 +4,10 @@ A bad record of the write segment with nothing valid after it is normally a torn
 a crash cut short, never confirmed) and recovery cuts it. A bad record that starts before the
 position the last sync made durable was confirmed, so it is damage, not a tail: recovery sets it
 aside and counts it (docs/storage.md). The mark is written after the data's fsync, so it never
-claims more than was durable; it is fsynced with the next sync's round (no extra fsync), so after a
-power loss it may lag one sync behind, which only makes recovery treat a little more as a tail,
-as it did before the mark existed.
+claims more than was durable. Its own fsync joins a later sync's round at most once per
+FLUSH_INTERVAL_S (an fdatasync per sync doubled a queue's sync cost, 160 -> 300 us): after a killed
+process the page cache holds the latest mark; after a power loss it may lag up to that interval,
+which only makes recovery treat a little more as a tail, as it did before the mark existed.
 
 One small fixed-size file per store directory, `synced`: u64 (segment number << 32 | end
 position) and a CRC32 of those 8 bytes. A leaf module: shard/verify.py reads it too.
@@ -21,6 +22,7 @@ import zlib
 NAME = "synced"
 _MARK = struct.Struct("<QI")
 SIZE = _MARK.size
+FLUSH_INTERVAL_S = 1.0
 
 
 def encode(segment_no: int, pos: int) -> bytes:
