@@ -381,3 +381,17 @@ def test_a_flipped_byte_in_the_last_confirmed_record_is_damage_not_a_tail(node_f
         assert time.monotonic() < deadline, _metric(node, "shardmq_damaged_records_total")
         time.sleep(0.05)
     node.stop()
+
+
+def test_a_damaged_synced_mark_is_ignored(tmp_path, caplog):
+    # The mark's own CRC fails: recovery falls back to the tail rule (never trusts a broken mark).
+    path = str(tmp_path)
+    ids = _fill(path, 10)
+    _flip(os.path.join(path, synced_mark.NAME), 2)
+    assert synced_mark.read(path) is None
+    _flip(os.path.join(path, file_name("msgs", 1)), _pos(ids[9]) + 30)
+    s = _reopen(path, caplog)
+    assert drain(s) == list(range(9))
+    assert s.damaged_records == 0
+    assert any("torn tail" in r.getMessage() for r in caplog.records)
+    s.close()
