@@ -19,9 +19,10 @@ import logging
 import os
 import struct
 import threading
+import time
 
 from broker import write_observer
-from shard import record
+from shard import record, synced_mark
 from shard.segment import (
     ACKS_MAGIC,
     DATA_START,
@@ -138,6 +139,11 @@ class QueueStore(SegmentDir):
         self._ack_pending: dict[Segment, list[int]] = {}  # acks not yet written (see flush_acks)
         self._syncing = 0
         self._deferred_close: list[int] = []
+        # The synced mark (shard/synced_mark.py): whether it was written since the last fsync round
+        # (which then includes it), and whether this process made its directory entry durable yet.
+        self._synced_unflushed = False
+        self._synced_named = False
+        self._synced_flushed_at = 0.0  # monotonic time the mark was last included in an fsync round
         # Records lost to damage (skipped, their bytes set aside; see docs/storage.md) since opened.
         self.damaged_records = 0
         self.damaged_acks = 0  # ack entries that failed their checksum
@@ -374,9 +380,26 @@ class QueueStore(SegmentDir):
             fds = self._sync_fds
             self._sync_fds = []
             owned = len(fds)  # these fds are ours to close once synced
+            mark = b""
             if self._wdirty:
-                fds.append(self._wseg.fd)
+                wseg = self._wseg
+                fds.append(wseg.fd)
                 self._wdirty = False
+                # Everything below `used` is in the page cache now; durable once the fsyncs below ran.
+                mark = synced_mark.encode(wseg.no, wseg.used)
+            # Opened per sync, not kept: a store holds no extra fd for it (100,000 queues).
+            mark_fd = synced_mark.open_fd(self.path) if mark or self._synced_unflushed else -1
+            if mark_fd < 0:
+                mark = b""
+            else:
+                now = time.monotonic()
+                if self._synced_unflushed and now - self._synced_flushed_at >= synced_mark.FLUSH_INTERVAL_S:
+                    fds.append(mark_fd)
+                    self._synced_unflushed = False
+                    self._synced_flushed_at = now
+                if not self._synced_named:
+                    self._synced_named = True
+                    self._dir_dirty = True
             if self._acks_dirty:
                 fds.extend(self._ack_fds)
                 self._acks_dirty = False
@@ -392,12 +415,23 @@ class QueueStore(SegmentDir):
             if dir_fd >= 0:
                 os.fsync(dir_fd)
             self._sync_parents()
+            if mark:
+                # Only after the data's fsync: the mark never claims more than is durable. It is
+                # fsynced with the next round (no extra fsync here); until then a power loss may
+                # take it back one sync, which only makes recovery call a little more a tail.
+                os.pwrite(mark_fd, mark, 0)
+                if write_observer.current is not None:
+                    write_observer.current.append(os.path.join(self.path, synced_mark.NAME), 0, mark)
             done = True
         finally:
             with self._lock:
                 if done:
                     self._deferred_close.extend(fds[:owned])
+                    if mark:
+                        self._synced_unflushed = True
                 else:
+                    if mark_fd >= 0:
+                        self._synced_unflushed = True  # its fsync may not have run: again next time
                     # Put it all back so the next sync tries again.
                     self._sync_fds[:0] = fds[:owned]
                     self._wdirty = self._acks_dirty = True
@@ -405,6 +439,8 @@ class QueueStore(SegmentDir):
                 self._syncing -= 1
                 if not self._syncing:
                     self._close_deferred()
+            if mark_fd >= 0:
+                os.close(mark_fd)
 
     def close(self) -> None:
         """Release maps and fds. Does not sync: call sync() first for a clean shutdown."""
@@ -650,6 +686,12 @@ class QueueStore(SegmentDir):
             self._segs[no] = wseg
             self._dir_dirty = True
         self._wseg = wseg
+        mark = synced_mark.read(self.path)
+        if mark is not None and (mark[0] != wseg.no or wseg.fd < 0):
+            # Names a segment that is no longer the write segment: useless, and harmful once segment
+            # numbers start again from 1 (an emptied queue) and reach that number with other data.
+            self._unlink(synced_mark.NAME)
+            self._dir_dirty = True
 
     def _recover_segment(self, no: int, last: bool) -> Segment | None:
         seg = Segment(self.path, no)
@@ -698,7 +740,8 @@ class QueueStore(SegmentDir):
             return seg
         if last:
             seg.open_mapped(writable=True)
-            cut = self._load_records(seg, raw_acks, verify=True, end=size)
+            cut = self._load_records(seg, raw_acks, verify=True, end=size,
+                                     synced=min(synced_mark.synced_end(self.path, no), size))
             try:
                 # Always (re)allocate: a write segment of an older version is sparse, and a store
                 # into an unallocated page on a full disk would be a SIGBUS.
@@ -721,13 +764,16 @@ class QueueStore(SegmentDir):
         return seg
 
     def _load_records(self, seg: Segment, raw_acks: set[int], verify: bool, end: int,
-                      expected: int | None = None) -> bool:
+                      expected: int | None = None, synced: int = 0) -> bool:
         """Count live records of `seg`, mark acked and (unless kept) transient ones as removed.
 
         A bad record followed by valid ones (or any bad record of a sealed segment) is damage: its
         bytes are copied aside, overwritten by a filler record (removed, never delivered) and
-        counted; every valid record after it is kept. A bad record of the write segment with
-        nothing valid after it is a torn tail: cut. Returns whether the segment changed.
+        counted; every valid record after it is kept. So is a bad record of the write segment that
+        starts before `synced` (the synced mark: those bytes were confirmed), and a clean end of
+        data before it (synced records gone to zeros). A bad record of the write segment at or
+        after the mark with nothing valid after it is a torn tail: cut. Returns whether the segment
+        changed.
         """
         keep_transient = self._keep_transient
         acked = PositionSet(end)
@@ -755,13 +801,23 @@ class QueueStore(SegmentDir):
                     live += 1
                     live_bytes += blen
             if not result.reason:
-                break
+                if result.end >= synced:
+                    break
+                result.reason = f"end of data at {result.end} before the synced position {synced}"
             bad = result.end
             nxt = record.resync(mm, bad, end)
             stop = nxt if nxt >= 0 else end
-            if (nxt < 0 and not seg.sealed) or stop - bad < record.MIN_RECORD:
-                log.warning("queue %s: segment %d: %s; cut %d bytes from there (a torn tail: never confirmed)",
-                            self.path, seg.no, result.reason, end - bad)
+            if nxt < 0 and not seg.sealed and bad < synced:
+                stop = synced  # damage up to the mark; what follows it was never synced: a tail
+            if (nxt < 0 and not seg.sealed and bad >= synced) or stop - bad < record.MIN_RECORD:
+                if bad < synced:
+                    # Synced bytes too few for a filler (the file was cut below the mark): lost, and said so.
+                    self.damaged_records += 1
+                    log.error("queue %s: segment %d: %s before the synced position %d; cut %d bytes from "
+                              "there: confirmed data lost", self.path, seg.no, result.reason, synced, end - bad)
+                else:
+                    log.warning("queue %s: segment %d: %s; cut %d bytes from there (a torn tail: never "
+                                "confirmed)", self.path, seg.no, result.reason, end - bad)
                 changed = True
                 break
             self._repair(seg, bad, stop, result.reason)

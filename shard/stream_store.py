@@ -27,7 +27,7 @@ import time
 import zlib
 
 from broker import write_observer
-from shard import record
+from shard import record, synced_mark
 from shard.segment import DATA_START, FORMAT_VERSION, VERSION_HEADER, Segment, open_write_segments
 from shard.segment_dir import SegmentDir
 
@@ -154,6 +154,11 @@ class StreamStore(SegmentDir):
         self._sync_fds: list[int] = []
         self._syncing = 0
         self._deferred_close: list[int] = []
+        # The synced mark (shard/synced_mark.py): whether it was written since the last fsync round
+        # (which then includes it), and whether this process made its directory entry durable yet.
+        self._synced_unflushed = False
+        self._synced_named = False
+        self._synced_flushed_at = 0.0  # monotonic time the mark was last included in an fsync round
         # Messages lost to damage since opened (skipped, bytes set aside; docs/storage.md).
         self.damaged_records = 0
         os.makedirs(path, exist_ok=True)
@@ -497,9 +502,25 @@ class StreamStore(SegmentDir):
             fds = self._sync_fds
             self._sync_fds = []
             owned = len(fds)
+            mark = b""
             if self._wdirty:
-                fds.append(self._segs[-1].fd)
+                wseg = self._segs[-1]
+                fds.append(wseg.fd)
                 self._wdirty = False
+                mark = synced_mark.encode(wseg.no, wseg.used)
+            # Opened per sync, not kept: a store holds no extra fd for it (100,000 queues).
+            mark_fd = synced_mark.open_fd(self.path) if mark or self._synced_unflushed else -1
+            if mark_fd < 0:
+                mark = b""
+            else:
+                now = time.monotonic()
+                if self._synced_unflushed and now - self._synced_flushed_at >= synced_mark.FLUSH_INTERVAL_S:
+                    fds.append(mark_fd)
+                    self._synced_unflushed = False
+                    self._synced_flushed_at = now
+                if not self._synced_named:
+                    self._synced_named = True
+                    self._dir_dirty = True
             blob = self._tracked_blob
             self._tracked_blob = None
             dir_dirty = self._dir_dirty or blob is not None
@@ -514,12 +535,21 @@ class StreamStore(SegmentDir):
             if dir_dirty:
                 os.fsync(self._dir_fd)
             self._sync_parents()
+            if mark:
+                # After the data's fsync; fsynced with the next round (see QueueStore.sync).
+                os.pwrite(mark_fd, mark, 0)
+                if write_observer.current is not None:
+                    write_observer.current.append(os.path.join(self.path, synced_mark.NAME), 0, mark)
             done = True
         finally:
             with self._lock:
                 if done:
                     self._deferred_close.extend(fds[:owned])
+                    if mark:
+                        self._synced_unflushed = True
                 else:
+                    if mark_fd >= 0:
+                        self._synced_unflushed = True  # its fsync may not have run: again next time
                     self._sync_fds[:0] = fds[:owned]
                     self._wdirty = True
                     self._dir_dirty = self._dir_dirty or dir_dirty
@@ -528,6 +558,8 @@ class StreamStore(SegmentDir):
                 self._syncing -= 1
                 if not self._syncing:
                     self._close_deferred()
+            if mark_fd >= 0:
+                os.close(mark_fd)
 
     def close(self) -> None:
         """Release maps and fds. Does not sync the log, but writes tracked offsets not yet written."""
@@ -592,6 +624,10 @@ class StreamStore(SegmentDir):
         if not self._segs or self._segs[-1].sealed:
             no = (msgs[-1] if msgs else 0) + 1
             self._segs.append(self._create(no, expect, self._segment_size))
+        mark = synced_mark.read(self.path)
+        if mark is not None and mark[0] != self._segs[-1].no:
+            self._unlink(synced_mark.NAME)  # stale (see QueueStore._recover)
+            self._dir_dirty = True
         self._firsts = [s.first for s in self._segs]
         self.count = sum(s.count for s in self._segs)
         self.bytes = sum(s.used - DATA_START for s in self._segs)
@@ -623,7 +659,7 @@ class StreamStore(SegmentDir):
             return seg
         if last:
             seg.open_mapped(writable=True)
-            cut = self._load(seg, size, False, None)
+            cut = self._load(seg, size, False, None, min(synced_mark.synced_end(self.path, no), size))
             if cut or size < self._segment_size:
                 seg.regrow(max(size, self._segment_size))
                 self._wdirty = True
@@ -644,7 +680,7 @@ class StreamStore(SegmentDir):
         self._dir_dirty = True
         return seg
 
-    def _load(self, seg: StreamSegment, end: int, sealed: bool, known: int | None) -> bool:
+    def _load(self, seg: StreamSegment, end: int, sealed: bool, known: int | None, synced: int = 0) -> bool:
         """Scan `seg` up to `end` with CRC checks: count its offsets, repair damage, cut a torn tail.
 
         The rules are QueueStore's (docs/storage.md): a bad record followed by valid ones, or any
@@ -652,8 +688,9 @@ class StreamStore(SegmentDir):
         one filler record that stands for as many offsets as the damaged bytes held (from their
         length fields, else from `known`, the segment's offset count from its smeta or the next
         segment's first offset, else one), so every valid record keeps its offset. A bad record of
-        the write segment with nothing valid after it is a torn tail (never confirmed): cut.
-        Sets used, count, body_bytes and the timestamps; returns whether the file changed.
+        the write segment with nothing valid after it is a torn tail (never confirmed): cut, unless
+        it starts before `synced` (the synced mark: confirmed), which makes it damage up to the mark,
+        as is a clean end of data before the mark. Sets used, count, body_bytes and the timestamps; returns whether the file changed.
         """
         mm = seg.mm
         count = valid = body = 0
@@ -675,13 +712,23 @@ class StreamStore(SegmentDir):
                 count += 1
                 body += blen
             if not result.reason:
-                break
+                if result.end >= synced:
+                    break
+                result.reason = f"end of data at {result.end} before the synced position {synced}"
             bad = result.end
             nxt = record.resync(mm, bad, end)
             stop = nxt if nxt >= 0 else end
-            if (nxt < 0 and not sealed) or stop - bad < record.MIN_RECORD:
-                log.warning("stream %s: segment %d: %s; cut %d bytes from there (a torn tail: never confirmed)",
-                            self.path, seg.no, result.reason, end - bad)
+            if nxt < 0 and not sealed and bad < synced:
+                stop = synced  # damage up to the mark; what follows it was never synced: a tail
+            if (nxt < 0 and not sealed and bad >= synced) or stop - bad < record.MIN_RECORD:
+                if bad < synced:
+                    # Synced bytes too few for a filler (the file was cut below the mark): lost, and said so.
+                    self.damaged_records += 1
+                    log.error("stream %s: segment %d: %s before the synced position %d; cut %d bytes from "
+                              "there: confirmed data lost", self.path, seg.no, result.reason, synced, end - bad)
+                else:
+                    log.warning("stream %s: segment %d: %s; cut %d bytes from there (a torn tail: never "
+                                "confirmed)", self.path, seg.no, result.reason, end - bad)
                 cut = True
                 break
             regions.append((bad, stop, result.reason, record.chain_count(mm, bad, stop), count))

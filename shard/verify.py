@@ -4,7 +4,8 @@ Walks every directory under the data dir that holds segment files (queues, prior
 streams, delay stores) and checks each record's length, field lengths and CRC32, each meta file,
 and that each ack entry names a record. Prints one line per finding and a summary; exits 0 when
 everything is intact (a torn tail of a write segment, which recovery cuts and which was never
-confirmed, is reported but is not damage), 1 on damage, 2 on a usage error. Run it on a stopped
+confirmed, is reported but is not damage; a bad record or an end of data before the store's
+synced mark, shard/synced_mark.py, was confirmed and is damage), 1 on damage, 2 on a usage error. Run it on a stopped
 node (or a copy): a running node's write segments change under it.
 """
 
@@ -17,7 +18,7 @@ import struct
 import sys
 import zlib
 
-from shard import record
+from shard import record, synced_mark
 from shard.segment import DATA_START, FORMAT_VERSION, META_SIZE, VERSION_HEADER, Meta, read_ack_entries
 
 # A stream's smeta file (shard/stream_store.py; not imported, so that this module stays a leaf).
@@ -61,13 +62,15 @@ def verify_dir(path: str, report: Report) -> None:
         if ".damaged-" in name:
             report.say("set-aside", os.path.join(path, name), "bytes an earlier recovery copied aside")
     expect: int | None = None  # a stream segment's first offset, from the previous segment
+    mark = synced_mark.read(path)
     for i, no in enumerate(msgs):
         last = i == len(msgs) - 1
         seg_path = os.path.join(path, f"msgs.{no:010d}")
         report.segments += 1
         smeta = _read_smeta(os.path.join(path, f"smeta.{no:010d}"), report) if no in smetas else None
         sealed = no in metas or (smeta is not None and bool(smeta[1]))
-        starts = _verify_segment(seg_path, last, sealed, report)
+        synced = mark[1] if mark is not None and last and mark[0] == no and not sealed else 0
+        starts = _verify_segment(seg_path, last, sealed, report, synced)
         if no in metas:
             _verify_meta(os.path.join(path, f"meta.{no:010d}"), starts, report)
         if smeta is not None:
@@ -103,7 +106,8 @@ def _verify_smeta(path: str, smeta: tuple, scanned: tuple[set[int], int, int] | 
     return first + count
 
 
-def _verify_segment(path: str, last: bool, has_meta: bool, report: Report) -> tuple[set[int], int, int] | None:
+def _verify_segment(path: str, last: bool, has_meta: bool, report: Report,
+                    synced: int = 0) -> tuple[set[int], int, int] | None:
     """(record starts, offset count, used bytes), or None when the file cannot be read as a segment.
 
     The offset count is the record count, except that a stream's filler (damaged records set aside
@@ -129,15 +133,18 @@ def _verify_segment(path: str, last: bool, has_meta: bool, report: Report) -> tu
                 report.records += 1
                 offsets += max(1, _U64.unpack_from(mm, p + record.HEADER_SIZE)[0]) if flags & record.FLAG_FILLER else 1
             if not result.reason:
-                return starts, offsets, result.end
+                if result.end >= min(synced, size):
+                    return starts, offsets, result.end
+                result.reason = f"end of data at {result.end} before the synced position {synced}"
             nxt = record.resync(mm, result.end, size)
-            if nxt < 0 and last and not has_meta:
+            if nxt < 0 and last and not has_meta and result.end >= synced:
                 report.say("torn-tail", path, f"{result.reason}; {size - result.end} bytes after it hold no valid "
                            "record (a write cut short by a crash: never confirmed, recovery cuts it)")
                 return starts, offsets, result.end
-            stop = nxt if nxt >= 0 else size
-            report.say("damaged", path, f"{result.reason}; bytes {result.end}..{stop} damaged, "
-                       f"{'valid records follow' if nxt >= 0 else 'up to the end of the file'}")
+            stop = nxt if nxt >= 0 else (min(synced, size) if synced > result.end else size)
+            why = ("valid records follow" if nxt >= 0 else
+                   "before the synced mark (confirmed data)" if stop < size else "up to the end of the file")
+            report.say("damaged", path, f"{result.reason}; bytes {result.end}..{stop} damaged, {why}")
             if nxt < 0:
                 return starts, offsets, size
             pos = nxt

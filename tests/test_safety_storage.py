@@ -16,12 +16,13 @@ import os
 import struct
 import subprocess
 import sys
+import time
 import urllib.request
 
 import pika
 
-from shard import record
-from shard.segment import file_name
+from shard import record, synced_mark
+from shard.segment import DATA_START, file_name
 from shard.store import QueueStore, queue_dir
 from tests.test_store import add, drain
 
@@ -88,14 +89,75 @@ def test_damaged_length_field_is_resynchronised(tmp_path, caplog):
 
 def test_torn_last_record_is_still_a_cut_tail(tmp_path, caplog):
     path = str(tmp_path)
-    ids = _fill(path, 10)
+    s = QueueStore(path)
+    ids = [add(s, i, size=100) for i in range(9)]
+    s.sync()
+    ids.append(add(s, 9, size=100))  # appended after the last sync: never confirmed
+    s.close()
+    assert synced_mark.read(path) == (1, _pos(ids[9]))
     seg = os.path.join(path, file_name("msgs", 1))
-    _flip(seg, _pos(ids[9]) + 30)  # nothing valid follows: a tail that was never confirmed
+    _flip(seg, _pos(ids[9]) + 30)  # past the synced mark, nothing valid follows: a torn tail
     s = _reopen(path, caplog)
     assert drain(s) == list(range(9))
     assert s.damaged_records == 0
     assert not glob.glob(seg + ".damaged-*")
     assert any("torn tail" in r.getMessage() for r in caplog.records)
+    s.close()
+
+
+def test_damaged_last_record_before_the_synced_mark_is_damage(tmp_path, caplog):
+    # Synced (so confirmed): the last record's bytes flipped is damage, not a tail to cut quietly.
+    path = str(tmp_path)
+    ids = _fill(path, 10)
+    seg = os.path.join(path, file_name("msgs", 1))
+    end = os.path.getsize(seg)
+    assert synced_mark.read(path) is not None
+    _flip(seg, _pos(ids[9]) + 30)
+    before = open(seg, "rb").read()
+    s = _reopen(path, caplog)
+    assert drain(s) == list(range(9))
+    assert s.damaged_records == 1
+    stop = synced_mark.read(path)[1]
+    assert stop <= end
+    assert open(f"{seg}.damaged-{_pos(ids[9])}", "rb").read() == before[_pos(ids[9]):stop]
+    assert not any("torn tail" in r.getMessage() for r in caplog.records)
+    # New messages go after the filler; the damage stays repaired across another reopen.
+    add(s, 10, size=100)
+    s.sync()
+    s.close()
+    s = QueueStore(path)
+    assert drain(s) == [10] and s.damaged_records == 0
+    s.close()
+
+
+def test_synced_records_gone_to_zeros_are_damage(tmp_path, caplog):
+    # A clean end of data before the synced mark: the last synced records were lost (zeroed).
+    path = str(tmp_path)
+    ids = _fill(path, 10)
+    seg = os.path.join(path, file_name("msgs", 1))
+    with open(seg, "r+b") as f:
+        f.seek(_pos(ids[8]))
+        f.write(bytes(synced_mark.read(path)[1] - _pos(ids[8])))
+    s = _reopen(path, caplog)
+    assert drain(s) == list(range(8))
+    assert s.damaged_records == 1  # one region: without a meta count, at least one record each
+    assert glob.glob(seg + ".damaged-*")
+    s.close()
+
+
+def test_a_stale_synced_mark_of_an_emptied_queue_is_removed(tmp_path):
+    path = str(tmp_path)
+    s = QueueStore(path, segment_size=4096)
+    for i in range(100):
+        add(s, i, size=100)
+    s.sync()
+    assert synced_mark.read(path)[0] > 1
+    s.close()
+    for name in os.listdir(path):
+        if name.startswith(("msgs.", "meta.", "acks.")):
+            os.unlink(os.path.join(path, name))
+    s = QueueStore(path)  # segment numbers start again from 1
+    assert synced_mark.read(path) is None
     s.close()
 
 
@@ -249,3 +311,87 @@ def test_verify_command_reports_damage_and_exits_non_zero(tmp_path):
     usage = subprocess.run([sys.executable, "-m", "broker.cli", "verify", str(tmp_path / "nope")],
                            capture_output=True, text=True, timeout=60)
     assert usage.returncode == 2 and "is not a directory" in usage.stderr
+
+
+def _metric(node, name: str) -> float | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{node.prometheus_port}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return None
+
+
+def test_a_flipped_byte_in_the_last_confirmed_record_is_damage_not_a_tail(node_factory):
+    # Issue #9 item 1: a bad record lying before the last synced position is damage. The last
+    # record of a write segment has nothing valid after it, so before the synced mark it was cut
+    # quietly as a torn tail; a real torn tail (past the mark) still is.
+    node = node_factory(frontends=1, shards=1)
+    conn = node.connect()
+    ch = conn.channel()
+    ch.confirm_delivery()
+    for q in ("last", "tail"):
+        ch.queue_declare(q, durable=True)
+        for i in range(50):
+            ch.basic_publish("", q, b"%06d" % i + b"x" * 100, pika.BasicProperties(delivery_mode=2))
+    conn.close()
+    node.stop()
+    last_dir = queue_dir(str(node.data_dir), "/", "last")
+    tail_dir = queue_dir(str(node.data_dir), "/", "tail")
+    seg = os.path.join(last_dir, file_name("msgs", 1))
+    no, end = synced_mark.read(last_dir)
+    assert no == 1
+    # The last record: the scan's last start before the synced end.
+    mm = open(seg, "rb").read()
+    starts = [p for p, _f, _b in record.scan(mm, DATA_START, end, True, record.ScanResult())]
+    assert len(starts) == 50
+    _flip(seg, starts[-1] + 30)
+    # A torn append past the mark of the other queue: a header promising more than was written.
+    tail_seg = os.path.join(tail_dir, file_name("msgs", 1))
+    tail_end = synced_mark.read(tail_dir)[1]
+    with open(tail_seg, "r+b") as f:
+        f.seek(tail_end)
+        f.write(record.HEADER.pack(400, 12345) + b"y" * 60)
+    check = subprocess.run([sys.executable, "-m", "broker.cli", "verify", str(node.data_dir)],
+                           capture_output=True, text=True, timeout=60)
+    assert check.returncode == 1, check.stdout + check.stderr
+    damaged = [line for line in check.stdout.splitlines() if line.startswith("damaged:")]
+    assert len(damaged) == 1 and "before the synced mark" in damaged[0] and seg in damaged[0], check.stdout
+    assert any(line.startswith("torn-tail:") and tail_seg in line for line in check.stdout.splitlines())
+    node.start()
+    conn = node.connect()
+    ch = conn.channel()
+    assert ch.queue_declare("last", passive=True).method.message_count == 49  # as before, but now counted
+    assert ch.queue_declare("tail", passive=True).method.message_count == 50  # the tail cut, nothing lost
+    bodies = [int(ch.basic_get("last", auto_ack=True)[2][:6]) for _ in range(49)]
+    assert bodies == list(range(49))
+    conn.close()
+    log = node.log_text()
+    assert "damaged record(s) lost" in log and "torn tail" in log
+    assert glob.glob(seg + ".damaged-*") and not glob.glob(tail_seg + ".damaged-*")
+    req = urllib.request.Request(f"http://127.0.0.1:{node.http_port}/api/queues/%2F/last")
+    req.add_header("Authorization", "Basic " + base64.b64encode(b"guest:guest").decode())
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        assert json.loads(resp.read())["damaged_records"] == 1
+    deadline = time.monotonic() + 30
+    while _metric(node, "shardmq_damaged_records_total") != 1.0:
+        assert time.monotonic() < deadline, _metric(node, "shardmq_damaged_records_total")
+        time.sleep(0.05)
+    node.stop()
+
+
+def test_a_damaged_synced_mark_is_ignored(tmp_path, caplog):
+    # The mark's own CRC fails: recovery falls back to the tail rule (never trusts a broken mark).
+    path = str(tmp_path)
+    ids = _fill(path, 10)
+    _flip(os.path.join(path, synced_mark.NAME), 2)
+    assert synced_mark.read(path) is None
+    _flip(os.path.join(path, file_name("msgs", 1)), _pos(ids[9]) + 30)
+    s = _reopen(path, caplog)
+    assert drain(s) == list(range(9))
+    assert s.damaged_records == 0
+    assert any("torn tail" in r.getMessage() for r in caplog.records)
+    s.close()

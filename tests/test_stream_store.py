@@ -148,8 +148,9 @@ def test_damaged_record_before_valid_ones_is_skipped_and_offsets_kept(tmp_path, 
 
 def test_torn_record_mid_write(tmp_path, caplog):
     s = StreamStore(str(tmp_path), segment_size=SEG)
-    fill(s, 3)
+    fill(s, 2)
     s.sync()
+    fill(s, 1)  # after the last sync (past the synced mark): never confirmed
     s.close()
     last = _last_segment(tmp_path)
     starts = _record_starts(last)

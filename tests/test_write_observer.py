@@ -126,6 +126,8 @@ def test_queue_stream_priority_counts_and_definitions_are_mirrored(mirror):
         store.close()
     assert m.actions > 50
     assert listing(dst) == listing(src)
+    # The synced mark (what recovery tells damage from a torn tail by) is replicated like the data.
+    assert os.path.relpath(os.path.join(queue_dir(src, "/", "q"), "synced"), src) in listing(dst)
 
 
 def test_no_subscriber_costs_nothing_but_a_check(tmp_path):
