@@ -161,6 +161,21 @@ class Coordinator:
                 clients[i] = etcd3.client(host=host, port=port, timeout=timeout, grpc_options=_GRPC_OPTIONS)
             return clients[i]
 
+    def _drop_client(self, keepalive: bool) -> None:
+        """Forget the current endpoint's client after a failed call: the next call opens a new channel.
+
+        A gRPC channel can stay broken (every call INTERNAL, seen once right after the node forked
+        its workers) while etcd itself is fine; reusing it kept a node from ever renewing its lease.
+        """
+        clients = self._keepalive_clients if keepalive else self._clients
+        with self._clients_lock:
+            client, clients[self._current] = clients[self._current], None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # closing a broken channel may fail too; it is dropped either way
+                log.debug("closing an etcd client failed", exc_info=True)
+
     def _call(self, fn: Callable[[etcd3.Etcd3Client], T], keepalive: bool = False) -> T:
         """Run ``fn(client)``, moving on to the next endpoint when one fails (blocking)."""
         last: Exception | None = None
@@ -171,6 +186,7 @@ class Coordinator:
                 last = exc
                 host, port = self.endpoints[self._current]
                 log.debug("etcd %s:%d: %s", host, port, exc)
+                self._drop_client(keepalive)
                 self._current = (self._current + 1) % len(self.endpoints)
         raise CoordinationError(f"etcd unreachable ({_describe(last)})") from last
 
