@@ -19,7 +19,6 @@ import logging
 import os
 import struct
 import threading
-import time
 
 from broker import write_observer
 from shard import record, synced_mark
@@ -139,11 +138,7 @@ class QueueStore(SegmentDir):
         self._ack_pending: dict[Segment, list[int]] = {}  # acks not yet written (see flush_acks)
         self._syncing = 0
         self._deferred_close: list[int] = []
-        # The synced mark (shard/synced_mark.py): whether it was written since the last fsync round
-        # (which then includes it), and whether this process made its directory entry durable yet.
-        self._synced_unflushed = False
-        self._synced_named = False
-        self._synced_flushed_at = 0.0  # monotonic time the mark was last included in an fsync round
+        self._synced = synced_mark.SyncedMark(self.path)  # the synced mark (shard/synced_mark.py)
         # Records lost to damage (skipped, their bytes set aside; see docs/storage.md) since opened.
         self.damaged_records = 0
         self.damaged_acks = 0  # ack entries that failed their checksum
@@ -380,26 +375,17 @@ class QueueStore(SegmentDir):
             fds = self._sync_fds
             self._sync_fds = []
             owned = len(fds)  # these fds are ours to close once synced
-            mark = b""
+            wseg_no, wseg_used = None, 0
             if self._wdirty:
                 wseg = self._wseg
                 fds.append(wseg.fd)
                 self._wdirty = False
                 # Everything below `used` is in the page cache now; durable once the fsyncs below ran.
-                mark = synced_mark.encode(wseg.no, wseg.used)
-            # Opened per sync, not kept: a store holds no extra fd for it (100,000 queues).
-            mark_fd = synced_mark.open_fd(self.path) if mark or self._synced_unflushed else -1
-            if mark_fd < 0:
-                mark = b""
-            else:
-                now = time.monotonic()
-                if self._synced_unflushed and now - self._synced_flushed_at >= synced_mark.FLUSH_INTERVAL_S:
-                    fds.append(mark_fd)
-                    self._synced_unflushed = False
-                    self._synced_flushed_at = now
-                if not self._synced_named:
-                    self._synced_named = True
-                    self._dir_dirty = True
+                wseg_no, wseg_used = wseg.no, wseg.used
+            mark, mark_fd, mark_fsync, newly_named = self._synced.begin(wseg_no, wseg_used)
+            if mark_fsync >= 0:
+                fds.append(mark_fsync)
+            self._dir_dirty = self._dir_dirty or newly_named
             if self._acks_dirty:
                 fds.extend(self._ack_fds)
                 self._acks_dirty = False
@@ -415,23 +401,14 @@ class QueueStore(SegmentDir):
             if dir_fd >= 0:
                 os.fsync(dir_fd)
             self._sync_parents()
-            if mark:
-                # Only after the data's fsync: the mark never claims more than is durable. It is
-                # fsynced with the next round (no extra fsync here); until then a power loss may
-                # take it back one sync, which only makes recovery call a little more a tail.
-                os.pwrite(mark_fd, mark, 0)
-                if write_observer.current is not None:
-                    write_observer.current.append(os.path.join(self.path, synced_mark.NAME), 0, mark)
+            self._synced.write(mark, mark_fd)
             done = True
         finally:
             with self._lock:
+                self._synced.end(mark, mark_fd, done)
                 if done:
                     self._deferred_close.extend(fds[:owned])
-                    if mark:
-                        self._synced_unflushed = True
                 else:
-                    if mark_fd >= 0:
-                        self._synced_unflushed = True  # its fsync may not have run: again next time
                     # Put it all back so the next sync tries again.
                     self._sync_fds[:0] = fds[:owned]
                     self._wdirty = self._acks_dirty = True

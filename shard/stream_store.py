@@ -154,11 +154,7 @@ class StreamStore(SegmentDir):
         self._sync_fds: list[int] = []
         self._syncing = 0
         self._deferred_close: list[int] = []
-        # The synced mark (shard/synced_mark.py): whether it was written since the last fsync round
-        # (which then includes it), and whether this process made its directory entry durable yet.
-        self._synced_unflushed = False
-        self._synced_named = False
-        self._synced_flushed_at = 0.0  # monotonic time the mark was last included in an fsync round
+        self._synced = synced_mark.SyncedMark(self.path)  # the synced mark (shard/synced_mark.py)
         # Messages lost to damage since opened (skipped, bytes set aside; docs/storage.md).
         self.damaged_records = 0
         os.makedirs(path, exist_ok=True)
@@ -502,25 +498,16 @@ class StreamStore(SegmentDir):
             fds = self._sync_fds
             self._sync_fds = []
             owned = len(fds)
-            mark = b""
+            wseg_no, wseg_used = None, 0
             if self._wdirty:
                 wseg = self._segs[-1]
                 fds.append(wseg.fd)
                 self._wdirty = False
-                mark = synced_mark.encode(wseg.no, wseg.used)
-            # Opened per sync, not kept: a store holds no extra fd for it (100,000 queues).
-            mark_fd = synced_mark.open_fd(self.path) if mark or self._synced_unflushed else -1
-            if mark_fd < 0:
-                mark = b""
-            else:
-                now = time.monotonic()
-                if self._synced_unflushed and now - self._synced_flushed_at >= synced_mark.FLUSH_INTERVAL_S:
-                    fds.append(mark_fd)
-                    self._synced_unflushed = False
-                    self._synced_flushed_at = now
-                if not self._synced_named:
-                    self._synced_named = True
-                    self._dir_dirty = True
+                wseg_no, wseg_used = wseg.no, wseg.used
+            mark, mark_fd, mark_fsync, newly_named = self._synced.begin(wseg_no, wseg_used)
+            if mark_fsync >= 0:
+                fds.append(mark_fsync)
+            self._dir_dirty = self._dir_dirty or newly_named
             blob = self._tracked_blob
             self._tracked_blob = None
             dir_dirty = self._dir_dirty or blob is not None
@@ -535,21 +522,14 @@ class StreamStore(SegmentDir):
             if dir_dirty:
                 os.fsync(self._dir_fd)
             self._sync_parents()
-            if mark:
-                # After the data's fsync; fsynced with the next round (see QueueStore.sync).
-                os.pwrite(mark_fd, mark, 0)
-                if write_observer.current is not None:
-                    write_observer.current.append(os.path.join(self.path, synced_mark.NAME), 0, mark)
+            self._synced.write(mark, mark_fd)
             done = True
         finally:
             with self._lock:
+                self._synced.end(mark, mark_fd, done)
                 if done:
                     self._deferred_close.extend(fds[:owned])
-                    if mark:
-                        self._synced_unflushed = True
                 else:
-                    if mark_fd >= 0:
-                        self._synced_unflushed = True  # its fsync may not have run: again next time
                     self._sync_fds[:0] = fds[:owned]
                     self._wdirty = True
                     self._dir_dirty = self._dir_dirty or dir_dirty

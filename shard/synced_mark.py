@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import os
 import struct
+import time
 import zlib
+
+from broker import write_observer
 
 NAME = "synced"
 _MARK = struct.Struct("<QI")
@@ -62,3 +65,52 @@ def synced_end(dir_path: str, segment_no: int) -> int:
     if mark is None or mark[0] != segment_no:
         return 0
     return mark[1]
+
+
+class SyncedMark:
+    """One store's mark across its sync rounds: both stores (queue and stream) drive it the same way.
+
+    ``begin`` and ``end`` run under the store's lock, ``write`` between them after the data's fsync.
+    """
+
+    def __init__(self, dir_path: str) -> None:
+        self.path = dir_path
+        self._unflushed = False  # written since the last fsync round, which then includes it
+        self._named = False  # this process made the mark's directory entry durable (or will, this round)
+        self._flushed_at = 0.0  # monotonic time the mark was last included in an fsync round
+
+    def begin(self, segment_no: int | None, pos: int) -> tuple[bytes, int, int, bool]:
+        """At the start of a sync (``segment_no`` None: the write segment has no new data).
+
+        Returns (mark to write after the data's fsync, its fd to close after the round, an fd for
+        this round to fsync or -1, whether the store directory must be fsynced for the mark's name).
+        Opened per sync, not kept: a store holds no extra fd for it (100,000 queues).
+        """
+        mark = encode(segment_no, pos) if segment_no is not None else b""
+        fd = open_fd(self.path) if mark or self._unflushed else -1
+        if fd < 0:
+            return b"", -1, -1, False
+        fsync_fd = -1
+        now = time.monotonic()
+        if self._unflushed and now - self._flushed_at >= FLUSH_INTERVAL_S:
+            fsync_fd = fd
+            self._unflushed = False
+            self._flushed_at = now
+        newly_named = not self._named
+        self._named = True
+        return mark, fd, fsync_fd, newly_named
+
+    def write(self, mark: bytes, fd: int) -> None:
+        """Only after the data's fsync, so the mark never claims more than is durable. It is fsynced
+        with a later round (no extra fsync here); until then a power loss may take it back, which only
+        makes recovery call a little more a tail."""
+        if not mark:
+            return
+        os.pwrite(fd, mark, 0)
+        if write_observer.current is not None:
+            write_observer.current.append(os.path.join(self.path, NAME), 0, mark)
+
+    def end(self, mark: bytes, fd: int, done: bool) -> None:
+        """After the round: a written mark (or one whose fsync may not have run) goes in the next one."""
+        if (done and mark) or (not done and fd >= 0):
+            self._unflushed = True
