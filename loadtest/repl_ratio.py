@@ -32,6 +32,7 @@ import urllib.request
 from pathlib import Path
 
 from loadtest.etcd import EtcdCluster
+from loadtest.node_process import spawn_node
 from loadtest.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -118,12 +119,7 @@ class Node:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> Node:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDMQ_")}
-        env["PYTHONPATH"] = str(REPO_ROOT)
-        with open(self.workdir / "node.log", "ab") as log:
-            self.proc = subprocess.Popen(self.argv, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = spawn_node(self.argv, self.workdir, REPO_ROOT)
         return self
 
     def stop(self) -> None:

@@ -30,6 +30,7 @@ from pathlib import Path
 from deploy.drill.clients import Consumer, Publisher
 from deploy.drill.haproxy import Backend, HAProxy
 from loadtest.etcd import EtcdCluster, free_port
+from loadtest.node_process import spawn_node
 from replication.coordination import Coordinator
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -77,12 +78,7 @@ class DrillNode:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDMQ_")}
-        env["PYTHONPATH"] = str(REPO_ROOT)
-        with open(self.workdir / "node.log", "ab") as log:
-            self.proc = subprocess.Popen(self.argv, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = spawn_node(self.argv, self.workdir, REPO_ROOT)
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
