@@ -51,6 +51,8 @@ VERSION = 1
 MAX_FRAME = 64 << 20
 CHUNK = 1 << 20  # file data chunk size during full sync
 NONCE_SIZE = 16
+RECV_BUFFER = 256 << 10  # a FrameBuffer's usual size
+_MIN_READ = 64 << 10  # FrameBuffer.writable offers at least this much
 
 _HEADER = struct.Struct("<IB")
 HEADER_SIZE = _HEADER.size
@@ -306,6 +308,110 @@ class Decoder:
         if pos:
             del buf[:pos]
         return events
+
+
+class FrameBuffer:
+    """A receive buffer reused for the life of a connection, frames read from it in place.
+
+    The socket reads into :meth:`writable` (``asyncio.BufferedProtocol.get_buffer``), then
+    :meth:`received`; :meth:`next_frame` returns where the next complete frame's payload lies.
+    Unlike :class:`Decoder` nothing is copied per read or per frame, and the memory is the same
+    pages every time: a fresh 256 KiB ``recv`` per read (asyncio's default) costs a follower page
+    faults and an ``munmap`` for every batch it receives. A frame is valid until the next
+    :meth:`writable` call (which may move the unconsumed tail to the front).
+    """
+
+    def __init__(self, size: int = RECV_BUFFER) -> None:
+        self._size = size
+        self.buf = bytearray(size)
+        self.view = memoryview(self.buf)
+        self.start = 0  # first unconsumed byte
+        self.end = 0  # end of the received bytes
+        self._need = 0  # the whole size of the incomplete frame at ``start`` (0: not known yet)
+
+    def pending(self) -> int:
+        """Received bytes not yet returned as frames."""
+        return self.end - self.start
+
+    def writable(self) -> memoryview:
+        """Free space to receive into (never empty): room for at least the incomplete frame."""
+        if self.start == self.end:
+            self.start = self.end = 0
+            if len(self.buf) > 4 * self._size and not self._need:  # a huge frame is behind us
+                self._replace(self._size, 0)
+        need = max(self._need, HEADER_SIZE)
+        if len(self.buf) - self.end < _MIN_READ or self.start + need > len(self.buf):
+            self._make_room(need)
+        return self.view[self.end:]
+
+    def _make_room(self, need: int) -> None:
+        pending = self.end - self.start
+        size = max(len(self.buf), need + _MIN_READ)
+        if size > len(self.buf):
+            self._replace(size, pending)
+        elif self.start:
+            # Through a copy: the tail may overlap the front, and slice assignment would memcpy.
+            self.buf[:pending] = bytes(self.view[self.start:self.end])
+            self.start, self.end = 0, pending
+
+    def _replace(self, size: int, pending: int) -> None:
+        new = bytearray(size)
+        new[:pending] = self.view[self.start:self.end]
+        self.buf, self.view = new, memoryview(new)
+        self.start, self.end = 0, pending
+
+    def received(self, n: int) -> None:
+        self.end += n
+
+    def next_frame(self) -> tuple[int, int, int] | None:
+        """``(kind, payload_start, frame_end)`` of the next complete frame (consumed), or None.
+        The frame's size on the wire is ``frame_end - payload_start + HEADER_SIZE``."""
+        pos = self.start
+        if self.end - pos < HEADER_SIZE:
+            self._need = 0
+            return None
+        length, kind = _HEADER.unpack_from(self.buf, pos)
+        if length < 1 or length > MAX_FRAME:
+            raise ProtocolError(f"bad frame length {length}")
+        end = pos + 4 + length
+        if end > self.end:
+            self._need = 4 + length
+            return None
+        self._need = 0
+        self.start = end
+        return kind, pos + HEADER_SIZE, end
+
+    def event(self, kind: int, start: int, end: int) -> Event:
+        """Decode a frame returned by :meth:`next_frame` into an event (a copy: the slow path)."""
+        return _decode(kind, bytes(self.view[start:end]), end - start + HEADER_SIZE)
+
+
+def append_in_place(view: memoryview, start: int, end: int,
+                    paths: dict[bytes, str]) -> tuple[str, int, memoryview]:
+    """``(path, offset, data)`` of the APPEND frame whose payload is ``view[start:end]``, its CRC32
+    checked (:class:`CorruptAction` if it does not match: apply nothing). ``data`` is a slice of
+    ``view``, not a copy. ``paths`` caches checked paths by their raw bytes (appends repeat them)."""
+    if end - start < 2:
+        raise ProtocolError("truncated path")
+    at = start + 2 + _U16.unpack_from(view, start)[0]
+    if end - at < _APPEND.size:
+        raise ProtocolError("truncated frame")
+    raw = bytes(view[start + 2:at])
+    path = paths.get(raw)
+    if path is None:
+        try:
+            path = raw.decode()
+        except UnicodeDecodeError:
+            raise ProtocolError("path is not UTF-8") from None
+        check_path(path)
+        if len(paths) >= 4096:
+            paths.clear()
+        paths[raw] = path
+    offset, crc = _APPEND.unpack_from(view, at)
+    data = view[at + _APPEND.size:end]
+    if zlib.crc32(data) != crc:
+        raise CorruptAction(path)
+    return path, offset, data
 
 
 def _control_map(payload: bytes) -> dict:

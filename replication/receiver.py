@@ -1,9 +1,14 @@
 """The follower's side of one replication stream: handshake, full sync, applying actions, acks.
 
 Each stream has its own :class:`~replication.files.FileWriter`, so a durable batch of one stream
-covers exactly the writes it acks. Acks go out after the batch is durable (fdatasync of the
-written files and fsync of changed directories, in a worker thread, at most ``MAX_SYNCS`` batches
-at a time while the next one is received), never per action, and in order.
+covers exactly the writes it acks. Received bytes land in one reused buffer
+(:class:`~replication.protocol.FrameBuffer`, through ``asyncio.BufferedProtocol``) and APPEND
+frames, nearly all the traffic, are checked and written from it in place: no copy, no object per
+frame beyond a slice. Other frames are decoded into events.
+
+Acks go out after the batch is durable (fdatasync of the written files and fsync of changed
+directories, in a worker thread, at most ``MAX_SYNCS`` batches at a time while the next one is
+received), never per action, and in order.
 """
 
 from __future__ import annotations
@@ -12,13 +17,15 @@ import asyncio
 import logging
 import os
 from collections import deque
+from collections.abc import Callable
 
 from replication import protocol as p
 from replication.files import CrcCache, FileWriter, make_durable, store_dirs, walk
 
 log = logging.getLogger("shardmq.replication")
 
-_READ = 1 << 20
+# Unapplied bytes held while the file list is compared (the socket is paused beyond this).
+_HOLD_MAX = 4 << 20
 HANDSHAKE_TIMEOUT_S = 10.0
 # Durability batches in flight per stream. With one, data that arrives while an fdatasync is slow
 # (a journal commit behind other writers) waits for it to end and then for its own; with two it
@@ -30,6 +37,32 @@ class AuthFailed(Exception):
     """The leader refused us, or could not prove it knows the secret."""
 
 
+class _Conn(asyncio.BufferedProtocol):
+    """The socket end of a :class:`StreamReceiver`: reads into its FrameBuffer, hands it frames."""
+
+    def __init__(self, on_frames: Callable[[], None], on_lost: Callable[[Exception | None], None]) -> None:
+        self.frames = p.FrameBuffer()
+        self.transport: asyncio.Transport | None = None
+        self._on_frames = on_frames
+        self._on_lost = on_lost
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.frames.writable()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.frames.received(nbytes)
+        self._on_frames()
+
+    def eof_received(self) -> bool:
+        return False  # close
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._on_lost(exc)
+
+
 class StreamReceiver:
     def __init__(self, root: str, secret: bytes, name: str, stream: str, crcs: CrcCache) -> None:
         self.root = os.path.abspath(root)
@@ -38,7 +71,6 @@ class StreamReceiver:
         self.stream = stream
         self.crcs = crcs
         self.writer = FileWriter(self.root)
-        self.decoder = p.Decoder()
         self.streams: list[str] = []
         self.leader = ""
         self.position = 0  # action bytes applied
@@ -50,22 +82,92 @@ class StreamReceiver:
         self._inflight: deque[tuple[asyncio.Future, int, bool]] = deque()
         self._sub_position = 0  # what the newest started sync covers
         self._sub_sync_done = False
-        self._writer_w: asyncio.StreamWriter | None = None
-        self._events: list = []
+        self._writer_w: asyncio.WriteTransport | None = None  # where acks go
+        self._conn: _Conn | None = None
+        # Until the file list is compared, frames are decoded into events and queued here (and
+        # handed to the handshake and full sync one by one); after that they are applied as they come.
+        self._events: deque[p.Event] = deque()
+        self._held = 0  # bytes of the queued events
+        self._applying = False
+        self._wakeup: asyncio.Future | None = None
+        self._ended: asyncio.Future | None = None  # the connection's end: an exception, never a result
+        self._paths: dict[bytes, str] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # ------------------------------------------------------------ connection
-    async def _next(self, reader: asyncio.StreamReader) -> p.Event:
-        while not self._events:
-            data = await reader.read(_READ)
-            if not data:
-                raise ConnectionError("leader closed the connection")
-            self._events = self.decoder.feed(data)
-        return self._events.pop(0)
+    def _end(self, exc: BaseException) -> None:
+        if self._ended is not None and not self._ended.done():
+            self._ended.set_exception(exc)
+            self._ended.exception()  # retrieved: run() may have left already
+        if self._wakeup is not None and not self._wakeup.done():
+            self._wakeup.set_result(None)
+        if self._writer_w is not None:
+            self._writer_w.close()
 
-    async def handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def _on_lost(self, exc: Exception | None) -> None:
+        self._end(exc if exc is not None else ConnectionError("leader closed the connection"))
+
+    def _on_frames(self) -> None:
+        conn = self._conn
+        if conn is None or self._ended is None or self._ended.done():
+            return
+        try:
+            if self._applying:
+                self._apply_frames(conn.frames)
+            else:
+                self._queue_frames(conn.frames)
+        except p.ProtocolError as exc:  # CorruptAction included: nothing of that frame was applied
+            self._end(exc)
+        except OSError as exc:
+            self._end(exc)
+
+    def _queue_frames(self, frames: p.FrameBuffer) -> None:
+        while (fr := frames.next_frame()) is not None:
+            ev = frames.event(*fr)
+            self._events.append(ev)
+            self._held += fr[2] - fr[1]
+        if self._held > _HOLD_MAX and self._conn is not None and self._conn.transport is not None:
+            self._conn.transport.pause_reading()
+        if self._events and self._wakeup is not None and not self._wakeup.done():
+            self._wakeup.set_result(None)
+
+    def _apply_frames(self, frames: p.FrameBuffer) -> None:
+        write_at = self.writer.write_at
+        paths = self._paths
+        view = frames.view
+        position = self.position
+        try:
+            while (fr := frames.next_frame()) is not None:
+                kind, start, end = fr
+                if kind == p.APPEND:
+                    path, offset, data = p.append_in_place(view, start, end, paths)
+                    write_at(path, offset, data)
+                    position += end - start + p.HEADER_SIZE
+                else:
+                    self.position = position
+                    self._apply(frames.event(kind, start, end))
+                    position = self.position
+        finally:
+            self.position = position
+        self._maybe_sync(self._loop)
+
+    async def _next(self) -> p.Event:
+        while not self._events:
+            if self._ended.done():
+                self._ended.result()  # raises why
+            self._wakeup = self._loop.create_future()
+            await self._wakeup
+        ev = self._events.popleft()
+        if self._held > _HOLD_MAX:
+            self._held = 0  # a rough bound: resume once the consumer takes something
+            self._conn.transport.resume_reading()
+        return ev
+
+    async def handshake(self) -> None:
+        writer = self._writer_w
         nonce_f = p.new_nonce()
         writer.write(p.encode_hello(self.name, self.stream, nonce_f))
-        ev = await asyncio.wait_for(self._next(reader), HANDSHAKE_TIMEOUT_S)
+        ev = await asyncio.wait_for(self._next(), HANDSHAKE_TIMEOUT_S)
         if isinstance(ev, p.Refused):
             raise AuthFailed(f"leader refused: {ev.reason}")
         if not isinstance(ev, p.Challenge) or ev.version != p.VERSION:
@@ -73,7 +175,7 @@ class StreamReceiver:
         if not p.check_proof(p.leader_proof(self.secret, self.stream, nonce_f, ev.nonce), ev.proof):
             raise AuthFailed("the leader does not know the cluster secret")
         writer.write(p.encode_auth(p.follower_proof(self.secret, self.stream, self.name, ev.nonce, nonce_f)))
-        ev = await asyncio.wait_for(self._next(reader), HANDSHAKE_TIMEOUT_S)
+        ev = await asyncio.wait_for(self._next(), HANDSHAKE_TIMEOUT_S)
         if isinstance(ev, p.Refused):
             raise AuthFailed(f"leader refused: {ev.reason}")
         if not isinstance(ev, p.Welcome):
@@ -83,35 +185,38 @@ class StreamReceiver:
 
     async def run(self, host: str, port: int) -> None:
         """Connect, authenticate, full-sync, then apply actions until the connection ends (raises)."""
-        reader, writer = await asyncio.open_connection(host, port, limit=_READ * 4)
-        self._writer_w = writer
+        loop = self._loop = asyncio.get_running_loop()
+        self._ended = loop.create_future()
+        transport, conn = await loop.create_connection(lambda: _Conn(self._on_frames, self._on_lost), host, port)
+        self._conn = conn
+        self._writer_w = transport
         try:
-            await self.handshake(reader, writer)
-            await self._serve(reader, writer)
+            await self.handshake()
+            await self._serve()
         finally:
-            writer.close()
+            transport.close()
             self.writer.close()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        loop = asyncio.get_running_loop()
-        ev = await self._next(reader)
+    async def _serve(self) -> None:
+        loop = self._loop
+        ev = await self._next()
         if not isinstance(ev, p.FileList):
             raise p.ProtocolError(f"expected FILE_LIST, got {type(ev).__name__}")
         wanted = await loop.run_in_executor(None, self._compare, ev)
-        writer.write(p.encode_file_request(wanted))
+        self._writer_w.write(p.encode_file_request(wanted))
         log.info("replication %s: full sync from %s: %d of %d files differ", self.stream, self.leader,
                  len(wanted), len(ev.files))
-        while True:
-            if self._events:
-                events, self._events = self._events, []
-            else:
-                data = await reader.read(_READ)
-                if not data:
-                    raise ConnectionError("leader closed the connection")
-                events = self.decoder.feed(data)  # raises CorruptAction before anything is applied
-            for ev in events:
-                self._apply(ev)
-            self._maybe_sync(loop)
+        # From here on frames are applied as they arrive: first what was queued meanwhile.
+        self._applying = True
+        try:
+            while self._events:
+                self._apply(self._events.popleft())
+        except (p.ProtocolError, OSError) as exc:
+            self._end(exc)
+        self._held = 0
+        self._conn.transport.resume_reading()
+        self._on_frames()
+        await self._ended  # raises why the connection ended
 
     def _compare(self, listing: p.FileList) -> list[str]:
         """Delete what the leader does not have in this stream's scope; return the paths that differ."""
@@ -172,8 +277,7 @@ class StreamReceiver:
             if fut.cancelled() or exc is not None:
                 log.error("replication %s: making received data durable failed: %s", self.stream, exc)
                 inflight.clear()
-                if self._writer_w is not None:
-                    self._writer_w.close()
+                self._end(exc if exc is not None else ConnectionError("durability batch cancelled"))
                 return
             ack = (position, sync_done)
         if ack is None:

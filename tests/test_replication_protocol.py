@@ -134,3 +134,79 @@ def test_handshake_proofs():
 @given(paths, u64, data)
 def test_append_header_plus_data_is_the_frame(path, offset, d):
     assert p.append_header(path, offset, bytearray(d)) + d == p.encode_append(path, offset, d)
+
+
+def _read_frames(raw: bytes, cuts: list[int], size: int) -> list:
+    """Receive ``raw`` through a FrameBuffer as a socket would (into ``writable()``, cut at ``cuts``),
+    APPEND frames in place, everything else as events: what the follower's receiver does."""
+    fb = p.FrameBuffer(size)
+    out: list = []
+    pos = 0
+    for cut in [*cuts, len(raw)]:
+        while pos < cut:
+            room = fb.writable()
+            assert len(room) > 0
+            n = min(len(room), cut - pos)
+            room[:n] = raw[pos:pos + n]
+            del room  # a socket drops the buffer it read into; the next writable() may move it
+            fb.received(n)
+            pos += n
+            while (fr := fb.next_frame()) is not None:
+                kind, start, end = fr
+                if kind == p.APPEND:
+                    path, offset, d = p.append_in_place(fb.view, start, end, {})
+                    out.append(p.Append(path, offset, bytes(d), end - start + p.HEADER_SIZE))
+                else:
+                    out.append(fb.event(kind, start, end))
+    assert fb.pending() == 0
+    return out
+
+
+@SETTINGS
+@given(st.lists(events, max_size=8), st.lists(st.integers(0, 30000), max_size=6), st.sampled_from([64, 1000, 4096]))
+def test_frame_buffer_in_place_matches_the_decoder(evs, cuts, size):
+    """However the bytes arrive and however small the buffer (frames larger than it make it grow),
+    frames read in place are exactly the events, APPEND sizes included."""
+    raw = b"".join(p.encode(e) for e in evs)
+    got = _read_frames(raw, sorted(c for c in cuts if c <= len(raw)), size)
+    assert got == p.Decoder().feed(raw)
+
+
+@SETTINGS
+@given(st.builds(p.Append, paths, u64, st.binary(min_size=1, max_size=500)), st.data())
+def test_frame_buffer_flipped_append_byte_is_refused(ev, draw):
+    raw = bytearray(p.encode(ev))
+    i = draw.draw(st.integers(len(raw) - len(ev.data), len(raw) - 1))
+    raw[i] ^= draw.draw(st.integers(1, 255))
+    with pytest.raises(p.CorruptAction) as info:
+        _read_frames(bytes(raw), [], 4096)
+    assert info.value.path == ev.path
+
+
+@pytest.mark.parametrize("path", ["/etc/passwd", "../x", "a/../../b", "a//b", "./a", ""])
+def test_frame_buffer_unsafe_append_paths_refused(path):
+    raw = path.encode()
+    payload = struct.pack("<H", len(raw)) + raw + struct.pack("<QI", 0, zlib.crc32(b"x")) + b"x"
+    with pytest.raises(p.ProtocolError):
+        _read_frames(struct.pack("<IB", len(payload) + 1, p.APPEND) + payload, [], 4096)
+
+
+def test_frame_buffer_bad_length_and_short_append():
+    with pytest.raises(p.ProtocolError):
+        _read_frames(struct.pack("<IB", p.MAX_FRAME + 1, p.APPEND), [], 4096)
+    with pytest.raises(p.ProtocolError):
+        _read_frames(struct.pack("<IB", 4, p.APPEND) + struct.pack("<H", 0) + b"x", [], 4096)
+
+
+def test_frame_buffer_reuses_its_memory():
+    """Frames that fit are received into the same buffer every time (no new memory per read)."""
+    fb = p.FrameBuffer(1 << 16)
+    first = fb.buf
+    frame = p.encode_append("q/msgs.0000000001", 0, b"x" * 3000)
+    for _ in range(100):
+        room = fb.writable()
+        room[:len(frame)] = frame
+        del room
+        fb.received(len(frame))
+        assert fb.next_frame() is not None
+    assert fb.buf is first
