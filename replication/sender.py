@@ -3,8 +3,15 @@
 A shard runs one ``StreamSender`` for the files it owns (its queues' and delay stores'
 directories), the node one for the rest (definitions, ...). The sender subscribes to the
 process's write observer (``broker.write_observer``) while at least one follower is attached,
-encodes every reported write as an action frame (contiguous appends to one file within one loop
-turn are coalesced into one), and writes the frames of a turn to every follower at once.
+encodes every reported write as an action frame (contiguous appends to one file are coalesced
+into one), and writes the frames to every follower at once.
+
+When: a caller that asks for :meth:`StreamSender.position` is about to wait for the followers to
+ack it (a shard starting its group fsync for confirms, a KV reply, a definition commit), so that
+call sends everything written so far. Otherwise frames wait up to ``FLUSH_DELAY_S`` (or until
+``FLUSH_BYTES`` are pending). A follower then receives one burst per leader fsync and makes it
+durable with one fdatasync, in parallel with the leader's own, instead of a send, a receive and a
+sync for every loop turn: fewer syscalls on both sides and fewer cache flushes on a shared disk.
 
 Attaching a follower's (already authenticated) socket is the start of its full sync: the file
 list with CRC32s is computed in the same loop turn in which the follower starts receiving
@@ -40,6 +47,10 @@ _CHECK_S = 0.25
 FULL_SYNC_ACK_TIMEOUT_S = 60.0
 # A follower whose unsent backlog passes this is dropped (it resyncs) rather than growing memory.
 MAX_BACKLOG = 256 << 20
+# Writes nobody waits for yet are sent this long after the first of them, or once this many bytes
+# are pending, whichever comes first (see the module docstring).
+FLUSH_DELAY_S = 0.05
+FLUSH_BYTES = 256 << 10
 
 
 class _Link(asyncio.Protocol):
@@ -126,8 +137,10 @@ class StreamSender:
         self.links: dict[str, _Link] = {}
         self.seq = 0
         self._frames: list[bytes] = []
+        self._frames_bytes = 0
         self._pending: tuple[str, int, bytearray] | None = None  # an append being coalesced
-        self._flush_scheduled = False
+        self._flush_timer: asyncio.TimerHandle | None = None
+        self._flush_soon = False
         self._marks: deque[tuple[int, float]] = deque()  # (seq at a flush, when): lag in seconds
         self._waiters: deque[tuple[int, Callable[[bool], None]]] = deque()
         self.isr: set[str] = set()
@@ -163,7 +176,10 @@ class StreamSender:
         pend = self._pending
         if pend is not None:
             if pend[0] == rel and pend[1] + len(pend[2]) == offset:
-                pend[2].extend(data)
+                buf = pend[2]
+                buf.extend(data)
+                if len(buf) + self._frames_bytes >= FLUSH_BYTES:
+                    self._schedule_flush()
                 return
             self._encode_pending()
         self._pending = (rel, offset, bytearray(data))
@@ -189,6 +205,7 @@ class StreamSender:
         if self._pending is not None:
             self._encode_pending()
         self._frames.append(frame)
+        self._frames_bytes += len(frame)
         self.seq += len(frame)
         self._schedule_flush()
 
@@ -204,28 +221,37 @@ class StreamSender:
             header = p.append_header(rel, offset + i, piece)
             self._frames.append(header)
             self._frames.append(piece)
+            self._frames_bytes += len(header) + len(piece)
             self.seq += len(header) + len(piece)
 
     def _schedule_flush(self) -> None:
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            self.loop.call_soon(self.flush)
+        pending = self._frames_bytes + (len(self._pending[2]) if self._pending is not None else 0)
+        if pending >= FLUSH_BYTES:
+            if not self._flush_soon:
+                self._flush_soon = True
+                self.loop.call_soon(self.flush)
+        elif self._flush_timer is None:
+            self._flush_timer = self.loop.call_later(FLUSH_DELAY_S, self.flush)
 
     def position(self) -> int:
-        """The seq that covers every write reported so far (for confirm gating)."""
-        if self._pending is not None:
-            self._encode_pending()
+        """The seq that covers every write reported so far. The caller is about to wait for the
+        followers to ack it (confirm gating), so what is pending is sent now."""
+        self.flush()
         return self.seq
 
     def flush(self) -> None:
-        """Write the frames of this turn to every follower."""
-        self._flush_scheduled = False
+        """Write the pending frames to every follower."""
+        self._flush_soon = False
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
         if self._pending is not None:
             self._encode_pending()
         if not self._frames:
             return
         blob = b"".join(self._frames)
         self._frames = []
+        self._frames_bytes = 0
         for link in list(self.links.values()):
             link.write(blob)
             if link.transport is not None and link.transport.get_write_buffer_size() > MAX_BACKLOG:
@@ -418,6 +444,9 @@ class StreamSender:
         return out
 
     def close(self) -> None:
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
         for link in list(self.links.values()):
             link.close()
         self.links.clear()

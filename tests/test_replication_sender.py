@@ -1,0 +1,76 @@
+"""replication/sender.py: when frames go to the followers. Writes nobody waits for are sent within
+FLUSH_DELAY_S (or at once when FLUSH_BYTES are pending); a caller of position() is about to wait
+for the followers' acks, so everything pending is sent right then."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+from replication import protocol as p
+from replication import sender as smod
+
+
+async def _frames_until(sock: socket.socket, dec: p.Decoder, pred, deadline_s: float = 5.0) -> list:
+    loop = asyncio.get_running_loop()
+    got: list = []
+    end = time.monotonic() + deadline_s
+    while not pred(got):
+        left = end - time.monotonic()
+        assert left > 0, f"timed out; got {[type(e).__name__ for e in got]}"
+        data = await asyncio.wait_for(loop.sock_recv(sock, 1 << 20), left)
+        assert data, "sender closed the connection"
+        got.extend(dec.feed(data))
+    return got
+
+
+def _appends(evs: list) -> list[p.Append]:
+    return [e for e in evs if isinstance(e, p.Append)]
+
+
+def test_flush_on_position_on_delay_and_on_size(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(smod, "FLUSH_DELAY_S", 0.05)
+    root = tmp_path / "data"
+    (root / "q").mkdir(parents=True)
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        sender = smod.StreamSender(loop, str(root), "shard-0", lambda: ["q"])
+        leader_end, follower_end = socket.socketpair()
+        follower_end.setblocking(False)
+        dec = p.Decoder()
+        try:
+            sender.attach_socket(leader_end, "f1")
+            (listing,) = await _frames_until(follower_end, dec, lambda g: g)
+            assert isinstance(listing, p.FileList)
+            path = str(root / "q" / "msgs")
+
+            # 1. A confirm is about to wait: position() sends what is pending, in this very call.
+            sender.append(path, 0, b"a" * 100)
+            sender.append(path, 100, b"b" * 100)  # contiguous: coalesced into one frame
+            target = sender.position()
+            evs = await _frames_until(follower_end, dec, lambda g: _appends(g))
+            (a,) = _appends(evs)
+            assert (a.path, a.offset, a.data) == ("q/msgs", 0, b"a" * 100 + b"b" * 100)
+            assert target == sender.seq == a.size
+
+            # 2. Nobody waits: the write still goes out, FLUSH_DELAY_S later.
+            t0 = time.monotonic()
+            sender.append(path, 200, b"c" * 10)
+            evs = await _frames_until(follower_end, dec, lambda g: _appends(g))
+            assert _appends(evs)[0].data == b"c" * 10
+            assert time.monotonic() - t0 >= smod.FLUSH_DELAY_S * 0.9
+
+            # 3. FLUSH_BYTES pending: sent on the next loop turn, without waiting for the delay.
+            monkeypatch.setattr(smod, "FLUSH_DELAY_S", 30.0)
+            big = b"d" * smod.FLUSH_BYTES
+            sender.append(path, 210, big)
+            evs = await _frames_until(follower_end, dec, lambda g: sum(len(x.data) for x in _appends(g)) >= len(big),
+                                      deadline_s=5.0)
+            assert b"".join(x.data for x in _appends(evs)) == big
+        finally:
+            sender.close()
+            follower_end.close()
+
+    asyncio.run(scenario())
