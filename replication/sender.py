@@ -8,7 +8,7 @@ into one), and writes the frames to every follower at once.
 
 When: a caller that asks for :meth:`StreamSender.position` is about to wait for the followers to
 ack it (a shard starting its group fsync for confirms, a KV reply, a definition commit), so that
-call sends everything written so far. Otherwise frames wait up to ``FLUSH_DELAY_S`` (or until
+call sends everything written so far. Otherwise frames wait up to ``FLUSH_DELAY_S`` (5 ms; or until
 ``FLUSH_BYTES`` are pending). A follower then receives one burst per leader fsync and makes it
 durable with one fdatasync, in parallel with the leader's own, instead of a send, a receive and a
 sync for every loop turn: fewer syscalls on both sides and fewer cache flushes on a shared disk.
@@ -49,7 +49,7 @@ FULL_SYNC_ACK_TIMEOUT_S = 60.0
 MAX_BACKLOG = 256 << 20
 # Writes nobody waits for yet are sent this long after the first of them, or once this many bytes
 # are pending, whichever comes first (see the module docstring).
-FLUSH_DELAY_S = 0.05
+FLUSH_DELAY_S = 0.005
 FLUSH_BYTES = 256 << 10
 
 
