@@ -1,9 +1,11 @@
-"""How long a shard's group fsync has been running, readable by the node without asking the shard.
+"""How long a shard's oldest running fsync has been running, readable by the node without asking.
 
 Each shard maps ``run/fsync-shard-N`` (16 bytes: its pid, then the CLOCK_MONOTONIC time its
-running group sync started, 0.0 when none runs). It writes the time when a group sync starts and
-0.0 when it returns: two 8-byte stores into shared memory per group sync, nothing per message, no
-system call. The cluster leader's fence watchdog (replication/cluster.py) reads the files: an
+oldest running sync started, 0.0 when none runs). A shard has two kinds of sync that may run at
+the same time, each at most one at a time: the queues' group sync (``"group"``) and the MQTT KV
+stores' (``"kv"``, shard/kvstore.py). It writes the time when a sync starts and, when one returns,
+the start of the other if it still runs, else 0.0: two 8-byte stores into shared memory per sync,
+nothing per message, no system call. The cluster leader's fence watchdog (replication/cluster.py) reads the files: an
 fsync that has not returned within the bound means the disk is stalled and the leader steps down
 (LavinMQ #2151). A shard stuck in the kernel cannot answer STATS or any other message, hence a
 file the node reads by itself. CLOCK_MONOTONIC is one clock for every process of the host.
@@ -11,8 +13,9 @@ file the node reads by itself. CLOCK_MONOTONIC is one clock for every process of
 The pid tells a live shard's beacon from the one a killed shard left behind: a restarted shard
 clears the time before it writes its new pid, so a reader never sees the new pid with a stale time.
 
-``SHARDMQ_TEST_STALL_FSYNC_WHILE=PATH`` is a fault injection for tests only: while PATH exists a
-group sync blocks before its fsync, as a stalled disk would (SIGSTOP cannot show this: it stops
+``SHARDMQ_TEST_STALL_FSYNC_WHILE=PATH`` is a fault injection for tests only: while PATH exists
+every sync of either kind blocks before its fsync, as a stalled disk would (while ``PATH.<kind>``
+exists, only that kind's) (SIGSTOP cannot show this: it stops
 the watchdog's view of the shard too, and no test machine has dm-delay). Never set it in production.
 """
 
@@ -30,7 +33,7 @@ _STALL_PATH = os.environ.get("SHARDMQ_TEST_STALL_FSYNC_WHILE") or None
 
 
 class FsyncBeacon:
-    """The shard's side: ``started()`` before a group sync, ``done()`` after it."""
+    """The shard's side: ``started(kind)`` before a sync, ``done(kind)`` after it (loop thread)."""
 
     def __init__(self, run_dir: str, index: int) -> None:
         path = contract.fsync_beacon_path(run_dir, index)
@@ -43,14 +46,19 @@ class FsyncBeacon:
             os.close(fd)
         struct.pack_into("=d", self._map, 8, 0.0)  # the time first (see the module doc)
         struct.pack_into("=q", self._map, 0, os.getpid())
+        self._running: dict[str, float] = {}  # kind -> when its running sync started
 
-    def started(self) -> None:
-        struct.pack_into("=d", self._map, 8, time.monotonic())
+    def started(self, kind: str = "group") -> None:
+        now = time.monotonic()
+        self._running[kind] = now
+        struct.pack_into("=d", self._map, 8, min(self._running.values()))
 
-    def done(self) -> None:
-        struct.pack_into("=d", self._map, 8, 0.0)
+    def done(self, kind: str = "group") -> None:
+        self._running.pop(kind, None)
+        struct.pack_into("=d", self._map, 8, min(self._running.values(), default=0.0))
 
     def close(self) -> None:
+        self._running.clear()
         self.done()
         self._map.close()
 
@@ -67,8 +75,9 @@ def running_since(run_dir: str, index: int) -> tuple[int, float]:
     return _FORMAT.unpack(data)
 
 
-def stall_for_tests() -> None:
-    """SHARDMQ_TEST_STALL_FSYNC_WHILE: block while the file exists (tests only, see above)."""
+def stall_for_tests(kind: str = "group") -> None:
+    """SHARDMQ_TEST_STALL_FSYNC_WHILE: block while the file (or its ``.<kind>`` twin) exists
+    (tests only, see above)."""
     if _STALL_PATH is not None:
-        while os.path.exists(_STALL_PATH):
+        while os.path.exists(_STALL_PATH) or os.path.exists(f"{_STALL_PATH}.{kind}"):
             time.sleep(0.02)

@@ -26,6 +26,7 @@ import msgpack
 
 from broker import contract, write_observer
 from broker.datadir import name_hash
+from broker.fsync_beacon import stall_for_tests
 
 if TYPE_CHECKING:
     from shard.worker import ShardWorker
@@ -205,11 +206,14 @@ class KVStores:
         # In a cluster the replies also wait for the ISR followers (as publish confirms do).
         repl = self.worker.repl
         target = repl.position() if waiting and repl is not None and repl.gating else -1
-        fut = self.worker.loop.run_in_executor(None, _fsync_all, fds)
+        # The node's fence watchdog sees a KV fsync that does not return, as it sees a group sync's.
+        self.worker.fsync_beacon.started("kv")
+        fut = self.worker.loop.run_in_executor(None, _fsync_all, fds, True)
         fut.add_done_callback(lambda f: self._synced(f, waiting, target))
 
     def _synced(self, fut: asyncio.Future, waiting: list, target: int = -1) -> None:
         self._syncing = False
+        self.worker.fsync_beacon.done("kv")
         for st in self.stores.values():
             if st.wants_compaction:
                 st.compact()
@@ -237,6 +241,8 @@ class KVStores:
         self.stores.clear()
 
 
-def _fsync_all(fds: list[int]) -> None:
+def _fsync_all(fds: list[int], stall: bool = False) -> None:
+    if stall:
+        stall_for_tests("kv")
     for fd in fds:
         os.fsync(fd)

@@ -442,3 +442,33 @@ def test_leader_whose_shard_fsync_stalls_steps_down_and_a_follower_takes_over_lo
              "the old leader to follow")
     wait_isr(cluster, nodes, timeout=60)
     assert not is_leader(old)
+
+
+def test_leader_whose_mqtt_kv_fsync_stalls_steps_down(cluster, tmp_path):
+    """Only the MQTT KV store's fsync is made to block (``<stall file>.kv``, broker/fsync_beacon.py):
+    a retained message's write waits on it, the shard's beacon shows it, and the leader fences."""
+    from tests.harness import free_port
+    from tests.test_mqtt import Paho
+
+    stall = {name: tmp_path / f"stall-{name}" for name in ("n1", "n2")}
+    nodes = [cluster.add(name, wait=False, mqtt_port=free_port(),
+                         env={"SHARDMQ_TEST_STALL_FSYNC_WHILE": str(stall[name])}) for name in ("n1", "n2")]
+    for node in nodes:
+        node.wait_ready()
+    wait_isr(cluster, nodes)
+    old = cluster.leader()
+    other = next(n for n in nodes if n is not old)
+    client = Paho(old.mqtt_port)
+    kv_stall = stall[old.workdir.name].with_name(stall[old.workdir.name].name + ".kv")
+    try:
+        client.publish("kv/before", b"retained", qos=1, retain=True)  # the KV path works
+        kv_stall.touch()
+        client.client.publish("kv/stalled", b"retained", qos=1, retain=True)  # its fsync blocks
+        wait_for(lambda: "fsync has not returned" in old.log_text(), 30, "the KV-fsync fence")
+        assert "disk stalled: shard 0's fsync" in old.log_text()
+        assert one_leader([other], timeout=30) is other
+    finally:
+        kv_stall.unlink(missing_ok=True)  # the disk comes back
+        client.client.loop_stop()
+    wait_for(lambda: http_get(old.http_port, "/api/cluster/status")[1].get("role") == "follower", 30,
+             "the old leader to follow")
