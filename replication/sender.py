@@ -139,6 +139,10 @@ class StreamSender:
         self._frames: list[bytes] = []
         self._frames_bytes = 0
         self._pending: tuple[str, int, bytearray] | None = None  # an append being coalesced
+        # The pending append's absolute path as the store passed it, and where it ends (fast path).
+        self._run_path: str | None = None
+        self._run_end = 0
+        self._run_buf: bytearray | None = None
         self._flush_timer: asyncio.TimerHandle | None = None
         self._flush_soon = False
         self._marks: deque[tuple[int, float]] = deque()  # (seq at a flush, when): lag in seconds
@@ -162,6 +166,18 @@ class StreamSender:
         return rel if os.sep == "/" else rel.replace(os.sep, "/")
 
     def append(self, path: str, offset: int, data: bytes) -> None:
+        # The hot case (a queue's messages one after another, with the store's same path object):
+        # extend the pending run without looking anything up.
+        if path is self._run_path and offset == self._run_end and threading.get_ident() == self._thread:
+            buf = self._run_buf
+            buf += data
+            self._run_end = offset + len(data)
+            if len(buf) >= FLUSH_BYTES:
+                self._schedule_flush()
+            return
+        self._append(path, offset, data)
+
+    def _append(self, path: str, offset: int, data: bytes) -> None:
         if threading.get_ident() != self._thread:
             self.loop.call_soon_threadsafe(self.append, path, offset, bytes(data))
             return
@@ -178,11 +194,14 @@ class StreamSender:
             if pend[0] == rel and pend[1] + len(pend[2]) == offset:
                 buf = pend[2]
                 buf.extend(data)
+                self._run_path, self._run_end = path, offset + len(data)
                 if len(buf) + self._frames_bytes >= FLUSH_BYTES:
                     self._schedule_flush()
                 return
             self._encode_pending()
-        self._pending = (rel, offset, bytearray(data))
+        buf = bytearray(data)
+        self._pending = (rel, offset, buf)
+        self._run_path, self._run_end, self._run_buf = path, offset + len(data), buf
         self._schedule_flush()
 
     def replace(self, path: str, data: bytes) -> None:
@@ -212,6 +231,7 @@ class StreamSender:
     def _encode_pending(self) -> None:
         rel, offset, data = self._pending
         self._pending = None
+        self._run_path = self._run_buf = None
         # Header and data go to the frame list separately (joined once per turn, no extra copy);
         # frames stay below MAX_FRAME: a huge coalesced run is cut in pieces.
         step = p.MAX_FRAME // 2

@@ -74,3 +74,35 @@ def test_flush_on_position_on_delay_and_on_size(tmp_path, monkeypatch) -> None:
             follower_end.close()
 
     asyncio.run(scenario())
+
+
+def test_appends_coalesce_per_run_and_keep_their_order_across_files(tmp_path) -> None:
+    root = tmp_path / "data"
+    (root / "q").mkdir(parents=True)
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        sender = smod.StreamSender(loop, str(root), "shard-0", lambda: ["q"])
+        leader_end, follower_end = socket.socketpair()
+        follower_end.setblocking(False)
+        dec = p.Decoder()
+        try:
+            sender.attach_socket(leader_end, "f1")
+            await _frames_until(follower_end, dec, lambda g: g)
+            msgs, acks = str(root / "q" / "msgs"), str(root / "q" / "acks")
+            sender.append(msgs, 0, b"1")
+            sender.append(msgs, 1, b"2")  # the same path object: the fast path
+            sender.append(str(root / "q" / "msgs"), 2, b"3")  # an equal path, another object
+            sender.append(acks, 0, b"a")  # another file: the run ends here
+            sender.append(msgs, 3, b"4")  # a new run (after the acks, in that order)
+            sender.append(msgs, 10, b"5")  # not contiguous: a new frame
+            sender.position()
+            evs = _appends(await _frames_until(follower_end, dec, lambda g: len(_appends(g)) >= 4))
+            assert [(e.path, e.offset, e.data) for e in evs] == [
+                ("q/msgs", 0, b"123"), ("q/acks", 0, b"a"), ("q/msgs", 3, b"4"), ("q/msgs", 10, b"5")]
+            assert sender.seq == sum(e.size for e in evs)
+        finally:
+            sender.close()
+            follower_end.close()
+
+    asyncio.run(scenario())
