@@ -260,10 +260,16 @@ def encode_append(path: str, offset: int, data: bytes) -> bytes:
 def append_header(path: str, offset: int, data: bytes | bytearray | memoryview) -> bytes:
     """The bytes of an APPEND frame before its data: ``append_header(...) + data == encode_append(...)``.
     Lets a sender join header and data once, without copying the data into a frame first."""
-    tail = _path(path) + _APPEND.pack(offset, zlib.crc32(data))
-    if len(tail) + len(data) + 1 > MAX_FRAME:
-        raise ValueError(f"frame of {len(data)} bytes is larger than {MAX_FRAME}")
-    return _HEADER.pack(len(tail) + len(data) + 1, APPEND) + tail
+    return append_header_for(path, offset, len(data), zlib.crc32(data))
+
+
+def append_header_for(path: str, offset: int, size: int, crc: int) -> bytes:
+    """:func:`append_header` for ``size`` bytes of data whose CRC32 is ``crc`` (computed as the
+    data came, in pieces: ``zlib.crc32(piece, crc)``)."""
+    tail = _path(path) + _APPEND.pack(offset, crc)
+    if len(tail) + size + 1 > MAX_FRAME:
+        raise ValueError(f"frame of {size} bytes is larger than {MAX_FRAME}")
+    return _HEADER.pack(len(tail) + size + 1, APPEND) + tail
 
 
 def encode_replace(path: str, data: bytes) -> bytes:

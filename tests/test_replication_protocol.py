@@ -210,3 +210,14 @@ def test_frame_buffer_reuses_its_memory():
         fb.received(len(frame))
         assert fb.next_frame() is not None
     assert fb.buf is first
+
+
+@SETTINGS
+@given(paths, u64, st.lists(st.binary(max_size=300), max_size=6))
+def test_append_header_for_pieces_is_the_frame(path, offset, pieces):
+    """A header made from the size and the CRC32 computed piece by piece, then the pieces: the frame."""
+    crc = 0
+    for piece in pieces:
+        crc = zlib.crc32(piece, crc)
+    whole = b"".join(pieces)
+    assert p.append_header_for(path, offset, len(whole), crc) + whole == p.encode_append(path, offset, whole)
