@@ -51,7 +51,7 @@ VERSION = 1
 MAX_FRAME = 64 << 20
 CHUNK = 1 << 20  # file data chunk size during full sync
 NONCE_SIZE = 16
-RECV_BUFFER = 256 << 10  # a FrameBuffer's usual size
+RECV_BUFFER = 512 << 10  # a FrameBuffer's usual size (a sender flushes at 256 KiB)
 _MIN_READ = 64 << 10  # FrameBuffer.writable offers at least this much
 
 _HEADER = struct.Struct("<IB")
