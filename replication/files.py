@@ -13,8 +13,9 @@ import ctypes
 import os
 import re
 import shutil
-import zlib
 from collections.abc import Callable, Iterable
+
+from replication.crc import crc32
 
 _HEX40 = re.compile(r"^[0-9a-f]{40}$")
 NODE_SKIP = frozenset(("run", ".lock"))
@@ -96,7 +97,7 @@ def crc_file(path: str, size: int) -> int:
             chunk = f.read(min(_READ, left))
             if not chunk:
                 chunk = bytes(min(_READ, left))
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
             left -= len(chunk)
     return crc
 

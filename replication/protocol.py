@@ -42,10 +42,11 @@ import hashlib
 import hmac
 import os
 import struct
-import zlib
 from dataclasses import dataclass
 
 import msgpack
+
+from replication.crc import crc32
 
 VERSION = 1
 MAX_FRAME = 64 << 20
@@ -246,7 +247,7 @@ def encode_file_request(paths: list[str]) -> bytes:
 
 
 def encode_file_data(path: str, offset: int, total: int, data: bytes) -> bytes:
-    return _frame(FILE_DATA, _path(path) + _DATA.pack(offset, total, zlib.crc32(data)) + bytes(data))
+    return _frame(FILE_DATA, _path(path) + _DATA.pack(offset, total, crc32(data)) + bytes(data))
 
 
 def encode_sync_done() -> bytes:
@@ -254,18 +255,18 @@ def encode_sync_done() -> bytes:
 
 
 def encode_append(path: str, offset: int, data: bytes) -> bytes:
-    return _frame(APPEND, _path(path) + _APPEND.pack(offset, zlib.crc32(data)) + bytes(data))
+    return _frame(APPEND, _path(path) + _APPEND.pack(offset, crc32(data)) + bytes(data))
 
 
 def append_header(path: str, offset: int, data: bytes | bytearray | memoryview) -> bytes:
     """The bytes of an APPEND frame before its data: ``append_header(...) + data == encode_append(...)``.
     Lets a sender join header and data once, without copying the data into a frame first."""
-    return append_header_for(path, offset, len(data), zlib.crc32(data))
+    return append_header_for(path, offset, len(data), crc32(data))
 
 
 def append_header_for(path: str, offset: int, size: int, crc: int) -> bytes:
     """:func:`append_header` for ``size`` bytes of data whose CRC32 is ``crc`` (computed as the
-    data came, in pieces: ``zlib.crc32(piece, crc)``)."""
+    data came, in pieces: ``crc32(piece, crc)``)."""
     tail = _path(path) + _APPEND.pack(offset, crc)
     if len(tail) + size + 1 > MAX_FRAME:
         raise ValueError(f"frame of {size} bytes is larger than {MAX_FRAME}")
@@ -273,7 +274,7 @@ def append_header_for(path: str, offset: int, size: int, crc: int) -> bytes:
 
 
 def encode_replace(path: str, data: bytes) -> bytes:
-    return _frame(REPLACE, _path(path) + _CRC.pack(zlib.crc32(data)) + bytes(data))
+    return _frame(REPLACE, _path(path) + _CRC.pack(crc32(data)) + bytes(data))
 
 
 def encode_delete(path: str) -> bytes:
@@ -415,7 +416,7 @@ def append_in_place(view: memoryview, start: int, end: int,
         paths[raw] = path
     offset, crc = _APPEND.unpack_from(view, at)
     data = view[at + _APPEND.size:end]
-    if zlib.crc32(data) != crc:
+    if crc32(data) != crc:
         raise CorruptAction(path)
     return path, offset, data
 
@@ -458,14 +459,14 @@ def _decode(kind: int, payload: bytes, size: int) -> Event:
             path, at = _split_path(payload, _APPEND.size)
             offset, crc = _APPEND.unpack_from(payload, at)
             data = payload[at + _APPEND.size:]
-            if zlib.crc32(data) != crc:
+            if crc32(data) != crc:
                 raise CorruptAction(path)
             return Append(path, offset, data, size)
         if kind == REPLACE:
             path, at = _split_path(payload, _CRC.size)
             crc = _CRC.unpack_from(payload, at)[0]
             data = payload[at + _CRC.size:]
-            if zlib.crc32(data) != crc:
+            if crc32(data) != crc:
                 raise CorruptAction(path)
             return Replace(path, data, size)
         if kind == DELETE:
@@ -482,7 +483,7 @@ def _decode(kind: int, payload: bytes, size: int) -> Event:
             path, at = _split_path(payload, _DATA.size)
             offset, total, crc = _DATA.unpack_from(payload, at)
             data = payload[at + _DATA.size:]
-            if zlib.crc32(data) != crc:
+            if crc32(data) != crc:
                 raise CorruptAction(path)
             if total < -1 or (total >= 0 and offset + len(data) > total):
                 raise ProtocolError("bad FILE_DATA bounds")

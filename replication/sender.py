@@ -35,10 +35,10 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from zlib import crc32
 
 from broker import write_observer
 from replication import protocol as p
+from replication.crc import crc32
 from replication.files import CrcCache, store_dirs, walk
 
 log = logging.getLogger("shardmq.replication")

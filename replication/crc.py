@@ -1,0 +1,17 @@
+"""The CRC32 of the replication stream and of file listings: ``crc32(data, start=0) -> int``.
+
+The same CRC-32 as ``zlib.crc32`` (same polynomial, same values, the incremental form too), from
+ISA-L (``isal``), whose carry-less-multiply implementation is about 8-25x faster than zlib's on
+the 1 KiB runs and 100 KiB batches a stream carries: the leader computes it over every byte it
+sends and each follower over every byte it receives, so on one machine it is paid three times per
+message. Without ``isal`` installed it is zlib's (correct, slower).
+"""
+
+from __future__ import annotations
+
+try:
+    from isal.isal_zlib import crc32
+except ImportError:  # pragma: no cover - isal is a dependency; keep working without it
+    from zlib import crc32
+
+__all__ = ["crc32"]
