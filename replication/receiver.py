@@ -167,7 +167,11 @@ class StreamReceiver:
         writer = self._writer_w
         nonce_f = p.new_nonce()
         writer.write(p.encode_hello(self.name, self.stream, nonce_f))
-        ev = await asyncio.wait_for(self._next(), HANDSHAKE_TIMEOUT_S)
+        # asyncio.timeout, not wait_for: in 3.11 wait_for returns the result when the answer and a
+        # cancellation arrive together, and a session that cancels this stream (another stream
+        # failed) then waited for a stream that went on streaming.
+        async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
+            ev = await self._next()
         if isinstance(ev, p.Refused):
             raise AuthFailed(f"leader refused: {ev.reason}")
         if not isinstance(ev, p.Challenge) or ev.version != p.VERSION:
@@ -175,7 +179,8 @@ class StreamReceiver:
         if not p.check_proof(p.leader_proof(self.secret, self.stream, nonce_f, ev.nonce), ev.proof):
             raise AuthFailed("the leader does not know the cluster secret")
         writer.write(p.encode_auth(p.follower_proof(self.secret, self.stream, self.name, ev.nonce, nonce_f)))
-        ev = await asyncio.wait_for(self._next(), HANDSHAKE_TIMEOUT_S)
+        async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
+            ev = await self._next()
         if isinstance(ev, p.Refused):
             raise AuthFailed(f"leader refused: {ev.reason}")
         if not isinstance(ev, p.Welcome):
