@@ -53,16 +53,18 @@ def _sha1(name: str) -> str:
     return hashlib.sha1(name.encode()).hexdigest()
 
 
-def _write_name_file(path: str, name: str) -> None:
+def _write_name_file(path: str, name: str, new: bool = False) -> None:
     """tmp + rename, not fsynced here: the store's first sync (SegmentDir._sync_parents, in the sync
     thread, before the first confirm into the queue) makes it durable; a queue that never held a
-    message may lose it in a crash, and queue_dir() writes it again at the next open."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            if f.read() == name:
-                return
-    except OSError:
-        pass
+    message may lose it in a crash, and queue_dir() writes it again at the next open. ``new``: the
+    directory was just made, there is nothing to compare with."""
+    if not new:
+        try:
+            with open(path, encoding="utf-8") as f:
+                if f.read() == name:
+                    return
+        except OSError:
+            pass
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(name)
@@ -94,6 +96,11 @@ _vhost_dirs: set[str] = set()
 
 def queue_dir(data_dir: str, vhost: str, name: str) -> str:
     """`<data_dir>/<sha1(vhost)>/<sha1(name)>/`, created, with its `.vhost` and `.queue` name files."""
+    return make_queue_dir(data_dir, vhost, name)[0]
+
+
+def make_queue_dir(data_dir: str, vhost: str, name: str) -> tuple[str, bool]:
+    """queue_dir(), and whether the directory was made now (then it is empty: nothing to recover)."""
     vdir = os.path.join(data_dir, _sha1(vhost))
     qdir = os.path.join(vdir, _sha1(name))
     if vdir not in _vhost_dirs:
@@ -102,13 +109,14 @@ def queue_dir(data_dir: str, vhost: str, name: str) -> str:
         _vhost_dirs.add(vdir)
     try:
         os.mkdir(qdir)
+        made = True
     except FileExistsError:
-        pass
+        made = False
     except FileNotFoundError:  # the vhost dir went away (vhost deleted) since we made sure of it
         _vhost_dirs.discard(vdir)
-        return queue_dir(data_dir, vhost, name)
-    _write_name_file(os.path.join(qdir, ".queue"), name)
-    return qdir
+        return make_queue_dir(data_dir, vhost, name)
+    _write_name_file(os.path.join(qdir, ".queue"), name, new=made)
+    return qdir, made
 
 
 class QueueStore(SegmentDir):
@@ -116,7 +124,10 @@ class QueueStore(SegmentDir):
 
     SEGMENT_KINDS = ("msgs", "acks", "meta")
 
-    def __init__(self, path: str, *, segment_size: int = 8 << 20, keep_transient: bool = False) -> None:
+    def __init__(self, path: str, *, segment_size: int = 8 << 20, keep_transient: bool = False,
+                 empty_dir: bool = False) -> None:
+        """empty_dir: the caller has just made the (empty) directory: skip looking for files in it
+        (a declare of a new queue then costs its mkdir and name file only)."""
         self.path = path
         self._segment_size = max(int(segment_size), DATA_START + record.MIN_RECORD)
         self._keep_transient = keep_transient
@@ -142,11 +153,15 @@ class QueueStore(SegmentDir):
         # Records lost to damage (skipped, their bytes set aside; see docs/storage.md) since opened.
         self.damaged_records = 0
         self.damaged_acks = 0  # ack entries that failed their checksum
-        if not os.path.isdir(path):
+        if not empty_dir and not os.path.isdir(path):
             os.makedirs(path)
         # Opened when a sync has a directory change to make durable: 100,000 idle queues hold no fd.
         self._dir_fd = -1
-        self._recover()
+        if empty_dir:
+            self._wseg = Segment(self.path, 1)  # the placeholder of an empty store (see _recover)
+            self._segs[1] = self._wseg
+        else:
+            self._recover()
         first = min(self._segs)
         self._rseg = self._segs[first]  # read cursor: segment and position of the next unread record
         self._rpos = DATA_START

@@ -36,7 +36,7 @@ from shard.priority_store import open_store
 from shard.queue import Queue
 from shard.replication_stream import ShardReplication
 from shard.stats import StatsReporter, SyncHistogram
-from shard.store import QueueStore, queue_dir
+from shard.store import QueueStore, make_queue_dir
 from shard.stream_queue import StreamQueue, consume_error, retention_args, segment_size
 from shard.stream_store import StreamStore
 from shard.timers import TimerHeap
@@ -154,12 +154,14 @@ class ShardWorker:
 
     # --------------------------------------------------------------- control
     def _on_control(self, _ident: bytes | None, _header, items: list) -> None:
+        applied = None  # one APPLIED per batch, for its newest DEFS (pipelined declares bring many)
         for item in items:
             kind = item[0]
             if kind == contract.SNAPSHOT:
                 self._load_snapshot(item)
             elif kind == contract.DEFS:
-                self._apply_defs(item[1], item[2])
+                self._apply_defs(item[2])
+                applied = item[1]
             elif kind == contract.QUERY:
                 self._answer_query(item[1], item[2], item[3])
             elif kind == contract.WORKER_DOWN:
@@ -181,6 +183,8 @@ class ShardWorker:
             elif kind == contract.REPL_ISR:
                 if self.repl is not None:
                     self.repl.set_isr(set(item[1]), int(item[2]))
+        if applied is not None:
+            self.node.put(None, [contract.APPLIED, applied])
 
     def _load_snapshot(self, item: list) -> None:
         _, version, defs_dict, epochs, settings = item
@@ -215,7 +219,7 @@ class ShardWorker:
         self._schedule_deliver_all()
         self.ack_timeouts.schedule()
 
-    def _apply_defs(self, version: int, ops: list) -> None:
+    def _apply_defs(self, ops: list) -> None:
         defs = self.defs
         for op in ops:
             defs.apply(op)
@@ -233,11 +237,10 @@ class ShardWorker:
                 self.delayed.vhost_deleted(op[1])
             elif kind in POLICY_OPS:
                 self._apply_policies(op[1])
-        self.node.put(None, [contract.APPLIED, version])
 
     def _open_queue(self, vhost: str, name: str) -> None:
         defn = self.defs.queue(vhost, name)
-        path = queue_dir(self.settings["data_dir"], vhost, name)
+        path, made = make_queue_dir(self.settings["data_dir"], vhost, name)
         args = self.defs.effective_arguments(vhost, "queue", name)
         if args.get("x-queue-type") == "stream":
             seg_size = segment_size(args, int(self.settings.get("segment_size", 8 << 20)))
@@ -248,7 +251,7 @@ class ShardWorker:
             self.queues[(vhost, name)] = sq
             self.by_qid[sq.qid] = sq
             return
-        store = open_store(path, args, int(self.settings.get("segment_size", 8 << 20)))
+        store = open_store(path, args, int(self.settings.get("segment_size", 8 << 20)), empty_dir=made)
         if needs_features(args):
             q = FeatureQueue(self._next_qid, vhost, name, defn, store, self, args)
         else:
