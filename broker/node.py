@@ -47,6 +47,8 @@ from replication.leader import ReplicationLeader
 log = logging.getLogger("shardmq.node")
 
 _QUERY_TIMEOUT_S = 5.0
+# Ops applied and broadcast in one loop turn at most (see _commit).
+_COMMIT_SLICE = 256
 _STARTUP_TIMEOUT_S = 60.0
 
 
@@ -740,10 +742,20 @@ class Node:
             raise definition_gate.refusal(repl, op)
         defs = self.defs
         logged = durable_ops(defs, ops)  # judged before applying: a deleted queue is gone after
-        defs.apply_all(ops)  # bumps defs.version once per op; every replica does the same
+        if len(ops) <= _COMMIT_SLICE:
+            defs.apply_all(ops)  # bumps defs.version once per op; every replica does the same
+            self._broadcast(None, [contract.DEFS, defs.version, ops])
+        else:
+            # A vhost of 10,000 queues: applied and sent in slices, one loop turn each, so that this
+            # node and every worker (each handles a slice as one batch, a bounded number per turn)
+            # go on with other work between them: publishing to other queues must not stall.
+            for i in range(0, len(ops), _COMMIT_SLICE):
+                part = ops[i : i + _COMMIT_SLICE]
+                defs.apply_all(part)
+                self._broadcast(None, [contract.DEFS, defs.version, part])
+                await asyncio.sleep(0)  # this slice leaves in its own batch (BatchSocket.flush)
         version = defs.version
         wrote = self.defstore.record(logged)
-        self._broadcast(None, [contract.DEFS, version, ops])
         if on_applied is not None:
             on_applied()
         waits = [self._wait_all_applied(version)]

@@ -33,7 +33,7 @@ from shard.segment import (
     parse_name,
     read_ack_entries,
 )
-from shard.segment_dir import SegmentDir
+from shard.segment_dir import SegmentDir, claim_path
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,7 @@ def make_queue_dir(data_dir: str, vhost: str, name: str) -> tuple[str, bool]:
         os.makedirs(vdir, exist_ok=True)
         _write_name_file(os.path.join(vdir, ".vhost"), vhost)
         _vhost_dirs.add(vdir)
+    claim_path(qdir)  # a deletion of the same name still waiting in the reaper goes first
     try:
         os.mkdir(qdir)
         made = True

@@ -235,6 +235,10 @@ class ShardWorker:
                 self.delayed.exchange_deleted(op[1], op[2])
             elif kind == "vhost.delete":
                 self.delayed.vhost_deleted(op[1])
+                # Its queues came with their own queue.delete ops before it; one declared while a
+                # sliced delete was under way (broker/node.py _commit) goes with the vhost.
+                for vhost, name in [k for k in self.queues if k[0] == op[1]]:
+                    self._delete_queue(vhost, name)
             elif kind in POLICY_OPS:
                 self._apply_policies(op[1])
 
