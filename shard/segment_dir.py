@@ -58,8 +58,9 @@ def _reap(path: str) -> None:
     with _pending_lock:
         if path not in _pending:
             return  # claim_path() took it over
-        _pending.discard(path)
         trash = _rename_aside(path)
+        # Only now: claim_path's check without the lock must not see it gone before it is renamed.
+        _pending.discard(path)
     if trash is not None:
         shutil.rmtree(trash, True)
 
@@ -78,8 +79,8 @@ def claim_path(path: str) -> None:
     with _pending_lock:
         if path not in _pending:
             return
-        _pending.discard(path)
         trash = _rename_aside(path)
+        _pending.discard(path)
     if trash is not None:
         _submit(shutil.rmtree, trash, True)
 

@@ -65,7 +65,8 @@ def _write_name_file(path: str, name: str, new: bool = False) -> None:
                     return
         except OSError:
             pass
-    tmp = path + ".tmp"
+    # Per process: both shards write a new vhost's .vhost when each opens its first queue of it.
+    tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(name)
     os.replace(tmp, path)
