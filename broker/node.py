@@ -66,6 +66,7 @@ class Node:
         # (version, future) in version order: answered once every connected worker applied it.
         self._apply_waiters: deque[tuple[int, asyncio.Future]] = deque()
         self._chains = RequestChains(self.loop)  # a channel's pipelined requests, in order
+        self._snapshot: tuple[int, dict] | None = None  # (version, definitions as a SNAPSHOT carries them)
         self._queries: dict[int, asyncio.Future] = {}
         self._admin_queries: dict[int, asyncio.Future] = {}  # shard_query(): answered (ok, result)
         # The workers' periodic STATS (queue counts, connections) for the management API and metrics.
@@ -208,6 +209,7 @@ class Node:
         self.defstore = DefStore(self.datadir.path)
         with gc_pause.paused():  # 100,000 queue definitions: see broker/gc_pause.py
             self.defs = self.defstore.load(default_user=s.default_user, default_pass=s.default_pass)
+            self._snapshot = None  # versions of a reloaded model may repeat those of the cached one
             self.defs.loopback_users = tuple(s.loopback_users)
             self.defs.rebalance(s.shards)
         if s.definitions:
@@ -436,7 +438,10 @@ class Node:
             self._deferred_hellos.append((ident, w, item))
             return
         settings = dataclasses.asdict(self.settings)
-        self.ctl.put(ident, [contract.SNAPSHOT, self.defs.version, self.defs.to_dict(), self.epochs, settings])
+        # Every worker says HELLO at boot: one serialization of 100,000 queues per version, not per worker.
+        if self._snapshot is None or self._snapshot[0] != self.defs.version:
+            self._snapshot = (self.defs.version, self.defs.to_dict())
+        self.ctl.put(ident, [contract.SNAPSHOT, self.defs.version, self._snapshot[1], self.epochs, settings])
         if w.role == "frontend" and self.alarms:
             self.ctl.put(ident, [contract.ALARMS, self.alarms])
         if w.role == "shard":

@@ -59,12 +59,16 @@ def _write_name_file(path: str, name: str, new: bool = False) -> None:
     message may lose it in a crash, and queue_dir() writes it again at the next open. ``new``: the
     directory was just made, there is nothing to compare with."""
     if not new:
-        try:
-            with open(path, encoding="utf-8") as f:
-                if f.read() == name:
-                    return
+        try:  # os-level: opening 100,000 queues at boot reads this file for each
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             pass
+        else:
+            try:
+                if os.read(fd, 65536) == name.encode():
+                    return
+            finally:
+                os.close(fd)
     # Per process: both shards write a new vhost's .vhost when each opens its first queue of it.
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
@@ -100,23 +104,26 @@ def queue_dir(data_dir: str, vhost: str, name: str) -> str:
     return make_queue_dir(data_dir, vhost, name)[0]
 
 
-def make_queue_dir(data_dir: str, vhost: str, name: str) -> tuple[str, bool]:
-    """queue_dir(), and whether the directory was made now (then it is empty: nothing to recover)."""
+def make_queue_dir(data_dir: str, vhost: str, name: str, exists: bool = False) -> tuple[str, bool]:
+    """queue_dir(), and whether the directory was made now (then it is empty: nothing to recover).
+    exists: the caller has just seen the directory (a shard's boot lists each vhost dir once)."""
     vdir = os.path.join(data_dir, _sha1(vhost))
     qdir = os.path.join(vdir, _sha1(name))
     if vdir not in _vhost_dirs:
         os.makedirs(vdir, exist_ok=True)
         _write_name_file(os.path.join(vdir, ".vhost"), vhost)
         _vhost_dirs.add(vdir)
-    claim_path(qdir)  # a deletion of the same name still waiting in the reaper goes first
-    try:
-        os.mkdir(qdir)
-        made = True
-    except FileExistsError:
-        made = False
-    except FileNotFoundError:  # the vhost dir went away (vhost deleted) since we made sure of it
-        _vhost_dirs.discard(vdir)
-        return make_queue_dir(data_dir, vhost, name)
+    made = False
+    if not exists:
+        claim_path(qdir)  # a deletion of the same name still waiting in the reaper goes first
+        try:
+            os.mkdir(qdir)
+            made = True
+        except FileExistsError:
+            pass
+        except FileNotFoundError:  # the vhost dir went away (vhost deleted) since we made sure of it
+            _vhost_dirs.discard(vdir)
+            return make_queue_dir(data_dir, vhost, name)
     _write_name_file(os.path.join(qdir, ".queue"), name, new=made)
     return qdir, made
 
@@ -155,8 +162,6 @@ class QueueStore(SegmentDir):
         # Records lost to damage (skipped, their bytes set aside; see docs/storage.md) since opened.
         self.damaged_records = 0
         self.damaged_acks = 0  # ack entries that failed their checksum
-        if not empty_dir and not os.path.isdir(path):
-            os.makedirs(path)
         # Opened when a sync has a directory change to make durable: 100,000 idle queues hold no fd.
         self._dir_fd = -1
         if empty_dir:
@@ -631,7 +636,12 @@ class QueueStore(SegmentDir):
     def _recover(self) -> None:
         """Load the segments in the dir; never raises on garbage files (the node must start)."""
         found: dict[str, set[int]] = {"msgs": set(), "acks": set(), "meta": set()}
-        for name in os.listdir(self.path):
+        try:
+            names = os.listdir(self.path)
+        except FileNotFoundError:
+            os.makedirs(self.path)
+            names = []
+        for name in names:
             parsed = parse_name(name)
             if parsed is not None:
                 found[parsed[0]].add(parsed[1])
@@ -680,7 +690,7 @@ class QueueStore(SegmentDir):
             self._segs[no] = wseg
             self._dir_dirty = True
         self._wseg = wseg
-        mark = synced_mark.read(self.path)
+        mark = synced_mark.read(self.path) if synced_mark.NAME in names else None
         if mark is not None and (mark[0] != wseg.no or wseg.fd < 0):
             # Names a segment that is no longer the write segment: useless, and harmful once segment
             # numbers start again from 1 (an emptied queue) and reach that number with other data.
