@@ -64,7 +64,8 @@ class Node:
         self.by_ident: dict[bytes, WorkerProcess] = {}
         self.ctl: BatchSocket | None = None
         # (version, future) in version order: answered once every connected worker applied it.
-        self._apply_waiters: deque[tuple[int, asyncio.Future]] = deque()
+        # (version, worker identity not waited for or None, future), in version order.
+        self._apply_waiters: deque[tuple[int, bytes | None, asyncio.Future]] = deque()
         self._chains = RequestChains(self.loop)  # a channel's pipelined requests, in order
         self._snapshot: tuple[int, dict] | None = None  # (version, definitions as a SNAPSHOT carries them)
         self._queries: dict[int, asyncio.Future] = {}
@@ -475,10 +476,12 @@ class Node:
         waiters = self._apply_waiters
         if not waiters:
             return
-        live = [w.applied for w in self.by_ident.values() if w.connected]
-        low = min(live) if live else 1 << 62
-        while waiters and waiters[0][0] <= low:
-            fut = waiters.popleft()[1]
+        live = [(ident, w.applied) for ident, w in self.by_ident.items() if w.connected]
+        while waiters:
+            version, origin, fut = waiters[0]
+            if any(applied < version for ident, applied in live if ident != origin):
+                return
+            waiters.popleft()
             if not fut.done():
                 fut.set_result(None)
 
@@ -491,7 +494,7 @@ class Node:
     async def _handle_request(self, ident: bytes, req_id: int, op: str, args: dict) -> None:
         chain = args.pop("chain", None)
         if chain is None:
-            reply = await self._reply_to(req_id, op, args)
+            reply = await self._reply_to(req_id, op, args, None, ident)
         else:
             # A channel's requests (broker/request_chains.py): planned in the order sent, and none
             # after one that failed.
@@ -503,15 +506,16 @@ class Node:
                     reply = [contract.REPLY, req_id, False, [504, "CHANNEL_ERROR - an earlier method failed", 0, 0]]
                 else:
                     reply = await self._reply_to(req_id, op, args,
-                                                 lambda: self._chains.settle(key, mine, True))
+                                                 lambda: self._chains.settle(key, mine, True), ident)
                     ok = reply[2]
             finally:
                 self._chains.settle(key, mine, ok)
         self.ctl.put(ident, reply)
 
-    async def _reply_to(self, req_id: int, op: str, args: dict, on_applied: Callable[[], None] | None = None) -> list:
+    async def _reply_to(self, req_id: int, op: str, args: dict, on_applied: Callable[[], None] | None,
+                        origin: bytes) -> list:
         try:
-            result = await self._execute(op, args, on_applied)
+            result = await self._execute(op, args, on_applied, origin)
         except AMQPError as exc:
             return [contract.REPLY, req_id, False, [exc.code, exc.text, exc.class_id, exc.method_id]]
         except Exception:
@@ -519,8 +523,10 @@ class Node:
             return [contract.REPLY, req_id, False, [541, "INTERNAL_ERROR", 0, 0]]
         return [contract.REPLY, req_id, True, result]
 
-    async def _execute(self, op: str, a: dict, on_applied: Callable[[], None] | None = None) -> dict:
-        """Plan and commit one request; on_applied runs once its ops are applied (before durable)."""
+    async def _execute(self, op: str, a: dict, on_applied: Callable[[], None] | None = None,
+                       origin: bytes | None = None) -> dict:
+        """Plan and commit one request; on_applied runs once its ops are applied (before durable).
+        origin: the worker that asked (see _commit)."""
         defs = self.defs
         vhost = a.get("vhost", "/")
         owner = a.get("owner")
@@ -541,17 +547,18 @@ class Node:
                 if isinstance(dlx, str):
                     check(defs, user, vhost, READ, "queue", name, 50, 10)
                     check(defs, user, vhost, WRITE, "exchange", dlx, 50, 10)
-            await self._commit(ops, op=op, on_applied=on_applied)
+            await self._commit(ops, op=op, on_applied=on_applied, origin=origin)
             # No counts here: the frontend asks the shard over its publish lane (QUEUE_INFO), which
             # also counts the publishes still in flight from it; asking here too cost a round trip.
-            return {"queue": name, "messages": 0, "consumers": 0}
+            # A queue this declare created has none to count ("created": the frontend answers at once).
+            return {"queue": name, "messages": 0, "consumers": 0, "created": bool(ops)}
         if op == "queue.delete":
             name = a.get("queue", "")
             check(defs, user, vhost, CONFIGURE, "queue", name, 50, 40)
             info = await self._queue_info(vhost, name) or {"messages": 0, "consumers": 0}
             ops = defs.plan_queue_delete(vhost, name, bool(a.get("if_unused")), bool(a.get("if_empty")),
                                          owner, info["consumers"], info["messages"])
-            await self._commit(ops, op=op, on_applied=on_applied)
+            await self._commit(ops, op=op, on_applied=on_applied, origin=origin)
             return {"messages": info["messages"] if ops else 0}
         if op == "queue.auto_delete":
             q = defs.queue(vhost, a["queue"])
@@ -606,7 +613,7 @@ class Node:
         else:
             raise AMQPError(540, f"NOT_IMPLEMENTED - unknown request {op}")
         # A closed connection's exclusive and auto-delete leftovers are cleanup, never refused.
-        await self._commit(ops, op=op, gate=op != "connection.closed", on_applied=on_applied)
+        await self._commit(ops, op=op, gate=op != "connection.closed", on_applied=on_applied, origin=origin)
         return {}
 
     def _check_binding(self, op: str, user: str | None, vhost: str, a: dict) -> None:
@@ -733,7 +740,7 @@ class Node:
             return None
 
     async def _commit(self, ops: list, op: str | None = None, gate: bool = True,
-                      on_applied: Callable[[], None] | None = None) -> None:
+                      on_applied: Callable[[], None] | None = None, origin: bytes | None = None) -> None:
         """Apply, persist and broadcast ops; return once durable and applied by every live worker.
 
         On a leader whose ISR is below --min-isr a durable change (``gate``: a client's or an
@@ -763,7 +770,10 @@ class Node:
         wrote = self.defstore.record(logged)
         if on_applied is not None:
             on_applied()
-        waits = [self._wait_all_applied(version)]
+        # The worker that asked gets our DEFS before our REPLY on the same socket, and applies them
+        # before it reads the REPLY: its APPLIED need not be waited for (one process wake-up less
+        # on every declare's and bind's round trip).
+        waits = [self._wait_all_applied(version, origin)]
         if wrote:
             waits.append(self._durable())
         await asyncio.gather(*waits)
@@ -773,10 +783,10 @@ class Node:
             if not await repl.node_stream_replicated() and gate:
                 raise definition_gate.refusal(repl, op, applied=True)
 
-    def _wait_all_applied(self, version: int) -> asyncio.Future:
+    def _wait_all_applied(self, version: int, origin: bytes | None = None) -> asyncio.Future:
         # Added at once (not when a coroutine first runs), so the waiters stay in version order.
         fut = self.loop.create_future()
-        self._apply_waiters.append((version, fut))
+        self._apply_waiters.append((version, origin, fut))
         self._check_apply_waiters()
         return fut
 

@@ -738,8 +738,11 @@ class Channel:
 
         def replied(pending: Pending, result: dict) -> None:  # the node's ok, maybe before earlier ones
             name = result.get("queue", method.queue)
+            if nowait or result.get("created"):  # a new queue: no message, no consumer to count
+                self._answered(pending, True, result)
+                return
             q = conn.worker.defs.queue(conn.vhost, name)
-            if nowait or q is None:
+            if q is None:
                 self._answered(pending, True, result)
                 return
             # The node's counts may miss publishes this frontend has not yet delivered to the
