@@ -50,10 +50,10 @@ def _cpu_seconds(pid: int) -> float:
     return total / ticks
 
 
-def _start(data_dir: Path, port: int, extra: list[str]) -> subprocess.Popen:
+def _start(data_dir: Path, port: int, extra: list[str], root: Path = ROOT) -> subprocess.Popen:
     argv = [sys.executable, "-m", "broker.cli", "--data-dir", str(data_dir), "--port", str(port),
             "--http-port", "0", "--prometheus-port", "0", "--mqtt-port", "0", "--ws-port", "0", *extra]
-    return spawn_node(argv, data_dir.parent / f"{data_dir.name}-logs", ROOT)
+    return spawn_node(argv, data_dir.parent / f"{data_dir.name}-logs", root)
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", required=True, help="the node's data dir (kept: later runs reuse the queues)")
     p.add_argument("--boots", type=int, default=1, help="boots to time (default 1)")
     p.add_argument("--prefix", default="boot-q", help="queue name prefix (default boot-q)")
+    p.add_argument("--checkout", default=str(ROOT),
+                   help="the checkout whose node is timed (default: this one; another for an A/B)")
     p.add_argument("node_args", nargs=argparse.REMAINDER, help="after --: more node arguments")
     args = p.parse_args(argv)
     extra = [a for a in args.node_args if a != "--"]
@@ -101,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     uri = f"amqp://guest:guest@127.0.0.1:{port}/%2F"
     names = [f"{args.prefix}-{i}" for i in range(args.queues)]
-    proc = _start(data_dir, port, extra)
+    root = Path(args.checkout).resolve()
+    proc = _start(data_dir, port, extra, root)
     try:
         _ready_handshake(uri, time.monotonic() + 120)
         with AMQPClient(uri).connect() as c:
@@ -114,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         _stop(proc)
     for i in range(args.boots):
         t0 = time.monotonic()
-        proc = _start(data_dir, port, extra)
+        proc = _start(data_dir, port, extra, root)
         try:
             _ready(uri, names[-1], t0 + 600)
             wall = time.monotonic() - t0
