@@ -39,6 +39,7 @@ from broker.mqtt.topics import (
 )
 from broker.permissions import READ, Access
 from broker.tls import peer_common_name
+from frontend.mqtt.direct import DROP_BYTES, SLOW_AFTER, direct_queues
 from frontend.mqtt.messages import (
     EXCHANGE,
     INBOUND2,
@@ -123,6 +124,17 @@ class MQTTConnection(asyncio.Protocol):
         self._next_pid = 0
         self._sub_cache: dict[str, int] = {}
         self._key_cache: dict[str, str] = {}  # topic -> routing key of this connection's publishes
+        # Per publish QoS: topic -> routing plan (_plan), valid while the definitions and the frontend's
+        # directly served sessions (frontend/mqtt/direct.py) are unchanged.
+        self._routes: tuple[dict, dict, dict] = ({}, {}, {})
+        self._direct = direct_queues(worker)
+        self.direct = False  # this session is served directly (clean, QoS 0 subscriptions only)
+        self.dropped = 0  # QoS 0 messages dropped because the client did not keep up (direct.py)
+        self._holding: set[MQTTConnection] = set()  # publishers paused until our writing resumes (direct.py)
+        self._hold_reason = f"subscriber {self.conn_id}"
+        self._slow = False
+        self._slow_timer: asyncio.TimerHandle | None = None
+        self._slow_mark = -1  # bytes waiting in the transport at the last look (-1: none yet)
         self._topic_cache: dict[str, tuple[str, bytes]] = {}
         self._out: list[bytes] = []
         self._dirty = False
@@ -196,8 +208,38 @@ class MQTTConnection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._write_paused = False
+        self._slow = False
+        if self._holding:
+            self._let_go()
         if self._credit:
             self._mark_dirty()
+
+    def _let_go(self) -> None:
+        """Resume the publishers this (directly served) session held."""
+        self._slow_mark = -1
+        if self._slow_timer is not None:
+            self._slow_timer.cancel()
+            self._slow_timer = None
+        reason = self._hold_reason
+        for publisher in self._holding:
+            publisher.resume_reading(reason)
+        self._holding.clear()
+
+    def _too_slow(self) -> None:
+        """Every SLOW_AFTER s while we hold publishers: did the client read anything since the last look?"""
+        self._slow_timer = None
+        if not self._write_paused or self.state != RUNNING or self.transport is None:
+            return
+        waiting = self.transport.get_write_buffer_size()
+        if self._slow_mark < 0 or waiting < self._slow_mark:  # it reads, only slower than they publish
+            self._slow_mark = waiting
+            self._slow_timer = self.worker.loop.call_later(SLOW_AFTER, self._too_slow)
+            return
+        log.warning("mqtt connection %s (%s): client '%s' has not read for %.0fs; its QoS 0 messages are "
+                    "dropped beyond %d bytes instead of pausing publishers", self.conn_id, self.peer,
+                    self.client_id, SLOW_AFTER, DROP_BYTES)
+        self._slow = True
+        self._let_go()
 
     def apply_alarms(self) -> None:
         """A resource alarm (worker.alarms) blocks a publishing connection: it is not read until it clears.
@@ -239,7 +281,9 @@ class MQTTConnection(asyncio.Protocol):
         if out:
             self._out = []
             if transport is not None and not transport.is_closing():
-                transport.writelines(out)
+                # One buffer: a turn can hold thousands of small PUBLISH packets, and a transport's queue
+                # of that many tiny buffers is slow to drain once the client falls behind.
+                transport.write(out[0] if len(out) == 1 else b"".join(out))
         put = self.worker.shard_put
         if self._acks:
             for shard, flat in self._acks.items():
@@ -510,7 +554,7 @@ class MQTTConnection(asyncio.Protocol):
 
     # ------------------------------------------------------------ publishing
     def _on_publish(self, p: M.Publish) -> None:
-        if not valid_topic_name(p.topic):
+        if p.topic not in self._key_cache and not valid_topic_name(p.topic):  # cached ones were valid
             raise M.MQTTProtocolError(f"invalid topic name {p.topic!r}")  # [MQTT-3.3.2-2]
         if not self.publisher:
             self.publisher = True
@@ -572,14 +616,24 @@ class MQTTConnection(asyncio.Protocol):
     def _route(self, topic: str, payload: bytes, qos: int, seq: int | None, mark: int | None = None) -> int:
         """Publish to amq.topic; the number of shards that will confirm (seq set)."""
         worker = self.worker
-        defs = worker.defs
-        vhost = self.vhost
-        key = self._key(topic)
-        props = PROPS[qos]
-        queues = defs.route(vhost, EXCHANGE, key, props)
-        if not queues:
+        plan = self._routes[qos].get(topic)
+        if plan is None or plan[0] != worker.defs.version or plan[1] != self._direct.gen:
+            plan = self._plan(topic, qos)
+        key, targets, groups = plan[2], plan[3], plan[4]
+        if targets:
+            if mark is None:
+                packet = M.encode_publish(plan[5], payload)  # the same bytes for every QoS 0 session
+                for conn in targets:
+                    conn.deliver_direct(packet, self)
+            else:
+                # A QoS 2 resend (DUP) after a reconnect is routed again and only the shards know it was
+                # stored: through them, so a QoS 0 session gets it at most once.
+                defs = worker.defs
+                groups = queues_by_shard(defs, self.vhost, defs.route(self.vhost, EXCHANGE, key, PROPS[qos]))
+        if not groups:
             return 0
-        groups = queues_by_shard(defs, vhost, queues)
+        vhost = self.vhost
+        props = PROPS[qos]
         if seq is None:
             put_publish(worker, groups, vhost, EXCHANGE, key, props, payload, qos > 0)
             return 0
@@ -590,6 +644,31 @@ class MQTTConnection(asyncio.Protocol):
                                self.conn_id, LANE, seq)
         self.shards.update(groups)
         return len(groups)
+
+    def _plan(self, topic: str, qos: int) -> tuple:
+        """(defs version, direct gen, routing key, sessions served here, {shard: queue names}, topic bytes)."""
+        worker = self.worker
+        defs = worker.defs
+        vhost = self.vhost
+        key = self._key(topic)
+        queues = defs.route(vhost, EXCHANGE, key, PROPS[qos])
+        direct = self._direct
+        targets = []
+        if direct.conns and queues:
+            rest = []
+            for name in queues:
+                conn = direct.conns.get((vhost, name))
+                if conn is None:
+                    rest.append(name)
+                elif conn._sub_qos(topic) >= 0:  # not a $-topic only a first-level wildcard matched
+                    targets.append(conn)
+            queues = rest
+        routes = self._routes[qos]
+        if len(routes) > 10_000:
+            routes.clear()
+        plan = routes[topic] = (defs.version, direct.gen, key, tuple(targets),
+                                queues_by_shard(defs, vhost, queues) if queues else {}, topic.encode())
+        return plan
 
     def _retain(self, topic: str, qos: int, payload: bytes, done: Callable[[], None] | None) -> None:
         """Replace (or, with an empty payload, delete) the topic's retained message [MQTT-3.3.1-5..11]."""
@@ -712,6 +791,7 @@ class MQTTConnection(asyncio.Protocol):
 
             def finish() -> None:
                 self.write(M.encode_suback(pid, codes))
+                self._serve_directly()  # after SUBACK: a direct PUBLISH may follow in this turn
                 if granted:
                     self._send_retained(granted)
                 self._save_state()
@@ -811,6 +891,7 @@ class MQTTConnection(asyncio.Protocol):
             left[0] -= 1
             if not left[0]:
                 self._save_state()
+                self._serve_directly()
                 self.write(M.encode_ack(M.UNSUBACK, pid))
                 self._unblock()
 
@@ -849,6 +930,43 @@ class MQTTConnection(asyncio.Protocol):
             self._sub_cache.clear()
         self._sub_cache[topic] = best
         return best
+
+    def deliver_direct(self, packet: bytes, publisher: MQTTConnection) -> None:
+        """A QoS 0 PUBLISH from a connection of this frontend (frontend/mqtt/direct.py). While the client does
+        not keep up (our writing paused) the publisher is not read, as TCP would hold it back through
+        a broker that does not queue; a client that stays behind for SLOW_AFTER seconds holds no one
+        and loses what is beyond DROP_BYTES."""
+        if self.state != RUNNING:
+            return
+        if self._write_paused:
+            if self._slow:
+                if self.transport is not None and self.transport.get_write_buffer_size() > DROP_BYTES:
+                    self.dropped += 1
+                    return
+            elif publisher not in self._holding:
+                publisher.pause_reading(self._hold_reason)
+                self._holding.add(publisher)
+                if self._slow_timer is None:
+                    self._slow_timer = self.worker.loop.call_later(SLOW_AFTER, self._too_slow)
+        self._out.append(packet)
+        if not self._dirty:
+            self._dirty = True
+            self.worker.mark_dirty(self)
+
+    def _serve_directly(self) -> None:
+        """After a change of subscriptions: served here while clean with QoS 0 subscriptions only; the first
+        QoS 1/2 one ends that for good (its messages must wait in the queue for acknowledgements)."""
+        direct = self._direct
+        if self.direct:
+            if any(self.subs.values()):
+                self.direct = False
+                direct.remove(self.vhost, self.queue, self)
+            else:
+                direct.changed()  # publishers re-plan: which topics match changed
+        elif (self.clean and self.subs and self.queue is not None and not any(self.subs.values())
+              and self.consumer_tag in (None, TAG_NO_ACK)):
+            self.direct = True
+            direct.add(self.vhost, self.queue, self)
 
     def on_deliver(self, shard: int, item: list) -> None:
         """[DELIVER, conn, lane, tag, qid, mid, redelivered, exchange, routing_key, props, body]"""
@@ -1010,6 +1128,11 @@ class MQTTConnection(asyncio.Protocol):
             return
         self._released = True
         worker = self.worker
+        if self.direct:
+            self.direct = False
+            self._direct.remove(self.vhost, self.queue, self)
+        if self._holding or self._slow_timer is not None:
+            self._let_go()
         shards = set(self.shards)
         if self.queue_shard is not None and self.consuming:
             shards.add(self.queue_shard)
