@@ -39,7 +39,7 @@ from broker.mqtt.topics import (
 )
 from broker.permissions import READ, Access
 from broker.tls import peer_common_name
-from frontend.mqtt.direct import DROP_BYTES, SLOW_AFTER, direct_queues
+from frontend.mqtt.direct import DROP_BYTES, DROP_QUEUED, SLOW_AFTER, direct_queues
 from frontend.mqtt.messages import (
     EXCHANGE,
     INBOUND2,
@@ -128,13 +128,15 @@ class MQTTConnection(asyncio.Protocol):
         # directly served sessions (frontend/mqtt/direct.py) are unchanged.
         self._routes: tuple[dict, dict, dict] = ({}, {}, {})
         self._direct = direct_queues(worker)
-        self.direct = False  # this session is served directly (clean, QoS 0 subscriptions only)
+        self.direct = False  # this (clean) session is served directly (frontend/mqtt/direct.py)
+        self._waiting: deque = deque()  # direct QoS 1/2 messages beyond the in-flight window: (topic, payload, qos)
+        self._progress = 0  # acknowledgements from the client (a held session that acks is not stuck)
         self.dropped = 0  # QoS 0 messages dropped because the client did not keep up (direct.py)
         self._holding: set[MQTTConnection] = set()  # publishers paused until our writing resumes (direct.py)
         self._hold_reason = f"subscriber {self.conn_id}"
         self._slow = False
         self._slow_timer: asyncio.TimerHandle | None = None
-        self._slow_mark = -1  # bytes waiting in the transport at the last look (-1: none yet)
+        self._slow_mark: Any = -1  # (bytes waiting in the transport, -acks) at the last look; -1: none yet
         self._topic_cache: dict[str, tuple[str, bytes]] = {}
         self._out: list[bytes] = []
         self._dirty = False
@@ -209,7 +211,7 @@ class MQTTConnection(asyncio.Protocol):
     def resume_writing(self) -> None:
         self._write_paused = False
         self._slow = False
-        if self._holding:
+        if self._holding and not self._waiting:
             self._let_go()
         if self._credit:
             self._mark_dirty()
@@ -226,18 +228,19 @@ class MQTTConnection(asyncio.Protocol):
         self._holding.clear()
 
     def _too_slow(self) -> None:
-        """Every SLOW_AFTER s while we hold publishers: did the client read anything since the last look?"""
+        """Every SLOW_AFTER s while we hold publishers: did the client read or acknowledge anything since?"""
         self._slow_timer = None
-        if not self._write_paused or self.state != RUNNING or self.transport is None:
+        if not self._holding or self.state != RUNNING or self.transport is None:
             return
-        waiting = self.transport.get_write_buffer_size()
-        if self._slow_mark < 0 or waiting < self._slow_mark:  # it reads, only slower than they publish
-            self._slow_mark = waiting
+        mark = (self.transport.get_write_buffer_size(), -self._progress)
+        if self._slow_mark == -1 or mark < self._slow_mark:  # it goes on, only slower than they publish
+            self._slow_mark = mark
             self._slow_timer = self.worker.loop.call_later(SLOW_AFTER, self._too_slow)
             return
-        log.warning("mqtt connection %s (%s): client '%s' has not read for %.0fs; its QoS 0 messages are "
-                    "dropped beyond %d bytes instead of pausing publishers", self.conn_id, self.peer,
-                    self.client_id, SLOW_AFTER, DROP_BYTES)
+        log.warning("mqtt connection %s (%s): client '%s' has not read or acknowledged anything for %.0fs; "
+                    "no longer holding publishers: beyond %d bytes its QoS 0 messages are dropped, beyond %d "
+                    "waiting its QoS 1/2 ones", self.conn_id, self.peer, self.client_id, SLOW_AFTER, DROP_BYTES,
+                    DROP_QUEUED)
         self._slow = True
         self._let_go()
 
@@ -622,8 +625,13 @@ class MQTTConnection(asyncio.Protocol):
         key, targets, groups = plan[2], plan[3], plan[4]
         if targets:
             if mark is None:
-                packet = M.encode_publish(plan[5], payload)  # the same bytes for every QoS 0 session
-                for conn in targets:
+                packet = None
+                for conn, best in targets:
+                    if qos and best:
+                        conn.deliver_direct_acked(plan[5], payload, qos if qos < best else best, self)
+                        continue
+                    if packet is None:
+                        packet = M.encode_publish(plan[5], payload)  # the same bytes for every QoS 0 delivery
                     conn.deliver_direct(packet, self)
             else:
                 # A QoS 2 resend (DUP) after a reconnect is routed again and only the shards know it was
@@ -646,7 +654,8 @@ class MQTTConnection(asyncio.Protocol):
         return len(groups)
 
     def _plan(self, topic: str, qos: int) -> tuple:
-        """(defs version, direct gen, routing key, sessions served here, {shard: queue names}, topic bytes)."""
+        """(defs version, direct gen, routing key, ((session served here, its QoS for topic), ...),
+        {shard: queue names}, topic bytes)."""
         worker = self.worker
         defs = worker.defs
         vhost = self.vhost
@@ -660,8 +669,10 @@ class MQTTConnection(asyncio.Protocol):
                 conn = direct.conns.get((vhost, name))
                 if conn is None:
                     rest.append(name)
-                elif conn._sub_qos(topic) >= 0:  # not a $-topic only a first-level wildcard matched
-                    targets.append(conn)
+                else:
+                    best = conn._sub_qos(topic)
+                    if best >= 0:  # not a $-topic that only a first-level wildcard matched
+                        targets.append((conn, best))
             queues = rest
         routes = self._routes[qos]
         if len(routes) > 10_000:
@@ -933,40 +944,66 @@ class MQTTConnection(asyncio.Protocol):
 
     def deliver_direct(self, packet: bytes, publisher: MQTTConnection) -> None:
         """A QoS 0 PUBLISH from a connection of this frontend (frontend/mqtt/direct.py). While the client does
-        not keep up (our writing paused) the publisher is not read, as TCP would hold it back through
-        a broker that does not queue; a client that stays behind for SLOW_AFTER seconds holds no one
-        and loses what is beyond DROP_BYTES."""
+        not keep up the publisher is not read; a client that stays stuck for SLOW_AFTER seconds holds no
+        one and loses what is beyond DROP_BYTES."""
         if self.state != RUNNING:
             return
-        if self._write_paused:
+        if self._write_paused or self._waiting:
             if self._slow:
                 if self.transport is not None and self.transport.get_write_buffer_size() > DROP_BYTES:
                     self.dropped += 1
                     return
             elif publisher not in self._holding:
-                publisher.pause_reading(self._hold_reason)
-                self._holding.add(publisher)
-                if self._slow_timer is None:
-                    self._slow_timer = self.worker.loop.call_later(SLOW_AFTER, self._too_slow)
+                self._hold(publisher)
         self._out.append(packet)
         if not self._dirty:
             self._dirty = True
             self.worker.mark_dirty(self)
 
+    def deliver_direct_acked(self, topic: bytes, payload: bytes, qos: int, publisher: MQTTConnection) -> None:
+        """A QoS 1/2 message from a connection of this frontend: sent within the in-flight window, else
+        waits here in order (the session ends with the connection, as its transient queue would)."""
+        if self.state != RUNNING:
+            return
+        waiting = self._waiting
+        if waiting or self._write_paused or len(self.inflight) >= self.max_inflight:
+            if not self._slow:
+                if publisher not in self._holding:
+                    self._hold(publisher)
+            elif len(waiting) >= DROP_QUEUED:
+                self.dropped += 1  # a stuck client, as mosquitto's max_queued_messages
+                return
+            if waiting or len(self.inflight) >= self.max_inflight:
+                waiting.append((topic, payload, qos))
+                return
+        self._send_publish(topic, payload, qos, False, False, None)
+
+    def _send_waiting(self) -> None:
+        """The in-flight window has room again: send what waits, then let the held publishers go."""
+        waiting = self._waiting
+        inflight = self.inflight
+        room = self.max_inflight - len(inflight)
+        while waiting and room > 0:
+            topic, payload, qos = waiting.popleft()
+            self._send_publish(topic, payload, qos, False, False, None)
+            room -= 1
+        if not waiting and not self._write_paused and self._holding:
+            self._let_go()
+
+    def _hold(self, publisher: MQTTConnection) -> None:
+        publisher.pause_reading(self._hold_reason)
+        self._holding.add(publisher)
+        if self._slow_timer is None:
+            self._slow_timer = self.worker.loop.call_later(SLOW_AFTER, self._too_slow)
+
     def _serve_directly(self) -> None:
-        """After a change of subscriptions: served here while clean with QoS 0 subscriptions only; the first
-        QoS 1/2 one ends that for good (its messages must wait in the queue for acknowledgements)."""
-        direct = self._direct
+        """After a change of subscriptions: a clean session is served here (frontend/mqtt/direct.py) from
+        its first subscription to its end; publishers re-plan, as which topics it takes may have changed."""
         if self.direct:
-            if any(self.subs.values()):
-                self.direct = False
-                direct.remove(self.vhost, self.queue, self)
-            else:
-                direct.changed()  # publishers re-plan: which topics match changed
-        elif (self.clean and self.subs and self.queue is not None and not any(self.subs.values())
-              and self.consumer_tag in (None, TAG_NO_ACK)):
+            self._direct.changed()
+        elif self.clean and self.subs and self.queue is not None and self.state == RUNNING:
             self.direct = True
-            direct.add(self.vhost, self.queue, self)
+            self._direct.add(self.vhost, self.queue, self)
 
     def on_deliver(self, shard: int, item: list) -> None:
         """[DELIVER, conn, lane, tag, qid, mid, redelivered, exchange, routing_key, props, body]"""
@@ -1037,12 +1074,18 @@ class MQTTConnection(asyncio.Protocol):
 
     def _on_puback(self, pid: int) -> None:
         entry = self.inflight.pop(pid, None)
+        self._progress += 1
+        if self._waiting:
+            self._send_waiting()
         if entry is not None and entry[0] is not None:
             self._ack(*entry[0])
             self._mark_dirty()
 
     def _on_pubrec(self, pid: int) -> None:
         entry = self.inflight.pop(pid, None)
+        self._progress += 1
+        if self._waiting:
+            self._send_waiting()
         if entry is not None and entry[0] is not None and entry[1] == 2 and not self.clean:
             # The queue's shard acknowledges the message and keeps the packet id (PUBREL owed) in one
             # step (MARKED_ACK): after any crash the message is either still there to send again with
@@ -1131,6 +1174,7 @@ class MQTTConnection(asyncio.Protocol):
         if self.direct:
             self.direct = False
             self._direct.remove(self.vhost, self.queue, self)
+        self._waiting.clear()
         if self._holding or self._slow_timer is not None:
             self._let_go()
         shards = set(self.shards)

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from frontend.worker import FrontendWorker
 
 DROP_BYTES = 4 << 20
+DROP_QUEUED = 100_000
 SLOW_AFTER = 5.0
 
 
