@@ -39,7 +39,7 @@ from broker.mqtt.topics import (
 )
 from broker.permissions import READ, Access
 from broker.tls import peer_common_name
-from frontend.mqtt.direct import DROP_BYTES, DROP_QUEUED, SLOW_AFTER, direct_queues
+from frontend.mqtt.direct import DROP_BYTES, DROP_QUEUED, SLOW_AFTER, TURN_PACKETS, direct_queues
 from frontend.mqtt.messages import (
     EXCHANGE,
     INBOUND2,
@@ -296,6 +296,8 @@ class MQTTConnection(asyncio.Protocol):
             for (shard, tag), n in self._credit.items():
                 put(shard, [_CREDIT, self.conn_id, LANE, tag, n])
             self._credit = {}
+        if self._holding and not self._write_paused and not self._waiting:
+            self._let_go()  # held for this turn only: the transport took it all
         if self._close_after_flush and transport is not None:
             transport.close()
 
@@ -948,7 +950,7 @@ class MQTTConnection(asyncio.Protocol):
         one and loses what is beyond DROP_BYTES."""
         if self.state != RUNNING:
             return
-        if self._write_paused or self._waiting:
+        if self._write_paused or self._waiting or len(self._out) >= TURN_PACKETS:
             if self._slow:
                 if self.transport is not None and self.transport.get_write_buffer_size() > DROP_BYTES:
                     self.dropped += 1

@@ -10,7 +10,9 @@ publishes from other frontends or AMQP channels reach it through its shard and t
 as before. The first QoS 1/2 subscription of the session takes it out of here for good (its
 messages then wait in the queue for acknowledgements).
 
-Flow: while such a session's client does not keep up (the transport paused our writing), the
+Flow: while such a session's client does not keep up (the transport paused our writing), or once
+``TURN_PACKETS`` wait for it in one loop turn (the event loop reads each socket up to 32 times a turn:
+without this one turn could read megabytes from publishers before anything is written), the
 publishers that write to it are not read (their TCP windows fill and they wait), as they would
 be through a broker that does not queue; so the clients' CPU goes to reading, not to publishing
 messages that would pile up. A client that stays behind for ``SLOW_AFTER`` seconds holds no one any
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
 
 DROP_BYTES = 4 << 20
 DROP_QUEUED = 100_000
+TURN_PACKETS = 2000
 SLOW_AFTER = 5.0
 
 
