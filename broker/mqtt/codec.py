@@ -349,6 +349,14 @@ def encode_publish(topic: bytes, payload: bytes, qos: int = 0, retain: bool = Fa
     return b"".join((bytes((first,)), _remaining(n), head, payload))
 
 
+def publish_head(topic: bytes, payload_size: int, qos: int) -> bytes:
+    """A QoS 1/2 PUBLISH (no DUP, no retain) up to its packet identifier: the packet is
+    ``head + packet id (2 bytes) + payload``, so one head serves every subscriber of a message."""
+    n = 2 + len(topic) + 2 + payload_size
+    first = (PUBLISH << 4) | (qos << 1)
+    return b"".join((bytes((first, n)) if n < 128 else bytes((first,)) + _remaining(n), _U16.pack(len(topic)), topic))
+
+
 def encode_ack(ptype: int, packet_id: int) -> bytes:
     """PUBACK, PUBREC, PUBREL, PUBCOMP or UNSUBACK."""
     return bytes(((ptype << 4) | (2 if ptype == PUBREL else 0), 2, packet_id >> 8, packet_id & 0xFF))

@@ -61,6 +61,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("shardmq.mqtt")
 
+_PID = [i.to_bytes(2, "big") for i in range(65536)]  # packet identifiers, encoded once
 LANE = 1  # the contract's channel number for everything of an MQTT connection
 # The session queue's consumer: without acks while every subscription is QoS 0 (the shard settles
 # at delivery, no ack round trip bounds the rate), with acks and the in-flight limit as prefetch once
@@ -182,6 +183,8 @@ class MQTTConnection(asyncio.Protocol):
                 self._handle(packet)
                 if self.state == CLOSED or self._close_after_flush:
                     return
+            if self._waiting and len(self.inflight) < self.max_inflight:
+                self._send_waiting()  # once per read, not per acknowledgement
         except M.MQTTProtocolError as exc:
             self._protocol_error(str(exc))
         except Exception as exc:
@@ -319,6 +322,8 @@ class MQTTConnection(asyncio.Protocol):
         try:
             while backlog and not self._busy and self.state != CLOSED and not self._close_after_flush:
                 self._handle(backlog.popleft())
+            if self._waiting and len(self.inflight) < self.max_inflight and self.state == RUNNING:
+                self._send_waiting()
         except M.MQTTProtocolError as exc:
             self._protocol_error(str(exc))
         except Exception as exc:
@@ -628,9 +633,16 @@ class MQTTConnection(asyncio.Protocol):
         if targets:
             if mark is None:
                 packet = None
+                heads = None
                 for conn, best in targets:
                     if qos and best:
-                        conn.deliver_direct_acked(plan[5], payload, qos if qos < best else best, self)
+                        q = qos if qos < best else best
+                        if heads is None:
+                            heads = [None, None, None]
+                        head = heads[q]
+                        if head is None:
+                            head = heads[q] = M.publish_head(plan[5], len(payload), q)
+                        conn.deliver_direct_acked(head, payload, q, self)
                         continue
                     if packet is None:
                         packet = M.encode_publish(plan[5], payload)  # the same bytes for every QoS 0 delivery
@@ -962,9 +974,10 @@ class MQTTConnection(asyncio.Protocol):
             self._dirty = True
             self.worker.mark_dirty(self)
 
-    def deliver_direct_acked(self, topic: bytes, payload: bytes, qos: int, publisher: MQTTConnection) -> None:
-        """A QoS 1/2 message from a connection of this frontend: sent within the in-flight window, else
-        waits here in order (the session ends with the connection, as its transient queue would)."""
+    def deliver_direct_acked(self, head: bytes, payload: bytes, qos: int, publisher: MQTTConnection) -> None:
+        """A QoS 1/2 message from a connection of this frontend (``head``: the PUBLISH up to its packet id,
+        codec.publish_head): sent within the in-flight window, else waits here in order (the session
+        ends with the connection, as its transient queue would)."""
         if self.state != RUNNING:
             return
         waiting = self._waiting
@@ -976,19 +989,26 @@ class MQTTConnection(asyncio.Protocol):
                 self.dropped += 1  # a stuck client, as mosquitto's max_queued_messages
                 return
             if waiting or len(self.inflight) >= self.max_inflight:
-                waiting.append((topic, payload, qos))
+                waiting.append((head, payload, qos))
                 return
-        self._send_publish(topic, payload, qos, False, False, None)
+        pid = self._alloc_pid()
+        self.inflight[pid] = (None, qos)
+        self.write(head + _PID[pid] + payload)
 
     def _send_waiting(self) -> None:
         """The in-flight window has room again: send what waits, then let the held publishers go."""
         waiting = self._waiting
         inflight = self.inflight
         room = self.max_inflight - len(inflight)
+        alloc = self._alloc_pid
+        out = self._out
         while waiting and room > 0:
-            topic, payload, qos = waiting.popleft()
-            self._send_publish(topic, payload, qos, False, False, None)
+            head, payload, qos = waiting.popleft()
+            pid = alloc()
+            inflight[pid] = (None, qos)
+            out.append(head + _PID[pid] + payload)
             room -= 1
+        self._mark_dirty()
         if not waiting and not self._write_paused and self._holding:
             self._let_go()
 
@@ -1077,8 +1097,6 @@ class MQTTConnection(asyncio.Protocol):
     def _on_puback(self, pid: int) -> None:
         entry = self.inflight.pop(pid, None)
         self._progress += 1
-        if self._waiting:
-            self._send_waiting()
         if entry is not None and entry[0] is not None:
             self._ack(*entry[0])
             self._mark_dirty()
@@ -1086,8 +1104,6 @@ class MQTTConnection(asyncio.Protocol):
     def _on_pubrec(self, pid: int) -> None:
         entry = self.inflight.pop(pid, None)
         self._progress += 1
-        if self._waiting:
-            self._send_waiting()
         if entry is not None and entry[0] is not None and entry[1] == 2 and not self.clean:
             # The queue's shard acknowledges the message and keeps the packet id (PUBREL owed) in one
             # step (MARKED_ACK): after any crash the message is either still there to send again with
