@@ -154,3 +154,24 @@ def test_a_subscriber_that_stops_reading_holds_publishers_only_for_a_while(one):
     pub.publish(t, b"after", qos=1, pid=2)
     assert pub.recv(timeout=10) == M.Ack(M.PUBACK, 2)
     pub.disconnect()
+
+
+def test_a_session_publishing_to_its_own_qos1_subscription_beyond_the_window_is_not_held(one):
+    """A connection is never held while it has subscriptions: it must be read for its acknowledgements."""
+    t = _t()
+    me = _client(one)
+    assert me.subscribe(1, [(t, 1)]) == [1]
+    n = 4 * INFLIGHT
+    for i in range(n):
+        me.publish(t, b"%d" % i, qos=1, pid=i + 1)
+    got, pubacks = [], 0
+    while len(got) < n or pubacks < n:
+        p = me.recv(timeout=3)  # a held connection would wait for the stuck-client timer (5-10 s)
+        if isinstance(p, M.Ack):
+            assert p.type == M.PUBACK
+            pubacks += 1
+        else:
+            got.append(p.payload)
+            me.ack(M.PUBACK, p.packet_id)
+    assert got == [b"%d" % i for i in range(n)]
+    me.disconnect()

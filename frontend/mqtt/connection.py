@@ -130,7 +130,7 @@ class MQTTConnection(asyncio.Protocol):
         self._routes: tuple[dict, dict, dict] = ({}, {}, {})
         self._direct = direct_queues(worker)
         self.direct = False  # this (clean) session is served directly (frontend/mqtt/direct.py)
-        self._waiting: deque = deque()  # direct QoS 1/2 messages beyond the in-flight window: (topic, payload, qos)
+        self._waiting: deque = deque()  # direct QoS 1/2 messages beyond the in-flight window: (head, payload, qos)
         self._progress = 0  # acknowledgements from the client (a held session that acks is not stuck)
         self.dropped = 0  # QoS 0 messages dropped because the client did not keep up (direct.py)
         self._holding: set[MQTTConnection] = set()  # publishers paused until our writing resumes (direct.py)
@@ -214,7 +214,7 @@ class MQTTConnection(asyncio.Protocol):
     def resume_writing(self) -> None:
         self._write_paused = False
         self._slow = False
-        if self._holding and not self._waiting:
+        if (self._holding or self._slow_timer is not None) and not self._waiting:
             self._let_go()
         if self._credit:
             self._mark_dirty()
@@ -233,7 +233,7 @@ class MQTTConnection(asyncio.Protocol):
     def _too_slow(self) -> None:
         """Every SLOW_AFTER s while we hold publishers: did the client read or acknowledge anything since?"""
         self._slow_timer = None
-        if not self._holding or self.state != RUNNING or self.transport is None:
+        if self.state != RUNNING or self.transport is None or not (self._write_paused or self._waiting):
             return
         mark = (self.transport.get_write_buffer_size(), -self._progress)
         if self._slow_mark == -1 or mark < self._slow_mark:  # it goes on, only slower than they publish
@@ -299,7 +299,7 @@ class MQTTConnection(asyncio.Protocol):
             for (shard, tag), n in self._credit.items():
                 put(shard, [_CREDIT, self.conn_id, LANE, tag, n])
             self._credit = {}
-        if self._holding and not self._write_paused and not self._waiting:
+        if (self._holding or self._slow_timer is not None) and not self._write_paused and not self._waiting:
             self._let_go()  # held for this turn only: the transport took it all
         if self._close_after_flush and transport is not None:
             transport.close()
@@ -1009,13 +1009,17 @@ class MQTTConnection(asyncio.Protocol):
             out.append(head + _PID[pid] + payload)
             room -= 1
         self._mark_dirty()
-        if not waiting and not self._write_paused and self._holding:
+        if not waiting and not self._write_paused and (self._holding or self._slow_timer is not None):
             self._let_go()
 
     def _hold(self, publisher: MQTTConnection) -> None:
-        publisher.pause_reading(self._hold_reason)
-        self._holding.add(publisher)
-        if self._slow_timer is None:
+        """Stop reading a publisher while we are behind. Only a connection without subscriptions: one that
+        has some must be read for its own acknowledgements (two QoS 1 sessions publishing to each other
+        would each wait for the other), and a client may block on its writes while it does not read."""
+        if not publisher.subs:
+            publisher.pause_reading(self._hold_reason)
+            self._holding.add(publisher)
+        if self._slow_timer is None:  # a stuck client is noticed also when it holds no one
             self._slow_timer = self.worker.loop.call_later(SLOW_AFTER, self._too_slow)
 
     def _serve_directly(self) -> None:
