@@ -1,24 +1,26 @@
-"""QoS 0 sessions served in the frontend: a publish on this frontend goes straight to their connections.
+"""Clean MQTT sessions served in the frontend: a publish on this frontend goes straight to their connections.
 
-A clean MQTT session whose subscriptions are all QoS 0 needs nothing of a queue: its messages are
-neither stored across a restart nor acknowledged, and a copy is at most once. So, as RabbitMQ's
-native MQTT (3.12+) delivers QoS 0 subscriptions without a classic queue, a publish routed on this
-frontend to the (exclusive, transient) queue of such a session is written to that session's
-connection here, encoded once for all of them: no shard stores it, nothing crosses a process. The
-queue and its bindings still exist (routing, permissions and the management API see them), and
-publishes from other frontends or AMQP channels reach it through its shard and the no-ack consumer
-as before. The first QoS 1/2 subscription of the session takes it out of here for good (its
-messages then wait in the queue for acknowledgements).
+A clean session's (exclusive, transient) queue never outlives its connection: a dead frontend or
+shard ends the connection, and the queue with it. So, as RabbitMQ's native MQTT (3.12+) delivers QoS 0
+subscriptions without a classic queue, a publish routed on this frontend to such a session's queue is
+written to that session's connection here: QoS 0 encoded once for all of them, QoS 1/2 from one head
+per message (codec.publish_head) within the in-flight window, messages beyond it waiting in order in
+the connection. No shard stores it, nothing crosses a process, and the publisher's PUBACK does not wait
+for it. The queue and its bindings still exist (routing, permissions and the management API see
+them), and publishes from other frontends or AMQP channels reach it through its shard and consumer as
+before. A session is served here from its first SUBSCRIBE to its end.
 
-Flow: while such a session's client does not keep up (the transport paused our writing), or once
-``TURN_PACKETS`` wait for it in one loop turn (the event loop reads each socket up to 32 times a turn:
-without this one turn could read megabytes from publishers before anything is written), the
-publishers that write to it are not read (their TCP windows fill and they wait), as they would
-be through a broker that does not queue; so the clients' CPU goes to reading, not to publishing
-messages that would pile up. A client that stays behind for ``SLOW_AFTER`` seconds holds no one any
-more and drops what comes beyond ``DROP_BYTES`` waiting in its transport, as RabbitMQ's QoS 0 queue
-drops beyond its mailbox limit: QoS 0 is at most once, and a stalled subscriber must neither hold up
-publishers for good nor fill the memory.
+Flow: while such a session's client does not keep up (the transport paused our writing, or messages
+wait for the window), or once ``TURN_PACKETS`` wait for it in one loop turn (the event loop reads each
+socket up to 32 times a turn: without this one turn could read megabytes from publishers before
+anything is written), the publishers that write to it are not read (their TCP windows fill and they
+wait), as through a broker that does not queue; so the clients' CPU goes to reading, not to publishing
+messages that would pile up. Only connections without subscriptions are held (one with some must be
+read for its own acknowledgements). A client that reads and acknowledges nothing between two looks
+``SLOW_AFTER`` seconds apart holds no one any more and loses what comes beyond ``DROP_BYTES`` waiting
+in its transport (QoS 0) or ``DROP_QUEUED`` waiting messages (QoS 1/2), as RabbitMQ's QoS 0 queue
+drops beyond its mailbox limit and mosquitto beyond max_queued_messages: a stalled subscriber must
+neither hold up publishers for good nor fill the memory.
 """
 
 from __future__ import annotations
