@@ -15,8 +15,10 @@ clears the time before it writes its new pid, so a reader never sees the new pid
 
 ``SHARDMQ_TEST_STALL_FSYNC_WHILE=PATH`` is a fault injection for tests only: while PATH exists
 every sync of either kind blocks before its fsync, as a stalled disk would (while ``PATH.<kind>``
-exists, only that kind's) (SIGSTOP cannot show this: it stops
-the watchdog's view of the shard too, and no test machine has dm-delay). Never set it in production.
+exists, only that kind's; SIGSTOP cannot show this: it stops the watchdog's view of the shard
+too, and no test machine has dm-delay). Never set it in production.
+``SHARDMQ_TEST_STALL_KV_FSYNC_WHILE=PATH`` does the same to the KV stores' sync round (shard/kvstore.py)
+only, so a test can hold an MQTT QoS 2 mark un-synced while the queues sync.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from broker import contract
 
 _FORMAT = struct.Struct("=qd")  # pid, started (monotonic seconds; 0.0 = no sync running)
 _STALL_PATH = os.environ.get("SHARDMQ_TEST_STALL_FSYNC_WHILE") or None
+_KV_STALL_PATH = os.environ.get("SHARDMQ_TEST_STALL_KV_FSYNC_WHILE") or None
 
 
 class FsyncBeacon:
@@ -76,8 +79,11 @@ def running_since(run_dir: str, index: int) -> tuple[int, float]:
 
 
 def stall_for_tests(kind: str = "group") -> None:
-    """SHARDMQ_TEST_STALL_FSYNC_WHILE: block while the file (or its ``.<kind>`` twin) exists
-    (tests only, see above)."""
-    if _STALL_PATH is not None:
-        while os.path.exists(_STALL_PATH) or os.path.exists(f"{_STALL_PATH}.{kind}"):
+    """Block while a test's stall file exists (tests only, see above): SHARDMQ_TEST_STALL_FSYNC_WHILE
+    or its ``.<kind>`` twin, and for the KV sync also SHARDMQ_TEST_STALL_KV_FSYNC_WHILE."""
+    paths = [] if _STALL_PATH is None else [_STALL_PATH, f"{_STALL_PATH}.{kind}"]
+    if kind == "kv" and _KV_STALL_PATH is not None:
+        paths.append(_KV_STALL_PATH)
+    if paths:
+        while any(os.path.exists(path) for path in paths):
             time.sleep(0.02)
