@@ -14,6 +14,7 @@ whatever happens.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import shlex
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from loadtest import bench_doc
 from loadtest.ports import free_port
 from loadtest.rabbitmq import PrivateRabbitMQ, package_version
 
@@ -221,6 +223,7 @@ class RunOutcome:
     ok: bool
     seconds: float
     detail: str = ""
+    load1: float | None = None  # the host's 1-minute load average when the run started
 
 
 def scenario_argv(s: Scenario, args: tuple[str, ...], duration: float) -> list[str]:
@@ -245,19 +248,22 @@ def run_perf(cmd: list[str], timeout: float, log: Path) -> tuple[int, str]:
 
 def run_one(s: Scenario, broker, repeat: int, results_dir: Path, duration: float, log: Path) -> RunOutcome:  # noqa: ANN001
     started = time.monotonic()
+    load1 = os.getloadavg()[0]
     if s.prefill:
         scratch = results_dir / "_prefill"
         cmd = perf_command(scenario_argv(s, s.prefill, duration), broker.url) + [
             "--json", "--results-dir", str(scratch), "--broker-name", broker.name, "--scenario", s.name + "-prefill"]
         rc, tail = run_perf(cmd, s.timeout_s, log)
         if rc != 0:
-            return RunOutcome(s.name, broker.name, repeat, False, time.monotonic() - started, f"prefill: {tail}")
+            return RunOutcome(s.name, broker.name, repeat, False, time.monotonic() - started, f"prefill: {tail}",
+                              load1)
     cmd = perf_command(scenario_argv(s, s.argv, duration), broker.url) + [
         "--json", "--results-dir", str(results_dir), "--broker-name", broker.name, "--scenario", s.name]
     if broker.pid:
         cmd += ["--broker-pid", str(broker.pid)]
     rc, tail = run_perf(cmd, s.timeout_s, log)
-    return RunOutcome(s.name, broker.name, repeat, rc == 0, time.monotonic() - started, "" if rc == 0 else tail)
+    return RunOutcome(s.name, broker.name, repeat, rc == 0, time.monotonic() - started, "" if rc == 0 else tail,
+                      load1)
 
 
 # --------------------------------------------------------------------------- machine and doc
@@ -295,8 +301,10 @@ def machine_info(rabbitmq_version: str | None = None) -> dict[str, str]:
 
 
 def render_doc(machine: dict[str, str], command: str, table: str | None, when: str | None,
-               failures: list[RunOutcome], results_dir: str | None, notes: list[str] | None = None) -> str:
-    """The whole benchmarks page; ``notes`` are extra lines printed above the results table."""
+               failures: list[RunOutcome], results_dir: str | None, notes: list[str] | None = None,
+               results: list[str] | None = None) -> str:
+    """The whole benchmarks page; ``notes`` are extra lines printed above the results table;
+    ``results`` (bench_doc.results_section: merged runs, plots, table) replaces ``table``."""
     lines = [
         "# Benchmarks: ShardMQ vs RabbitMQ",
         "",
@@ -309,7 +317,8 @@ def render_doc(machine: dict[str, str], command: str, table: str | None, when: s
         command,
         "```",
         "",
-        "(`python -m loadtest.bench` takes the same arguments.)",
+        "(`python -m loadtest.bench` takes the same arguments; without `--scenarios` it runs every scenario",
+        "below, and `--from-results DIR` re-renders this page from the runs already in DIR.)",
         "",
         "Both brokers run on the same host on free loopback ports, each from an empty temp dir: ShardMQ as",
         "`python -m broker.cli --data-dir TMP --port FREE` (the checkout's code), RabbitMQ as Debian's `rabbitmq-server` with its own",
@@ -328,7 +337,9 @@ def render_doc(machine: dict[str, str], command: str, table: str | None, when: s
         pre = f" (prefill: `{' '.join(s.prefill)}`)" if s.prefill else ""
         lines.append(f"| {s.name} | `amqp {argv}`{pre} | {s.measures} |")
     lines += ["", "`D` is `--duration` (seconds, default 15).", "", "## Results", ""]
-    if table:
+    if results is not None:
+        lines += [*(notes or []), *([""] if notes else []), *results]
+    elif table:
         lines += [f"Measured {when}; raw results in `{results_dir}`.", ""]
         lines += [*(notes or []), *([""] if notes else []), table.rstrip(), ""]
     else:
@@ -388,7 +399,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--brokers", default="shardmq,rabbitmq", help="which brokers to run (default: both)")
     p.add_argument("--duration", type=float, default=15.0, help="seconds per time-bounded run (default 15)")
     p.add_argument("--master", default="local[*]", help="Spark master for the report")
-    p.add_argument("--doc", default=str(DEFAULT_DOC), help="Markdown file to (re)write; '' to skip")
+    p.add_argument("--doc", default=str(DEFAULT_DOC),
+                   help="Markdown file to (re)write, with its plots and merged results in the directory of the "
+                        "same name (docs/benchmarks/); '' to skip")
+    p.add_argument("--no-merge", action="store_true",
+                   help="the page shows only this run's scenarios (default: it keeps the latest numbers of the "
+                        "scenarios this run did not measure)")
+    p.add_argument("--from-results", metavar="DIR", default=None,
+                   help="run nothing: report the runs already in DIR and rewrite the page from them")
     return p
 
 
@@ -413,12 +431,47 @@ def main(argv: list[str] | None = None) -> int:
     if not wanted or set(wanted) - {"shardmq", "rabbitmq"} or args.repeats < 1:
         print("shardmq-perf bench: --brokers takes shardmq and/or rabbitmq; --repeats >= 1", file=sys.stderr)
         return 2
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    results_dir = Path(args.results_dir or Path("bench-results") / stamp).resolve()
-    results_dir.mkdir(parents=True, exist_ok=True)
+    if args.from_results is not None:
+        if not Path(args.from_results).is_dir():
+            print(f"shardmq-perf bench: --from-results: no such directory: {args.from_results}", file=sys.stderr)
+            return 2
+        results_dir = Path(args.from_results).resolve()
+        outcomes: list[RunOutcome] = []
+        rabbit_version = None
+    else:
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+        results_dir = Path(args.results_dir or Path("bench-results") / stamp).resolve()
+        results_dir.mkdir(parents=True, exist_ok=True)
+        outcomes, rabbit_version = _run_all(args, names, wanted, results_dir)
+
+    shutil.rmtree(results_dir / "_prefill", ignore_errors=True)
+    failures = [o for o in outcomes if not o.ok]
+    table: str | None = None
+    summary: dict | None = None
+    if args.from_results is not None or any(o.ok for o in outcomes):
+        rc = subprocess.run([sys.executable, "-m", "loadtest.report", str(results_dir), "--master", args.master,
+                             "--out", str(results_dir / "report")], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            check=False).returncode
+        if rc == 0:
+            table = _report_table(results_dir / "report" / "report.md")
+            summary = json.loads((results_dir / "report" / "summary.json").read_text())
+            print(table, end="")
+        else:
+            print(f"shardmq-perf bench: the Spark report failed (exit {rc})", file=sys.stderr)
+    if args.doc:
+        write_doc(Path(args.doc), argv, summary, outcomes, failures, results_dir, rabbit_version, args.no_merge)
+    if args.from_results is not None:
+        return 0 if summary is not None else 1
+    if failures:
+        print(f"{len(failures)} of {len(outcomes)} runs failed", file=sys.stderr)
+    return 0 if outcomes and not failures else 1
+
+
+def _run_all(args: argparse.Namespace, names: list[str], wanted: list[str],
+             results_dir: Path) -> tuple[list[RunOutcome], str | None]:
+    """Start the brokers, run every scenario --repeats times alternating brokers, stop the brokers."""
     log = results_dir / "bench.log"
     print(f"results: {results_dir}  (perf output: {log})", file=sys.stderr)
-
     # A SIGTERM must still reach the finally below that stops both brokers.
     signal.signal(signal.SIGTERM, _raise_interrupt)
     brokers: list = []
@@ -440,7 +493,8 @@ def main(argv: list[str] | None = None) -> int:
                     outcome = run_one(s, broker, repeat, results_dir, args.duration, log)
                     outcomes.append(outcome)
                     status = "ok" if outcome.ok else f"FAILED: {outcome.detail}"
-                    print(f"  {name} #{repeat} {broker.name}: {outcome.seconds:.1f}s {status}", file=sys.stderr)
+                    print(f"  {name} #{repeat} {broker.name}: {outcome.seconds:.1f}s (load {outcome.load1:.1f}) "
+                          f"{status}", file=sys.stderr)
     except KeyboardInterrupt:
         print("interrupted; stopping brokers", file=sys.stderr)
     finally:
@@ -449,30 +503,50 @@ def main(argv: list[str] | None = None) -> int:
                 broker.stop()
             except Exception as e:  # keep stopping the others
                 print(f"stopping {broker.name}: {e}", file=sys.stderr)
+    return outcomes, rabbit_version
 
-    shutil.rmtree(results_dir / "_prefill", ignore_errors=True)
-    failures = [o for o in outcomes if not o.ok]
-    table: str | None = None
-    if any(o.ok for o in outcomes):
-        rc = subprocess.run([sys.executable, "-m", "loadtest.report", str(results_dir), "--master", args.master,
-                             "--out", str(results_dir / "report")], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            check=False).returncode
-        if rc == 0:
-            table = _report_table(results_dir / "report" / "report.md")
-            print(table, end="")
-        else:
-            print(f"shardmq-perf bench: the Spark report failed (exit {rc})", file=sys.stderr)
-    if args.doc:
-        machine = machine_info(rabbit_version)
-        when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-        doc = render_doc(machine, _reproduce_command(argv), table, when, failures, str(results_dir))
-        old = Path(args.doc).read_text() if Path(args.doc).exists() else ""
-        tail = kept_tail(old)
-        Path(args.doc).write_text(doc + ("\n" + tail if tail else ""))
-        print(f"wrote {args.doc}", file=sys.stderr)
-    if failures:
-        print(f"{len(failures)} of {len(outcomes)} runs failed", file=sys.stderr)
-    return 0 if outcomes and not failures else 1
+
+def _measured_when(results_dir: Path) -> str:
+    """When the runs in ``results_dir`` started (the earliest run.json), else now."""
+    started = []
+    for run_json in results_dir.glob("*/run.json"):
+        try:
+            started.append(datetime.fromisoformat(json.loads(run_json.read_text())["started_at"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return (min(started) if started else datetime.now(UTC)).astimezone(UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def write_doc(doc: Path, argv: list[str], summary: dict | None, outcomes: list[RunOutcome],
+              failures: list[RunOutcome], results_dir: Path, rabbit_version: str | None,
+              no_merge: bool = False) -> None:
+    """Merge this run's report into the page's store, redraw the plots, rewrite the page (keeping its
+    hand-written tail)."""
+    assets = bench_doc.assets_dir(doc)
+    store_path = assets / bench_doc.STORE_NAME
+    store = bench_doc.empty_store() if no_merge else bench_doc.load_store(store_path)
+    when = _measured_when(results_dir)
+    if summary is not None:
+        loads = [o.load1 for o in outcomes if o.load1 is not None]
+        run = {"when": when, "commit": _git_commit() or "unknown", "command": _reproduce_command(argv),
+               "results_dir": str(results_dir), "load1": [min(loads), max(loads)] if loads else None}
+        run_id = base = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+        n = 1
+        while run_id in store["runs"]:  # two runs in one second (tests): both keep their rows
+            n += 1
+            run_id = f"{base}-{n}"
+        store = bench_doc.merge(store, summary, run_id, run, BY_NAME)
+        bench_doc.save_store(store_path, store)
+    merged = bench_doc.store_summary(store)
+    rates = {s.name: r for s in SCENARIOS if (r := bench_doc.fixed_rate(s.argv)) is not None}
+    images = bench_doc.write_plots(merged, rates, assets) if store["scenarios"] else []
+    results = bench_doc.results_section(store, merged, images, doc.parent, [s.name for s in SCENARIOS], store_path)
+    page = render_doc(machine_info(rabbit_version), _reproduce_command(argv), None, when, failures,
+                      str(results_dir), results=results)
+    tail = kept_tail(doc.read_text()) if doc.exists() else ""
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(page + ("\n" + tail if tail else ""))
+    print(f"wrote {doc} and {len(images)} plots in {assets}", file=sys.stderr)
 
 
 if __name__ == "__main__":
