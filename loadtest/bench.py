@@ -369,6 +369,7 @@ def render_doc(machine: dict[str, str], command: str, table: str | None, when: s
     return "\n".join(lines)
 
 
+RUN_INFO = "bench-run.json"  # in the results dir: the commit and command of the run
 KEEP_MARKER = "<!-- kept by shardmq-perf bench: everything below is carried over when the page is rewritten -->"
 
 
@@ -436,12 +437,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"shardmq-perf bench: --from-results: no such directory: {args.from_results}", file=sys.stderr)
             return 2
         results_dir = Path(args.from_results).resolve()
+        try:
+            run_info = json.loads((results_dir / RUN_INFO).read_text())
+        except (OSError, ValueError):  # runs of an older bench
+            run_info = {"commit": "not recorded", "command": f"(runs in {results_dir}; command not recorded)"}
         outcomes: list[RunOutcome] = []
         rabbit_version = None
     else:
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
         results_dir = Path(args.results_dir or Path("bench-results") / stamp).resolve()
         results_dir.mkdir(parents=True, exist_ok=True)
+        # what --from-results needs to name this run later (the checkout may have moved on by then)
+        run_info = {"commit": _git_commit() or "unknown", "command": _reproduce_command(argv)}
+        (results_dir / RUN_INFO).write_text(json.dumps(run_info) + "\n")
         outcomes, rabbit_version = _run_all(args, names, wanted, results_dir)
 
     shutil.rmtree(results_dir / "_prefill", ignore_errors=True)
@@ -459,7 +467,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"shardmq-perf bench: the Spark report failed (exit {rc})", file=sys.stderr)
     if args.doc:
-        write_doc(Path(args.doc), argv, summary, outcomes, failures, results_dir, rabbit_version, args.no_merge)
+        write_doc(Path(args.doc), argv, summary, outcomes, failures, results_dir, rabbit_version, args.no_merge,
+                  run_info)
     if args.from_results is not None:
         return 0 if summary is not None else 1
     if failures:
@@ -519,16 +528,17 @@ def _measured_when(results_dir: Path) -> str:
 
 def write_doc(doc: Path, argv: list[str], summary: dict | None, outcomes: list[RunOutcome],
               failures: list[RunOutcome], results_dir: Path, rabbit_version: str | None,
-              no_merge: bool = False) -> None:
+              no_merge: bool = False, run_info: dict | None = None) -> None:
     """Merge this run's report into the page's store, redraw the plots, rewrite the page (keeping its
-    hand-written tail)."""
+    hand-written tail). ``run_info`` names the run (commit, command); default: this checkout, ``argv``."""
+    run_info = run_info or {"commit": _git_commit() or "unknown", "command": _reproduce_command(argv)}
     assets = bench_doc.assets_dir(doc)
     store_path = assets / bench_doc.STORE_NAME
     store = bench_doc.empty_store() if no_merge else bench_doc.load_store(store_path)
     when = _measured_when(results_dir)
     if summary is not None:
         loads = [o.load1 for o in outcomes if o.load1 is not None]
-        run = {"when": when, "commit": _git_commit() or "unknown", "command": _reproduce_command(argv),
+        run = {"when": when, "commit": run_info.get("commit") or "unknown", "command": run_info.get("command", "?"),
                "results_dir": str(results_dir), "load1": [min(loads), max(loads)] if loads else None}
         run_id = base = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
         n = 1
@@ -541,7 +551,7 @@ def write_doc(doc: Path, argv: list[str], summary: dict | None, outcomes: list[R
     rates = {s.name: r for s in SCENARIOS if (r := bench_doc.fixed_rate(s.argv)) is not None}
     images = bench_doc.write_plots(merged, rates, assets) if store["scenarios"] else []
     results = bench_doc.results_section(store, merged, images, doc.parent, [s.name for s in SCENARIOS], store_path)
-    page = render_doc(machine_info(rabbit_version), _reproduce_command(argv), None, when, failures,
+    page = render_doc(machine_info(rabbit_version), run_info.get("command", "?"), None, when, failures,
                       str(results_dir), results=results)
     tail = kept_tail(doc.read_text()) if doc.exists() else ""
     doc.parent.mkdir(parents=True, exist_ok=True)
