@@ -333,8 +333,8 @@ def _convert(opt: Option, raw: str) -> Any:
 def _describe_default(opt: Option) -> str:
     defaults = {
         "data_dir": "/var/lib/shardmq (root) or ~/.local/share/shardmq",
-        "frontends": "cores (1 per core the node may use)",
-        "shards": "cores / 2 (at least 1)",
+        "frontends": "1 per core the node may use",
+        "shards": "1 per core the node may use",
         "loopback_users": "guest",
         "node_name": "hostname",
         "advertised_host": "hostname",

@@ -3,6 +3,8 @@
 The defaults are chosen by measurement (docs/benchmarks.md, "Default process counts"): on 1 and 2
 cores every combination of 1-2 frontends x 1-2 shards was run alternately under the same load;
 the counts for more cores are extrapolated from those two points (no bigger machine was measured).
+What changed with the measurement is what counts as a core: the ones this process may run on, not
+the host's (``available_cpus``).
 """
 
 from __future__ import annotations
@@ -66,13 +68,15 @@ def available_cpus() -> int:
 
 
 def default_frontends(cores: int) -> int:
-    """Frontend processes for ``cores``: one per core. The frontends do most of the per-message work
-    (protocol parsing, routing, framing deliveries), and on 2 cores 2 frontends beat 1 in every
-    throughput scenario measured."""
+    """Frontend processes for ``cores``: one per core. Measured on 1 and 2 cores (1 and 2 were the
+    best or within noise of the best there; fewer frontends than cores left 2 cores' throughput on
+    the table in the 4-queue scenario); one per core beyond that is extrapolated, not measured."""
     return max(1, cores)
 
 
 def default_shards(cores: int) -> int:
-    """Shard processes for ``cores``: one per two cores (at least one). On 2 cores 1 shard kept up
-    with 2 frontends and a second one cost memory and wake-ups for no gain."""
-    return max(1, cores // 2)
+    """Shard processes for ``cores``: one per core. On 2 cores 2 shards were at or near the top in
+    every scenario and the steadiest under a loaded machine; 1 shard was not consistently better in
+    any. On 1 core every count cost the same CPU per message, so the fewest processes (1) win on
+    memory. Beyond 2 cores: extrapolated."""
+    return max(1, cores)
