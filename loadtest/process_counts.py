@@ -14,7 +14,8 @@ loaded machine) and the 1-minute load average.
 ``--cores 1`` simulates a 1-core host on a bigger one: the node (and so every worker it forks) runs
 under ``taskset -c 0`` and the perf tool under ``taskset -c 1``, so the load generator does not
 take the node's core. ``all`` pins nothing: node and perf tool share every core.
-Writes DIR/runs.jsonl (one line per run) and DIR/summary.md (medians per configuration).
+Writes DIR/runs.jsonl (one line per run) and DIR/summary.md (medians per configuration);
+``--summarize A/runs.jsonl B/runs.jsonl`` prints the summary of several passes together.
 """
 
 from __future__ import annotations
@@ -104,6 +105,26 @@ def tree_cpu_seconds(root_pid: int) -> float:
     return sum(ticks.get(p, 0) for p in tree) / os.sysconf("SC_CLK_TCK")
 
 
+def tree_affinity(root_pid: int) -> list[int]:
+    """The CPUs any process of the node's tree may run on (what the pinning really gave it)."""
+    cpus: set[int] = set()
+    pids = [root_pid] + [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == root_pid]
+    for pid in pids:
+        try:
+            cpus |= os.sched_getaffinity(pid)
+        except OSError:
+            continue
+    return sorted(cpus)
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def start_node(cfg: Config, workdir: Path) -> tuple[subprocess.Popen, int]:
     port = free_port()
     extra = [a for flag in ("--mqtt-port", "--ws-port", "--http-port", "--prometheus-port") for a in (flag, "0")]
@@ -140,7 +161,8 @@ def run_scenario(cfg: Config, proc: subprocess.Popen, port: int, scenario: str, 
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=duration + 120, check=False)
     cpu = tree_cpu_seconds(proc.pid) - before
     row: dict = {"cores": cfg.cores, "frontends": cfg.frontends, "shards": cfg.shards, "scenario": scenario,
-                 "load1": round(load, 2), "node_cpu_s": round(cpu, 3), "rc": out.returncode}
+                 "load1": round(load, 2), "node_cpu_s": round(cpu, 3), "rc": out.returncode,
+                 "node_cpus": tree_affinity(proc.pid)}
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     if out.returncode != 0 or not lines:
         row["error"] = (out.stderr or out.stdout)[-500:]
@@ -156,23 +178,54 @@ def run_scenario(cfg: Config, proc: subprocess.Popen, port: int, scenario: str, 
     return row
 
 
+def _stat(rs: list[dict], key: str, fmt: str = "{:,.0f}", spread: bool = True) -> str:
+    vals = [r[key] for r in rs if r.get(key) is not None]
+    if not vals:
+        return "—"
+    text = fmt.format(statistics.median(vals))
+    return text + (f" ({fmt.format(min(vals))}–{fmt.format(max(vals))})" if spread and len(vals) > 1 else "")
+
+
 def summarize(rows: list[dict]) -> str:
-    """Markdown: per scenario, the median over rounds of each configuration's numbers."""
-    groups: dict[tuple[str, str, int, int], list[dict]] = {}
+    """Markdown: medians (min–max) over the runs of each configuration.
+
+    Saturating scenarios: msgs/s as the mean of the publish and consume rates (a publisher that
+    outruns its consumer still did work) and node CPU per message; their latency is queueing time
+    and left out. ``latency-10k``: p50 / p99 (medians of the runs' own percentiles), the lowest
+    consume rate reached (10,000 = sustained) and CPU per message.
+    """
     for r in rows:
         if "error" not in r:
-            groups.setdefault((r["scenario"], r["cores"], r["frontends"], r["shards"]), []).append(r)
-    lines = ["| scenario | cores | F x S | runs | consume msgs/s | p50 / p99 µs | node CPU µs/msg | load1 |",
-             "|---|---|---|---|---|---|---|---|"]
-
-    def med(rs: list[dict], key: str) -> float:
-        vals = [r[key] for r in rs if r.get(key) is not None]
-        return statistics.median(vals) if vals else float("nan")
-
-    for (scenario, cores, f, s), rs in sorted(groups.items()):
-        lines.append(f"| {scenario} | {cores} | {f}x{s} | {len(rs)} | {med(rs, 'consume_rate'):,.0f} | "
-                     f"{med(rs, 'p50_us'):,.0f} / {med(rs, 'p99_us'):,.0f} | {med(rs, 'cpu_us_per_msg'):.1f} | "
-                     f"{min(r['load1'] for r in rs):.1f}–{max(r['load1'] for r in rs):.1f} |")
+            r["work_rate"] = (r["publish_rate"] + r["consume_rate"]) / 2
+    groups: dict[tuple[str, str, str], list[dict]] = {}
+    for r in rows:
+        if "error" not in r:
+            groups.setdefault((r["scenario"], r["cores"], f"{r['frontends']}F x {r['shards']}S"), []).append(r)
+    configs = sorted({(c, fs) for _, c, fs in groups}, key=lambda k: (k[0] != "1", k[1]))
+    saturating = [s for s in SCENARIOS if not s.startswith("latency") and any(k[0] == s for k in groups)]
+    lines = ["| cores | frontends x shards | runs | " + " | ".join(
+        f"{s}: msgs/s | {s}: CPU µs/msg" for s in saturating) + " | load average |",
+             "|---|---|---|" + "---|---|" * len(saturating) + "---|"]
+    for cores, fs in configs:
+        cells, loads, n = [], [], 0
+        for s in saturating:
+            rs = groups.get((s, cores, fs), [])
+            n = max(n, len(rs))
+            loads += [r["load1"] for r in rs]
+            cells += [_stat(rs, "work_rate"), _stat(rs, "cpu_us_per_msg", "{:.1f}")]
+        load = f"{min(loads):.1f}–{max(loads):.1f}" if loads else "—"
+        lines.append(f"| {cores} | {fs} | {n} | " + " | ".join(cells) + f" | {load} |")
+    lat = [k for k in groups if k[0] == "latency-10k"]
+    if lat:
+        lines += ["", "| cores | frontends x shards | runs | latency-10k p50 µs | p99 µs | lowest consume msgs/s "
+                  "| CPU µs/msg | load average |", "|---|---|---|---|---|---|---|---|"]
+        for cores, fs in configs:
+            rs = groups.get(("latency-10k", cores, fs), [])
+            if rs:
+                lines.append(f"| {cores} | {fs} | {len(rs)} | {_stat(rs, 'p50_us', spread=False)} | "
+                             f"{_stat(rs, 'p99_us', spread=False)} | {min(r['consume_rate'] for r in rs):,.0f} | "
+                             f"{_stat(rs, 'cpu_us_per_msg', '{:.1f}')} | "
+                             f"{min(r['load1'] for r in rs):.1f}–{max(r['load1'] for r in rs):.1f} |")
     failed = [r for r in rows if "error" in r]
     if failed:
         lines += ["", f"{len(failed)} runs failed: "
@@ -188,7 +241,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--duration", type=float, default=6.0)
     p.add_argument("--out", default=None, help="results directory (default: a new temp dir)")
+    p.add_argument("--summarize", nargs="+", metavar="RUNS_JSONL", default=None,
+                   help="run nothing: print the summary of these runs.jsonl files together")
     args = p.parse_args(argv)
+    if args.summarize:
+        print(summarize([json.loads(ln) for f in args.summarize for ln in Path(f).read_text().splitlines() if ln]),
+              end="")
+        return 0
     if shutil.which("taskset") is None and "1" in args.cores.split(","):
         print("process_counts: --cores 1 needs taskset (util-linux)", file=sys.stderr)
         return 2
