@@ -6,8 +6,10 @@
 Starts both brokers on free loopback ports (each in its own temp dir), runs every scenario
 ``--repeats`` times against each broker in alternation (ShardMQ, RabbitMQ, ShardMQ, ...) so slow
 drift of the machine hits both alike, by invoking the perf tool once per run
-(``python -m loadtest.cli amqp ...``), then aggregates with the Spark report and writes the table,
-the machine and the command into docs/benchmarks.md. Both brokers are stopped by pid at the end,
+(``python -m loadtest.cli amqp ...``), then aggregates with the Spark report and rewrites
+docs/benchmarks.md: the report is merged into docs/benchmarks/results.json (a run of some scenarios
+keeps the others' latest numbers; loadtest/bench_doc.py), the plots are redrawn into
+docs/benchmarks/ and the page embeds them with the table, the machine and the command. Both brokers are stopped by pid at the end,
 whatever happens.
 """
 
