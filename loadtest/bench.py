@@ -444,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError):  # runs of an older bench
             run_info = {"commit": "not recorded", "command": f"(runs in {results_dir}; command not recorded)"}
         outcomes: list[RunOutcome] = []
-        rabbit_version = None
+        rabbit_version = run_info.get("rabbitmq")
     else:
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
         results_dir = Path(args.results_dir or Path("bench-results") / stamp).resolve()
@@ -453,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
         run_info = {"commit": _git_commit() or "unknown", "command": _reproduce_command(argv)}
         (results_dir / RUN_INFO).write_text(json.dumps(run_info) + "\n")
         outcomes, rabbit_version = _run_all(args, names, wanted, results_dir)
+        run_info.update(load1=_load_range(outcomes), rabbitmq=rabbit_version)
+        (results_dir / RUN_INFO).write_text(json.dumps(run_info) + "\n")
 
     shutil.rmtree(results_dir / "_prefill", ignore_errors=True)
     failures = [o for o in outcomes if not o.ok]
@@ -517,6 +519,11 @@ def _run_all(args: argparse.Namespace, names: list[str], wanted: list[str],
     return outcomes, rabbit_version
 
 
+def _load_range(outcomes: list[RunOutcome]) -> list[float] | None:
+    loads = [o.load1 for o in outcomes if o.load1 is not None]
+    return [min(loads), max(loads)] if loads else None
+
+
 def _measured_when(results_dir: Path) -> str:
     """When the runs in ``results_dir`` started (the earliest run.json), else now."""
     started = []
@@ -539,9 +546,8 @@ def write_doc(doc: Path, argv: list[str], summary: dict | None, outcomes: list[R
     store = bench_doc.empty_store() if no_merge else bench_doc.load_store(store_path)
     when = _measured_when(results_dir)
     if summary is not None:
-        loads = [o.load1 for o in outcomes if o.load1 is not None]
         run = {"when": when, "commit": run_info.get("commit") or "unknown", "command": run_info.get("command", "?"),
-               "results_dir": str(results_dir), "load1": [min(loads), max(loads)] if loads else None}
+               "results_dir": str(results_dir), "load1": _load_range(outcomes) or run_info.get("load1")}
         run_id = base = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
         n = 1
         while run_id in store["runs"]:  # two runs in one second (tests): both keep their rows
@@ -553,7 +559,9 @@ def write_doc(doc: Path, argv: list[str], summary: dict | None, outcomes: list[R
     rates = {s.name: r for s in SCENARIOS if (r := bench_doc.fixed_rate(s.argv)) is not None}
     images = bench_doc.write_plots(merged, rates, assets) if store["scenarios"] else []
     results = bench_doc.results_section(store, merged, images, doc.parent, [s.name for s in SCENARIOS], store_path)
-    page = render_doc(machine_info(rabbit_version), run_info.get("command", "?"), None, when, failures,
+    machine = machine_info(rabbit_version)
+    machine["ShardMQ commit"] = run_info.get("commit") or machine["ShardMQ commit"]  # the run's, not the checkout's
+    page = render_doc(machine, run_info.get("command", "?"), None, when, failures,
                       str(results_dir), results=results)
     tail = kept_tail(doc.read_text()) if doc.exists() else ""
     doc.parent.mkdir(parents=True, exist_ok=True)

@@ -136,7 +136,9 @@ def write_plots(summary: Summary, rates: Mapping[str, tuple[int, str]], out_dir:
                 per.setdefault(scenario, {})[broker] = (c.median, c.min, c.max)
     operations: dict[str, dict[str, tuple[float, float, float]]] = {}
     for scenario in summary.scenarios:
-        per_s = [m for m in summary.metrics.get(scenario, []) if m.startswith("extra.") and m.endswith("_per_s")]
+        # whole-run rates only: the first/last-10% rates (is it flat?) stay in the table
+        per_s = [m for m in summary.metrics.get(scenario, []) if m.startswith("extra.") and m.endswith("_per_s")
+                 and not m.startswith(("extra.first_", "extra.last_"))]
         for metric in per_s:
             name = scenario if len(per_s) == 1 else f"{scenario}: {metric.removeprefix('extra.')}"
             for broker, c in summary.cells[(scenario, metric)].items():

@@ -151,7 +151,8 @@ def test_from_results_renders_the_page_through_the_spark_report(tmp_path: Path) 
                 i += 1
                 lat = [int(rnd.lognormvariate(6 + b_i * 0.3, 0.5)) for _ in range(200)]
                 _write_run(results, i, broker, scenario, float(fixed[0] if fixed else 90_000 - 20_000 * b_i), lat)
-    (results / bench.RUN_INFO).write_text(json.dumps({"commit": "abc1234", "command": "shardmq-perf bench -r 2"}))
+    (results / bench.RUN_INFO).write_text(json.dumps({"commit": "abc1234", "command": "shardmq-perf bench -r 2",
+                                                         "load1": [1.0, 2.5]}))
     doc = tmp_path / "benchmarks.md"
     proc = subprocess.run([sys.executable, "-m", "loadtest.bench", "--from-results", str(results), "--doc", str(doc),
                            "--master", "local[1]"], cwd=bench.ROOT, capture_output=True, text=True, timeout=240)
@@ -161,7 +162,8 @@ def test_from_results_renders_the_page_through_the_spark_report(tmp_path: Path) 
         _png_size(tmp_path / "benchmarks" / name)
         assert f"](benchmarks/{name})" in page
     run_row = next(ln for ln in page.splitlines() if re.match(r"\| \d{8}T\d{6}Z", ln))
-    assert "| 2026-01-02 03:04 UTC | abc1234 |" in run_row and "`shardmq-perf bench -r 2`" in run_row
+    assert "| 2026-01-02 03:04 UTC | abc1234 | 1.0–2.5 |" in run_row and "`shardmq-perf bench -r 2`" in run_row
     assert "```sh\nshardmq-perf bench -r 2\n```" in page  # Reproduce: the run's command, not --from-results
+    assert "| ShardMQ commit | abc1234 |" in page  # the run's commit, not the checkout's
     assert _table_row(page, "publish-only-16b", "publish msgs/s")[2] == "90,000 (90,000–90,000)"
     assert _table_row(page, "latency-10k-autoack", "publish msgs/s")[3] == "10,000 (10,000–10,000)"
