@@ -32,7 +32,7 @@ from broker.http.metrics import MetricsServer
 from broker.http.server import HttpServer
 from broker.node_stats import NodeStats
 from broker.permissions import CONFIGURE, READ, WRITE, check, check_topic
-from broker.process import install_uvloop
+from broker.process import install_uvloop, raise_nofile_limit
 from broker.sdnotify import Notifier
 from broker.supervisor import Supervisor, WorkerProcess
 from broker.tls import reload_certificate, server_context
@@ -796,5 +796,6 @@ def run(settings: Settings) -> int:
     """Run a node until SIGTERM/SIGINT; returns the process exit status."""
     # Files 0600 and directories 0700 whatever umask we were started with; workers inherit it.
     os.umask(PRIVATE_UMASK)
+    raise_nofile_limit()  # one descriptor per client connection; the workers inherit it
     install_uvloop()
     return asyncio.run(_main(settings))
