@@ -568,7 +568,9 @@ class Node:
         elif op == "connection.closed":
             for owners in self.vhost_conns.values():
                 owners.discard(tuple(owner))
-            ops = defs.ops_for_owner_gone(list(owner))
+            # Only a connection that declared an exclusive queue has any (the frontend knows; an
+            # MQTT session or an older frontend does not say): the search walks every queue.
+            ops = defs.ops_for_owner_gone(list(owner)) if a.get("exclusive", True) else []
         elif op == "connection.open":
             return self._count_connection(vhost, tuple(owner), a.get("user", ""))
         else:
