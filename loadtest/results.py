@@ -218,6 +218,25 @@ def broker_rss_bytes(pid: int | None) -> int | None:
     return total
 
 
+def broker_cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU seconds used so far by ``pid`` and its descendants (live ones: a child that
+    exited took its time with it); None when pid is None or gone. On a shared machine the CPU a
+    fixed amount of work costs moves far less than its rate."""
+    if pid is None:
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for p in process_tree(pid):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        except (OSError, ValueError, IndexError):
+            if p == pid:
+                return None
+    return total / tick
+
+
 def broker_memory(pid: int | None) -> dict[str, int] | None:
     """Summed ``rss``, ``pss`` and ``uss`` (private pages) in bytes of ``pid``'s process tree, from
     /proc/PID/smaps_rollup; None when pid is None or gone. RSS counts a shared library once per

@@ -25,7 +25,7 @@ from loadtest.amqp_async import (
     raise_nofile,
 )
 from loadtest.amqp_client import AMQPClient, AMQPUri
-from loadtest.results import RunResult, broker_memory, now_iso
+from loadtest.results import RunResult, broker_cpu_seconds, broker_memory, now_iso
 
 RssFn = Callable[[], int | None]
 MemFn = Callable[[], dict[str, int] | None]
@@ -265,6 +265,8 @@ def connection_churn(args: argparse.Namespace, *, broker: str, scenario: str, br
     started_at = now_iso()
     port = AMQPUri.parse(args.uri).port
     tw_before = time_wait_sockets(port)
+    pid = getattr(args, "broker_pid", None)
+    cpu_before = broker_cpu_seconds(pid)
     work = [(args.uri, args.heartbeat, args.concurrency, duration, counters[i], errs[i]) for i in range(args.parallel)]
     procs = [ctx.Process(target=_churn_process, args=w, daemon=True) for w in work]
     t0 = time.monotonic()
@@ -287,7 +289,11 @@ def connection_churn(args: argparse.Namespace, *, broker: str, scenario: str, br
     took = time.monotonic() - t0
     total = sum(c.value for c in counters)
     tw = time_wait_sockets(port)
+    cpu_after = broker_cpu_seconds(pid)
     extra = {"connections": total, "connections_per_s": round(total / took, 1),
              "errors": sum(e.value for e in errs),
+             # The broker's CPU per connection: steadier than the rate when other work shares the cores.
+             "broker_cpu_us_per_connection": round((cpu_after - cpu_before) * 1e6 / total)
+             if cpu_before is not None and cpu_after is not None and total else None,
              **{k: max(0, v - tw_before[k]) for k, v in tw.items()}}
     return _result(args, broker, scenario, started_at, took, extra, broker_rss(), rates)

@@ -166,7 +166,7 @@ def test_connection_churn_count_matches_the_node(node_factory, capsys):
     e = r["extra"]
     n = e["connections"]
     assert n > 0 and e["errors"] == 0, e
-    assert e["connections_per_s"] > 0
+    assert e["connections_per_s"] > 0 and e["broker_cpu_us_per_connection"] > 0
     opened0, closed0 = m0["rabbitmq_connections_opened"], m0["rabbitmq_connections_closed"]
     _wait_metrics(node, lambda m: m["rabbitmq_connections_opened"] - opened0 == n
                   and m["rabbitmq_connections_closed"] - closed0 == n and m["rabbitmq_connections"] == 0,
