@@ -443,7 +443,10 @@ class AMQPConnection(asyncio.Protocol):
         self._generation += 1
         ch = Channel(self, number, self._generation)
         self.channels[number] = ch
-        self.write(_cached_frame(("channel.open-ok", number), lambda: encode_method(number, C.Channel.OpenOk())))
+        if number <= 64:  # the numbers clients use; the cache stays small whatever a client opens
+            self.write(_cached_frame(("channel.open-ok", number), lambda: encode_method(number, C.Channel.OpenOk())))
+        else:
+            self.send_method(number, C.Channel.OpenOk())
 
     def forget_channel(self, ch: Channel) -> None:
         ch.state = CLOSED
