@@ -114,6 +114,23 @@ def server_properties(frontend_index: int) -> dict:
 
 
 
+CLOSED_BATCH_S = 0.02
+_closed_pending: dict[Any, list] = {}  # worker -> owners whose connection.closed waits for the batch
+
+
+def _closed_later(worker: FrontendWorker, owner: list) -> None:
+    pending = _closed_pending.get(worker)
+    if pending is None:
+        pending = _closed_pending[worker] = []
+        worker.loop.call_later(CLOSED_BATCH_S, _send_closed, worker)
+    pending.append(owner)
+
+
+def _send_closed(worker: FrontendWorker) -> None:
+    for owner in _closed_pending.pop(worker, ()):
+        worker.node_request("connection.closed", {"owner": owner, "exclusive": False}, None)
+
+
 _NO_REASONS: frozenset = frozenset()  # an idle connection's read-pause reasons and confirm channels
 
 
@@ -760,8 +777,18 @@ class AMQPConnection(asyncio.Protocol):
             worker.shard_put(shard, [contract.CONNECTION_CLOSED, self.conn_id])
         self.channels.clear()
         self._confirm_channels = _NO_REASONS
-        if self.registered or self.had_exclusive:
-            # "exclusive": False spares the node its search for this connection's exclusive queues,
-            # a walk over every queue of every vhost (with 20,000 queues it halved the churn rate).
+        if self.had_exclusive:
+            # The node deletes this connection's exclusive queues: at once, so a client that
+            # reconnects and declares the same name does not find it still locked.
             worker.node_request("connection.closed", {"owner": [worker.index, self.conn_id],
-                                                      "exclusive": self.had_exclusive}, None)
+                                                      "exclusive": True}, None)
+        elif self.registered:
+            # Only uncounted ("exclusive": False spares the node its walk over every queue). Unless
+            # the vhost has a max-connections limit (a client waiting for the freed slot), there is
+            # no hurry: closes are sent together, one ZeroMQ send per CLOSED_BATCH_S instead of one
+            # per loop turn (a ZeroMQ send is a syscall and a wake-up of the node).
+            owner = [worker.index, self.conn_id]
+            if worker.defs.vhost_limits(self.vhost).get("max-connections") is None:
+                _closed_later(worker, owner)
+            else:
+                worker.node_request("connection.closed", {"owner": owner, "exclusive": False}, None)
