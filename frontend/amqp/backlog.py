@@ -29,7 +29,7 @@ class Backlog:
         return len(self.events)
 
     def append(self, event: Any) -> None:
-        if self.events:
+        if self.events.__class__ is deque:  # once made, always the same deque (a drain loop holds it)
             self.events.append(event)
         else:
             self.events = deque((event,))

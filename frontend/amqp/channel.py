@@ -584,7 +584,7 @@ class Channel:
         if self.global_prefetch and not consumer.no_ack and (
             self.held or (len(self.shards) > 1 and len(self.tags) >= self.global_prefetch)
         ):
-            if not self.held:
+            if self.held.__class__ is not deque:
                 self.held = deque()
             self.held.append((shard, item))
             return
