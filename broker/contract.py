@@ -138,6 +138,9 @@ REPL_ISR = 8
 
 # Requests a frontend or shard sends to the node (REQUEST op names). Args are dicts
 # with the AMQP method's fields plus "vhost" and, for frontends, "owner" = [frontend_index, conn_id].
+# A channel's declare/bind/delete also carries "chain" = the channel's key: a frontend sends the next
+# one before the previous is answered, and the node plans a chain's requests in order and skips those
+# after one that failed (broker/request_chains.py).
 REQUEST_OPS = (
     "connection.open",  # {"vhost", "user", "owner"}: counted for max-connections; open-ok waits for it
     "exchange.declare",
@@ -148,7 +151,8 @@ REQUEST_OPS = (
     "queue.bind",
     "queue.unbind",
     "queue.delete",
-    "connection.closed",  # {"owner": [fe, conn]}: delete that connection's exclusive queues
+    "connection.closed",  # {"owner": [fe, conn], "exclusive"?: bool}: uncount it, delete its exclusive queues
+    #                       (none to look for when "exclusive" is false; absent = look)
     "queue.auto_delete",  # shard -> node: last consumer of an auto-delete queue went away
     "queue.expire",  # shard -> node: an x-expires queue was unused that long; delete it if still unused
 )

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from broker.process import raise_nofile_limit
 from loadtest import bench_doc
 from loadtest.ports import free_port
 from loadtest.rabbitmq import PrivateRabbitMQ, package_version
@@ -82,6 +83,16 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("idle-connections-1000",
              ("connection-count", "--count", "1000", "--hold", "5", "--time", "60"),
              "1000 idle AMQP connections held 5 s: broker RSS"),
+    Scenario("idle-connections-10000",
+             ("connection-count", "--count", "10000", "--hold", "10", "--time", "300"),
+             "10,000 idle AMQP connections (handshake + channel.open, heartbeat as the broker proposes) opened "
+             "from one asyncio process 100 at a time, held 10 s: the broker's whole-tree RSS and PSS before and "
+             "with them, per connection = growth / 10,000",
+             timeout_s=600.0),
+    Scenario("connection-churn",
+             ("connection-churn", "--concurrency", "20", "--time", DURATION),
+             "20 concurrent loops (one asyncio process) each opening a connection (TCP, handshake, "
+             "channel.open) and closing it (connection.close, close-ok, socket closed): connections/s"),
     Scenario("queues-10000",
              ("queue-count", "--count", "10000", "--time", "60"),
              "declare 10000 queues (capped at 60 s; `queues` shows how many were declared): time, declares/s, RSS"),
@@ -485,6 +496,9 @@ def _run_all(args: argparse.Namespace, names: list[str], wanted: list[str],
     """Start the brokers, run every scenario --repeats times alternating brokers, stop the brokers."""
     log = results_dir / "bench.log"
     print(f"results: {results_dir}  (perf output: {log})", file=sys.stderr)
+    # 10,000 connections need as many descriptors in the perf tool and in each broker: the brokers
+    # and the perf runs are children of this process and inherit the limit.
+    raise_nofile_limit()
     # A SIGTERM must still reach the finally below that stops both brokers.
     signal.signal(signal.SIGTERM, _raise_interrupt)
     brokers: list = []

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import zmq
 
 from broker import contract, gc_pause, stage_trace
+from broker.datadir import name_hash
 from broker.definitions import Definitions
 from broker.fsync_beacon import FsyncBeacon, stall_for_tests
 from broker.policies import POLICY_OPS
@@ -36,7 +37,7 @@ from shard.priority_store import open_store
 from shard.queue import Queue
 from shard.replication_stream import ShardReplication
 from shard.stats import StatsReporter, SyncHistogram
-from shard.store import QueueStore, queue_dir
+from shard.store import QueueStore, make_queue_dir
 from shard.stream_queue import StreamQueue, consume_error, retention_args, segment_size
 from shard.stream_store import StreamStore
 from shard.timers import TimerHeap
@@ -154,12 +155,14 @@ class ShardWorker:
 
     # --------------------------------------------------------------- control
     def _on_control(self, _ident: bytes | None, _header, items: list) -> None:
+        applied = None  # one APPLIED per batch, for its newest DEFS (pipelined declares bring many)
         for item in items:
             kind = item[0]
             if kind == contract.SNAPSHOT:
                 self._load_snapshot(item)
             elif kind == contract.DEFS:
-                self._apply_defs(item[1], item[2])
+                self._apply_defs(item[2])
+                applied = item[1]
             elif kind == contract.QUERY:
                 self._answer_query(item[1], item[2], item[3])
             elif kind == contract.WORKER_DOWN:
@@ -181,6 +184,8 @@ class ShardWorker:
             elif kind == contract.REPL_ISR:
                 if self.repl is not None:
                     self.repl.set_isr(set(item[1]), int(item[2]))
+        if applied is not None:
+            self.node.put(None, [contract.APPLIED, applied])
 
     def _load_snapshot(self, item: list) -> None:
         _, version, defs_dict, epochs, settings = item
@@ -193,11 +198,17 @@ class ShardWorker:
             self.dead_letters.load()  # after the peers: what it recovered goes to them
             if self.ack_timeouts is None:
                 self.ack_timeouts = AckTimeouts(self, int(settings.get("consumer_timeout") or 0))
-            # A restarted shard opens (and recovers) every queue placed on it.
+            # A restarted shard opens (and recovers) every queue placed on it; each vhost dir is
+            # listed once, so opening a queue whose dir exists costs no mkdir.
+            data_dir = self.settings["data_dir"]
             for v in self.defs.vhosts.values():
+                try:
+                    present = set(os.listdir(os.path.join(data_dir, name_hash(v.name))))
+                except FileNotFoundError:
+                    present = set()
                 for name, q in v.queues.items():
                     if q.shard == self.index:
-                        self._open_queue(v.name, name)
+                        self._open_queue(v.name, name, name_hash(name) in present)
         gc_pause.settle()
         self.delayed.load()
         if settings.get("cluster") and self.repl is None:  # shards run on a leader only
@@ -215,7 +226,7 @@ class ShardWorker:
         self._schedule_deliver_all()
         self.ack_timeouts.schedule()
 
-    def _apply_defs(self, version: int, ops: list) -> None:
+    def _apply_defs(self, ops: list) -> None:
         defs = self.defs
         for op in ops:
             defs.apply(op)
@@ -231,13 +242,16 @@ class ShardWorker:
                 self.delayed.exchange_deleted(op[1], op[2])
             elif kind == "vhost.delete":
                 self.delayed.vhost_deleted(op[1])
+                # Its queues came with their own queue.delete ops before it; one declared while a
+                # sliced delete was under way (broker/node.py _commit) goes with the vhost.
+                for vhost, name in [k for k in self.queues if k[0] == op[1]]:
+                    self._delete_queue(vhost, name)
             elif kind in POLICY_OPS:
                 self._apply_policies(op[1])
-        self.node.put(None, [contract.APPLIED, version])
 
-    def _open_queue(self, vhost: str, name: str) -> None:
+    def _open_queue(self, vhost: str, name: str, exists: bool = False) -> None:
         defn = self.defs.queue(vhost, name)
-        path = queue_dir(self.settings["data_dir"], vhost, name)
+        path, made = make_queue_dir(self.settings["data_dir"], vhost, name, exists)
         args = self.defs.effective_arguments(vhost, "queue", name)
         if args.get("x-queue-type") == "stream":
             seg_size = segment_size(args, int(self.settings.get("segment_size", 8 << 20)))
@@ -248,7 +262,7 @@ class ShardWorker:
             self.queues[(vhost, name)] = sq
             self.by_qid[sq.qid] = sq
             return
-        store = open_store(path, args, int(self.settings.get("segment_size", 8 << 20)))
+        store = open_store(path, args, int(self.settings.get("segment_size", 8 << 20)), empty_dir=made)
         if needs_features(args):
             q = FeatureQueue(self._next_qid, vhost, name, defn, store, self, args)
         else:
@@ -510,20 +524,35 @@ class ShardWorker:
         The append and the mark's write happen in this one call, with no await between: a kill -9 of
         this shard keeps both or neither (both are in the kernel once written), and one of the frontend
         cannot come between them at all. So a resend after any crash finds the mark iff the message is here.
+
+        The confirm (the client's PUBREC) waits until both are durable: first the mark's KV sync, then
+        the next group sync, which covers the message's append (and, in a cluster, the ISR's acks). A
+        PUBREC sent earlier could be followed by a power cut that loses the mark: the client's resend
+        would then be stored a second time. A resend that finds the mark waits the same way, as the
+        first copy's syncs may still be running.
         """
         _, vhost, space, key, mark, pub = item
+        conn_id, channel, seq = pub[8], pub[9], pub[10]
         if self.kv.is_marked(vhost, space, key, mark):
-            seq = pub[10]
-            if seq is not None:  # stored here before: confirmed, not stored again
-                ck = (fe, pub[8], pub[9])
-                seqs = self._confirms.get(ck)
-                if seqs is None:
-                    self._confirms[ck] = [seq]
-                else:
-                    seqs.append(seq)
+            then = None if seq is None else self._confirm_after_sync(fe, conn_id, channel, seq)
+            self.kv.sync_then(vhost, space, then)
             return
-        if self._publish(fe, pub):
-            self.kv.mark(vhost, space, key, mark)
+        if not self._publish(fe, [*pub[:8], None, None, None]):  # no confirm of its own: ours below
+            if seq is not None:
+                self.data.put(fe, [contract.CONFIRM_NACK, conn_id, channel, [seq]])
+            return
+        self.kv.mark(vhost, space, key, mark,
+                     then=None if seq is None else self._confirm_after_sync(fe, conn_id, channel, seq))
+
+    def _confirm_after_sync(self, fe: bytes, conn_id: int, channel: int, seq: int) -> Callable[[bool], None]:
+        """A KV sync callback: once it succeeded, confirm seq after the next group sync (nack if it failed)."""
+        def synced(ok: bool) -> None:
+            if not ok:
+                self.data.put(fe, [contract.CONFIRM_NACK, conn_id, channel, [seq]])
+                return
+            self._sync_waiting.append((fe, conn_id, channel, seq))
+            self._start_sync()
+        return synced
 
     def _publish(self, fe: bytes, item: list) -> bool:
         """Store a PUBLISH; False when a queue refused it (the publisher gets a nack)."""
@@ -1140,4 +1169,7 @@ class ShardWorker:
 def _sync_all(stores: list[QueueStore]) -> None:
     stall_for_tests()
     for s in stores:
-        s.sync()
+        # Only stores with something to make durable: a clean store's first sync would fsync its
+        # name files and three parent dirs, 5 fsyncs for each of 100,000 idle queues at every stop.
+        if s.dirty:
+            s.sync()
