@@ -54,7 +54,7 @@ _HELLO = contract.STREAM_HELLO
 _READ_BUFFER = 256 * 1024  # starting size of a connection's read buffer; grows for bigger frames
 _MIN_READ = 64 * 1024  # free space offered to a read before unread data is moved to the front
 _RECONNECT_FIRST_S = 0.01
-_RECONNECT_MAX_S = 0.2
+_RECONNECT_MAX_S = 0.1  # ZeroMQ reconnects every 100 ms
 
 
 class _Stream(asyncio.BufferedProtocol):
