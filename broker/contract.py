@@ -2,7 +2,8 @@
 
 Every byte that crosses a process boundary inside a node is described here:
 the socket addresses, the message kinds and their fields, and the codec
-(msgpack over ZeroMQ). No other module invents a wire format.
+(msgpack over ZeroMQ, and over length-prefixed unix stream frames for the data plane with
+``--ipc-transport unix``). No other module invents a wire format.
 
 Sockets (all ``ipc://`` under the node's run directory; with ``--ipc-transport unix`` the data
 plane's ``shard-N.sock`` is a unix stream socket ``shard-N.stream`` instead, same batches, see
@@ -29,7 +30,7 @@ plane's ``shard-N.sock`` is a unix stream socket ``shard-N.stream`` instead, sam
   deduplicating exchange, M itself included): M keeps each in its outbox until N confirmed it, sends
   it again to a restarted N and, after M's own restart, again to every N (at least once).
 
-One ZeroMQ message is one *batch*: ``msgpack([header, items])``. Items are
+One ZeroMQ message (one ``STREAM_FRAME`` payload) is one *batch*: ``msgpack([header, items])``. Items are
 lists whose first element is a kind (small int). Senders collect items during
 one event-loop turn and flush once at the end of it (see ``broker.zmqio``).
 
