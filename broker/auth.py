@@ -12,17 +12,14 @@ a user listed in loopback_users may only log in from a loopback address.
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import hmac
 import ipaddress
-import os
 import struct
 
 from pamqp import decode
 
 from broker.amqp.errors import AMQPConnectionError
 from broker.definitions import Definitions, User
+from broker.passwords import matches
 
 MECHANISMS = "PLAIN AMQPLAIN"
 ACCESS_REFUSED = 403
@@ -33,24 +30,9 @@ _CONNECTION_OPEN = (10, 40)
 _LENGTH = struct.Struct(">I")
 
 
-def hash_password(password: str | bytes) -> str:
-    pw = password.encode() if isinstance(password, str) else password
-    salt = os.urandom(4)
-    return base64.b64encode(salt + hashlib.sha256(salt + pw).digest()).decode("ascii")
-
-
 def check_password(user: User | str, password: str | bytes) -> bool:
     """Whether password matches a user (or a stored hash)."""
-    stored = user.password_hash if isinstance(user, User) else user
-    pw = password.encode() if isinstance(password, str) else password
-    try:
-        raw = base64.b64decode(stored, validate=True)
-    except (ValueError, TypeError):
-        return False
-    if len(raw) != 4 + 32:
-        return False
-    salt, digest = raw[:4], raw[4:]
-    return hmac.compare_digest(hashlib.sha256(salt + pw).digest(), digest)
+    return matches(user.password_hash if isinstance(user, User) else user, password)
 
 
 def _refused(mechanism: str) -> AMQPConnectionError:

@@ -142,6 +142,9 @@ REPL_ISR = 8
 
 # Requests a frontend or shard sends to the node (REQUEST op names). Args are dicts
 # with the AMQP method's fields plus "vhost" and, for frontends, "owner" = [frontend_index, conn_id].
+# A channel's declare/bind/delete also carries "chain" = the channel's key: a frontend sends the next
+# one before the previous is answered, and the node plans a chain's requests in order and skips those
+# after one that failed (broker/request_chains.py).
 REQUEST_OPS = (
     "connection.open",  # {"vhost", "user", "owner"}: counted for max-connections; open-ok waits for it
     "exchange.declare",

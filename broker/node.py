@@ -16,6 +16,8 @@ import dataclasses
 import logging
 import os
 import signal
+from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -33,6 +35,7 @@ from broker.http.server import HttpServer
 from broker.node_stats import NodeStats
 from broker.permissions import CONFIGURE, READ, WRITE, check, check_topic
 from broker.process import install_uvloop
+from broker.request_chains import RequestChains
 from broker.sdnotify import Notifier
 from broker.supervisor import Supervisor, WorkerProcess
 from broker.tls import reload_certificate, server_context
@@ -44,6 +47,8 @@ from replication.leader import ReplicationLeader
 log = logging.getLogger("shardmq.node")
 
 _QUERY_TIMEOUT_S = 5.0
+# Ops applied and broadcast in one loop turn at most (see _commit).
+_COMMIT_SLICE = 256
 _STARTUP_TIMEOUT_S = 60.0
 
 
@@ -58,7 +63,11 @@ class Node:
         self.sup = Supervisor(self.datadir.run_dir, settings.log_level, self._on_worker_exit, self._on_spawn)
         self.by_ident: dict[bytes, WorkerProcess] = {}
         self.ctl: BatchSocket | None = None
-        self._apply_waiters: list[tuple[int, asyncio.Future]] = []
+        # (version, future) in version order: answered once every connected worker applied it.
+        # (version, worker identity not waited for or None, future), in version order.
+        self._apply_waiters: deque[tuple[int, bytes | None, asyncio.Future]] = deque()
+        self._chains = RequestChains(self.loop)  # a channel's pipelined requests, in order
+        self._snapshot: tuple[int, dict] | None = None  # (version, definitions as a SNAPSHOT carries them)
         self._queries: dict[int, asyncio.Future] = {}
         self._admin_queries: dict[int, asyncio.Future] = {}  # shard_query(): answered (ok, result)
         # The workers' periodic STATS (queue counts, connections) for the management API and metrics.
@@ -201,6 +210,7 @@ class Node:
         self.defstore = DefStore(self.datadir.path)
         with gc_pause.paused():  # 100,000 queue definitions: see broker/gc_pause.py
             self.defs = self.defstore.load(default_user=s.default_user, default_pass=s.default_pass)
+            self._snapshot = None  # versions of a reloaded model may repeat those of the cached one
             self.defs.loopback_users = tuple(s.loopback_users)
             self.defs.rebalance(s.shards)
         if s.definitions:
@@ -348,6 +358,7 @@ class Node:
 
     def _on_worker_exit(self, worker: WorkerProcess, _code: int) -> None:
         self._check_apply_waiters()
+        self._chains.forget(contract.worker_id(worker.role, worker.index))
         self.stats.forget(worker.role, worker.index)
         if worker.role == "shard" and self.repl_leader is not None:
             self.repl_leader.shard_down(worker.index)
@@ -428,7 +439,10 @@ class Node:
             self._deferred_hellos.append((ident, w, item))
             return
         settings = dataclasses.asdict(self.settings)
-        self.ctl.put(ident, [contract.SNAPSHOT, self.defs.version, self.defs.to_dict(), self.epochs, settings])
+        # Every worker says HELLO at boot: one serialization of 100,000 queues per version, not per worker.
+        if self._snapshot is None or self._snapshot[0] != self.defs.version:
+            self._snapshot = (self.defs.version, self.defs.to_dict())
+        self.ctl.put(ident, [contract.SNAPSHOT, self.defs.version, self._snapshot[1], self.epochs, settings])
         if w.role == "frontend" and self.alarms:
             self.ctl.put(ident, [contract.ALARMS, self.alarms])
         if w.role == "shard":
@@ -457,18 +471,19 @@ class Node:
 
     def _check_apply_waiters(self) -> None:
         # A worker that has not said HELLO yet gets a snapshot with the newest version, so only
-        # connected workers can hold a reply back.
-        live = [w.applied for w in self.by_ident.values() if w.connected]
-        low = min(live) if live else 1 << 62
-        keep = []
-        for version, fut in self._apply_waiters:
-            if fut.done():
-                continue
-            if version <= low:
+        # connected workers can hold a reply back. Waiters are in version order (_commit adds them
+        # right after it applies), so this costs what it answers, not what still waits.
+        waiters = self._apply_waiters
+        if not waiters:
+            return
+        live = [(ident, w.applied) for ident, w in self.by_ident.items() if w.connected]
+        while waiters:
+            version, origin, fut = waiters[0]
+            if any(applied < version for ident, applied in live if ident != origin):
+                return
+            waiters.popleft()
+            if not fut.done():
                 fut.set_result(None)
-            else:
-                keep.append((version, fut))
-        self._apply_waiters = keep
 
     # ------------------------------------------------------------- requests
     def _spawn_task(self, coro) -> None:
@@ -477,18 +492,41 @@ class Node:
         task.add_done_callback(self._tasks.discard)
 
     async def _handle_request(self, ident: bytes, req_id: int, op: str, args: dict) -> None:
-        try:
-            result = await self._execute(op, args)
-        except AMQPError as exc:
-            reply = [contract.REPLY, req_id, False, [exc.code, exc.text, exc.class_id, exc.method_id]]
-        except Exception:
-            log.exception("request %s failed", op)
-            reply = [contract.REPLY, req_id, False, [541, "INTERNAL_ERROR", 0, 0]]
+        chain = args.pop("chain", None)
+        if chain is None:
+            reply = await self._reply_to(req_id, op, args, None, ident)
         else:
-            reply = [contract.REPLY, req_id, True, result]
+            # A channel's requests (broker/request_chains.py): planned in the order sent, and none
+            # after one that failed.
+            key = (ident, tuple(args.get("owner") or ()), chain)
+            prev, mine = self._chains.link(key)
+            ok = False
+            try:
+                if self._chains.failed(key) or (prev is not None and not await prev):
+                    reply = [contract.REPLY, req_id, False, [504, "CHANNEL_ERROR - an earlier method failed", 0, 0]]
+                else:
+                    reply = await self._reply_to(req_id, op, args,
+                                                 lambda: self._chains.settle(key, mine, True), ident)
+                    ok = reply[2]
+            finally:
+                self._chains.settle(key, mine, ok)
         self.ctl.put(ident, reply)
 
-    async def _execute(self, op: str, a: dict) -> dict:
+    async def _reply_to(self, req_id: int, op: str, args: dict, on_applied: Callable[[], None] | None,
+                        origin: bytes) -> list:
+        try:
+            result = await self._execute(op, args, on_applied, origin)
+        except AMQPError as exc:
+            return [contract.REPLY, req_id, False, [exc.code, exc.text, exc.class_id, exc.method_id]]
+        except Exception:
+            log.exception("request %s failed", op)
+            return [contract.REPLY, req_id, False, [541, "INTERNAL_ERROR", 0, 0]]
+        return [contract.REPLY, req_id, True, result]
+
+    async def _execute(self, op: str, a: dict, on_applied: Callable[[], None] | None = None,
+                       origin: bytes | None = None) -> dict:
+        """Plan and commit one request; on_applied runs once its ops are applied (before durable).
+        origin: the worker that asked (see _commit)."""
         defs = self.defs
         vhost = a.get("vhost", "/")
         owner = a.get("owner")
@@ -509,17 +547,18 @@ class Node:
                 if isinstance(dlx, str):
                     check(defs, user, vhost, READ, "queue", name, 50, 10)
                     check(defs, user, vhost, WRITE, "exchange", dlx, 50, 10)
-            await self._commit(ops, op=op)
+            await self._commit(ops, op=op, on_applied=on_applied, origin=origin)
             # No counts here: the frontend asks the shard over its publish lane (QUEUE_INFO), which
             # also counts the publishes still in flight from it; asking here too cost a round trip.
-            return {"queue": name, "messages": 0, "consumers": 0}
+            # A queue this declare created has none to count ("created": the frontend answers at once).
+            return {"queue": name, "messages": 0, "consumers": 0, "created": bool(ops)}
         if op == "queue.delete":
             name = a.get("queue", "")
             check(defs, user, vhost, CONFIGURE, "queue", name, 50, 40)
             info = await self._queue_info(vhost, name) or {"messages": 0, "consumers": 0}
             ops = defs.plan_queue_delete(vhost, name, bool(a.get("if_unused")), bool(a.get("if_empty")),
                                          owner, info["consumers"], info["messages"])
-            await self._commit(ops, op=op)
+            await self._commit(ops, op=op, on_applied=on_applied, origin=origin)
             return {"messages": info["messages"] if ops else 0}
         if op == "queue.auto_delete":
             q = defs.queue(vhost, a["queue"])
@@ -574,7 +613,7 @@ class Node:
         else:
             raise AMQPError(540, f"NOT_IMPLEMENTED - unknown request {op}")
         # A closed connection's exclusive and auto-delete leftovers are cleanup, never refused.
-        await self._commit(ops, op=op, gate=op != "connection.closed")
+        await self._commit(ops, op=op, gate=op != "connection.closed", on_applied=on_applied, origin=origin)
         return {}
 
     def _check_binding(self, op: str, user: str | None, vhost: str, a: dict) -> None:
@@ -700,7 +739,8 @@ class Node:
             self._queries.pop(qid, None)
             return None
 
-    async def _commit(self, ops: list, op: str | None = None, gate: bool = True) -> None:
+    async def _commit(self, ops: list, op: str | None = None, gate: bool = True,
+                      on_applied: Callable[[], None] | None = None, origin: bytes | None = None) -> None:
         """Apply, persist and broadcast ops; return once durable and applied by every live worker.
 
         On a leader whose ISR is below --min-isr a durable change (``gate``: a client's or an
@@ -714,11 +754,26 @@ class Node:
             raise definition_gate.refusal(repl, op)
         defs = self.defs
         logged = durable_ops(defs, ops)  # judged before applying: a deleted queue is gone after
-        defs.apply_all(ops)  # bumps defs.version once per op; every replica does the same
+        if len(ops) <= _COMMIT_SLICE:
+            defs.apply_all(ops)  # bumps defs.version once per op; every replica does the same
+            self._broadcast(None, [contract.DEFS, defs.version, ops])
+        else:
+            # A vhost of 10,000 queues: applied and sent in slices, one loop turn each, so that this
+            # node and every worker (each handles a slice as one batch, a bounded number per turn)
+            # go on with other work between them: publishing to other queues must not stall.
+            for i in range(0, len(ops), _COMMIT_SLICE):
+                part = ops[i : i + _COMMIT_SLICE]
+                defs.apply_all(part)
+                self._broadcast(None, [contract.DEFS, defs.version, part])
+                await asyncio.sleep(0)  # this slice leaves in its own batch (BatchSocket.flush)
         version = defs.version
         wrote = self.defstore.record(logged)
-        self._broadcast(None, [contract.DEFS, version, ops])
-        waits = [self._wait_all_applied(version)]
+        if on_applied is not None:
+            on_applied()
+        # The worker that asked gets our DEFS before our REPLY on the same socket, and applies them
+        # before it reads the REPLY: its APPLIED need not be waited for (one process wake-up less
+        # on every declare's and bind's round trip).
+        waits = [self._wait_all_applied(version, origin)]
         if wrote:
             waits.append(self._durable())
         await asyncio.gather(*waits)
@@ -728,11 +783,12 @@ class Node:
             if not await repl.node_stream_replicated() and gate:
                 raise definition_gate.refusal(repl, op, applied=True)
 
-    async def _wait_all_applied(self, version: int) -> None:
+    def _wait_all_applied(self, version: int, origin: bytes | None = None) -> asyncio.Future:
+        # Added at once (not when a coroutine first runs), so the waiters stay in version order.
         fut = self.loop.create_future()
-        self._apply_waiters.append((version, fut))
+        self._apply_waiters.append((version, origin, fut))
         self._check_apply_waiters()
-        await fut
+        return fut
 
     async def _durable(self) -> None:
         fut = self.loop.create_future()

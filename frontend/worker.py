@@ -243,6 +243,7 @@ class FrontendWorker:
 
     # -------------------------------------------------------------- node side
     def _on_node(self, _ident: bytes | None, _header: Any, items: list) -> None:
+        applied = None  # one APPLIED per batch, for its newest DEFS (pipelined declares bring many)
         for item in items:
             kind = item[0]
             try:
@@ -254,7 +255,7 @@ class FrontendWorker:
                     defs = self.defs
                     for op in item[2]:
                         defs.apply(op)
-                    self.node.put(None, [contract.APPLIED, item[1]])
+                    applied = item[1]
                 elif kind == contract.SNAPSHOT:
                     if not self._snapshot.done():
                         self._snapshot.set_result(item[1:5])
@@ -285,6 +286,8 @@ class FrontendWorker:
                     self.loop.create_task(self.stop())
             except Exception:
                 log.exception("frontend %d: failed to handle node item kind %r", self.index, kind)
+        if applied is not None:
+            self.node.put(None, [contract.APPLIED, applied])
 
     def node_request(self, op: str, args: dict, callback: Callback | None) -> None:
         self._next_req += 1

@@ -1,7 +1,7 @@
 """``shardmq-perf``: load generator for ShardMQ (and any AMQP 0-9-1 / MQTT 3.1.1 broker).
 
     shardmq-perf amqp throughput [-x N] [-y N] [-s BYTES] [-c WINDOW] [-a N] [-z S] ...
-    shardmq-perf amqp queue-count | connection-count | bind-churn | connection-churn
+    shardmq-perf amqp queue-count | connection-count | bind-churn | connection-churn | delete-stall
     shardmq-perf amqp sink-ceiling      (the tool's own ceiling against a built-in fake broker)
     shardmq-perf mqtt throughput
     shardmq-perf bench ... | report RESULTS_DIR   (loadtest/bench.py, loadtest/report.py)
@@ -84,6 +84,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queue", default="perf-qc", help="queue name prefix (default perf-qc)")
     p.add_argument("--durable", action="store_true")
     p.add_argument("--keep", action="store_true", help="keep the queues")
+
+    p = amqp.add_parser("delete-stall",
+                        help="delete N queues (or a vhost of N queues) while a confirming publisher on "
+                             "another queue measures its worst confirm round trip")
+    _common(p, amqp_uri)
+    p.add_argument("-n", "--count", type=int, default=10000, help="queues to declare, then delete (default 10000)")
+    p.add_argument("--queue", default="perf-del", help="queue name prefix (default perf-del)")
+    p.add_argument("--durable", action="store_true", help="durable queues")
+    p.add_argument("--vhost", default="", help="declare the queues in this vhost and delete the vhost "
+                   "(through --api) instead of the queues")
+    p.add_argument("--api", default="", help="management API base URL with credentials, for --vhost "
+                   "(e.g. http://guest:guest@127.0.0.1:15672)")
 
     p = amqp.add_parser("connection-count", help="open N idle connections; report broker RSS")
     _common(p, amqp_uri)
@@ -212,7 +224,8 @@ def cmd_scenario(args: argparse.Namespace) -> int:
     from loadtest import scenarios_amqp
 
     fn = {"queue-count": scenarios_amqp.queue_count, "connection-count": scenarios_amqp.connection_count,
-          "bind-churn": scenarios_amqp.bind_churn, "connection-churn": scenarios_amqp.connection_churn}[args.command]
+          "bind-churn": scenarios_amqp.bind_churn, "connection-churn": scenarios_amqp.connection_churn,
+          "delete-stall": scenarios_amqp.delete_stall}[args.command]
     result = fn(args, broker=args.broker_name, scenario=args.scenario or f"amqp-{args.command}",
                 broker_rss=lambda: broker_rss_bytes(args.broker_pid))
 

@@ -1,4 +1,5 @@
-"""AMQP scenarios other than throughput: queue-count, connection-count, bind-churn, connection-churn.
+"""AMQP scenarios other than throughput: queue-count, connection-count, bind-churn, connection-churn,
+delete-stall.
 
 Each returns a RunResult whose ``extra`` holds the scenario's own measurements; everything it
 declares is deleted again (unless --keep), and every loop is bounded by a count or -z seconds.
@@ -7,14 +8,20 @@ declares is deleted again (unless --keep), and every loop is bounded by a count 
 from __future__ import annotations
 
 import argparse
+import base64
+import json
 import multiprocessing
 import resource
+import threading
 import time
+import urllib.parse
+import urllib.request
 from collections.abc import Callable
 from typing import Any
 
 from pamqp import commands
 
+from broker.amqp import events
 from loadtest.amqp_client import AMQPClient, AMQPClosed
 from loadtest.results import RunResult, now_iso
 
@@ -76,6 +83,9 @@ def queue_count(args: argparse.Namespace, *, broker: str, scenario: str, broker_
              # Flatness: the rate over the first and the last tenth of the chunks (500 declares each).
              "first_10pct_declares_per_s": round(500 * tenth / sum(chunk_s[:tenth]), 1) if chunk_s else None,
              "last_10pct_declares_per_s": round(500 * tenth / sum(chunk_s[-tenth:]), 1) if chunk_s else None,
+             # The rate over each tenth of the chunks in turn (a growth with the count shows as a slope).
+             "tenths_declares_per_s": [round(500 * len(chunk_s[i:i + tenth]) / sum(chunk_s[i:i + tenth]), 1)
+                                       for i in range(0, len(chunk_s), tenth)] if chunk_s else None,
              "deletes_per_s": round(len(created) / delete_s, 1) if delete_s else None,
              "rss_before_bytes": rss_before, "rss_after_bytes": rss_after,
              "rss_per_queue_bytes": (rss_after - rss_before) // len(created)
@@ -230,3 +240,130 @@ def connection_churn(args: argparse.Namespace, *, broker: str, scenario: str, br
     extra = {"connections": total, "connections_per_s": round(total / took, 1),
              "errors": sum(e.value for e in errs)}
     return _result(args, broker, scenario, started_at, took, extra, broker_rss(), rates)
+
+
+def _api(base: str, method: str, path: str, body: dict | None = None) -> None:
+    """One management API call (ShardMQ's and RabbitMQ's share these paths); base carries user:password."""
+    u = urllib.parse.urlsplit(base)
+    req = urllib.request.Request(f"{u.scheme}://{u.hostname}:{u.port}{path}", method=method,
+                                 data=json.dumps(body).encode() if body is not None else None,
+                                 headers={"content-type": "application/json"})
+    auth = f"{urllib.parse.unquote(u.username or 'guest')}:{urllib.parse.unquote(u.password or 'guest')}"
+    req.add_header("authorization", "Basic " + base64.b64encode(auth.encode()).decode())
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        resp.read()
+
+
+def _declare_many(c: AMQPClient, names: list[str], durable: bool) -> None:
+    for start in range(0, len(names), 500):
+        chunk = names[start : start + 500]
+        c.send(b"".join(_encode(commands.Queue.Declare(queue=q, durable=durable)) for q in chunk))
+        for _ in chunk:
+            c._wait_method(1, commands.Queue.DeclareOk)
+
+
+class _ConfirmProbe(threading.Thread):
+    """One publisher with confirms, one message in flight, on its own connection: (send time, round
+    trip) of every publish until stopped. A stall anywhere on its path shows as one long round trip."""
+
+    def __init__(self, uri: str, queue: str) -> None:
+        super().__init__(daemon=True)
+        self.uri, self.queue = uri, queue
+        self.samples: list[tuple[float, float]] = []
+        self.stop = threading.Event()
+        self.ready = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        from broker.amqp import encoder
+
+        try:
+            with AMQPClient(self.uri).connect() as c:
+                c.queue_declare(self.queue)
+                c.confirm_select()
+                frame = encoder.encode_publish(1, "", self.queue, False, b"\x00\x00", b"p" * 16, c.frame_max)
+                purge = _encode(commands.Queue.Purge(queue=self.queue))
+                n = 0
+                self.ready.set()
+                while not self.stop.is_set():
+                    t = time.monotonic()
+                    c.send(frame)
+                    while True:
+                        ev = c.next_event()
+                        c._handle_close(ev)
+                        if ev.__class__ is events.Ack or ev.__class__ is events.Nack:
+                            break
+                    self.samples.append((t, time.monotonic() - t))
+                    n += 1
+                    if n % 10000 == 0:  # keep the probe queue small
+                        c.send(purge)
+                        c._wait_method(1, commands.Queue.PurgeOk)
+                c.queue_delete(self.queue)
+        except BaseException as exc:  # reported by the caller
+            self.error = exc
+            self.ready.set()
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def delete_stall(args: argparse.Namespace, *, broker: str, scenario: str, broker_rss: RssFn) -> RunResult:
+    """Delete --count queues (pipelined queue.delete, or with --vhost the vhost holding them, through the
+    management API --api) while a confirming publisher (one message in flight) publishes to a queue of
+    the URI's vhost: its worst confirm round trip during the delete is the stall other queues see."""
+    started_at = now_iso()
+    names = [f"{args.queue}-{i}" for i in range(args.count)]
+    target_uri = args.uri
+    if args.vhost:
+        if not args.api:
+            raise SystemExit("delete-stall --vhost needs --api (the management API base URL)")
+        user = AMQPClient(args.uri).uri.user
+        vq = urllib.parse.quote(args.vhost, safe="")
+        _api(args.api, "PUT", f"/api/vhosts/{vq}", {})
+        _api(args.api, "PUT", f"/api/permissions/{vq}/{urllib.parse.quote(user, safe='')}",
+             {"configure": ".*", "write": ".*", "read": ".*"})
+        u = urllib.parse.urlsplit(args.uri)
+        target_uri = urllib.parse.urlunsplit((u.scheme, u.netloc, "/" + vq, "", ""))
+    with AMQPClient(target_uri).connect() as c:
+        t = time.monotonic()
+        _declare_many(c, names, args.durable)
+        declare_s = time.monotonic() - t
+        probe = _ConfirmProbe(args.uri, f"{args.queue}-probe")
+        probe.start()
+        probe.ready.wait(30)
+        time.sleep(1.0)  # the probe's round trips before the delete: the baseline
+        t0 = time.monotonic()
+        if args.vhost:
+            c.close()
+            _api(args.api, "DELETE", f"/api/vhosts/{vq}")
+        else:
+            for start in range(0, len(names), 500):
+                chunk = names[start : start + 500]
+                c.send(b"".join(_encode(commands.Queue.Delete(queue=q)) for q in chunk))
+                for _ in chunk:
+                    c._wait_method(1, commands.Queue.DeleteOk)
+        t1 = time.monotonic()
+    time.sleep(0.5)
+    probe.stop.set()
+    probe.join(30)
+    if probe.error is not None:
+        raise probe.error
+    before = [rtt for ts, rtt in probe.samples if ts < t0]
+    # A publish sent before the delete began but answered during it counts too, and so do the 0.5 s
+    # after the reply (the brokers may still be finishing: removing files, reporting stats).
+    during = [rtt for ts, rtt in probe.samples if ts + rtt >= t0]
+    ms = 1000.0
+    extra = {"queues": len(names), "vhost": args.vhost or None, "declare_s": round(declare_s, 3),
+             "delete_s": round(t1 - t0, 3),
+             "deletes_per_s": round(len(names) / (t1 - t0), 1) if t1 > t0 else None,
+             "probe_before_p50_ms": round(_percentile(before, 0.5) * ms, 2) if before else None,
+             "probe_before_max_ms": round(max(before) * ms, 2) if before else None,
+             "probe_during_confirms": len(during),
+             "probe_during_p50_ms": round(_percentile(during, 0.5) * ms, 2) if during else None,
+             "probe_during_p99_ms": round(_percentile(during, 0.99) * ms, 2) if during else None,
+             "worst_stall_ms": round(max(during) * ms, 2) if during else None}
+    return _result(args, broker, scenario, started_at, t1 - t0, extra, broker_rss())

@@ -58,11 +58,13 @@ def max_priority_of(arguments: dict | None) -> int | None:
     return min(v, MAX_PRIORITY)
 
 
-def open_store(path: str, arguments: dict | None, segment_size: int) -> QueueStore | PriorityStore:
-    """The store a queue with these arguments uses: a PriorityStore only with x-max-priority."""
+def open_store(path: str, arguments: dict | None, segment_size: int,
+               empty_dir: bool = False) -> QueueStore | PriorityStore:
+    """The store a queue with these arguments uses: a PriorityStore only with x-max-priority.
+    empty_dir: the directory was just made (QueueStore's)."""
     max_priority = max_priority_of(arguments)
     if max_priority is None:
-        return QueueStore(path, segment_size=segment_size)
+        return QueueStore(path, segment_size=segment_size, empty_dir=empty_dir)
     return PriorityStore(path, max_priority, segment_size=segment_size)
 
 

@@ -10,24 +10,79 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from broker import write_observer
 
 # Removes deleted stores' directories off the event loop: deleting a vhost of 100,000 queues must
-# not stall the shard's other queues for the seconds their unlinks take. One thread, created on
-# first use; a directory it has not removed yet when the process dies is removed at the next boot
-# (broker/datadir.py removes every queue directory no durable queue owns).
+# not stall the shard's other queues for the seconds their renames and unlinks take (a rename in a
+# directory of 10,000 entries that the reaper is emptying can wait milliseconds on the file system).
+# One thread, created on first use; a directory it has not removed yet when the process dies is
+# removed at the next boot (broker/datadir.py removes every queue directory no durable queue owns).
 _reaper: ThreadPoolExecutor | None = None
 _trash_seq = itertools.count()
+# Directories handed to the reaper and not yet renamed aside: a queue of the same name declared
+# meanwhile takes them over first (claim_path), so it never sees the old files.
+_pending: set[str] = set()
+_pending_lock = threading.Lock()
 
 
-def _remove_later(path: str) -> None:
+def _submit(fn: Any, *args: Any) -> None:
     global _reaper
     if _reaper is None:
         _reaper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-reaper")
-    _reaper.submit(shutil.rmtree, path, True)
+    _reaper.submit(fn, *args)
+
+
+def _trash_name(path: str) -> str:
+    return f"{path}.deleted-{os.getpid()}-{next(_trash_seq)}"
+
+
+def _rename_aside(path: str) -> str | None:
+    """Rename path to a trash name next to it; the trash name, or None when path is gone."""
+    trash = _trash_name(path)
+    try:
+        os.rename(path, trash)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        shutil.rmtree(path, ignore_errors=True)
+        return None
+    return trash
+
+
+def _reap(path: str) -> None:
+    """Reaper thread: rename a deleted store's directory aside (unless claimed meanwhile), remove it."""
+    with _pending_lock:
+        if path not in _pending:
+            return  # claim_path() took it over
+        trash = _rename_aside(path)
+        # Only now: claim_path's check without the lock must not see it gone before it is renamed.
+        _pending.discard(path)
+    if trash is not None:
+        shutil.rmtree(trash, True)
+
+
+def _remove_later(path: str) -> None:
+    with _pending_lock:
+        _pending.add(path)
+    _submit(_reap, path)
+
+
+def claim_path(path: str) -> None:
+    """Before a store's directory is made again: a deletion of it still waiting in the reaper is
+    done now (renamed aside here, removed by the reaper), so the new store starts empty."""
+    if not _pending:
+        return
+    with _pending_lock:
+        if path not in _pending:
+            return
+        trash = _rename_aside(path)
+        _pending.discard(path)
+    if trash is not None:
+        _submit(shutil.rmtree, trash, True)
 
 
 class MarkerFiles:
@@ -73,9 +128,9 @@ class SegmentDir(MarkerFiles):
     def delete(self, later: bool = False) -> None:
         """Close and remove the directory with all its files.
 
-        later (a queue's own directory, directly under its vhost dir): the directory is renamed
-        aside at once (so a queue of the same name can be declared right away) and its files are
-        removed by a background thread.
+        later (a queue's own directory, directly under its vhost dir): a background thread renames
+        it aside and removes its files; a queue of the same name declared before that takes the
+        directory over empty (claim_path, called by shard/store.py make_queue_dir).
         """
         self.close()
         if not later:
@@ -83,15 +138,7 @@ class SegmentDir(MarkerFiles):
             if write_observer.current is not None:
                 write_observer.current.delete(self.path)
             return
-        trash = f"{self.path}.deleted-{os.getpid()}-{next(_trash_seq)}"
-        try:
-            os.rename(self.path, trash)
-        except FileNotFoundError:
-            pass
-        except OSError:
-            shutil.rmtree(self.path, ignore_errors=True)
-        else:
-            _remove_later(trash)
+        _remove_later(self.path)
         if write_observer.current is not None:
             write_observer.current.delete(self.path)
 

@@ -33,7 +33,7 @@ from shard.segment import (
     parse_name,
     read_ack_entries,
 )
-from shard.segment_dir import SegmentDir
+from shard.segment_dir import SegmentDir, claim_path
 
 log = logging.getLogger(__name__)
 
@@ -53,17 +53,24 @@ def _sha1(name: str) -> str:
     return hashlib.sha1(name.encode()).hexdigest()
 
 
-def _write_name_file(path: str, name: str) -> None:
+def _write_name_file(path: str, name: str, new: bool = False) -> None:
     """tmp + rename, not fsynced here: the store's first sync (SegmentDir._sync_parents, in the sync
     thread, before the first confirm into the queue) makes it durable; a queue that never held a
-    message may lose it in a crash, and queue_dir() writes it again at the next open."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            if f.read() == name:
-                return
-    except OSError:
-        pass
-    tmp = path + ".tmp"
+    message may lose it in a crash, and queue_dir() writes it again at the next open. ``new``: the
+    directory was just made, there is nothing to compare with."""
+    if not new:
+        try:  # os-level: opening 100,000 queues at boot reads this file for each
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            pass
+        else:
+            try:
+                if os.read(fd, 65536) == name.encode():
+                    return
+            finally:
+                os.close(fd)
+    # Per process: both shards write a new vhost's .vhost when each opens its first queue of it.
+    tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(name)
     os.replace(tmp, path)
@@ -94,21 +101,31 @@ _vhost_dirs: set[str] = set()
 
 def queue_dir(data_dir: str, vhost: str, name: str) -> str:
     """`<data_dir>/<sha1(vhost)>/<sha1(name)>/`, created, with its `.vhost` and `.queue` name files."""
+    return make_queue_dir(data_dir, vhost, name)[0]
+
+
+def make_queue_dir(data_dir: str, vhost: str, name: str, exists: bool = False) -> tuple[str, bool]:
+    """queue_dir(), and whether the directory was made now (then it is empty: nothing to recover).
+    exists: the caller has just seen the directory (a shard's boot lists each vhost dir once)."""
     vdir = os.path.join(data_dir, _sha1(vhost))
     qdir = os.path.join(vdir, _sha1(name))
     if vdir not in _vhost_dirs:
         os.makedirs(vdir, exist_ok=True)
         _write_name_file(os.path.join(vdir, ".vhost"), vhost)
         _vhost_dirs.add(vdir)
-    try:
-        os.mkdir(qdir)
-    except FileExistsError:
-        pass
-    except FileNotFoundError:  # the vhost dir went away (vhost deleted) since we made sure of it
-        _vhost_dirs.discard(vdir)
-        return queue_dir(data_dir, vhost, name)
-    _write_name_file(os.path.join(qdir, ".queue"), name)
-    return qdir
+    made = False
+    if not exists:
+        claim_path(qdir)  # a deletion of the same name still waiting in the reaper goes first
+        try:
+            os.mkdir(qdir)
+            made = True
+        except FileExistsError:
+            pass
+        except FileNotFoundError:  # the vhost dir went away (vhost deleted) since we made sure of it
+            _vhost_dirs.discard(vdir)
+            return make_queue_dir(data_dir, vhost, name)
+    _write_name_file(os.path.join(qdir, ".queue"), name, new=made)
+    return qdir, made
 
 
 class QueueStore(SegmentDir):
@@ -116,7 +133,10 @@ class QueueStore(SegmentDir):
 
     SEGMENT_KINDS = ("msgs", "acks", "meta")
 
-    def __init__(self, path: str, *, segment_size: int = 8 << 20, keep_transient: bool = False) -> None:
+    def __init__(self, path: str, *, segment_size: int = 8 << 20, keep_transient: bool = False,
+                 empty_dir: bool = False) -> None:
+        """empty_dir: the caller has just made the (empty) directory: skip looking for files in it
+        (a declare of a new queue then costs its mkdir and name file only)."""
         self.path = path
         self._segment_size = max(int(segment_size), DATA_START + record.MIN_RECORD)
         self._keep_transient = keep_transient
@@ -142,11 +162,13 @@ class QueueStore(SegmentDir):
         # Records lost to damage (skipped, their bytes set aside; see docs/storage.md) since opened.
         self.damaged_records = 0
         self.damaged_acks = 0  # ack entries that failed their checksum
-        if not os.path.isdir(path):
-            os.makedirs(path)
         # Opened when a sync has a directory change to make durable: 100,000 idle queues hold no fd.
         self._dir_fd = -1
-        self._recover()
+        if empty_dir:
+            self._wseg = Segment(self.path, 1)  # the placeholder of an empty store (see _recover)
+            self._segs[1] = self._wseg
+        else:
+            self._recover()
         first = min(self._segs)
         self._rseg = self._segs[first]  # read cursor: segment and position of the next unread record
         self._rpos = DATA_START
@@ -614,7 +636,12 @@ class QueueStore(SegmentDir):
     def _recover(self) -> None:
         """Load the segments in the dir; never raises on garbage files (the node must start)."""
         found: dict[str, set[int]] = {"msgs": set(), "acks": set(), "meta": set()}
-        for name in os.listdir(self.path):
+        try:
+            names = os.listdir(self.path)
+        except FileNotFoundError:
+            os.makedirs(self.path)
+            names = []
+        for name in names:
             parsed = parse_name(name)
             if parsed is not None:
                 found[parsed[0]].add(parsed[1])
@@ -663,7 +690,7 @@ class QueueStore(SegmentDir):
             self._segs[no] = wseg
             self._dir_dirty = True
         self._wseg = wseg
-        mark = synced_mark.read(self.path)
+        mark = synced_mark.read(self.path) if synced_mark.NAME in names else None
         if mark is not None and (mark[0] != wseg.no or wseg.fd < 0):
             # Names a segment that is no longer the write segment: useless, and harmful once segment
             # numbers start again from 1 (an emptied queue) and reach that number with other data.

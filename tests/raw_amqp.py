@@ -185,7 +185,7 @@ class FrameClient:
     nothing hidden, nothing retried.
     """
 
-    def __init__(self, port: int, timeout: float = 10.0) -> None:
+    def __init__(self, port: int, timeout: float = 10.0, vhost: str = "/") -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
         self.buf = bytearray()
         self.sock.sendall(b"AMQP\x00\x00\x09\x01")
@@ -196,7 +196,7 @@ class FrameClient:
         tune = self.expect(0, C.Connection.Tune)
         self.frame_max = tune.frame_max
         self.send(0, C.Connection.TuneOk(channel_max=tune.channel_max, frame_max=tune.frame_max, heartbeat=0))
-        self.send(0, C.Connection.Open(virtual_host="/"))
+        self.send(0, C.Connection.Open(virtual_host=vhost))
         self.expect(0, C.Connection.OpenOk)
 
     def send(self, channel: int, *frames) -> None:

@@ -10,8 +10,9 @@ import pytest
 from amqp.serialization import _write_table
 
 from broker.amqp.errors import AMQPConnectionError
-from broker.auth import authenticate, check_password, check_vhost_access, hash_password, user_can_access_vhost
+from broker.auth import authenticate, check_password, check_vhost_access, user_can_access_vhost
 from broker.definitions import Definitions
+from broker.passwords import hash_password
 
 REFUSED_PLAIN = "Login was refused using authentication mechanism PLAIN. For details see the broker logfile."
 

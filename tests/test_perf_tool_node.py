@@ -81,3 +81,47 @@ def test_trace_stages_follows_sampled_messages_through_every_hop(node_factory, t
         assert times == sorted(times), s
     assert set(trace_stages.breakdown(paths)) == set(trace_stages.HOPS)
     assert trace_stages.main([str(trace_dir)]) == 0
+
+
+def test_queue_count_reports_rates_per_tenth(node, capsys):
+    rc = main(["amqp", "queue-count", "--uri", node.url, "-n", "2000", "--json"])
+    e = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["extra"]
+    assert rc == EXIT_OK, e
+    assert e["queues"] == 2000
+    assert len(e["tenths_declares_per_s"]) == 4 and all(r > 0 for r in e["tenths_declares_per_s"])
+    assert e["deletes_per_s"] > 0
+
+
+def test_delete_stall_deletes_queues_and_a_vhost_while_probing(node, capsys):
+    rc = main(["amqp", "delete-stall", "--uri", node.url, "-n", "300", "--json"])
+    e = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["extra"]
+    assert rc == EXIT_OK, e
+    assert e["queues"] == 300 and e["probe_during_confirms"] > 0
+    assert e["worst_stall_ms"] >= e["probe_during_p50_ms"] > 0
+    rc = main(["amqp", "delete-stall", "--uri", node.url, "-n", "300", "--durable", "--vhost", "stall-v",
+               "--api", f"http://guest:guest@127.0.0.1:{node.http_port}", "--json"])
+    e = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["extra"]
+    assert rc == EXIT_OK, e
+    assert e["vhost"] == "stall-v" and e["probe_during_confirms"] > 0
+    from tests.mgmt_api import Api
+    from tests.test_queues import exists
+
+    conn = node.connect()
+    try:  # the probe deleted its queue, and the first run its 300 queues
+        assert not exists(conn, "perf-del-probe") and not exists(conn, "perf-del-0")
+    finally:
+        conn.close()
+    assert Api(node.http_port).call("GET", "/api/vhosts/stall-v")[0] == 404
+
+
+def test_boot_time_declares_then_times_boots(tmp_path, capsys):
+    from loadtest import boot_time
+
+    assert boot_time.main(["--queues", "300", "--data-dir", str(tmp_path / "data"), "--boots", "1"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert lines[0]["declared"] == 300
+    assert lines[1]["boot"] == 1 and lines[1]["queues"] == 300 and lines[1]["ready_s"] > 0
+    # A second run finds the queues and only measures.
+    assert boot_time.main(["--queues", "300", "--data-dir", str(tmp_path / "data"), "--boots", "1"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert [list(x) for x in lines][0][0] == "boot"

@@ -42,6 +42,7 @@ from broker.definitions.validation import (
     _val,
     plain,
 )
+from broker.passwords import hash_password
 from broker.routing import (
     DELAYED_TYPE,
     EXCHANGE_TYPES,
@@ -357,7 +358,6 @@ class PlanMixin:
         if password_hash is None:
             if password is None:
                 raise ValueError("a password or a password_hash is required")
-            from broker.auth import hash_password
 
             password_hash = hash_password(password)
         return [["user.put", name, {"password_hash": password_hash, "tags": list(tags)}]]
@@ -392,7 +392,6 @@ class PlanMixin:
 
     def default_user_ops(self, user: str = "guest", password: str = "guest") -> list[list]:
         """Ops creating the default administrator with full permissions on '/'."""
-        from broker.auth import hash_password
 
         return [
             ["user.put", user, {"password_hash": hash_password(password), "tags": ["administrator"]}],

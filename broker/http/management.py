@@ -16,7 +16,6 @@ from typing import Any
 
 from aiohttp import web
 
-from broker.auth import hash_password
 from broker.http.auth import Caller, error
 from broker.http.common import (
     PRODUCT,
@@ -44,6 +43,7 @@ from broker.node_stats import (
     Q_READY,
     Q_UNACKED,
 )
+from broker.passwords import hash_password
 
 log = logging.getLogger("shardmq.http")
 

@@ -4,6 +4,9 @@ A channel handles its events one after the other. When a handler sends a
 request to the node or a shard, the channel blocks: later events wait in a
 deque until the reply unblocks it, so a publish that follows a (even nowait)
 queue.bind is routed through that binding. Other channels are unaffected.
+Declares, binds and deletes may go out while earlier ones are in flight
+(frontend/amqp/pipeline.py, Channel.may_pipeline): the backlog stays busy
+until the last of them is answered, and Channel.reply_done drains it.
 """
 
 from __future__ import annotations

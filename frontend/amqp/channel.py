@@ -39,6 +39,7 @@ from frontend.amqp.dedup_publish import publish_dedup
 from frontend.amqp.delivery_tags import DeliveryTags, group_by_shard
 from frontend.amqp.direct_reply import PREFIX as REPLY_PREFIX
 from frontend.amqp.direct_reply import PSEUDO_QUEUE, new_reply_name, route_reply
+from frontend.amqp.pipeline import MAX_IN_FLIGHT, PIPELINED, Pending, Pipeline
 from frontend.amqp.publish_extras import (
     MAX_DELAY_MS,
     delay_ms,
@@ -94,7 +95,7 @@ class Channel:
     __slots__ = (
         "conn", "number", "key", "state", "backlog", "confirm", "tags", "consumers", "prefetch_count",
         "global_prefetch", "held", "shards", "last_queue", "tx", "tx_commit", "extras", "reply_consumer",
-        "deleting", "deferred_cancels", "_handlers",
+        "deleting", "deferred_cancels", "_handlers", "pipeline",
     )
 
     def __init__(self, conn: AMQPConnection, number: int, generation: int = 0) -> None:
@@ -106,6 +107,9 @@ class Channel:
         self.key = number | (generation << 16)
         self.state = OPEN
         self.backlog = Backlog(self.handle)
+        # Declares/binds/deletes in flight at once (frontend/amqp/pipeline.py); while it holds any,
+        # backlog.busy is set so that every other event waits behind them.
+        self.pipeline = Pipeline()
         self.confirm: ConfirmTracker | None = None
         self.tags = DeliveryTags()
         self.consumers: dict[str, Consumer] = {}
@@ -133,6 +137,9 @@ class Channel:
         if self.state == OPEN:
             backlog = self.backlog
             if backlog.busy or backlog.events:
+                if self.pipeline and not backlog.events and self.may_pipeline(event):
+                    self.handle(event)  # one more declare/bind/delete in flight
+                    return
                 backlog.events.append(event)
                 if len(backlog.events) > BACKLOG_PAUSE:
                     self.conn.backlog_grew()
@@ -197,6 +204,7 @@ class Channel:
             return
         self.state = CLOSING
         self.backlog.clear()
+        self.pipeline.clear()
         # Content in progress on this channel is dropped and its frames ignored until close-ok.
         self.conn.parser.channel_closing(self.number)
         self.conn.send_method(
@@ -247,16 +255,70 @@ class Channel:
         self.reply_consumer = None
 
     # ------------------------------------------------------------- requests
-    def _node_request(self, op: str, method: Any, on_ok) -> None:
+    def _request_args(self, method: Any) -> dict:
         conn = self.conn
         args = plain(dict(method))
         args.pop("ticket", None)
         args["vhost"] = conn.vhost
         args["owner"] = [conn.worker.index, conn.conn_id]
         args["user"] = conn.user  # the node checks the user's configure/write/read permissions
+        args["chain"] = self.key  # the node plans this channel's requests in order (request_chains.py)
+        return args
+
+    def _node_request(self, op: str, method: Any, on_ok) -> None:
+        conn = self.conn
+        args = self._request_args(method)
         cid, mid = _ids(method)
         self.backlog.block()
         conn.worker.node_request(op, args, lambda ok, result: conn.on_reply(self, ok, result, on_ok, cid, mid))
+
+    def may_pipeline(self, event: Any) -> bool:
+        """May this event go to the node while earlier requests are still in flight?
+
+        Only declares, binds and deletes whose queue is named (an empty name means the channel's
+        last declared queue, known once the declares before it are answered), and a queue.delete
+        only on a channel without consumers (its basic.cancel must follow the delete-ok).
+        """
+        if event.__class__ is not E.MethodFrame or len(self.pipeline) >= MAX_IN_FLIGHT:
+            return False
+        method = event.method
+        cls = method.__class__
+        if cls not in PIPELINED:
+            return False
+        if cls is C.Queue.Bind or cls is C.Queue.Unbind:
+            return bool(method.queue)
+        if cls is C.Queue.Delete:
+            return bool(method.queue) and not self.consumers
+        return True
+
+    def _pipelined_request(self, op: str, method: Any, on_ok, on_replied=None) -> None:
+        """Send a declare/bind/delete without waiting for those before it (frontend/amqp/pipeline.py).
+
+        on_ok(result) runs in the channel's order; on_replied(pending, result), if given, runs as
+        soon as the node's ok arrives and must call self._answered(pending, ...) itself.
+        """
+        cid, mid = _ids(method)
+        pending = self.pipeline.add(on_ok, cid, mid)
+        self.backlog.busy = True  # everything else waits behind the pipeline
+
+        def replied(ok: bool, result: Any) -> None:
+            if ok and on_replied is not None:
+                on_replied(pending, result)
+            else:
+                self._answered(pending, ok, result)
+
+        self.conn.worker.node_request(op, self._request_args(method), replied)
+
+    def _answered(self, pending: Pending, ok: bool, result: Any) -> None:
+        """A pipelined request has its answer: answer the client for every request done in order."""
+        if self.state != OPEN:
+            return  # the channel failed on an earlier request (the node skipped the later ones)
+        pending.done, pending.ok, pending.result = True, ok, result
+        conn = self.conn
+        while (ready := self.pipeline.pop_ready()) is not None:
+            conn.on_reply(self, ready.ok, ready.result, ready.on_ok, ready.class_id, ready.method_id)
+            if self.state != OPEN:
+                break
 
     def _shard_request(self, shard: int, build, on_ok, method: Any) -> None:
         conn = self.conn
@@ -267,7 +329,15 @@ class Channel:
             shard, build, conn, lambda ok, result: conn.on_reply(self, ok, result, on_ok, cid, mid))
 
     def reply_done(self) -> None:
-        self.backlog.unblock()
+        """A request was answered: handle waiting events, several declares/binds at once where allowed."""
+        backlog = self.backlog
+        events = backlog.events
+        pipeline = self.pipeline
+        backlog.busy = bool(pipeline)
+        while events and self.state == OPEN:
+            if backlog.busy and not (pipeline and self.may_pipeline(events[0])):
+                break
+            self.handle(events.popleft())
 
     def reply_error(self, result: Any, class_id: int, method_id: int) -> None:
         self._flush_deferred_cancels()
@@ -477,7 +547,7 @@ class Channel:
                 self.fail(AMQPChannelError(PRECONDITION_FAILED, "partial tx completion", 90, 20))
                 return
             self._send(C.Tx.CommitOk())
-            self.backlog.unblock()
+            self.reply_done()
 
     commit_settled = _maybe_commit_ok  # frontend/amqp/shard_loss.py settles a commit whose shard died
 
@@ -632,23 +702,23 @@ class Channel:
     # ------------------------------------------------------ exchange class
     def m_exchange_declare(self, method: C.Exchange.Declare) -> None:
         nowait = method.nowait
-        self._node_request("exchange.declare", method,
-                           lambda r: None if nowait else self._send(C.Exchange.DeclareOk()))
+        self._pipelined_request("exchange.declare", method,
+                                lambda r: None if nowait else self._send(C.Exchange.DeclareOk()))
 
     def m_exchange_delete(self, method: C.Exchange.Delete) -> None:
         nowait = method.nowait
-        self._node_request("exchange.delete", method,
-                           lambda r: None if nowait else self._send(C.Exchange.DeleteOk()))
+        self._pipelined_request("exchange.delete", method,
+                                lambda r: None if nowait else self._send(C.Exchange.DeleteOk()))
 
     def m_exchange_bind(self, method: C.Exchange.Bind) -> None:
         nowait = method.nowait
-        self._node_request("exchange.bind", method,
-                           lambda r: None if nowait else self._send(C.Exchange.BindOk()))
+        self._pipelined_request("exchange.bind", method,
+                                lambda r: None if nowait else self._send(C.Exchange.BindOk()))
 
     def m_exchange_unbind(self, method: C.Exchange.Unbind) -> None:
         nowait = method.nowait
-        self._node_request("exchange.unbind", method,
-                           lambda r: None if nowait else self._send(C.Exchange.UnbindOk()))
+        self._pipelined_request("exchange.unbind", method,
+                                lambda r: None if nowait else self._send(C.Exchange.UnbindOk()))
 
     # --------------------------------------------------------- queue class
     def m_queue_declare(self, method: C.Queue.Declare) -> None:
@@ -657,35 +727,41 @@ class Channel:
         if method.exclusive:
             conn.had_exclusive = True
 
-        def declare_ok(name: str, info: dict) -> None:
-            if not nowait:
-                self._send(C.Queue.DeclareOk(name, int(info.get("messages", 0)), int(info.get("consumers", 0))))
-
-        def ok(result: dict) -> None:
+        def ok(result: dict) -> None:  # in the channel's order
             name = result.get("queue", method.queue)
             self.last_queue = name
             if method.exclusive and not method.passive:
                 conn.exclusive_queues.add(name)
+            if not nowait:
+                self._send(C.Queue.DeclareOk(name, int(result.get("messages", 0)),
+                                             int(result.get("consumers", 0))))
+
+        def replied(pending: Pending, result: dict) -> None:  # the node's ok, maybe before earlier ones
+            name = result.get("queue", method.queue)
+            if nowait or result.get("created"):  # a new queue: no message, no consumer to count
+                self._answered(pending, True, result)
+                return
             q = conn.worker.defs.queue(conn.vhost, name)
-            if nowait or q is None:
-                declare_ok(name, result)
+            if q is None:
+                self._answered(pending, True, result)
                 return
             # The node's counts may miss publishes this frontend has not yet delivered to the
             # shard; asking the shard on the same (ordered) socket as those publishes includes them.
             vhost = conn.vhost
-            self._shard_request(q.shard, lambda req_id: [_QUEUE_INFO, req_id, vhost, name],
-                                lambda info: declare_ok(name, info), method)
+            conn.worker.shard_request(
+                q.shard, lambda req_id: [_QUEUE_INFO, req_id, vhost, name], conn,
+                lambda ok, info: self._answered(pending, ok, {**info, "queue": name} if ok else info))
 
-        self._node_request("queue.declare", method, ok)
+        self._pipelined_request("queue.declare", method, ok, replied)
 
     def m_queue_bind(self, method: C.Queue.Bind) -> None:
         method.queue = self._queue_name(method.queue, method)
         nowait = method.nowait
-        self._node_request("queue.bind", method, lambda r: None if nowait else self._send(C.Queue.BindOk()))
+        self._pipelined_request("queue.bind", method, lambda r: None if nowait else self._send(C.Queue.BindOk()))
 
     def m_queue_unbind(self, method: C.Queue.Unbind) -> None:
         method.queue = self._queue_name(method.queue, method)
-        self._node_request("queue.unbind", method, lambda r: self._send(C.Queue.UnbindOk()))
+        self._pipelined_request("queue.unbind", method, lambda r: self._send(C.Queue.UnbindOk()))
 
     def m_queue_delete(self, method: C.Queue.Delete) -> None:
         name = method.queue = self._queue_name(method.queue, method)
@@ -698,8 +774,11 @@ class Channel:
                 self._send(C.Queue.DeleteOk(int(result.get("messages", 0))))
             self._flush_deferred_cancels()
 
-        self.deleting = name
-        self._node_request("queue.delete", method, ok)
+        if self.consumers:
+            self.deleting = name
+            self._node_request("queue.delete", method, ok)
+        else:  # no consumer of ours to cancel after delete-ok: other requests may be in flight with it
+            self._pipelined_request("queue.delete", method, ok)
 
     def m_queue_purge(self, method: C.Queue.Purge) -> None:
         name = self._queue_name(method.queue, method)

@@ -181,10 +181,3 @@ def plot(spark: Any, out_dir: str, png: str) -> None:
     fig.savefig(png, dpi=100)
     plt.close(fig)
 
-
-if __name__ == "__main__":  # python -m pipeline.examples.orders --out DIR [...] (= shardmq-pipeline orders)
-    import sys
-
-    from pipeline.cli import main
-
-    sys.exit(main(["orders", *sys.argv[1:]]))

@@ -1,0 +1,143 @@
+"""Boot time of a node holding many durable queues (issue #15).
+
+    python -m loadtest.boot_time --queues 100000 --data-dir /tmp/boot100k [--boots 3] [-- NODE ARGS]
+
+Starts this checkout's node on free loopback ports with DATA_DIR, declares durable queues until
+there are --queues of them (pipelined on one channel; kept across runs, so a second run only
+measures), stops it (SIGTERM), then --boots times: starts it, measures the wall time until an AMQP
+handshake succeeds and a passive declare of the last queue is answered (the node is ready and its
+queues are open), and stops it again. Prints one JSON line per boot: wall seconds and the CPU
+seconds the node and its workers used to get there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pamqp import commands
+
+from loadtest.amqp_client import AMQPClient, AMQPClosed
+from loadtest.node_process import spawn_node
+from loadtest.ports import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of pid and its live children, in seconds."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    pids = [pid]
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            pids += [int(p) for p in f.read().split()]
+    except OSError:
+        pass
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        except OSError:
+            pass
+    return total / ticks
+
+
+def _start(data_dir: Path, port: int, extra: list[str], root: Path = ROOT) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "broker.cli", "--data-dir", str(data_dir), "--port", str(port),
+            "--http-port", "0", "--prometheus-port", "0", "--mqtt-port", "0", "--ws-port", "0", *extra]
+    return spawn_node(argv, data_dir.parent / f"{data_dir.name}-logs", root)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _ready(uri: str, last_queue: str, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        try:
+            with AMQPClient(uri, timeout=5).connect() as c:
+                c.queue_declare(last_queue, passive=True, durable=True)
+                return
+        except (OSError, AMQPClosed):
+            time.sleep(0.05)
+    raise SystemExit("the node did not become ready")
+
+
+def _declare(uri: str, names: list[str]) -> None:
+    from broker.amqp import encoder
+
+    with AMQPClient(uri).connect() as c:
+        for start in range(0, len(names), 500):
+            chunk = names[start : start + 500]
+            c.send(b"".join(encoder.encode_method(1, commands.Queue.Declare(queue=q, durable=True))
+                            for q in chunk))
+            for _ in chunk:
+                c._wait_method(1, commands.Queue.DeclareOk)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtest.boot_time", description=__doc__.split("\n\n")[0])
+    p.add_argument("--queues", type=int, default=100_000, help="durable queues the node holds (default 100000)")
+    p.add_argument("--data-dir", required=True, help="the node's data dir (kept: later runs reuse the queues)")
+    p.add_argument("--boots", type=int, default=1, help="boots to time (default 1)")
+    p.add_argument("--prefix", default="boot-q", help="queue name prefix (default boot-q)")
+    p.add_argument("--checkout", default=str(ROOT),
+                   help="the checkout whose node is timed (default: this one; another for an A/B)")
+    p.add_argument("node_args", nargs=argparse.REMAINDER, help="after --: more node arguments")
+    args = p.parse_args(argv)
+    extra = [a for a in args.node_args if a != "--"]
+    data_dir = Path(args.data_dir).resolve()
+    port = free_port()
+    uri = f"amqp://guest:guest@127.0.0.1:{port}/%2F"
+    names = [f"{args.prefix}-{i}" for i in range(args.queues)]
+    root = Path(args.checkout).resolve()
+    proc = _start(data_dir, port, extra, root)
+    try:
+        _ready_handshake(uri, time.monotonic() + 120)
+        with AMQPClient(uri).connect() as c:
+            held = c.queue_exists(names[-1])
+        if not held:  # declared in order: the last one exists once all do
+            t = time.monotonic()
+            _declare(uri, names)
+            print(json.dumps({"declared": len(names), "declare_s": round(time.monotonic() - t, 2)}), flush=True)
+    finally:
+        _stop(proc)
+    for i in range(args.boots):
+        t0 = time.monotonic()
+        proc = _start(data_dir, port, extra, root)
+        try:
+            _ready(uri, names[-1], t0 + 600)
+            wall = time.monotonic() - t0
+            cpu = _cpu_seconds(proc.pid)
+            print(json.dumps({"boot": i + 1, "queues": len(names), "ready_s": round(wall, 2),
+                              "cpu_s": round(cpu, 2), "load": os.getloadavg()[0]}), flush=True)
+        finally:
+            _stop(proc)
+    return 0
+
+
+def _ready_handshake(uri: str, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        try:
+            AMQPClient(uri, timeout=5).connect().close()
+            return
+        except (OSError, AMQPClosed):
+            time.sleep(0.05)
+    raise SystemExit("the node did not start")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
