@@ -14,6 +14,8 @@ clears the time before it writes its new pid, so a reader never sees the new pid
 ``SHARDMQ_TEST_STALL_FSYNC_WHILE=PATH`` is a fault injection for tests only: while PATH exists a
 group sync blocks before its fsync, as a stalled disk would (SIGSTOP cannot show this: it stops
 the watchdog's view of the shard too, and no test machine has dm-delay). Never set it in production.
+``SHARDMQ_TEST_STALL_KV_FSYNC_WHILE=PATH`` does the same to the KV stores' sync round (shard/kvstore.py)
+only, so a test can hold an MQTT QoS 2 mark un-synced while the queues sync.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from broker import contract
 
 _FORMAT = struct.Struct("=qd")  # pid, started (monotonic seconds; 0.0 = no sync running)
 _STALL_PATH = os.environ.get("SHARDMQ_TEST_STALL_FSYNC_WHILE") or None
+_KV_STALL_PATH = os.environ.get("SHARDMQ_TEST_STALL_KV_FSYNC_WHILE") or None
 
 
 class FsyncBeacon:
@@ -67,8 +70,9 @@ def running_since(run_dir: str, index: int) -> tuple[int, float]:
     return _FORMAT.unpack(data)
 
 
-def stall_for_tests() -> None:
-    """SHARDMQ_TEST_STALL_FSYNC_WHILE: block while the file exists (tests only, see above)."""
-    if _STALL_PATH is not None:
-        while os.path.exists(_STALL_PATH):
+def stall_for_tests(kv: bool = False) -> None:
+    """SHARDMQ_TEST_STALL_FSYNC_WHILE (kv: ..._KV_FSYNC_WHILE): block while the file exists (tests only)."""
+    path = _KV_STALL_PATH if kv else _STALL_PATH
+    if path is not None:
+        while os.path.exists(path):
             time.sleep(0.02)

@@ -57,6 +57,9 @@ class WSTransport:
     def writelines(self, chunks: list[bytes]) -> None:
         self.write(b"".join(chunks))
 
+    def get_write_buffer_size(self) -> int:
+        return sum(len(data) for data in self._pending)
+
     async def _send(self) -> None:
         try:
             while self._pending and not self._ws.closed:

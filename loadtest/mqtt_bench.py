@@ -6,8 +6,9 @@ A ShardMQ node (``python -m broker.cli`` from this checkout, fresh temp data dir
 mosquitto (loadtest/mosquitto.py, persistence off) run side by side on free loopback ports with the
 same in-flight limit; every scenario runs ``--repeats`` times per broker, alternating. Prints one
 line per run and a table of medians with the ShardMQ/mosquitto ratio (consumed msgs/s: every
-subscriber gets every message, so 4/4 counts 4 deliveries per publish). Both brokers are stopped by
-pid at the end.
+subscriber gets every message, so 4/4 counts 4 deliveries per publish) and the CPU time the broker's
+processes (ShardMQ: the node and its workers) used per consumed message, which moves much less than
+msg/s on a shared machine. Both brokers are stopped by pid at the end.
 """
 
 from __future__ import annotations
@@ -64,6 +65,27 @@ class ShardMQ:
         subprocess.run(["rm", "-rf", self.dir], check=False)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of pid and of its children (for the node: its workers), from /proc."""
+    total = 0.0
+    for p in [pid, *_children(pid)]:
+        try:
+            with open(f"/proc/{p}/stat") as fh:
+                f = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as fh:
+            return [int(c) for c in fh.read().split()]
+    except OSError:
+        return []
+
+
 def run(url: str, qos: int, pubs: int, subs: int, duration: float) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-m", "loadtest.cli", "mqtt", "throughput", "--uri", url, "--qos", str(qos),
@@ -86,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     wanted = [s for s in SCENARIOS if s[0] in args.scenarios.split(",")]
     rates: dict[tuple[str, str], list[float]] = {}
+    cpu: dict[tuple[str, str], list[float]] = {}
     print(f"mosquitto {package_version()}, load average {os.getloadavg()[0]:.1f}, cores {os.cpu_count()}")
     for name, qos, pubs, subs in wanted:
         for r in range(args.repeats):
@@ -93,17 +116,23 @@ def main(argv: list[str] | None = None) -> int:
                 server = (ShardMQ(args.inflight, args.frontends, args.shards) if broker == "shardmq"
                           else PrivateMosquitto(max_inflight=args.inflight).start())
                 try:
+                    cpu0 = cpu_seconds(server.proc.pid)
                     result = run(server.url, qos, pubs, subs, args.duration)
+                    used = cpu_seconds(server.proc.pid) - cpu0
                 finally:
                     server.stop()
+                per_msg = used / result["consumed"] * 1e6 if result.get("consumed") else 0.0
                 rates.setdefault((name, broker), []).append(result["consume_rate"])
+                cpu.setdefault((name, broker), []).append(per_msg)
                 print(f"{name} run{r + 1} {broker}: publish {result['publish_rate']:.0f} consume "
-                      f"{result['consume_rate']:.0f} msgs/s{' ' + result['error'] if 'error' in result else ''}",
-                      flush=True)
-    print("\n| scenario | ShardMQ consumed msgs/s (median) | mosquitto | ratio |\n|---|---|---|---|")
+                      f"{result['consume_rate']:.0f} msgs/s, broker CPU {per_msg:.2f} us/msg, load average "
+                      f"{os.getloadavg()[0]:.1f}{' ' + result['error'] if 'error' in result else ''}", flush=True)
+    print("\n| scenario | ShardMQ consumed msgs/s (median) | mosquitto | ratio | CPU us/msg ShardMQ | mosquitto |"
+          "\n|---|---|---|---|---|---|")
     for name, *_ in wanted:
         ours, theirs = statistics.median(rates[(name, "shardmq")]), statistics.median(rates[(name, "mosquitto")])
-        print(f"| {name} | {ours:.0f} | {theirs:.0f} | {ours / theirs if theirs else 0:.2f} |")
+        print(f"| {name} | {ours:.0f} | {theirs:.0f} | {ours / theirs if theirs else 0:.2f} | "
+              f"{statistics.median(cpu[(name, 'shardmq')]):.2f} | {statistics.median(cpu[(name, 'mosquitto')]):.2f} |")
     return 0
 
 

@@ -20,12 +20,14 @@ import logging
 import os
 import struct
 import zlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgpack
 
 from broker import contract, write_observer
 from broker.datadir import name_hash
+from broker.fsync_beacon import stall_for_tests
 
 if TYPE_CHECKING:
     from shard.worker import ShardWorker
@@ -128,7 +130,7 @@ class KVStores:
         self.worker = worker
         self.stores: dict[tuple[str, str], KVStore] = {}
         self._dirty: set[KVStore] = set()
-        self._waiting: list[tuple[bytes, int]] = []
+        self._waiting: list = []  # (fe, req_id) to answer, or then(ok) to call, after the running round
         self._syncing = False
 
     def store(self, vhost: str, space: str) -> KVStore:
@@ -146,19 +148,25 @@ class KVStores:
         self._written(st, fe, req_id)
 
     def mark(self, vhost: str, space: str, key: str, mark: Any, fe: bytes | None = None,
-             req_id: int | None = None) -> bool:
+             req_id: int | None = None, then: Callable[[bool], None] | None = None) -> bool:
         """Add mark to key's list of marks (MARKED_PUBLISH); False when it was there already.
 
-        Written (os.write) now, so a kill -9 after this returns keeps it; synced with the next round.
+        Written (os.write) now, so a kill -9 after this returns keeps it; synced with the next round,
+        after which req_id is answered and ``then(ok)`` called.
         """
         st = self.store(vhost, space)
         marks = st.items.get(key)
         if marks is not None and mark in marks:
-            self._written(st, fe, req_id)
+            self._written(st, fe, req_id, then)
             return False
         st.put(key, [*(marks or ()), mark])
-        self._written(st, fe, req_id)
+        self._written(st, fe, req_id, then)
         return True
+
+    def sync_then(self, vhost: str, space: str, then: Callable[[bool], None] | None) -> None:
+        """Call ``then(ok)`` once what the store holds now is durable (it syncs in the next round, written
+        since or not: what an earlier round is still syncing must not count as durable yet)."""
+        self._written(self.store(vhost, space), None, None, then)
 
     def is_marked(self, vhost: str, space: str, key: str, mark: Any) -> bool:
         marks = self.store(vhost, space).items.get(key)
@@ -174,7 +182,8 @@ class KVStores:
             st.put(key, rest or None)
         self._written(st, fe, req_id)
 
-    def _written(self, st: KVStore, fe: bytes | None, req_id: int | None) -> None:
+    def _written(self, st: KVStore, fe: bytes | None, req_id: int | None,
+                 then: Callable[[bool], None] | None = None) -> None:
         if st.wants_compaction and not self._syncing:
             # Small stores (retained messages, session records): the rewrite's fsync is short, and a
             # sync thread never holds this fd at the same time.
@@ -182,6 +191,8 @@ class KVStores:
         self._dirty.add(st)
         if req_id is not None:
             self._waiting.append((fe, req_id))
+        if then is not None:
+            self._waiting.append(then)
         self._start_sync()
 
     def handle_get(self, fe: bytes, item: list) -> None:
@@ -223,7 +234,14 @@ class KVStores:
 
     def _reply(self, waiting: list, error: str | None) -> None:
         put = self.worker.data.put
-        for fe, req_id in waiting:
+        for waiter in waiting:
+            if callable(waiter):  # then(ok) of mark / sync_then
+                try:
+                    waiter(error is None)
+                except Exception:
+                    log.exception("kv store: a sync callback failed")
+                continue
+            fe, req_id = waiter
             if error is None:
                 put(fe, [contract.REPLY_DATA, req_id, True, {}])
             else:
@@ -238,5 +256,6 @@ class KVStores:
 
 
 def _fsync_all(fds: list[int]) -> None:
+    stall_for_tests(kv=True)
     for fd in fds:
         os.fsync(fd)

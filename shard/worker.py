@@ -523,20 +523,35 @@ class ShardWorker:
         The append and the mark's write happen in this one call, with no await between: a kill -9 of
         this shard keeps both or neither (both are in the kernel once written), and one of the frontend
         cannot come between them at all. So a resend after any crash finds the mark iff the message is here.
+
+        The confirm (the client's PUBREC) waits until both are durable: first the mark's KV sync, then
+        the next group sync, which covers the message's append (and, in a cluster, the ISR's acks). A
+        PUBREC sent earlier could be followed by a power cut that loses the mark: the client's resend
+        would then be stored a second time. A resend that finds the mark waits the same way, as the
+        first copy's syncs may still be running.
         """
         _, vhost, space, key, mark, pub = item
+        conn_id, channel, seq = pub[8], pub[9], pub[10]
         if self.kv.is_marked(vhost, space, key, mark):
-            seq = pub[10]
-            if seq is not None:  # stored here before: confirmed, not stored again
-                ck = (fe, pub[8], pub[9])
-                seqs = self._confirms.get(ck)
-                if seqs is None:
-                    self._confirms[ck] = [seq]
-                else:
-                    seqs.append(seq)
+            then = None if seq is None else self._confirm_after_sync(fe, conn_id, channel, seq)
+            self.kv.sync_then(vhost, space, then)
             return
-        if self._publish(fe, pub):
-            self.kv.mark(vhost, space, key, mark)
+        if not self._publish(fe, [*pub[:8], None, None, None]):  # no confirm of its own: ours below
+            if seq is not None:
+                self.data.put(fe, [contract.CONFIRM_NACK, conn_id, channel, [seq]])
+            return
+        self.kv.mark(vhost, space, key, mark,
+                     then=None if seq is None else self._confirm_after_sync(fe, conn_id, channel, seq))
+
+    def _confirm_after_sync(self, fe: bytes, conn_id: int, channel: int, seq: int) -> Callable[[bool], None]:
+        """A KV sync callback: once it succeeded, confirm seq after the next group sync (nack if it failed)."""
+        def synced(ok: bool) -> None:
+            if not ok:
+                self.data.put(fe, [contract.CONFIRM_NACK, conn_id, channel, [seq]])
+                return
+            self._sync_waiting.append((fe, conn_id, channel, seq))
+            self._start_sync()
+        return synced
 
     def _publish(self, fe: bytes, item: list) -> bool:
         """Store a PUBLISH; False when a queue refused it (the publisher gets a nack)."""

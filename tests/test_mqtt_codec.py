@@ -28,6 +28,12 @@ def test_publish_round_trips_split_anywhere(topic, payload, qos, retain, pid, cu
     assert packets == [M.Publish(topic, payload, qos, retain, qos > 0, pid if qos else 0)]
 
 
+@given(topic=text.filter(bool), payload=st.binary(max_size=300), qos=st.integers(1, 2), pid=st.integers(1, 65535))
+def test_publish_head_plus_packet_id_plus_payload_is_the_publish(topic, payload, qos, pid):
+    head = M.publish_head(topic.encode(), len(payload), qos)
+    assert head + pid.to_bytes(2, "big") + payload == M.encode_publish(topic.encode(), payload, qos, packet_id=pid)
+
+
 @given(client_id=text, clean=st.booleans(), keep=st.integers(0, 65535), user=st.none() | text,
        will=st.none() | st.tuples(text.filter(bool), st.binary(max_size=20), st.integers(0, 2), st.booleans()))
 def test_connect_round_trips(client_id, clean, keep, user, will):

@@ -476,3 +476,48 @@ def test_qos2_pubrec_survives_a_kill_9_of_the_frontend_and_the_session_shard(nod
     nxt = sub.recv(timeout=10)  # the next message, not the old one again
     assert nxt.payload == b"next", nxt
     sub.disconnect()
+
+
+def test_qos2_pubrec_waits_until_the_packet_id_mark_is_synced(node_factory, tmp_path):
+    """PUBREC for a QoS 2 PUBLISH of a persistent session goes out only once the shard's packet-id mark
+    (shard/kvstore.py, what makes a resend after a crash count once) is fsynced, not merely written: a
+    power cut between an early PUBREC and that sync would let the client's resend be stored twice.
+
+    The KV stores' sync is held (SHARDMQ_TEST_STALL_KV_FSYNC_WHILE) while the queues' group sync runs.
+    A QoS 1 publish stored after the QoS 2 one gets its PUBACK: a group sync after the QoS 2 message's
+    append has completed, so an early PUBREC would have been written by the frontend already (the
+    same turn or before). No PUBREC may have come; it comes once the mark's sync is let go."""
+    stall = tmp_path / "stall-kv"
+    node = node_factory(name="node", frontends=1, shards=1, mqtt_port=free_port(),
+                        env={"SHARDMQ_TEST_STALL_KV_FSYNC_WHILE": str(stall)})
+    q = _amqp_counter(node, "synced")
+    pub = RawMQTT(node.mqtt_port)
+    assert pub.connect("qos2-synced", clean=False).return_code == 0  # its session record is synced
+    other = RawMQTT(node.mqtt_port)
+    assert other.connect("qos1-other", clean=True).return_code == 0
+    counter = node.connect()
+    ch = counter.channel()
+    stall.touch()
+    try:
+        pub.publish("synced/x", b"qos2", qos=2, pid=5)
+        deadline = time.monotonic() + 10
+        while ch.queue_declare(q, passive=True).method.message_count < 1:  # stored, mark written
+            assert time.monotonic() < deadline, "the QoS 2 message was not stored"
+            time.sleep(0.02)
+        other.publish("synced/y", b"qos1", qos=1, pid=9)
+        assert other.recv(timeout=10) == M.Ack(M.PUBACK, 9)  # a group sync covering both is done
+        pub.sock.settimeout(0.3)
+        try:
+            early = pub.sock.recv(64)
+        except TimeoutError:
+            early = b""
+        assert early == b"", f"PUBREC before the packet-id mark was synced: {early!r}"
+    finally:
+        stall.unlink()
+    assert pub.recv(timeout=10) == M.Ack(M.PUBREC, 5)
+    pub.ack(M.PUBREL, 5)
+    assert pub.recv(timeout=10) == M.Ack(M.PUBCOMP, 5)
+    pub.disconnect()
+    other.disconnect()
+    counter.close()
+    assert sorted(_drain(node, q, 2)) == [b"qos1", b"qos2"]

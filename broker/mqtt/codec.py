@@ -168,6 +168,7 @@ class MQTTParser:
         self.max_packet_size = max_packet_size
         self.server = server
         self._buf = bytearray()
+        self._topics: dict[bytes, str] = {}  # topic bytes already checked and decoded (a client reuses a few)
 
     def feed(self, data: bytes) -> list[Packet]:
         """Packets completed by ``data``; MQTTProtocolError on the first bad one."""
@@ -211,9 +212,11 @@ class MQTTParser:
     def _packet(self, first: int, data: memoryview, start: int, end: int) -> Packet:
         ptype = first >> 4
         flags = first & 0x0F
-        r = _Reader(data, start, end)
         if ptype == PUBLISH:
-            return _publish(r, flags)
+            return self._publish(data, start, end, flags)
+        if first == 0x40 and end - start == 2:  # PUBACK, the other packet of the hot path
+            return Ack(PUBACK, (data[start] << 8) | data[start + 1])
+        r = _Reader(data, start, end)
         required = _REQUIRED_FLAGS.get(ptype)
         if required is None:
             raise MQTTProtocolError(f"reserved packet type {ptype}")
@@ -245,20 +248,35 @@ class MQTTParser:
         raise MQTTProtocolError(f"packet type {ptype} may not be sent to a {'server' if self.server else 'client'}")
 
 
-def _publish(r: _Reader, flags: int) -> Publish:
-    qos = (flags >> 1) & 3
-    if qos == 3:
-        raise MQTTProtocolError("PUBLISH with QoS 3")  # [MQTT-3.3.1-4]
-    dup = bool(flags & 8)
-    if dup and qos == 0:
-        raise MQTTProtocolError("DUP set on a QoS 0 PUBLISH")  # [MQTT-3.3.1-2]
-    topic = r.string()
-    pid = 0
-    if qos:
-        pid = r.u16()
-        if pid == 0:
-            raise MQTTProtocolError("packet identifier 0")  # [MQTT-2.3.1-1]
-    return Publish(topic, r.rest(), qos, bool(flags & 1), dup, pid)
+    def _publish(self, data: memoryview, start: int, end: int, flags: int) -> Publish:
+        """PUBLISH, the hot path: read in place, the topic decoded and checked once per distinct topic."""
+        qos = (flags >> 1) & 3
+        if qos == 3:
+            raise MQTTProtocolError("PUBLISH with QoS 3")  # [MQTT-3.3.1-4]
+        dup = bool(flags & 8)
+        if dup and qos == 0:
+            raise MQTTProtocolError("DUP set on a QoS 0 PUBLISH")  # [MQTT-3.3.1-2]
+        if start + 2 > end:
+            raise MQTTProtocolError("packet too short")
+        pos = start + 2 + ((data[start] << 8) | data[start + 1])
+        if pos > end:
+            raise MQTTProtocolError("length field beyond the packet")
+        raw = bytes(data[start + 2:pos])
+        topic = self._topics.get(raw)
+        if topic is None:
+            topic = _Reader(data, start, pos).string()  # UTF-8 and U+0000 rules [MQTT-1.5.3-1/2]
+            if len(self._topics) >= 1000:
+                self._topics.clear()
+            self._topics[raw] = topic
+        pid = 0
+        if qos:
+            if pos + 2 > end:
+                raise MQTTProtocolError("packet too short")
+            pid = (data[pos] << 8) | data[pos + 1]
+            if pid == 0:
+                raise MQTTProtocolError("packet identifier 0")  # [MQTT-2.3.1-1]
+            pos += 2
+        return Publish(topic, bytes(data[pos:end]), qos, bool(flags & 1), dup, pid)
 
 
 def _connect(r: _Reader) -> Connect:
@@ -347,6 +365,14 @@ def encode_publish(topic: bytes, payload: bytes, qos: int = 0, retain: bool = Fa
     if n < 128:  # the common small message: no varint loop
         return b"".join((bytes((first, n)), head, payload))
     return b"".join((bytes((first,)), _remaining(n), head, payload))
+
+
+def publish_head(topic: bytes, payload_size: int, qos: int) -> bytes:
+    """A QoS 1/2 PUBLISH (no DUP, no retain) up to its packet identifier: the packet is
+    ``head + packet id (2 bytes) + payload``, so one head serves every subscriber of a message."""
+    n = 2 + len(topic) + 2 + payload_size
+    first = (PUBLISH << 4) | (qos << 1)
+    return b"".join((bytes((first, n)) if n < 128 else bytes((first,)) + _remaining(n), _U16.pack(len(topic)), topic))
 
 
 def encode_ack(ptype: int, packet_id: int) -> bytes:

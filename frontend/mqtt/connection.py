@@ -39,6 +39,7 @@ from broker.mqtt.topics import (
 )
 from broker.permissions import READ, Access
 from broker.tls import peer_common_name
+from frontend.mqtt.direct import DROP_BYTES, DROP_QUEUED, SLOW_AFTER, TURN_PACKETS, direct_queues
 from frontend.mqtt.messages import (
     EXCHANGE,
     INBOUND2,
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("shardmq.mqtt")
 
+_PID = [i.to_bytes(2, "big") for i in range(65536)]  # packet identifiers, encoded once
 LANE = 1  # the contract's channel number for everything of an MQTT connection
 # The session queue's consumer: without acks while every subscription is QoS 0 (the shard settles
 # at delivery, no ack round trip bounds the rate), with acks and the in-flight limit as prefetch once
@@ -123,6 +125,19 @@ class MQTTConnection(asyncio.Protocol):
         self._next_pid = 0
         self._sub_cache: dict[str, int] = {}
         self._key_cache: dict[str, str] = {}  # topic -> routing key of this connection's publishes
+        # Per publish QoS: topic -> routing plan (_plan), valid while the definitions and the frontend's
+        # directly served sessions (frontend/mqtt/direct.py) are unchanged.
+        self._routes: tuple[dict, dict, dict] = ({}, {}, {})
+        self._direct = direct_queues(worker)
+        self.direct = False  # this (clean) session is served directly (frontend/mqtt/direct.py)
+        self._waiting: deque = deque()  # direct QoS 1/2 messages beyond the in-flight window: (head, payload, qos)
+        self._progress = 0  # acknowledgements from the client (a held session that acks is not stuck)
+        self.dropped = 0  # QoS 0 messages dropped because the client did not keep up (direct.py)
+        self._holding: set[MQTTConnection] = set()  # publishers paused until our writing resumes (direct.py)
+        self._hold_reason = f"subscriber {self.conn_id}"
+        self._slow = False
+        self._slow_timer: asyncio.TimerHandle | None = None
+        self._slow_mark: Any = -1  # (bytes waiting in the transport, -acks) at the last look; -1: none yet
         self._topic_cache: dict[str, tuple[str, bytes]] = {}
         self._out: list[bytes] = []
         self._dirty = False
@@ -168,6 +183,8 @@ class MQTTConnection(asyncio.Protocol):
                 self._handle(packet)
                 if self.state == CLOSED or self._close_after_flush:
                     return
+            if self._waiting and len(self.inflight) < self.max_inflight:
+                self._send_waiting()  # once per read, not per acknowledgement
         except M.MQTTProtocolError as exc:
             self._protocol_error(str(exc))
         except Exception as exc:
@@ -196,8 +213,39 @@ class MQTTConnection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._write_paused = False
+        self._slow = False
+        if (self._holding or self._slow_timer is not None) and not self._waiting:
+            self._let_go()
         if self._credit:
             self._mark_dirty()
+
+    def _let_go(self) -> None:
+        """Resume the publishers this (directly served) session held."""
+        self._slow_mark = -1
+        if self._slow_timer is not None:
+            self._slow_timer.cancel()
+            self._slow_timer = None
+        reason = self._hold_reason
+        for publisher in self._holding:
+            publisher.resume_reading(reason)
+        self._holding.clear()
+
+    def _too_slow(self) -> None:
+        """Every SLOW_AFTER s while we hold publishers: did the client read or acknowledge anything since?"""
+        self._slow_timer = None
+        if self.state != RUNNING or self.transport is None or not (self._write_paused or self._waiting):
+            return
+        mark = (self.transport.get_write_buffer_size(), -self._progress)
+        if self._slow_mark == -1 or mark < self._slow_mark:  # it goes on, only slower than they publish
+            self._slow_mark = mark
+            self._slow_timer = self.worker.loop.call_later(SLOW_AFTER, self._too_slow)
+            return
+        log.warning("mqtt connection %s (%s): client '%s' has not read or acknowledged anything for %.0fs; "
+                    "no longer holding publishers: beyond %d bytes its QoS 0 messages are dropped, beyond %d "
+                    "waiting its QoS 1/2 ones", self.conn_id, self.peer, self.client_id, SLOW_AFTER, DROP_BYTES,
+                    DROP_QUEUED)
+        self._slow = True
+        self._let_go()
 
     def apply_alarms(self) -> None:
         """A resource alarm (worker.alarms) blocks a publishing connection: it is not read until it clears.
@@ -239,7 +287,9 @@ class MQTTConnection(asyncio.Protocol):
         if out:
             self._out = []
             if transport is not None and not transport.is_closing():
-                transport.writelines(out)
+                # One buffer: a turn can hold thousands of small PUBLISH packets, and a transport's queue
+                # of that many tiny buffers is slow to drain once the client falls behind.
+                transport.write(out[0] if len(out) == 1 else b"".join(out))
         put = self.worker.shard_put
         if self._acks:
             for shard, flat in self._acks.items():
@@ -249,6 +299,8 @@ class MQTTConnection(asyncio.Protocol):
             for (shard, tag), n in self._credit.items():
                 put(shard, [_CREDIT, self.conn_id, LANE, tag, n])
             self._credit = {}
+        if (self._holding or self._slow_timer is not None) and not self._write_paused and not self._waiting:
+            self._let_go()  # held for this turn only: the transport took it all
         if self._close_after_flush and transport is not None:
             transport.close()
 
@@ -270,6 +322,8 @@ class MQTTConnection(asyncio.Protocol):
         try:
             while backlog and not self._busy and self.state != CLOSED and not self._close_after_flush:
                 self._handle(backlog.popleft())
+            if self._waiting and len(self.inflight) < self.max_inflight and self.state == RUNNING:
+                self._send_waiting()
         except M.MQTTProtocolError as exc:
             self._protocol_error(str(exc))
         except Exception as exc:
@@ -510,7 +564,7 @@ class MQTTConnection(asyncio.Protocol):
 
     # ------------------------------------------------------------ publishing
     def _on_publish(self, p: M.Publish) -> None:
-        if not valid_topic_name(p.topic):
+        if p.topic not in self._key_cache and not valid_topic_name(p.topic):  # cached ones were valid
             raise M.MQTTProtocolError(f"invalid topic name {p.topic!r}")  # [MQTT-3.3.2-2]
         if not self.publisher:
             self.publisher = True
@@ -572,14 +626,36 @@ class MQTTConnection(asyncio.Protocol):
     def _route(self, topic: str, payload: bytes, qos: int, seq: int | None, mark: int | None = None) -> int:
         """Publish to amq.topic; the number of shards that will confirm (seq set)."""
         worker = self.worker
-        defs = worker.defs
-        vhost = self.vhost
-        key = self._key(topic)
-        props = PROPS[qos]
-        queues = defs.route(vhost, EXCHANGE, key, props)
-        if not queues:
+        plan = self._routes[qos].get(topic)
+        if plan is None or plan[0] != worker.defs.version or plan[1] != self._direct.gen:
+            plan = self._plan(topic, qos)
+        key, targets, groups = plan[2], plan[3], plan[4]
+        if targets:
+            if mark is None:
+                packet = None
+                heads = None
+                for conn, best in targets:
+                    if qos and best:
+                        q = qos if qos < best else best
+                        if heads is None:
+                            heads = [None, None, None]
+                        head = heads[q]
+                        if head is None:
+                            head = heads[q] = M.publish_head(plan[5], len(payload), q)
+                        conn.deliver_direct_acked(head, payload, q, self)
+                        continue
+                    if packet is None:
+                        packet = M.encode_publish(plan[5], payload)  # the same bytes for every QoS 0 delivery
+                    conn.deliver_direct(packet, self)
+            else:
+                # A QoS 2 resend (DUP) after a reconnect is routed again and only the shards know it was
+                # stored: through them, so a QoS 0 session gets it at most once.
+                defs = worker.defs
+                groups = queues_by_shard(defs, self.vhost, defs.route(self.vhost, EXCHANGE, key, PROPS[qos]))
+        if not groups:
             return 0
-        groups = queues_by_shard(defs, vhost, queues)
+        vhost = self.vhost
+        props = PROPS[qos]
         if seq is None:
             put_publish(worker, groups, vhost, EXCHANGE, key, props, payload, qos > 0)
             return 0
@@ -590,6 +666,34 @@ class MQTTConnection(asyncio.Protocol):
                                self.conn_id, LANE, seq)
         self.shards.update(groups)
         return len(groups)
+
+    def _plan(self, topic: str, qos: int) -> tuple:
+        """(defs version, direct gen, routing key, ((session served here, its QoS for topic), ...),
+        {shard: queue names}, topic bytes)."""
+        worker = self.worker
+        defs = worker.defs
+        vhost = self.vhost
+        key = self._key(topic)
+        queues = defs.route(vhost, EXCHANGE, key, PROPS[qos])
+        direct = self._direct
+        targets = []
+        if direct.conns and queues:
+            rest = []
+            for name in queues:
+                conn = direct.conns.get((vhost, name))
+                if conn is None:
+                    rest.append(name)
+                else:
+                    best = conn._sub_qos(topic)
+                    if best >= 0:  # not a $-topic that only a first-level wildcard matched
+                        targets.append((conn, best))
+            queues = rest
+        routes = self._routes[qos]
+        if len(routes) > 10_000:
+            routes.clear()
+        plan = routes[topic] = (defs.version, direct.gen, key, tuple(targets),
+                                queues_by_shard(defs, vhost, queues) if queues else {}, topic.encode())
+        return plan
 
     def _retain(self, topic: str, qos: int, payload: bytes, done: Callable[[], None] | None) -> None:
         """Replace (or, with an empty payload, delete) the topic's retained message [MQTT-3.3.1-5..11]."""
@@ -712,6 +816,7 @@ class MQTTConnection(asyncio.Protocol):
 
             def finish() -> None:
                 self.write(M.encode_suback(pid, codes))
+                self._serve_directly()  # after SUBACK: a direct PUBLISH may follow in this turn
                 if granted:
                     self._send_retained(granted)
                 self._save_state()
@@ -811,6 +916,7 @@ class MQTTConnection(asyncio.Protocol):
             left[0] -= 1
             if not left[0]:
                 self._save_state()
+                self._serve_directly()
                 self.write(M.encode_ack(M.UNSUBACK, pid))
                 self._unblock()
 
@@ -849,6 +955,81 @@ class MQTTConnection(asyncio.Protocol):
             self._sub_cache.clear()
         self._sub_cache[topic] = best
         return best
+
+    def deliver_direct(self, packet: bytes, publisher: MQTTConnection) -> None:
+        """A QoS 0 PUBLISH from a connection of this frontend (frontend/mqtt/direct.py). While the client does
+        not keep up the publisher is not read; a client that stays stuck for SLOW_AFTER seconds holds no
+        one and loses what is beyond DROP_BYTES."""
+        if self.state != RUNNING:
+            return
+        if self._write_paused or self._waiting or len(self._out) >= TURN_PACKETS:
+            if self._slow:
+                if self.transport is not None and self.transport.get_write_buffer_size() > DROP_BYTES:
+                    self.dropped += 1
+                    return
+            elif publisher not in self._holding:
+                self._hold(publisher)
+        self._out.append(packet)
+        if not self._dirty:
+            self._dirty = True
+            self.worker.mark_dirty(self)
+
+    def deliver_direct_acked(self, head: bytes, payload: bytes, qos: int, publisher: MQTTConnection) -> None:
+        """A QoS 1/2 message from a connection of this frontend (``head``: the PUBLISH up to its packet id,
+        codec.publish_head): sent within the in-flight window, else waits here in order (the session
+        ends with the connection, as its transient queue would)."""
+        if self.state != RUNNING:
+            return
+        waiting = self._waiting
+        if waiting or self._write_paused or len(self.inflight) >= self.max_inflight:
+            if not self._slow:
+                if publisher not in self._holding:
+                    self._hold(publisher)
+            elif len(waiting) >= DROP_QUEUED:
+                self.dropped += 1  # a stuck client, as mosquitto's max_queued_messages
+                return
+            if waiting or len(self.inflight) >= self.max_inflight:
+                waiting.append((head, payload, qos))
+                return
+        pid = self._alloc_pid()
+        self.inflight[pid] = (None, qos)
+        self.write(head + _PID[pid] + payload)
+
+    def _send_waiting(self) -> None:
+        """The in-flight window has room again: send what waits, then let the held publishers go."""
+        waiting = self._waiting
+        inflight = self.inflight
+        room = self.max_inflight - len(inflight)
+        alloc = self._alloc_pid
+        out = self._out
+        while waiting and room > 0:
+            head, payload, qos = waiting.popleft()
+            pid = alloc()
+            inflight[pid] = (None, qos)
+            out.append(head + _PID[pid] + payload)
+            room -= 1
+        self._mark_dirty()
+        if not waiting and not self._write_paused and (self._holding or self._slow_timer is not None):
+            self._let_go()
+
+    def _hold(self, publisher: MQTTConnection) -> None:
+        """Stop reading a publisher while we are behind. Only a connection without subscriptions: one that
+        has some must be read for its own acknowledgements (two QoS 1 sessions publishing to each other
+        would each wait for the other), and a client may block on its writes while it does not read."""
+        if not publisher.subs:
+            publisher.pause_reading(self._hold_reason)
+            self._holding.add(publisher)
+        if self._slow_timer is None:  # a stuck client is noticed also when it holds no one
+            self._slow_timer = self.worker.loop.call_later(SLOW_AFTER, self._too_slow)
+
+    def _serve_directly(self) -> None:
+        """After a change of subscriptions: a clean session is served here (frontend/mqtt/direct.py) from
+        its first subscription to its end; publishers re-plan, as which topics it takes may have changed."""
+        if self.direct:
+            self._direct.changed()
+        elif self.clean and self.subs and self.queue is not None and self.state == RUNNING:
+            self.direct = True
+            self._direct.add(self.vhost, self.queue, self)
 
     def on_deliver(self, shard: int, item: list) -> None:
         """[DELIVER, conn, lane, tag, qid, mid, redelivered, exchange, routing_key, props, body]"""
@@ -919,12 +1100,14 @@ class MQTTConnection(asyncio.Protocol):
 
     def _on_puback(self, pid: int) -> None:
         entry = self.inflight.pop(pid, None)
+        self._progress += 1
         if entry is not None and entry[0] is not None:
             self._ack(*entry[0])
             self._mark_dirty()
 
     def _on_pubrec(self, pid: int) -> None:
         entry = self.inflight.pop(pid, None)
+        self._progress += 1
         if entry is not None and entry[0] is not None and entry[1] == 2 and not self.clean:
             # The queue's shard acknowledges the message and keeps the packet id (PUBREL owed) in one
             # step (MARKED_ACK): after any crash the message is either still there to send again with
@@ -1010,6 +1193,12 @@ class MQTTConnection(asyncio.Protocol):
             return
         self._released = True
         worker = self.worker
+        if self.direct:
+            self.direct = False
+            self._direct.remove(self.vhost, self.queue, self)
+        self._waiting.clear()
+        if self._holding or self._slow_timer is not None:
+            self._let_go()
         shards = set(self.shards)
         if self.queue_shard is not None and self.consuming:
             shards.add(self.queue_shard)
