@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from broker import cpus
+
 PROG = "shardmq"
 ENV_PREFIX = "SHARDMQ_"
 SYNC_POLICIES = ("fsync", "none")
@@ -40,8 +42,12 @@ def default_data_dir(environ: Mapping[str, str] | None = None) -> str:
     return os.path.join(os.path.expanduser("~"), ".local", "share", "shardmq")
 
 
-def _cpu_count() -> int:
-    return os.cpu_count() or 1
+def _default_frontends() -> int:
+    return cpus.default_frontends(cpus.available_cpus())
+
+
+def _default_shards() -> int:
+    return cpus.default_shards(cpus.available_cpus())
 
 
 @dataclass
@@ -49,8 +55,8 @@ class Settings:
     data_dir: str = field(default_factory=default_data_dir)
     bind: str = "127.0.0.1"
     port: int = 5672
-    frontends: int = field(default_factory=_cpu_count)
-    shards: int = field(default_factory=_cpu_count)
+    frontends: int = field(default_factory=_default_frontends)
+    shards: int = field(default_factory=_default_shards)
     heartbeat: int = 60
     frame_max: int = 131072
     channel_max: int = 2047
@@ -335,8 +341,8 @@ def _convert(opt: Option, raw: str) -> Any:
 def _describe_default(opt: Option) -> str:
     defaults = {
         "data_dir": "/var/lib/shardmq (root) or ~/.local/share/shardmq",
-        "frontends": "CPU count",
-        "shards": "CPU count",
+        "frontends": "1 per core the node may use",
+        "shards": "1 per core the node may use",
         "loopback_users": "guest",
         "node_name": "hostname",
         "advertised_host": "hostname",

@@ -155,7 +155,8 @@ REQUEST_OPS = (
     "queue.bind",
     "queue.unbind",
     "queue.delete",
-    "connection.closed",  # {"owner": [fe, conn]}: delete that connection's exclusive queues
+    "connection.closed",  # {"owner": [fe, conn], "exclusive"?: bool}: uncount it, delete its exclusive queues
+    #                       (none to look for when "exclusive" is false; absent = look)
     "queue.auto_delete",  # shard -> node: last consumer of an auto-delete queue went away
     "queue.expire",  # shard -> node: an x-expires queue was unused that long; delete it if still unused
 )

@@ -34,7 +34,7 @@ from broker.http.metrics import MetricsServer
 from broker.http.server import HttpServer
 from broker.node_stats import NodeStats
 from broker.permissions import CONFIGURE, READ, WRITE, check, check_topic
-from broker.process import install_uvloop
+from broker.process import install_uvloop, raise_nofile_limit
 from broker.request_chains import RequestChains
 from broker.sdnotify import Notifier
 from broker.supervisor import Supervisor, WorkerProcess
@@ -607,7 +607,9 @@ class Node:
         elif op == "connection.closed":
             for owners in self.vhost_conns.values():
                 owners.discard(tuple(owner))
-            ops = defs.ops_for_owner_gone(list(owner))
+            # Only a connection that declared an exclusive queue has any (the frontend knows; an
+            # MQTT session or an older frontend does not say): the search walks every queue.
+            ops = defs.ops_for_owner_gone(list(owner)) if a.get("exclusive", True) else []
         elif op == "connection.open":
             return self._count_connection(vhost, tuple(owner), a.get("user", ""))
         else:
@@ -854,5 +856,6 @@ def run(settings: Settings) -> int:
     """Run a node until SIGTERM/SIGINT; returns the process exit status."""
     # Files 0600 and directories 0700 whatever umask we were started with; workers inherit it.
     os.umask(PRIVATE_UMASK)
+    raise_nofile_limit()  # one descriptor per client connection; the workers inherit it
     install_uvloop()
     return asyncio.run(_main(settings))

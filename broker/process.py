@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import resource
 import signal
 
 _PR_SET_PDEATHSIG = 1
@@ -24,6 +25,23 @@ def die_with_parent() -> None:
     # The parent may have died between fork and prctl.
     if os.getppid() == 1:
         os._exit(1)
+
+
+def raise_nofile_limit() -> int:
+    """Lift the soft RLIMIT_NOFILE to the hard limit and return the soft limit in effect.
+
+    Every client connection is a descriptor: at a distribution's default soft limit (1024) a node
+    refuses connections long before memory runs short. The hard limit is the administrator's
+    ceiling (systemd's LimitNOFILE, docker's --ulimit); workers inherit what the node set.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):  # e.g. an unlimited hard limit the kernel caps (nr_open)
+            pass
+    return soft
 
 
 def install_uvloop() -> None:
@@ -52,6 +70,7 @@ def run_worker(role: str, argv: list[str] | None, load_worker) -> int:
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     die_with_parent()
+    raise_nofile_limit()
     install_uvloop()
     setup_logging(args.log_level, f"{role}-{args.index}")
 

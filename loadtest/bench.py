@@ -6,14 +6,17 @@
 Starts both brokers on free loopback ports (each in its own temp dir), runs every scenario
 ``--repeats`` times against each broker in alternation (ShardMQ, RabbitMQ, ShardMQ, ...) so slow
 drift of the machine hits both alike, by invoking the perf tool once per run
-(``python -m loadtest.cli amqp ...``), then aggregates with the Spark report and writes the table,
-the machine and the command into docs/benchmarks.md. Both brokers are stopped by pid at the end,
+(``python -m loadtest.cli amqp ...``), then aggregates with the Spark report and rewrites
+docs/benchmarks.md: the report is merged into docs/benchmarks/results.json (a run of some scenarios
+keeps the others' latest numbers; loadtest/bench_doc.py), the plots are redrawn into
+docs/benchmarks/ and the page embeds them with the table, the machine and the command. Both brokers are stopped by pid at the end,
 whatever happens.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import shlex
@@ -27,6 +30,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from broker.process import raise_nofile_limit
+from loadtest import bench_doc
 from loadtest.ports import free_port
 from loadtest.rabbitmq import PrivateRabbitMQ, package_version
 
@@ -78,6 +83,16 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("idle-connections-1000",
              ("connection-count", "--count", "1000", "--hold", "5", "--time", "60"),
              "1000 idle AMQP connections held 5 s: broker RSS"),
+    Scenario("idle-connections-10000",
+             ("connection-count", "--count", "10000", "--hold", "10", "--time", "300"),
+             "10,000 idle AMQP connections (handshake + channel.open, heartbeat as the broker proposes) opened "
+             "from one asyncio process 100 at a time, held 10 s: the broker's whole-tree RSS and PSS before and "
+             "with them, per connection = growth / 10,000",
+             timeout_s=600.0),
+    Scenario("connection-churn",
+             ("connection-churn", "--concurrency", "20", "--time", DURATION),
+             "20 concurrent loops (one asyncio process) each opening a connection (TCP, handshake, "
+             "channel.open) and closing it (connection.close, close-ok, socket closed): connections/s"),
     Scenario("queues-10000",
              ("queue-count", "--count", "10000", "--time", "60"),
              "declare 10000 queues (capped at 60 s; `queues` shows how many were declared): time, declares/s, RSS"),
@@ -221,6 +236,7 @@ class RunOutcome:
     ok: bool
     seconds: float
     detail: str = ""
+    load1: float | None = None  # the host's 1-minute load average when the run started
 
 
 def scenario_argv(s: Scenario, args: tuple[str, ...], duration: float) -> list[str]:
@@ -245,19 +261,22 @@ def run_perf(cmd: list[str], timeout: float, log: Path) -> tuple[int, str]:
 
 def run_one(s: Scenario, broker, repeat: int, results_dir: Path, duration: float, log: Path) -> RunOutcome:  # noqa: ANN001
     started = time.monotonic()
+    load1 = os.getloadavg()[0]
     if s.prefill:
         scratch = results_dir / "_prefill"
         cmd = perf_command(scenario_argv(s, s.prefill, duration), broker.url) + [
             "--json", "--results-dir", str(scratch), "--broker-name", broker.name, "--scenario", s.name + "-prefill"]
         rc, tail = run_perf(cmd, s.timeout_s, log)
         if rc != 0:
-            return RunOutcome(s.name, broker.name, repeat, False, time.monotonic() - started, f"prefill: {tail}")
+            return RunOutcome(s.name, broker.name, repeat, False, time.monotonic() - started, f"prefill: {tail}",
+                              load1)
     cmd = perf_command(scenario_argv(s, s.argv, duration), broker.url) + [
         "--json", "--results-dir", str(results_dir), "--broker-name", broker.name, "--scenario", s.name]
     if broker.pid:
         cmd += ["--broker-pid", str(broker.pid)]
     rc, tail = run_perf(cmd, s.timeout_s, log)
-    return RunOutcome(s.name, broker.name, repeat, rc == 0, time.monotonic() - started, "" if rc == 0 else tail)
+    return RunOutcome(s.name, broker.name, repeat, rc == 0, time.monotonic() - started, "" if rc == 0 else tail,
+                      load1)
 
 
 # --------------------------------------------------------------------------- machine and doc
@@ -295,8 +314,10 @@ def machine_info(rabbitmq_version: str | None = None) -> dict[str, str]:
 
 
 def render_doc(machine: dict[str, str], command: str, table: str | None, when: str | None,
-               failures: list[RunOutcome], results_dir: str | None, notes: list[str] | None = None) -> str:
-    """The whole benchmarks page; ``notes`` are extra lines printed above the results table."""
+               failures: list[RunOutcome], results_dir: str | None, notes: list[str] | None = None,
+               results: list[str] | None = None) -> str:
+    """The whole benchmarks page; ``notes`` are extra lines printed above the results table;
+    ``results`` (bench_doc.results_section: merged runs, plots, table) replaces ``table``."""
     lines = [
         "# Benchmarks: ShardMQ vs RabbitMQ",
         "",
@@ -309,7 +330,8 @@ def render_doc(machine: dict[str, str], command: str, table: str | None, when: s
         command,
         "```",
         "",
-        "(`python -m loadtest.bench` takes the same arguments.)",
+        "(`python -m loadtest.bench` takes the same arguments; without `--scenarios` it runs every scenario",
+        "below, and `--from-results DIR` re-renders this page from the runs already in DIR.)",
         "",
         "Both brokers run on the same host on free loopback ports, each from an empty temp dir: ShardMQ as",
         "`python -m broker.cli --data-dir TMP --port FREE` (the checkout's code), RabbitMQ as Debian's `rabbitmq-server` with its own",
@@ -328,7 +350,9 @@ def render_doc(machine: dict[str, str], command: str, table: str | None, when: s
         pre = f" (prefill: `{' '.join(s.prefill)}`)" if s.prefill else ""
         lines.append(f"| {s.name} | `amqp {argv}`{pre} | {s.measures} |")
     lines += ["", "`D` is `--duration` (seconds, default 15).", "", "## Results", ""]
-    if table:
+    if results is not None:
+        lines += [*(notes or []), *([""] if notes else []), *results]
+    elif table:
         lines += [f"Measured {when}; raw results in `{results_dir}`.", ""]
         lines += [*(notes or []), *([""] if notes else []), table.rstrip(), ""]
     else:
@@ -358,6 +382,7 @@ def render_doc(machine: dict[str, str], command: str, table: str | None, when: s
     return "\n".join(lines)
 
 
+RUN_INFO = "bench-run.json"  # in the results dir: the commit and command of the run
 KEEP_MARKER = "<!-- kept by shardmq-perf bench: everything below is carried over when the page is rewritten -->"
 
 
@@ -388,7 +413,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--brokers", default="shardmq,rabbitmq", help="which brokers to run (default: both)")
     p.add_argument("--duration", type=float, default=15.0, help="seconds per time-bounded run (default 15)")
     p.add_argument("--master", default="local[*]", help="Spark master for the report")
-    p.add_argument("--doc", default=str(DEFAULT_DOC), help="Markdown file to (re)write; '' to skip")
+    p.add_argument("--doc", default=str(DEFAULT_DOC),
+                   help="Markdown file to (re)write, with its plots and merged results in the directory of the "
+                        "same name (docs/benchmarks/); '' to skip")
+    p.add_argument("--no-merge", action="store_true",
+                   help="the page shows only this run's scenarios (default: it keeps the latest numbers of the "
+                        "scenarios this run did not measure)")
+    p.add_argument("--from-results", metavar="DIR", default=None,
+                   help="run nothing: report the runs already in DIR and rewrite the page from them")
     return p
 
 
@@ -413,12 +445,60 @@ def main(argv: list[str] | None = None) -> int:
     if not wanted or set(wanted) - {"shardmq", "rabbitmq"} or args.repeats < 1:
         print("shardmq-perf bench: --brokers takes shardmq and/or rabbitmq; --repeats >= 1", file=sys.stderr)
         return 2
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    results_dir = Path(args.results_dir or Path("bench-results") / stamp).resolve()
-    results_dir.mkdir(parents=True, exist_ok=True)
+    if args.from_results is not None:
+        if not Path(args.from_results).is_dir():
+            print(f"shardmq-perf bench: --from-results: no such directory: {args.from_results}", file=sys.stderr)
+            return 2
+        results_dir = Path(args.from_results).resolve()
+        try:
+            run_info = json.loads((results_dir / RUN_INFO).read_text())
+        except (OSError, ValueError):  # runs of an older bench
+            run_info = {"commit": "not recorded", "command": f"(runs in {results_dir}; command not recorded)"}
+        outcomes: list[RunOutcome] = []
+        rabbit_version = run_info.get("rabbitmq")
+    else:
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+        results_dir = Path(args.results_dir or Path("bench-results") / stamp).resolve()
+        results_dir.mkdir(parents=True, exist_ok=True)
+        # what --from-results needs to name this run later (the checkout may have moved on by then)
+        run_info = {"commit": _git_commit() or "unknown", "command": _reproduce_command(argv)}
+        (results_dir / RUN_INFO).write_text(json.dumps(run_info) + "\n")
+        outcomes, rabbit_version = _run_all(args, names, wanted, results_dir)
+        run_info.update(load1=_load_range(outcomes), rabbitmq=rabbit_version)
+        (results_dir / RUN_INFO).write_text(json.dumps(run_info) + "\n")
+
+    shutil.rmtree(results_dir / "_prefill", ignore_errors=True)
+    failures = [o for o in outcomes if not o.ok]
+    table: str | None = None
+    summary: dict | None = None
+    if args.from_results is not None or any(o.ok for o in outcomes):
+        rc = subprocess.run([sys.executable, "-m", "loadtest.report", str(results_dir), "--master", args.master,
+                             "--out", str(results_dir / "report")], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            check=False).returncode
+        if rc == 0:
+            table = _report_table(results_dir / "report" / "report.md")
+            summary = json.loads((results_dir / "report" / "summary.json").read_text())
+            print(table, end="")
+        else:
+            print(f"shardmq-perf bench: the Spark report failed (exit {rc})", file=sys.stderr)
+    if args.doc:
+        write_doc(Path(args.doc), argv, summary, outcomes, failures, results_dir, rabbit_version, args.no_merge,
+                  run_info)
+    if args.from_results is not None:
+        return 0 if summary is not None else 1
+    if failures:
+        print(f"{len(failures)} of {len(outcomes)} runs failed", file=sys.stderr)
+    return 0 if outcomes and not failures else 1
+
+
+def _run_all(args: argparse.Namespace, names: list[str], wanted: list[str],
+             results_dir: Path) -> tuple[list[RunOutcome], str | None]:
+    """Start the brokers, run every scenario --repeats times alternating brokers, stop the brokers."""
     log = results_dir / "bench.log"
     print(f"results: {results_dir}  (perf output: {log})", file=sys.stderr)
-
+    # 10,000 connections need as many descriptors in the perf tool and in each broker: the brokers
+    # and the perf runs are children of this process and inherit the limit.
+    raise_nofile_limit()
     # A SIGTERM must still reach the finally below that stops both brokers.
     signal.signal(signal.SIGTERM, _raise_interrupt)
     brokers: list = []
@@ -440,7 +520,8 @@ def main(argv: list[str] | None = None) -> int:
                     outcome = run_one(s, broker, repeat, results_dir, args.duration, log)
                     outcomes.append(outcome)
                     status = "ok" if outcome.ok else f"FAILED: {outcome.detail}"
-                    print(f"  {name} #{repeat} {broker.name}: {outcome.seconds:.1f}s {status}", file=sys.stderr)
+                    print(f"  {name} #{repeat} {broker.name}: {outcome.seconds:.1f}s (load {outcome.load1:.1f}) "
+                          f"{status}", file=sys.stderr)
     except KeyboardInterrupt:
         print("interrupted; stopping brokers", file=sys.stderr)
     finally:
@@ -449,30 +530,57 @@ def main(argv: list[str] | None = None) -> int:
                 broker.stop()
             except Exception as e:  # keep stopping the others
                 print(f"stopping {broker.name}: {e}", file=sys.stderr)
+    return outcomes, rabbit_version
 
-    shutil.rmtree(results_dir / "_prefill", ignore_errors=True)
-    failures = [o for o in outcomes if not o.ok]
-    table: str | None = None
-    if any(o.ok for o in outcomes):
-        rc = subprocess.run([sys.executable, "-m", "loadtest.report", str(results_dir), "--master", args.master,
-                             "--out", str(results_dir / "report")], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            check=False).returncode
-        if rc == 0:
-            table = _report_table(results_dir / "report" / "report.md")
-            print(table, end="")
-        else:
-            print(f"shardmq-perf bench: the Spark report failed (exit {rc})", file=sys.stderr)
-    if args.doc:
-        machine = machine_info(rabbit_version)
-        when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-        doc = render_doc(machine, _reproduce_command(argv), table, when, failures, str(results_dir))
-        old = Path(args.doc).read_text() if Path(args.doc).exists() else ""
-        tail = kept_tail(old)
-        Path(args.doc).write_text(doc + ("\n" + tail if tail else ""))
-        print(f"wrote {args.doc}", file=sys.stderr)
-    if failures:
-        print(f"{len(failures)} of {len(outcomes)} runs failed", file=sys.stderr)
-    return 0 if outcomes and not failures else 1
+
+def _load_range(outcomes: list[RunOutcome]) -> list[float] | None:
+    loads = [o.load1 for o in outcomes if o.load1 is not None]
+    return [min(loads), max(loads)] if loads else None
+
+
+def _measured_when(results_dir: Path) -> str:
+    """When the runs in ``results_dir`` started (the earliest run.json), else now."""
+    started = []
+    for run_json in results_dir.glob("*/run.json"):
+        try:
+            started.append(datetime.fromisoformat(json.loads(run_json.read_text())["started_at"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return (min(started) if started else datetime.now(UTC)).astimezone(UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def write_doc(doc: Path, argv: list[str], summary: dict | None, outcomes: list[RunOutcome],
+              failures: list[RunOutcome], results_dir: Path, rabbit_version: str | None,
+              no_merge: bool = False, run_info: dict | None = None) -> None:
+    """Merge this run's report into the page's store, redraw the plots, rewrite the page (keeping its
+    hand-written tail). ``run_info`` names the run (commit, command); default: this checkout, ``argv``."""
+    run_info = run_info or {"commit": _git_commit() or "unknown", "command": _reproduce_command(argv)}
+    assets = bench_doc.assets_dir(doc)
+    store_path = assets / bench_doc.STORE_NAME
+    store = bench_doc.empty_store() if no_merge else bench_doc.load_store(store_path)
+    when = _measured_when(results_dir)
+    if summary is not None:
+        run = {"when": when, "commit": run_info.get("commit") or "unknown", "command": run_info.get("command", "?"),
+               "results_dir": str(results_dir), "load1": _load_range(outcomes) or run_info.get("load1")}
+        run_id = base = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+        n = 1
+        while run_id in store["runs"]:  # two runs in one second (tests): both keep their rows
+            n += 1
+            run_id = f"{base}-{n}"
+        store = bench_doc.merge(store, summary, run_id, run, BY_NAME)
+        bench_doc.save_store(store_path, store)
+    merged = bench_doc.store_summary(store)
+    rates = {s.name: r for s in SCENARIOS if (r := bench_doc.fixed_rate(s.argv)) is not None}
+    images = bench_doc.write_plots(merged, rates, assets) if store["scenarios"] else []
+    results = bench_doc.results_section(store, merged, images, doc.parent, [s.name for s in SCENARIOS], store_path)
+    machine = machine_info(rabbit_version)
+    machine["ShardMQ commit"] = run_info.get("commit") or machine["ShardMQ commit"]  # the run's, not the checkout's
+    page = render_doc(machine, run_info.get("command", "?"), None, when, failures,
+                      str(results_dir), results=results)
+    tail = kept_tail(doc.read_text()) if doc.exists() else ""
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(page + ("\n" + tail if tail else ""))
+    print(f"wrote {doc} and {len(images)} plots in {assets}", file=sys.stderr)
 
 
 if __name__ == "__main__":

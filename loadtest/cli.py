@@ -61,6 +61,11 @@ def _throughput_flags(p: argparse.ArgumentParser) -> None:
                         "with the same --trace-stages DIR; then: python -m loadtest.trace_stages DIR)")
 
 
+def _heartbeat_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--heartbeat", type=int, default=None, metavar="S",
+                   help="heartbeat to ask in tune-ok (default: accept the broker's proposal, as pika does)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     amqp_uri = "amqp://guest:guest@127.0.0.1:5672/"
     parser = argparse.ArgumentParser(prog="shardmq-perf", description=__doc__,
@@ -101,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p, amqp_uri)
     p.add_argument("-n", "--count", type=int, default=100, help="connections to open (default 100)")
     p.add_argument("--hold", type=float, default=0.0, help="keep them open this many seconds")
+    p.add_argument("-c", "--concurrency", type=int, default=100,
+                   help="handshakes in flight while opening (default 100)")
+    _heartbeat_flag(p)
 
     p = amqp.add_parser("bind-churn", help="queue.bind + queue.unbind per second")
     _common(p, amqp_uri)
@@ -110,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = amqp.add_parser("connection-churn", help="connections opened+closed per second")
     _common(p, amqp_uri)
     p.add_argument("-x", "--parallel", type=int, default=1, help="churning processes (default 1)")
+    p.add_argument("-c", "--concurrency", type=int, default=10,
+                   help="open+close loops per process, each one connection at a time (default 10)")
+    _heartbeat_flag(p)
 
     # listed for --help only: main() hands these to loadtest.bench / loadtest.report before parsing
     proto.add_parser("bench", add_help=False, help="side-by-side ShardMQ vs RabbitMQ scenarios (bench --help)")

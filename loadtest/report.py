@@ -200,6 +200,20 @@ class Summary:
         return {"brokers": self.brokers, "scenarios": self.scenarios, "rows": rows,
                 "peak_rss_bytes": self.peak_rss, "runs": self.runs}
 
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Summary:
+        """The inverse of ``to_json`` (without the CDFs): lets shardmq-perf bench merge summary.json
+        files of several runs and render them with ``render_markdown``."""
+        s = cls(brokers=_order_brokers(list(d.get("brokers", []))), scenarios=sorted(d.get("scenarios", [])),
+                peak_rss={k: dict(v) for k, v in d.get("peak_rss_bytes", {}).items()},
+                runs={k: dict(v) for k, v in d.get("runs", {}).items()})
+        for row in d.get("rows", []):
+            scenario, metric = row["scenario"], row["metric"]
+            s.metrics.setdefault(scenario, []).append(metric)
+            s.cells[(scenario, metric)] = {b: Cell(float(c["median"]), float(c["min"]), float(c["max"]), int(c["n"]))
+                                           for b, c in row["brokers"].items()}
+        return s
+
 
 def _order_brokers(found: list[str]) -> list[str]:
     known = [b for b in (SHARDMQ, RABBITMQ) if b in found]

@@ -184,30 +184,85 @@ def list_runs(results_dir: str | os.PathLike[str]) -> list[Path]:
     return sorted(p for p in root.iterdir() if (p / RUN_FILE).is_file())
 
 
-def broker_rss_bytes(pid: int | None) -> int | None:
-    """Summed RSS of ``pid`` and all its descendants from /proc; None when pid is None or gone."""
-    if pid is None:
-        return None
-    page = os.sysconf("SC_PAGE_SIZE")
-    total = 0
-    seen: set[int] = set()
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants (from /proc/PID/task/*/children), ``pid`` first."""
+    seen: list[int] = []
     todo = [pid]
     while todo:
         p = todo.pop()
         if p in seen:
             continue
-        seen.add(p)
-        try:
-            with open(f"/proc/{p}/statm") as f:
-                total += int(f.read().split()[1]) * page
-        except (OSError, ValueError, IndexError):
-            if p == pid:
-                return None
-            continue
+        seen.append(p)
         try:
             for task in os.listdir(f"/proc/{p}/task"):
                 with open(f"/proc/{p}/task/{task}/children") as f:
                     todo.extend(int(c) for c in f.read().split())
         except OSError:
             pass
+    return seen
+
+
+def broker_rss_bytes(pid: int | None) -> int | None:
+    """Summed RSS of ``pid`` and all its descendants from /proc; None when pid is None or gone."""
+    if pid is None:
+        return None
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = 0
+    for p in process_tree(pid):
+        try:
+            with open(f"/proc/{p}/statm") as f:
+                total += int(f.read().split()[1]) * page
+        except (OSError, ValueError, IndexError):
+            if p == pid:
+                return None
+    return total
+
+
+def broker_cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU seconds used so far by ``pid`` and its descendants (live ones: a child that
+    exited took its time with it); None when pid is None or gone. On a shared machine the CPU a
+    fixed amount of work costs moves far less than its rate."""
+    if pid is None:
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for p in process_tree(pid):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        except (OSError, ValueError, IndexError):
+            if p == pid:
+                return None
+    return total / tick
+
+
+def broker_memory(pid: int | None) -> dict[str, int] | None:
+    """Summed ``rss``, ``pss`` and ``uss`` (private pages) in bytes of ``pid``'s process tree, from
+    /proc/PID/smaps_rollup; None when pid is None or gone. RSS counts a shared library once per
+    process that maps it, PSS divides each shared page among them: the sum of PSS is what the tree
+    costs the machine, the sum of USS what it would free by exiting."""
+    if pid is None:
+        return None
+    total = {"rss": 0, "pss": 0, "uss": 0, "processes": 0}
+    for p in process_tree(pid):
+        try:
+            with open(f"/proc/{p}/smaps_rollup") as f:
+                text = f.read()
+        except OSError:
+            if p == pid:
+                return None
+            continue
+        for line in text.splitlines()[1:]:
+            key, _, rest = line.partition(":")
+            kib = rest.split()
+            if not kib:
+                continue
+            if key == "Rss":
+                total["rss"] += int(kib[0]) * 1024
+            elif key == "Pss":
+                total["pss"] += int(kib[0]) * 1024
+            elif key in ("Private_Clean", "Private_Dirty"):
+                total["uss"] += int(kib[0]) * 1024
+        total["processes"] += 1
     return total

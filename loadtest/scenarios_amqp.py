@@ -8,10 +8,11 @@ declares is deleted again (unless --keep), and every loop is bounded by a count 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import json
 import multiprocessing
-import resource
+import sys
 import threading
 import time
 import urllib.parse
@@ -22,18 +23,19 @@ from typing import Any
 from pamqp import commands
 
 from broker.amqp import events
-from loadtest.amqp_client import AMQPClient, AMQPClosed
-from loadtest.results import RunResult, now_iso
+from loadtest.amqp_async import (
+    ChurnCounts,
+    ClientFrames,
+    IdleConnections,
+    churn,
+    new_event_loop,
+    raise_nofile,
+)
+from loadtest.amqp_client import AMQPClient, AMQPUri
+from loadtest.results import RunResult, broker_cpu_seconds, broker_memory, now_iso
 
 RssFn = Callable[[], int | None]
-
-
-def _raise_nofile(want: int) -> None:
-    """Idle-connection counts need file descriptors: lift the soft limit toward the hard one."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
-    if soft != resource.RLIM_INFINITY and soft < target:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+MemFn = Callable[[], dict[str, int] | None]
 
 
 def _result(args: argparse.Namespace, broker: str, scenario: str, started_at: str, duration: float,
@@ -99,21 +101,6 @@ def _encode(method: Any, channel: int = 1) -> bytes:
     return encoder.encode_method(channel, method)
 
 
-def _settled_rss(broker_rss: RssFn, settle_s: float, samples: int = 3, gap_s: float = 0.2) -> list[int] | None:
-    """``samples`` RSS readings ``gap_s`` apart after ``settle_s``: a single reading right after the
-    last handshake misses memory the broker has yet to fault in and jitters with its GC/allocator."""
-    time.sleep(settle_s)
-    got: list[int] = []
-    for i in range(samples):
-        if i:
-            time.sleep(gap_s)
-        rss = broker_rss()
-        if rss is None:
-            return None
-        got.append(rss)
-    return got
-
-
 def rss_growth(before: list[int] | None, after: list[int] | None, count: int) -> dict[str, Any]:
     """Per-item RSS growth from two sample sets (max of each), clamped at 0.
 
@@ -130,37 +117,82 @@ def rss_growth(before: list[int] | None, after: list[int] | None, count: int) ->
             "rss_per_connection_bytes": max(0, delta) // count}
 
 
+def _memory_samples(mem: MemFn, loop: asyncio.AbstractEventLoop, settle_s: float, samples: int = 3,
+                    gap_s: float = 0.2) -> list[dict[str, int]] | None:
+    """``samples`` memory readings ``gap_s`` apart after ``settle_s``, the client loop running meanwhile
+    (its heartbeats go out): a single reading right after the last handshake misses memory the broker
+    has yet to fault in and jitters with its GC/allocator."""
+    async def take() -> list[dict[str, int]] | None:
+        await asyncio.sleep(settle_s)
+        got = []
+        for i in range(samples):
+            if i:
+                await asyncio.sleep(gap_s)
+            m = mem()
+            if m is None:
+                return None
+            got.append(m)
+        return got
+    return loop.run_until_complete(take())
+
+
+def _pss_growth(before: list[dict[str, int]] | None, after: list[dict[str, int]] | None,
+                count: int) -> dict[str, Any]:
+    if not before or not after or not count:
+        return {}
+    b, a = max(m["pss"] for m in before), max(m["pss"] for m in after)
+    return {"pss_before_bytes": b, "pss_after_bytes": a, "pss_per_connection_bytes": max(0, a - b) // count,
+            "broker_processes": after[-1]["processes"]}
+
+
 def connection_count(args: argparse.Namespace, *, broker: str, scenario: str, broker_rss: RssFn,
                      settle_s: float = 1.0) -> RunResult:
-    """Open ``--count`` idle connections (handshake + channel), report RSS, hold, close them all.
+    """Open ``--count`` idle connections (handshake + channel) from one process, report the broker's
+    memory, hold them ``--hold`` seconds (heartbeats answered), close them all.
 
-    RSS is sampled (max of 3, 0.2 s apart) before the first connection and again ``settle_s``
-    after the last one completed its handshake; ``rss_after_bytes`` is the total with N open.
+    Memory (the broker pid's whole process tree: RSS and PSS) is sampled (max of 3, 0.2 s apart)
+    before the first connection and again at the end of the hold (at least ``settle_s`` after the
+    last handshake); ``rss_after_bytes`` is the total with N open and the per-connection figures are
+    the growth / N.
     """
-    _raise_nofile(args.count + 256)
+    raise_nofile()
+    pid = getattr(args, "broker_pid", None)
+
+    def mem() -> dict[str, int] | None:
+        if pid is not None:
+            return broker_memory(pid)
+        rss = broker_rss()
+        return None if rss is None else {"rss": rss, "pss": 0, "uss": 0, "processes": 0}
+
+    frames = ClientFrames(AMQPUri.parse(args.uri), heartbeat=args.heartbeat)
+    loop = new_event_loop()
+    idle = IdleConnections(frames)
     started_at = now_iso()
-    conns: list[AMQPClient] = []
-    rss_before = _settled_rss(broker_rss, 0.0)
+    before = _memory_samples(mem, loop, 0.0)
     t0 = time.monotonic()
-    deadline = t0 + (args.time_s or 600)
     try:
-        for _ in range(args.count):
-            conns.append(AMQPClient(args.uri).connect())  # returns after connection + channel open-ok
-            if time.monotonic() > deadline:
-                break
+        loop.run_until_complete(idle.open(args.count, args.concurrency, t0 + (args.time_s or 600)))
         open_s = time.monotonic() - t0
-        rss_after = _settled_rss(broker_rss, settle_s)
-        held = settle_s + 0.4
-        time.sleep(max(0.0, min(args.hold, args.time_s or args.hold) - held))
+        # Sampled at the end of the hold (at least settle_s after the last handshake): what the broker
+        # keeps per connection only after a while (its statistics of them) is counted too.
+        hold = min(args.hold, args.time_s or args.hold)
+        after = _memory_samples(mem, loop, max(settle_s, hold - 0.4))
+        alive = idle.alive()
+        t_close = time.monotonic()
+        loop.run_until_complete(idle.close_all())
+        close_s = time.monotonic() - t_close
     finally:
-        for c in conns:
-            try:
-                c.close()
-            except OSError:
-                pass
-    extra = {"connections": len(conns), "open_s": round(open_s, 4),
-             "connections_per_s": round(len(conns) / open_s, 1) if open_s else None,
-             **rss_growth(rss_before, rss_after, len(conns))}
+        loop.run_until_complete(idle.close_all())
+        loop.close()
+    n = len(idle.conns)
+    if idle.errors:
+        print(f"connection-count: {len(idle.errors)} connections failed, first: {idle.errors[0]}", file=sys.stderr)
+    extra = {"connections": n, "connections_alive": alive, "errors": len(idle.errors),
+             "open_s": round(open_s, 4), "connections_per_s": round(n / open_s, 1) if open_s else None,
+             "close_s": round(close_s, 4),
+             **rss_growth([m["rss"] for m in before] if before else None,
+                          [m["rss"] for m in after] if after else None, n),
+             **(_pss_growth(before, after, n) if pid is not None else {})}
     return _result(args, broker, scenario, started_at, open_s, extra, extra["rss_after_bytes"])
 
 
@@ -196,28 +228,58 @@ def bind_churn(args: argparse.Namespace, *, broker: str, scenario: str, broker_r
     return _result(args, broker, scenario, started_at, took, extra, rss, rates)
 
 
-def _churn_worker(uri: str, duration: float, counter: Any, errors: Any) -> None:
-    t0 = time.monotonic()
-    n = 0
-    while time.monotonic() - t0 < duration:
-        try:
-            AMQPClient(uri).connect().close()
-            n += 1
-            counter.value = n
-        except (AMQPClosed, OSError):
-            errors.value += 1
-            time.sleep(0.01)
+def time_wait_sockets(port: int) -> dict[str, int]:
+    """TIME_WAIT sockets of connections to ``port`` on this host (IPv4), by the side that holds them:
+    the side that closes first keeps the 4-tuple for 60 s (the client's would use up ephemeral ports)."""
+    got = {"time_wait_server": 0, "time_wait_client": 0}
+    hexport = f"{port:04X}"
+    try:
+        with open("/proc/net/tcp") as f:
+            next(f)
+            for line in f:
+                parts = line.split()
+                if len(parts) > 3 and parts[3] == "06":
+                    if parts[1].endswith(":" + hexport):
+                        got["time_wait_server"] += 1
+                    elif parts[2].endswith(":" + hexport):
+                        got["time_wait_client"] += 1
+    except OSError:
+        pass
+    return got
+
+
+def _churn_process(uri: str, heartbeat: int | None, concurrency: int, duration: float, counter: Any,
+                   errors: Any) -> None:
+    raise_nofile()
+    counts = ChurnCounts()
+
+    def done(n: int) -> None:
+        counter.value = n
+    loop = new_event_loop()
+    try:
+        loop.run_until_complete(churn(ClientFrames(AMQPUri.parse(uri), heartbeat=heartbeat), concurrency, duration,
+                                      counts, done))
+    finally:
+        loop.close()
+    errors.value = counts.errors
+    if counts.first_error:
+        print(f"connection-churn: {counts.errors} failed, first: {counts.first_error}", file=sys.stderr)
 
 
 def connection_churn(args: argparse.Namespace, *, broker: str, scenario: str, broker_rss: RssFn) -> RunResult:
-    """Connections opened (full handshake + channel.open) and closed per second, in -x processes."""
+    """Connections opened (full handshake + channel.open) and closed per second for -z seconds (default
+    10): ``--concurrency`` loops of open+close in each of ``-x`` processes (asyncio; 1 = this process)."""
     duration = args.time_s or 10.0
     ctx = multiprocessing.get_context("fork")
     counters = [ctx.RawValue("q", 0) for _ in range(args.parallel)]
     errs = [ctx.RawValue("q", 0) for _ in range(args.parallel)]
     started_at = now_iso()
-    procs = [ctx.Process(target=_churn_worker, args=(args.uri, duration, counters[i], errs[i]), daemon=True)
-             for i in range(args.parallel)]
+    port = AMQPUri.parse(args.uri).port
+    tw_before = time_wait_sockets(port)
+    pid = getattr(args, "broker_pid", None)
+    cpu_before = broker_cpu_seconds(pid)
+    work = [(args.uri, args.heartbeat, args.concurrency, duration, counters[i], errs[i]) for i in range(args.parallel)]
+    procs = [ctx.Process(target=_churn_process, args=w, daemon=True) for w in work]
     t0 = time.monotonic()
     for p in procs:
         p.start()
@@ -237,8 +299,14 @@ def connection_churn(args: argparse.Namespace, *, broker: str, scenario: str, br
         p.join()
     took = time.monotonic() - t0
     total = sum(c.value for c in counters)
+    tw = time_wait_sockets(port)
+    cpu_after = broker_cpu_seconds(pid)
     extra = {"connections": total, "connections_per_s": round(total / took, 1),
-             "errors": sum(e.value for e in errs)}
+             "errors": sum(e.value for e in errs),
+             # The broker's CPU per connection: steadier than the rate when other work shares the cores.
+             "broker_cpu_us_per_connection": round((cpu_after - cpu_before) * 1e6 / total)
+             if cpu_before is not None and cpu_after is not None and total else None,
+             **{k: max(0, v - tw_before[k]) for k, v in tw.items()}}
     return _result(args, broker, scenario, started_at, took, extra, broker_rss(), rates)
 
 

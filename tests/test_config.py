@@ -12,6 +12,7 @@ import msgpack
 import pytest
 
 from broker.config import OPTIONS, Settings, default_data_dir, load_settings, setup_logging
+from broker.cpus import available_cpus, default_frontends, default_shards
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,7 +36,7 @@ def test_defaults(tmp_path):
     s = load_settings([], {"SHARDMQ_DATA_DIR": str(tmp_path)})
     assert s.data_dir == str(tmp_path)
     assert (s.bind, s.port, s.heartbeat, s.frame_max, s.channel_max) == ("127.0.0.1", 5672, 60, 131072, 2047)
-    assert s.frontends == s.shards == (os.cpu_count() or 1)
+    assert (s.frontends, s.shards) == (default_frontends(available_cpus()), default_shards(available_cpus()))
     assert (s.max_message_size, s.segment_size) == (134217728, 8388608)
     assert (s.default_user, s.default_pass, s.loopback_users) == ("guest", "guest", ["guest"])
     assert (s.sync, s.log_level, s.config_file) == ("fsync", "info", None)

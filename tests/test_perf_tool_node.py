@@ -83,6 +83,97 @@ def test_trace_stages_follows_sampled_messages_through_every_hop(node_factory, t
     assert trace_stages.main([str(trace_dir)]) == 0
 
 
+def _metrics(node) -> dict[str, float]:
+    """The node's aggregated Prometheus counters/gauges (frontends report every --stats-interval)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{node.prometheus_port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return {f.name: sum(s.value for s in f.samples) for f in text_string_to_metric_families(text)}
+
+
+def _wait_metrics(node, predicate, timeout: float = 20.0, context=None) -> dict[str, float]:  # noqa: ANN001
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        m = _metrics(node)
+        if predicate(m):
+            return m
+        assert time.monotonic() < deadline, (context(m) if callable(context) else
+                                             {k: v for k, v in m.items() if k.startswith("rabbitmq_connections")})
+        time.sleep(0.05)
+
+
+def _settled_connection_counts(node) -> dict[str, float]:
+    """The counters once the harness's own probe connections are all reported closed: the same
+    numbers for 1 s (5 report intervals of 200 ms; a frontend that started listening last may not
+    have reported its first connections yet)."""
+    import time
+
+    key = ("rabbitmq_connections_opened", "rabbitmq_connections_closed", "rabbitmq_connections")
+    last, since = None, time.monotonic()
+    while True:
+        m = _wait_metrics(node, lambda m: m["rabbitmq_connections_opened"] >= 1 and m["rabbitmq_connections"] == 0
+                          and m["rabbitmq_connections_closed"] == m["rabbitmq_connections_opened"])
+        now = tuple(m[k] for k in key)
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= 1.0:
+            return m
+        time.sleep(0.1)
+
+
+def test_idle_connections_are_held_with_heartbeats_and_memory_counted(node_factory):
+    """The idle-connections scenario's tool (connection-count, asyncio) on a real node: every
+    connection is open at once (the node's gauge says so), stays open through heartbeats of 1 s
+    (a client that did not send them would be dropped after 2 s), and the node's whole process
+    tree is measured (RSS and PSS, 5 processes)."""
+    import subprocess
+    import sys
+
+    node = node_factory(frontends=2, shards=2, extra_args=["--stats-interval", "200", "--heartbeat", "1"])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loadtest.cli", "amqp", "connection-count", "--uri", node.url, "-n", "200",
+         "--hold", "4", "--broker-pid", str(node.pid), "--json"], stdout=subprocess.PIPE, text=True)
+    try:
+        _wait_metrics(node, lambda m: m["rabbitmq_connections"] == 200)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == EXIT_OK, out
+    r = json.loads(out.strip().splitlines()[-1])
+    e = r["extra"]
+    assert (e["connections"], e["connections_alive"], e["errors"]) == (200, 200, 0), e
+    assert r["params"]["heartbeat"] is None  # the broker's proposal (1 s) was accepted
+    assert e["broker_processes"] == 5  # node, 2 frontends, 2 shards
+    assert e["rss_after_bytes"] == r["broker_rss_bytes"] > e["rss_before_bytes"] > e["pss_before_bytes"] > 0
+    assert e["rss_per_connection_bytes"] == max(0, e["rss_delta_bytes"]) // 200
+    assert e["pss_per_connection_bytes"] == max(0, e["pss_after_bytes"] - e["pss_before_bytes"]) // 200
+    _wait_metrics(node, lambda m: m["rabbitmq_connections"] == 0)  # all closed again
+
+
+def test_connection_churn_count_matches_the_node(node_factory, capsys):
+    """connection-churn's count is exact: the node opened and closed exactly that many connections."""
+    node = node_factory(frontends=2, shards=2, extra_args=["--stats-interval", "200"])
+    m0 = _settled_connection_counts(node)
+    rc = main(["amqp", "connection-churn", "--uri", node.url, "-z", "2", "-c", "4", "--broker-pid", str(node.pid),
+               "--json"])
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == EXIT_OK, r
+    e = r["extra"]
+    n = e["connections"]
+    assert n > 0 and e["errors"] == 0, e
+    assert e["connections_per_s"] > 0 and e["broker_cpu_us_per_connection"] > 0
+    opened0, closed0 = m0["rabbitmq_connections_opened"], m0["rabbitmq_connections_closed"]
+    _wait_metrics(node, lambda m: m["rabbitmq_connections_opened"] - opened0 == n
+                  and m["rabbitmq_connections_closed"] - closed0 == n and m["rabbitmq_connections"] == 0,
+                  context=lambda m: (f"tool {n}, node opened {m['rabbitmq_connections_opened'] - opened0} "
+                                     f"closed {m['rabbitmq_connections_closed'] - closed0} since {m0}"))
+
+
 def test_queue_count_reports_rates_per_tenth(node, capsys):
     rc = main(["amqp", "queue-count", "--uri", node.url, "-n", "2000", "--json"])
     e = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["extra"]

@@ -22,14 +22,21 @@ class Backlog:
     def __init__(self, handler: Callable[[Any], None]) -> None:
         self.handler = handler
         self.busy = False
-        self.events: deque = deque()
+        # A deque once something waits: most channels never wait, and an empty deque is 624 bytes.
+        self.events: deque | tuple = ()
 
     def __len__(self) -> int:
         return len(self.events)
 
+    def append(self, event: Any) -> None:
+        if self.events.__class__ is deque:  # once made, always the same deque (a drain loop holds it)
+            self.events.append(event)
+        else:
+            self.events = deque((event,))
+
     def submit(self, event: Any) -> None:
         if self.busy or self.events:
-            self.events.append(event)
+            self.append(event)
         else:
             self.handler(event)
 
@@ -45,5 +52,6 @@ class Backlog:
             handler(events.popleft())
 
     def clear(self) -> None:
-        self.events.clear()
+        if self.events:
+            self.events.clear()  # the same deque: an unblock() loop draining it stops
         self.busy = False

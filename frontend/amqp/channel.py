@@ -117,7 +117,7 @@ class Channel:
         self.global_prefetch = 0
         # Deliveries beyond the global prefetch when this channel consumes from several shards
         # (each shard enforces the limit only for its own messages).
-        self.held: deque = deque()
+        self.held: deque | tuple = ()  # a deque once something is held (an empty deque is 624 bytes)
         self.shards: set[int] = set()
         self.last_queue: str | None = None
         self.tx: list | None = None  # events buffered in tx mode
@@ -140,7 +140,7 @@ class Channel:
                 if self.pipeline and not backlog.events and self.may_pipeline(event):
                     self.handle(event)  # one more declare/bind/delete in flight
                     return
-                backlog.events.append(event)
+                backlog.append(event)
                 if len(backlog.events) > BACKLOG_PAUSE:
                     self.conn.backlog_grew()
             else:
@@ -250,7 +250,8 @@ class Channel:
         self.shards = set()
         self.consumers.clear()
         self.tags = DeliveryTags()
-        self.held.clear()
+        if self.held:
+            self.held.clear()
         self.confirm = None
         self.reply_consumer = None
 
@@ -583,6 +584,8 @@ class Channel:
         if self.global_prefetch and not consumer.no_ack and (
             self.held or (len(self.shards) > 1 and len(self.tags) >= self.global_prefetch)
         ):
+            if self.held.__class__ is not deque:
+                self.held = deque()
             self.held.append((shard, item))
             return
         self._write_deliver(consumer, shard, item)
@@ -730,8 +733,6 @@ class Channel:
         def ok(result: dict) -> None:  # in the channel's order
             name = result.get("queue", method.queue)
             self.last_queue = name
-            if method.exclusive and not method.passive:
-                conn.exclusive_queues.add(name)
             if not nowait:
                 self._send(C.Queue.DeclareOk(name, int(result.get("messages", 0)),
                                              int(result.get("consumers", 0))))
@@ -766,10 +767,8 @@ class Channel:
     def m_queue_delete(self, method: C.Queue.Delete) -> None:
         name = method.queue = self._queue_name(method.queue, method)
         nowait = method.nowait
-        conn = self.conn
 
         def ok(result: dict) -> None:
-            conn.exclusive_queues.discard(name)
             if not nowait:
                 self._send(C.Queue.DeleteOk(int(result.get("messages", 0))))
             self._flush_deferred_cancels()
@@ -920,7 +919,8 @@ class Channel:
             cid, mid = _ids(method)
             raise AMQPConnectionError(NOT_IMPLEMENTED, "requeue=false", cid, mid)
         self.tags.take_all()
-        self.held.clear()
+        if self.held:
+            self.held.clear()
         conn = self.conn
         for shard in self.shards:
             conn.worker.shard_put(shard, [contract.RECOVER, conn.conn_id, self.key])

@@ -38,6 +38,7 @@ from broker.tls import peer_common_name
 from frontend.amqp.channel import BACKLOG_PAUSE, CLOSED, OPEN, Channel
 from frontend.amqp.replies import plain, reply_text
 from frontend.amqp.shard_loss import connection_lost_shard
+from frontend.timer_wheel import wheel_for
 
 if TYPE_CHECKING:
     from frontend.worker import FrontendWorker
@@ -71,6 +72,17 @@ _ACK = E.Ack
 _METHOD = E.MethodFrame
 _CREDIT = contract.CREDIT
 _CLOSE_OK_FRAME = encode_method(0, C.Connection.CloseOk())
+_OPEN_OK_FRAME = encode_method(0, C.Connection.OpenOk())
+# The handshake's other frames depend only on settings and the channel number: encoded once
+# (pamqp's encoder is most of the handshake's Python time), keyed by what they hold.
+_FRAMES: dict[tuple, bytes] = {}
+
+
+def _cached_frame(key: tuple, build) -> bytes:  # noqa: ANN001
+    frame = _FRAMES.get(key)
+    if frame is None:
+        frame = _FRAMES[key] = build()
+    return frame
 
 try:
     from importlib.metadata import version as _pkg_version
@@ -102,7 +114,38 @@ def server_properties(frontend_index: int) -> dict:
 
 
 
+CLOSED_BATCH_S = 0.02
+_closed_pending: dict[Any, list] = {}  # worker -> owners whose connection.closed waits for the batch
+
+
+def _closed_later(worker: FrontendWorker, owner: list) -> None:
+    pending = _closed_pending.get(worker)
+    if pending is None:
+        pending = _closed_pending[worker] = []
+        worker.loop.call_later(CLOSED_BATCH_S, _send_closed, worker)
+    pending.append(owner)
+
+
+def _send_closed(worker: FrontendWorker) -> None:
+    for owner in _closed_pending.pop(worker, ()):
+        worker.node_request("connection.closed", {"owner": owner, "exclusive": False}, None)
+
+
+_NO_REASONS: frozenset = frozenset()  # an idle connection's read-pause reasons and confirm channels
+
+
 class AMQPConnection(asyncio.Protocol):
+    # Slots, not a __dict__: with this many attributes an instance dict outgrows the shared-key
+    # layout and costs ~1.5 KB per connection (10,000 idle connections: 15 MB per frontend).
+    __slots__ = (
+        "worker", "conn_id", "frame_max", "channel_max", "heartbeat", "parser", "transport", "state", "vhost",
+        "user", "access", "peer", "client_properties", "connected_at", "recv_oct", "send_oct", "_sent_blocked",
+        "channels", "had_exclusive", "registered", "confirm_shards", "_out", "_dirty", "_confirm_channels", "_credit",
+        "_write_paused", "_read_pause", "publisher", "_close_after_flush", "_linger_after_flush", "_released",
+        "wheel_tick", "_wheel", "_close_timer", "_received", "_wrote", "_missed", "_close_requested", "_open_pending",
+        "_generation",
+    )
+
     def __init__(self, worker: FrontendWorker) -> None:
         self.worker = worker
         self.conn_id = worker.new_conn_id()
@@ -125,22 +168,26 @@ class AMQPConnection(asyncio.Protocol):
         self.send_oct = 0
         self._sent_blocked = False  # connection.blocked sent, unblocked owed
         self.channels: dict[int, Channel] = {}
-        self.exclusive_queues: set[str] = set()
-        self.had_exclusive = False
+        self.had_exclusive = False  # declared an exclusive queue: the node deletes them when we go
+        self.registered = False  # counted by the node (connection.open): it must hear when we go
         self.confirm_shards: set[int] = set()
         self._out: list[bytes] = []
         self._dirty = False
-        self._confirm_channels: set[Channel] = set()
+        # Empty and shared until used (an idle connection has neither): a set each is 216 bytes.
+        self._confirm_channels: set[Channel] | frozenset = _NO_REASONS
         self._credit: dict[tuple[int, int, str], int] = {}
         self._write_paused = False
-        self._read_pause: set[str] = set()
+        self._read_pause: set[str] | frozenset = _NO_REASONS
         # Set on the first basic.publish: only publishing connections are paused under shard
         # back-pressure (as RabbitMQ's flow control), so consumers' acks are still read.
         self.publisher = False
         self._close_after_flush = False
         self._linger_after_flush = False  # close-ok sent: half-close and read until the client closes
         self._released = False
-        self._timer: asyncio.TimerHandle | None = None
+        # The handshake deadline, then the heartbeat check: an entry in the frontend's one timer
+        # wheel (frontend/timer_wheel.py), not a loop timer per connection.
+        self.wheel_tick: int | None = None
+        self._wheel = wheel_for(worker.loop)
         self._close_timer: asyncio.TimerHandle | None = None
         self._received = False
         self._wrote = False
@@ -154,7 +201,7 @@ class AMQPConnection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
         self.peer = transport.get_extra_info("peername")
         self.worker.add_connection(self)
-        self._timer = self.worker.loop.call_later(HANDSHAKE_TIMEOUT, self._handshake_timeout)
+        self._wheel.arm(self, HANDSHAKE_TIMEOUT)
 
     def data_received(self, data: bytes) -> None:
         self._received = True
@@ -196,9 +243,9 @@ class AMQPConnection(asyncio.Protocol):
                      f": {exc}" if exc else "")
         self.state = CLOSED_STATE
         self._release()
-        for timer in (self._timer, self._close_timer):
-            if timer is not None:
-                timer.cancel()
+        self._wheel.disarm(self)
+        if self._close_timer is not None:
+            self._close_timer.cancel()
         self._out = []
         self.worker.remove_connection(self)
 
@@ -237,9 +284,12 @@ class AMQPConnection(asyncio.Protocol):
                 self.send_method(0, C.Connection.Unblocked())
 
     def pause_reading(self, reason: str) -> None:
-        if not self._read_pause and self.transport is not None and not self.transport.is_closing():
-            self.transport.pause_reading()
-        self._read_pause.add(reason)
+        if not self._read_pause:
+            if self.transport is not None and not self.transport.is_closing():
+                self.transport.pause_reading()
+            self._read_pause = {reason}
+        else:
+            self._read_pause.add(reason)
 
     def resume_reading(self, reason: str) -> None:
         if reason in self._read_pause:
@@ -272,7 +322,10 @@ class AMQPConnection(asyncio.Protocol):
         self.write(encode_method(channel, method))
 
     def confirm_dirty(self, channel: Channel) -> None:
-        self._confirm_channels.add(channel)
+        if self._confirm_channels:
+            self._confirm_channels.add(channel)
+        else:
+            self._confirm_channels = {channel}
         if not self._dirty:
             self._dirty = True
             self.worker.mark_dirty(self)
@@ -286,7 +339,7 @@ class AMQPConnection(asyncio.Protocol):
         """End of a loop turn: confirms, then one write, then the credit for what was written."""
         if self._confirm_channels:
             chans = self._confirm_channels
-            self._confirm_channels = set()
+            self._confirm_channels = _NO_REASONS
             for ch in chans:
                 ch.emit_confirms()
         out = self._out
@@ -407,13 +460,17 @@ class AMQPConnection(asyncio.Protocol):
         self._generation += 1
         ch = Channel(self, number, self._generation)
         self.channels[number] = ch
-        self.send_method(number, C.Channel.OpenOk())
+        if number <= 64:  # the numbers clients use; the cache stays small whatever a client opens
+            self.write(_cached_frame(("channel.open-ok", number), lambda: encode_method(number, C.Channel.OpenOk())))
+        else:
+            self.send_method(number, C.Channel.OpenOk())
 
     def forget_channel(self, ch: Channel) -> None:
         ch.state = CLOSED
         if self.channels.get(ch.number) is ch:
             del self.channels[ch.number]
-        self._confirm_channels.discard(ch)
+        if self._confirm_channels:
+            self._confirm_channels.discard(ch)
 
     # ------------------------------------------------------------- channel 0
     def _connection_method(self, method: Any) -> None:
@@ -459,15 +516,16 @@ class AMQPConnection(asyncio.Protocol):
             self._close_timer.cancel()
             self._close_timer = None
         self._release()
-        self.send_method(0, C.Connection.CloseOk())
+        self.write(_CLOSE_OK_FRAME)
         self._linger_after_flush = True
         self.state = CLOSED_STATE
 
     def _start(self) -> None:
         self.state = AWAIT_START_OK
-        self.send_method(0, C.Connection.Start(
-            0, 9, server_properties(self.worker.index),
-            "PLAIN AMQPLAIN EXTERNAL" if self._cert_user() else "PLAIN AMQPLAIN", "en_US"))
+        index = self.worker.index
+        mechanisms = "PLAIN AMQPLAIN EXTERNAL" if self._cert_user() else "PLAIN AMQPLAIN"
+        self.write(_cached_frame(("start", index, mechanisms), lambda: encode_method(0, C.Connection.Start(
+            0, 9, server_properties(index), mechanisms, "en_US"))))
 
     def _cert_user(self) -> str | None:
         return peer_common_name(self.transport, self.worker.settings)
@@ -484,7 +542,7 @@ class AMQPConnection(asyncio.Protocol):
                                           10, 11)
             self.user = self._cert_user()
             self.state = AWAIT_TUNE_OK
-            self.send_method(0, C.Connection.Tune(self.channel_max, self.frame_max, self.heartbeat))
+            self._send_tune()
             return
         try:
             self.user = authenticate(self.worker.defs, method.mechanism, response or b"",
@@ -494,7 +552,11 @@ class AMQPConnection(asyncio.Protocol):
             raise AMQPConnectionError(ACCESS_REFUSED, exc.text, 10, 11) from None
         self.client_properties = plain(method.client_properties or {})
         self.state = AWAIT_TUNE_OK
-        self.send_method(0, C.Connection.Tune(self.channel_max, self.frame_max, self.heartbeat))
+        self._send_tune()
+
+    def _send_tune(self) -> None:
+        tune = (self.channel_max, self.frame_max, self.heartbeat)
+        self.write(_cached_frame(("tune", *tune), lambda: encode_method(0, C.Connection.Tune(*tune))))
 
     def _tune_ok(self, method: C.Connection.TuneOk) -> None:
         # rabbit_reader's validate_negotiated_integer_value: 530 with its wording.
@@ -529,9 +591,9 @@ class AMQPConnection(asyncio.Protocol):
         self.vhost = vhost
         self.access = Access(self.user, vhost)
         # Every connection is counted by the node across frontends, so a max-connections limit set
-        # later counts the connections that are already open (had_exclusive makes _release tell the
+        # later counts the connections that are already open (registered makes _release tell the
         # node when we go).
-        self.had_exclusive = True
+        self.registered = True
         self._open_pending = []
         worker = self.worker
         worker.node_request("connection.open", {"vhost": vhost, "user": self.user,
@@ -551,26 +613,30 @@ class AMQPConnection(asyncio.Protocol):
     def _opened(self) -> None:
         vhost = self.vhost
         self.state = RUNNING
-        self.send_method(0, C.Connection.OpenOk())
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self.write(_OPEN_OK_FRAME)
         if self.heartbeat:
             self._missed = 0
-            self._timer = self.worker.loop.call_later(self.heartbeat / 2, self._heartbeat_tick)
+            self._wheel.arm(self, self.heartbeat / 2)
+        else:
+            self._wheel.disarm(self)
         log.debug("connection %s (%s): user '%s' opened vhost '%s'", self.conn_id, self.peer, self.user, vhost)
 
     # ------------------------------------------------------------- timers
+    def on_tick(self) -> None:
+        """The timer wheel: the handshake deadline before open-ok, the heartbeat check after."""
+        if self.state < RUNNING:
+            self._handshake_timeout()
+        elif self.state == RUNNING:
+            self._heartbeat_tick()
+
     def _handshake_timeout(self) -> None:
-        self._timer = None
-        if self.state < RUNNING and self.transport is not None:
+        if self.transport is not None:
             log.info("connection %s (%s): handshake timeout", self.conn_id, self.peer)
             self.transport.abort()
 
     def _heartbeat_tick(self) -> None:
         """Every heartbeat/2 s: send one if we were silent; give up after two silent intervals."""
-        if self.state != RUNNING or self.transport is None:
-            self._timer = None
+        if self.transport is None:
             return
         if self._received or self._read_pause:
             # While we do not read the socket (blocked by an alarm, back-pressure) its heartbeats
@@ -582,13 +648,12 @@ class AMQPConnection(asyncio.Protocol):
             if self._missed >= 4:
                 log.warning("connection %s (%s): missed heartbeats from client, timeout: %ds",
                             self.conn_id, self.peer, self.heartbeat)
-                self._timer = None
                 self.transport.abort()
                 return
         if not self._wrote:
             self.write(encode_heartbeat())
         self._wrote = False
-        self._timer = self.worker.loop.call_later(self.heartbeat / 2, self._heartbeat_tick)
+        self._wheel.arm(self, self.heartbeat / 2)
 
     # ---------------------------------------------------------- node / shards
     def on_reply(self, ch: Channel, ok: bool, result: Any, on_ok, class_id: int, method_id: int) -> None:
@@ -678,9 +743,7 @@ class AMQPConnection(asyncio.Protocol):
         self.state = CLOSING
         self.parser.connection_closing()  # nothing on a channel is assembled any more
         self._release()
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._wheel.disarm(self)
         self._close_timer = self.worker.loop.call_later(CLOSE_TIMEOUT, self._close_transport)
 
     def internal_error(self, exc: BaseException) -> None:
@@ -713,6 +776,19 @@ class AMQPConnection(asyncio.Protocol):
         for shard in shards:
             worker.shard_put(shard, [contract.CONNECTION_CLOSED, self.conn_id])
         self.channels.clear()
-        self._confirm_channels.clear()
+        self._confirm_channels = _NO_REASONS
         if self.had_exclusive:
-            worker.node_request("connection.closed", {"owner": [worker.index, self.conn_id]}, None)
+            # The node deletes this connection's exclusive queues: at once, so a client that
+            # reconnects and declares the same name does not find it still locked.
+            worker.node_request("connection.closed", {"owner": [worker.index, self.conn_id],
+                                                      "exclusive": True}, None)
+        elif self.registered:
+            # Only uncounted ("exclusive": False spares the node its walk over every queue). Unless
+            # the vhost has a max-connections limit (a client waiting for the freed slot), there is
+            # no hurry: closes are sent together, one ZeroMQ send per CLOSED_BATCH_S instead of one
+            # per loop turn (a ZeroMQ send is a syscall and a wake-up of the node).
+            owner = [worker.index, self.conn_id]
+            if worker.defs.vhost_limits(self.vhost).get("max-connections") is None:
+                _closed_later(worker, owner)
+            else:
+                worker.node_request("connection.closed", {"owner": owner, "exclusive": False}, None)

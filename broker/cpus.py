@@ -1,0 +1,82 @@
+"""How many cores the node may use, and the default frontend and shard counts for that many.
+
+The defaults are chosen by measurement (docs/benchmarks.md, "Default process counts"): on 1 and 2
+cores every combination of 1-2 frontends x 1-2 shards was run alternately under the same load;
+the counts for more cores are extrapolated from those two points (no bigger machine was measured).
+What changed with the measurement is what counts as a core: the ones this process may run on, not
+the host's (``available_cpus``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def cgroup_cpu_limit(root: Path = CGROUP_ROOT, proc_cgroup: Path = Path("/proc/self/cgroup")) -> float | None:
+    """The CPU quota of this process's cgroup in cores (``docker --cpus 1.5`` -> 1.5), None if unlimited.
+
+    cgroup v2 keeps it in ``cpu.max`` ("QUOTA PERIOD" or "max PERIOD"), v1 in
+    ``cpu/cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` (-1 = unlimited). The process's own cgroup is
+    looked up first (/proc/self/cgroup), then the root of the mount (what a container sees).
+    """
+    v2_dirs, v1_dirs = [], []
+    try:
+        for line in proc_cgroup.read_text().splitlines():
+            hier, controllers, path = line.split(":", 2)
+            rel = path.lstrip("/")
+            if hier == "0" and controllers == "":
+                v2_dirs.append(root / rel)
+            elif "cpu" in controllers.split(","):
+                v1_dirs.append(root / "cpu" / rel)
+    except (OSError, ValueError):
+        pass
+    for d in [*v2_dirs, root]:
+        try:
+            quota, period = (d / "cpu.max").read_text().split()[:2]
+        except (OSError, ValueError):
+            continue
+        return None if quota == "max" else int(quota) / int(period)
+    for d in [*v1_dirs, root / "cpu"]:
+        try:
+            quota_us = int((d / "cpu.cfs_quota_us").read_text())
+            period_us = int((d / "cpu.cfs_period_us").read_text())
+        except (OSError, ValueError):
+            continue
+        return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
+    return None
+
+
+def available_cpus() -> int:
+    """Cores this process may run on: its CPU affinity (``taskset``, a cpuset), capped by a cgroup
+    CPU quota rounded up (a container limited to 1.5 CPUs counts 2); at least 1.
+
+    ``os.cpu_count()`` is the host's count whatever the process is allowed to use, so a node pinned
+    to one core or in a 2-CPU container on a 64-core host would start 64 of each process.
+    """
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        n = os.cpu_count() or 1
+    limit = cgroup_cpu_limit()
+    if limit is not None:
+        n = min(n, math.ceil(limit))
+    return max(1, n)
+
+
+def default_frontends(cores: int) -> int:
+    """Frontend processes for ``cores``: one per core. Measured on 1 and 2 cores (1 and 2 were the
+    best or within noise of the best there; fewer frontends than cores left 2 cores' throughput on
+    the table in the 4-queue scenario); one per core beyond that is extrapolated, not measured."""
+    return max(1, cores)
+
+
+def default_shards(cores: int) -> int:
+    """Shard processes for ``cores``: one per core. On 2 cores 2 shards were at or near the top in
+    every scenario and the steadiest under a loaded machine; 1 shard was not consistently better in
+    any. On 1 core every count cost the same CPU per message, so the fewest processes (1) win on
+    memory. Beyond 2 cores: extrapolated."""
+    return max(1, cores)
