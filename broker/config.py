@@ -25,6 +25,7 @@ from broker import cpus
 PROG = "shardmq"
 ENV_PREFIX = "SHARDMQ_"
 SYNC_POLICIES = ("fsync", "none")
+IPC_TRANSPORTS = ("unix", "zmq")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -109,6 +110,10 @@ class Settings:
     # Debug: a directory where frontends and shards write a per-stage latency trace of a sample of
     # messages (broker/stage_trace.py, python -m loadtest.trace_stages); None = off.
     trace_stages: str | None = None
+    # The data plane between frontends and shards (broker/data_sockets.py): "unix" stream sockets
+    # written and read by the workers' event loops (broker/unixio.py), or "zmq" (ZeroMQ ROUTER/DEALER,
+    # broker/zmqio.py: two I/O-thread handoffs per hop). The control plane to the node is ZeroMQ either way.
+    ipc_transport: str = "zmq"
     # Resource alarms (broker/alarms.py): publishers are blocked while free disk space of the data dir is
     # below disk_free_limit or the node's memory is above vm_memory_high_watermark (RabbitMQ's syntax).
     disk_free_limit: str = "50MB"
@@ -248,6 +253,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("stats_interval", "int", "http", "ms between the statistics reports of the workers", 100, 3600000),
     Option("trace_stages", "path", "main",
            "debug: directory for a per-stage latency trace of sampled messages (python -m loadtest.trace_stages)"),
+    Option("ipc_transport", "str", "main",
+           "frontend<->shard data plane: unix stream sockets on the event loops, or ZeroMQ",
+           choices=IPC_TRANSPORTS),
     Option("cluster", "bool", "clustering", "run as a cluster member (etcd election, replication)",
            key="enabled"),
     Option("etcd_endpoints", "list", "clustering", "etcd endpoints HOST:PORT, comma separated"),

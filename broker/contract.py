@@ -2,9 +2,12 @@
 
 Every byte that crosses a process boundary inside a node is described here:
 the socket addresses, the message kinds and their fields, and the codec
-(msgpack over ZeroMQ). No other module invents a wire format.
+(msgpack over ZeroMQ, and over length-prefixed unix stream frames for the data plane with
+``--ipc-transport unix``). No other module invents a wire format.
 
-Sockets (all ``ipc://`` under the node's run directory):
+Sockets (all ``ipc://`` under the node's run directory; with ``--ipc-transport unix`` the data
+plane's ``shard-N.sock`` is a unix stream socket ``shard-N.stream`` instead, same batches, see
+``shard_stream_path``):
 
 * ``node.sock``   - the node binds a ROUTER; every worker connects a DEALER
   whose identity is its worker id (``fe-0``, ``sh-1``). Control traffic:
@@ -27,7 +30,7 @@ Sockets (all ``ipc://`` under the node's run directory):
   deduplicating exchange, M itself included): M keeps each in its outbox until N confirmed it, sends
   it again to a restarted N and, after M's own restart, again to every N (at least once).
 
-One ZeroMQ message is one *batch*: ``msgpack([header, items])``. Items are
+One ZeroMQ message (one ``STREAM_FRAME`` payload) is one *batch*: ``msgpack([header, items])``. Items are
 lists whose first element is a kind (small int). Senders collect items during
 one event-loop turn and flush once at the end of it (see ``broker.zmqio``).
 
@@ -56,6 +59,7 @@ meaning; HELLO carries it and the node refuses a worker of another version.
 from __future__ import annotations
 
 import os
+import struct
 from typing import Any
 
 import msgpack
@@ -332,6 +336,18 @@ def node_address(run_dir: str) -> str:
 
 def shard_address(run_dir: str, index: int) -> str:
     return "ipc://" + os.path.join(run_dir, f"shard-{index}.sock")
+
+
+def shard_stream_path(run_dir: str, index: int) -> str:
+    """Unix stream socket of shard ``index``'s data plane with ``--ipc-transport unix``
+    (``broker/unixio.py``): frames of ``STREAM_FRAME`` (the payload's length) + payload; a connecting
+    peer's first frame is ``STREAM_HELLO`` + its identity (``fe-K``, ``fe-K+``, ``sh-M``), every
+    later frame in either direction one batch exactly as over ZeroMQ."""
+    return os.path.join(run_dir, f"shard-{index}.stream")
+
+
+STREAM_FRAME = struct.Struct("<I")
+STREAM_HELLO = b"SMQ-HELLO\x01"
 
 
 def fsync_beacon_path(run_dir: str, index: int) -> str:

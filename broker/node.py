@@ -22,7 +22,7 @@ from typing import Any
 
 import zmq
 
-from broker import contract, gc_pause, stage_trace
+from broker import contract, data_sockets, gc_pause, stage_trace
 from broker.alarms import CHECK_INTERVAL_S, ResourceMonitor, parse_disk_limit, parse_memory_watermark
 from broker.amqp.errors import AMQPConnectionError, AMQPError
 from broker.config import Settings, cluster_secret
@@ -819,6 +819,8 @@ class Node:
 async def _main(settings: Settings) -> int:
     if settings.trace_stages:  # workers read it from their environment (broker/stage_trace.py)
         os.environ[stage_trace.ENV] = os.path.abspath(settings.trace_stages)
+    # Every worker's data-plane sockets follow the node's setting (broker/data_sockets.py).
+    os.environ[data_sockets.ENV] = settings.ipc_transport
     node = Node(settings)
     loop = asyncio.get_running_loop()
     # systemd Type=notify (deploy/systemd/): READY=1 when node.ready, STOPPING=1, WATCHDOG=1.

@@ -18,7 +18,7 @@ from typing import Any
 
 import zmq
 
-from broker import contract, gc_pause, stage_trace
+from broker import contract, data_sockets, gc_pause, stage_trace
 from broker.definitions import Definitions
 from broker.tls import reload_certificate, server_context
 from broker.zmqio import BatchSocket, make_socket
@@ -57,8 +57,8 @@ class FrontendWorker:
         self.settings: dict = {}
         self.shard_count = 0
         self.epochs: list[int] = []
-        self.shards: list[BatchSocket] = []  # publish lanes
-        self.control: list[BatchSocket] = []  # control lanes (see contract.CONTROL_LANE_KINDS)
+        self.shards: list[Any] = []  # publish lanes (BatchSocket or UnixDealer: broker/data_sockets.py)
+        self.control: list[Any] = []  # control lanes (see contract.CONTROL_LANE_KINDS)
         self._sent: list[int] = []  # last batch_seq flushed per shard
         self._processed: list[int] = []  # highest batch_seq a shard answered with PROCESSED
         # Per shard: (batch_seq, bytes) of the publish-lane batches not answered yet, and their sum.
@@ -123,15 +123,15 @@ class FrontendWorker:
         self._ctl_put = [0] * self.shard_count
         self._pub_need = [0] * self.shard_count
         for i in range(self.shard_count):
-            sock = make_socket(self.ctx, zmq.DEALER, self.ident)
-            sock.connect(contract.shard_address(self.run_dir, i))
-            self.shards.append(BatchSocket(self.loop, sock, self._shard_handler(i), self._header_for(i)))
-            self.shards[-1].on_sent = self._sent_bytes(i)
+            lane = data_sockets.shard_connection(self.loop, self.run_dir, i, self.ident, self._shard_handler(i),
+                                                 self._header_for(i))
+            lane.on_sent = self._sent_bytes(i)
             if self._trace is not None:
-                self.shards[-1].set_trace(self._trace, "fe_deliver_in", "fe_publish_out", keep_in=True)
-            ctl = make_socket(self.ctx, zmq.DEALER, self.ident + contract.CONTROL_LANE_SUFFIX)
-            ctl.connect(contract.shard_address(self.run_dir, i))
-            self.control.append(BatchSocket(self.loop, ctl, self._shard_handler(i), self._control_header_for(i)))
+                lane.set_trace(self._trace, "fe_deliver_in", "fe_publish_out", keep_in=True)
+            self.shards.append(lane)
+            self.control.append(data_sockets.shard_connection(
+                self.loop, self.run_dir, i, self.ident + contract.CONTROL_LANE_SUFFIX, self._shard_handler(i),
+                self._control_header_for(i)))
         self.node.put(None, [contract.APPLIED, version])
         bind = settings.get("bind") or "0.0.0.0"
         tls = self.tls = server_context(settings)

@@ -20,9 +20,9 @@ STAGES = ("client_send", "fe_publish_out", "sh_publish_in", "sh_deliver_out", "f
           "client_recv")
 HOPS = {
     "client_send -> fe_publish_out": "client write, kernel, frontend read + parse + route, wait for the turn's end",
-    "fe_publish_out -> sh_publish_in": "ZeroMQ frontend -> shard (both I/O threads, ipc socket, shard wake-up)",
+    "fe_publish_out -> sh_publish_in": "data plane frontend -> shard (unix: socket write, shard wake-up; zmq: also both I/O threads)",
     "sh_publish_in -> sh_deliver_out": "shard: append, deliver, wait for the turn's end",
-    "sh_deliver_out -> fe_deliver_in": "ZeroMQ shard -> frontend",
+    "sh_deliver_out -> fe_deliver_in": "data plane shard -> frontend",
     "fe_deliver_in -> fe_write": "frontend: encode basic.deliver, wait for the turn's end, socket write",
     "fe_write -> client_recv": "kernel, client wake-up and read",
     "client_send -> client_recv": "end to end",

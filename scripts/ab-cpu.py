@@ -5,8 +5,14 @@ On a shared, loaded machine msg/s swings by +-30 % between runs; the CPU seconds
 shard processes use for a fixed number of messages hardly move, so small hot-path costs show.
     scripts/ab-cpu.py BASE_TREE HEAD_TREE [MESSAGES] [RUNS]
 (make BASE_TREE with `git worktree add --detach /tmp/base REV`; the perf client runs from HEAD_TREE).
+Environment: AB_PERF_ARGS replaces the perf tool's `-x 1 -y 1 -s 16` (e.g. `-x 4 -y 4 -s 16 --queues 4`:
+MESSAGES is then per publisher and per consumer, and CPU per message divides by all of them);
+AB_BASE_ARGS / AB_HEAD_ARGS are extra node arguments per tree (one tree twice with two settings:
+`AB_BASE_ARGS="--ipc-transport zmq" scripts/ab-cpu.py . .`). Ports of the MQTT and WebSocket listeners
+are off where the tree has them, so concurrent runs on a shared machine do not collide.
 """
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -16,6 +22,10 @@ import time
 PY = sys.executable
 TREES = {"base": os.path.abspath(sys.argv[1]), "head": os.path.abspath(sys.argv[2])}
 N = int(sys.argv[3]) if len(sys.argv) > 3 else 200000
+PERF_ARGS = shlex.split(os.environ.get("AB_PERF_ARGS", "-x 1 -y 1 -s 16"))
+PUBLISHERS = int(PERF_ARGS[PERF_ARGS.index("-x") + 1]) if "-x" in PERF_ARGS else 1
+NODE_ARGS = {"base": shlex.split(os.environ.get("AB_BASE_ARGS", "")),
+             "head": shlex.split(os.environ.get("AB_HEAD_ARGS", ""))}
 
 def free_port() -> int:
     s = socket.socket()
@@ -42,16 +52,17 @@ def cpu(pid: int) -> float:
         f = fh.read().rsplit(")", 1)[1].split()
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
-def run(tree: str) -> tuple[float, float]:
+def run(name: str, tree: str) -> tuple[float, float]:
     port = free_port()
     data = tempfile.mkdtemp()
     config = open(os.path.join(tree, "broker", "config.py")).read()
     extra = []  # listeners with fixed default ports off, where the tree has them
-    for opt, flag in (('"http_port"', "--http-port"), ('"prometheus_port"', "--prometheus-port")):
+    for opt, flag in (('"http_port"', "--http-port"), ('"prometheus_port"', "--prometheus-port"),
+                      ('"mqtt_port"', "--mqtt-port"), ('"ws_port"', "--ws-port")):
         if opt in config:
             extra += [flag, "0"]
     node = subprocess.Popen([PY, "-m", "broker.cli", "--data-dir", data, "--port", str(port), "--frontends", "1",
-                             "--shards", "1", "--log-level", "warning", *extra], cwd=tree)
+                             "--shards", "1", "--log-level", "warning", *extra, *NODE_ARGS[name]], cwd=tree)
     for _ in range(100):
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
@@ -63,7 +74,7 @@ def run(tree: str) -> tuple[float, float]:
     before = {k: cpu(k) for k in kids}
     t = time.time()
     subprocess.run([PY, "-m", "loadtest.cli", "amqp", "throughput", "--uri", f"amqp://guest:guest@127.0.0.1:{port}/",
-                    "--json", "-x", "1", "-y", "1", "-s", "16", "--pmessages", str(N), "--cmessages", str(N)],
+                    "--json", *PERF_ARGS, "--pmessages", str(N), "--cmessages", str(N)],
                    cwd=TREES["head"], capture_output=True, text=True, check=False)
     wall = time.time() - t
     used = sum(cpu(k) - before[k] for k in kids)
@@ -74,5 +85,8 @@ def run(tree: str) -> tuple[float, float]:
 
 for r in range(int(sys.argv[4]) if len(sys.argv) > 4 else 3):
     for name, tree in TREES.items():
-        used, wall = run(tree)
-        print(f"{name} run{r+1}: workers' CPU {used:.2f} s for {N} msgs = {used / N * 1e6:.2f} us/msg (wall {wall:.1f} s)", flush=True)
+        used, wall = run(name, tree)
+        n = N * PUBLISHERS
+        load = open("/proc/loadavg").read().split()[0]
+        print(f"{name} run{r+1}: workers' CPU {used:.2f} s for {n} msgs = {used / n * 1e6:.2f} us/msg"
+              f" (wall {wall:.1f} s, load {load})", flush=True)

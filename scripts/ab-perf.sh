@@ -29,6 +29,8 @@ for r in $(seq 1 "$REPEATS"); do
         extra=()
         grep -q '"http_port"' "$tree/broker/config.py" && extra+=(--http-port 0)
         grep -q '"prometheus_port"' "$tree/broker/config.py" && extra+=(--prometheus-port 0)
+        grep -q '"mqtt_port"' "$tree/broker/config.py" && extra+=(--mqtt-port 0)
+        grep -q '"ws_port"' "$tree/broker/config.py" && extra+=(--ws-port 0)
         (cd "$tree" && exec "$PY" -m broker.cli --data-dir "$data" --port "$port" --frontends 1 --shards 1 \
             --log-level warning "${extra[@]}") &
         pid=$!

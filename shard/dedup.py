@@ -27,11 +27,8 @@ import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
-import zmq
-
-from broker import contract
+from broker import contract, data_sockets
 from broker.dedup import DEFAULT_CACHE_SIZE, DedupSettings, dedup_key, exchange_shard
-from broker.zmqio import BatchSocket, make_socket
 
 if TYPE_CHECKING:
     from shard.worker import ShardWorker
@@ -131,7 +128,7 @@ class ExchangeDedup:
         self.pending: dict[int, _Pending] = {}
         self.inflight: dict[tuple, _Pending] = {}
         self._token = 0
-        self._self_socket: BatchSocket | None = None
+        self._self_socket: Any = None  # a data_sockets connection to our own data socket
         self._self_seq = 0
 
     # ------------------------------------------------------------------ publish
@@ -219,16 +216,14 @@ class ExchangeDedup:
         self.caches[(vhost, exchange)] = (x, cache)
         return cache
 
-    def socket_to(self, shard: int) -> BatchSocket | None:
+    def socket_to(self, shard: int) -> Any:
         """The DEALER to `shard`'s ROUTER: a peer's, or ours connected to our own ROUTER."""
         worker = self.worker
         if shard != worker.index:
             return worker.peers.get(shard)
         if self._self_socket is None:
-            sock = make_socket(worker.ctx, zmq.DEALER, worker.ident)
-            sock.connect(contract.shard_address(worker.run_dir, worker.index))
-            self._self_socket = BatchSocket(worker.loop, sock, worker.on_peer_answers(worker.index),
-                                            header_for=self._self_header)
+            self._self_socket = data_sockets.shard_connection(worker.loop, worker.run_dir, worker.index, worker.ident,
+                                                              worker.on_peer_answers(worker.index), self._self_header)
         return self._self_socket
 
     def self_batches(self) -> int:

@@ -2,7 +2,7 @@
 
 Data batches arrive from frontends on a ROUTER socket; every item is handled
 in the loop turn it arrives in, replies are collected per frontend and
-flushed once at the end of the turn (broker.zmqio.BatchSocket). Publishes
+flushed once at the end of the turn (broker/data_sockets.py: unixio or zmqio). Publishes
 that need durability are confirmed after a group fsync that runs in a worker
 thread, never one fsync per message.
 """
@@ -15,10 +15,11 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import zmq
 
-from broker import contract, gc_pause, stage_trace
+from broker import contract, data_sockets, gc_pause, stage_trace
 from broker.datadir import name_hash
 from broker.definitions import Definitions
 from broker.fsync_beacon import FsyncBeacon, stall_for_tests
@@ -100,12 +101,12 @@ class ShardWorker:
         self._lane: bytes | None = None  # sender identity of the batch being handled
         self._node_req = 0
         self.node: BatchSocket | None = None
-        self.data: BatchSocket | None = None
+        self.data: Any = None  # BatchSocket or UnixRouter (broker/data_sockets.py)
         # TTL, queue expiry and consumer timeouts of every queue here: one heap, one loop timer.
         self.timers = TimerHeap(loop)
         # Dead-lettered messages for queues of other shards go over a DEALER to each of them.
         self.epochs: dict[int, int] = {}
-        self.peers: dict[int, BatchSocket] = {}
+        self.peers: dict[int, Any] = {}
         self._peer_seq: dict[int, int] = {}
         # Forward back-pressure (a deduplicating exchange's owner): the highest batch each peer
         # answered with PROCESSED (ours: key self.index, for the DEALER to our own ROUTER), and the
@@ -128,9 +129,7 @@ class ShardWorker:
 
     # ------------------------------------------------------------------ startup
     async def start(self) -> None:
-        data_sock = make_socket(self.ctx, zmq.ROUTER)
-        data_sock.bind(contract.shard_address(self.run_dir, self.index))
-        self.data = BatchSocket(self.loop, data_sock, self._on_data)
+        self.data = data_sockets.shard_listener(self.loop, self.run_dir, self.index, self._on_data)
         trace = stage_trace.get("shard")  # --trace-stages (debug): None normally
         if trace is not None:
             self.data.set_trace(trace, "sh_publish_in", "sh_deliver_out")
@@ -810,10 +809,9 @@ class ShardWorker:
         for i in range(int(self.settings.get("shards", 1))):
             if i == self.index or i in self.peers:
                 continue
-            sock = make_socket(self.ctx, zmq.DEALER, self.ident)
-            sock.connect(contract.shard_address(self.run_dir, i))
             self._peer_seq[i] = 0
-            self.peers[i] = BatchSocket(self.loop, sock, self.on_peer_answers(i), header_for=self._peer_header(i))
+            self.peers[i] = data_sockets.shard_connection(self.loop, self.run_dir, i, self.ident,
+                                                          self.on_peer_answers(i), self._peer_header(i))
 
     def on_peer_answers(self, shard: int) -> Callable[[bytes | None, object, list], None]:
         """Answers of another shard (or our own, for dedup forwards) to our PUBLISH items.

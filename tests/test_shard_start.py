@@ -2,19 +2,21 @@
 old shard dies): those batches must be handled once its snapshot is loaded, not dropped while
 PROCESSED is answered (which left a confirming publisher waiting forever).
 
-Drives a real ShardWorker over the real contract (broker/contract.py, ZeroMQ ipc sockets): the test
-plays the node (a ROUTER answering HELLO with SNAPSHOT, deliberately late) and a frontend (a DEALER
-that sends a confirmed PUBLISH before the shard has its snapshot)."""
+Drives a real ShardWorker over the real contract (broker/contract.py; the node's ZeroMQ socket and
+the data plane of each --ipc-transport, broker/data_sockets.py): the test plays the node (a ROUTER
+answering HELLO with SNAPSHOT, deliberately late) and a frontend (a data-plane connection that sends a
+confirmed PUBLISH before the shard has its snapshot)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 
+import pytest
 import zmq
 import zmq.asyncio
 
-from broker import contract
+from broker import contract, data_sockets
 from broker.definitions import Definitions
 from shard.worker import ShardWorker
 
@@ -26,7 +28,9 @@ async def _recv_items(sock: zmq.asyncio.Socket, timeout: float) -> tuple[bytes |
     return ident, items
 
 
-def test_a_publish_sent_before_the_snapshot_is_stored_and_confirmed(tmp_path):
+@pytest.mark.parametrize("transport", ["unix", "zmq"])
+def test_a_publish_sent_before_the_snapshot_is_stored_and_confirmed(tmp_path, monkeypatch, transport):
+    monkeypatch.setenv(data_sockets.ENV, transport)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     data_dir = tmp_path / "data"
@@ -41,12 +45,13 @@ def test_a_publish_sent_before_the_snapshot_is_stored_and_confirmed(tmp_path):
         node = ctx.socket(zmq.ROUTER)
         node.setsockopt(zmq.LINGER, 0)
         node.bind(contract.node_address(str(run_dir)))
-        fe = ctx.socket(zmq.DEALER)
-        fe.setsockopt(zmq.LINGER, 0)
-        fe.setsockopt(zmq.IDENTITY, contract.worker_id("frontend", 0))
-        fe.connect(contract.shard_address(str(run_dir), 0))  # queued by ZeroMQ until the shard binds
-        publish = [contract.PUBLISH, "/", ["q"], "", "q", b"\x00\x00", b"early", True, 1, 1, 7]
-        await fe.send(contract.pack([epoch, 1], [publish]))
+        answers: list = []
+        # The frontend's publish lane, created before the shard listens (its batch waits until it does).
+        fe = data_sockets.shard_connection(loop, str(run_dir), 0, contract.worker_id("frontend", 0),
+                                           lambda _ident, _header, items: answers.extend(items),
+                                           lambda _dest: [epoch, 1])
+        fe.put(None, [contract.PUBLISH, "/", ["q"], "", "q", b"\x00\x00", b"early", True, 1, 1, 7])
+        await asyncio.sleep(0.05)
         shard = ShardWorker(0, str(run_dir), loop)
         start = loop.create_task(shard.start())
         ident, items = await _recv_items(node, 10)
@@ -57,13 +62,13 @@ def test_a_publish_sent_before_the_snapshot_is_stored_and_confirmed(tmp_path):
         await node.send_multipart([ident, contract.pack(0, [[contract.SNAPSHOT, defs.version, defs.to_dict(),
                                                             {0: epoch}, settings]])])
         await asyncio.wait_for(start, 10)
-        answers: list = []
+        deadline = loop.time() + 10
         while not any(a[0] == contract.CONFIRM for a in answers):
-            _ident, items = await _recv_items(fe, 10)
-            answers.extend(items)
+            assert loop.time() < deadline, f"no confirm: {answers}"
+            await asyncio.sleep(0.01)
         await shard.stop()
-        for sock in (fe, node):
-            sock.close()
+        fe.close()
+        node.close()
         ctx.term()
         return answers
 

@@ -1,0 +1,400 @@
+"""The data plane's ``BatchSocket`` over unix-domain stream sockets on the running event loop.
+
+Why not ZeroMQ here: a ZeroMQ send hands the message to ZeroMQ's I/O thread, which writes it and
+wakes the receiver's I/O thread, which wakes the receiving loop through an eventfd. A message from a
+client to a consumer crosses four of those handoffs (frontend send, shard receive, shard send,
+frontend receive), each tens of microseconds on a busy machine. Here the loop thread writes the
+turn's batch straight into the kernel socket and the peer's loop reads it from its own epoll: no
+thread, no eventfd, one ``write`` per destination per loop turn and one ``read`` per wake-up.
+
+Same interface and the same semantics the callers rely on from ZeroMQ's ROUTER/DEALER pair
+(``broker/zmqio.py``):
+
+- ``UnixRouter`` (the shard's listening side; ``dest`` is a peer's identity): a connecting peer
+  announces its identity first (``contract.STREAM_HELLO``); a later connection with the same
+  identity takes over (ROUTER_HANDOVER 1: the old one is closed); a batch for an identity that is
+  not connected is dropped silently (ROUTER_MANDATORY 0; the contract's epochs, PROCESSED and the
+  frontends' probes already deal with that loss).
+- ``UnixDealer`` (frontends and shard peers; ``dest`` is None): connects in the background and
+  reconnects after the peer went away (a shard restarted after ``kill -9``); batches put while it
+  is not connected wait and go out, in order, right after the identity once it is. Like a ZeroMQ
+  DEALER's pipe, nothing bounds that queue: back-pressure is the protocol's (PROCESSED / CREDIT,
+  bytes in flight counted by the frontend through ``on_sent``). What the old connection had
+  written but the dead peer never read is lost, as with ZeroMQ.
+
+Frames are ``contract.STREAM_FRAME`` (u32 length) + payload, the payload the same msgpack batch as
+ZeroMQ carried. Reads go into one reused buffer per connection (``asyncio.BufferedProtocol``) and
+batches are decoded from it without a copy; one loop turn handles about ``TURN_ITEMS`` items per
+connection and then pauses reading until the next turn, so a publish flood cannot starve the
+callbacks that deliver, flush and return credit (ZeroMQ's side does the same with a batch budget).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from broker import contract
+
+log = logging.getLogger("shardmq.unixio")
+
+OnBatch = Callable[[bytes | None, Any, list], None]
+
+MAX_BATCH_ITEMS = 512  # as broker/zmqio.py: a batch this long goes out at once
+TURN_ITEMS = 1024  # items handled per connection per loop turn before reading pauses
+_FRAME = contract.STREAM_FRAME
+_FRAME_SIZE = _FRAME.size
+_FRAME_MAX = (1 << (8 * _FRAME_SIZE)) - 1
+_HELLO = contract.STREAM_HELLO
+_READ_BUFFER = 256 * 1024  # starting size of a connection's read buffer; grows for bigger frames
+_MIN_READ = 64 * 1024  # free space offered to a read before unread data is moved to the front
+_RECONNECT_FIRST_S = 0.01
+_RECONNECT_MAX_S = 0.1  # ZeroMQ reconnects every 100 ms
+
+
+class _Stream(asyncio.BufferedProtocol):
+    """One connection: frames in from a reused buffer, frames out with one write per call."""
+
+    __slots__ = ("owner", "transport", "identity", "closed", "_buf", "_view", "_start", "_end",
+                 "_need", "_paused", "_resume_scheduled")
+
+    def __init__(self, owner: _Base, identity: bytes | None) -> None:
+        self.owner = owner
+        self.transport: asyncio.Transport | None = None
+        self.identity = identity  # a router learns it from the peer's hello
+        self.closed = False
+        self._buf = bytearray(_READ_BUFFER)
+        self._view = memoryview(self._buf)
+        self._start = 0  # first unread byte
+        self._end = 0  # end of the bytes read
+        self._need = 0  # size of the frame being read when it does not fit the buffer
+        self._paused = False
+        self._resume_scheduled = False
+
+    # ------------------------------------------------------------- asyncio
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.owner._made(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.owner._lost(self)
+
+    def eof_received(self) -> bool:
+        return False  # close our side too: connection_lost follows
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if len(self._buf) - self._end < _MIN_READ or self._need > len(self._buf) - self._start:
+            self._make_room()
+        return self._view[self._end:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._end += nbytes
+        self._drain()
+
+    # ------------------------------------------------------------- frames in
+    def _make_room(self) -> None:
+        start, end = self._start, self._end
+        unread = end - start
+        size = len(self._buf)
+        wanted = max(self._need, unread + _MIN_READ)
+        if wanted > size:
+            # A frame bigger than the buffer: a new one that holds it (and reads after it).
+            buf = bytearray(max(wanted, 2 * size))
+            buf[:unread] = self._view[start:end]
+            self._buf, self._view = buf, memoryview(buf)
+        elif unread:
+            self._view[:unread] = self._view[start:end]
+        self._start, self._end = 0, unread
+
+    def _drain(self) -> None:
+        """Hand complete frames to the owner, at most about TURN_ITEMS items this turn."""
+        view = self._view
+        owner = self.owner
+        budget = TURN_ITEMS
+        while not self.closed:
+            start = self._start
+            have = self._end - start
+            if have < _FRAME_SIZE:
+                break
+            size = _FRAME.unpack_from(view, start)[0]
+            if have < _FRAME_SIZE + size:
+                self._need = _FRAME_SIZE + size
+                break
+            self._need = 0
+            self._start = start + _FRAME_SIZE + size
+            budget -= owner._frame(self, view[start + _FRAME_SIZE:self._start])
+            if budget <= 0:
+                if self._end - self._start >= _FRAME_SIZE and not self.closed:
+                    self._pause()
+                    return
+                break
+        if self._start == self._end:
+            self._start = self._end = 0
+        if self._paused and not self.closed:
+            self._paused = False
+            self.transport.resume_reading()
+
+    def _pause(self) -> None:
+        if not self._paused:
+            self._paused = True
+            self.transport.pause_reading()
+        if not self._resume_scheduled:
+            self._resume_scheduled = True
+            self.owner.loop.call_soon(self._resume)
+
+    def _resume(self) -> None:
+        self._resume_scheduled = False
+        self._drain()
+
+    # ------------------------------------------------------------- frames out
+    def send(self, payload: bytes) -> None:
+        if not self.closed:
+            self.transport.writelines((_FRAME.pack(len(payload)), payload))
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.transport.close()
+
+
+class _Base:
+    """Per-turn batching and the trace hooks, shared by both ends."""
+
+    is_router = False
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_batch: OnBatch,
+                 header_for: Callable[[bytes | None], Any] | None) -> None:
+        self.loop = loop
+        self.on_batch = on_batch
+        self.header_for = header_for or (lambda dest: 0)
+        self._pending: dict[bytes | None, list] = {}
+        self._scheduled = False
+        self._closed = False
+        self._trace: Any = None  # broker.stage_trace.StageTrace under --trace-stages
+        self._trace_in = self._trace_out = ""
+        self._trace_keep = False
+        # Called with the size of every batch sent (after header_for): the frontend counts bytes in flight.
+        self.on_sent: Callable[[int], None] | None = None
+
+    def set_trace(self, trace: Any, stage_in: str, stage_out: str, keep_in: bool = False) -> None:
+        """Record the sampled messages of every batch received (``stage_in``) and sent (``stage_out``)."""
+        self._trace, self._trace_in, self._trace_out, self._trace_keep = trace, stage_in, stage_out, keep_in
+
+    def put(self, dest: bytes | None, item: list) -> None:
+        items = self._pending.get(dest)
+        if items is None:
+            self._pending[dest] = [item]
+        else:
+            items.append(item)
+            if len(items) >= MAX_BATCH_ITEMS:
+                del self._pending[dest]
+                if self._trace is not None:
+                    self._trace.batch(self._trace_out, items)
+                self._send(dest, contract.pack(self.header_for(dest), items))
+        if not self._scheduled:
+            self._scheduled = True
+            self.loop.call_soon(self.flush)
+
+    def send_now(self, dest: bytes | None, items: list, header: Any = 0) -> None:
+        """Send one batch immediately (control messages outside the per-turn batch)."""
+        self._send(dest, contract.pack(header, items))
+
+    def flush(self) -> None:
+        self._scheduled = False
+        if self._closed or not self._pending:
+            return
+        pending = self._pending
+        self._pending = {}
+        trace = self._trace
+        for dest, items in pending.items():
+            if trace is not None:
+                trace.batch(self._trace_out, items)
+            self._send(dest, contract.pack(self.header_for(dest), items))
+
+    def _send(self, dest: bytes | None, payload: bytes) -> None:
+        if self._closed:
+            return
+        if len(payload) > _FRAME_MAX:
+            log.error("batch of %d bytes is over the frame limit: dropped", len(payload))
+            return
+        if self.on_sent is not None:
+            self.on_sent(len(payload))
+        self._write(dest, payload)
+
+    def _deliver(self, ident: bytes | None, payload: memoryview) -> int:
+        """Decode one batch and hand it on; returns its number of items (the read budget)."""
+        try:
+            header, items = contract.unpack(payload)
+        except ValueError:
+            return 1
+        if self._trace is not None:
+            self._trace.batch(self._trace_in, items, self._trace_keep)
+        self.on_batch(ident, header, items)
+        return len(items) or 1
+
+    # provided by each end
+    def _write(self, dest: bytes | None, payload: bytes) -> None:
+        raise NotImplementedError
+
+    def _made(self, stream: _Stream) -> None:
+        raise NotImplementedError
+
+    def _lost(self, stream: _Stream) -> None:
+        raise NotImplementedError
+
+    def _frame(self, stream: _Stream, payload: memoryview) -> int:
+        raise NotImplementedError
+
+
+class UnixRouter(_Base):
+    """The listening end (a shard's data socket): ``dest`` is a connected peer's identity."""
+
+    is_router = True
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, path: str, on_batch: OnBatch,
+                 header_for: Callable[[bytes | None], Any] | None = None) -> None:
+        super().__init__(loop, on_batch, header_for)
+        self.path = path
+        self._peers: dict[bytes, _Stream] = {}
+        self._streams: set[_Stream] = set()
+        # Bound and listening before this returns, as ZeroMQ's bind: peers may connect (and queue
+        # in the backlog) at once. A socket file left by a killed predecessor is replaced.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(path)
+        sock.listen(1024)
+        sock.setblocking(False)
+        self._sock = sock
+        self._server: asyncio.AbstractServer | None = None
+        self._serving = loop.create_task(self._serve(sock))
+
+    async def _serve(self, sock: socket.socket) -> None:
+        self._server = await self.loop.create_unix_server(lambda: _Stream(self, None), sock=sock)
+
+    def _made(self, stream: _Stream) -> None:
+        if self._closed:
+            stream.close()
+            return
+        self._streams.add(stream)
+
+    def _lost(self, stream: _Stream) -> None:
+        self._streams.discard(stream)
+        if stream.identity is not None and self._peers.get(stream.identity) is stream:
+            del self._peers[stream.identity]
+
+    def _frame(self, stream: _Stream, payload: memoryview) -> int:
+        if stream.identity is None:
+            # The first frame names the peer (contract.STREAM_HELLO); anything else is not ours.
+            if payload[:len(_HELLO)] != _HELLO:
+                log.warning("%s: a connection that did not say hello: closed", self.path)
+                stream.close()
+                return 1
+            ident = bytes(payload[len(_HELLO):])
+            old = self._peers.get(ident)
+            if old is not None and old is not stream:
+                old.close()  # ROUTER_HANDOVER: the new connection with this identity takes over
+            stream.identity = ident
+            self._peers[ident] = stream
+            return 1
+        return self._deliver(stream.identity, payload)
+
+    def _write(self, dest: bytes | None, payload: bytes) -> None:
+        stream = self._peers.get(dest)  # type: ignore[arg-type]
+        if stream is not None:
+            stream.send(payload)
+        # else: ROUTER_MANDATORY 0, the peer is gone and the node's worker-down handling takes over
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self.flush()
+        self._closed = True
+        if self._server is not None:
+            self._server.close()
+        else:
+            self._serving.cancel()
+            self._sock.close()
+        for stream in list(self._streams):
+            stream.close()
+        self._streams.clear()
+        self._peers.clear()
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+
+class UnixDealer(_Base):
+    """The connecting end (a frontend's lane, a shard's peer socket): always one connection, kept up."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, path: str, identity: bytes, on_batch: OnBatch,
+                 header_for: Callable[[bytes | None], Any] | None = None) -> None:
+        super().__init__(loop, on_batch, header_for)
+        self.path = path
+        self.identity = identity
+        self._stream: _Stream | None = None  # connected and said hello
+        self._waiting: list[bytes] = []  # frames (length prefix included) put while not connected
+        self._delay = _RECONNECT_FIRST_S
+        self._task: asyncio.Task | None = None
+        self._connect()
+
+    def _connect(self) -> None:
+        if not self._closed:
+            self._task = self.loop.create_task(self._connect_loop())
+
+    async def _connect_loop(self) -> None:
+        while not self._closed:
+            try:
+                await self.loop.create_unix_connection(lambda: _Stream(self, self.identity), self.path)
+                return
+            except OSError:  # not bound yet, or the dead peer's file: try again, as ZeroMQ reconnects
+                await asyncio.sleep(self._delay)
+                self._delay = min(self._delay * 2, _RECONNECT_MAX_S)
+
+    def _made(self, stream: _Stream) -> None:
+        if self._closed:
+            stream.close()
+            return
+        self._delay = _RECONNECT_FIRST_S
+        hello = _HELLO + self.identity
+        frames = [_FRAME.pack(len(hello)), hello, *self._waiting]
+        self._waiting = []
+        stream.transport.writelines(frames)
+        self._stream = stream
+
+    def _lost(self, stream: _Stream) -> None:
+        if self._stream is stream:
+            self._stream = None
+            self.loop.call_later(self._delay, self._connect)
+
+    def _frame(self, stream: _Stream, payload: memoryview) -> int:
+        return self._deliver(None, payload)
+
+    def _write(self, dest: bytes | None, payload: bytes) -> None:
+        stream = self._stream
+        if stream is not None and not stream.closed:
+            stream.send(payload)
+        else:
+            self._waiting.append(_FRAME.pack(len(payload)))
+            self._waiting.append(payload)
+
+    @property
+    def connected(self) -> bool:
+        return self._stream is not None and not self._stream.closed
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self.flush()
+        self._closed = True
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+        self._waiting = []
