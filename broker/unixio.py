@@ -40,12 +40,10 @@ from collections.abc import Callable
 from typing import Any
 
 from broker import contract
+from broker.turn_batch import OnBatch, TurnBatcher
 
 log = logging.getLogger("shardmq.unixio")
 
-OnBatch = Callable[[bytes | None, Any, list], None]
-
-MAX_BATCH_ITEMS = 512  # as broker/zmqio.py: a batch this long goes out at once
 TURN_ITEMS = 1024  # items handled per connection per loop turn before reading pauses
 _FRAME = contract.STREAM_FRAME
 _FRAME_SIZE = _FRAME.size
@@ -163,59 +161,10 @@ class _Stream(asyncio.BufferedProtocol):
             self.transport.close()
 
 
-class _Base:
-    """Per-turn batching and the trace hooks, shared by both ends."""
+class _Base(TurnBatcher):
+    """What both ends add to the per-turn batching: frame-size check, write and decode."""
 
-    is_router = False
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, on_batch: OnBatch,
-                 header_for: Callable[[bytes | None], Any] | None) -> None:
-        self.loop = loop
-        self.on_batch = on_batch
-        self.header_for = header_for or (lambda dest: 0)
-        self._pending: dict[bytes | None, list] = {}
-        self._scheduled = False
-        self._closed = False
-        self._trace: Any = None  # broker.stage_trace.StageTrace under --trace-stages
-        self._trace_in = self._trace_out = ""
-        self._trace_keep = False
-        # Called with the size of every batch sent (after header_for): the frontend counts bytes in flight.
-        self.on_sent: Callable[[int], None] | None = None
-
-    def set_trace(self, trace: Any, stage_in: str, stage_out: str, keep_in: bool = False) -> None:
-        """Record the sampled messages of every batch received (``stage_in``) and sent (``stage_out``)."""
-        self._trace, self._trace_in, self._trace_out, self._trace_keep = trace, stage_in, stage_out, keep_in
-
-    def put(self, dest: bytes | None, item: list) -> None:
-        items = self._pending.get(dest)
-        if items is None:
-            self._pending[dest] = [item]
-        else:
-            items.append(item)
-            if len(items) >= MAX_BATCH_ITEMS:
-                del self._pending[dest]
-                if self._trace is not None:
-                    self._trace.batch(self._trace_out, items)
-                self._send(dest, contract.pack(self.header_for(dest), items))
-        if not self._scheduled:
-            self._scheduled = True
-            self.loop.call_soon(self.flush)
-
-    def send_now(self, dest: bytes | None, items: list, header: Any = 0) -> None:
-        """Send one batch immediately (control messages outside the per-turn batch)."""
-        self._send(dest, contract.pack(header, items))
-
-    def flush(self) -> None:
-        self._scheduled = False
-        if self._closed or not self._pending:
-            return
-        pending = self._pending
-        self._pending = {}
-        trace = self._trace
-        for dest, items in pending.items():
-            if trace is not None:
-                trace.batch(self._trace_out, items)
-            self._send(dest, contract.pack(self.header_for(dest), items))
+    __slots__ = ()
 
     def _send(self, dest: bytes | None, payload: bytes) -> None:
         if self._closed:

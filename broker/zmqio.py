@@ -20,13 +20,11 @@ from typing import Any
 import zmq
 
 from broker import contract
-
-OnBatch = Callable[[bytes | None, Any, list], None]
+from broker.turn_batch import OnBatch, TurnBatcher
 
 # Together these bound the work one loop turn does for a socket to about 1,000 items, so
 # deliveries, confirms and credit interleave with a publish flood instead of waiting behind it.
 _BATCHES_PER_TURN = 2
-MAX_BATCH_ITEMS = 512
 
 
 def make_socket(ctx: zmq.Context, kind: int, identity: bytes | None = None) -> zmq.Socket:
@@ -44,11 +42,10 @@ def make_socket(ctx: zmq.Context, kind: int, identity: bytes | None = None) -> z
     return sock
 
 
-class BatchSocket:
+class BatchSocket(TurnBatcher):
     """A ROUTER (dest = peer identity) or DEALER (dest = None) with per-turn batching."""
 
-    __slots__ = ("loop", "sock", "on_batch", "is_router", "header_for", "_pending", "_scheduled", "_closed",
-                 "_resume_scheduled", "_trace", "_trace_in", "_trace_out", "_trace_keep", "on_sent")
+    __slots__ = ("sock", "is_router", "_resume_scheduled")
 
     def __init__(
         self,
@@ -57,42 +54,13 @@ class BatchSocket:
         on_batch: OnBatch,
         header_for: Callable[[bytes | None], Any] | None = None,
     ) -> None:
-        self.loop = loop
+        super().__init__(loop, on_batch, header_for)
         self.sock = sock
-        self.on_batch = on_batch
         self.is_router = sock.socket_type == zmq.ROUTER
-        self.header_for = header_for or (lambda dest: 0)
-        self._pending: dict[bytes | None, list] = {}
-        self._scheduled = False
-        self._closed = False
         self._resume_scheduled = False
-        self._trace: Any = None  # broker.stage_trace.StageTrace under --trace-stages
-        self._trace_in = self._trace_out = ""
-        self._trace_keep = False
-        # Called with the size of every batch sent (after header_for): the frontend counts bytes in flight.
-        self.on_sent: Callable[[int], None] | None = None
         loop.add_reader(sock.getsockopt(zmq.FD), self._on_readable)
         # Messages may already be waiting (the FD only signals edges).
         loop.call_soon(self._on_readable)
-
-    def set_trace(self, trace: Any, stage_in: str, stage_out: str, keep_in: bool = False) -> None:
-        """Record the sampled messages of every batch received (``stage_in``) and sent (``stage_out``)."""
-        self._trace, self._trace_in, self._trace_out, self._trace_keep = trace, stage_in, stage_out, keep_in
-
-    def put(self, dest: bytes | None, item: list) -> None:
-        items = self._pending.get(dest)
-        if items is None:
-            self._pending[dest] = [item]
-        else:
-            items.append(item)
-            if len(items) >= MAX_BATCH_ITEMS:
-                del self._pending[dest]
-                if self._trace is not None:
-                    self._trace.batch(self._trace_out, items)
-                self._send(dest, contract.pack(self.header_for(dest), items))
-        if not self._scheduled:
-            self._scheduled = True
-            self.loop.call_soon(self.flush)
 
     def send_now(self, dest: bytes | None, items: list, header: Any = 0) -> None:
         """Send one batch immediately (control messages outside the per-turn batch)."""
@@ -105,14 +73,7 @@ class BatchSocket:
         self._scheduled = False
         if self._closed:
             return
-        if self._pending:
-            pending = self._pending
-            self._pending = {}
-            trace = self._trace
-            for dest, items in pending.items():
-                if trace is not None:
-                    trace.batch(self._trace_out, items)
-                self._send(dest, contract.pack(self.header_for(dest), items))
+        self._send_pending()
         # Always, even when put() already sent everything (a full batch goes out at once): any
         # send may have consumed the FD's edge, and a missed edge leaves replies unread forever.
         self._on_readable()

@@ -23,7 +23,7 @@ from pamqp.body import ContentBody
 
 from broker.contract import MAX_BATCHES_IN_FLIGHT
 from broker.dedup import exchange_shard
-from broker.zmqio import MAX_BATCH_ITEMS
+from broker.turn_batch import MAX_BATCH_ITEMS
 from tests.helpers import WAIT, uid, wait_count
 from tests.raw_amqp import RawClient
 from tests.test_feature_dlx import uid_on

@@ -14,7 +14,8 @@ import pytest
 import uvloop
 
 from broker import contract
-from broker.unixio import MAX_BATCH_ITEMS, UnixDealer, UnixRouter
+from broker.turn_batch import MAX_BATCH_ITEMS
+from broker.unixio import UnixDealer, UnixRouter
 
 
 def run(scenario: Callable) -> None:

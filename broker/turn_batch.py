@@ -1,0 +1,85 @@
+"""Per-turn batching of contract items, shared by both data-plane transports.
+
+Callers ``put`` items for a destination during a loop turn; the first put schedules ``flush``
+with ``loop.call_soon``, so every destination gets one batch per turn however many items were
+produced (a full batch of MAX_BATCH_ITEMS goes out at once). The transports (broker/zmqio.py,
+broker/unixio.py) supply ``_send`` and what reading needs; this class holds only what both do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from broker import contract
+
+OnBatch = Callable[[bytes | None, Any, list], None]
+
+MAX_BATCH_ITEMS = 512
+
+
+class TurnBatcher:
+    """Items put during a loop turn, one packed batch per destination at its end; trace hooks."""
+
+    __slots__ = ("loop", "on_batch", "header_for", "_pending", "_scheduled", "_closed",
+                 "_trace", "_trace_in", "_trace_out", "_trace_keep", "on_sent")
+
+    is_router = False
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_batch: OnBatch,
+                 header_for: Callable[[bytes | None], Any] | None) -> None:
+        self.loop = loop
+        self.on_batch = on_batch
+        self.header_for = header_for or (lambda dest: 0)
+        self._pending: dict[bytes | None, list] = {}
+        self._scheduled = False
+        self._closed = False
+        self._trace: Any = None  # broker.stage_trace.StageTrace under --trace-stages
+        self._trace_in = self._trace_out = ""
+        self._trace_keep = False
+        # Called with the size of every batch sent (after header_for): the frontend counts bytes in flight.
+        self.on_sent: Callable[[int], None] | None = None
+
+    def set_trace(self, trace: Any, stage_in: str, stage_out: str, keep_in: bool = False) -> None:
+        """Record the sampled messages of every batch received (``stage_in``) and sent (``stage_out``)."""
+        self._trace, self._trace_in, self._trace_out, self._trace_keep = trace, stage_in, stage_out, keep_in
+
+    def put(self, dest: bytes | None, item: list) -> None:
+        items = self._pending.get(dest)
+        if items is None:
+            self._pending[dest] = [item]
+        else:
+            items.append(item)
+            if len(items) >= MAX_BATCH_ITEMS:
+                del self._pending[dest]
+                if self._trace is not None:
+                    self._trace.batch(self._trace_out, items)
+                self._send(dest, contract.pack(self.header_for(dest), items))
+        if not self._scheduled:
+            self._scheduled = True
+            self.loop.call_soon(self.flush)
+
+    def send_now(self, dest: bytes | None, items: list, header: Any = 0) -> None:
+        """Send one batch immediately (control messages outside the per-turn batch)."""
+        self._send(dest, contract.pack(header, items))
+
+    def flush(self) -> None:
+        self._scheduled = False
+        if self._closed:
+            return
+        self._send_pending()
+
+    def _send_pending(self) -> None:
+        if not self._pending:
+            return
+        pending = self._pending
+        self._pending = {}
+        trace = self._trace
+        for dest, items in pending.items():
+            if trace is not None:
+                trace.batch(self._trace_out, items)
+            self._send(dest, contract.pack(self.header_for(dest), items))
+
+    def _send(self, dest: bytes | None, payload: bytes) -> None:
+        raise NotImplementedError
