@@ -275,13 +275,18 @@ def test_delayed_messages_survive_a_restart_and_are_delivered_on_time(node):
         assert get_one(ch, q, timeout=5.0)[2] == b"short"
     assert not os.path.exists(store_dir(node.data_dir, "/", gone))
     assert os.path.isdir(store_dir(node.data_dir, "/", x))
-    assert time.monotonic() < t_long + 8.0, "restart took too long for this test"
+    # Normally the node is back well before "long" is due, and it must then arrive on time. On a
+    # machine slow enough that the restart outlasted the delay it is overdue at start: then only its
+    # survival is checked (wait() fails if it never comes), never the restart's speed.
+    back = time.monotonic()
     arrivals = [Arrivals(c, q) for q in queues]
     for a in arrivals:
         at, body, headers = a.wait(1)[0]
         assert body == b"long" and headers["x-delay"] == -8000
-        late = at - t_long - 8.0
-        assert 0 <= late <= ON_TIME_S, f"arrived {late:.3f}s after its due time"
+        assert at >= t_long + 8.0, "delivered before its due time"
+        if back < t_long + 8.0:
+            late = at - t_long - 8.0
+            assert late <= ON_TIME_S, f"arrived {late:.3f}s after its due time"
     c.process_data_events(time_limit=0.2)
     assert all(len(a.got) == 1 for a in arrivals)  # transient ones are gone, as RabbitMQ's queues drop them
     c.close()

@@ -300,7 +300,9 @@ class WindowPublisher(threading.Thread):
 
     def __init__(self, node: Node, queues: list[str], window: int = 300) -> None:
         super().__init__(daemon=True)
-        self.client = AMQPClient(node.url, timeout=5.0).connect()
+        # A long read timeout: while a killed shard restarts, a full window may wait on it for
+        # seconds on a loaded machine, and that is not an error. A close still ends run() at once.
+        self.client = AMQPClient(node.url, timeout=30.0).connect()
         self.client.confirm_select()
         self.queues = queues
         self.window = window
