@@ -114,23 +114,6 @@ def server_properties(frontend_index: int) -> dict:
 
 
 
-CLOSED_BATCH_S = 0.02
-_closed_pending: dict[Any, list] = {}  # worker -> owners whose connection.closed waits for the batch
-
-
-def _closed_later(worker: FrontendWorker, owner: list) -> None:
-    pending = _closed_pending.get(worker)
-    if pending is None:
-        pending = _closed_pending[worker] = []
-        worker.loop.call_later(CLOSED_BATCH_S, _send_closed, worker)
-    pending.append(owner)
-
-
-def _send_closed(worker: FrontendWorker) -> None:
-    for owner in _closed_pending.pop(worker, ()):
-        worker.node_request("connection.closed", {"owner": owner, "exclusive": False}, None)
-
-
 _NO_REASONS: frozenset = frozenset()  # an idle connection's read-pause reasons and confirm channels
 
 
@@ -783,12 +766,9 @@ class AMQPConnection(asyncio.Protocol):
             worker.node_request("connection.closed", {"owner": [worker.index, self.conn_id],
                                                       "exclusive": True}, None)
         elif self.registered:
-            # Only uncounted ("exclusive": False spares the node its walk over every queue). Unless
-            # the vhost has a max-connections limit (a client waiting for the freed slot), there is
-            # no hurry: closes are sent together, one ZeroMQ send per CLOSED_BATCH_S instead of one
-            # per loop turn (a ZeroMQ send is a syscall and a wake-up of the node).
-            owner = [worker.index, self.conn_id]
-            if worker.defs.vhost_limits(self.vhost).get("max-connections") is None:
-                _closed_later(worker, owner)
-            else:
-                worker.node_request("connection.closed", {"owner": owner, "exclusive": False}, None)
+            # Only uncounted ("exclusive": False spares the node its walk over every queue). Sent at
+            # once, never batched for later: a client that closes one connection and opens another
+            # must find the slot free under a max-connections limit set meanwhile (a 20 ms batch of
+            # closes made tests/test_feature_policies.py's limit test refuse a connection).
+            worker.node_request("connection.closed", {"owner": [worker.index, self.conn_id],
+                                                      "exclusive": False}, None)
