@@ -66,3 +66,19 @@ def free_port() -> int:
         if port not in _HANDED_OUT:
             _HANDED_OUT.add(port)
             return port
+
+
+def listening_sockets(port: int) -> int:
+    """How many TCP sockets listen on ``port`` (any address), from /proc/net/tcp and tcp6: one per
+    frontend once a node is up, since they share the port with SO_REUSEPORT."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                count += 1
+    return count

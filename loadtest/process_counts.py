@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loadtest.node_process import spawn_node
-from loadtest.ports import free_port
+from loadtest.ports import free_port, listening_sockets
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,21 +64,6 @@ class Config:
 
     def perf_prefix(self) -> list[str]:
         return ["taskset", "-c", "1"] if self.cores == "1" else []
-
-
-def listening_sockets(port: int) -> int:
-    """TCP sockets in LISTEN on ``port`` (one per frontend: they share it with SO_REUSEPORT)."""
-    count = 0
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                count += 1
-    return count
 
 
 def tree_cpu_seconds(root_pid: int) -> float:

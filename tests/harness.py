@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pika
 
-from loadtest.ports import free_port  # noqa: F401  (tests import it from here)
+from loadtest.ports import free_port, listening_sockets  # noqa: F401  (tests import free_port from here)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT = 30.0  # generous: only a node that never comes up pays it
@@ -43,21 +43,6 @@ class NodeError(AssertionError):
 
 
 DEFAULT_COMMAND = [sys.executable, "-m", "broker.cli"]
-
-
-def listening_sockets(port: int) -> int:
-    """How many TCP sockets listen on ``port`` (any address), from /proc/net/tcp and tcp6."""
-    count = 0
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
-                count += 1
-    return count
 
 
 def pid_alive(pid: int) -> bool:
