@@ -5,6 +5,7 @@ for the followers' acks, so everything pending is sent right then."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
 
@@ -29,20 +30,31 @@ def _appends(evs: list) -> list[p.Append]:
     return [e for e in evs if isinstance(e, p.Append)]
 
 
+@contextlib.asynccontextmanager
+async def _attached(root):
+    """A sender for the queue dir ``q`` under root, attached to one end of a socket pair; yields the
+    sender, the follower's end, its decoder and the first frames (the file listing)."""
+    sender = smod.StreamSender(asyncio.get_running_loop(), str(root), "shard-0", lambda: ["q"])
+    leader_end, follower_end = socket.socketpair()
+    follower_end.setblocking(False)
+    dec = p.Decoder()
+    try:
+        sender.attach_socket(leader_end, "f1")
+        first = await _frames_until(follower_end, dec, lambda g: g)
+        yield sender, follower_end, dec, first
+    finally:
+        sender.close()
+        follower_end.close()
+
+
 def test_flush_on_position_on_delay_and_on_size(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(smod, "FLUSH_DELAY_S", 0.05)
     root = tmp_path / "data"
     (root / "q").mkdir(parents=True)
 
     async def scenario() -> None:
-        loop = asyncio.get_running_loop()
-        sender = smod.StreamSender(loop, str(root), "shard-0", lambda: ["q"])
-        leader_end, follower_end = socket.socketpair()
-        follower_end.setblocking(False)
-        dec = p.Decoder()
-        try:
-            sender.attach_socket(leader_end, "f1")
-            (listing,) = await _frames_until(follower_end, dec, lambda g: g)
+        async with _attached(root) as (sender, follower_end, dec, first):
+            (listing,) = first
             assert isinstance(listing, p.FileList)
             path = str(root / "q" / "msgs")
 
@@ -69,9 +81,6 @@ def test_flush_on_position_on_delay_and_on_size(tmp_path, monkeypatch) -> None:
             evs = await _frames_until(follower_end, dec, lambda g: sum(len(x.data) for x in _appends(g)) >= len(big),
                                       deadline_s=5.0)
             assert b"".join(x.data for x in _appends(evs)) == big
-        finally:
-            sender.close()
-            follower_end.close()
 
     asyncio.run(scenario())
 
@@ -81,14 +90,7 @@ def test_appends_coalesce_per_run_and_keep_their_order_across_files(tmp_path) ->
     (root / "q").mkdir(parents=True)
 
     async def scenario() -> None:
-        loop = asyncio.get_running_loop()
-        sender = smod.StreamSender(loop, str(root), "shard-0", lambda: ["q"])
-        leader_end, follower_end = socket.socketpair()
-        follower_end.setblocking(False)
-        dec = p.Decoder()
-        try:
-            sender.attach_socket(leader_end, "f1")
-            await _frames_until(follower_end, dec, lambda g: g)
+        async with _attached(root) as (sender, follower_end, dec, _first):
             msgs, acks = str(root / "q" / "msgs"), str(root / "q" / "acks")
             sender.append(msgs, 0, b"1")
             sender.append(msgs, 1, b"2")  # the same path object: the fast path
@@ -101,8 +103,5 @@ def test_appends_coalesce_per_run_and_keep_their_order_across_files(tmp_path) ->
             assert [(e.path, e.offset, e.data) for e in evs] == [
                 ("q/msgs", 0, b"123"), ("q/acks", 0, b"a"), ("q/msgs", 3, b"4"), ("q/msgs", 10, b"5")]
             assert sender.seq == sum(e.size for e in evs)
-        finally:
-            sender.close()
-            follower_end.close()
 
     asyncio.run(scenario())
