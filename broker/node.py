@@ -237,7 +237,8 @@ class Node:
             for i in range(s.frontends):
                 await self.sup.spawn(self._worker("frontend", i))
         try:
-            await asyncio.wait_for(self._shards_ready.wait(), _STARTUP_TIMEOUT_S)
+            async with asyncio.timeout(_STARTUP_TIMEOUT_S):
+                await self._shards_ready.wait()
         except TimeoutError:
             raise RuntimeError(f"shards did not start within {_STARTUP_TIMEOUT_S:.0f} s") from None
         if not overlap:
@@ -714,7 +715,8 @@ class Node:
         self._admin_queries[qid] = fut
         self.ctl.put(ident, [contract.QUERY, qid, op, args])
         try:
-            return await asyncio.wait_for(fut, _QUERY_TIMEOUT_S)
+            async with asyncio.timeout(_QUERY_TIMEOUT_S):  # cancels fut on timeout, as wait_for did
+                return await fut
         except TimeoutError:
             self._admin_queries.pop(qid, None)
             return False, [504, f"shard {shard} did not answer", 0, 0]
@@ -736,7 +738,8 @@ class Node:
         self._queries[qid] = fut
         self.ctl.put(ident, [contract.QUERY, qid, "queue_info", {"vhost": vhost, "queue": name}])
         try:
-            return await asyncio.wait_for(fut, _QUERY_TIMEOUT_S)
+            async with asyncio.timeout(_QUERY_TIMEOUT_S):
+                return await fut
         except TimeoutError:
             self._queries.pop(qid, None)
             return None

@@ -147,7 +147,8 @@ class Supervisor:
         if not procs:
             return
         try:
-            await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), timeout)
+            async with asyncio.timeout(timeout):
+                await asyncio.gather(*(p.wait() for p in procs))
         except TimeoutError:
             for p in procs:
                 if p.returncode is None:

@@ -236,7 +236,8 @@ class ClusterRole:
         # Lead until fenced (watchdog, lost lease) or the leader key is gone.
         while not self.stopping:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._fenced.wait(), max(0.1, self.ttl / 3))
+                async with asyncio.timeout(max(0.1, self.ttl / 3)):
+                    await self._fenced.wait()
             if self._fenced.is_set():
                 break
             try:

@@ -203,7 +203,8 @@ class ReplicationLeader:
         pending: list = []
         handed = False
         try:
-            hello = await asyncio.wait_for(self._recv_event(conn, dec, pending), HANDSHAKE_TIMEOUT_S)
+            async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
+                hello = await self._recv_event(conn, dec, pending)
             if not isinstance(hello, p.Hello):
                 raise p.ProtocolError(f"expected HELLO, got {type(hello).__name__}")
             if hello.version != p.VERSION:
@@ -216,7 +217,8 @@ class ReplicationLeader:
             await self.loop.sock_sendall(conn, p.encode_challenge(
                 nonce_l, p.leader_proof(self.secret, hello.stream, hello.nonce, nonce_l)))
             try:
-                auth = await asyncio.wait_for(self._recv_event(conn, dec, pending), HANDSHAKE_TIMEOUT_S)
+                async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
+                    auth = await self._recv_event(conn, dec, pending)
             except ConnectionError:
                 self.refused += 1
                 log.warning("replication: follower %s at %s closed the handshake after our challenge "

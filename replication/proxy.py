@@ -108,7 +108,8 @@ class ClientProxy:
             if self.target is None:
                 self._waiting.add(writer)
                 try:
-                    await asyncio.wait_for(self._target_set.wait(), self.wait_for_leader)
+                    async with asyncio.timeout(self.wait_for_leader):
+                        await self._target_set.wait()
                 except TimeoutError:
                     return
                 finally:
