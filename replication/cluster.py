@@ -40,6 +40,9 @@ log = logging.getLogger("shardmq.cluster")
 _LISTENER_FIELDS = (("amqp", "port"), ("amqps", "amqps_port"), ("mqtt", "mqtt_port"),
                     ("mqtts", "mqtts_port"), ("ws", "ws_port"))
 _DISK_PROBE = "disk-probe"
+# With the etcd watch open a follower re-reads the leader key this often anyway (a watch that died
+# without an error, e.g. a half-open connection, costs at most this much failover time).
+_SAFETY_POLL_S = 2.0
 
 
 class ClusterRole:
@@ -66,7 +69,10 @@ class ClusterRole:
         self.leader_lease = 0
         self.isr: list[str] = []
         self.replication: Any = None  # the ReplicationLeader while leading
+        # How often a follower reads the leader key while the etcd watch is not open (etcd down,
+        # the watch re-opening); with it open, changes wake the loop and _SAFETY_POLL_S applies.
         self.poll = min(0.25, self.ttl / 10)
+        self._changed = asyncio.Event()  # the watch saw the leader or ISR key change
         # Disk probe: an fsync still running after this long means the disk is stalled.
         self.disk_bound = max(2.0, self.ttl / 2)
         self.last_failover: dict[str, float] = {}
@@ -79,6 +85,11 @@ class ClusterRole:
         self._isr_dirty = False
         self._watchdog: threading.Thread | None = None
         self._watch_stop = threading.Event()
+        # Wakes the fence watchdog, which sleeps while this node does not lead.
+        self._watchdog_wake = threading.Event()
+        # The watchdog's period while leading: TTL/50 bounds how late a fence comes (20 ms at a 1 s
+        # lease), at most 0.1 s (the shard fsync beacons' period).
+        self._watchdog_interval = max(0.02, min(0.1, self.ttl / 50))
         self._campaign_after = 0.0
 
     # ---------------------------------------------------------------- status
@@ -114,11 +125,14 @@ class ClusterRole:
             await self.coord.start(self.info)
         self._watchdog = threading.Thread(target=self._watchdog_loop, name="fence-watchdog", daemon=True)
         self._watchdog.start()
+        # The leader and ISR keys wake the role loop as they change (and it polls slowly besides).
+        self.coord.watch(["leader", "isr"], self._changed.set)
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
         self.stopping = True
         self._watch_stop.set()
+        self._watchdog_wake.set()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -151,6 +165,7 @@ class ClusterRole:
 
     async def _loop(self) -> None:
         while not self.stopping and self.coord.lease_id is not None:
+            self._changed.clear()  # before the read: a change while it runs ends the next wait at once
             leader, lease = await self.coord.leader_lease()
             if leader is not None and leader.name == self.name and lease != self.coord.lease_id:
                 # Our own record under an older lease (a previous run: we hold the data dir lock, so
@@ -161,7 +176,7 @@ class ClusterRole:
                 continue
             if leader is not None:
                 await self._follow(leader, lease)
-                await asyncio.sleep(self.poll)
+                await self._wait_change()
                 continue
             if self.leader is not None:
                 log.info("leader %s is gone", self.leader.name)
@@ -171,15 +186,25 @@ class ClusterRole:
             isr = await self.coord.isr()
             if isr is not None and self.name not in isr:
                 # Not a valid candidate: someone in the ISR has every confirmed message.
-                await asyncio.sleep(self.poll)
+                await self._wait_change()
                 continue
             if time.monotonic() < self._campaign_after:
-                await asyncio.sleep(self.poll)
+                await self._wait_change(self._campaign_after - time.monotonic())
                 continue
             if await self.coord.campaign(self.info):
                 await self._lead()
             else:
                 await asyncio.sleep(self.poll / 5)
+
+    async def _wait_change(self, at_most: float | None = None) -> None:
+        """Until the leader or ISR key changes (the etcd watch), the safety poll is due, or
+        ``at_most`` seconds passed. Without an open watch it is the short poll interval."""
+        timeout = _SAFETY_POLL_S if self.coord.watching else self.poll
+        if at_most is not None:
+            timeout = max(0.0, min(timeout, at_most))
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self._changed.wait()
 
     # -------------------------------------------------------------- follower
     async def _follow(self, leader: NodeInfo, lease: int) -> None:
@@ -211,6 +236,7 @@ class ClusterRole:
         self.leader_lease = self.coord.lease_id
         self._fence_reason = None
         self._fenced.clear()
+        self._watchdog_wake.set()  # the watchdog watches the lease from now on
         # The frontends take the client ports: relayed connections to the old leader are dead anyway.
         await self.proxy.stop()
         self.proxy.set_target(None)
@@ -343,8 +369,11 @@ class ClusterRole:
         boost_thread_priority()
         probe_path = os.path.join(self.node.datadir.run_dir, _DISK_PROBE)
         next_probe = next_beacons = 0.0
-        while not self._watch_stop.wait(0.02):
+        while not self._watch_stop.wait(self._watchdog_interval):
             if self.role != "leader" or self._fence_reason is not None:
+                # Nothing to watch: sleep until _lead wakes us (the timeout only bounds a missed wake).
+                self._watchdog_wake.wait(1.0)
+                self._watchdog_wake.clear()
                 continue
             if not self.coord.lease_fresh():
                 self._fence_now(f"etcd lease not renewed for {self.coord.lease_age():.2f} s "

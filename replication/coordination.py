@@ -15,6 +15,11 @@ We build the election from a lease and a transaction rather than etcd3's ``Lock`
 leaks leases. The ``etcd3`` client is blocking (gRPC); every call runs on one worker thread and
 the keep-alive on its own thread, so a slow etcd never blocks the node's event loop and a slow
 call never delays a keep-alive.
+
+Changes of the leader and ISR keys arrive through one etcd watch (:meth:`Coordinator.watch`), so a
+follower waits for them instead of polling. It is our own small loop over etcd3's generated
+``WatchStub`` rather than etcd3's ``Watcher``: that one re-opens a failed stream at once, forever
+(a busy loop while etcd is down), and cannot be stopped.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 # etcd3 0.12's generated protobuf modules only load with the pure-Python protobuf runtime.
@@ -57,6 +62,10 @@ _GRPC_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+# A broken watch is opened again after this pause, doubled per failure up to the maximum (the
+# coordinator polls meanwhile: see ``watching``).
+_WATCH_RETRY_S = 0.1
+_WATCH_RETRY_MAX_S = 1.0
 
 
 class CoordinationError(Exception):
@@ -144,6 +153,11 @@ class Coordinator:
         self._keepalive_failing = False
         self._stop = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
+        # The watch (see watch()): True while its stream is open with every key watched.
+        self.watching = False
+        self._watch_thread: threading.Thread | None = None
+        self._watch_call: Any = None  # the open Watch RPC, cancelled by stop()
+        self._watch_lock = threading.Lock()
 
     # ------------------------------------------------------------------ keys
     def key(self, *parts: str) -> str:
@@ -300,6 +314,82 @@ class Coordinator:
         if lease_id == self.lease_id and self.on_lease_lost is not None:
             self.on_lease_lost()
 
+    # ------------------------------------------------------------------ watch
+    def watch(self, keys: list[str], on_change: Callable[[], None]) -> None:
+        """Call ``on_change()`` on the loop whenever one of ``keys`` (names under the prefix, e.g.
+        "leader") is written or deleted, and also each time the watch is (re)established or breaks:
+        a change between the caller's last read and the watch's start is never missed, and the
+        caller learns that it must poll (``watching`` is False) until the watch is back.
+
+        The stream runs on its own thread with its own gRPC channel, opened by that thread (never
+        one of the call clients, never shared with another thread or a child process).
+        """
+        if self._watch_thread is not None:
+            return
+        loop = asyncio.get_running_loop()
+        self._watch_thread = threading.Thread(target=self._watch_loop, args=(loop, keys, on_change),
+                                              name="etcd-watch", daemon=True)
+        self._watch_thread.start()
+
+    def _watch_loop(self, loop: asyncio.AbstractEventLoop, keys: list[str], on_change: Callable[[], None]) -> None:
+        def notify() -> None:
+            try:
+                loop.call_soon_threadsafe(on_change)
+            except RuntimeError:  # the loop is closed: the node is exiting
+                pass
+
+        retry = _WATCH_RETRY_S
+        endpoint = 0
+        while not self._stop.is_set():
+            host, port = self.endpoints[endpoint]
+            client = etcd3.client(host=host, port=port, grpc_options=_GRPC_OPTIONS)
+            done = threading.Event()
+            created = 0
+            try:
+                stub = etcdrpc.WatchStub(client.channel)
+                call = stub.Watch(_watch_requests([self.key(k) for k in keys], done),
+                                  credentials=client.call_credentials, metadata=client.metadata)
+                with self._watch_lock:
+                    self._watch_call = call
+                if self._stop.is_set():
+                    call.cancel()
+                for resp in call:
+                    if resp.canceled or resp.compact_revision:
+                        raise CoordinationError(f"etcd cancelled the watch ({resp.cancel_reason or 'compacted'})")
+                    if resp.created:
+                        created += 1
+                        if created == len(keys):
+                            self.watching = True
+                            retry = _WATCH_RETRY_S
+                            log.debug("etcd watch on %s established", ", ".join(keys))
+                            notify()
+                    if resp.events:
+                        notify()
+            except (grpc.RpcError, CoordinationError, ValueError) as exc:
+                if not self._stop.is_set():
+                    log.debug("etcd watch %s:%d: %s", host, port, exc)
+            finally:
+                done.set()  # ends the request stream
+                with self._watch_lock:
+                    self._watch_call = None
+                self.watching = False
+                try:
+                    client.close()
+                except Exception:  # a broken channel may fail to close; it is dropped either way
+                    log.debug("closing the etcd watch client failed", exc_info=True)
+            if self._stop.is_set():
+                return
+            notify()  # the caller polls until the watch is back
+            endpoint = (endpoint + 1) % len(self.endpoints)
+            self._stop.wait(retry)
+            retry = min(_WATCH_RETRY_MAX_S, retry * 2)
+
+    def _stop_watch(self) -> None:
+        with self._watch_lock:
+            call = self._watch_call
+        if call is not None:
+            call.cancel()
+
     # -------------------------------------------------------------- reading
     async def leader(self) -> NodeInfo | None:
         raw, _meta = await self._run(lambda c: c.get(self.key("leader")))
@@ -428,12 +518,22 @@ class Coordinator:
                 log.info("etcd lease %x revoked", lease_id)
             except CoordinationError as exc:
                 log.warning("could not revoke the etcd lease (it expires in %d s): %s", self.ttl, exc)
+        self._stop_watch()
         if self._keepalive is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._keepalive.join, 5.0)
+        if self._watch_thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._watch_thread.join, 5.0)
         for c in self._clients + self._keepalive_clients:
             if c is not None:
                 c.close()
         self._executor.shutdown(wait=False)
+
+
+def _watch_requests(keys: list[str], done: threading.Event) -> Iterator[Any]:
+    """The Watch RPC's request stream: one create request per key, then open until ``done``."""
+    for key in keys:
+        yield etcdrpc.WatchRequest(create_request=etcdrpc.WatchCreateRequest(key=key.encode()))
+    done.wait()
 
 
 def boost_thread_priority(nice: int = -10) -> bool:
