@@ -193,3 +193,54 @@ def test_a_hung_keep_alive_does_not_hold_back_the_next_ones(etcd, monkeypatch):
             await c.stop()
 
     asyncio.run(main())
+
+
+def test_watch_reports_leader_and_isr_changes_and_comes_back_after_an_etcd_restart(tmp_path):
+    """Coordinator.watch: every write or delete of a watched key calls on_change on the loop; when
+    etcd goes away the watch says so (watching False, one more call) and opens again once etcd is
+    back, without anyone calling it again."""
+    own = EtcdCluster(1, tmp_path / "etcd").start()
+    prefix = f"t{next(_prefixes)}-watch"
+
+    async def main():
+        changes = asyncio.Event()
+        a = coordinator(own, "a", prefix)
+        await a.start(info("a"))
+        a.watch(["leader", "isr"], changes.set)
+        try:
+            async def watching() -> bool:
+                return a.watching
+
+            async def changed() -> bool:
+                return changes.is_set()
+
+            await _until(watching, 10)
+            changes.clear()
+            assert await a.campaign(info("a"))  # writes the leader key and, on a first boot, the ISR
+            await _until(changed)
+            changes.clear()
+            assert await a.write_isr(["a", "b"])
+            await _until(changed)
+            changes.clear()
+            await a.resign()  # deletes the leader key
+            await _until(changed)
+            changes.clear()
+            await a._run(lambda c: c.put(a.key("isr"), '["a"]'))  # any writer's change, not only ours
+            await _until(changed)
+            own.stop_member(own.members[0])
+            changes.clear()
+
+            async def broken() -> bool:
+                return not a.watching and changes.is_set()
+
+            await _until(broken, 10)
+            own.start_member(own.members[0])
+            await _until(watching, 20)
+        finally:
+            await a.stop()
+        assert a._watch_thread is not None and not a._watch_thread.is_alive()
+
+    try:
+        asyncio.run(main())
+    finally:
+        own.stop()
