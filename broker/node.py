@@ -463,6 +463,8 @@ class Node:
     def _shard_up(self, w: WorkerProcess) -> None:
         """A (re)started shard has loaded its queues: frontends may send it data."""
         self._broadcast(None, [contract.SHARD_UP, w.index, self.epochs[w.index]])
+        if self.repl_leader is not None:  # followers' connections waiting for it are handed over now
+            self.repl_leader.shard_up(w.index)
         if all(x.connected and x.applied >= 0 for x in self.sup.workers if x.role == "shard"):
             self._shards_ready.set()
             deferred, self._deferred_hellos = self._deferred_hellos, []

@@ -19,17 +19,14 @@ from broker import contract
 log = logging.getLogger("shardmq.replication")
 
 
-def send_socket(run_dir: str, index: int, sock: socket.socket, follower: str) -> bool:
-    """Hand ``sock`` to shard ``index``; False if that shard is not listening."""
+def send_socket(run_dir: str, index: int, sock: socket.socket, follower: str) -> None:
+    """Hand ``sock`` to shard ``index``. OSError (ECONNREFUSED, ENOENT) while that shard has not
+    bound its handoff socket: a (re)starting shard binds it once it has loaded its queues."""
     out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
     try:
         out.setblocking(True)
         out.connect(contract.repl_handoff_path(run_dir, index))
         socket.send_fds(out, [contract.pack_handoff(follower)], [sock.fileno()])
-        return True
-    except OSError as exc:
-        log.warning("replication: cannot hand follower %s to shard %d: %s", follower, index, exc)
-        return False
     finally:
         out.close()
 

@@ -16,6 +16,7 @@ follower becomes in sync or falls out. Without a coordinator (``auto_isr=True``,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 from collections.abc import Callable
@@ -30,6 +31,14 @@ from replication.sender import StreamSender
 log = logging.getLogger("shardmq.replication")
 
 HANDSHAKE_TIMEOUT_S = 10.0
+# How long a follower's shard connection waits for that shard to take it (a shard restarting after
+# a crash binds its handoff socket once it has recovered its queues); then it is closed and the
+# follower starts a new session.
+HANDOFF_WAIT_S = 30.0
+# Between two handoff attempts while the shard is not up (doubling): a fallback only, the node's
+# word that the shard is up (shard_up) makes the next attempt at once.
+_HANDOFF_RETRY_S = 0.05
+_HANDOFF_RETRY_MAX_S = 1.0
 
 
 @dataclass
@@ -71,6 +80,8 @@ class ReplicationLeader:
         self._stopping = False
         self._known: set[str] = set()
         self._last_ack: dict[str, float] = {}
+        # Per shard: set when the node reports that shard (re)started; handoffs waiting for it retry.
+        self._shard_started: dict[int, asyncio.Event] = {}
 
     @property
     def streams(self) -> list[str]:
@@ -148,6 +159,10 @@ class ReplicationLeader:
         """A shard's REPL_STATUS."""
         self._shard_status[index] = status
         self._recompute()
+
+    def shard_up(self, index: int) -> None:
+        """The node's word that shard ``index`` has loaded its queues (and so listens for handoffs)."""
+        self._shard_started.setdefault(index, asyncio.Event()).set()
 
     def shard_down(self, index: int) -> None:
         self._shard_status.pop(index, None)
@@ -235,13 +250,38 @@ class ReplicationLeader:
                 self.node_sender.attach_socket(conn, hello.name)
                 handed = True
             else:
-                index = int(hello.stream.partition("-")[2])
-                handoff.send_socket(self.run_dir, index, conn, hello.name)
+                await self._hand_to_shard(int(hello.stream.partition("-")[2]), conn, hello.name)
         except (OSError, p.ProtocolError, TimeoutError) as exc:
             log.warning("replication: connection from %s dropped during handshake: %s", addr, exc)
         finally:
             if not handed:
                 conn.close()
+
+    async def _hand_to_shard(self, index: int, conn: socket.socket, follower: str) -> None:
+        """Pass ``conn`` to shard ``index``, waiting (up to HANDOFF_WAIT_S) for a shard that is not up.
+
+        A follower reconnects as soon as a killed shard's stream ends, before the restarted shard
+        has bound its handoff socket. Closing the connection then made the follower drop its whole
+        session and start again (once it stayed out of sync for 30 s); waiting keeps the session,
+        and the stream starts as soon as the shard is up.
+        """
+        started = self._shard_started.setdefault(index, asyncio.Event())
+        deadline = self.loop.time() + HANDOFF_WAIT_S
+        delay = _HANDOFF_RETRY_S
+        while True:
+            started.clear()  # before the attempt: a start reported after it wakes the wait below
+            try:
+                handoff.send_socket(self.run_dir, index, conn, follower)
+                return
+            except OSError as exc:
+                remaining = deadline - self.loop.time()
+                if remaining <= 0 or self._stopping:
+                    log.warning("replication: cannot hand follower %s to shard %d: %s", follower, index, exc)
+                    return
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(delay, remaining)):
+                    await started.wait()
+            delay = min(delay * 2, _HANDOFF_RETRY_MAX_S)
 
     async def _refuse(self, conn: socket.socket, addr: Any, reason: str, name: str = "?") -> None:
         self.refused += 1
