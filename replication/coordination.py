@@ -340,6 +340,7 @@ class Coordinator:
 
         retry = _WATCH_RETRY_S
         endpoint = 0
+        failing = False  # logged once per outage, like the keep-alive
         while not self._stop.is_set():
             host, port = self.endpoints[endpoint]
             client = etcd3.client(host=host, port=port, grpc_options=_GRPC_OPTIONS)
@@ -361,13 +362,17 @@ class Coordinator:
                         if created == len(keys):
                             self.watching = True
                             retry = _WATCH_RETRY_S
-                            log.debug("etcd watch on %s established", ", ".join(keys))
+                            if failing:
+                                log.info("etcd watch open again")
+                            failing = False
                             notify()
                     if resp.events:
                         notify()
             except (grpc.RpcError, CoordinationError, ValueError) as exc:
-                if not self._stop.is_set():
-                    log.debug("etcd watch %s:%d: %s", host, port, exc)
+                if not self._stop.is_set() and not failing:
+                    log.warning("etcd watch %s:%d ended (%s): polling the leader key until it is back",
+                                host, port, _describe(exc) if isinstance(exc, grpc.RpcError) else exc)
+                    failing = True
             finally:
                 done.set()  # ends the request stream
                 with self._watch_lock:
