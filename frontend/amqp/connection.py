@@ -35,6 +35,7 @@ from broker.amqp.parser import FrameParser
 from broker.auth import authenticate, check_vhost_access, is_loopback_peer
 from broker.permissions import Access
 from broker.tls import peer_common_name
+from broker.version import __version__
 from frontend.amqp.channel import BACKLOG_PAUSE, CLOSED, OPEN, Channel
 from frontend.amqp.replies import plain, reply_text
 from frontend.amqp.shard_loss import connection_lost_shard
@@ -84,18 +85,12 @@ def _cached_frame(key: tuple, build) -> bytes:  # noqa: ANN001
         frame = _FRAMES[key] = build()
     return frame
 
-try:
-    from importlib.metadata import version as _pkg_version
-
-    SERVER_VERSION = _pkg_version("shardmq")
-except Exception:  # pragma: no cover - running from a checkout without metadata
-    SERVER_VERSION = "0.1.0"
 
 
 def server_properties(frontend_index: int) -> dict:
     return {
         "product": "ShardMQ",
-        "version": SERVER_VERSION,
+        "version": __version__,
         "platform": f"Python {platform.python_version()}",
         "information": "https://github.com/shardmq",
         "capabilities": {
