@@ -411,7 +411,10 @@ class Node:
             elif kind == contract.STATS:
                 if self.stats.update(w.role, w.index, item[1]):
                     # Its deltas do not follow on from what we hold: ask for every row once.
-                    self._spawn_task(self.shard_query(w.index, "stats_full", {}))
+                    if w.role == "shard":
+                        self._spawn_task(self.shard_query(w.index, "stats_full", {}))
+                    else:  # a frontend does not answer this one
+                        self.ctl.put(ident, [contract.QUERY, 0, "stats_full", {}])
             elif kind == contract.QUERY_REPLY:
                 admin = self._admin_queries.pop(item[1], None)
                 if admin is not None:

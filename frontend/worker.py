@@ -25,7 +25,7 @@ from broker.zmqio import BatchSocket, make_socket
 from frontend.listeners import FORWARDED, LISTENERS, load
 from frontend.proxy import ProxyProtocolListener
 from frontend.session import CONNECTION_FORCED, Session
-from frontend.stats import frontend_stats
+from frontend.stats import StatsReporter
 
 log = logging.getLogger("shardmq.frontend")
 
@@ -67,6 +67,7 @@ class FrontendWorker:
         self._unsent_bytes: list[int] = []  # bodies put on a publish lane since its last send
         self.pressure = False  # a shard is behind: reading paused on publishing connections
         self.alarms: list[str] = []  # resource alarms in effect (node ALARMS): publishers are blocked
+        self.stats_reporter = StatsReporter()  # STATS as deltas (frontend/stats.py)
         # Totals since this frontend started, reported in STATS (Prometheus' *_opened_total/_closed_total).
         self.counters = {"connections_opened": 0, "connections_closed": 0,
                          "publish_bytes_in_flight_peak": 0}  # the most bytes in flight to one shard
@@ -164,7 +165,7 @@ class FrontendWorker:
         if self._stopping:
             return
         try:
-            self.node.put(None, [contract.STATS, frontend_stats(self)])
+            self.node.put(None, [contract.STATS, self.stats_reporter.report(self)])
         except Exception:
             log.exception("frontend %d: stats report failed", self.index)
         self.loop.call_later(int(self.settings.get("stats_interval") or 5000) / 1000, self._send_stats)
@@ -282,6 +283,9 @@ class FrontendWorker:
                         handler = self._forwarded[payload[0]] = load(FORWARDED[payload[0]])
                     if handler is not None:
                         handler(self, *payload[1:])
+                elif kind == contract.QUERY:
+                    if item[2] == "stats_full":  # the node lost track of our rows (a seq gap); no reply
+                        self.stats_reporter.full_next = True
                 elif kind == contract.STOP:
                     self.loop.create_task(self.stop())
             except Exception:
