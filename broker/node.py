@@ -30,6 +30,7 @@ from broker.datadir import PRIVATE_UMASK, DataDir, DataDirLocked, DataDirUnsafe
 from broker.definitions import Definitions
 from broker.definitions_file import plan_from_file, read_definitions_file
 from broker.defstore import DefStore, durable_ops, is_durable_relevant
+from broker.heap_trim import HeapTrimmer
 from broker.http.metrics import MetricsServer
 from broker.http.server import HttpServer
 from broker.node_stats import NodeStats
@@ -72,6 +73,8 @@ class Node:
         self._admin_queries: dict[int, asyncio.Future] = {}  # shard_query(): answered (ok, result)
         # The workers' periodic STATS (queue counts, connections) for the management API and metrics.
         self.stats = NodeStats()
+        # The frontends' closed connections free their rows here: memory back after a wave of closes.
+        self.heap_trimmer = HeapTrimmer(self.loop)
         self._next_query = 0
         self._sync_waiters: list[asyncio.Future] = []
         self._sync_running = False
@@ -409,6 +412,8 @@ class Node:
                 if target is not None and target.connected:
                     self.ctl.put(contract.worker_id("frontend", int(item[1])), [contract.FORWARDED, item[2]])
             elif kind == contract.STATS:
+                if w.role == "frontend" and isinstance(item[1], dict):
+                    self.heap_trimmer.closed(len(item[1].get("closed", ())))
                 if self.stats.update(w.role, w.index, item[1]):
                     # Its deltas do not follow on from what we hold: ask for every row once.
                     if w.role == "shard":

@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from broker.interning import Interner
+
 # Positions in a shard's queue rows and a frontend's connection rows (contract.STATS).
 Q_VHOST, Q_NAME, Q_READY, Q_UNACKED, Q_CONSUMERS, Q_BYTES, Q_PUBLISHED, Q_DELIVERED, Q_ACKED = range(9)
 # Then (shards of this version on; older rows stop at Q_ACKED): parts of Q_DELIVERED and redeliveries.
@@ -81,6 +83,7 @@ class NodeStats:
         self.fe_conns: dict[int, dict[int, list]] = {}
         self.fe_consumers: dict[int, dict[int, list]] = {}
         self.fe_seq: dict[int, int] = {}
+        self._props = Interner()  # connections' client properties: one copy per distinct table
         self.received_at: dict[tuple[str, int], float] = {}
         self._queues: dict[tuple[str, str], list] = {}  # every shard's rows, merged
 
@@ -154,8 +157,12 @@ class NodeStats:
         by_conn: dict[int, list] = {}
         for row in payload.get("consumers", ()):
             by_conn.setdefault(row[0], []).append(row)
+        intern = self._props
         if full:
-            self.fe_conns[index] = {row[C_ID]: row for row in payload.get("connections", ())}
+            conns = self.fe_conns[index] = {}
+            for row in payload.get("connections", ()):
+                row[C_PROPS] = intern(row[C_PROPS])
+                conns[row[C_ID]] = row
             self.fe_consumers[index] = by_conn
         else:
             conns = self.fe_conns.setdefault(index, {})
@@ -165,6 +172,7 @@ class NodeStats:
                 consumers.pop(conn_id, None)
             for row in payload.get("connections", ()):
                 conn_id = row[C_ID]
+                row[C_PROPS] = intern(row[C_PROPS])
                 conns[conn_id] = row
                 # A changed connection comes with all its consumers: none listed, none left.
                 mine = by_conn.get(conn_id)

@@ -30,7 +30,7 @@ def _counters(worker: FrontendWorker) -> dict:
     counters["publishers"] = sum(1 for conn in worker.conns.values() if getattr(conn, "publisher", False))
     counters.update(received=worker.n_received, received_confirm=worker.n_received_confirm,
                     confirmed=worker.n_confirmed, unroutable_returned=worker.n_unroutable_returned,
-                    unroutable_dropped=worker.n_unroutable_dropped)
+                    unroutable_dropped=worker.n_unroutable_dropped, heap_trims=worker.heap_trimmer.trims)
     return counters
 
 

@@ -20,6 +20,7 @@ import zmq
 
 from broker import contract, data_sockets, gc_pause, stage_trace
 from broker.definitions import Definitions
+from broker.heap_trim import HeapTrimmer
 from broker.tls import reload_certificate, server_context
 from broker.zmqio import BatchSocket, make_socket
 from frontend.listeners import FORWARDED, LISTENERS, load
@@ -68,6 +69,7 @@ class FrontendWorker:
         self.pressure = False  # a shard is behind: reading paused on publishing connections
         self.alarms: list[str] = []  # resource alarms in effect (node ALARMS): publishers are blocked
         self.stats_reporter = StatsReporter()  # STATS as deltas (frontend/stats.py)
+        self.heap_trimmer = HeapTrimmer(loop)  # memory back to the kernel after a wave of closes
         # Totals since this frontend started, reported in STATS (Prometheus' *_opened_total/_closed_total).
         self.counters = {"connections_opened": 0, "connections_closed": 0,
                          "publish_bytes_in_flight_peak": 0}  # the most bytes in flight to one shard
@@ -461,6 +463,7 @@ class FrontendWorker:
     def remove_connection(self, conn: Session) -> None:
         if self.conns.pop(conn.conn_id, None) is not None:
             self.counters["connections_closed"] += 1
+            self.heap_trimmer.closed()
 
     def mark_dirty(self, conn: Session) -> None:
         self._dirty.append(conn)

@@ -245,6 +245,9 @@ class NodeCollector:
                                       labels=["frontend"])
         fe_reports = CounterMetricFamily("shardmq_frontend_stats_reports",
                                          "STATS reports a frontend sent since it started", labels=["frontend"])
+        fe_trims = CounterMetricFamily("shardmq_frontend_heap_trims",
+                                       "Times a frontend collected garbage and gave free heap back to the kernel "
+                                       "after a wave of closed connections (broker/heap_trim.py)", labels=["frontend"])
         for index, payload in sorted(stats.frontends.items()):
             rows = stats.frontend_connections(index)
             per_fe.add_metric([str(index)], len(rows))
@@ -252,11 +255,13 @@ class NodeCollector:
             fe_out.add_metric([str(index)], sum(r[C_SEND] for r in rows))
             fe_rows.add_metric([str(index)], payload.get("rows_sent", 0))
             fe_reports.add_metric([str(index)], payload.get("seq", 0))
+            fe_trims.add_metric([str(index)], payload.get("counters", {}).get("heap_trims", 0))
         yield per_fe
         yield fe_in
         yield fe_out
         yield fe_rows
         yield fe_reports
+        yield fe_trims
         if self.per_object:
             yield from self._per_queue(queues, damaged)
 

@@ -33,6 +33,7 @@ from broker.amqp.encoder import encode_heartbeat, encode_method, encode_protocol
 from broker.amqp.errors import AMQPChannelError, AMQPConnectionError, AMQPError
 from broker.amqp.parser import FrameParser
 from broker.auth import authenticate, check_vhost_access, is_loopback_peer
+from broker.interning import Interner
 from broker.permissions import Access
 from broker.tls import peer_common_name
 from broker.version import __version__
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from frontend.worker import FrontendWorker
 
 log = logging.getLogger("shardmq.frontend")
+_PROPERTIES = Interner()  # one copy of each distinct client-properties table (read-only)
 
 # Connection states, in handshake order.
 AWAIT_HEADER = 0
@@ -528,7 +530,7 @@ class AMQPConnection(asyncio.Protocol):
                                      tuple(loopback_users) if loopback_users is not None else None)
         except AMQPError as exc:
             raise AMQPConnectionError(ACCESS_REFUSED, exc.text, 10, 11) from None
-        self.client_properties = plain(method.client_properties or {})
+        self.client_properties = _PROPERTIES(plain(method.client_properties or {}))
         self.state = AWAIT_TUNE_OK
         self._send_tune()
 

@@ -1,0 +1,34 @@
+"""After a wave of closed connections a frontend collects their cycles and gives the freed heap back
+(broker/heap_trim.py); a few closes do not trigger it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.harness import REPO_ROOT
+from tests.test_frontend_stats_delta import fe_metrics, reports_after, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def open_and_close(node, count: int) -> None:
+    """``count`` AMQP connections (handshake + channel.open) opened, then all closed, by the perf tool
+    (one asyncio process; it lifts its own descriptor limit)."""
+    out = subprocess.run([sys.executable, "-m", "loadtest.cli", "amqp", "connection-count", "--count", str(count),
+                          "--uri", node.url, "--time", "60"], cwd=REPO_ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_a_wave_of_closes_trims_the_heap_and_a_few_do_not(node_factory):
+    node = node_factory(name="node", frontends=1, shards=1, extra_args=["--stats-interval", "100"])
+    open_and_close(node, 200)
+    wait_for(lambda: fe_metrics(node)["shardmq_frontend_connections"] == 0, "the 200 closes reported")
+    assert reports_after(node, 3)["shardmq_frontend_heap_trims_total"] == 0
+    open_and_close(node, 1000)  # 1,200 closes in all: past the threshold (1,000)
+    m = wait_for(lambda: (m := fe_metrics(node))["shardmq_frontend_heap_trims_total"] >= 1 and m,
+                 "a heap trim after the wave")
+    assert m["shardmq_frontend_heap_trims_total"] == 1
