@@ -49,19 +49,21 @@ def test_idle_connections_send_no_rows_and_the_api_follows_changes(node_factory)
     conns = [pika.BlockingConnection(params) for _ in range(20)]
     chans = [c.channel() for c in conns]
     wait_for(lambda: len(api.get("/api/connections")) == 20, "20 connections listed")
-    # Past the report that carried the last open: every connection sent once (maybe twice, when its
-    # channel.open fell after a report), then nothing while they idle.
+    # Past the report that carried the last open: every connection sent at least once (up to 3 times:
+    # a row is sent once authenticated, and connection.open and channel.open may each fall in a later
+    # interval), then nothing while they idle.
     rows0 = reports_after(node, 2)["shardmq_frontend_stats_rows_sent_total"]
-    assert 20 <= rows0 <= 40
+    assert 20 <= rows0 <= 60, rows0
     assert reports_after(node, 5)["shardmq_frontend_stats_rows_sent_total"] == rows0, "idle connections sent rows"
 
-    # One connection consumes: that one row (with its consumer) is sent, the rest stay quiet.
+    # One connection consumes: that one row (with its consumer) is sent in the intervals it moved in
+    # (declare, consume), the rest stay quiet.
     chans[3].queue_declare("delta-q")
     chans[3].basic_consume("delta-q", lambda *a: None, consumer_tag="ctag-3")
     consumers = wait_for(lambda: api.get("/api/consumers") or None, "the consumer listed")
     assert [(c["consumer_tag"], c["queue"]["name"]) for c in consumers] == [("ctag-3", "delta-q")]
     m = reports_after(node, 3)
-    assert rows0 < m["shardmq_frontend_stats_rows_sent_total"] <= rows0 + 3
+    assert rows0 < m["shardmq_frontend_stats_rows_sent_total"] <= rows0 + 4, (rows0, m)
     assert len(api.get("/api/connections")) == 20
 
     # Bytes moved on one connection: its counters in the API follow.
