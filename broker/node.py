@@ -18,7 +18,7 @@ import os
 import signal
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -42,8 +42,10 @@ from broker.supervisor import Supervisor, WorkerProcess
 from broker.tls import reload_certificate, server_context
 from broker.zmqio import BatchSocket, make_socket
 from replication import definition_gate
-from replication.follower import ReplicationFollower
-from replication.leader import ReplicationLeader
+
+if TYPE_CHECKING:  # imported where a cluster role starts: a standalone node never loads them (~1.6 MB)
+    from replication.follower import ReplicationFollower
+    from replication.leader import ReplicationLeader
 
 log = logging.getLogger("shardmq.node")
 
@@ -162,6 +164,8 @@ class Node:
             await self._stop_workers()
         if self.repl_follower is not None:
             await self.repl_follower.stop()
+        from replication.follower import ReplicationFollower
+
         s = self.settings
         self.repl_follower = ReplicationFollower(s, self.datadir.path, cluster_secret(s), s.node_name, host, port)
         await self.repl_follower.start()
@@ -170,6 +174,8 @@ class Node:
                  self.datadir.path)
 
     async def _start_leader(self) -> None:
+        from replication.leader import ReplicationLeader
+
         s = self.settings
         self.repl_leader = ReplicationLeader(
             s, self.datadir.path, cluster_secret(s), shards=s.shards, run_dir=self.datadir.run_dir,
