@@ -76,7 +76,7 @@ class Node:
         # The workers' periodic STATS (queue counts, connections) for the management API and metrics.
         self.stats = NodeStats()
         # The frontends' closed connections free their rows here: memory back after a wave of closes.
-        self.heap_trimmer = HeapTrimmer(self.loop)
+        self.heap_trimmer = HeapTrimmer(self.loop, collect=False)
         self._next_query = 0
         self._sync_waiters: list[asyncio.Future] = []
         self._sync_running = False

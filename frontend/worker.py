@@ -69,7 +69,7 @@ class FrontendWorker:
         self.pressure = False  # a shard is behind: reading paused on publishing connections
         self.alarms: list[str] = []  # resource alarms in effect (node ALARMS): publishers are blocked
         self.stats_reporter = StatsReporter()  # STATS as deltas (frontend/stats.py)
-        self.heap_trimmer = HeapTrimmer(loop)  # memory back to the kernel after a wave of closes
+        self.heap_trimmer = HeapTrimmer(loop, collect=True)  # memory back to the kernel after a wave of closes
         # Totals since this frontend started, reported in STATS (Prometheus' *_opened_total/_closed_total).
         self.counters = {"connections_opened": 0, "connections_closed": 0,
                          "publish_bytes_in_flight_peak": 0}  # the most bytes in flight to one shard

@@ -32,3 +32,31 @@ def test_a_wave_of_closes_trims_the_heap_and_a_few_do_not(node_factory):
     m = wait_for(lambda: (m := fe_metrics(node))["shardmq_frontend_heap_trims_total"] >= 1 and m,
                  "a heap trim after the wave")
     assert m["shardmq_frontend_heap_trims_total"] == 1
+
+
+def test_trimmer_waits_for_the_closes_to_stop():
+    import asyncio
+    import time
+
+    from broker.heap_trim import HeapTrimmer
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        trimmer = HeapTrimmer(loop, collect=False, threshold=3, quiet=2.0, min_interval=0.0)
+        trimmer.closed(2)
+        await asyncio.sleep(0)
+        assert trimmer._handle is None  # below the threshold: nothing armed
+        start = time.monotonic()
+        while time.monotonic() - start < 0.5:  # a wave: closes keep coming, no trim meanwhile
+            trimmer.closed()
+            await asyncio.sleep(0.01)
+            assert trimmer.trims == 0
+        last = trimmer._last_close
+        deadline = time.monotonic() + 30
+        while trimmer.trims == 0:
+            assert time.monotonic() < deadline, "no trim after the closes stopped"
+            await asyncio.sleep(0.05)
+        assert time.monotonic() - last >= 2.0  # a quiet `quiet` seconds after the last close
+        assert trimmer.pending == 0 and trimmer._handle is None
+
+    asyncio.run(scenario())
