@@ -48,6 +48,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("shardmq.frontend")
 _PROPERTIES = Interner()  # one copy of each distinct client-properties table (read-only)
 
+
+def _drop_event(_event: Any) -> None:
+    """A released channel's backlog handler: events of a closed channel are dropped."""
+
 # Connection states, in handshake order.
 AWAIT_HEADER = 0
 AWAIT_START_OK = 1
@@ -752,6 +756,10 @@ class AMQPConnection(asyncio.Protocol):
             shards |= ch.shards
             ch.state = CLOSED
             ch.backlog.clear()
+            # The backlog's handler is the channel's bound method: a cycle that would keep the
+            # channel and this connection (transport, parser, timers: ~20 objects) for a full
+            # collection, which an idle frontend never runs. Reference counting frees them now.
+            ch.backlog.handler = _drop_event
         shards |= self.confirm_shards
         for shard in shards:
             worker.shard_put(shard, [contract.CONNECTION_CLOSED, self.conn_id])
