@@ -11,8 +11,6 @@ from __future__ import annotations
 import argparse
 import configparser
 import dataclasses
-import logging
-import multiprocessing
 import os
 import socket
 import sys
@@ -21,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broker import cpus
+from broker.logs import LOG_FORMAT, setup_logging  # noqa: F401 - the CLI's and tests' names for them
 
 PROG = "shardmq"
 ENV_PREFIX = "SHARDMQ_"
@@ -532,16 +531,3 @@ def tls_problem(s: Settings) -> str | None:
     return None
 
 
-LOG_FORMAT = "%(asctime)s %(levelname)s [%(processName)s] %(name)s: %(message)s"
-
-
-def setup_logging(level: str | int, role: str) -> None:
-    """Configure the root logger of this process; ``role`` ("node", "frontend-0", "shard-3") shows in every line.
-
-    Workers are started as fresh interpreters, so processName would say "MainProcess"
-    everywhere; naming the process after its role makes interleaved logs readable.
-    """
-    multiprocessing.current_process().name = role
-    if isinstance(level, str):
-        level = logging.getLevelName(level.upper())
-    logging.basicConfig(format=LOG_FORMAT, level=level, force=True)

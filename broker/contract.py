@@ -75,7 +75,9 @@ import msgpack
 # headers carry control_count and token (lane order: an ack before a publish stays before it).
 # 9: a shard's STATS carries deltas: "seq", "full", "removed", "rows_sent" (only the queue rows changed since
 # its last report); QUERY op "stats_full" asks for every row.
-VERSION = 9
+# 10: a frontend's STATS carries deltas too: "seq", "full", "closed", "rows_sent" (only the connections
+# opened or changed since its last report); QUERY op "stats_full" to a frontend (no reply) asks for all.
+VERSION = 10
 
 # --------------------------------------------------------------------------
 # Control plane: node <-> every worker (node.sock)
@@ -97,7 +99,13 @@ FORWARD = 5
 #                     recv_oct, send_oct, blocked(bool), [[channel, prefetch, global_prefetch, consumers,
 #                     unacked, unconfirmed, confirm(bool), tx(bool)], ...]], ...],
 #    "consumers": [[conn_id, channel, tag, queue, no_ack, prefetch], ...],
-#    "counters": {"connections_opened": n, "connections_closed": n}}  (totals since the frontend started)
+#    "counters": {"connections_opened": n, "connections_closed": n},  (totals since the frontend started)
+#    "seq": n, "full": bool, "closed": [conn_id, ...], "rows_sent": n}
+#   "connections" holds only the connections opened or changed (bytes, channels, consumers, blocked) since
+#   the previous report, "consumers" every consumer of those connections, and "closed" the connections
+#   gone since then, unless "full": then every connection, every consumer and "closed" is []. The first
+#   report after a frontend starts is full; on a seq gap the node sends [QUERY, 0, "stats_full", {}] and
+#   the frontend's next report is full (it sends no QUERY_REPLY).
 # a shard's: {"queues": [[vhost, name, ready, unacked, consumers, ready_bytes, published, delivered, acked], ...]}
 #   (published/delivered/acked: totals since the shard started; the node turns them into rates),
 #   "totals": [published, delivered, acked] summed over the shard's queues, "segment_bytes": n,

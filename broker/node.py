@@ -18,7 +18,7 @@ import os
 import signal
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -30,6 +30,7 @@ from broker.datadir import PRIVATE_UMASK, DataDir, DataDirLocked, DataDirUnsafe
 from broker.definitions import Definitions
 from broker.definitions_file import plan_from_file, read_definitions_file
 from broker.defstore import DefStore, durable_ops, is_durable_relevant
+from broker.heap_trim import HeapTrimmer
 from broker.http.metrics import MetricsServer
 from broker.http.server import HttpServer
 from broker.node_stats import NodeStats
@@ -41,8 +42,10 @@ from broker.supervisor import Supervisor, WorkerProcess
 from broker.tls import reload_certificate, server_context
 from broker.zmqio import BatchSocket, make_socket
 from replication import definition_gate
-from replication.follower import ReplicationFollower
-from replication.leader import ReplicationLeader
+
+if TYPE_CHECKING:  # imported where a cluster role starts: a standalone node never loads them (~1.6 MB)
+    from replication.follower import ReplicationFollower
+    from replication.leader import ReplicationLeader
 
 log = logging.getLogger("shardmq.node")
 
@@ -72,6 +75,8 @@ class Node:
         self._admin_queries: dict[int, asyncio.Future] = {}  # shard_query(): answered (ok, result)
         # The workers' periodic STATS (queue counts, connections) for the management API and metrics.
         self.stats = NodeStats()
+        # The frontends' closed connections free their rows here: memory back after a wave of closes.
+        self.heap_trimmer = HeapTrimmer(self.loop, collect=False)
         self._next_query = 0
         self._sync_waiters: list[asyncio.Future] = []
         self._sync_running = False
@@ -159,6 +164,8 @@ class Node:
             await self._stop_workers()
         if self.repl_follower is not None:
             await self.repl_follower.stop()
+        from replication.follower import ReplicationFollower
+
         s = self.settings
         self.repl_follower = ReplicationFollower(s, self.datadir.path, cluster_secret(s), s.node_name, host, port)
         await self.repl_follower.start()
@@ -167,6 +174,8 @@ class Node:
                  self.datadir.path)
 
     async def _start_leader(self) -> None:
+        from replication.leader import ReplicationLeader
+
         s = self.settings
         self.repl_leader = ReplicationLeader(
             s, self.datadir.path, cluster_secret(s), shards=s.shards, run_dir=self.datadir.run_dir,
@@ -410,9 +419,14 @@ class Node:
                 if target is not None and target.connected:
                     self.ctl.put(contract.worker_id("frontend", int(item[1])), [contract.FORWARDED, item[2]])
             elif kind == contract.STATS:
+                if w.role == "frontend" and isinstance(item[1], dict):
+                    self.heap_trimmer.closed(len(item[1].get("closed", ())))
                 if self.stats.update(w.role, w.index, item[1]):
                     # Its deltas do not follow on from what we hold: ask for every row once.
-                    self._spawn_task(self.shard_query(w.index, "stats_full", {}))
+                    if w.role == "shard":
+                        self._spawn_task(self.shard_query(w.index, "stats_full", {}))
+                    else:  # a frontend does not answer this one
+                        self.ctl.put(ident, [contract.QUERY, 0, "stats_full", {}])
             elif kind == contract.QUERY_REPLY:
                 admin = self._admin_queries.pop(item[1], None)
                 if admin is not None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from broker.interning import Interner
+
 # Positions in a shard's queue rows and a frontend's connection rows (contract.STATS).
 Q_VHOST, Q_NAME, Q_READY, Q_UNACKED, Q_CONSUMERS, Q_BYTES, Q_PUBLISHED, Q_DELIVERED, Q_ACKED = range(9)
 # Then (shards of this version on; older rows stop at Q_ACKED): parts of Q_DELIVERED and redeliveries.
@@ -74,8 +76,14 @@ class NodeStats:
         self.changed_prev: dict[int, dict[tuple[str, str], list]] = {}
         self.seq: dict[int, int] = {}  # the latest report's seq per shard: a gap asks for a full snapshot
         self.rows_received: dict[int, int] = {}  # queue rows received per shard since it (re)started
+        # Each frontend's latest payload without its rows (counters, seq), and its connection rows and
+        # consumer rows per connection as merged from full reports and deltas (frontend/stats.py).
         self.frontends: dict[int, dict] = {}
         self.previous_fe: dict[int, tuple[float, dict]] = {}  # as `previous`, for the frontends
+        self.fe_conns: dict[int, dict[int, list]] = {}
+        self.fe_consumers: dict[int, dict[int, list]] = {}
+        self.fe_seq: dict[int, int] = {}
+        self._props = Interner()  # connections' client properties: one copy per distinct table
         self.received_at: dict[tuple[str, int], float] = {}
         self._queues: dict[tuple[str, str], list] = {}  # every shard's rows, merged
 
@@ -90,9 +98,13 @@ class NodeStats:
             if index in self.shards:
                 self.previous[index] = (self.received_at[(role, index)], self.shards[index])
             need_full = self._merge(index, payload)
-        elif index in self.frontends:
-            self.previous_fe[index] = (self.received_at[(role, index)], self.frontends[index])
-        (self.shards if role == "shard" else self.frontends)[index] = payload
+            self.shards[index] = payload
+        else:
+            if index in self.frontends:
+                self.previous_fe[index] = (self.received_at[(role, index)], self.frontends[index])
+            need_full = self._merge_frontend(index, payload)
+            self.frontends[index] = {k: v for k, v in payload.items()
+                                     if k not in ("connections", "consumers", "closed")}
         self.received_at[(role, index)] = now
         return need_full
 
@@ -137,9 +149,48 @@ class NodeStats:
             self.seq[index] = int(seq)
         return not full and (last is None or int(seq) != last + 1)
 
+    def _merge_frontend(self, index: int, payload: dict) -> bool:
+        """Apply a frontend's connection rows: O(rows in the report), so idle connections cost nothing."""
+        seq = payload.get("seq")
+        full = bool(payload.get("full", True)) or seq is None  # no seq: an older frontend, always full
+        last = self.fe_seq.get(index)
+        by_conn: dict[int, list] = {}
+        for row in payload.get("consumers", ()):
+            by_conn.setdefault(row[0], []).append(row)
+        intern = self._props
+        if full:
+            conns = self.fe_conns[index] = {}
+            for row in payload.get("connections", ()):
+                row[C_PROPS] = intern(row[C_PROPS])
+                conns[row[C_ID]] = row
+            self.fe_consumers[index] = by_conn
+        else:
+            conns = self.fe_conns.setdefault(index, {})
+            consumers = self.fe_consumers.setdefault(index, {})
+            for conn_id in payload.get("closed", ()):
+                conns.pop(conn_id, None)
+                consumers.pop(conn_id, None)
+            for row in payload.get("connections", ()):
+                conn_id = row[C_ID]
+                row[C_PROPS] = intern(row[C_PROPS])
+                conns[conn_id] = row
+                # A changed connection comes with all its consumers: none listed, none left.
+                mine = by_conn.get(conn_id)
+                if mine:
+                    consumers[conn_id] = mine
+                else:
+                    consumers.pop(conn_id, None)
+        if seq is not None:
+            self.fe_seq[index] = int(seq)
+        return not full and (last is None or int(seq) != last + 1)
+
     def forget(self, role: str, index: int) -> None:
         (self.shards if role == "shard" else self.frontends).pop(index, None)
-        self.previous_fe.pop(index, None) if role != "shard" else None
+        if role != "shard":
+            self.previous_fe.pop(index, None)
+            self.fe_conns.pop(index, None)
+            self.fe_consumers.pop(index, None)
+            self.fe_seq.pop(index, None)
         if role == "shard":
             self.previous.pop(index, None)
             for key in self.rows.pop(index, {}):
@@ -224,9 +275,12 @@ class NodeStats:
 
     def connections(self) -> list[tuple[int, list]]:
         """(frontend index, connection row) for every open connection."""
-        return [(fe, row) for fe, payload in sorted(self.frontends.items())
-                for row in payload.get("connections", ())]
+        return [(fe, row) for fe, conns in sorted(self.fe_conns.items()) for row in conns.values()]
+
+    def frontend_connections(self, index: int) -> list[list]:
+        """One frontend's connection rows."""
+        return list(self.fe_conns.get(index, {}).values())
 
     def consumers(self) -> list[tuple[int, list]]:
-        return [(fe, row) for fe, payload in sorted(self.frontends.items())
-                for row in payload.get("consumers", ())]
+        return [(fe, row) for fe, by_conn in sorted(self.fe_consumers.items())
+                for rows in by_conn.values() for row in rows]

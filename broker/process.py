@@ -62,7 +62,7 @@ def run_worker(role: str, argv: list[str] | None, load_worker) -> int:
     import argparse
     import asyncio
 
-    from broker.config import setup_logging
+    from broker.logs import setup_logging
 
     parser = argparse.ArgumentParser(prog=f"shardmq-{role}")
     parser.add_argument("--index", type=int, required=True)

@@ -20,12 +20,13 @@ import zmq
 
 from broker import contract, data_sockets, gc_pause, stage_trace
 from broker.definitions import Definitions
+from broker.heap_trim import HeapTrimmer
 from broker.tls import reload_certificate, server_context
 from broker.zmqio import BatchSocket, make_socket
 from frontend.listeners import FORWARDED, LISTENERS, load
 from frontend.proxy import ProxyProtocolListener
 from frontend.session import CONNECTION_FORCED, Session
-from frontend.stats import frontend_stats
+from frontend.stats import StatsReporter
 
 log = logging.getLogger("shardmq.frontend")
 
@@ -67,6 +68,8 @@ class FrontendWorker:
         self._unsent_bytes: list[int] = []  # bodies put on a publish lane since its last send
         self.pressure = False  # a shard is behind: reading paused on publishing connections
         self.alarms: list[str] = []  # resource alarms in effect (node ALARMS): publishers are blocked
+        self.stats_reporter = StatsReporter()  # STATS as deltas (frontend/stats.py)
+        self.heap_trimmer = HeapTrimmer(loop, collect=True)  # memory back to the kernel after a wave of closes
         # Totals since this frontend started, reported in STATS (Prometheus' *_opened_total/_closed_total).
         self.counters = {"connections_opened": 0, "connections_closed": 0,
                          "publish_bytes_in_flight_peak": 0}  # the most bytes in flight to one shard
@@ -164,7 +167,7 @@ class FrontendWorker:
         if self._stopping:
             return
         try:
-            self.node.put(None, [contract.STATS, frontend_stats(self)])
+            self.node.put(None, [contract.STATS, self.stats_reporter.report(self)])
         except Exception:
             log.exception("frontend %d: stats report failed", self.index)
         self.loop.call_later(int(self.settings.get("stats_interval") or 5000) / 1000, self._send_stats)
@@ -282,6 +285,9 @@ class FrontendWorker:
                         handler = self._forwarded[payload[0]] = load(FORWARDED[payload[0]])
                     if handler is not None:
                         handler(self, *payload[1:])
+                elif kind == contract.QUERY:
+                    if item[2] == "stats_full":  # the node lost track of our rows (a seq gap); no reply
+                        self.stats_reporter.full_next = True
                 elif kind == contract.STOP:
                     self.loop.create_task(self.stop())
             except Exception:
@@ -457,6 +463,7 @@ class FrontendWorker:
     def remove_connection(self, conn: Session) -> None:
         if self.conns.pop(conn.conn_id, None) is not None:
             self.counters["connections_closed"] += 1
+            self.heap_trimmer.closed()
 
     def mark_dirty(self, conn: Session) -> None:
         self._dirty.append(conn)

@@ -125,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     # listed for --help only: main() hands these to loadtest.bench / loadtest.report before parsing
     proto.add_parser("bench", add_help=False, help="side-by-side ShardMQ vs RabbitMQ scenarios (bench --help)")
     proto.add_parser("report", add_help=False, help="Spark report over a results dir (report --help)")
+    proto.add_parser("memory", add_help=False,
+                     help="RSS, PSS and USS per process of a broker's process tree (memory --help)")
 
     mqtt = proto.add_parser("mqtt", help="MQTT 3.1.1 scenarios").add_subparsers(dest="command", required=True)
     p = mqtt.add_parser("throughput", help="MQTT publish/subscribe throughput (QoS 0/1)")
@@ -276,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     from loadtest.amqp_client import AMQPClosed
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] in (["bench"], ["report"]):  # the side-by-side bench and the Spark report (loadtest/)
+    if argv[:1] in (["bench"], ["report"], ["memory"]):  # the bench, the Spark report, a tree's memory
         import importlib
 
         return int(importlib.import_module(f"loadtest.{argv[0]}").main(argv[1:]) or 0)

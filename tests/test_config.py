@@ -257,7 +257,4 @@ def test_setup_logging_names_the_process_role(capfd):
         logging.getLogger("shardmq.test").info("hidden")
         assert "hidden" not in capfd.readouterr().err
     finally:
-        import multiprocessing
-
-        multiprocessing.current_process().name = "MainProcess"
         logging.basicConfig(force=True, level=logging.WARNING)

@@ -216,3 +216,15 @@ def test_boot_time_declares_then_times_boots(tmp_path, capsys):
     assert boot_time.main(["--queues", "300", "--data-dir", str(tmp_path / "data"), "--boots", "1"]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
     assert [list(x) for x in lines][0][0] == "boot"
+
+
+def test_memory_lists_every_process_of_a_node_and_sums_them(node, capsys):
+    assert main(["memory", str(node.pid), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    roles = sorted(r["role"] for r in out["processes"])
+    assert roles == ["frontend-0", "frontend-1", "node", "shard-0", "shard-1"]
+    for key in ("rss", "pss", "uss"):
+        assert out["total"][key] == sum(r[key] for r in out["processes"]) > 0
+    assert all(r["rss"] >= r["pss"] >= r["uss"] > 0 for r in out["processes"])
+    assert main(["memory", str(node.pid)]) == 0
+    assert "total" in capsys.readouterr().out

@@ -47,3 +47,38 @@ def test_workers_do_not_load_the_nodes_heavy_modules(node_factory):
         assert ws.recv(timeout=30)[:2] == b"\x20\x02"  # CONNACK
     assert "aiohttp" in loaded_heavy(workers[0])
     assert loaded_heavy(workers[1]) == loaded_heavy(workers[2]) == set()
+
+
+# Modules (pure Python too, which /proc/PID/maps cannot show) a worker must not import at start or
+# when its listeners' sessions load: each cost it 0.2-11 MB (docs/benchmarks.md, "Memory").
+WORKER_MUST_NOT_IMPORT = (
+    "aiohttp", "prometheus_client", "etcd3", "grpc", "cryptography", "pyspark", "pyarrow", "kubernetes",
+    "importlib.metadata", "email", "multiprocessing",  # a version lookup, a process name
+    "broker.config", "configparser",  # the option table: workers get their settings in SNAPSHOT
+    "broker.node", "broker.http", "replication.follower", "replication.leader",  # the node's parts
+)
+WORKER_START = {
+    # What run_worker and the worker class import, and every listener's session (frontend/listeners.py).
+    "frontend": "import broker.process, broker.logs, frontend.main, frontend.worker\n"
+                "from frontend.listeners import FORWARDED, LISTENERS, load\n"
+                "for row in LISTENERS: load(row.session)\n"
+                "for path in FORWARDED.values(): load(path)\n"
+                "import frontend.ws_listener\n",
+    "shard": "import broker.process, broker.logs, shard.main, shard.worker\n",
+}
+
+
+def test_worker_modules_do_not_import_what_only_the_node_needs():
+    import subprocess
+    import sys
+
+    from tests.harness import REPO_ROOT
+
+    for role, code in WORKER_START.items():
+        check = (code + "import sys\n"
+                 f"bad = sorted(m for m in sys.modules for x in {WORKER_MUST_NOT_IMPORT!r} "
+                 "if m == x or m.startswith(x + '.'))\n"
+                 "print(' '.join(bad))\n")
+        out = subprocess.run([sys.executable, "-c", check], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.split() == [], f"a {role} imports {out.stdout.split()}: import it where it is used"

@@ -124,7 +124,7 @@ def _global_counters(stats: Any) -> Iterator[Metric]:
             ("rabbitmq_global_publishers", "Current number of publishers (connections that published)",
              stats.frontend_counter("publishers")),
             ("rabbitmq_global_consumers", "Current number of consumers",
-             sum(len(p.get("consumers", ())) for p in stats.frontends.values()))):
+             len(stats.consumers()))):
         g = GaugeMetricFamily(name, doc)
         g.add_metric([], value)
         yield g
@@ -239,14 +239,29 @@ class NodeCollector:
                                   labels=["frontend"])
         fe_out = GaugeMetricFamily("shardmq_frontend_outgoing_bytes", "Bytes sent per frontend (open connections)",
                                    labels=["frontend"])
+        fe_rows = CounterMetricFamily("shardmq_frontend_stats_rows_sent",
+                                      "Connection rows a frontend sent in its STATS reports since it started "
+                                      "(only opened or changed connections after the first report)",
+                                      labels=["frontend"])
+        fe_reports = CounterMetricFamily("shardmq_frontend_stats_reports",
+                                         "STATS reports a frontend sent since it started", labels=["frontend"])
+        fe_trims = CounterMetricFamily("shardmq_frontend_heap_trims",
+                                       "Times a frontend collected garbage and gave free heap back to the kernel "
+                                       "after a wave of closed connections (broker/heap_trim.py)", labels=["frontend"])
         for index, payload in sorted(stats.frontends.items()):
-            rows = payload.get("connections", ())
+            rows = stats.frontend_connections(index)
             per_fe.add_metric([str(index)], len(rows))
             fe_in.add_metric([str(index)], sum(r[C_RECV] for r in rows))
             fe_out.add_metric([str(index)], sum(r[C_SEND] for r in rows))
+            fe_rows.add_metric([str(index)], payload.get("rows_sent", 0))
+            fe_reports.add_metric([str(index)], payload.get("seq", 0))
+            fe_trims.add_metric([str(index)], payload.get("counters", {}).get("heap_trims", 0))
         yield per_fe
         yield fe_in
         yield fe_out
+        yield fe_rows
+        yield fe_reports
+        yield fe_trims
         if self.per_object:
             yield from self._per_queue(queues, damaged)
 
