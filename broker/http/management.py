@@ -16,6 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
+from broker.cpus import available_cpus
 from broker.http.auth import Caller, error
 from broker.http.common import (
     PRODUCT,
@@ -137,7 +138,7 @@ def _node_json(request: web.Request) -> dict:
     alarms = set(node.alarms)
     return {"name": node_name(), "type": "disc", "running": True, "uptime": int((time.time() - _STARTED) * 1000),
             "mem_used": _rss_bytes(), "mem_alarm": "memory" in alarms, "disk_free_alarm": "disk" in alarms,
-            "partitions": [], "processors": os.cpu_count() or 1,
+            "partitions": [], "processors": available_cpus(),
             "frontends": node.settings.frontends, "shards": node.settings.shards,
             "being_drained": False}
 
