@@ -18,6 +18,14 @@ def _peer(peer: Any) -> tuple[str, int]:
     return "", 0
 
 
+def _send_pend(transport: Any) -> int:
+    """Bytes written to the connection and not yet taken by its socket (RabbitMQ's send_pend)."""
+    try:
+        return int(transport.get_write_buffer_size())
+    except (AttributeError, RuntimeError, TypeError):
+        return 0
+
+
 def frontend_stats(worker: FrontendWorker) -> dict:
     connections = []
     consumers = []
@@ -36,7 +44,7 @@ def frontend_stats(worker: FrontendWorker) -> dict:
         connections.append([conn.conn_id, host, port, conn.user, conn.vhost,
                             getattr(conn, "client_properties", {}), getattr(conn, "connected_at", 0),
                             getattr(conn, "recv_oct", 0), getattr(conn, "send_oct", 0),
-                            bool(getattr(conn, "_read_pause", ())), channels])
+                            bool(getattr(conn, "_read_pause", ())), channels, _send_pend(conn.transport)])
     counters = dict(worker.counters)
     counters["publishers"] = sum(1 for conn in worker.conns.values() if getattr(conn, "publisher", False))
     counters.update(received=worker.n_received, received_confirm=worker.n_received_confirm,

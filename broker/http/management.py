@@ -38,6 +38,7 @@ from broker.node_stats import (
     C_PROPS,
     C_RECV,
     C_SEND,
+    C_SEND_PEND,
     C_USER,
     C_VHOST,
     Q_CONSUMERS,
@@ -449,7 +450,8 @@ def _connection_json(node: Any, fe: int, row: list) -> dict:
             "user": row[C_USER], "vhost": row[C_VHOST], "peer_host": row[C_HOST], "peer_port": row[C_PORT],
             "host": node.settings.bind, "port": node.settings.port, "client_properties": props,
             "connected_at": row[C_AT], "channels": len(row[C_CHANNELS]), "recv_oct": row[C_RECV],
-            "send_oct": row[C_SEND], "state": "blocked" if row[C_BLOCKED] else "running",
+            "send_oct": row[C_SEND], "send_pend": row[C_SEND_PEND] if len(row) > C_SEND_PEND else 0,
+            "state": "blocked" if row[C_BLOCKED] else "running",
             "frontend": fe, "conn_id": row[C_ID], "auth_mechanism": "PLAIN", "ssl": False}
 
 
