@@ -17,9 +17,12 @@ from websockets.typing import Subprotocol
 from websockets.uri import parse_uri
 
 from broker import contract
+from broker.mqtt import codec as M
+from frontend.mqtt.messages import session_queue
 from frontend.ws import HIGH_WATER
 from tests.harness import free_port
 from tests.mgmt_api import Api
+from tests.raw_mqtt import RawMQTT
 
 BODY = 16 << 10
 N = 4096  # 64 MiB published to a client that reads nothing
@@ -31,13 +34,13 @@ FRONTEND_BOUND = HIGH_WATER + CREDIT_BYTES + (1 << 20)
 LEFT_QUEUE_BOUND = FRONTEND_BOUND + (24 << 20)
 
 
-class WSAMQP:
-    """AMQP over a WebSocket whose socket is read only when the test asks for a frame (websockets'
-    sans-I/O protocol over a plain socket: its threaded clients read ahead into their own queues)."""
+class WSClient:
+    """A WebSocket whose socket is read only when the test asks for a message (websockets' sans-I/O
+    protocol over a plain socket: its threaded clients read ahead into their own queues)."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, path: str, subprotocol: str) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-        self.ws = ClientProtocol(parse_uri(f"ws://127.0.0.1:{port}/amqp"), subprotocols=[Subprotocol("amqp")],
+        self.ws = ClientProtocol(parse_uri(f"ws://127.0.0.1:{port}{path}"), subprotocols=[Subprotocol(subprotocol)],
                                  max_size=None)
         self.ws.send_request(self.ws.connect())
         self._flush()
@@ -45,7 +48,6 @@ class WSAMQP:
         while not self.ws.handshake_exc and self.ws.state is not State.OPEN:
             self._pump()
         assert self.ws.handshake_exc is None, self.ws.handshake_exc
-        self.buf = b""
 
     def _flush(self) -> None:
         for data in self.ws.data_to_send():
@@ -61,6 +63,21 @@ class WSAMQP:
                 self.messages.append(event.data)
         self._flush()  # pongs
 
+    def recv_message(self) -> bytes:
+        while not self.messages:
+            self._pump()
+        return self.messages.pop(0)
+
+    def send_binary(self, data: bytes) -> None:
+        self.ws.send_binary(data)
+        self._flush()
+
+
+class WSAMQP(WSClient):
+    def __init__(self, port: int) -> None:
+        super().__init__(port, "/amqp", "amqp")
+        self.buf = b""
+
     def read(self):
         while True:
             if self.buf:
@@ -70,17 +87,13 @@ class WSAMQP:
                     if not isinstance(value, pamqp_heartbeat.Heartbeat):
                         return value
                     continue
-            while not self.messages:
-                self._pump()
-            self.buf += self.messages.pop(0)
+            self.buf += self.recv_message()
 
     def send(self, channel: int, value) -> None:
-        self.ws.send_binary(frame.marshal(value, channel))
-        self._flush()
+        self.send_binary(frame.marshal(value, channel))
 
     def open(self) -> None:
-        self.ws.send_binary(b"AMQP\x00\x00\x09\x01")
-        self._flush()
+        self.send_binary(b"AMQP\x00\x00\x09\x01")
         assert isinstance(self.read(), commands.Connection.Start)
         self.send(0, commands.Connection.StartOk(mechanism="PLAIN", response="\0guest\0guest", locale="en_US"))
         tune = self.read()
@@ -134,4 +147,51 @@ def test_a_websocket_client_that_stops_reading_pauses_its_deliveries(node_factor
         got += 1
     assert _ready(ch, queue) == 0
     conn.close()
+    client.sock.close()
+
+
+def test_an_mqtt_websocket_subscriber_that_stops_reading_pauses_its_deliveries(node_factory):
+    # A persistent session's QoS 0 subscription: its messages come through its queue on the shard,
+    # paced by credit (a QoS 1 one would be held by its in-flight window anyway).
+    node = node_factory(name="node", frontends=1, shards=1, ws_port=free_port(), mqtt_port=free_port(),
+                        extra_args=["--stats-interval", "100"])
+    client = WSClient(node.ws_port, "/ws", "mqtt")
+    parser = M.MQTTParser(server=False)
+    packets: list = []
+
+    def read():
+        while not packets:
+            packets.extend(parser.feed(client.recv_message()))
+        return packets.pop(0)
+
+    client.send_binary(M.encode_connect("ws-slow", clean_session=False, username="guest", password=b"guest"))
+    assert isinstance(read(), M.ConnAck)
+    client.send_binary(M.encode_subscribe(1, [("slow/#", 0)]))
+    assert isinstance(read(), M.SubAck)
+    # From here on the client reads nothing until every message is published.
+    publisher = RawMQTT(node.mqtt_port)
+    publisher.connect("ws-slow-publisher")
+    for i in range(N):
+        publisher.publish("slow/x", b"%08d" % i + b"x" * (BODY - 8))
+    publisher.publish("slow/x", b"end", qos=1, pid=1)
+    assert publisher.recv(timeout=60) == M.Ack(M.PUBACK, 1)
+    conn = node.connect()
+    ch = conn.channel()
+    queue = session_queue("ws-slow")
+    deadline = time.monotonic() + 60
+    while (ready := _ready(ch, queue)) < N - LEFT_QUEUE_BOUND // BODY:
+        assert time.monotonic() < deadline, f"only {ready} of {N + 1} messages still queued: deliveries did not pause"
+        time.sleep(0.1)
+    # The WebSocket session and the publisher (MQTT sessions count no send_oct: the largest send_pend
+    # is the WebSocket's).
+    rows = Api(node.http_port).wait_for("/api/connections", lambda rows: len(rows) >= 2, timeout=10)
+    assert max(r["send_pend"] for r in rows) <= FRONTEND_BOUND, rows
+
+    for i in range(N):
+        p = read()
+        assert isinstance(p, M.Publish) and p.payload[:8] == b"%08d" % i, (i, p)
+    assert read().payload == b"end"
+    assert _ready(ch, queue) == 0
+    conn.close()
+    publisher.disconnect()
     client.sock.close()
