@@ -1132,7 +1132,12 @@ class ShardWorker:
                         store.sync()
                 if isinstance(q, FeatureQueue) and q.count_returns:
                     q.save_returns()
-            self._sync_stores.update(self.delayed.dirty_stores())
+            for store in self.delayed.dirty_stores():
+                if store.fsync:
+                    self._sync_stores.add(store)
+                else:  # a non-durable delayed-message exchange's, as a non-durable queue's
+                    store.flush_acks()
+                    store.sync()
             self._sync_stores.update(s for s in self.dead_letters.all_stores() if s.dirty)
             self._start_sync()
             self.loop.call_later(_PERIODIC_SYNC_S, self._periodic_sync)

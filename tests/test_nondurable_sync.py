@@ -11,11 +11,15 @@ import time
 
 import pika
 
-from shard.store import queue_dir
+from broker.datadir import DELAYED_DIR, name_hash
 from shard.synced_mark import NAME as SYNCED_MARK
 from tests.helpers import uid, wait_count
 
 PERSISTENT = pika.BasicProperties(delivery_mode=2)
+
+
+def _mark(data: str, vhost: str, name: str, under: str = "") -> str:
+    return os.path.join(data, under, name_hash(vhost), name_hash(name), SYNCED_MARK)
 
 
 def _wait_for(predicate, timeout: float, what: str) -> None:
@@ -33,6 +37,12 @@ def test_a_non_durable_queue_is_never_synced_and_survives_a_killed_shard(node_fa
     durable, transient = uid("durable"), uid("transient")
     ch.queue_declare(durable, durable=True)
     ch.queue_declare(transient, durable=False)
+    # A non-durable delayed-message exchange's store is not fsynced either.
+    delayed = uid("delayed")
+    ch.exchange_declare(delayed, "x-delayed-message", durable=False, arguments={"x-delayed-type": "direct"})
+    ch.queue_bind(transient, delayed, "later")
+    ch.basic_publish(delayed, "later", b"in an hour",
+                     pika.BasicProperties(delivery_mode=2, headers={"x-delay": 3_600_000}))
     for i in range(50):
         ch.basic_publish("", transient, b"p%d" % i, PERSISTENT)
     ch.basic_publish("", durable, b"t", pika.BasicProperties(delivery_mode=1))  # dirty, no sync asked
@@ -40,12 +50,14 @@ def test_a_non_durable_queue_is_never_synced_and_survives_a_killed_shard(node_fa
     # The periodic sync (once a second) took the durable queue, dirty since after the transient
     # queue's publishes: the transient queue was dirty at that pass too. A store's synced mark is
     # written right after its fsync, so the durable queue's mark says that pass ran...
-    _wait_for(lambda: os.path.exists(os.path.join(queue_dir(data, "/", durable), SYNCED_MARK)), 10,
-              "the periodic sync of the durable queue")
+    _wait_for(lambda: os.path.exists(_mark(data, "/", durable)), 10, "the periodic sync of the durable queue")
     # ... and a confirmed persistent publish waits for the next group sync, which starts only after
     # that pass has finished every store in it.
     ch.basic_publish("", durable, b"p", PERSISTENT)
-    assert not os.path.exists(os.path.join(queue_dir(data, "/", transient), SYNCED_MARK))
+    assert os.path.isdir(os.path.dirname(_mark(data, "/", transient)))
+    assert not os.path.exists(_mark(data, "/", transient))
+    assert os.path.isdir(os.path.dirname(_mark(data, "/", delayed, DELAYED_DIR)))
+    assert not os.path.exists(_mark(data, "/", delayed, DELAYED_DIR))
     wait_count(ch, transient, 50)
     conn.close()
 
