@@ -97,7 +97,7 @@ FORWARD = 5
 # management API and Prometheus. A frontend's payload:
 #   {"connections": [[conn_id, peer_host, peer_port, user, vhost, client_properties(dict), connected_at_ms,
 #                     recv_oct, send_oct, blocked(bool), [[channel, prefetch, global_prefetch, consumers,
-#                     unacked, unconfirmed, confirm(bool), tx(bool)], ...]], ...],
+#                     unacked, unconfirmed, confirm(bool), tx(bool)], ...], send_pend(bytes buffered)], ...],
 #    "consumers": [[conn_id, channel, tag, queue, no_ack, prefetch], ...],
 #    "counters": {"connections_opened": n, "connections_closed": n},  (totals since the frontend started)
 #    "seq": n, "full": bool, "closed": [conn_id, ...], "rows_sent": n}

@@ -17,7 +17,7 @@ from broker.interning import Interner
 Q_VHOST, Q_NAME, Q_READY, Q_UNACKED, Q_CONSUMERS, Q_BYTES, Q_PUBLISHED, Q_DELIVERED, Q_ACKED = range(9)
 # Then (shards of this version on; older rows stop at Q_ACKED): parts of Q_DELIVERED and redeliveries.
 Q_DELIVER_NO_ACK, Q_GET, Q_GET_NO_ACK, Q_REDELIVERED = range(9, 13)
-C_ID, C_HOST, C_PORT, C_USER, C_VHOST, C_PROPS, C_AT, C_RECV, C_SEND, C_BLOCKED, C_CHANNELS = range(11)
+C_ID, C_HOST, C_PORT, C_USER, C_VHOST, C_PROPS, C_AT, C_RECV, C_SEND, C_BLOCKED, C_CHANNELS, C_SEND_PEND = range(12)
 # RabbitMQ's message_stats keys of a queue, in the order counts() returns them.
 KEYS = ("publish", "deliver_get", "ack", "deliver", "deliver_no_ack", "get", "get_no_ack", "redeliver")
 

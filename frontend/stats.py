@@ -25,6 +25,14 @@ def _peer(peer: Any) -> tuple[str, int]:
     return "", 0
 
 
+def _send_pend(transport: Any) -> int:
+    """Bytes written to the connection and not yet taken by its socket (RabbitMQ's send_pend)."""
+    try:
+        return int(transport.get_write_buffer_size())
+    except (AttributeError, RuntimeError, TypeError):
+        return 0
+
+
 def _counters(worker: FrontendWorker) -> dict:
     counters = dict(worker.counters)
     counters["publishers"] = sum(1 for conn in worker.conns.values() if getattr(conn, "publisher", False))
@@ -68,14 +76,15 @@ class StatsReporter:
                     conn_consumers.append((conn_id, number, tag, c.queue, c.no_ack, ch.prefetch_count))
             recv, send = getattr(conn, "recv_oct", 0), getattr(conn, "send_oct", 0)
             blocked = bool(getattr(conn, "_read_pause", ()))
-            sig = hash((recv, send, blocked, tuple(channels), tuple(conn_consumers)))
+            send_pend = _send_pend(conn.transport)
+            sig = hash((recv, send, blocked, send_pend, tuple(channels), tuple(conn_consumers)))
             now[conn_id] = sig
             if not full and sent.get(conn_id) == sig:
                 continue
             host, port = _peer(conn.peer)
             connections.append([conn_id, host, port, conn.user, conn.vhost,
                                 getattr(conn, "client_properties", {}), getattr(conn, "connected_at", 0),
-                                recv, send, blocked, channels])
+                                recv, send, blocked, channels, send_pend])
             consumers.extend(conn_consumers)
         if full:
             closed: list = []

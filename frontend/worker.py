@@ -72,7 +72,9 @@ class FrontendWorker:
         self.heap_trimmer = HeapTrimmer(loop, collect=True)  # memory back to the kernel after a wave of closes
         # Totals since this frontend started, reported in STATS (Prometheus' *_opened_total/_closed_total).
         self.counters = {"connections_opened": 0, "connections_closed": 0,
-                         "publish_bytes_in_flight_peak": 0}  # the most bytes in flight to one shard
+                         "publish_bytes_in_flight_peak": 0,  # the most bytes in flight to one shard
+                         # the most bytes one AMQP connection was read in one loop turn (TURN_READ_BYTES)
+                         "read_bytes_per_turn_peak": 0}
         # Publish totals for rabbitmq_global_messages_*: n_received is the one add per publish on
         # the plain path; the others are counted on paths that already branch (confirm mode, no
         # route) or once per confirm batch (frontend/amqp/channel.py emit_confirms).

@@ -8,6 +8,13 @@ WebSocket message is fed to ``data_received`` as it comes (the codecs are stream
 carry part of a packet or several). WebSocket is a browser path, not the high-rate one: a write
 burst of a loop turn becomes one binary message sent by a task. The listeners are in
 ``frontend/ws_listener.py``, which imports this module (and aiohttp) on the first connection.
+
+Write back-pressure is the TCP transports': past ``HIGH_WATER`` bytes written and waiting for the
+WebSocket send (which waits while the socket's own buffer is over its limit: aiohttp drains it),
+the session gets ``pause_writing()`` - it then returns no credit, so its shards stop delivering -
+and once a send went out with at most ``LOW_WATER`` waiting, ``resume_writing()``. A client that
+stops reading therefore costs the frontend about the high-water mark, one send and its consumers'
+credit windows, not everything published to it.
 """
 
 from __future__ import annotations
@@ -28,20 +35,31 @@ log = logging.getLogger("shardmq.frontend")
 SESSIONS = {"mqtt": "frontend.mqtt.connection:MQTTConnection", "amqp": "frontend.amqp.connection:AMQPConnection"}
 SUBPROTOCOLS = {"mqtt": "mqtt", "mqttv3.1": "mqtt", "amqp": "amqp"}
 PATHS = {"/ws": "mqtt", "/amqp": "amqp"}
+# asyncio's defaults for a transport's write buffer.
+HIGH_WATER = 64 << 10
+LOW_WATER = 16 << 10
 
 
 class WSTransport:
     """The asyncio-transport face of one WebSocket for a session."""
 
-    def __init__(self, ws: web.WebSocketResponse, peer: Any, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, ws: web.WebSocketResponse, peer: Any, loop: asyncio.AbstractEventLoop,
+                 socket_transport: asyncio.Transport | None = None) -> None:
         self._ws = ws
         self._peer = peer
         self._loop = loop
+        self._socket = socket_transport  # the TCP connection under the WebSocket (its buffer counts too)
         self._pending: list[bytes] = []
+        self._buffered = 0  # bytes in _pending
+        self._protocol: Any = None  # the session: told pause_writing/resume_writing
+        self._write_paused = False
         self._sending = False
         self._closing = False
         self.readable = asyncio.Event()
         self.readable.set()
+
+    def set_protocol(self, protocol: Any) -> None:
+        self._protocol = protocol
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return self._peer if name == "peername" else default
@@ -50,6 +68,11 @@ class WSTransport:
         if self._closing:
             return
         self._pending.append(data)
+        self._buffered += len(data)
+        if self._buffered > HIGH_WATER and not self._write_paused and self._protocol is not None:
+            # aiohttp's send is blocked on a full socket: what the session writes piles up here
+            self._write_paused = True
+            self._protocol.pause_writing()
         if not self._sending:
             self._sending = True
             self._loop.create_task(self._send())
@@ -58,14 +81,20 @@ class WSTransport:
         self.write(b"".join(chunks))
 
     def get_write_buffer_size(self) -> int:
-        return sum(len(data) for data in self._pending)
+        socket = self._socket
+        return self._buffered + (socket.get_write_buffer_size() if socket is not None else 0)
 
     async def _send(self) -> None:
         try:
             while self._pending and not self._ws.closed:
                 data = b"".join(self._pending)
                 self._pending.clear()
-                await self._ws.send_bytes(data)
+                self._buffered = 0
+                await self._ws.send_bytes(data)  # waits while the socket's buffer is over its limit
+                if self._write_paused and self._buffered <= LOW_WATER:
+                    self._write_paused = False
+                    if not self._closing:
+                        self._protocol.resume_writing()
         except (ConnectionError, RuntimeError):
             pass
         finally:
@@ -83,6 +112,7 @@ class WSTransport:
     def abort(self) -> None:
         self._closing = True
         self._pending.clear()
+        self._buffered = 0
         self._loop.create_task(self._ws.close())
 
     def can_write_eof(self) -> bool:
@@ -109,8 +139,9 @@ def make_app(worker: FrontendWorker) -> web.Application:
         await ws.prepare(request)
         protocol = SUBPROTOCOLS.get(ws.ws_protocol or "") or PATHS[request.path]
         transport = WSTransport(ws, request.transport.get_extra_info("peername") if request.transport else None,
-                                worker.loop)
+                                worker.loop, request.transport)
         session = load(SESSIONS[protocol])(worker)
+        transport.set_protocol(session)
         session.connection_made(transport)
         try:
             async for msg in ws:

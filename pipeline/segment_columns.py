@@ -1,8 +1,8 @@
 """Finding, checking and decoding a run of segment records as columns (numpy and Arrow), not per record.
 
 The Spark reader of segment files spends its time per record, so only what must be done per record
-stays in a Python loop: reading the 8-byte header and the CRC32 of the payload (`zlib.crc32` over
-a memoryview of the mapped file, no copy). The field lengths of every record are then checked for
+stays in a Python loop: reading the 8-byte header and the CRC32 of the payload (ISA-L's, zlib's
+values: `broker/crc.py`, over a memoryview of the mapped file, no copy). The field lengths of every record are then checked for
 the whole run at once with numpy, with exactly the rules of `shard.record` (`_fields`, `scan`), and
 the variable-length fields (exchange, routing key, properties, body) become Arrow arrays through
 Arrow's binary *view* type: one 16-byte view per record pointing into the mapped file, which
@@ -18,13 +18,13 @@ record is bad (pipeline/segments.py).
 from __future__ import annotations
 
 import struct
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
+from broker.crc import crc32 as _crc32
 from shard import record
 
 _HEADER = struct.Struct("<II")
@@ -62,7 +62,7 @@ def crc_run(buf: Any, mv: memoryview, pos: int, end: int, limit: int) -> tuple[l
     out: list[int] = []
     app = out.append
     unpack = _HEADER.unpack_from
-    crc32 = zlib.crc32
+    crc32 = _crc32
     min_payload = record.MIN_PAYLOAD
     stop = end - 8
     n = 0

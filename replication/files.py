@@ -15,7 +15,7 @@ import re
 import shutil
 from collections.abc import Callable, Iterable
 
-from replication.crc import crc32
+from broker.crc import crc32
 
 _HEX40 = re.compile(r"^[0-9a-f]{40}$")
 NODE_SKIP = frozenset(("run", ".lock"))

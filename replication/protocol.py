@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import msgpack
 
-from replication.crc import crc32
+from broker.crc import crc32
 
 VERSION = 1
 MAX_FRAME = 64 << 20

@@ -37,8 +37,8 @@ from collections import deque
 from collections.abc import Callable
 
 from broker import write_observer
+from broker.crc import crc32
 from replication import protocol as p
-from replication.crc import crc32
 from replication.files import CrcCache, store_dirs, walk
 
 log = logging.getLogger("shardmq.replication")

@@ -125,7 +125,9 @@ class DelayedMessages:
 
     def _open(self, vhost: str, exchange: str, durable: bool) -> DelayStore:
         path = queue_dir(self._root(), vhost, exchange)
-        store = QueueStore(path, segment_size=int(self.worker.settings.get("segment_size", 8 << 20)))
+        # A non-durable exchange's store is not fsynced, as a non-durable queue's: after a restart the
+        # exchange is gone and the node deletes its store (DataDir.remove_stale_delay_stores).
+        store = QueueStore(path, segment_size=int(self.worker.settings.get("segment_size", 8 << 20)), fsync=durable)
         no = next(self._store_no)
         ds = self.stores[(vhost, exchange)] = self._by_no[no] = DelayStore(no, vhost, exchange, durable, store)
         heap = self._heap

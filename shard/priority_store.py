@@ -59,21 +59,23 @@ def max_priority_of(arguments: dict | None) -> int | None:
 
 
 def open_store(path: str, arguments: dict | None, segment_size: int,
-               empty_dir: bool = False) -> QueueStore | PriorityStore:
+               empty_dir: bool = False, fsync: bool = True) -> QueueStore | PriorityStore:
     """The store a queue with these arguments uses: a PriorityStore only with x-max-priority.
-    empty_dir: the directory was just made (QueueStore's)."""
+    empty_dir: the directory was just made (QueueStore's); fsync=False: a non-durable queue's
+    (QueueStore's)."""
     max_priority = max_priority_of(arguments)
     if max_priority is None:
-        return QueueStore(path, segment_size=segment_size, empty_dir=empty_dir)
-    return PriorityStore(path, max_priority, segment_size=segment_size)
+        return QueueStore(path, segment_size=segment_size, empty_dir=empty_dir, fsync=fsync)
+    return PriorityStore(path, max_priority, segment_size=segment_size, fsync=fsync)
 
 
 class PriorityStore(MarkerFiles):
     """QueueStore's interface over one QueueStore per priority level (see the module docstring)."""
 
     def __init__(self, path: str, max_priority: int, *, segment_size: int = 8 << 20,
-                 keep_transient: bool = False) -> None:
+                 keep_transient: bool = False, fsync: bool = True) -> None:
         self.path = path
+        self.fsync = fsync
         self.max_priority = max(0, min(int(max_priority), MAX_PRIORITY))
         self._segment_size = segment_size
         self._keep_transient = keep_transient
@@ -240,7 +242,7 @@ class PriorityStore(MarkerFiles):
         try:
             for store in stores:
                 store.sync()
-            if dir_dirty:
+            if dir_dirty and self.fsync:
                 self._fsync_dir()
             done = True
         finally:
@@ -265,7 +267,7 @@ class PriorityStore(MarkerFiles):
     # ------------------------------------------------------------ internals
     def _add_level(self, level: int) -> QueueStore:
         store = QueueStore(level_dir(self.path, level), segment_size=self._segment_size,
-                           keep_transient=self._keep_transient)
+                           keep_transient=self._keep_transient, fsync=self.fsync)
         self._levels[level] = store
         self._order = sorted(self._levels.items(), key=lambda kv: kv[0], reverse=True)
         self._all = tuple(self._levels.values())

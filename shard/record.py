@@ -14,9 +14,10 @@ the returned bytes/str.
 from __future__ import annotations
 
 import struct
-import zlib
 from collections.abc import Iterator
 from typing import Any
+
+from broker.crc import crc32 as _isal_crc32
 
 HEADER = struct.Struct("<II")  # payload length, crc32 of payload
 HEADER_SIZE = HEADER.size
@@ -40,7 +41,7 @@ _unpack_header = HEADER.unpack_from
 _unpack_head = _TS_FLAGS_EXLEN.unpack_from
 _unpack_u32 = _U32.unpack_from
 _unpack_u64 = _U64.unpack_from
-_crc32 = zlib.crc32
+_crc32 = _isal_crc32  # ISA-L's: the same values as zlib.crc32 (files stay readable), ~3-5x faster
 
 
 def encode_payload(ts_ms: int, flags: int, ex: bytes, rk: bytes, props: bytes, body: bytes) -> bytes:

@@ -134,10 +134,15 @@ class QueueStore(SegmentDir):
     SEGMENT_KINDS = ("msgs", "acks", "meta")
 
     def __init__(self, path: str, *, segment_size: int = 8 << 20, keep_transient: bool = False,
-                 empty_dir: bool = False) -> None:
+                 empty_dir: bool = False, fsync: bool = True) -> None:
         """empty_dir: the caller has just made the (empty) directory: skip looking for files in it
-        (a declare of a new queue then costs its mkdir and name file only)."""
+        (a declare of a new queue then costs its mkdir and name file only).
+        fsync=False: a non-durable queue's store, whose sync() only closes what it may close and
+        never fsyncs: the node deletes such a queue's directory at its next start (a power loss
+        takes nothing anyone could get back), and a killed shard finds its writes in the page
+        cache without an fsync."""
         self.path = path
+        self.fsync = fsync
         self._segment_size = max(int(segment_size), DATA_START + record.MIN_RECORD)
         self._keep_transient = keep_transient
         self._segs: dict[int, Segment] = {}
@@ -391,6 +396,9 @@ class QueueStore(SegmentDir):
     # ------------------------------------------------------------ durability
     def sync(self) -> None:
         """Make appends and acks so far durable. Safe to call from a worker thread."""
+        if not self.fsync:
+            self._settle()
+            return
         with self._lock:
             if self._closed:
                 return
@@ -440,6 +448,20 @@ class QueueStore(SegmentDir):
                     self._close_deferred()
             if mark_fd >= 0:
                 os.close(mark_fd)
+
+    def _settle(self) -> None:
+        """sync() of a store that is not fsynced: what a sync does besides the fsyncs (close the
+        sealed segments' fds, clear the dirty flags), cheap enough for the event loop. No synced
+        mark: it would vouch for data that was never made durable; recovery after a killed shard
+        then treats a bad last record as a torn tail, as it did before the mark existed."""
+        with self._lock:
+            if self._closed:
+                return
+            self._deferred_close.extend(self._sync_fds)
+            self._sync_fds = []
+            self._wdirty = self._acks_dirty = self._dir_dirty = False
+            if not self._syncing:
+                self._close_deferred()
 
     def close(self) -> None:
         """Release maps and fds. Does not sync: call sync() first for a clean shutdown."""

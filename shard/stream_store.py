@@ -129,6 +129,7 @@ class StreamStore(SegmentDir):
     """The log of one stream queue. See the module docstring and docs/storage.md."""
 
     SEGMENT_KINDS = ("msgs", "smeta")
+    fsync = True  # streams are always durable (x-queue-type stream requires it): always fsynced
 
     def __init__(self, path: str, *, segment_size: int = 8 << 20, max_length: int | None = None,
                  max_bytes: int | None = None, max_age_s: int | None = None) -> None:

@@ -261,7 +261,8 @@ class ShardWorker:
             self.queues[(vhost, name)] = sq
             self.by_qid[sq.qid] = sq
             return
-        store = open_store(path, args, int(self.settings.get("segment_size", 8 << 20)), empty_dir=made)
+        store = open_store(path, args, int(self.settings.get("segment_size", 8 << 20)), empty_dir=made,
+                           fsync=bool(defn.durable))
         if needs_features(args):
             q = FeatureQueue(self._next_qid, vhost, name, defn, store, self, args)
         else:
@@ -1120,11 +1121,23 @@ class ShardWorker:
         if not self._stopping:
             # Acks and non-confirmed appends reach the disk within a second even when idle.
             for q in self.queues.values():
-                if q.store.dirty:
-                    self._sync_stores.add(q.store)
+                store = q.store
+                if store.dirty:
+                    if store.fsync:
+                        self._sync_stores.add(store)
+                    else:
+                        # A non-durable queue: nothing to fsync (it is gone after a restart), only
+                        # acks to write and sealed segments' fds to close, here on the loop.
+                        store.flush_acks()
+                        store.sync()
                 if isinstance(q, FeatureQueue) and q.count_returns:
                     q.save_returns()
-            self._sync_stores.update(self.delayed.dirty_stores())
+            for store in self.delayed.dirty_stores():
+                if store.fsync:
+                    self._sync_stores.add(store)
+                else:  # a non-durable delayed-message exchange's, as a non-durable queue's
+                    store.flush_acks()
+                    store.sync()
             self._sync_stores.update(s for s in self.dead_letters.all_stores() if s.dirty)
             self._start_sync()
             self.loop.call_later(_PERIODIC_SYNC_S, self._periodic_sync)

@@ -13,6 +13,8 @@ import pytest
 
 from broker import cpus
 from broker.config import load_settings
+from tests.harness import DEFAULT_COMMAND
+from tests.mgmt_api import Api
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -65,3 +67,12 @@ def test_settings_default_to_the_rule_and_flags_still_win(tmp_path: Path) -> Non
     assert (s.frontends, s.shards) == (cpus.default_frontends(n), cpus.default_shards(n))
     s = load_settings(["--frontends", "3"], {"SHARDMQ_DATA_DIR": str(tmp_path), "SHARDMQ_SHARDS": "5"})
     assert (s.frontends, s.shards) == (3, 5)
+
+
+def test_management_api_reports_the_usable_cores_of_a_pinned_node(node_factory) -> None:
+    # processors is what the node may use (the count its default process counts come from), not the
+    # host's os.cpu_count(): a node pinned to one core reports 1 whatever the machine has.
+    node = node_factory(name="pinned", frontends=1, shards=1, command=["taskset", "-c", "0", *DEFAULT_COMMAND])
+    [entry] = Api(node.http_port).get("/api/nodes")
+    assert entry["processors"] == 1
+    assert Api(node.http_port).get(f"/api/nodes/{entry['name']}")["processors"] == 1

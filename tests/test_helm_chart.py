@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import configparser
+import math
 import re
 import shutil
 import socket
@@ -26,6 +27,7 @@ import pika
 import pytest
 import yaml
 
+from broker import cpus
 from broker.config import load_settings
 from tests.design_names import known_ini_keys, unknown_names
 from tests.kube_api_stub import KubeApiStub
@@ -311,8 +313,28 @@ def test_ini_file_uses_the_names_of_the_design_and_loads_where_built(values, tmp
     assert (settings.bind, settings.port, settings.http_bind, settings.http_port) == ("0.0.0.0", 5672, "0.0.0.0", 15672)
     # A subdirectory of the volume mounted at /var/lib/shardmq: fsGroup makes the volume's root
     # group-writable, which the node refuses as a data dir.
-    assert (settings.frontends, settings.shards, settings.data_dir) == (2, 2, "/var/lib/shardmq/data")
+    assert settings.data_dir == "/var/lib/shardmq/data"
     assert settings.loopback_users == []
+
+
+@pytest.mark.parametrize("values", [None, *VALUE_SETS])
+def test_process_counts_follow_the_cpu_limit(values):
+    # The chart leaves --frontends/--shards to the node's rule (broker/cpus.py), which reads the
+    # container's CPU quota: the counts the pod runs are the rule's for the limit the chart sets,
+    # and the scheduler reserves that many cores (request == limit).
+    docs = render(*([values] if values else []))
+    main = ini_of(docs)["main"]
+    assert "frontends" not in main and "shards" not in main
+    resources = container(docs)["resources"]
+    limit = resources["limits"]["cpu"]
+    assert resources["requests"]["cpu"] == limit
+    cores = math.ceil(float(limit[:-1]) / 1000 if str(limit).endswith("m") else float(limit))
+    assert (cpus.default_frontends(cores), cpus.default_shards(cores)) == (2, 2)
+
+
+def test_explicit_process_counts_are_written_to_the_ini():
+    main = ini_of(render(sets=("config.frontends=3", "config.shards=1")))["main"]
+    assert (main["frontends"], main["shards"]) == ("3", "1")
 
 
 def _release_secret(data: dict[str, bytes]) -> dict:

@@ -221,13 +221,3 @@ def test_append_header_for_pieces_is_the_frame(path, offset, pieces):
         crc = zlib.crc32(piece, crc)
     whole = b"".join(pieces)
     assert p.append_header_for(path, offset, len(whole), crc) + whole == p.encode_append(path, offset, whole)
-
-
-@SETTINGS
-@given(st.binary(max_size=5000), st.integers(0, 2**32 - 1))
-def test_stream_crc_is_zlibs_crc32(d, start):
-    """replication/crc.py's CRC32 (ISA-L when installed) has zlib's values, incremental form included."""
-    from replication.crc import crc32
-
-    assert crc32(d) == zlib.crc32(d)
-    assert crc32(d, start) == zlib.crc32(d, start)

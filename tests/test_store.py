@@ -569,3 +569,80 @@ def test_blocks_are_allocated_ahead_of_the_writer_not_for_the_whole_segment(tmp_
     assert drain(s) == [0, *range(3000)]
     assert len(ids) == 3000
     s.close()
+
+
+def _record_syncs(monkeypatch) -> list[str]:
+    calls: list[str] = []
+    real_fsync, real_fdatasync = os.fsync, os.fdatasync
+
+    def fsync(fd):
+        calls.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    def fdatasync(fd):
+        calls.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fdatasync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    return calls
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _fill_and_sync(store, n: int = 400) -> list[int]:
+    """Append n persistent 1 KiB messages (several segments of 64 KiB), take and ack every other
+    one, sync after each hundred; returns the ids left unacked."""
+    kept = []
+    for i in range(n):
+        store.append(1, 1, "", "q", b"", b"%04d" % i + b"x" * 1020)
+        if i % 100 == 99:
+            store.sync()
+    i = 0
+    while (m := store.shift()) is not None:
+        if i % 2:
+            kept.append(m[0])
+        else:
+            store.ack(m[0])
+        i += 1
+    store.flush_acks()
+    store.sync()
+    return kept
+
+
+def test_a_non_durable_queues_store_is_never_fsynced_but_closes_its_sealed_segments(tmp_path, monkeypatch):
+    """A non-durable queue's store (fsync=False) makes no fsync/fdatasync at all (its directory is
+    deleted at the node's next start), still closes the fds of the segments it sealed, and what it
+    wrote is all there for a shard that was killed and reopens it (the page cache holds it)."""
+    from shard.priority_store import open_store
+
+    calls = _record_syncs(monkeypatch)
+    # The control: a durable queue's store does fsync, so the recording sees the calls.
+    before = _open_fds()
+    durable = QueueStore(queue_dir(str(tmp_path / "data"), "/", "durable"), segment_size=64 << 10)
+    _fill_and_sync(durable)
+    assert calls
+    durable_fds = _open_fds() - before
+    durable.close()
+    for name, args in (("plain", None), ("priority", {"x-max-priority": 3})):
+        calls.clear()
+        path = queue_dir(str(tmp_path / "data"), "/", name)
+        before = _open_fds()
+        store = open_store(path, args, 64 << 10, fsync=False)
+        kept = _fill_and_sync(store)
+        assert calls == [], (name, calls)
+        assert not store.dirty
+        # 400 KiB in 64 KiB segments: the sealed ones' msgs and meta fds are closed as a synced
+        # durable store's are (what stays open is the write segment's and the ack files).
+        assert _open_fds() - before <= durable_fds, (name, durable_fds, os.listdir("/proc/self/fd"))
+        store.close()
+        again = open_store(path, args, 64 << 10, fsync=False)
+        assert again.ready == len(kept) == 200
+        got = []
+        while (m := again.shift()) is not None:
+            got.append(m[0])
+        assert sorted(got) == sorted(kept)
+        again.close()
+        assert calls == []

@@ -16,6 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
+from broker.cpus import available_cpus
 from broker.http.auth import Caller, error
 from broker.http.common import (
     PRODUCT,
@@ -37,6 +38,7 @@ from broker.node_stats import (
     C_PROPS,
     C_RECV,
     C_SEND,
+    C_SEND_PEND,
     C_USER,
     C_VHOST,
     Q_CONSUMERS,
@@ -137,7 +139,7 @@ def _node_json(request: web.Request) -> dict:
     alarms = set(node.alarms)
     return {"name": node_name(), "type": "disc", "running": True, "uptime": int((time.time() - _STARTED) * 1000),
             "mem_used": _rss_bytes(), "mem_alarm": "memory" in alarms, "disk_free_alarm": "disk" in alarms,
-            "partitions": [], "processors": os.cpu_count() or 1,
+            "partitions": [], "processors": available_cpus(),
             "frontends": node.settings.frontends, "shards": node.settings.shards,
             "being_drained": False}
 
@@ -448,7 +450,8 @@ def _connection_json(node: Any, fe: int, row: list) -> dict:
             "user": row[C_USER], "vhost": row[C_VHOST], "peer_host": row[C_HOST], "peer_port": row[C_PORT],
             "host": node.settings.bind, "port": node.settings.port, "client_properties": props,
             "connected_at": row[C_AT], "channels": len(row[C_CHANNELS]), "recv_oct": row[C_RECV],
-            "send_oct": row[C_SEND], "state": "blocked" if row[C_BLOCKED] else "running",
+            "send_oct": row[C_SEND], "send_pend": row[C_SEND_PEND] if len(row) > C_SEND_PEND else 0,
+            "state": "blocked" if row[C_BLOCKED] else "running",
             "frontend": fe, "conn_id": row[C_ID], "auth_mechanism": "PLAIN", "ssl": False}
 
 

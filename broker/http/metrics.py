@@ -174,6 +174,11 @@ class NodeCollector:
                     "(bounded by contract.MAX_BYTES_IN_FLIGHT plus one loop turn's reads)",
                     max((p.get("counters", {}).get("publish_bytes_in_flight_peak", 0)
                          for p in stats.frontends.values()), default=0))
+        yield gauge("shardmq_read_bytes_per_turn_peak",
+                    "Most bytes a frontend read from one AMQP connection in one event-loop turn (bounded by "
+                    "frontend/amqp/connection.py TURN_READ_BYTES plus one socket read)",
+                    max((p.get("counters", {}).get("read_bytes_per_turn_peak", 0)
+                         for p in stats.frontends.values()), default=0))
         yield gauge("rabbitmq_connection_incoming_bytes_total", "Total number of bytes received on connections",
                     sum(r[C_RECV] for _, r in conns))
         yield gauge("rabbitmq_connection_outgoing_bytes_total", "Total number of bytes sent on connections",

@@ -73,6 +73,13 @@ CLOSE_TIMEOUT = 2.0
 LINGER_TIMEOUT = 10.0
 # How long a client's connection.close may wait for its channels' pending work (RabbitMQ: 30 s).
 DRAIN_TIMEOUT = 30.0
+# A connection that was read more than this in one loop turn is not read again before the next turn
+# (paused, resumed in flush_turn): the loop reads each ready socket up to 32 times a turn (256 KB
+# each with uvloop), so one flooding publisher could fill a turn with megabytes to parse while the
+# other connections of the frontend wait for it. MQTT's publishers are held per turn too
+# (frontend/mqtt/direct.py TURN_PACKETS). A few thousand small publishes a turn keep the batches
+# to the shards as large as they need to be.
+TURN_READ_BYTES = 256 << 10
 
 _PUBLISH = E.Publish
 _ACK = E.Ack
@@ -127,7 +134,7 @@ class AMQPConnection(asyncio.Protocol):
         "channels", "had_exclusive", "registered", "confirm_shards", "_out", "_dirty", "_confirm_channels", "_credit",
         "_write_paused", "_read_pause", "publisher", "_close_after_flush", "_linger_after_flush", "_released",
         "wheel_tick", "_wheel", "_close_timer", "_received", "_wrote", "_missed", "_close_requested", "_open_pending",
-        "_generation",
+        "_generation", "_turn_read",
     )
 
     def __init__(self, worker: FrontendWorker) -> None:
@@ -179,6 +186,7 @@ class AMQPConnection(asyncio.Protocol):
         self._close_requested = False  # client sent connection.close; channels still finishing
         self._open_pending: list | None = None  # events that arrived while connection.open awaits the node
         self._generation = 0  # channel openings so far: the generation part of Channel.key
+        self._turn_read = 0  # bytes read in this loop turn (TURN_READ_BYTES)
 
     # ------------------------------------------------------------- transport
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -189,7 +197,18 @@ class AMQPConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._received = True
-        self.recv_oct += len(data)
+        n = len(data)
+        self.recv_oct += n
+        read = self._turn_read
+        if not read and not self._dirty:
+            self._dirty = True  # flush_turn ends this turn's count
+            self.worker.mark_dirty(self)
+        read += n
+        self._turn_read = read
+        if read > TURN_READ_BYTES:
+            # The event loop reads a socket up to 32 times a turn: without this one publisher could
+            # hand the turn megabytes while every other connection of the frontend waits for it.
+            self.pause_reading("turn")
         if self.state == CLOSED_STATE:
             return
         if self.parser.dead:
@@ -345,6 +364,14 @@ class AMQPConnection(asyncio.Protocol):
                 put(shard, [_CREDIT, conn_id, channel, tag, n])
             self._credit.clear()
         self._dirty = False
+        read = self._turn_read
+        if read:
+            self._turn_read = 0
+            counters = self.worker.counters
+            if read > counters["read_bytes_per_turn_peak"]:
+                counters["read_bytes_per_turn_peak"] = read
+            if read > TURN_READ_BYTES:
+                self.resume_reading("turn")
         if self._close_after_flush and transport is not None:
             transport.close()
         elif self._linger_after_flush and transport is not None:
