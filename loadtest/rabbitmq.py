@@ -225,6 +225,13 @@ class PrivateRabbitMQ:
                 self._server.wait(10)
         if self.pid and self.pid != (self._server.pid if self._server else None):
             _wait_gone(self.pid, timeout)
+        if self._server is not None:
+            # the VM's helpers (erl_child_setup, inet_gethost) share the server's session: none may
+            # outlive it into the next benchmark run (the group id is the server's pid)
+            try:
+                os.killpg(self._server.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         if self._epmd is not None:
             self._epmd.terminate()
             try:
