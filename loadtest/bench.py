@@ -47,6 +47,18 @@ DURATION = "{duration}"  # placeholder in scenario argv, replaced by --duration
 LATENCY_RATES = (1_000, 10_000, 50_000)  # msg/s of the fixed-rate latency scenarios
 
 
+# Why the brokers are started in their own process group but not their own session: with the
+# kernel's autogroup scheduling (sched_autogroup_enabled, on in most distributions) every session
+# is one scheduling group that gets one share of the CPU. A broker in a session of its own then
+# competed as one group against the perf tool's group (and every other session on the host): a
+# 5-process ShardMQ node got about as much CPU as the perf tool's publisher and consumer, the
+# publisher ran ahead of the broker and the queue grew (persistent-confirm scenario, 6 alternating
+# pairs at load 4.5-6: end-to-end p99 77-1,287 ms in an own session, 54-176 ms in the tool's).
+# In one session the broker's threads and the perf tool's share the cores per thread, as without
+# autogroup; both brokers are started the same way.
+BROKER_SPAWN = {"process_group": 0}
+
+
 @dataclass(frozen=True)
 class Scenario:
     name: str
@@ -157,7 +169,7 @@ class ShardMQNode:
                "--port", str(self.port), *(a for pair in ports for a in pair), *self.extra_args]
         log = open(self.dir / "node.log", "wb")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     **BROKER_SPAWN)
         log.close()
         try:
             _wait_amqp(self.url, self.start_timeout, lambda: self.proc.poll() is None, self.log_tail)
@@ -187,7 +199,7 @@ class ShardMQNode:
 
 def _kill_group_leftovers(proc: subprocess.Popen[bytes] | None) -> None:
     """A worker that outlived its node (the node was SIGKILLed) would keep running into the next run:
-    the node was started in its own session, so its group id is its pid."""
+    the node was started in its own process group, so its group id is its pid."""
     if proc is None:
         return
     try:
