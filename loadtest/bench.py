@@ -413,7 +413,7 @@ def render_doc(machine: dict[str, str], command: str, table: str | None, when: s
         "  latency there is mostly time spent waiting in the queue at saturation, not the broker's latency",
         "  at a sustainable rate.",
         "- Only the measured broker runs (each run starts its broker fresh and stops it after; runs recorded",
-        "  before 2026-11-26 had the other broker running idle beside it); the perf tool runs on the same",
+        "  by commits before 1b02f24 had the other broker running idle beside it); the perf tool runs on the same",
         "  cores, so absolute numbers are lower than on a dedicated client host. Compare the ratio.",
         "",
     ]
