@@ -2,7 +2,11 @@
 
 Body layout (big-endian): bytes 0-8 = CLOCK_MONOTONIC ns at send (when size >= 8), bytes 8-16 =
 publisher index << 48 | sequence number (when size >= 16); the rest is zeros. Processes on one host
-share CLOCK_MONOTONIC, so receive time minus that stamp is the end-to-end latency.
+share CLOCK_MONOTONIC, so receive time minus that stamp is the end-to-end latency. With
+``--confirm`` the publishers also time each burst from its send to the confirm that covers it
+(``extra.confirm_latency_{min,p50,p95,p99,max}_us`` in run.json: publish -> basic.ack, weighted by
+messages; the bench's table shows their median over runs), which is not
+the end-to-end latency: that one counts the time in the queue, a confirm the time to durability.
 
 Publishers write one pre-encoded buffer of up to 1000 publishes per sendall, stamping each
 message in place. Consumers recv_into a large buffer and walk the frames with struct, counting
@@ -26,6 +30,7 @@ import sys
 import time
 import traceback
 from array import array
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -196,6 +201,50 @@ def _poll_confirms(client: AMQPClient, state: list[int], singles: set[int], bloc
                 client._handle_close(ev)
 
 
+def _settle_confirm_latency(pending: deque, floor: int, now: int, lats: array, counts: array) -> None:
+    """Confirm latency: ``pending`` holds [first seq, last seq, send time] of each sent burst not yet
+    confirmed; every seq up to ``floor`` is confirmed now. Appends (latency ns, messages) pairs. Only the
+    contiguous floor counts (singles above it are confirms out of order: nacks, several shards)."""
+    while pending and pending[0][0] <= floor:
+        first, last, sent = pending[0]
+        upto = last if last <= floor else floor
+        if len(lats) < LATENCY_CAP:
+            lats.append(now - sent)
+            counts.append(upto - first + 1)
+        if upto == last:
+            pending.popleft()
+        else:
+            pending[0][0] = upto + 1
+
+
+def confirm_latency_summary(pub_results: list[dict[str, Any]]) -> dict[str, int | None] | None:
+    """min/p50/p95/p99/max (µs) of publish -> confirm over every confirmed message of every publisher
+    (nearest rank, each burst's latency weighted by its messages); None without confirms."""
+    pairs: list[tuple[int, int]] = []
+    for r in pub_results:
+        if r.get("confirm_lats"):
+            la, co = array("q"), array("q")
+            la.frombytes(r["confirm_lats"])
+            co.frombytes(r["confirm_counts"])
+            pairs.extend(zip(la, co, strict=True))
+    if not pairs:
+        return None
+    pairs.sort()
+    total = sum(c for _, c in pairs)
+
+    def pct(q: float) -> int:
+        rank = max(1, -(-q * total // 100))
+        seen = 0
+        for lat, c in pairs:
+            seen += c
+            if seen >= rank:
+                return lat // 1000
+        return pairs[-1][0] // 1000
+
+    return {"min": pairs[0][0] // 1000, "p50": pct(50), "p95": pct(95), "p99": pct(99),
+            "max": pairs[-1][0] // 1000}
+
+
 def _publisher(idx: int, base: int, o: ThroughputOptions, sh: _Shared) -> dict[str, Any]:
     counters = sh.counters
     client = AMQPClient(o.uri).connect()
@@ -233,6 +282,10 @@ def _publisher(idx: int, base: int, o: ThroughputOptions, sh: _Shared) -> dict[s
         limit = o.pmessages or (1 << 62)
         confirm_state = [0, 0]
         singles: set[int] = set()
+        unconfirmed: deque = deque()  # [first seq, last seq, send time] per burst (confirm latency)
+        clats = array("q")
+        ccounts = array("q")
+        mono = time.monotonic_ns
         stop = sh.stop_pub
         t_last = time.monotonic_ns()
         while seq < limit and not stop.value:
@@ -241,6 +294,7 @@ def _publisher(idx: int, base: int, o: ThroughputOptions, sh: _Shared) -> dict[s
                 room = o.confirm - (seq - confirm_state[0] - len(singles))
                 while room <= 0 and not stop.value:
                     _poll_confirms(client, confirm_state, singles, block=True)
+                    _settle_confirm_latency(unconfirmed, confirm_state[0], mono(), clats, ccounts)
                     room = o.confirm - (seq - confirm_state[0] - len(singles))
                 if room <= 0:
                     break
@@ -253,10 +307,14 @@ def _publisher(idx: int, base: int, o: ThroughputOptions, sh: _Shared) -> dict[s
                 for i in range(n):
                     stamp1(buf, offs[i], now)
             sock.sendall(view[: n * step])
+            if o.confirm:
+                unconfirmed.append([seq + 1, seq + n, now])
             seq += n
             t_last = time.monotonic_ns()
             counters[base + _PUBLISHED] = seq
             _poll_confirms(client, confirm_state, singles, block=False)
+            if o.confirm:
+                _settle_confirm_latency(unconfirmed, confirm_state[0], mono(), clats, ccounts)
             counters[base + _CONFIRMED] = confirm_state[0] + len(singles)
             if o.rate:
                 ahead = seq / o.rate - (time.monotonic() - started)
@@ -267,11 +325,12 @@ def _publisher(idx: int, base: int, o: ThroughputOptions, sh: _Shared) -> dict[s
             sock.settimeout(0.2)
             while confirm_state[0] + len(singles) < seq and time.monotonic() < deadline:
                 _poll_confirms(client, confirm_state, singles, block=True)
+                _settle_confirm_latency(unconfirmed, confirm_state[0], mono(), clats, ccounts)
             counters[base + _CONFIRMED] = confirm_state[0] + len(singles)
             if confirm_state[0] + len(singles) >= seq:
                 t_last = time.monotonic_ns()
         return {"published": seq, "confirmed": confirm_state[0] + len(singles), "nacked": confirm_state[1],
-                "t_last": t_last}
+                "t_last": t_last, "confirm_lats": clats.tobytes(), "confirm_counts": ccounts.tobytes()}
     finally:
         client.close(timeout=60)  # close-ok comes after the broker has read all our publishes
 
@@ -729,6 +788,9 @@ class ThroughputRun:
             duration_s=duration, published=sum(r["published"] for r in pub_r),
             consumed=sum(r["consumed"] for r in con_r), confirmed=sum(r["confirmed"] for r in pub_r),
             latency_us=latency, broker_rss_bytes=self.broker_rss(), rates=rates, latency_samples=samples,
+            # flat numbers: the Spark report shows numeric extras as rows (median over runs)
+            extra=({f"confirm_latency_{k}_us": v for k, v in clat.items()}
+                   if (clat := confirm_latency_summary(pub_r)) else None),
         )
 
 
@@ -740,6 +802,10 @@ def print_human(result: RunResult, verify: VerifyReport | None, out: Any = sys.s
     print(f"consumed      {result.consumed}  ({result.consume_rate:,.0f} msgs/s)", file=out)
     if lat["p50"] is not None:
         print("latency (us)  min {min}  p50 {p50}  p95 {p95}  p99 {p99}  max {max}".format(**lat), file=out)
+    extra = result.extra or {}
+    if "confirm_latency_p50_us" in extra:
+        print("confirm (us)  " + "  ".join(f"{k} {extra[f'confirm_latency_{k}_us']}"
+                                           for k in ("min", "p50", "p95", "p99", "max")), file=out)
     if result.broker_rss_bytes is not None:
         print(f"broker RSS    {result.broker_rss_bytes / 1048576:.1f} MiB", file=out)
     if verify is not None:

@@ -3,14 +3,20 @@
     shardmq-perf bench [--scenarios a,b] [--repeats 3] [--results-dir DIR] [--shardmq-args "..."]
     python -m loadtest.bench ...
 
-Starts both brokers on free loopback ports (each in its own temp dir), runs every scenario
-``--repeats`` times against each broker in alternation (ShardMQ, RabbitMQ, ShardMQ, ...) so slow
-drift of the machine hits both alike, by invoking the perf tool once per run
-(``python -m loadtest.cli amqp ...``), then aggregates with the Spark report and rewrites
+Runs every scenario ``--repeats`` times against each broker in alternation (ShardMQ, RabbitMQ,
+ShardMQ, ...) so slow drift of the machine hits both alike, by invoking the perf tool once per run
+(``python -m loadtest.cli amqp ...``). Only the measured broker runs: each run starts its broker on
+free loopback ports from an empty temp dir and stops it (by pid, whole tree) when the run ends, before
+the other broker starts. An idle broker left running is not idle on a small host (an idle RabbitMQ
+used 40-50% of one of 2 cores while ShardMQ was measured: the Erlang schedulers' busy-wait and its
+periodic stats), and it holds memory. Restarting was chosen over SIGSTOP/SIGCONT of the other tree:
+nothing has to survive a pause (an Erlang VM that wakes to a time jump, timers and heartbeats of
+whatever connection is still open, a pause landing mid-shutdown of a worker), and every run starts
+from the same empty broker, whatever the runs before it left behind (queues, a backlog, a grown
+heap). It costs a broker boot per run (seconds; RabbitMQ's is the longer). Then it aggregates with the Spark report and rewrites
 docs/benchmarks.md: the report is merged into docs/benchmarks/results.json (a run of some scenarios
 keeps the others' latest numbers; loadtest/bench_doc.py), the plots are redrawn into
-docs/benchmarks/ and the page embeds them with the table, the machine and the command. Both brokers are stopped by pid at the end,
-whatever happens.
+docs/benchmarks/ and the page embeds them with the table, the machine and the command. A SIGTERM or Ctrl-C still stops the running broker by pid.
 """
 
 from __future__ import annotations
@@ -39,6 +45,18 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DOC = ROOT / "docs" / "benchmarks.md"
 DURATION = "{duration}"  # placeholder in scenario argv, replaced by --duration
 LATENCY_RATES = (1_000, 10_000, 50_000)  # msg/s of the fixed-rate latency scenarios
+
+
+# Why the brokers are started in their own process group but not their own session: with the
+# kernel's autogroup scheduling (sched_autogroup_enabled, on in most distributions) every session
+# is one scheduling group that gets one share of the CPU. A broker in a session of its own then
+# competed as one group against the perf tool's group (and every other session on the host): a
+# 5-process ShardMQ node got about as much CPU as the perf tool's publisher and consumer, the
+# publisher ran ahead of the broker and the queue grew (persistent-confirm scenario, 6 alternating
+# pairs at load 4.5-6: end-to-end p99 77-1,287 ms in an own session, 54-176 ms in the tool's).
+# In one session the broker's threads and the perf tool's share the cores per thread, as without
+# autogroup; both brokers are started the same way.
+BROKER_SPAWN = {"process_group": 0}
 
 
 @dataclass(frozen=True)
@@ -151,7 +169,7 @@ class ShardMQNode:
                "--port", str(self.port), *(a for pair in ports for a in pair), *self.extra_args]
         log = open(self.dir / "node.log", "wb")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     **BROKER_SPAWN)
         log.close()
         try:
             _wait_amqp(self.url, self.start_timeout, lambda: self.proc.poll() is None, self.log_tail)
@@ -174,8 +192,20 @@ class ShardMQNode:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        _kill_group_leftovers(self.proc)
         self.proc = None
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _kill_group_leftovers(proc: subprocess.Popen[bytes] | None) -> None:
+    """A worker that outlived its node (the node was SIGKILLed) would keep running into the next run:
+    the node was started in its own process group, so its group id is its pid."""
+    if proc is None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 class RabbitMQBroker:
@@ -336,7 +366,10 @@ def render_doc(machine: dict[str, str], command: str, table: str | None, when: s
         "Both brokers run on the same host on free loopback ports, each from an empty temp dir: ShardMQ as",
         "`python -m broker.cli --data-dir TMP --port FREE` (the checkout's code), RabbitMQ as Debian's `rabbitmq-server` with its own",
         "mnesia/log dirs, node name and epmd. Every scenario runs `--repeats` times per broker, alternating",
-        "ShardMQ, RabbitMQ, ShardMQ, ... Each run is one `python -m loadtest.cli amqp ...` invocation.",
+        "ShardMQ, RabbitMQ, ShardMQ, ... Each run is one `python -m loadtest.cli amqp ...` invocation against",
+        "a broker started for that run and stopped after it: only the measured broker runs. Brokers run in",
+        "their own process group inside the bench's session (one autogroup with the perf tool; see",
+        "`BROKER_SPAWN` in loadtest/bench.py).",
         "",
         "## Machine",
         "",
@@ -369,13 +402,18 @@ def render_doc(machine: dict[str, str], command: str, table: str | None, when: s
         "- Rates are each run's total messages / measured seconds; the table shows the median over runs and",
         "  (min–max). Latency is end-to-end (publisher stamp to consumer receipt, same host clock),",
         "  percentiles over all samples of all runs of a scenario.",
+        "- With publisher confirms (`--confirm`) the `confirm_latency_*_us` rows are publish -> `basic.ack` as the",
+        "  publisher sees it (each burst timed from its send to the confirm covering it, weighted by messages), the",
+        "  median over runs of each run's percentile. The latency rows stay end-to-end: they include the time a",
+        "  message waits in the queue for the consumer, which a confirm does not.",
         "- Peak RSS is the summed resident memory of the broker pid and its descendants (perf tool `--broker-pid`): the",
         "  beam.smp process tree for RabbitMQ, the node process with all its frontends and shards for",
         "  ShardMQ.",
         "- Publishers in the throughput scenarios are not rate-limited, so queues grow while they run and the",
         "  latency there is mostly time spent waiting in the queue at saturation, not the broker's latency",
         "  at a sustainable rate.",
-        "- Both brokers are idle but running while the other is measured; the perf tool runs on the same",
+        "- Only the measured broker runs (each run starts its broker fresh and stops it after; runs recorded",
+        "  by commits before 1b02f24 had the other broker running idle beside it); the perf tool runs on the same",
         "  cores, so absolute numbers are lower than on a dedicated client host. Compare the ratio.",
         "",
     ]
@@ -403,7 +441,8 @@ def _report_table(report_md: Path) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardmq-perf bench",
-                                description="Run the benchmark scenarios against ShardMQ and RabbitMQ side by side.")
+                                description="Run the benchmark scenarios against ShardMQ and RabbitMQ, one broker at a time, "
+                                            "alternating.")
     p.add_argument("--scenarios", default=",".join(s.name for s in SCENARIOS),
                    help="comma-separated scenario names (default: all): " + ", ".join(BY_NAME))
     p.add_argument("--repeats", type=int, default=3, help="runs per scenario and broker (default 3)")
@@ -491,44 +530,59 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if outcomes and not failures else 1
 
 
+def _new_broker(name: str, args: argparse.Namespace):  # noqa: ANN202
+    return ShardMQNode(shlex.split(args.shardmq_args)) if name == "shardmq" else RabbitMQBroker()
+
+
 def _run_all(args: argparse.Namespace, names: list[str], wanted: list[str],
              results_dir: Path) -> tuple[list[RunOutcome], str | None]:
-    """Start the brokers, run every scenario --repeats times alternating brokers, stop the brokers."""
+    """Run every scenario --repeats times alternating brokers, each run against a broker started for it
+    and stopped right after it, so only the measured broker runs (module docstring says why)."""
     log = results_dir / "bench.log"
     print(f"results: {results_dir}  (perf output: {log})", file=sys.stderr)
     # 10,000 connections need as many descriptors in the perf tool and in each broker: the brokers
     # and the perf runs are children of this process and inherit the limit.
     raise_nofile_limit()
-    # A SIGTERM must still reach the finally below that stops both brokers.
+    # A SIGTERM must still reach the finally below that stops the running broker.
     signal.signal(signal.SIGTERM, _raise_interrupt)
-    brokers: list = []
     outcomes: list[RunOutcome] = []
     rabbit_version: str | None = None
+    broker = None
     try:
-        for name in wanted:
-            broker = ShardMQNode(shlex.split(args.shardmq_args)) if name == "shardmq" else RabbitMQBroker()
-            print(f"starting {name} ...", file=sys.stderr)
-            brokers.append(broker)
-            broker.start()
-            print(f"  {name} up at {broker.url} (pid {broker.pid}, version {broker.version})", file=sys.stderr)
-            if name == "rabbitmq":
-                rabbit_version = broker.version
         for name in names:
             s = BY_NAME[name]
             for repeat in range(1, args.repeats + 1):
-                for broker in brokers:
-                    outcome = run_one(s, broker, repeat, results_dir, args.duration, log)
+                for broker_name in wanted:
+                    broker = _new_broker(broker_name, args)
+                    print(f"starting {broker_name} ...", file=sys.stderr)
+                    try:
+                        broker.start()
+                    except Exception as e:  # a broker that cannot start fails this run, not the others
+                        broker = None
+                        outcomes.append(RunOutcome(name, broker_name, repeat, False, 0.0, f"start: {e}"[:300],
+                                                   os.getloadavg()[0]))
+                        print(f"  {name} #{repeat} {broker_name}: FAILED to start: {e}", file=sys.stderr)
+                        continue
+                    print(f"  {broker_name} up at {broker.url} (pid {broker.pid}, version {broker.version})",
+                          file=sys.stderr)
+                    if broker_name == "rabbitmq":
+                        rabbit_version = broker.version
+                    try:
+                        outcome = run_one(s, broker, repeat, results_dir, args.duration, log)
+                    finally:
+                        stopping, broker = broker, None
+                        stopping.stop()
                     outcomes.append(outcome)
                     status = "ok" if outcome.ok else f"FAILED: {outcome.detail}"
-                    print(f"  {name} #{repeat} {broker.name}: {outcome.seconds:.1f}s (load {outcome.load1:.1f}) "
+                    print(f"  {name} #{repeat} {broker_name}: {outcome.seconds:.1f}s (load {outcome.load1:.1f}) "
                           f"{status}", file=sys.stderr)
     except KeyboardInterrupt:
-        print("interrupted; stopping brokers", file=sys.stderr)
+        print("interrupted; stopping the broker", file=sys.stderr)
     finally:
-        for broker in reversed(brokers):
+        if broker is not None:
             try:
                 broker.stop()
-            except Exception as e:  # keep stopping the others
+            except Exception as e:
                 print(f"stopping {broker.name}: {e}", file=sys.stderr)
     return outcomes, rabbit_version
 

@@ -3,12 +3,13 @@
     python -m loadtest.mqtt_bench [--repeats 3] [--duration 8] [--inflight 1000] [--frontends 1 --shards 1]
 
 A ShardMQ node (``python -m broker.cli`` from this checkout, fresh temp data dir) and a private
-mosquitto (loadtest/mosquitto.py, persistence off) run side by side on free loopback ports with the
-same in-flight limit; every scenario runs ``--repeats`` times per broker, alternating. Prints one
+mosquitto (loadtest/mosquitto.py, persistence off), on free loopback ports with the same in-flight
+limit; every scenario runs ``--repeats`` times per broker, alternating, each run against a broker
+started for it and stopped after it, so only the measured broker runs (as in loadtest/bench.py). Prints one
 line per run and a table of medians with the ShardMQ/mosquitto ratio (consumed msgs/s: every
 subscriber gets every message, so 4/4 counts 4 deliveries per publish) and the CPU time the broker's
 processes (ShardMQ: the node and its workers) used per consumed message, which moves much less than
-msg/s on a shared machine. Both brokers are stopped by pid at the end.
+msg/s on a shared machine. Each broker is stopped by pid after its run.
 """
 
 from __future__ import annotations

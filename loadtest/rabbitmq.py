@@ -139,8 +139,10 @@ class PrivateRabbitMQ:
                                       stderr=subprocess.DEVNULL)
         self._wait_port(self.epmd_port, 10.0)
         out = open(self.dir / "log" / "server.out", "wb")
+        # Its own process group (stopped as one), not its own session: a session is one autogroup
+        # for the kernel's scheduler, see loadtest/bench.py BROKER_SPAWN.
         self._server = subprocess.Popen([RABBITMQ_SERVER], env=env, cwd=self.dir, stdin=subprocess.DEVNULL,
-                                        stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                                        stdout=out, stderr=subprocess.STDOUT, process_group=0)
         out.close()
         try:
             self._wait_ready()
@@ -225,6 +227,13 @@ class PrivateRabbitMQ:
                 self._server.wait(10)
         if self.pid and self.pid != (self._server.pid if self._server else None):
             _wait_gone(self.pid, timeout)
+        if self._server is not None:
+            # the VM's helpers (erl_child_setup, inet_gethost) share the server's process group: none may
+            # outlive it into the next benchmark run (the group id is the server's pid)
+            try:
+                os.killpg(self._server.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         if self._epmd is not None:
             self._epmd.terminate()
             try:

@@ -50,6 +50,13 @@ _CONTROL_LANE_SUFFIX = contract.CONTROL_LANE_SUFFIX
 _PERIODIC_SYNC_S = 1.0
 _FLOW_BACKLOG = 4 * contract.CREDIT_WINDOW  # ready messages before publishers are paced
 _FLOW_MAX_HOLD_S = 0.5
+_PACED_KINDS = frozenset((contract.PUBLISH, contract.DELAYED_PUBLISH, contract.DEDUP_PUBLISH,
+                          contract.MARKED_PUBLISH))  # items that add messages
+
+
+def _publishes(items: list) -> int:
+    """Items of a batch that add messages (what pacing counts; only computed while pacing)."""
+    return sum(1 for item in items if item[0] in _PACED_KINDS)
 
 
 def _consumer_waiting(consumers: list) -> bool:
@@ -93,6 +100,8 @@ class ShardWorker:
         self._stopping = False
         self._behind = False  # see _hold_processed
         self._held: deque[tuple[float, bytes, int, int]] = deque()
+        # Deliveries not yet spent on releasing held batches (see _release_processed).
+        self._release_credit = 0
         self._hold_timer_armed = False
         self._ready = asyncio.Event()
         self._early: list[tuple] = []  # data batches that arrived before the snapshot
@@ -373,8 +382,10 @@ class ShardWorker:
                 self._fwd_held[fe].append(batch_seq)  # after one held, the later ones (PROCESSED is a max)
             elif self._batch_forwards and self.forwards_behind():
                 self._fwd_held[fe] = [batch_seq]
-            elif self._behind:
-                self._hold_processed(fe, batch_seq, len(items))
+            elif self._behind and (self._held or _publishes(items)):
+                # Only publishes are paced: acks, credit and cancels cost nothing (they are what lets
+                # the consumers catch up), so a batch without publishes is held only behind others.
+                self._hold_processed(fe, batch_seq, _publishes(items))
             else:
                 self.data.put(fe, [contract.PROCESSED, batch_seq])
         self._batch_forwards = False
@@ -1021,13 +1032,26 @@ class ShardWorker:
             self._hold_timer_armed = True
             self.loop.call_later(_FLOW_MAX_HOLD_S, self._release_old)
 
-    def _release_processed(self, budget: int) -> None:
+    def _release_processed(self, delivered: int) -> None:
+        """Release held batches: all once no queue is behind, else one batch per as many deliveries
+        as it holds publishes. The deliveries are counted across turns: a consumer acking a few
+        messages per turn (prefetch full) lets one batch of hundreds through only after as many
+        deliveries, where spending each turn's count on a whole batch let publishers run at up to a
+        batch per turn and the queue grow without bound (publish 23k, consume 12k msg/s)."""
         held = self._held
         put = self.data.put
-        while held and (not self._behind or budget > 0):
+        if not self._behind:
+            while held:
+                _t, fe, seq, _n = held.popleft()
+                put(fe, [contract.PROCESSED, seq])
+            self._release_credit = 0
+            return
+        credit = self._release_credit + delivered
+        while held and credit >= held[0][3]:
             _t, fe, seq, n = held.popleft()
             put(fe, [contract.PROCESSED, seq])
-            budget -= n
+            credit -= n
+        self._release_credit = credit if held else 0
 
     def _release_old(self) -> None:
         self._hold_timer_armed = False

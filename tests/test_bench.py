@@ -137,3 +137,88 @@ def test_rewriting_the_doc_keeps_the_hand_written_tail() -> None:
     old = "# old page\n| stale table |\n" + bench.KEEP_MARKER + "\n## Memory\nmeasured by hand\n"
     assert bench.kept_tail(old) == bench.KEEP_MARKER + "\n## Memory\nmeasured by hand\n"
     assert bench.kept_tail("# a page without the marker\n") == ""
+
+
+def _process_table() -> dict[int, tuple[int, str, str]]:
+    """pid -> (parent pid, state letter, command line) of every process, from /proc."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # exited while we looked
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        table[int(entry)] = (int(ppid), state, cmdline)
+    return table
+
+
+def _broker_trees(root: int) -> dict[str, list[tuple[int, str]]]:
+    """The live processes under ``root`` by role: each perf run's ("perf:<broker>"), the ShardMQ node and
+    its workers ("shardmq"), RabbitMQ's server, VM, helpers and epmd ("rabbitmq"); zombies left out."""
+    table = _process_table()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+
+    def tree(pid: int) -> list[int]:
+        out, todo = [], [pid]
+        while todo:
+            p = todo.pop()
+            out.append(p)
+            todo += children.get(p, [])
+        return out
+
+    roles: dict[str, list[tuple[int, str]]] = {}
+    for child in children.get(root, []):
+        cmd = table[child][2]
+        m = re.search(r"loadtest\.cli amqp .*--broker-name (\S+)", cmd)
+        role = f"perf:{m[1]}" if m else "shardmq" if "broker.cli" in cmd else "rabbitmq" if (
+            "rabbitmq" in cmd or "epmd" in cmd or "beam" in cmd) else None
+        if role is not None:
+            roles.setdefault(role, []).extend(
+                (p, table[p][1]) for p in tree(child) if p in table and table[p][1] != "Z")
+    return roles
+
+
+def test_only_the_measured_broker_runs_during_a_measurement(tmp_path: Path) -> None:
+    # The bench alternates brokers; while one is measured the other must not exist at all (an idle
+    # broker still takes CPU on a small host). A thread samples this process's children from /proc
+    # while the bench runs one round of each broker here, in the main thread (it installs a signal handler).
+    assert os.path.exists(RABBITMQ_SERVER), "rabbitmq-server is not installed"
+    import threading
+
+    samples: list[dict[str, list[tuple[int, str]]]] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            samples.append(_broker_trees(os.getpid()))
+            done.wait(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    args = bench.build_parser().parse_args(["--duration", "2", "--repeats", "1"])
+    previous = signal.getsignal(signal.SIGTERM)
+    sampler.start()
+    try:
+        outcomes, version = bench._run_all(args, ["bindings-per-second"], ["shardmq", "rabbitmq"], tmp_path)
+    finally:
+        done.set()
+        sampler.join()
+        signal.signal(signal.SIGTERM, previous)
+    assert [(o.broker, o.ok) for o in outcomes] == [("shardmq", True), ("rabbitmq", True)], outcomes
+    assert version
+    measured = {"shardmq": 0, "rabbitmq": 0}
+    for roles in samples:
+        assert not ("shardmq" in roles and "rabbitmq" in roles), roles  # never both brokers at once
+        for name in measured:
+            if f"perf:{name}" in roles:
+                other = "rabbitmq" if name == "shardmq" else "shardmq"
+                assert other not in roles, roles
+                assert roles.get(name), roles  # the measured broker itself is there, and not stopped
+                assert all(state != "T" for _, state in roles[name]), roles
+                measured[name] += 1
+    assert all(measured.values()), measured  # both measurements were seen (each ran >= 2 s)
+    assert not _broker_trees(os.getpid()), "a broker outlived the bench"

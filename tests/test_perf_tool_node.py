@@ -15,6 +15,9 @@ def test_throughput_verified_against_node(node, capsys):
     assert r["published"] == r["confirmed"] == r["consumed"] == 2000
     assert r["verify"]["ok"]
     assert r["broker_rss_bytes"] > 0
+    # publish -> confirm, timed by the publishers: every confirmed message is in it
+    c = [r["extra"][f"confirm_latency_{k}_us"] for k in ("min", "p50", "p95", "p99", "max")]
+    assert 0 <= c[0] and c == sorted(c), r["extra"]
 
 
 def test_consume_only_drains_a_backlog_on_node(node, capsys):
@@ -228,3 +231,22 @@ def test_memory_lists_every_process_of_a_node_and_sums_them(node, capsys):
     assert all(r["rss"] >= r["pss"] >= r["uss"] > 0 for r in out["processes"])
     assert main(["memory", str(node.pid)]) == 0
     assert "total" in capsys.readouterr().out
+
+
+def test_confirm_latency_counts_each_message_once_by_its_burst():
+    from array import array
+    from collections import deque
+
+    from loadtest.amqp_throughput import _settle_confirm_latency, confirm_latency_summary
+
+    pending = deque([[1, 100, 0], [101, 200, 5_000_000]])  # two bursts of 100, sent at 0 and 5 ms
+    lats, counts = array("q"), array("q")
+    _settle_confirm_latency(pending, 40, 2_000_000, lats, counts)  # 40 confirmed at 2 ms
+    _settle_confirm_latency(pending, 40, 3_000_000, lats, counts)  # nothing new
+    _settle_confirm_latency(pending, 150, 9_000_000, lats, counts)  # 60 of burst 1, 50 of burst 2
+    assert list(zip(lats, counts, strict=True)) == [(2_000_000, 40), (9_000_000, 60), (4_000_000, 50)]
+    assert [list(b) for b in pending] == [[151, 200, 5_000_000]]
+    summary = confirm_latency_summary([{"confirm_lats": lats.tobytes(), "confirm_counts": counts.tobytes()}])
+    # 150 messages: 40 at 2 ms, 50 at 4 ms, 60 at 9 ms (nearest rank)
+    assert summary == {"min": 2000, "p50": 4000, "p95": 9000, "p99": 9000, "max": 9000}
+    assert confirm_latency_summary([{"confirm_lats": b"", "confirm_counts": b""}]) is None
