@@ -11,7 +11,9 @@ AB_BASE_ARGS / AB_HEAD_ARGS are extra node arguments per tree (one tree twice wi
 `AB_BASE_ARGS="--ipc-transport zmq" scripts/ab-cpu.py . .`). Ports of the MQTT and WebSocket listeners
 are off where the tree has them, so concurrent runs on a shared machine do not collide.
 """
+import json
 import os
+import resource
 import shlex
 import socket
 import subprocess
@@ -52,7 +54,21 @@ def cpu(pid: int) -> float:
         f = fh.read().rsplit(")", 1)[1].split()
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
-def run(name: str, tree: str) -> tuple[float, float]:
+def role(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as fh:
+        cmd = fh.read()
+    return "shard" if b"shard.main" in cmd else "frontend" if b"frontend.main" in cmd else "other"
+
+def machine_busy() -> tuple[int, int]:
+    with open("/proc/stat") as fh:
+        f = [int(x) for x in fh.readline().split()[1:]]
+    return sum(f) - f[3] - f[4], sum(f)  # busy and all jiffies (idle and iowait left out of busy)
+
+def client_cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)  # the perf tool and its joined processes
+    return ru.ru_utime + ru.ru_stime
+
+def run(name: str, tree: str) -> tuple[float, float, dict]:
     port = free_port()
     data = tempfile.mkdtemp()
     config = open(os.path.join(tree, "broker", "config.py")).read()
@@ -72,21 +88,37 @@ def run(name: str, tree: str) -> tuple[float, float]:
     time.sleep(1.0)
     kids = children(node.pid)
     before = {k: cpu(k) for k in kids}
+    client_before = client_cpu()
+    busy_before = machine_busy()
     t = time.time()
-    subprocess.run([PY, "-m", "loadtest.cli", "amqp", "throughput", "--uri", f"amqp://guest:guest@127.0.0.1:{port}/",
+    proc = subprocess.run([PY, "-m", "loadtest.cli", "amqp", "throughput", "--uri", f"amqp://guest:guest@127.0.0.1:{port}/",
                     "--json", *PERF_ARGS, "--pmessages", str(N), "--cmessages", str(N)],
                    cwd=TREES["head"], capture_output=True, text=True, check=False)
     wall = time.time() - t
+    busy_after = machine_busy()
+    extra = {"client": client_cpu() - client_before, "frontend": 0.0, "shard": 0.0,
+             "busy": (busy_after[0] - busy_before[0]) / max(1, busy_after[1] - busy_before[1])}
+    for k in kids:
+        r = role(k)
+        if r in extra:
+            extra[r] += cpu(k) - before[k]
+    try:
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        extra["rates"] = f"publish {result['publish_rate']:,.0f} consume {result['consume_rate']:,.0f} msg/s"
+    except (ValueError, IndexError, KeyError):
+        extra["rates"] = "rates: ?"
     used = sum(cpu(k) - before[k] for k in kids)
     node.terminate()
     node.wait()
     subprocess.run(["rm", "-rf", data], check=False)
-    return used, wall
+    return used, wall, extra
 
 for r in range(int(sys.argv[4]) if len(sys.argv) > 4 else 3):
     for name, tree in TREES.items():
-        used, wall = run(name, tree)
+        used, wall, extra = run(name, tree)
         n = N * PUBLISHERS
         load = open("/proc/loadavg").read().split()[0]
         print(f"{name} run{r+1}: workers' CPU {used:.2f} s for {n} msgs = {used / n * 1e6:.2f} us/msg"
-              f" (wall {wall:.1f} s, load {load})", flush=True)
+              f" (frontends {extra['frontend'] / n * 1e6:.2f}, shards {extra['shard'] / n * 1e6:.2f},"
+              f" perf client {extra['client'] / n * 1e6:.2f}; {extra['rates']}; cores busy {extra['busy']:.0%}; wall {wall:.1f} s, load {load})",
+              flush=True)
