@@ -49,8 +49,9 @@ def children(pid: int) -> list[int]:
                 out.append(int(d))
     return out
 
-def cpu(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as fh:
+def cpu(pid: int, thread: bool = False) -> float:
+    """User + system seconds of a process (all its threads), or of its main thread alone."""
+    with open(f"/proc/{pid}/task/{pid}/stat" if thread else f"/proc/{pid}/stat") as fh:
         f = fh.read().rsplit(")", 1)[1].split()
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
@@ -88,6 +89,7 @@ def run(name: str, tree: str) -> tuple[float, float, dict]:
     time.sleep(1.0)
     kids = children(node.pid)
     before = {k: cpu(k) for k in kids}
+    loop_before = {k: cpu(k, thread=True) for k in kids}
     client_before = client_cpu()
     busy_before = machine_busy()
     t = time.time()
@@ -97,11 +99,13 @@ def run(name: str, tree: str) -> tuple[float, float, dict]:
     wall = time.time() - t
     busy_after = machine_busy()
     extra = {"client": client_cpu() - client_before, "frontend": 0.0, "shard": 0.0,
-             "busy": (busy_after[0] - busy_before[0]) / max(1, busy_after[1] - busy_before[1])}
+             "busy": (busy_after[0] - busy_before[0]) / max(1, busy_after[1] - busy_before[1]), "shard_loop": 0.0}
     for k in kids:
         r = role(k)
         if r in extra:
             extra[r] += cpu(k) - before[k]
+        if r == "shard":  # the event loop's thread alone (not ZeroMQ's I/O thread, not helper threads)
+            extra["shard_loop"] += cpu(k, thread=True) - loop_before[k]
     try:
         result = json.loads(proc.stdout.strip().splitlines()[-1])
         extra["rates"] = f"publish {result['publish_rate']:,.0f} consume {result['consume_rate']:,.0f} msg/s"
@@ -119,6 +123,7 @@ for r in range(int(sys.argv[4]) if len(sys.argv) > 4 else 3):
         n = N * PUBLISHERS
         load = open("/proc/loadavg").read().split()[0]
         print(f"{name} run{r+1}: workers' CPU {used:.2f} s for {n} msgs = {used / n * 1e6:.2f} us/msg"
-              f" (frontends {extra['frontend'] / n * 1e6:.2f}, shards {extra['shard'] / n * 1e6:.2f},"
+              f" (frontends {extra['frontend'] / n * 1e6:.2f}, shards {extra['shard'] / n * 1e6:.2f}"
+              f" [loop thread {extra['shard_loop'] / n * 1e6:.2f}],"
               f" perf client {extra['client'] / n * 1e6:.2f}; {extra['rates']}; cores busy {extra['busy']:.0%}; wall {wall:.1f} s, load {load})",
               flush=True)
