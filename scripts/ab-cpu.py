@@ -10,6 +10,11 @@ MESSAGES is then per publisher and per consumer, and CPU per message divides by 
 AB_BASE_ARGS / AB_HEAD_ARGS are extra node arguments per tree (one tree twice with two settings:
 `AB_BASE_ARGS="--ipc-transport zmq" scripts/ab-cpu.py . .`). Ports of the MQTT and WebSocket listeners
 are off where the tree has them, so concurrent runs on a shared machine do not collide.
+Each line also has msg/s, CPU per message per role (the shards' event-loop thread apart), the perf
+client's CPU, how busy the machine's cores were, and for the workers' loop threads the time they were
+runnable but waited for a core and how often they slept for input (per message): a run that moves
+fewer messages with the same CPU per message either waited for a core (oversubscribed machine) or
+for its peers (sleeps).
 """
 import json
 import os
@@ -55,6 +60,14 @@ def cpu(pid: int, thread: bool = False) -> float:
         f = fh.read().rsplit(")", 1)[1].split()
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
+def waits(pid: int) -> tuple[float, int]:
+    """The main thread's time runnable but not running (s) and its voluntary sleeps (/proc schedstat, status)."""
+    with open(f"/proc/{pid}/task/{pid}/schedstat") as fh:
+        wait_ns = int(fh.read().split()[1])
+    with open(f"/proc/{pid}/task/{pid}/status") as fh:
+        sleeps = next(int(line.split()[1]) for line in fh if line.startswith("voluntary_ctxt_switches"))
+    return wait_ns / 1e9, sleeps
+
 def role(pid: int) -> str:
     with open(f"/proc/{pid}/cmdline", "rb") as fh:
         cmd = fh.read()
@@ -90,6 +103,7 @@ def run(name: str, tree: str) -> tuple[float, float, dict]:
     kids = children(node.pid)
     before = {k: cpu(k) for k in kids}
     loop_before = {k: cpu(k, thread=True) for k in kids}
+    waits_before = {k: waits(k) for k in kids}
     client_before = client_cpu()
     busy_before = machine_busy()
     t = time.time()
@@ -104,6 +118,10 @@ def run(name: str, tree: str) -> tuple[float, float, dict]:
         r = role(k)
         if r in extra:
             extra[r] += cpu(k) - before[k]
+        if r in ("frontend", "shard"):  # loop threads: waiting for a core vs sleeping for input
+            w = waits(k)
+            extra[r + "_wait"] = extra.get(r + "_wait", 0.0) + w[0] - waits_before[k][0]
+            extra[r + "_sleeps"] = extra.get(r + "_sleeps", 0) + w[1] - waits_before[k][1]
         if r == "shard":  # the event loop's thread alone (not ZeroMQ's I/O thread, not helper threads)
             extra["shard_loop"] += cpu(k, thread=True) - loop_before[k]
     try:
@@ -125,5 +143,8 @@ for r in range(int(sys.argv[4]) if len(sys.argv) > 4 else 3):
         print(f"{name} run{r+1}: workers' CPU {used:.2f} s for {n} msgs = {used / n * 1e6:.2f} us/msg"
               f" (frontends {extra['frontend'] / n * 1e6:.2f}, shards {extra['shard'] / n * 1e6:.2f}"
               f" [loop thread {extra['shard_loop'] / n * 1e6:.2f}],"
-              f" perf client {extra['client'] / n * 1e6:.2f}; {extra['rates']}; cores busy {extra['busy']:.0%}; wall {wall:.1f} s, load {load})",
+              f" perf client {extra['client'] / n * 1e6:.2f}; loops runnable-waiting fe/sh"
+              f" {extra.get('frontend_wait', 0) / n * 1e6:.2f}/{extra.get('shard_wait', 0) / n * 1e6:.2f} us/msg,"
+              f" sleeping {extra.get('frontend_sleeps', 0) / n * 1e3:.1f}/{extra.get('shard_sleeps', 0) / n * 1e3:.1f}"
+              f" per 1k msgs; {extra['rates']}; cores busy {extra['busy']:.0%}; wall {wall:.1f} s, load {load})",
               flush=True)
