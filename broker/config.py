@@ -112,7 +112,7 @@ class Settings:
     # The data plane between frontends and shards (broker/data_sockets.py): "unix" stream sockets
     # written and read by the workers' event loops (broker/unixio.py), or "zmq" (ZeroMQ ROUTER/DEALER,
     # broker/zmqio.py: two I/O-thread handoffs per hop). The control plane to the node is ZeroMQ either way.
-    ipc_transport: str = "zmq"
+    ipc_transport: str = "unix"
     # Resource alarms (broker/alarms.py): publishers are blocked while free disk space of the data dir is
     # below disk_free_limit or the node's memory is above vm_memory_high_watermark (RabbitMQ's syntax).
     disk_free_limit: str = "50MB"

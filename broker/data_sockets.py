@@ -20,7 +20,7 @@ from typing import Any
 from broker import contract
 
 ENV = "SHARDMQ_IPC_TRANSPORT"
-DEFAULT = "zmq"  # the node always exports its setting; this is for a worker started on its own
+DEFAULT = "unix"  # the node always exports its setting; this is for a worker started on its own
 
 OnBatch = Callable[[bytes | None, Any, list], None]
 

@@ -10,8 +10,15 @@ MESSAGES is then per publisher and per consumer, and CPU per message divides by 
 AB_BASE_ARGS / AB_HEAD_ARGS are extra node arguments per tree (one tree twice with two settings:
 `AB_BASE_ARGS="--ipc-transport zmq" scripts/ab-cpu.py . .`). Ports of the MQTT and WebSocket listeners
 are off where the tree has them, so concurrent runs on a shared machine do not collide.
+Each line also has msg/s, CPU per message per role (the shards' event-loop thread apart), the perf
+client's CPU, how busy the machine's cores were, and for the workers' loop threads the time they were
+runnable but waited for a core and how often they slept for input (per message): a run that moves
+fewer messages with the same CPU per message either waited for a core (oversubscribed machine) or
+for its peers (sleeps).
 """
+import json
 import os
+import resource
 import shlex
 import socket
 import subprocess
@@ -47,12 +54,35 @@ def children(pid: int) -> list[int]:
                 out.append(int(d))
     return out
 
-def cpu(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as fh:
+def cpu(pid: int, thread: bool = False) -> float:
+    """User + system seconds of a process (all its threads), or of its main thread alone."""
+    with open(f"/proc/{pid}/task/{pid}/stat" if thread else f"/proc/{pid}/stat") as fh:
         f = fh.read().rsplit(")", 1)[1].split()
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
-def run(name: str, tree: str) -> tuple[float, float]:
+def waits(pid: int) -> tuple[float, int]:
+    """The main thread's time runnable but not running (s) and its voluntary sleeps (/proc schedstat, status)."""
+    with open(f"/proc/{pid}/task/{pid}/schedstat") as fh:
+        wait_ns = int(fh.read().split()[1])
+    with open(f"/proc/{pid}/task/{pid}/status") as fh:
+        sleeps = next(int(line.split()[1]) for line in fh if line.startswith("voluntary_ctxt_switches"))
+    return wait_ns / 1e9, sleeps
+
+def role(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as fh:
+        cmd = fh.read()
+    return "shard" if b"shard.main" in cmd else "frontend" if b"frontend.main" in cmd else "other"
+
+def machine_busy() -> tuple[int, int]:
+    with open("/proc/stat") as fh:
+        f = [int(x) for x in fh.readline().split()[1:]]
+    return sum(f) - f[3] - f[4], sum(f)  # busy and all jiffies (idle and iowait left out of busy)
+
+def client_cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)  # the perf tool and its joined processes
+    return ru.ru_utime + ru.ru_stime
+
+def run(name: str, tree: str) -> tuple[float, float, dict]:
     port = free_port()
     data = tempfile.mkdtemp()
     config = open(os.path.join(tree, "broker", "config.py")).read()
@@ -72,21 +102,49 @@ def run(name: str, tree: str) -> tuple[float, float]:
     time.sleep(1.0)
     kids = children(node.pid)
     before = {k: cpu(k) for k in kids}
+    loop_before = {k: cpu(k, thread=True) for k in kids}
+    waits_before = {k: waits(k) for k in kids}
+    client_before = client_cpu()
+    busy_before = machine_busy()
     t = time.time()
-    subprocess.run([PY, "-m", "loadtest.cli", "amqp", "throughput", "--uri", f"amqp://guest:guest@127.0.0.1:{port}/",
+    proc = subprocess.run([PY, "-m", "loadtest.cli", "amqp", "throughput", "--uri", f"amqp://guest:guest@127.0.0.1:{port}/",
                     "--json", *PERF_ARGS, "--pmessages", str(N), "--cmessages", str(N)],
                    cwd=TREES["head"], capture_output=True, text=True, check=False)
     wall = time.time() - t
+    busy_after = machine_busy()
+    extra = {"client": client_cpu() - client_before, "frontend": 0.0, "shard": 0.0,
+             "busy": (busy_after[0] - busy_before[0]) / max(1, busy_after[1] - busy_before[1]), "shard_loop": 0.0}
+    for k in kids:
+        r = role(k)
+        if r in extra:
+            extra[r] += cpu(k) - before[k]
+        if r in ("frontend", "shard"):  # loop threads: waiting for a core vs sleeping for input
+            w = waits(k)
+            extra[r + "_wait"] = extra.get(r + "_wait", 0.0) + w[0] - waits_before[k][0]
+            extra[r + "_sleeps"] = extra.get(r + "_sleeps", 0) + w[1] - waits_before[k][1]
+        if r == "shard":  # the event loop's thread alone (not ZeroMQ's I/O thread, not helper threads)
+            extra["shard_loop"] += cpu(k, thread=True) - loop_before[k]
+    try:
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        extra["rates"] = f"publish {result['publish_rate']:,.0f} consume {result['consume_rate']:,.0f} msg/s"
+    except (ValueError, IndexError, KeyError):
+        extra["rates"] = "rates: ?"
     used = sum(cpu(k) - before[k] for k in kids)
     node.terminate()
     node.wait()
     subprocess.run(["rm", "-rf", data], check=False)
-    return used, wall
+    return used, wall, extra
 
 for r in range(int(sys.argv[4]) if len(sys.argv) > 4 else 3):
     for name, tree in TREES.items():
-        used, wall = run(name, tree)
+        used, wall, extra = run(name, tree)
         n = N * PUBLISHERS
         load = open("/proc/loadavg").read().split()[0]
         print(f"{name} run{r+1}: workers' CPU {used:.2f} s for {n} msgs = {used / n * 1e6:.2f} us/msg"
-              f" (wall {wall:.1f} s, load {load})", flush=True)
+              f" (frontends {extra['frontend'] / n * 1e6:.2f}, shards {extra['shard'] / n * 1e6:.2f}"
+              f" [loop thread {extra['shard_loop'] / n * 1e6:.2f}],"
+              f" perf client {extra['client'] / n * 1e6:.2f}; loops runnable-waiting fe/sh"
+              f" {extra.get('frontend_wait', 0) / n * 1e6:.2f}/{extra.get('shard_wait', 0) / n * 1e6:.2f} us/msg,"
+              f" sleeping {extra.get('frontend_sleeps', 0) / n * 1e3:.1f}/{extra.get('shard_sleeps', 0) / n * 1e3:.1f}"
+              f" per 1k msgs; {extra['rates']}; cores busy {extra['busy']:.0%}; wall {wall:.1f} s, load {load})",
+              flush=True)

@@ -76,6 +76,34 @@ class Queue:
         else:
             consumer_order.deliver_ranked(self, send, 0)
 
+    def deliver_unstored(self, send: Send, exchange: str, routing_key: str, props_raw: bytes, body: bytes) -> bool:
+        """A transient message to this empty plain queue, straight to a no-ack consumer without being stored.
+
+        Only when the consumer the round-robin would pick next is a no-ack one that can take it: the
+        message is then delivered and settled in one step, as the append, shift and ack of the
+        delivery pass would have done (nothing outlives the delivery, so nothing had to reach the
+        segment). False: store it as usual.
+        """
+        consumers = self.consumers
+        n = len(consumers)
+        i = self._rr
+        for _ in range(n):
+            if i >= n:
+                i = 0
+            c = consumers[i]
+            i += 1
+            if c.can_take():
+                if not c.no_ack:
+                    return False
+                self._rr = i
+                c.credit -= 1 + (len(body) >> _CREDIT_SHIFT)
+                send(c.fe, [_DELIVER, c.conn_id, c.channel, c.tag, self.qid, 0, False,
+                            exchange, routing_key, props_raw, body])
+                self.n_delivered += 1
+                self.n_deliver_no_ack += 1
+                return True
+        return False
+
     def _deliver_to(self, consumers: list[Consumer], i: int, send: Send, _now: int) -> int:
         """Round-robin over `consumers` from index i while one can take; the next index."""
         store = self.store

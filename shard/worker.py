@@ -582,6 +582,13 @@ class ShardWorker:
                 continue  # deleted between routing and arrival: as if unroutable
             try:
                 if q.__class__ is Queue:
+                    # No backlog and a no-ack consumer waiting: a transient message goes out without
+                    # being appended, read back and acked (a persistent one is always stored first).
+                    if (not persistent and not q.store.ready and q.consumers and q.groups is None
+                            and q.deliver_unstored(self.data.put, exchange, routing_key, props_raw, body)):
+                        q.n_published += 1
+                        self._dirty_queues.add(q)
+                        continue
                     q.store.append(ts, flags, exchange, routing_key, props_raw, body)
                 elif not q.publish(ts, flags, exchange, routing_key, props_raw, body):
                     rejected = True  # x-overflow reject-publish: the publisher gets basic.nack
