@@ -330,8 +330,10 @@ def unpack(data: bytes) -> tuple[Any, list]:
 # --------------------------------------------------------------------------
 # Addresses
 # --------------------------------------------------------------------------
-def node_address(run_dir: str) -> str:
-    return "ipc://" + os.path.join(run_dir, "node.sock")
+def node_stream_path(run_dir: str) -> str:
+    """The control plane's unix stream socket (node <-> every worker, ``broker/unixio.py``): frames
+    and hello as ``shard_stream_path`` describes, the worker's identity ``fe-K`` / ``sh-N``."""
+    return os.path.join(run_dir, "node.stream")
 
 
 def shard_address(run_dir: str, index: int) -> str:

@@ -20,8 +20,6 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-import zmq
-
 from broker import contract, data_sockets, gc_pause, stage_trace
 from broker.alarms import CHECK_INTERVAL_S, ResourceMonitor, parse_disk_limit, parse_memory_watermark
 from broker.amqp.errors import AMQPConnectionError, AMQPError
@@ -39,7 +37,7 @@ from broker.request_chains import RequestChains
 from broker.sdnotify import Notifier
 from broker.supervisor import Supervisor, WorkerProcess
 from broker.tls import reload_certificate, server_context
-from broker.zmqio import BatchSocket, make_socket
+from broker.unixio import UnixRouter
 from replication import definition_gate
 from replication.follower import ReplicationFollower
 from replication.leader import ReplicationLeader
@@ -62,7 +60,7 @@ class Node:
         self.epochs: dict[int, int] = {}
         self.sup = Supervisor(self.datadir.run_dir, settings.log_level, self._on_worker_exit, self._on_spawn)
         self.by_ident: dict[bytes, WorkerProcess] = {}
-        self.ctl: BatchSocket | None = None
+        self.ctl: UnixRouter | None = None
         # (version, future) in version order: answered once every connected worker applied it.
         # (version, worker identity not waited for or None, future), in version order.
         self._apply_waiters: deque[tuple[int, bytes | None, asyncio.Future]] = deque()
@@ -107,10 +105,10 @@ class Node:
     async def start(self) -> None:
         s = self.settings
         self.datadir.lock()
-        ctx = zmq.Context.instance()
-        sock = make_socket(ctx, zmq.ROUTER)
-        sock.bind(contract.node_address(self.datadir.run_dir))
-        self.ctl = BatchSocket(self.loop, sock, self._on_control)
+        # The control plane on unix stream sockets written and read by the loops themselves: a
+        # declare's or bind's round trip crosses it twice per worker, and ZeroMQ added two I/O-thread
+        # handoffs to each crossing (broker/unixio.py).
+        self.ctl = UnixRouter(self.loop, contract.node_stream_path(self.datadir.run_dir), self._on_control)
         if s.cluster and not s.follow and s.etcd_endpoints:
             # The role (leader, follower) is etcd's decision: replication/cluster.py drives
             # become_leader / become_follower / step_down. Health answers meanwhile.

@@ -21,7 +21,7 @@ import zmq
 from broker import contract, data_sockets, gc_pause, stage_trace
 from broker.definitions import Definitions
 from broker.tls import reload_certificate, server_context
-from broker.zmqio import BatchSocket, make_socket
+from broker.unixio import UnixDealer
 from frontend.listeners import FORWARDED, LISTENERS, load
 from frontend.proxy import ProxyProtocolListener
 from frontend.session import CONNECTION_FORCED, Session
@@ -78,7 +78,7 @@ class FrontendWorker:
         self.n_confirmed = 0
         self.n_unroutable_returned = 0
         self.n_unroutable_dropped = 0
-        self.node: BatchSocket | None = None
+        self.node: UnixDealer | None = None  # the control plane (broker/unixio.py)
         self.servers: list[asyncio.AbstractServer] = []
         self._forwarded: dict[str, Callable] = {}
         self._ws_runner: Any = None
@@ -100,9 +100,7 @@ class FrontendWorker:
 
     # ----------------------------------------------------------------- startup
     async def start(self) -> None:
-        node_sock = make_socket(self.ctx, zmq.DEALER, self.ident)
-        node_sock.connect(contract.node_address(self.run_dir))
-        self.node = BatchSocket(self.loop, node_sock, self._on_node)
+        self.node = UnixDealer(self.loop, contract.node_stream_path(self.run_dir), self.ident, self._on_node)
         self.node.send_now(None, [[contract.HELLO, contract.VERSION, "frontend", self.index, os.getpid()]])
         version, defs_dict, epochs, settings = await self._snapshot
         self.settings = settings

@@ -24,7 +24,7 @@ from broker.datadir import name_hash
 from broker.definitions import Definitions
 from broker.fsync_beacon import FsyncBeacon, stall_for_tests
 from broker.policies import POLICY_OPS
-from broker.zmqio import BatchSocket, make_socket
+from broker.unixio import UnixDealer
 from shard.ack_timeouts import AckTimeouts
 from shard.admin import admin_query
 from shard.consumers import ChannelRef, Consumer
@@ -100,7 +100,7 @@ class ShardWorker:
         self._store_failure_logged = 0.0
         self._lane: bytes | None = None  # sender identity of the batch being handled
         self._node_req = 0
-        self.node: BatchSocket | None = None
+        self.node: UnixDealer | None = None  # the control plane (broker/unixio.py)
         self.data: Any = None  # BatchSocket or UnixRouter (broker/data_sockets.py)
         # TTL, queue expiry and consumer timeouts of every queue here: one heap, one loop timer.
         self.timers = TimerHeap(loop)
@@ -133,9 +133,7 @@ class ShardWorker:
         trace = stage_trace.get("shard")  # --trace-stages (debug): None normally
         if trace is not None:
             self.data.set_trace(trace, "sh_publish_in", "sh_deliver_out")
-        node_sock = make_socket(self.ctx, zmq.DEALER, self.ident)
-        node_sock.connect(contract.node_address(self.run_dir))
-        self.node = BatchSocket(self.loop, node_sock, self._on_control)
+        self.node = UnixDealer(self.loop, contract.node_stream_path(self.run_dir), self.ident, self._on_control)
         self.node.send_now(None, [[contract.HELLO, contract.VERSION, "shard", self.index, os.getpid()]])
         await self._ready.wait()
         self.loop.call_later(_PERIODIC_SYNC_S, self._periodic_sync)
