@@ -439,7 +439,8 @@ class Node:
         settings = dataclasses.asdict(self.settings)
         # Every worker says HELLO at boot: one serialization of 100,000 queues per version, not per worker.
         if self._snapshot is None or self._snapshot[0] != self.defs.version:
-            self._snapshot = (self.defs.version, self.defs.to_dict())
+            with gc_pause.paused():  # 100,000 dicts: see broker/gc_pause.py
+                self._snapshot = (self.defs.version, self.defs.to_dict())
         self.ctl.put(ident, [contract.SNAPSHOT, self.defs.version, self._snapshot[1], self.epochs, settings])
         if w.role == "frontend" and self.alarms:
             self.ctl.put(ident, [contract.ALARMS, self.alarms])

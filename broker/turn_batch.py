@@ -14,7 +14,9 @@ from typing import Any
 
 from broker import contract
 
-OnBatch = Callable[[bytes | None, Any, list], None]
+# on_batch(dest, header, items): it may return the batch's weight in items, when one item stands for
+# many (a DEFS slice of 256 ops): broker/unixio.py reads about TURN_ITEMS of weight per loop turn.
+OnBatch = Callable[[bytes | None, Any, list], int | None]
 
 MAX_BATCH_ITEMS = 512
 

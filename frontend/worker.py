@@ -240,8 +240,9 @@ class FrontendWorker:
                 "node_pending": len(self._node_pending)}
 
     # -------------------------------------------------------------- node side
-    def _on_node(self, _ident: bytes | None, _header: Any, items: list) -> None:
+    def _on_node(self, _ident: bytes | None, _header: Any, items: list) -> int:
         applied = None  # one APPLIED per batch, for its newest DEFS (pipelined declares bring many)
+        weight = len(items)  # what this batch counts against the turn's read budget (broker/unixio.py)
         for item in items:
             kind = item[0]
             try:
@@ -254,6 +255,7 @@ class FrontendWorker:
                     for op in item[2]:
                         defs.apply(op)
                     applied = item[1]
+                    weight += len(item[2])
                 elif kind == contract.SNAPSHOT:
                     if not self._snapshot.done():
                         self._snapshot.set_result(item[1:5])
@@ -286,6 +288,7 @@ class FrontendWorker:
                 log.exception("frontend %d: failed to handle node item kind %r", self.index, kind)
         if applied is not None:
             self.node.put(None, [contract.APPLIED, applied])
+        return weight
 
     def node_request(self, op: str, args: dict, callback: Callback | None) -> None:
         self._next_req += 1

@@ -151,8 +151,9 @@ class ShardWorker:
         self.loop.call_later(interval, self._send_stats)
 
     # --------------------------------------------------------------- control
-    def _on_control(self, _ident: bytes | None, _header, items: list) -> None:
+    def _on_control(self, _ident: bytes | None, _header, items: list) -> int:
         applied = None  # one APPLIED per batch, for its newest DEFS (pipelined declares bring many)
+        weight = len(items)  # what this batch counts against the turn's read budget (broker/unixio.py)
         for item in items:
             kind = item[0]
             if kind == contract.SNAPSHOT:
@@ -160,6 +161,7 @@ class ShardWorker:
             elif kind == contract.DEFS:
                 self._apply_defs(item[2])
                 applied = item[1]
+                weight += len(item[2])
             elif kind == contract.QUERY:
                 self._answer_query(item[1], item[2], item[3])
             elif kind == contract.WORKER_DOWN:
@@ -183,6 +185,7 @@ class ShardWorker:
                     self.repl.set_isr(set(item[1]), int(item[2]))
         if applied is not None:
             self.node.put(None, [contract.APPLIED, applied])
+        return weight
 
     def _load_snapshot(self, item: list) -> None:
         _, version, defs_dict, epochs, settings = item
