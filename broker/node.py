@@ -65,7 +65,7 @@ class Node:
         # (version, worker identity not waited for or None, future), in version order.
         self._apply_waiters: deque[tuple[int, bytes | None, asyncio.Future]] = deque()
         self._chains = RequestChains(self.loop)  # a channel's pipelined requests, in order
-        self._snapshot: tuple[int, dict] | None = None  # (version, definitions as a SNAPSHOT carries them)
+        self._snapshot: tuple[tuple, bytes] | None = None  # ((version, epochs), the packed SNAPSHOT batch)
         self._queries: dict[int, asyncio.Future] = {}
         self._admin_queries: dict[int, asyncio.Future] = {}  # shard_query(): answered (ok, result)
         # The workers' periodic STATS (queue counts, connections) for the management API and metrics.
@@ -78,6 +78,9 @@ class Node:
         self._shards_ready = asyncio.Event()
         # Frontends' HELLOs that wait for every shard to be up (a promotion, see _serve).
         self._deferred_hellos: list[tuple] = []
+        # Shards' HELLOs while _serve loads the definitions (the shards start before that load).
+        self._loading = False
+        self._loading_hellos: list[tuple] = []
         # Open connections per vhost, counted against max-connections: vhost -> {(frontend, conn_id)}.
         self.vhost_conns: dict[str, set[tuple]] = {}
         # Cluster roles (docs/cluster.md): a leader serves and replicates, a follower only replicates.
@@ -204,6 +207,15 @@ class Node:
         DefStore, queues recovered by their shards.
         """
         s = self.settings
+        # The shards start first: their interpreter start and imports (about a second of CPU each)
+        # overlap the loading below; their HELLO waits for it (_hello), and they touch no queue
+        # directory before their SNAPSHOT, so the stale-directory removal below is still first.
+        self._loading = True
+        self._shards_ready.clear()
+        self.sup.held.clear()
+        for i in range(s.shards):
+            self.epochs[i] = 1
+            await self.sup.spawn(self._worker("shard", i))
         # A fresh DefStore: in a cluster the files were rewritten by replication since the last load.
         self.defstore = DefStore(self.datadir.path)
         with gc_pause.paused():  # 100,000 queue definitions: see broker/gc_pause.py
@@ -222,25 +234,20 @@ class Node:
         self.datadir.remove_stale_delay_stores(
             {(v.name, x) for v in self.defs.vhosts.values() for x in v.exchanges})
         gc_pause.settle()
-        self._shards_ready.clear()
-        self.sup.held.clear()
-        for i in range(s.shards):
-            self.epochs[i] = 1
-            await self.sup.spawn(self._worker("shard", i))
-        # A promotion is failover time: the frontends' interpreter start overlaps the shards'
-        # recovery; their snapshot (and so their listeners) waits until every shard is up (_hello).
-        # A standalone boot keeps the plain order.
-        overlap = bool(s.cluster)
-        if overlap:
-            for i in range(s.frontends):
-                await self.sup.spawn(self._worker("frontend", i))
+        self._loading = False
+        waiting, self._loading_hellos = self._loading_hellos, []
+        for ident, w, item in waiting:
+            if w.proc is not None and w.proc.returncode is None:
+                self._hello(ident, w, item)
+        # The frontends' interpreter start overlaps the shards' recovery (a boot of 100,000 queues,
+        # a promotion's failover time); their snapshot (and so their listeners) waits until every
+        # shard is up (_hello).
+        for i in range(s.frontends):
+            await self.sup.spawn(self._worker("frontend", i))
         try:
             await asyncio.wait_for(self._shards_ready.wait(), _STARTUP_TIMEOUT_S)
         except TimeoutError:
             raise RuntimeError(f"shards did not start within {_STARTUP_TIMEOUT_S:.0f} s") from None
-        if not overlap:
-            for i in range(s.frontends):
-                await self.sup.spawn(self._worker("frontend", i))
         # A standalone node serves clients itself: it is its own leader.
         self.is_leader = True
         self.serving = True
@@ -269,6 +276,8 @@ class Node:
         await self._stop_workers()  # nothing left to stop: DefStore synced and closed, fresh state
         self._apply_waiters.clear()
         self._deferred_hellos.clear()
+        self._loading_hellos.clear()
+        self._loading = False
         for fut in list(self._queries.values()):
             if not fut.done():
                 fut.set_result(None)
@@ -431,17 +440,25 @@ class Node:
             if w.proc:
                 w.proc.send_signal(signal.SIGKILL)
             return
+        if self._loading:
+            # _serve is still loading the definitions this worker's SNAPSHOT is made of.
+            self._loading_hellos.append((ident, w, item))
+            return
         if w.role == "frontend" and not self._shards_ready.is_set():
             # A promotion starts the frontends while the shards recover; a frontend listens once it
             # has its snapshot, so it gets it when every shard is up (nothing reaches a shard early).
             self._deferred_hellos.append((ident, w, item))
             return
-        settings = dataclasses.asdict(self.settings)
-        # Every worker says HELLO at boot: one serialization of 100,000 queues per version, not per worker.
-        if self._snapshot is None or self._snapshot[0] != self.defs.version:
+        # Every worker says HELLO at boot: one serialization (to_dict and msgpack, 7 MB for 100,000
+        # queues) per version and epochs, not per worker. Sent at once: nothing is pending for a
+        # worker before its HELLO is answered (it is not connected yet), and what follows is put after.
+        key = (self.defs.version, tuple(sorted(self.epochs.items())))
+        if self._snapshot is None or self._snapshot[0] != key:
             with gc_pause.paused():  # 100,000 dicts: see broker/gc_pause.py
-                self._snapshot = (self.defs.version, self.defs.to_dict())
-        self.ctl.put(ident, [contract.SNAPSHOT, self.defs.version, self._snapshot[1], self.epochs, settings])
+                item = [contract.SNAPSHOT, self.defs.version, self.defs.to_dict(), self.epochs,
+                        dataclasses.asdict(self.settings)]
+                self._snapshot = (key, contract.pack(0, [item]))
+        self.ctl.send_packed(ident, self._snapshot[1])
         if w.role == "frontend" and self.alarms:
             self.ctl.put(ident, [contract.ALARMS, self.alarms])
         if w.role == "shard":

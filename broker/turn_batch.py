@@ -66,6 +66,10 @@ class TurnBatcher:
         """Send one batch immediately (control messages outside the per-turn batch)."""
         self._send(dest, contract.pack(header, items))
 
+    def send_packed(self, dest: bytes | None, payload: bytes) -> None:
+        """Send one batch already packed (contract.pack) immediately: the same bytes to many peers."""
+        self._send(dest, payload)
+
     def flush(self) -> None:
         self._scheduled = False
         if self._closed:
