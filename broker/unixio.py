@@ -36,6 +36,7 @@ import contextlib
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +46,7 @@ from broker.turn_batch import OnBatch, TurnBatcher
 log = logging.getLogger("shardmq.unixio")
 
 TURN_ITEMS = 1024  # items handled per connection per loop turn before reading pauses
+CONTROL_TURN_S = 0.002  # the control plane's _Base.turn_s in the workers
 _FRAME = contract.STREAM_FRAME
 _FRAME_SIZE = _FRAME.size
 _FRAME_MAX = (1 << (8 * _FRAME_SIZE)) - 1
@@ -116,6 +118,9 @@ class _Stream(asyncio.BufferedProtocol):
         view = self._view
         owner = self.owner
         budget = TURN_ITEMS
+        turn_s = owner.turn_s
+        if turn_s is not None:
+            until = time.perf_counter() + turn_s
         while not self.closed:
             start = self._start
             have = self._end - start
@@ -128,7 +133,7 @@ class _Stream(asyncio.BufferedProtocol):
             self._need = 0
             self._start = start + _FRAME_SIZE + size
             budget -= owner._frame(self, view[start + _FRAME_SIZE:self._start])
-            if budget <= 0:
+            if budget <= 0 or (turn_s is not None and time.perf_counter() > until):
                 if self._end - self._start >= _FRAME_SIZE and not self.closed:
                     self._pause()
                     return
@@ -166,6 +171,10 @@ class _Base(TurnBatcher):
     """What both ends add to the per-turn batching: frame-size check, write and decode."""
 
     __slots__ = ()
+
+    # Seconds of batch handling per connection per loop turn, if set (the control plane: one DEFS
+    # slice of a vhost delete costs far more than its item count says); reading pauses after it.
+    turn_s: float | None = None
 
     def _send(self, dest: bytes | None, payload: bytes) -> None:
         if self._closed:

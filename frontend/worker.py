@@ -21,7 +21,7 @@ import zmq
 from broker import contract, data_sockets, gc_pause, stage_trace
 from broker.definitions import Definitions
 from broker.tls import reload_certificate, server_context
-from broker.unixio import UnixDealer
+from broker.unixio import CONTROL_TURN_S, UnixDealer
 from frontend.listeners import FORWARDED, LISTENERS, load
 from frontend.proxy import ProxyProtocolListener
 from frontend.session import CONNECTION_FORCED, Session
@@ -101,6 +101,9 @@ class FrontendWorker:
     # ----------------------------------------------------------------- startup
     async def start(self) -> None:
         self.node = UnixDealer(self.loop, contract.node_stream_path(self.run_dir), self.ident, self._on_node)
+        # A sliced commit (a vhost of 10,000 queues) is applied a few ms per loop turn at most, so
+        # publishes to other queues go on between its slices (broker/node.py _commit).
+        self.node.turn_s = CONTROL_TURN_S
         self.node.send_now(None, [[contract.HELLO, contract.VERSION, "frontend", self.index, os.getpid()]])
         version, defs_dict, epochs, settings = await self._snapshot
         self.settings = settings

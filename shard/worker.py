@@ -24,7 +24,7 @@ from broker.datadir import name_hash
 from broker.definitions import Definitions
 from broker.fsync_beacon import FsyncBeacon, stall_for_tests
 from broker.policies import POLICY_OPS
-from broker.unixio import UnixDealer
+from broker.unixio import CONTROL_TURN_S, UnixDealer
 from shard.ack_timeouts import AckTimeouts
 from shard.admin import admin_query
 from shard.consumers import ChannelRef, Consumer
@@ -134,6 +134,9 @@ class ShardWorker:
         if trace is not None:
             self.data.set_trace(trace, "sh_publish_in", "sh_deliver_out")
         self.node = UnixDealer(self.loop, contract.node_stream_path(self.run_dir), self.ident, self._on_control)
+        # A sliced commit (a vhost of 10,000 queues) is applied a few ms per loop turn at most, so
+        # publishes to other queues go on between its slices (broker/node.py _commit).
+        self.node.turn_s = CONTROL_TURN_S
         self.node.send_now(None, [[contract.HELLO, contract.VERSION, "shard", self.index, os.getpid()]])
         await self._ready.wait()
         self.loop.call_later(_PERIODIC_SYNC_S, self._periodic_sync)
