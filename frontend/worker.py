@@ -90,6 +90,9 @@ class FrontendWorker:
         # req_id -> (shard, connection, callback)
         self._shard_pending: dict[int, tuple[int, Session, Callback, Callable[[int], list]]] = {}
         self._dirty: list[Session] = []
+        # Node requests held back, in order: (shard, batch seq it must have processed, item); see
+        # node_request (a queue.delete behind a publish still in flight to the queue's shard).
+        self._held_requests: deque[tuple[int | None, int, list]] = deque()
         self._turn_scheduled = False
         # Restarted shards whose publish lane has not answered yet: their control-lane items wait here.
         self._control_held: dict[int, list] = {}
@@ -297,7 +300,33 @@ class FrontendWorker:
         self._next_req += 1
         req_id = self._next_req
         self._node_pending[req_id] = callback
-        self.node.put(None, [contract.REQUEST, req_id, op, args])
+        item = [contract.REQUEST, req_id, op, args]
+        held = self._held_requests
+        if op == "queue.delete" and not held:
+            # delete-ok counts the queue's messages: the node asks its shard over the control plane,
+            # which may overtake a publish to it still on our publish lane (a publish right before
+            # the delete on the same channel). The request waits until the shard has PROCESSED
+            # every batch sent (or about to be sent, this turn) to it: no wait when none is in flight.
+            q = self.defs.queue(args.get("vhost", "/"), args.get("queue", ""))
+            if q is not None and q.shard < self.shard_count:
+                need = self._sent[q.shard] + (1 if self.shards[q.shard]._pending else 0)
+                if self._processed[q.shard] < need:
+                    held.append((q.shard, need, item))
+                    return
+        if held:  # requests reach the node in the order made (a channel's chain, request_chains.py)
+            held.append((None, 0, item))
+            return
+        self.node.put(None, item)
+
+    def _release_requests(self) -> None:
+        """Send the held node requests whose shard has processed what they wait for, in order."""
+        held = self._held_requests
+        while held:
+            shard, need, item = held[0]
+            if shard is not None and self._processed[shard] < need:
+                return
+            held.popleft()
+            self.node.put(None, item)
 
     def _shard_up(self, shard: int, epoch: int) -> None:
         if shard >= self.shard_count or self.epochs[shard] == epoch:
@@ -308,6 +337,7 @@ class FrontendWorker:
         # Nothing more will come back for batches the old incarnation had.
         self._processed[shard] = self._sent[shard]
         self._answered(shard, self._sent[shard])
+        self._release_requests()
         self._update_pressure()
         # Connections stay open (frontend/amqp/shard_loss.py): what they had in flight there is settled...
         for conn in list(self.conns.values()):
@@ -404,6 +434,8 @@ class FrontendWorker:
                     if item[1] > self._processed[shard]:
                         self._processed[shard] = item[1]
                         self._answered(shard, item[1])
+                        if self._held_requests:
+                            self._release_requests()
                         if self.pressure:
                             self._update_pressure()
                 elif kind == _REPLY_DATA:

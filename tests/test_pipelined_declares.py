@@ -149,3 +149,23 @@ def test_pipelined_deletes_answer_their_own_counts_in_order(shared_node):
         assert not any(exists(conn, n) for n in names)
     finally:
         conn.close()
+
+
+def test_delete_right_after_publishes_counts_them(shared_node):
+    # Publishes then deletes in one write: the node asks the shards for the counts over the control
+    # plane, which must not overtake the publishes still on the frontend's publish lane
+    # (frontend/worker.py node_request holds the delete until the shard processed them).
+    names = [n for i in range(20) for n in names_on_different_shards(f"pubdel{i}-{uid('')}")]
+    raw = FrameClient(shared_node.port)
+    try:
+        raw.open_channel(1)
+        raw.sock.sendall(_frames(1, *(C.Queue.Declare(queue=n) for n in names)))
+        for _ in names:
+            raw.expect(1, C.Queue.DeclareOk)
+        raw.sock.sendall(b"".join((
+            *(raw.publish_frames(1, "", n, b"m") for n in names for _ in range(2)),
+            _frames(1, *(C.Queue.Delete(queue=n) for n in names)),
+        )))
+        assert [raw.expect(1, C.Queue.DeleteOk).message_count for _ in names] == [2] * len(names)
+    finally:
+        raw.close()
