@@ -5,12 +5,12 @@ the socket addresses, the message kinds and their fields, and the codec
 (msgpack over ZeroMQ, and over length-prefixed unix stream frames for the data plane with
 ``--ipc-transport unix``). No other module invents a wire format.
 
-Sockets (all ``ipc://`` under the node's run directory; with ``--ipc-transport unix`` the data
-plane's ``shard-N.sock`` is a unix stream socket ``shard-N.stream`` instead, same batches, see
-``shard_stream_path``):
+Sockets (under the node's run directory; ``node.sock`` is a unix stream socket, the data plane's
+``shard-N.sock`` is ZeroMQ ``ipc://``, or with ``--ipc-transport unix`` a unix stream socket
+``shard-N.stream`` instead, same batches, see ``shard_stream_path``):
 
-* ``node.sock``   - the node binds a ROUTER; every worker connects a DEALER
-  whose identity is its worker id (``fe-0``, ``sh-1``). Control traffic:
+* ``node.sock``   - the node listens (broker/unixio.py UnixRouter); every worker connects
+  (UnixDealer) with its worker id as identity (``fe-0``, ``sh-1``). Control traffic:
   hello, definition snapshots and deltas, applied-acks, requests from workers
   to the node, node queries to shards, worker up/down events, stop.
 * ``shard-N.sock`` - shard N binds a ROUTER; every frontend connects a DEALER
@@ -338,8 +338,10 @@ def unpack(data: bytes) -> tuple[Any, list]:
 # --------------------------------------------------------------------------
 # Addresses
 # --------------------------------------------------------------------------
-def node_address(run_dir: str) -> str:
-    return "ipc://" + os.path.join(run_dir, "node.sock")
+def node_stream_path(run_dir: str) -> str:
+    """The control plane's unix stream socket (node <-> every worker, ``broker/unixio.py``): frames
+    and hello as ``shard_stream_path`` describes, the worker's identity ``fe-K`` / ``sh-N``."""
+    return os.path.join(run_dir, "node.sock")  # as long as when it was a ZeroMQ ipc:// path (AF_UNIX: 107 bytes)
 
 
 def shard_address(run_dir: str, index: int) -> str:

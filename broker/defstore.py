@@ -60,7 +60,11 @@ def _dumps(value: Any) -> str:
 
 
 def _loads(text: str | bytes) -> Any:
-    return json.loads(text, object_hook=_bytes_hook)  # {"$bytes": b64} back to bytes, in the parser's walk
+    # {"$bytes": b64} back to bytes, in the parser's walk; a text without that key skips the hook, a
+    # Python call per object (200,000 of them in the definitions of 100,000 queues).
+    if ("$bytes" if isinstance(text, str) else b"$bytes") not in text:
+        return json.loads(text)
+    return json.loads(text, object_hook=_bytes_hook)
 
 
 def is_durable_relevant(op: Sequence) -> bool:

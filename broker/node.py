@@ -20,8 +20,6 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import zmq
-
 from broker import contract, data_sockets, gc_pause, stage_trace
 from broker.alarms import CHECK_INTERVAL_S, ResourceMonitor, parse_disk_limit, parse_memory_watermark
 from broker.amqp.errors import AMQPConnectionError, AMQPError
@@ -40,7 +38,7 @@ from broker.request_chains import RequestChains
 from broker.sdnotify import Notifier
 from broker.supervisor import Supervisor, WorkerProcess
 from broker.tls import reload_certificate, server_context
-from broker.zmqio import BatchSocket, make_socket
+from broker.unixio import UnixRouter
 from replication import definition_gate
 
 if TYPE_CHECKING:  # imported where a cluster role starts: a standalone node never loads them (~1.6 MB)
@@ -65,12 +63,12 @@ class Node:
         self.epochs: dict[int, int] = {}
         self.sup = Supervisor(self.datadir.run_dir, settings.log_level, self._on_worker_exit, self._on_spawn)
         self.by_ident: dict[bytes, WorkerProcess] = {}
-        self.ctl: BatchSocket | None = None
+        self.ctl: UnixRouter | None = None
         # (version, future) in version order: answered once every connected worker applied it.
         # (version, worker identity not waited for or None, future), in version order.
         self._apply_waiters: deque[tuple[int, bytes | None, asyncio.Future]] = deque()
         self._chains = RequestChains(self.loop)  # a channel's pipelined requests, in order
-        self._snapshot: tuple[int, dict] | None = None  # (version, definitions as a SNAPSHOT carries them)
+        self._snapshot: tuple[tuple, bytes] | None = None  # ((version, epochs), the packed SNAPSHOT batch)
         self._queries: dict[int, asyncio.Future] = {}
         self._admin_queries: dict[int, asyncio.Future] = {}  # shard_query(): answered (ok, result)
         # The workers' periodic STATS (queue counts, connections) for the management API and metrics.
@@ -85,6 +83,9 @@ class Node:
         self._shards_ready = asyncio.Event()
         # Frontends' HELLOs that wait for every shard to be up (a promotion, see _serve).
         self._deferred_hellos: list[tuple] = []
+        # Shards' HELLOs while _serve loads the definitions (the shards start before that load).
+        self._loading = False
+        self._loading_hellos: list[tuple] = []
         # Open connections per vhost, counted against max-connections: vhost -> {(frontend, conn_id)}.
         self.vhost_conns: dict[str, set[tuple]] = {}
         # Cluster roles (docs/cluster.md): a leader serves and replicates, a follower only replicates.
@@ -112,10 +113,10 @@ class Node:
     async def start(self) -> None:
         s = self.settings
         self.datadir.lock()
-        ctx = zmq.Context.instance()
-        sock = make_socket(ctx, zmq.ROUTER)
-        sock.bind(contract.node_address(self.datadir.run_dir))
-        self.ctl = BatchSocket(self.loop, sock, self._on_control)
+        # The control plane on unix stream sockets written and read by the loops themselves: a
+        # declare's or bind's round trip crosses it twice per worker, and ZeroMQ added two I/O-thread
+        # handoffs to each crossing (broker/unixio.py).
+        self.ctl = UnixRouter(self.loop, contract.node_stream_path(self.datadir.run_dir), self._on_control)
         if s.cluster and not s.follow and s.etcd_endpoints:
             # The role (leader, follower) is etcd's decision: replication/cluster.py drives
             # become_leader / become_follower / step_down. Health answers meanwhile.
@@ -215,6 +216,15 @@ class Node:
         DefStore, queues recovered by their shards.
         """
         s = self.settings
+        # The shards start first: their interpreter start and imports (about a second of CPU each)
+        # overlap the loading below; their HELLO waits for it (_hello), and they touch no queue
+        # directory before their SNAPSHOT, so the stale-directory removal below is still first.
+        self._loading = True
+        self._shards_ready.clear()
+        self.sup.held.clear()
+        for i in range(s.shards):
+            self.epochs[i] = 1
+            await self.sup.spawn(self._worker("shard", i))
         # A fresh DefStore: in a cluster the files were rewritten by replication since the last load.
         self.defstore = DefStore(self.datadir.path)
         with gc_pause.paused():  # 100,000 queue definitions: see broker/gc_pause.py
@@ -233,26 +243,21 @@ class Node:
         self.datadir.remove_stale_delay_stores(
             {(v.name, x) for v in self.defs.vhosts.values() for x in v.exchanges})
         gc_pause.settle()
-        self._shards_ready.clear()
-        self.sup.held.clear()
-        for i in range(s.shards):
-            self.epochs[i] = 1
-            await self.sup.spawn(self._worker("shard", i))
-        # A promotion is failover time: the frontends' interpreter start overlaps the shards'
-        # recovery; their snapshot (and so their listeners) waits until every shard is up (_hello).
-        # A standalone boot keeps the plain order.
-        overlap = bool(s.cluster)
-        if overlap:
-            for i in range(s.frontends):
-                await self.sup.spawn(self._worker("frontend", i))
+        self._loading = False
+        waiting, self._loading_hellos = self._loading_hellos, []
+        for ident, w, item in waiting:
+            if w.proc is not None and w.proc.returncode is None:
+                self._hello(ident, w, item)
+        # The frontends' interpreter start overlaps the shards' recovery (a boot of 100,000 queues,
+        # a promotion's failover time); their snapshot (and so their listeners) waits until every
+        # shard is up (_hello).
+        for i in range(s.frontends):
+            await self.sup.spawn(self._worker("frontend", i))
         try:
             async with asyncio.timeout(_STARTUP_TIMEOUT_S):
                 await self._shards_ready.wait()
         except TimeoutError:
             raise RuntimeError(f"shards did not start within {_STARTUP_TIMEOUT_S:.0f} s") from None
-        if not overlap:
-            for i in range(s.frontends):
-                await self.sup.spawn(self._worker("frontend", i))
         # A standalone node serves clients itself: it is its own leader.
         self.is_leader = True
         self.serving = True
@@ -281,6 +286,8 @@ class Node:
         await self._stop_workers()  # nothing left to stop: DefStore synced and closed, fresh state
         self._apply_waiters.clear()
         self._deferred_hellos.clear()
+        self._loading_hellos.clear()
+        self._loading = False
         for fut in list(self._queries.values()):
             if not fut.done():
                 fut.set_result(None)
@@ -448,16 +455,25 @@ class Node:
             if w.proc:
                 w.proc.send_signal(signal.SIGKILL)
             return
+        if self._loading:
+            # _serve is still loading the definitions this worker's SNAPSHOT is made of.
+            self._loading_hellos.append((ident, w, item))
+            return
         if w.role == "frontend" and not self._shards_ready.is_set():
             # A promotion starts the frontends while the shards recover; a frontend listens once it
             # has its snapshot, so it gets it when every shard is up (nothing reaches a shard early).
             self._deferred_hellos.append((ident, w, item))
             return
-        settings = dataclasses.asdict(self.settings)
-        # Every worker says HELLO at boot: one serialization of 100,000 queues per version, not per worker.
-        if self._snapshot is None or self._snapshot[0] != self.defs.version:
-            self._snapshot = (self.defs.version, self.defs.to_dict())
-        self.ctl.put(ident, [contract.SNAPSHOT, self.defs.version, self._snapshot[1], self.epochs, settings])
+        # Every worker says HELLO at boot: one serialization (to_dict and msgpack, 7 MB for 100,000
+        # queues) per version and epochs, not per worker. Sent at once: nothing is pending for a
+        # worker before its HELLO is answered (it is not connected yet), and what follows is put after.
+        key = (self.defs.version, tuple(sorted(self.epochs.items())))
+        if self._snapshot is None or self._snapshot[0] != key:
+            with gc_pause.paused():  # 100,000 dicts: see broker/gc_pause.py
+                item = [contract.SNAPSHOT, self.defs.version, self.defs.to_dict(), self.epochs,
+                        dataclasses.asdict(self.settings)]
+                self._snapshot = (key, contract.pack(0, [item]))
+        self.ctl.send_packed(ident, self._snapshot[1])
         if w.role == "frontend" and self.alarms:
             self.ctl.put(ident, [contract.ALARMS, self.alarms])
         if w.role == "shard":
@@ -518,21 +534,40 @@ class Node:
             key = (ident, tuple(args.get("owner") or ()), chain)
             prev, mine = self._chains.link(key)
             ok = False
+            early = None
             try:
+                if prev is not None and op == "queue.delete" and not self._chains.failed(key):
+                    early = self._early_counts(args)
                 if self._chains.failed(key) or (prev is not None and not await prev):
                     reply = [contract.REPLY, req_id, False, [504, "CHANNEL_ERROR - an earlier method failed", 0, 0]]
                 else:
                     reply = await self._reply_to(req_id, op, args,
-                                                 lambda: self._chains.settle(key, mine, True), ident)
+                                                 lambda: self._chains.settle(key, mine, True), ident, early)
                     ok = reply[2]
             finally:
                 self._chains.settle(key, mine, ok)
+                if early is not None and not early[1].done():
+                    early[1].cancel()
         self.ctl.put(ident, reply)
 
+    def _early_counts(self, a: dict) -> tuple[Any, asyncio.Task] | None:
+        """Ask the shard for a pipelined queue.delete's counts now, while the channel's requests
+        before it are still being applied: a burst of deletes then waits for one shard round trip,
+        not one each. Only for a plain delete of a queue that exists now (if-empty/if-unused ask
+        again when planned, as one-at-a-time handling does); _execute uses the answer only if the
+        queue is still the same one (not deleted and declared again by a request before it). The
+        same channel cannot publish in between: its publishes wait behind its pipeline."""
+        if a.get("if_empty") or a.get("if_unused"):
+            return None
+        q = self.defs.queue(a.get("vhost", "/"), a.get("queue", ""))
+        if q is None:
+            return None
+        return q, self.loop.create_task(self._queue_info(a.get("vhost", "/"), a.get("queue", "")))
+
     async def _reply_to(self, req_id: int, op: str, args: dict, on_applied: Callable[[], None] | None,
-                        origin: bytes) -> list:
+                        origin: bytes, early: tuple[Any, asyncio.Task] | None = None) -> list:
         try:
-            result = await self._execute(op, args, on_applied, origin)
+            result = await self._execute(op, args, on_applied, origin, early)
         except AMQPError as exc:
             return [contract.REPLY, req_id, False, [exc.code, exc.text, exc.class_id, exc.method_id]]
         except Exception:
@@ -541,9 +576,10 @@ class Node:
         return [contract.REPLY, req_id, True, result]
 
     async def _execute(self, op: str, a: dict, on_applied: Callable[[], None] | None = None,
-                       origin: bytes | None = None) -> dict:
+                       origin: bytes | None = None, early: tuple[Any, asyncio.Task] | None = None) -> dict:
         """Plan and commit one request; on_applied runs once its ops are applied (before durable).
-        origin: the worker that asked (see _commit)."""
+        origin: the worker that asked (see _commit); early: a queue.delete's counts asked for
+        before its turn (_early_counts)."""
         defs = self.defs
         vhost = a.get("vhost", "/")
         owner = a.get("owner")
@@ -572,7 +608,11 @@ class Node:
         if op == "queue.delete":
             name = a.get("queue", "")
             check(defs, user, vhost, CONFIGURE, "queue", name, 50, 40)
-            info = await self._queue_info(vhost, name) or {"messages": 0, "consumers": 0}
+            if early is not None and early[0] is defs.queue(vhost, name):
+                info = await early[1]
+            else:
+                info = await self._queue_info(vhost, name)
+            info = info or {"messages": 0, "consumers": 0}
             ops = defs.plan_queue_delete(vhost, name, bool(a.get("if_unused")), bool(a.get("if_empty")),
                                          owner, info["consumers"], info["messages"])
             await self._commit(ops, op=op, on_applied=on_applied, origin=origin)

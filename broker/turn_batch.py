@@ -14,7 +14,9 @@ from typing import Any
 
 from broker import contract
 
-OnBatch = Callable[[bytes | None, Any, list], None]
+# on_batch(dest, header, items): it may return the batch's weight in items, when one item stands for
+# many (a DEFS slice of 256 ops): broker/unixio.py reads about TURN_ITEMS of weight per loop turn.
+OnBatch = Callable[[bytes | None, Any, list], int | None]
 
 MAX_BATCH_ITEMS = 512
 
@@ -63,6 +65,10 @@ class TurnBatcher:
     def send_now(self, dest: bytes | None, items: list, header: Any = 0) -> None:
         """Send one batch immediately (control messages outside the per-turn batch)."""
         self._send(dest, contract.pack(header, items))
+
+    def send_packed(self, dest: bytes | None, payload: bytes) -> None:
+        """Send one batch already packed (contract.pack) immediately: the same bytes to many peers."""
+        self._send(dest, payload)
 
     def flush(self) -> None:
         self._scheduled = False

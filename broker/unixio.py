@@ -36,21 +36,24 @@ import contextlib
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
-from broker import contract
+from broker import contract, gc_pause
 from broker.turn_batch import OnBatch, TurnBatcher
 
 log = logging.getLogger("shardmq.unixio")
 
 TURN_ITEMS = 1024  # items handled per connection per loop turn before reading pauses
+CONTROL_TURN_S = 0.002  # the control plane's _Base.turn_s in the workers
 _FRAME = contract.STREAM_FRAME
 _FRAME_SIZE = _FRAME.size
 _FRAME_MAX = (1 << (8 * _FRAME_SIZE)) - 1
 _HELLO = contract.STREAM_HELLO
 _READ_BUFFER = 256 * 1024  # starting size of a connection's read buffer; grows for bigger frames
 _MIN_READ = 64 * 1024  # free space offered to a read before unread data is moved to the front
+_BULK_BATCH = 1 << 20  # a batch this big is decoded and handled with the cyclic GC paused
 _RECONNECT_FIRST_S = 0.01
 _RECONNECT_MAX_S = 0.1  # ZeroMQ reconnects every 100 ms
 
@@ -115,6 +118,9 @@ class _Stream(asyncio.BufferedProtocol):
         view = self._view
         owner = self.owner
         budget = TURN_ITEMS
+        turn_s = owner.turn_s
+        if turn_s is not None:
+            until = time.perf_counter() + turn_s
         while not self.closed:
             start = self._start
             have = self._end - start
@@ -127,7 +133,7 @@ class _Stream(asyncio.BufferedProtocol):
             self._need = 0
             self._start = start + _FRAME_SIZE + size
             budget -= owner._frame(self, view[start + _FRAME_SIZE:self._start])
-            if budget <= 0:
+            if budget <= 0 or (turn_s is not None and time.perf_counter() > until):
                 if self._end - self._start >= _FRAME_SIZE and not self.closed:
                     self._pause()
                     return
@@ -166,6 +172,10 @@ class _Base(TurnBatcher):
 
     __slots__ = ()
 
+    # Seconds of batch handling per connection per loop turn, if set (the control plane: one DEFS
+    # slice of a vhost delete costs far more than its item count says); reading pauses after it.
+    turn_s: float | None = None
+
     def _send(self, dest: bytes | None, payload: bytes) -> None:
         if self._closed:
             return
@@ -178,14 +188,22 @@ class _Base(TurnBatcher):
 
     def _deliver(self, ident: bytes | None, payload: memoryview) -> int:
         """Decode one batch and hand it on; returns its number of items (the read budget)."""
+        if len(payload) >= _BULK_BATCH:
+            # A SNAPSHOT of 100,000 queues (or a full STATS): decoding it with the collector on
+            # walked the growing heap again and again, half of the decode's time (broker/gc_pause.py).
+            with gc_pause.paused():
+                return self._deliver_decoded(ident, payload)
+        return self._deliver_decoded(ident, payload)
+
+    def _deliver_decoded(self, ident: bytes | None, payload: memoryview) -> int:
         try:
             header, items = contract.unpack(payload)
         except ValueError:
             return 1
         if self._trace is not None:
             self._trace.batch(self._trace_in, items, self._trace_keep)
-        self.on_batch(ident, header, items)
-        return len(items) or 1
+        weight = self.on_batch(ident, header, items)
+        return weight or len(items) or 1
 
     # provided by each end
     def _write(self, dest: bytes | None, payload: bytes) -> None:

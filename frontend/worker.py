@@ -22,7 +22,7 @@ from broker import contract, data_sockets, gc_pause, stage_trace
 from broker.definitions import Definitions
 from broker.heap_trim import HeapTrimmer
 from broker.tls import reload_certificate, server_context
-from broker.zmqio import BatchSocket, make_socket
+from broker.unixio import CONTROL_TURN_S, UnixDealer
 from frontend.listeners import FORWARDED, LISTENERS, load
 from frontend.proxy import ProxyProtocolListener
 from frontend.session import CONNECTION_FORCED, Session
@@ -83,7 +83,7 @@ class FrontendWorker:
         self.n_confirmed = 0
         self.n_unroutable_returned = 0
         self.n_unroutable_dropped = 0
-        self.node: BatchSocket | None = None
+        self.node: UnixDealer | None = None  # the control plane (broker/unixio.py)
         self.servers: list[asyncio.AbstractServer] = []
         self._forwarded: dict[str, Callable] = {}
         self._ws_runner: Any = None
@@ -95,6 +95,9 @@ class FrontendWorker:
         # req_id -> (shard, connection, callback)
         self._shard_pending: dict[int, tuple[int, Session, Callback, Callable[[int], list]]] = {}
         self._dirty: list[Session] = []
+        # Node requests held back, in order: (shard, batch seq it must have processed, item); see
+        # node_request (a queue.delete behind a publish still in flight to the queue's shard).
+        self._held_requests: deque[tuple[int | None, int, list]] = deque()
         self._turn_scheduled = False
         # Restarted shards whose publish lane has not answered yet: their control-lane items wait here.
         self._control_held: dict[int, list] = {}
@@ -105,9 +108,10 @@ class FrontendWorker:
 
     # ----------------------------------------------------------------- startup
     async def start(self) -> None:
-        node_sock = make_socket(self.ctx, zmq.DEALER, self.ident)
-        node_sock.connect(contract.node_address(self.run_dir))
-        self.node = BatchSocket(self.loop, node_sock, self._on_node)
+        self.node = UnixDealer(self.loop, contract.node_stream_path(self.run_dir), self.ident, self._on_node)
+        # A sliced commit (a vhost of 10,000 queues) is applied a few ms per loop turn at most, so
+        # publishes to other queues go on between its slices (broker/node.py _commit).
+        self.node.turn_s = CONTROL_TURN_S
         self.node.send_now(None, [[contract.HELLO, contract.VERSION, "frontend", self.index, os.getpid()]])
         version, defs_dict, epochs, settings = await self._snapshot
         self.settings = settings
@@ -247,8 +251,9 @@ class FrontendWorker:
                 "node_pending": len(self._node_pending)}
 
     # -------------------------------------------------------------- node side
-    def _on_node(self, _ident: bytes | None, _header: Any, items: list) -> None:
+    def _on_node(self, _ident: bytes | None, _header: Any, items: list) -> int:
         applied = None  # one APPLIED per batch, for its newest DEFS (pipelined declares bring many)
+        weight = len(items)  # what this batch counts against the turn's read budget (broker/unixio.py)
         for item in items:
             kind = item[0]
             try:
@@ -261,6 +266,7 @@ class FrontendWorker:
                     for op in item[2]:
                         defs.apply(op)
                     applied = item[1]
+                    weight += len(item[2])
                 elif kind == contract.SNAPSHOT:
                     if not self._snapshot.done():
                         self._snapshot.set_result(item[1:5])
@@ -296,12 +302,39 @@ class FrontendWorker:
                 log.exception("frontend %d: failed to handle node item kind %r", self.index, kind)
         if applied is not None:
             self.node.put(None, [contract.APPLIED, applied])
+        return weight
 
     def node_request(self, op: str, args: dict, callback: Callback | None) -> None:
         self._next_req += 1
         req_id = self._next_req
         self._node_pending[req_id] = callback
-        self.node.put(None, [contract.REQUEST, req_id, op, args])
+        item = [contract.REQUEST, req_id, op, args]
+        held = self._held_requests
+        if op == "queue.delete" and not held:
+            # delete-ok counts the queue's messages: the node asks its shard over the control plane,
+            # which may overtake a publish to it still on our publish lane (a publish right before
+            # the delete on the same channel). The request waits until the shard has PROCESSED
+            # every batch sent (or about to be sent, this turn) to it: no wait when none is in flight.
+            q = self.defs.queue(args.get("vhost", "/"), args.get("queue", ""))
+            if q is not None and q.shard < self.shard_count:
+                need = self._sent[q.shard] + (1 if self.shards[q.shard]._pending else 0)
+                if self._processed[q.shard] < need:
+                    held.append((q.shard, need, item))
+                    return
+        if held:  # requests reach the node in the order made (a channel's chain, request_chains.py)
+            held.append((None, 0, item))
+            return
+        self.node.put(None, item)
+
+    def _release_requests(self) -> None:
+        """Send the held node requests whose shard has processed what they wait for, in order."""
+        held = self._held_requests
+        while held:
+            shard, need, item = held[0]
+            if shard is not None and self._processed[shard] < need:
+                return
+            held.popleft()
+            self.node.put(None, item)
 
     def _shard_up(self, shard: int, epoch: int) -> None:
         if shard >= self.shard_count or self.epochs[shard] == epoch:
@@ -312,6 +345,7 @@ class FrontendWorker:
         # Nothing more will come back for batches the old incarnation had.
         self._processed[shard] = self._sent[shard]
         self._answered(shard, self._sent[shard])
+        self._release_requests()
         self._update_pressure()
         # Connections stay open (frontend/amqp/shard_loss.py): what they had in flight there is settled...
         for conn in list(self.conns.values()):
@@ -408,6 +442,8 @@ class FrontendWorker:
                     if item[1] > self._processed[shard]:
                         self._processed[shard] = item[1]
                         self._answered(shard, item[1])
+                        if self._held_requests:
+                            self._release_requests()
                         if self.pressure:
                             self._update_pressure()
                 elif kind == _REPLY_DATA:

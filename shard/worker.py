@@ -24,7 +24,7 @@ from broker.datadir import name_hash
 from broker.definitions import Definitions
 from broker.fsync_beacon import FsyncBeacon, stall_for_tests
 from broker.policies import POLICY_OPS
-from broker.zmqio import BatchSocket, make_socket
+from broker.unixio import CONTROL_TURN_S, UnixDealer
 from shard.ack_timeouts import AckTimeouts
 from shard.admin import admin_query
 from shard.consumers import ChannelRef, Consumer
@@ -109,7 +109,7 @@ class ShardWorker:
         self._store_failure_logged = 0.0
         self._lane: bytes | None = None  # sender identity of the batch being handled
         self._node_req = 0
-        self.node: BatchSocket | None = None
+        self.node: UnixDealer | None = None  # the control plane (broker/unixio.py)
         self.data: Any = None  # BatchSocket or UnixRouter (broker/data_sockets.py)
         # TTL, queue expiry and consumer timeouts of every queue here: one heap, one loop timer.
         self.timers = TimerHeap(loop)
@@ -142,9 +142,10 @@ class ShardWorker:
         trace = stage_trace.get("shard")  # --trace-stages (debug): None normally
         if trace is not None:
             self.data.set_trace(trace, "sh_publish_in", "sh_deliver_out")
-        node_sock = make_socket(self.ctx, zmq.DEALER, self.ident)
-        node_sock.connect(contract.node_address(self.run_dir))
-        self.node = BatchSocket(self.loop, node_sock, self._on_control)
+        self.node = UnixDealer(self.loop, contract.node_stream_path(self.run_dir), self.ident, self._on_control)
+        # A sliced commit (a vhost of 10,000 queues) is applied a few ms per loop turn at most, so
+        # publishes to other queues go on between its slices (broker/node.py _commit).
+        self.node.turn_s = CONTROL_TURN_S
         self.node.send_now(None, [[contract.HELLO, contract.VERSION, "shard", self.index, os.getpid()]])
         await self._ready.wait()
         self.loop.call_later(_PERIODIC_SYNC_S, self._periodic_sync)
@@ -162,8 +163,9 @@ class ShardWorker:
         self.loop.call_later(interval, self._send_stats)
 
     # --------------------------------------------------------------- control
-    def _on_control(self, _ident: bytes | None, _header, items: list) -> None:
+    def _on_control(self, _ident: bytes | None, _header, items: list) -> int:
         applied = None  # one APPLIED per batch, for its newest DEFS (pipelined declares bring many)
+        weight = len(items)  # what this batch counts against the turn's read budget (broker/unixio.py)
         for item in items:
             kind = item[0]
             if kind == contract.SNAPSHOT:
@@ -171,6 +173,7 @@ class ShardWorker:
             elif kind == contract.DEFS:
                 self._apply_defs(item[2])
                 applied = item[1]
+                weight += len(item[2])
             elif kind == contract.QUERY:
                 self._answer_query(item[1], item[2], item[3])
             elif kind == contract.WORKER_DOWN:
@@ -194,6 +197,7 @@ class ShardWorker:
                     self.repl.set_isr(set(item[1]), int(item[2]))
         if applied is not None:
             self.node.put(None, [contract.APPLIED, applied])
+        return weight
 
     def _load_snapshot(self, item: list) -> None:
         _, version, defs_dict, epochs, settings = item

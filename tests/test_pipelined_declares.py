@@ -111,3 +111,61 @@ def test_server_named_queue_then_empty_name_bind_in_one_write(shared_node):
         assert raw.expect(1, C.Basic.GetOk).routing_key == "srv"
     finally:
         raw.close()
+
+
+def test_pipelined_deletes_answer_their_own_counts_in_order(shared_node):
+    # The node asks the shards for every delete's counts while the deletes before it are still
+    # applied (broker/node.py _early_counts): each delete-ok must still carry its own queue's count,
+    # in the order sent, from both shards; a queue deleted and declared again in the same burst
+    # counts 0 the second time (its count is asked for again, not taken from before).
+    names = [n for i in range(30) for n in names_on_different_shards(f"pdel{i}-{uid('')}")]
+    conn = shared_node.connect()
+    try:
+        ch = conn.channel()
+        ch.confirm_delivery()
+        for i, n in enumerate(names):
+            ch.queue_declare(n)
+            for _ in range(i % 7):
+                ch.basic_publish("", n, b"x")
+    finally:
+        conn.close()
+    again = names[0]
+    raw = FrameClient(shared_node.port)
+    try:
+        raw.open_channel(1)
+        raw.sock.sendall(_frames(1, *(C.Queue.Delete(queue=n) for n in names),
+                                 C.Queue.Declare(queue=again), C.Queue.Delete(queue=again),
+                                 C.Queue.Delete(queue=names[1], if_empty=True)))
+        got = [raw.expect(1, C.Queue.DeleteOk).message_count for _ in names]
+        assert got == [i % 7 for i in range(len(names))]
+        assert raw.expect(1, C.Queue.DeclareOk).message_count == 0
+        assert raw.expect(1, C.Queue.DeleteOk).message_count == 0
+        # An if-empty delete of a queue deleted earlier in the burst: gone, so nothing to count.
+        assert raw.expect(1, C.Queue.DeleteOk).message_count == 0
+    finally:
+        raw.close()
+    conn = shared_node.connect()
+    try:
+        assert not any(exists(conn, n) for n in names)
+    finally:
+        conn.close()
+
+
+def test_delete_right_after_publishes_counts_them(shared_node):
+    # Publishes then deletes in one write: the node asks the shards for the counts over the control
+    # plane, which must not overtake the publishes still on the frontend's publish lane
+    # (frontend/worker.py node_request holds the delete until the shard processed them).
+    names = [n for i in range(20) for n in names_on_different_shards(f"pubdel{i}-{uid('')}")]
+    raw = FrameClient(shared_node.port)
+    try:
+        raw.open_channel(1)
+        raw.sock.sendall(_frames(1, *(C.Queue.Declare(queue=n) for n in names)))
+        for _ in names:
+            raw.expect(1, C.Queue.DeclareOk)
+        raw.sock.sendall(b"".join((
+            *(raw.publish_frames(1, "", n, b"m") for n in names for _ in range(2)),
+            _frames(1, *(C.Queue.Delete(queue=n) for n in names)),
+        )))
+        assert [raw.expect(1, C.Queue.DeleteOk).message_count for _ in names] == [2] * len(names)
+    finally:
+        raw.close()

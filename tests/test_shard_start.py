@@ -2,9 +2,9 @@
 old shard dies): those batches must be handled once its snapshot is loaded, not dropped while
 PROCESSED is answered (which left a confirming publisher waiting forever).
 
-Drives a real ShardWorker over the real contract (broker/contract.py; the node's ZeroMQ socket and
-the data plane of each --ipc-transport, broker/data_sockets.py): the test plays the node (a ROUTER
-answering HELLO with SNAPSHOT, deliberately late) and a frontend (a data-plane connection that sends a
+Drives a real ShardWorker over the real contract (broker/contract.py; the node's control socket,
+broker/unixio.py, and the data plane of each --ipc-transport, broker/data_sockets.py): the test plays
+the node (its listening end answering HELLO with SNAPSHOT, deliberately late) and a frontend (a data-plane connection that sends a
 confirmed PUBLISH before the shard has its snapshot)."""
 
 from __future__ import annotations
@@ -13,19 +13,11 @@ import asyncio
 import os
 
 import pytest
-import zmq
-import zmq.asyncio
 
 from broker import contract, data_sockets
 from broker.definitions import Definitions
+from broker.unixio import UnixRouter
 from shard.worker import ShardWorker
-
-
-async def _recv_items(sock: zmq.asyncio.Socket, timeout: float) -> tuple[bytes | None, list]:
-    frames = await asyncio.wait_for(sock.recv_multipart(), timeout)
-    ident = frames[0] if len(frames) > 1 else None
-    _header, items = contract.unpack(frames[-1])
-    return ident, items
 
 
 @pytest.mark.parametrize("transport", ["unix", "zmq"])
@@ -41,10 +33,9 @@ def test_a_publish_sent_before_the_snapshot_is_stored_and_confirmed(tmp_path, mo
 
     async def scenario() -> list:
         loop = asyncio.get_running_loop()
-        ctx = zmq.asyncio.Context()
-        node = ctx.socket(zmq.ROUTER)
-        node.setsockopt(zmq.LINGER, 0)
-        node.bind(contract.node_address(str(run_dir)))
+        from_shard: asyncio.Queue = asyncio.Queue()
+        node = UnixRouter(loop, contract.node_stream_path(str(run_dir)),
+                          lambda ident, _header, items: from_shard.put_nowait((ident, items)))
         answers: list = []
         # The frontend's publish lane, created before the shard listens (its batch waits until it does).
         fe = data_sockets.shard_connection(loop, str(run_dir), 0, contract.worker_id("frontend", 0),
@@ -54,13 +45,12 @@ def test_a_publish_sent_before_the_snapshot_is_stored_and_confirmed(tmp_path, mo
         await asyncio.sleep(0.05)
         shard = ShardWorker(0, str(run_dir), loop)
         start = loop.create_task(shard.start())
-        ident, items = await _recv_items(node, 10)
+        ident, items = await asyncio.wait_for(from_shard.get(), 10)
         assert items[0][0] == contract.HELLO
         await asyncio.sleep(0.3)  # the shard has read the early batch by now
         settings = {"data_dir": str(data_dir), "segment_size": 1 << 20, "sync": "fsync", "shards": 1,
                     "consumer_timeout": 0}
-        await node.send_multipart([ident, contract.pack(0, [[contract.SNAPSHOT, defs.version, defs.to_dict(),
-                                                            {0: epoch}, settings]])])
+        node.send_now(ident, [[contract.SNAPSHOT, defs.version, defs.to_dict(), {0: epoch}, settings]])
         await asyncio.wait_for(start, 10)
         deadline = loop.time() + 10
         while not any(a[0] == contract.CONFIRM for a in answers):
@@ -69,7 +59,6 @@ def test_a_publish_sent_before_the_snapshot_is_stored_and_confirmed(tmp_path, mo
         await shard.stop()
         fe.close()
         node.close()
-        ctx.term()
         return answers
 
     answers = asyncio.run(scenario())
