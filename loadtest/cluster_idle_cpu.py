@@ -37,25 +37,7 @@ def measure(workdir: Path, nodes_n: int, seconds: float, ttl: int, node_args: li
     prefix = f"idle{os.getpid()}"
     nodes: list[repl_ratio.Node] = []
     try:
-        for i in range(nodes_n):
-            name = f"n{i + 1}"
-            node = repl_ratio.Node(name, workdir / name, [
-                "--cluster", "--etcd-endpoints", etcd.endpoints, "--etcd-prefix", prefix,
-                "--node-name", name, "--advertised-host", "127.0.0.1", "--lease-ttl", str(ttl),
-                "--cluster-secret-file", str(secret), *node_args])
-            node.argv += ["--replication-port", str(node.repl_port)]
-            nodes.append(node)
-        nodes[0].start()
-        repl_ratio._wait(nodes[0].leader, 60, "n1 to lead")
-        for n in nodes[1:]:
-            n.start()
-
-        def all_in_sync() -> bool:
-            st = repl_ratio._cluster_status(nodes[0].http_port)
-            fol = st.get("followers") or {}
-            return len(st.get("isr") or []) == nodes_n and len(fol) == nodes_n - 1 and all(
-                f.get("in_sync") for f in fol.values())
-        repl_ratio._wait(all_in_sync, 120, "every follower in the ISR")
+        repl_ratio.start_synced_cluster(nodes, workdir, etcd.endpoints, prefix, secret, ttl, nodes_n, node_args)
         time.sleep(_SETTLE_S)  # start-up work (full syncs, imports, first stats) is not the idle floor
         trees = {n.name: n.proc.pid for n in nodes}
         trees["etcd"] = etcd.members[0].proc.pid

@@ -43,25 +43,7 @@ def measure(workdir: Path, nodes_n: int, ttl: int) -> dict:
     host, port = etcd.endpoints.split(",")[0].rsplit(":", 1)
     client = etcd3.client(host=host, port=int(port))
     try:
-        for i in range(nodes_n):
-            name = f"n{i + 1}"
-            node = repl_ratio.Node(name, workdir / name, [
-                "--cluster", "--etcd-endpoints", etcd.endpoints, "--etcd-prefix", prefix,
-                "--node-name", name, "--advertised-host", "127.0.0.1", "--lease-ttl", str(ttl),
-                "--cluster-secret-file", str(secret)])
-            node.argv += ["--replication-port", str(node.repl_port)]
-            nodes.append(node)
-        nodes[0].start()
-        repl_ratio._wait(nodes[0].leader, 60, "n1 to lead")
-        for n in nodes[1:]:
-            n.start()
-
-        def all_in_sync() -> bool:
-            st = repl_ratio._cluster_status(nodes[0].http_port)
-            fol = st.get("followers") or {}
-            return len(st.get("isr") or []) == nodes_n and len(fol) == nodes_n - 1 and all(
-                f.get("in_sync") for f in fol.values())
-        repl_ratio._wait(all_in_sync, 120, "every follower in the ISR")
+        repl_ratio.start_synced_cluster(nodes, workdir, etcd.endpoints, prefix, secret, ttl, nodes_n)
         repl_ratio._wait(lambda: all(n.ready() for n in nodes[1:]), 60, "the followers to proxy")
         assert _leader(client, prefix) == "n1"
         t_kill = time.monotonic()

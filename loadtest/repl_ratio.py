@@ -152,6 +152,34 @@ def _cluster_status(port: int) -> dict:
         return {}
 
 
+def start_synced_cluster(nodes: list[Node], workdir: Path, etcd_endpoints: str, prefix: str, secret: Path,
+                         ttl: int, nodes_n: int, node_args: list[str] | tuple[str, ...] = ()) -> None:
+    """Start n1 as leader, then the followers, and wait until every follower is in the ISR.
+
+    Started nodes are appended to `nodes` as they are made, so the caller's cleanup stops them even
+    when a wait here fails.
+    """
+    for i in range(nodes_n):
+        name = f"n{i + 1}"
+        node = Node(name, workdir / name, [
+            "--cluster", "--etcd-endpoints", etcd_endpoints, "--etcd-prefix", prefix,
+            "--node-name", name, "--advertised-host", "127.0.0.1", "--lease-ttl", str(ttl),
+            "--cluster-secret-file", str(secret), *node_args])
+        node.argv += ["--replication-port", str(node.repl_port)]
+        nodes.append(node)
+    nodes[0].start()
+    _wait(nodes[0].leader, 60, "n1 to lead")
+    for n in nodes[1:]:
+        n.start()
+
+    def all_in_sync() -> bool:
+        st = _cluster_status(nodes[0].http_port)
+        fol = st.get("followers") or {}
+        return len(st.get("isr") or []) == nodes_n and len(fol) == nodes_n - 1 and all(
+            f.get("in_sync") for f in fol.values())
+    _wait(all_in_sync, 120, "every follower in the ISR")
+
+
 def _perf(uri: str, perf_args: list[str]) -> tuple[dict, float]:
     """Run the load generator; return its JSON result and the CPU seconds it used."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
