@@ -116,3 +116,24 @@ def connections_on_two_frontends(node, attempts: int = 40):
     for connection in by_frontend.values():
         connection.close()
     pytest.fail(f"{attempts} connections all landed on frontend(s) {sorted(by_frontend)}")
+
+
+def flood_thread(url: str, queue: str, body: bytes, chunk: int, stop, published: list, errors: list):
+    """A daemon thread that publishes `body` to `queue` unconfirmed, `chunk` frames per send, until
+    `stop` is set; it counts into published[0] and appends what it raised to `errors`."""
+    import threading
+
+    from broker.amqp import encoder
+    from loadtest.amqp_client import AMQPClient
+
+    def flood() -> None:
+        try:
+            with AMQPClient(url, timeout=30.0).connect() as pub:
+                frames = encoder.encode_publish(1, "", queue, False, b"\x00\x00", body, pub.frame_max) * chunk
+                while not stop.is_set():
+                    pub.send(frames)
+                    published[0] += chunk
+        except Exception as exc:
+            errors.append(exc)
+
+    return threading.Thread(target=flood, daemon=True)

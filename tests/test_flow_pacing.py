@@ -17,6 +17,7 @@ import time
 from broker.amqp import encoder, events
 from loadtest.amqp_client import AMQPClient
 from shard import worker
+from tests.helpers import flood_thread
 
 WANT = 30_000
 PREFETCH = 1000
@@ -30,21 +31,11 @@ def test_an_unconfirmed_flood_is_paced_to_an_acking_consumer(node_factory):
     published = [0]
     errors: list = []
 
-    def flood() -> None:
-        try:
-            with AMQPClient(node.url, timeout=30.0).connect() as pub:
-                chunk = encoder.encode_publish(1, "", queue, False, b"\x00\x00", b"x" * 1024, pub.frame_max) * CHUNK
-                while not stop.is_set():
-                    pub.send(chunk)
-                    published[0] += CHUNK
-        except Exception as exc:
-            errors.append(exc)
-
     with AMQPClient(node.url, timeout=30.0).connect() as con:
         con.queue_declare(queue)
         con.basic_qos(PREFETCH)
         con.basic_consume(queue, no_ack=False)
-        publisher = threading.Thread(target=flood, daemon=True)
+        publisher = flood_thread(node.url, queue, b"x" * 1024, CHUNK, stop, published, errors)
         publisher.start()
         try:
             got = 0

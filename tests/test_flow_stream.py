@@ -13,6 +13,7 @@ import time
 
 from broker.amqp import encoder, events
 from loadtest.amqp_client import AMQPClient
+from tests.helpers import flood_thread
 
 WANT = 3000  # ~100 s at the starved rate; well under a second when paced
 PREFETCH = 10
@@ -25,21 +26,11 @@ def test_stream_consumer_progresses_during_an_unconfirmed_publish_flood(node_fac
     published = [0]
     errors: list = []
 
-    def flood() -> None:
-        try:
-            with AMQPClient(node.url, timeout=30.0).connect() as pub:
-                chunk = encoder.encode_publish(1, "", queue, False, b"\x00\x00", b"x" * 16, pub.frame_max) * 500
-                while not stop.is_set():
-                    pub.send(chunk)
-                    published[0] += 500
-        except Exception as exc:
-            errors.append(exc)
-
     with AMQPClient(node.url, timeout=30.0).connect() as con:
         con.queue_declare(queue, durable=True, arguments={"x-queue-type": "stream"})
         con.basic_qos(PREFETCH)
         con.basic_consume(queue, no_ack=False)  # x-stream-offset defaults to next: the tail
-        publisher = threading.Thread(target=flood, daemon=True)
+        publisher = flood_thread(node.url, queue, b"x" * 16, 500, stop, published, errors)
         publisher.start()
         try:
             got = 0
