@@ -64,6 +64,9 @@ class Node:
         self.sup = Supervisor(self.datadir.run_dir, settings.log_level, self._on_worker_exit, self._on_spawn)
         self.by_ident: dict[bytes, WorkerProcess] = {}
         self.ctl: UnixRouter | None = None
+        # DEFS held back for the worker whose request they answer: sent in one batch with its REPLY,
+        # before anything else for that worker (_put), instead of at once (see _commit).
+        self._held: dict[bytes, list] = {}
         # (version, future) in version order: answered once every connected worker applied it.
         # (version, worker identity not waited for or None, future), in version order.
         self._apply_waiters: deque[tuple[int, bytes | None, asyncio.Future]] = deque()
@@ -374,6 +377,7 @@ class Node:
             log.warning("cannot write %s/pids.json: %s", self.datadir.run_dir, exc)
 
     def _on_worker_exit(self, worker: WorkerProcess, _code: int) -> None:
+        self._held.pop(contract.worker_id(worker.role, worker.index), None)
         self._check_apply_waiters()
         self._chains.forget(contract.worker_id(worker.role, worker.index))
         self.stats.forget(worker.role, worker.index)
@@ -402,7 +406,30 @@ class Node:
     def _broadcast(self, role: str | None, item: list) -> None:
         for ident, w in self.by_ident.items():
             if w.connected and (role is None or w.role == role):
-                self.ctl.put(ident, item)
+                self._put(ident, item)
+
+    def _broadcast_defs(self, version: int, ops: list, origin: bytes | None) -> None:
+        """DEFS to every worker; the one whose request this is (origin) gets them with its REPLY.
+
+        The REPLY is sent only once every other worker has applied them, and the origin applies
+        the DEFS before it reads the REPLY behind them: sent at once, they only woke it (and then
+        the node, for an APPLIED nobody waits for) while the other workers, who are on the round
+        trip's path, needed the cores. Its copy says so (``ack`` False): no APPLIED for it."""
+        item = [contract.DEFS, version, ops]
+        for ident, w in self.by_ident.items():
+            if w.connected:
+                if ident == origin:
+                    self._held.setdefault(ident, []).append([contract.DEFS, version, ops, False])
+                else:
+                    self._put(ident, item)
+
+    def _put(self, ident: bytes, item: list) -> None:
+        """Every item for a worker goes through here: DEFS held for it (_commit) go out first, in order."""
+        held = self._held.pop(ident, None)
+        if held is not None:
+            for h in held:
+                self.ctl.put(ident, h)
+        self.ctl.put(ident, item)
 
     # --------------------------------------------------------------- control
     def _on_control(self, ident: bytes | None, _header: Any, items: list) -> None:
@@ -424,7 +451,7 @@ class Node:
             elif kind == contract.FORWARD:
                 target = self.by_ident.get(contract.worker_id("frontend", int(item[1])))
                 if target is not None and target.connected:
-                    self.ctl.put(contract.worker_id("frontend", int(item[1])), [contract.FORWARDED, item[2]])
+                    self._put(contract.worker_id("frontend", int(item[1])), [contract.FORWARDED, item[2]])
             elif kind == contract.STATS:
                 if w.role == "frontend" and isinstance(item[1], dict):
                     self.heap_trimmer.closed(len(item[1].get("closed", ())))
@@ -433,7 +460,7 @@ class Node:
                     if w.role == "shard":
                         self._spawn_task(self.shard_query(w.index, "stats_full", {}))
                     else:  # a frontend does not answer this one
-                        self.ctl.put(ident, [contract.QUERY, 0, "stats_full", {}])
+                        self._put(ident, [contract.QUERY, 0, "stats_full", {}])
             elif kind == contract.QUERY_REPLY:
                 admin = self._admin_queries.pop(item[1], None)
                 if admin is not None:
@@ -473,21 +500,22 @@ class Node:
                 item = [contract.SNAPSHOT, self.defs.version, self.defs.to_dict(), self.epochs,
                         dataclasses.asdict(self.settings)]
                 self._snapshot = (key, contract.pack(0, [item]))
+        self._held.pop(ident, None)  # older than the snapshot, which holds them
         self.ctl.send_packed(ident, self._snapshot[1])
         if w.role == "frontend" and self.alarms:
-            self.ctl.put(ident, [contract.ALARMS, self.alarms])
+            self._put(ident, [contract.ALARMS, self.alarms])
         if w.role == "shard":
             # Shards that came up before this one said hello: it would not hear of them otherwise, and
             # it must know its peers are ready before it forwards recovered delayed messages to them.
             for x in self.sup.workers:
                 if x.role == "shard" and x is not w and x.connected and x.applied >= 0:
-                    self.ctl.put(ident, [contract.SHARD_UP, x.index, self.epochs[x.index]])
+                    self._put(ident, [contract.SHARD_UP, x.index, self.epochs[x.index]])
             if self.repl_leader is not None:
-                self.ctl.put(ident, [contract.REPL_ISR, sorted(self.repl_leader.isr), self.repl_leader.min_isr])
+                self._put(ident, [contract.REPL_ISR, sorted(self.repl_leader.isr), self.repl_leader.min_isr])
             elif self.repl_initial_isr:
                 # A promotion: the shards gate confirms on the ISR from etcd from their first
                 # publish on, before the replication leader runs (it starts after them).
-                self.ctl.put(ident, [contract.REPL_ISR, sorted(self.repl_initial_isr), self.settings.min_isr])
+                self._put(ident, [contract.REPL_ISR, sorted(self.repl_initial_isr), self.settings.min_isr])
         w.connected = True
 
     def _shard_up(self, w: WorkerProcess) -> None:
@@ -548,7 +576,7 @@ class Node:
                 self._chains.settle(key, mine, ok)
                 if early is not None and not early[1].done():
                     early[1].cancel()
-        self.ctl.put(ident, reply)
+        self._put(ident, reply)
 
     def _early_counts(self, a: dict) -> tuple[Any, asyncio.Task] | None:
         """Ask the shard for a pipelined queue.delete's counts now, while the channel's requests
@@ -757,7 +785,7 @@ class Node:
         ident = contract.worker_id("frontend", frontend)
         w = self.by_ident.get(ident)
         if w is not None and w.connected:
-            self.ctl.put(ident, item)
+            self._put(ident, item)
 
     async def shard_query(self, shard: int, op: str, args: dict) -> tuple[bool, Any]:
         """Ask a shard (shard/admin.py ops); (ok, result), result [code, text, ...] when not ok."""
@@ -769,7 +797,7 @@ class Node:
         qid = self._next_query
         fut = self.loop.create_future()
         self._admin_queries[qid] = fut
-        self.ctl.put(ident, [contract.QUERY, qid, op, args])
+        self._put(ident, [contract.QUERY, qid, op, args])
         try:
             async with asyncio.timeout(_QUERY_TIMEOUT_S):  # cancels fut on timeout, as wait_for did
                 return await fut
@@ -792,7 +820,7 @@ class Node:
         qid = self._next_query
         fut = self.loop.create_future()
         self._queries[qid] = fut
-        self.ctl.put(ident, [contract.QUERY, qid, "queue_info", {"vhost": vhost, "queue": name}])
+        self._put(ident, [contract.QUERY, qid, "queue_info", {"vhost": vhost, "queue": name}])
         try:
             async with asyncio.timeout(_QUERY_TIMEOUT_S):
                 return await fut
@@ -817,7 +845,7 @@ class Node:
         logged = durable_ops(defs, ops)  # judged before applying: a deleted queue is gone after
         if len(ops) <= _COMMIT_SLICE:
             defs.apply_all(ops)  # bumps defs.version once per op; every replica does the same
-            self._broadcast(None, [contract.DEFS, defs.version, ops])
+            self._broadcast_defs(defs.version, ops, origin)
         else:
             # A vhost of 10,000 queues: applied and sent in slices, one loop turn each, so that this
             # node and every worker (each handles a slice as one batch, a bounded number per turn)
@@ -831,9 +859,9 @@ class Node:
         wrote = self.defstore.record(logged)
         if on_applied is not None:
             on_applied()
-        # The worker that asked gets our DEFS before our REPLY on the same socket, and applies them
-        # before it reads the REPLY: its APPLIED need not be waited for (one process wake-up less
-        # on every declare's and bind's round trip).
+        # The worker that asked gets our DEFS in the REPLY's batch, before it (_broadcast_defs), and
+        # applies them before it reads the REPLY: its APPLIED need not be waited for (one process
+        # wake-up less on every declare's and bind's round trip).
         waits = [self._wait_all_applied(version, origin)]
         if wrote:
             waits.append(self._durable())
