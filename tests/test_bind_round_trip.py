@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import pika
 import pytest
+from pamqp import commands as C
 
 from tests.helpers import connections_on_two_frontends, get_one, uid
+from tests.raw_amqp import FrameClient
 from tests.test_feature_dlx import uid_on
+from tests.test_pipelined_declares import _frames
+from tests.test_queues import exists
 
 
 def _same_frontend_as(node, other):
@@ -91,3 +95,65 @@ def test_dead_letter_right_after_bind_ok_routes_through_the_binding(shared_node,
     finally:
         a.close()
         b.close()
+
+
+def test_pipelined_binds_are_answered_in_order_and_none_runs_after_a_failed_one(shared_node):
+    """Binds sent in one write: each is applied in the order sent (the node handles a bind at once
+    only when nothing of its channel is in flight), and after one that fails nothing runs."""
+    x = uid("rtpipe")
+    q = uid("rtpipeq")
+    q2 = uid("rtpipeq2")
+    after = uid("rtafter")
+    raw = FrameClient(shared_node.port)
+    try:
+        raw.open_channel(1)
+        raw.sock.sendall(_frames(1, C.Exchange.Declare(exchange=x, exchange_type="direct"), C.Queue.Declare(queue=q)))
+        raw.expect(1, C.Exchange.DeclareOk)
+        raw.expect(1, C.Queue.DeclareOk)
+        keys = [f"k{i}" for i in range(60)]
+        # Bind every key, unbind the even ones, bind k0 again: the order decides what is bound.
+        # A declare (the node asks no shard, but plans it in a task) and a bind of that queue behind it.
+        raw.sock.sendall(_frames(
+            1, C.Queue.Declare(queue=q2), C.Queue.Bind(queue=q2, exchange=x, routing_key="to-q2"),
+            *(C.Queue.Bind(queue=q, exchange=x, routing_key=k) for k in keys),
+            *(C.Queue.Unbind(queue=q, exchange=x, routing_key=k) for k in keys[::2]),
+            C.Queue.Bind(queue=q, exchange=x, routing_key="k0")))
+        raw.expect(1, C.Queue.DeclareOk)
+        for _ in range(1 + len(keys)):
+            raw.expect(1, C.Queue.BindOk)
+        for _ in keys[::2]:
+            raw.expect(1, C.Queue.UnbindOk)
+        raw.expect(1, C.Queue.BindOk)
+        # A bind that fails (no such exchange) in the middle: what follows it never runs.
+        raw.sock.sendall(_frames(
+            1, C.Queue.Bind(queue=q, exchange=x, routing_key="before"),
+            C.Queue.Bind(queue=q, exchange=uid("rtmissing"), routing_key="k"),
+            C.Queue.Bind(queue=q, exchange=x, routing_key="behind"),
+            C.Queue.Declare(queue=after),
+            C.Queue.Unbind(queue=q, exchange=x, routing_key="k1")))
+        raw.expect(1, C.Queue.BindOk)
+        assert raw.expect(1, C.Channel.Close).reply_code == 404
+        raw.send(1, C.Channel.CloseOk())
+    finally:
+        raw.close()
+    conn = shared_node.connect()
+    try:
+        ch = conn.channel()
+        ch.confirm_delivery()
+        routed = {"k0", "before", *keys[1::2]}
+        for k in ["before", "behind", *keys]:
+            if k in routed:
+                ch.basic_publish(x, k, k.encode(), mandatory=True)
+            else:
+                with pytest.raises(pika.exceptions.UnroutableError):
+                    ch.basic_publish(x, k, k.encode(), mandatory=True)
+        assert ch.queue_declare(q, passive=True).method.message_count == len(routed)
+        ch.basic_publish(x, "to-q2", b"q2", mandatory=True)
+        assert ch.queue_declare(q2, passive=True).method.message_count == 1
+        assert not exists(conn, after)
+        ch = conn.channel()
+        ch.queue_delete(q)
+        ch.queue_delete(q2)
+        ch.exchange_delete(x)
+    finally:
+        conn.close()
