@@ -561,8 +561,8 @@ class Node:
         """Handle a bind, unbind or exchange declare/delete in this turn, without a task; False: not here.
 
         What _handle_request does for them, without its task, gather and the loop turns between
-        (the synchronous bind loop spent a third of the node's CPU there): planned, applied and
-        broadcast now, answered from the callback of the futures it waits for. Only when nothing
+        (a quarter of the node's user CPU per bind in the synchronous bind loop, docs/benchmarks.md):
+        planned, applied and broadcast now, answered from the callback of the futures it waits for. Only when nothing
         can make it wait before it is applied: no earlier request of its channel in flight, no
         cluster gate, no sliced commit."""
         if op not in _PLANNED_AT_ONCE or self.repl_leader is not None:
