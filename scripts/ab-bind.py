@@ -7,10 +7,12 @@ Each run starts a fresh node from a tree (its defaults: 2 frontends + 2 shards o
 the bind loop, and prints pairs/s, the node's and every worker's CPU per operation (user+system
 µs, /proc/PID/stat) and voluntary context switches per operation (wake-ups: /proc/PID/status).
 Wall-clock pairs/s swing with the load of a shared machine; CPU and wake-ups per operation hardly
-do. The perf client runs from this script's tree.
+do. The perf client runs from this script's tree. AB_NODE_ARGS: extra node arguments for every
+run (e.g. "--frontends 1 --shards 1").
 """
 import json
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -48,7 +50,8 @@ def run(tree: str, seconds: float) -> None:
     port = _free_port()
     node = subprocess.Popen(
         [PY, "-m", "broker.cli", "--data-dir", data, "--port", str(port), "--http-port", "0",
-         "--prometheus-port", "0", "--mqtt-port", "0", "--ws-port", "0"],
+         "--prometheus-port", "0", "--mqtt-port", "0", "--ws-port", "0",
+         *shlex.split(os.environ.get("AB_NODE_ARGS", ""))],
         cwd=tree, env=dict(os.environ, PYTHONPATH=tree), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 30
