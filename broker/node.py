@@ -562,9 +562,10 @@ class Node:
 
         What _handle_request does for them, without its task, gather and the loop turns between
         (a quarter of the node's user CPU per bind in the synchronous bind loop, docs/benchmarks.md):
-        planned, applied and broadcast now, answered from the callback of the futures it waits for. Only when nothing
-        can make it wait before it is applied: no earlier request of its channel in flight, no
-        cluster gate, no sliced commit."""
+        planned, applied and broadcast now, answered from the callbacks of the futures it waits for.
+        Only when nothing can make it wait before it is applied: no earlier request of its channel
+        in flight, no cluster gate, no sliced commit. A request without a channel (MQTT) sends the
+        next one only after this one's reply, so there is nothing of it to overtake."""
         if op not in _PLANNED_AT_ONCE or self.repl_leader is not None:
             return False
         chain = args.get("chain")
