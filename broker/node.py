@@ -564,8 +564,9 @@ class Node:
         (a quarter of the node's user CPU per bind in the synchronous bind loop, docs/benchmarks.md):
         planned, applied and broadcast now, answered from the callbacks of the futures it waits for.
         Only when nothing can make it wait before it is applied: no earlier request of its channel
-        in flight, no cluster gate, no sliced commit. A request without a channel (MQTT) sends the
-        next one only after this one's reply, so there is nothing of it to overtake."""
+        in flight, no cluster gate, no sliced commit. A request without a channel (MQTT) is sent only
+        after the reply of any request it depends on (its session queue's declare before its
+        binds; a subscribe's binds before an unsubscribe's unbinds), so it overtakes nothing."""
         if op not in _PLANNED_AT_ONCE or self.repl_leader is not None:
             return False
         chain = args.get("chain")
