@@ -103,6 +103,23 @@ def test_restart_with_fewer_shards_moves_only_the_orphans_and_spreads_them():
     assert d.rebalance(4) == []  # more shards again: nobody moves back
 
 
+def test_a_follower_applying_the_leaders_ops_gets_the_leaders_placement():
+    """A cluster follower (and every worker) applies the leader's queue.declare ops, whose attrs
+    carry the shard: it never places a queue itself, whatever its own counts or setting."""
+    leader = Definitions()
+    ops = []
+    for n in skewed_names("l"):
+        new, _ = leader.plan_queue_declare(V, n, False, True, False, False, {}, None, 2)
+        leader.apply_all(new)
+        ops += new
+    follower = Definitions()
+    follower.placement = "hash"
+    follower.apply_all(ops)
+    assert {qu.name: qu.shard for qu in follower.vhosts[V].queues.values()} == \
+        {qu.name: qu.shard for qu in leader.vhosts[V].queues.values()}
+    assert follower.rebalance(2) == []  # a promotion with the same shard count moves nothing
+
+
 def test_definitions_import_spreads_queues_and_keeps_existing_ones():
     names = skewed_names("i")
     data = {"queues": [{"name": n, "vhost": V, "durable": True, "auto_delete": False, "arguments": {}}
