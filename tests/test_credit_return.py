@@ -8,7 +8,10 @@ window still turns over end to end.
 
 from __future__ import annotations
 
+from pamqp import commands as C
+
 from broker import contract
+from broker.amqp import events as E
 from frontend.amqp.channel import Consumer
 from frontend.amqp.connection import CREDIT_RETURN_AT
 
@@ -85,3 +88,26 @@ def test_no_credit_back_while_the_client_socket_is_paused():
     conn.resume_writing()
     conn.flush_turn()
     assert _credits(worker) == [(0, ch.key, "ctag", CREDIT_RETURN_AT)]
+
+
+def test_held_credit_of_a_cancelled_consumer_or_closed_channel_is_forgotten():
+    """A connection that consumes and cancels for hours keeps no entry per consumer tag it ever had."""
+    conn, worker, ch = _consuming(("a", "b"))
+    _deliver(conn, ch, 0, "a")
+    _deliver(conn, ch, 0, "b")
+    conn.flush_turn()
+    assert set(conn._credit) == {(0, ch.key, "a"), (0, ch.key, "b")}
+    ch.handle(E.MethodFrame(1, C.Basic.Cancel("a")))
+    [(_shard, _item, answered)] = worker.requests
+    answered(True, {})  # the shard dropped consumer a
+    assert set(conn._credit) == {(0, ch.key, "b")}
+    conn.on_cancel_notify(ch.key, "b")  # the shard cancelled b (its queue was deleted)
+    assert conn._credit == {}
+    ch.consumers["c"] = Consumer("c", "q", 0, True)
+    ch.consumers["c"].ready = True
+    _deliver(conn, ch, 0, "c")
+    conn.flush_turn()
+    assert conn._credit
+    conn.forget_channel(ch)
+    assert conn._credit == {}
+    assert _credits(worker) == []  # nothing was due: none of it went to the shard

@@ -344,6 +344,15 @@ class AMQPConnection(asyncio.Protocol):
         credit = self._credit
         credit[key] = credit.get(key, 0) + n
 
+    def drop_credit(self, channel: int, tag: str | None = None) -> None:
+        """Forget the credit held back for a consumer (``tag``) or a whole channel that is gone: the
+        shard has dropped it, and a connection that consumes and cancels for hours must not keep an
+        entry per consumer tag it ever had."""
+        credit = self._credit
+        if credit:
+            for key in [k for k in credit if k[1] == channel and (tag is None or k[2] == tag)]:
+                del credit[key]
+
     def flush_turn(self) -> None:
         """End of a loop turn: confirms, then one write, then the credit for what was written."""
         if self._confirm_channels:
@@ -485,6 +494,7 @@ class AMQPConnection(asyncio.Protocol):
 
     def forget_channel(self, ch: Channel) -> None:
         ch.state = CLOSED
+        self.drop_credit(ch.key)
         if self.channels.get(ch.number) is ch:
             del self.channels[ch.number]
         if self._confirm_channels:
