@@ -238,6 +238,7 @@ class Node:
             self.defs = self.defstore.load(default_user=s.default_user, default_pass=s.default_pass)
             self._snapshot = None  # versions of a reloaded model may repeat those of the cached one
             self.defs.loopback_users = tuple(s.loopback_users)
+            self.defs.placement = s.queue_placement
             self.defs.rebalance(s.shards)
         if s.definitions:
             ops = plan_from_file(self.defs, read_definitions_file(s.definitions))

@@ -48,7 +48,7 @@ log = logging.getLogger("shardmq.shard")
 _CONTROL_LANE_SUFFIX = contract.CONTROL_LANE_SUFFIX
 
 _PERIODIC_SYNC_S = 1.0
-_FLOW_BACKLOG = 4 * contract.CREDIT_WINDOW  # ready messages before publishers are paced
+_FLOW_BACKLOG = 8000  # ready messages before publishers are paced (4x the credit window of old)
 _FLOW_MAX_HOLD_S = 0.5
 _PACED_KINDS = frozenset((contract.PUBLISH, contract.DELAYED_PUBLISH, contract.DEDUP_PUBLISH,
                           contract.MARKED_PUBLISH))  # items that add messages
