@@ -1,10 +1,10 @@
 """How many cores the node may use, and the default frontend and shard counts for that many.
 
-The defaults are chosen by measurement (docs/benchmarks.md, "Default process counts"): on 1 and 2
-cores every combination of 1-2 frontends x 1-2 shards was run alternately under the same load;
-the counts for more cores are extrapolated from those two points (no bigger machine was measured).
-What changed with the measurement is what counts as a core: the ones this process may run on, not
-the host's (``available_cpus``).
+The defaults are chosen by measurement (docs/benchmarks.md, "Default process counts", re-measured
+2026-11-26 with the node in the tool's session, 8 scenarios including bind and connection churn):
+on 1 core 1x1, 1x2 and 2x1, on 2 cores 1x1, 1x2, 2x1 and 2x2, alternating under the same load; the
+counts for more cores are extrapolated from those two points (no bigger machine was measured).
+What counts as a core: the ones this process may run on, not the host's (``available_cpus``).
 """
 
 from __future__ import annotations
@@ -68,15 +68,20 @@ def available_cpus() -> int:
 
 
 def default_frontends(cores: int) -> int:
-    """Frontend processes for ``cores``: one per core. Measured on 1 and 2 cores (1 and 2 were the
-    best or within noise of the best there; fewer frontends than cores left 2 cores' throughput on
-    the table in the 4-queue scenario); one per core beyond that is extrapolated, not measured."""
+    """Frontend processes for ``cores``: one per core.
+
+    1 core: CPU per message the same for 1 or 2 frontends (16 B 5.8-6.6 µs); 1 has the cheaper bind
+    round trip (~400 µs CPU per bind+unbind against 470-490) and one process less. 2 cores: 2F x 2S
+    had the highest median in 4P/4C, fanout and confirms before main's credit/placement changes
+    (121k/98k/42k msg/s against 1F x 1S's 87k/65k/30k); after them 1F x 1S led 4P/4C (205k against
+    163k) at lower CPU per message, and it always does bind churn at about half the CPU (349 against
+    638 µs per pair): not settled, see the doc. Beyond 2 cores: one per core, extrapolated, not
+    measured."""
     return max(1, cores)
 
 
 def default_shards(cores: int) -> int:
-    """Shard processes for ``cores``: one per core. On 2 cores 2 shards were at or near the top in
-    every scenario and the steadiest under a loaded machine; 1 shard was not consistently better in
-    any. On 1 core every count cost the same CPU per message, so the fewest processes (1) win on
-    memory. Beyond 2 cores: extrapolated."""
+    """Shard processes for ``cores``: one per core, measured with ``default_frontends`` (the counts
+    were measured as pairs; see there). Every shard applies every definition change, so each one
+    adds to a bind round trip's CPU; beyond 2 cores: extrapolated, not measured."""
     return max(1, cores)
