@@ -70,8 +70,8 @@ def available_cpus() -> int:
 def default_frontends(cores: int) -> int:
     """Frontend processes for ``cores``: one per core.
 
-    1 core: CPU per message the same for 1 or 2 frontends (16 B 5.8-6.6 µs); 1 has the cheaper bind
-    round trip (~400 µs CPU per bind+unbind against 470-490) and one process less. 2 cores: 2F x 2S
+    1 core: CPU per message the same for 1 or 2 frontends (16 B 5.7-6.4 µs); 1 has the cheaper bind
+    round trip (392 µs CPU per bind+unbind against 487 and 505) and one process less. 2 cores: 2F x 2S
     had the highest median in 4P/4C, fanout and confirms before main's credit/placement changes
     (121k/98k/42k msg/s against 1F x 1S's 87k/65k/30k); after them 1F x 1S led 4P/4C (205k against
     163k) at lower CPU per message, and it always does bind churn at about half the CPU (349 against
