@@ -68,20 +68,20 @@ def available_cpus() -> int:
 
 
 def default_frontends(cores: int) -> int:
-    """Frontend processes for ``cores``: one per core.
+    """Frontend processes for ``cores``: one per two cores, at least 1 (frontends + shards = cores).
 
-    1 core: CPU per message the same for 1 or 2 frontends (16 B 5.7-6.4 µs); 1 has the cheaper bind
-    round trip (392 µs CPU per bind+unbind against 487 and 505) and one process less. 2 cores: 2F x 2S
-    had the highest median in 4P/4C, fanout and confirms before main's credit/placement changes
-    (121k/98k/42k msg/s against 1F x 1S's 87k/65k/30k); after them 1F x 1S led 4P/4C (205k against
-    163k) at lower CPU per message, and it always does bind churn at about half the CPU (349 against
-    638 µs per pair): not settled, see the doc. Beyond 2 cores: one per core, extrapolated, not
-    measured."""
-    return max(1, cores)
+    Measured on the tree with the 16000-credit window and balanced placement (2026-11-26, docs/
+    benchmarks.md "Default process counts"). 2 cores: 1F x 1S against 2F x 2S, medians of 3
+    alternating runs: 1P/1C 152k vs 143k msg/s (5.9 vs 6.0 µs CPU/msg), 4P/4C 205k vs 163k (6.2 vs
+    6.9), persistent confirms 46k vs 38k (19.4 vs 20.6), fanout 149k vs 162k (5.9 vs 6.8), latency
+    at 10k msg/s p50 203 vs 209 µs, bind+unbind 2,572 vs 1,608 pairs/s (299 vs 559 µs CPU: every
+    worker applies every definition change). 1 core: CPU per message the same for 1x1, 1x2, 2x1
+    (16 B 5.7-6.4 µs); 1x1 has the cheapest bind round trip (392 µs against 487 and 505) and the
+    fewest processes. Beyond 2 cores (2+2 on 4, 4+4 on 8): extrapolated, not measured."""
+    return max(1, cores // 2)
 
 
 def default_shards(cores: int) -> int:
-    """Shard processes for ``cores``: one per core, measured with ``default_frontends`` (the counts
-    were measured as pairs; see there). Every shard applies every definition change, so each one
-    adds to a bind round trip's CPU; beyond 2 cores: extrapolated, not measured."""
-    return max(1, cores)
+    """Shard processes for ``cores``: one per two cores, at least 1, measured with
+    ``default_frontends`` as pairs (see there). Beyond 2 cores: extrapolated, not measured."""
+    return max(1, cores // 2)
