@@ -25,6 +25,7 @@ PROG = "shardmq"
 ENV_PREFIX = "SHARDMQ_"
 SYNC_POLICIES = ("fsync", "none")
 IPC_TRANSPORTS = ("unix", "zmq")
+QUEUE_PLACEMENTS = ("balanced", "hash")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -113,6 +114,10 @@ class Settings:
     # written and read by the workers' event loops (broker/unixio.py), or "zmq" (ZeroMQ ROUTER/DEALER,
     # broker/zmqio.py: two I/O-thread handoffs per hop). The control plane to the node is ZeroMQ either way.
     ipc_transport: str = "unix"
+    # Where a new queue goes (broker/definitions/entities.py place_queue): "balanced" = the shard with
+    # the fewest queues of its vhost, "hash" = crc32(vhost, name) % shards. Recorded in the queue's
+    # definition either way: a queue keeps its shard across restarts and shard-count changes.
+    queue_placement: str = "balanced"
     # Resource alarms (broker/alarms.py): publishers are blocked while free disk space of the data dir is
     # below disk_free_limit or the node's memory is above vm_memory_high_watermark (RabbitMQ's syntax).
     disk_free_limit: str = "50MB"
@@ -255,6 +260,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("ipc_transport", "str", "main",
            "frontend<->shard data plane: unix stream sockets on the event loops, or ZeroMQ",
            choices=IPC_TRANSPORTS),
+    Option("queue_placement", "str", "main",
+           "shard of a new queue: the one with the fewest queues of its vhost, or by a hash of its name",
+           choices=QUEUE_PLACEMENTS),
     Option("cluster", "bool", "clustering", "run as a cluster member (etcd election, replication)",
            key="enabled"),
     Option("etcd_endpoints", "list", "clustering", "etcd endpoints HOST:PORT, comma separated"),

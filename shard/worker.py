@@ -48,7 +48,7 @@ log = logging.getLogger("shardmq.shard")
 _CONTROL_LANE_SUFFIX = contract.CONTROL_LANE_SUFFIX
 
 _PERIODIC_SYNC_S = 1.0
-_FLOW_BACKLOG = 4 * contract.CREDIT_WINDOW  # ready messages before publishers are paced
+_FLOW_BACKLOG = 8000  # ready messages before publishers are paced (4x the credit window of old)
 _FLOW_MAX_HOLD_S = 0.5
 _PACED_KINDS = frozenset((contract.PUBLISH, contract.DELAYED_PUBLISH, contract.DEDUP_PUBLISH,
                           contract.MARKED_PUBLISH))  # items that add messages
@@ -168,6 +168,7 @@ class ShardWorker:
     # --------------------------------------------------------------- control
     def _on_control(self, _ident: bytes | None, _header, items: list) -> int:
         applied = None  # one APPLIED per batch, for its newest DEFS (pipelined declares bring many)
+        ack = False  # the batch has DEFS that are not only the copy sent with our own request's REPLY
         weight = len(items)  # what this batch counts against the turn's read budget (broker/unixio.py)
         for item in items:
             kind = item[0]
@@ -176,6 +177,7 @@ class ShardWorker:
             elif kind == contract.DEFS:
                 self._apply_defs(item[2])
                 applied = item[1]
+                ack = ack or len(item) < 4 or item[3]
                 weight += len(item[2])
             elif kind == contract.QUERY:
                 self._answer_query(item[1], item[2], item[3])
@@ -198,7 +200,7 @@ class ShardWorker:
             elif kind == contract.REPL_ISR:
                 if self.repl is not None:
                     self.repl.set_isr(set(item[1]), int(item[2]))
-        if applied is not None:
+        if ack:
             self.node.put(None, [contract.APPLIED, applied])
         return weight
 

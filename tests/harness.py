@@ -243,6 +243,9 @@ class Node:
             "--ws-port", str(self.ws_port),
             "--wss-port", "0", "--https-port", "0", "--prometheus-tls-port", "0",  # a test that wants them over TLS passes its own after these
             "--replication-port", str(self.replication_port),
+            # Tests that set up cross-shard cases pick queue names by their hash (tests/helpers.py
+            # names_on_different_shards); tests/test_queue_placement.py passes balanced, the default.
+            "--queue-placement", "hash",
             *self.extra_args,
         ]
 

@@ -366,12 +366,16 @@ def test_ops_for_owner_gone():
     assert sorted(d.vhosts[V].queues) == ["f1", "shared"]
 
 
-def test_rebalance_moves_queues_to_new_shard_count():
+def test_rebalance_moves_only_queues_of_shards_that_are_gone():
     d = Definitions()
     for i in range(20):
-        declare_q(d, f"q{i}")
+        declare_q(d, f"q{i}")  # placed for 4 shards
+    before = {q.name: q.shard for q in d.vhosts[V].queues.values()}
+    assert d.rebalance(5) == []  # more shards: every queue stays
     d.rebalance(3)
-    assert all(q.shard == queue_shard(V, q.name, 3) for q in d.vhosts[V].queues.values())
+    after = {q.name: q.shard for q in d.vhosts[V].queues.values()}
+    assert {n: s for n, s in after.items() if before[n] < 3} == {n: s for n, s in before.items() if s < 3}
+    assert all(0 <= s < 3 for s in after.values())
     assert d.rebalance(3) == []
 
 

@@ -27,7 +27,7 @@ from tests.raw_mqtt import RawMQTT
 BODY = 16 << 10
 N = 4096  # 64 MiB published to a client that reads nothing
 # What may leave the queue while the client reads nothing: the frontend's high-water mark, the
-# consumer's credit window (contract.CREDIT_WINDOW, a credit per 4 KiB of body), the loopback
+# consumer's credit window (contract.CREDIT_WINDOW, a credit per 512 B of body), the loopback
 # socket buffers (a few MiB each way) and the two WebSocket messages the client library queues.
 CREDIT_BYTES = contract.CREDIT_WINDOW * (1 << contract.CREDIT_BYTES_SHIFT)
 FRONTEND_BOUND = HIGH_WATER + CREDIT_BYTES + (1 << 20)

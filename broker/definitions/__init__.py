@@ -77,6 +77,7 @@ from broker.definitions.entities import (  # noqa: F401  (re-exported: the packa
     User,
     VHost,
     binding_key,
+    place_queue,
     queue_shard,
 )
 from broker.definitions.plan import PlanMixin
@@ -106,6 +107,9 @@ class Definitions(RoutingMixin, PolicyMixin, PlanMixin):
         # user -> vhost -> exchange -> {write, read}: routing-key patterns (RabbitMQ's topic permissions)
         self.topic_permissions: dict[str, dict[str, dict[str, dict]]] = {}
         self.loopback_users: tuple[str, ...] = ("guest",)
+        # Where new queues go (config --queue-placement, set by the node): "balanced" or "hash".
+        self.placement = "balanced"
+        self.shard_queues: dict[int, int] = {}  # shard -> queues on it, all vhosts (placement)
 
     # ------------------------------------------------------------------ lookups
     def exchange(self, vhost: str, name: str) -> Exchange | None:
@@ -145,7 +149,10 @@ class Definitions(RoutingMixin, PolicyMixin, PlanMixin):
             v.metadata = dict(metadata)
 
     def _apply_vhost_delete(self, op: Sequence) -> None:
-        self.vhosts.pop(op[1], None)
+        v = self.vhosts.pop(op[1], None)
+        if v is not None:
+            for shard, n in v.shard_queues.items():
+                self.shard_queues[shard] -= n
         for perms in self.permissions.values():
             perms.pop(op[1], None)
         for tperms in self.topic_permissions.values():
@@ -223,7 +230,9 @@ class Definitions(RoutingMixin, PolicyMixin, PlanMixin):
         old = v.queues.get(name)
         if old is not None:
             q.route = old.route
+            self._count_queue(v, old.shard, -1)
         v.queues[name] = q
+        self._count_queue(v, q.shard, 1)
 
     def _apply_queue_delete(self, op: Sequence) -> None:
         v = self.vhosts.get(op[1])
@@ -231,12 +240,27 @@ class Definitions(RoutingMixin, PolicyMixin, PlanMixin):
             return
         for key in list(v.by_dest.get(("queue", op[2]), ())):
             self._remove_binding(v, key)
-        del v.queues[op[2]]
+        self._count_queue(v, v.queues.pop(op[2]).shard, -1)
 
     def _apply_queue_shard(self, op: Sequence) -> None:
-        q = self.queue(op[1], op[2])
+        v = self.vhosts.get(op[1])
+        q = v.queues.get(op[2]) if v is not None else None
         if q is not None:
+            self._count_queue(v, q.shard, -1)
             q.shard = int(op[3])
+            self._count_queue(v, q.shard, 1)
+
+    def _count_queue(self, v: VHost, shard: int, n: int) -> None:
+        v.shard_queues[shard] = v.shard_queues.get(shard, 0) + n
+        self.shard_queues[shard] = self.shard_queues.get(shard, 0) + n
+
+    def place_queue(self, vhost: str, name: str, shard_count: int) -> int:
+        """The shard a queue declared now goes to (see --queue-placement)."""
+        home = queue_shard(vhost, name, shard_count)
+        v = self.vhosts.get(vhost)
+        if self.placement == "hash" or v is None:
+            return home
+        return place_queue(v.shard_queues, self.shard_queues, home, shard_count)
 
     def _apply_bind(self, op: Sequence) -> None:
         _, vhost, source, dest_kind, dest, routing_key, arguments = op

@@ -112,7 +112,7 @@ class User:
 
 class VHost:
     __slots__ = ("name", "exchanges", "queues", "bindings", "by_dest", "policies", "operator_policies", "limits",
-                 "metadata")
+                 "metadata", "shard_queues")
 
     def __init__(self, name: str, metadata: dict | None = None) -> None:
         self.name = name
@@ -124,6 +124,7 @@ class VHost:
         self.queues: dict[str, Queue] = {}
         self.bindings: dict[BindingKey, dict] = {}  # key -> arguments as given
         self.by_dest: dict[tuple[str, str], set[BindingKey]] = {}
+        self.shard_queues: dict[int, int] = {}  # shard -> this vhost's queues on it (placement)
         for xname, xtype in PREDECLARED:
             self.exchanges[xname] = Exchange(xname, xtype, True, False, False, {})
 
@@ -133,6 +134,18 @@ def binding_key(source: str, dest_kind: str, dest: str, routing_key: str, argume
 
 
 def queue_shard(vhost: str, name: str, shard_count: int) -> int:
-    """Stable placement of a queue: the same on every boot and every process."""
+    """A queue's home shard by name: the placement of --queue-placement hash, and the tie-break of balanced."""
     return zlib.crc32(f"{vhost}\0{name}".encode()) % max(1, shard_count)
+
+
+def place_queue(vhost_counts: dict[int, int], node_counts: dict[int, int], home: int, shard_count: int) -> int:
+    """The shard a new queue goes to under balanced placement.
+
+    The shard with the fewest queues of its vhost (4 queues on 2 shards: 2 and 2, where the name
+    hash put 3 on one shard), then the fewest of the node, then its home shard by name (so the first
+    queue of an empty node lands where the hash put it), then the lowest index. The choice is
+    recorded in the queue's definition and never recomputed while the shard exists.
+    """
+    return min(range(max(1, shard_count)),
+               key=lambda s: (vhost_counts.get(s, 0), node_counts.get(s, 0), s != home, s))
 

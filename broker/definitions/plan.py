@@ -29,7 +29,6 @@ from broker.definitions.entities import (
     Queue,
     VHost,
     binding_key,
-    queue_shard,
 )
 from broker.definitions.validation import (
     EXCHANGE_EQUIVALENCE_ARGS,
@@ -207,7 +206,7 @@ class PlanMixin:
                            f"'{vhost}' ({limit}) is reached", method)
         attrs = {"durable": eff_durable, "exclusive_owner": list(want_owner) if want_owner else None,
                  "auto_delete": bool(auto_delete), "arguments": args,
-                 "shard": queue_shard(vhost, name, shard_count)}
+                 "shard": self.place_queue(vhost, name, shard_count)}
         return [["queue.declare", vhost, name, attrs]], name
 
     @staticmethod
@@ -330,11 +329,20 @@ class PlanMixin:
         return ops
 
     def rebalance(self, shard_count: int) -> list[list]:
-        """Place every queue for shard_count shards; applies and returns the ops it applied."""
-        ops = [["queue.shard", v.name, q.name, queue_shard(v.name, q.name, shard_count)]
-               for v in self.vhosts.values() for q in v.queues.values()
-               if q.shard != queue_shard(v.name, q.name, shard_count)]
-        self.apply_all(ops)
+        """Re-place the queues whose shard is gone (a restart with fewer shards); applies and returns the ops.
+
+        Every other queue keeps the shard recorded in its definition, whatever the shard count: its
+        data dir does not depend on it, and moving queues that are already placed would undo the
+        balance they were declared with. Queues are re-placed one by one, each op applied before the
+        next placement, so they spread like new declares.
+        """
+        ops = []
+        for v in self.vhosts.values():
+            for q in list(v.queues.values()):
+                if not 0 <= q.shard < shard_count:
+                    op = ["queue.shard", v.name, q.name, self.place_queue(v.name, q.name, shard_count)]
+                    self.apply(op)
+                    ops.append(op)
         return ops
 
     # ------------------------------------------------ vhosts, users (management)

@@ -73,6 +73,7 @@ def plan_import(defs: Definitions, data: dict, shard_count: int, vhost: str | No
     if not isinstance(data, dict):
         raise ValueError("definitions must be a JSON object")
     scratch = Definitions.from_dict(defs.to_dict())
+    scratch.placement = defs.placement  # imported queues spread like declared ones
     ops: list[list] = []
 
     def add(new: list[list]) -> None:
