@@ -77,7 +77,9 @@ import msgpack
 # its last report); QUERY op "stats_full" asks for every row.
 # 10: a frontend's STATS carries deltas too: "seq", "full", "closed", "rows_sent" (only the connections
 # opened or changed since its last report); QUERY op "stats_full" to a frontend (no reply) asks for all.
-VERSION = 10
+# 11: DEFS' optional 4th field ack (default True): False on the copy the node sends to the worker whose
+# request it answers, in the batch of that REPLY; the worker sends no APPLIED for it.
+VERSION = 11
 
 # --------------------------------------------------------------------------
 # Control plane: node <-> every worker (node.sock)
@@ -130,7 +132,8 @@ REPL_STATUS = 7  # (6 and 19 are STATS and ALARMS on branch mgmt)
 
 # node -> worker
 SNAPSHOT = 10  # [SNAPSHOT, defs_version, definitions(dict), shard_epochs({index: epoch}), settings(dict)]
-DEFS = 11  # [DEFS, defs_version, ops(list)]   ops are applied in order with Definitions.apply
+DEFS = 11  # [DEFS, defs_version, ops(list), ack(bool, optional)]   ops are applied in order with Definitions.apply;
+#          APPLIED answers every batch with a DEFS whose ack is not False
 REPLY = 12  # [REPLY, req_id, ok(bool), result]  result is a dict when ok, [reply_code, text, class_id, method_id] when not
 SHARD_UP = 13  # [SHARD_UP, index, epoch]      a shard (re)started; frontends and shards use the new epoch
 WORKER_DOWN = 14  # [WORKER_DOWN, role, index]  a worker died; shards drop a dead frontend's consumers

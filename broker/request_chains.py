@@ -38,6 +38,17 @@ class RequestChains:
         """A request of this channel failed: skip this one."""
         return key in self._failed
 
+    def busy(self, key: tuple) -> bool:
+        """A request of this channel is in flight (not applied yet)."""
+        return key in self._tails
+
+    def fail(self, key: tuple | None) -> None:
+        """A request handled without a link (Node._request_at_once) failed: skip the channel's next ones."""
+        if key is not None:
+            self._failed[key] = None
+            if len(self._failed) > MAX_FAILED:
+                del self._failed[next(iter(self._failed))]
+
     def link(self, key: tuple) -> tuple[asyncio.Future | None, asyncio.Future]:
         """Append a request to its channel's chain: (the previous request's outcome or None, ours)."""
         prev = self._tails.get(key)

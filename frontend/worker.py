@@ -253,6 +253,7 @@ class FrontendWorker:
     # -------------------------------------------------------------- node side
     def _on_node(self, _ident: bytes | None, _header: Any, items: list) -> int:
         applied = None  # one APPLIED per batch, for its newest DEFS (pipelined declares bring many)
+        ack = False  # the batch has DEFS that are not only the copy sent with our own request's REPLY
         weight = len(items)  # what this batch counts against the turn's read budget (broker/unixio.py)
         for item in items:
             kind = item[0]
@@ -266,6 +267,7 @@ class FrontendWorker:
                     for op in item[2]:
                         defs.apply(op)
                     applied = item[1]
+                    ack = ack or len(item) < 4 or item[3]
                     weight += len(item[2])
                 elif kind == contract.SNAPSHOT:
                     if not self._snapshot.done():
@@ -300,7 +302,7 @@ class FrontendWorker:
                     self.loop.create_task(self.stop())
             except Exception:
                 log.exception("frontend %d: failed to handle node item kind %r", self.index, kind)
-        if applied is not None:
+        if ack:
             self.node.put(None, [contract.APPLIED, applied])
         return weight
 

@@ -165,6 +165,7 @@ class ShardWorker:
     # --------------------------------------------------------------- control
     def _on_control(self, _ident: bytes | None, _header, items: list) -> int:
         applied = None  # one APPLIED per batch, for its newest DEFS (pipelined declares bring many)
+        ack = False  # the batch has DEFS that are not only the copy sent with our own request's REPLY
         weight = len(items)  # what this batch counts against the turn's read budget (broker/unixio.py)
         for item in items:
             kind = item[0]
@@ -173,6 +174,7 @@ class ShardWorker:
             elif kind == contract.DEFS:
                 self._apply_defs(item[2])
                 applied = item[1]
+                ack = ack or len(item) < 4 or item[3]
                 weight += len(item[2])
             elif kind == contract.QUERY:
                 self._answer_query(item[1], item[2], item[3])
@@ -195,7 +197,7 @@ class ShardWorker:
             elif kind == contract.REPL_ISR:
                 if self.repl is not None:
                     self.repl.set_isr(set(item[1]), int(item[2]))
-        if applied is not None:
+        if ack:
             self.node.put(None, [contract.APPLIED, applied])
         return weight
 
