@@ -45,6 +45,9 @@ SCENARIOS: dict[str, tuple[str, ...]] = {
     "1p1c-1kib-persistent-confirm": ("-x", "1", "-y", "1", "-s", "1024", "--persistent", "-c", "1000", "-a", "1",
                                      "-q", "1000"),
     "latency-10k": ("-x", "1", "-y", "1", "-s", "16", "--rate", "10000"),
+    "latency-1k": ("-x", "1", "-y", "1", "-s", "16", "--rate", "1000"),
+    "fanout-4queues": ("-x", "1", "-y", "4", "-s", "16", "--queues", "4", "--exchange", "bench-fanout",
+                       "--exchange-type", "fanout"),
 }
 
 

@@ -632,6 +632,7 @@ class Channel:
 
     def cancel_notify(self, tag: str) -> None:
         consumer = self.consumers.pop(tag, None)
+        self.conn.drop_credit(self.key, tag)
         if consumer is not None and self.state == OPEN and self.conn.cancel_notify:
             if consumer.queue == self.deleting:
                 self.deferred_cancels.append(tag)
@@ -874,6 +875,7 @@ class Channel:
             # cancel-ok), so a no-ack message is never lost in between.
             if self.consumers.get(tag) is consumer:
                 del self.consumers[tag]
+                self.conn.drop_credit(self.key, tag)
             put = self.conn.worker.shard_put
             for shard, item in consumer.early:
                 put(shard, [_NACK, self.conn.conn_id, self.key, True, [item[4], item[5]]])

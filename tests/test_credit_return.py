@@ -1,0 +1,113 @@
+"""When the frontend gives a consumer's delivery credit back to its shard (frontend/amqp/connection.py).
+
+Credit is returned in CREDIT_RETURN_AT lumps, not after every written delivery: a lone message at
+a steady rate then costs the shard no extra wake-up. Against the recording stand-in worker of
+test_channel_generations (no sockets); tests/test_basic.py's 10,000-message no-ack test shows the
+window still turns over end to end.
+"""
+
+from __future__ import annotations
+
+from pamqp import commands as C
+
+from broker import contract
+from broker.amqp import events as E
+from frontend.amqp.channel import Consumer
+from frontend.amqp.connection import CREDIT_RETURN_AT
+
+from .test_channel_generations import _frames, _running
+
+
+def _consuming(tags=("ctag",)):
+    conn, worker = _running()
+    conn._open_channel(1)
+    ch = conn.channels[1]
+    for tag in tags:
+        consumer = Consumer(tag, "q", 0, True)
+        consumer.ready = True
+        ch.consumers[tag] = consumer
+    _frames(conn)
+    return conn, worker, ch
+
+
+def _deliver(conn, ch, shard=0, tag="ctag", body=b"x"):
+    conn.on_deliver(shard, [contract.DELIVER, 7, ch.key, tag, 1, 1, False, "", "q", b"\x00\x00", body])
+
+
+def _credits(worker):
+    return [(shard, item[2], item[3], item[4]) for shard, item in worker.put if item[0] == contract.CREDIT]
+
+
+def test_credit_goes_back_in_lumps_and_every_delivery_is_written():
+    assert 1 < CREDIT_RETURN_AT <= contract.CREDIT_WINDOW // 2  # the shard always keeps room to deliver
+    conn, worker, ch = _consuming()
+    _deliver(conn, ch)
+    assert [f for _c, f in _frames(conn)] == ["Deliver", "ContentHeader", "ContentBody"]  # a lone message goes out
+    conn.flush_turn()
+    assert _credits(worker) == []  # but its credit stays here
+    for _ in range(CREDIT_RETURN_AT - 2):
+        _deliver(conn, ch)
+        conn.flush_turn()
+    assert _credits(worker) == []
+    _deliver(conn, ch)
+    conn.flush_turn()
+    assert _credits(worker) == [(0, ch.key, "ctag", CREDIT_RETURN_AT)]  # everything held, in one item
+    _deliver(conn, ch)
+    conn.flush_turn()
+    assert len(_credits(worker)) == 1  # counting starts again
+
+
+def test_credit_is_counted_per_shard_and_consumer():
+    conn, worker, ch = _consuming(("a", "b"))
+    for _ in range(CREDIT_RETURN_AT - 1):
+        _deliver(conn, ch, 0, "a")
+        _deliver(conn, ch, 1, "a")
+        _deliver(conn, ch, 0, "b")
+    conn.flush_turn()
+    assert _credits(worker) == []
+    _deliver(conn, ch, 1, "a")
+    conn.flush_turn()
+    assert _credits(worker) == [(1, ch.key, "a", CREDIT_RETURN_AT)]
+
+
+def test_a_big_body_returns_its_credit_at_once():
+    conn, worker, ch = _consuming()
+    big = bytes(CREDIT_RETURN_AT << contract.CREDIT_BYTES_SHIFT)  # costs 1 + CREDIT_RETURN_AT credits
+    _deliver(conn, ch, body=big)
+    conn.flush_turn()
+    assert _credits(worker) == [(0, ch.key, "ctag", 1 + CREDIT_RETURN_AT)]
+
+
+def test_no_credit_back_while_the_client_socket_is_paused():
+    conn, worker, ch = _consuming()
+    conn.pause_writing()
+    for _ in range(CREDIT_RETURN_AT):
+        _deliver(conn, ch)
+    conn.flush_turn()
+    assert _credits(worker) == []
+    conn.resume_writing()
+    conn.flush_turn()
+    assert _credits(worker) == [(0, ch.key, "ctag", CREDIT_RETURN_AT)]
+
+
+def test_held_credit_of_a_cancelled_consumer_or_closed_channel_is_forgotten():
+    """A connection that consumes and cancels for hours keeps no entry per consumer tag it ever had."""
+    conn, worker, ch = _consuming(("a", "b"))
+    _deliver(conn, ch, 0, "a")
+    _deliver(conn, ch, 0, "b")
+    conn.flush_turn()
+    assert set(conn._credit) == {(0, ch.key, "a"), (0, ch.key, "b")}
+    ch.handle(E.MethodFrame(1, C.Basic.Cancel("a")))
+    [(_shard, _item, answered)] = worker.requests
+    answered(True, {})  # the shard dropped consumer a
+    assert set(conn._credit) == {(0, ch.key, "b")}
+    conn.on_cancel_notify(ch.key, "b")  # the shard cancelled b (its queue was deleted)
+    assert conn._credit == {}
+    ch.consumers["c"] = Consumer("c", "q", 0, True)
+    ch.consumers["c"].ready = True
+    _deliver(conn, ch, 0, "c")
+    conn.flush_turn()
+    assert conn._credit
+    conn.forget_channel(ch)
+    assert conn._credit == {}
+    assert _credits(worker) == []  # nothing was due: none of it went to the shard
