@@ -77,13 +77,18 @@ def _declare_pipelined(port: int, vhost: str, names: list[str], with_message: bo
         raw.close()
 
 
-def test_deleting_a_vhost_of_many_queues_removes_them_all_and_keeps_the_others(node):
+def _vhost_of_many_queues(node, prefix: str) -> tuple[Api, str]:
+    """A new vhost with COUNT queues q0.. declared pipelined, one message in each."""
     api = Api(node.http_port)
-    vhost = uid("bulk")
+    vhost = uid(prefix)
     api.put(f"/api/vhosts/{vhost}", {})
     api.put(f"/api/permissions/{vhost}/guest", {"configure": ".*", "write": ".*", "read": ".*"})
-    names = [f"q{i}" for i in range(COUNT)]
-    _declare_pipelined(node.port, vhost, names, with_message=True)
+    _declare_pipelined(node.port, vhost, [f"q{i}" for i in range(COUNT)], with_message=True)
+    return api, vhost
+
+
+def test_deleting_a_vhost_of_many_queues_removes_them_all_and_keeps_the_others(node):
+    api, vhost = _vhost_of_many_queues(node, "bulk")
     assert len(_queue_dirs(node, vhost)) == COUNT
     keep_conn, keep = _keep_queue(node, 50)
     try:
@@ -97,7 +102,7 @@ def test_deleting_a_vhost_of_many_queues_removes_them_all_and_keeps_the_others(n
         try:
             ch = conn.channel()
             try:
-                ch.queue_declare(names[0], passive=True)
+                ch.queue_declare("q0", passive=True)
                 raise AssertionError("a queue of the deleted vhost still exists")
             except pika.exceptions.ChannelClosedByBroker as exc:
                 assert exc.reply_code == 404
@@ -158,12 +163,7 @@ def test_publishes_to_another_vhost_flow_on_while_a_vhost_of_many_queues_is_dele
     """A confirming publisher of the default vhost keeps publishing through a vhost delete (the
     delete is applied in slices between which the workers serve other queues): it makes progress
     after the delete began, and every message it got a confirm for is in its queue, in order, once."""
-    api = Api(node.http_port)
-    vhost = uid("bulkflow")
-    api.put(f"/api/vhosts/{vhost}", {})
-    api.put(f"/api/permissions/{vhost}/guest", {"configure": ".*", "write": ".*", "read": ".*"})
-    names = [f"q{i}" for i in range(COUNT)]
-    _declare_pipelined(node.port, vhost, names, with_message=True)
+    api, vhost = _vhost_of_many_queues(node, "bulkflow")
     keep = uid("flow")
     confirmed: list[int] = []
     started = threading.Event()
