@@ -79,7 +79,8 @@ import msgpack
 # opened or changed since its last report); QUERY op "stats_full" to a frontend (no reply) asks for all.
 # 11: DEFS' optional 4th field ack (default True): False on the copy the node sends to the worker whose
 # request it answers, in the batch of that REPLY; the worker sends no APPLIED for it.
-VERSION = 11
+# 12: CREDIT counts 512 B units (CREDIT_BYTES_SHIFT 9, was 12) and CREDIT_WINDOW is 16000 (was 2000).
+VERSION = 12
 
 # --------------------------------------------------------------------------
 # Control plane: node <-> every worker (node.sock)

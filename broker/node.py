@@ -48,8 +48,9 @@ if TYPE_CHECKING:  # imported where a cluster role starts: a standalone node nev
 log = logging.getLogger("shardmq.node")
 
 _QUERY_TIMEOUT_S = 5.0
-# Ops applied and broadcast in one loop turn at most (see _commit).
-_COMMIT_SLICE = 256
+# Ops applied and broadcast in one loop turn at most (see _commit): a slice is one DEFS batch, which a
+# worker applies in one piece (a shard deleting 256 queues spent ~5 ms of CPU in one turn; 32: under 1 ms).
+_COMMIT_SLICE = 32
 # Requests planned without waiting for anything (no shard query): Node._request_at_once may handle them
 # in the turn their REQUEST arrives.
 _PLANNED_AT_ONCE = frozenset(("exchange.declare", "exchange.delete", "queue.bind", "queue.unbind",

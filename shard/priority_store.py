@@ -230,8 +230,9 @@ class PriorityStore(MarkerFiles):
         for store in self._all:
             store.flush_acks()
 
-    def sync(self) -> None:
-        """Make appends and acks of every level durable. Safe to call from a worker thread."""
+    def sync(self, acks: bool = True) -> None:
+        """Make appends (and with ``acks``, acks) of every level durable. Safe to call from a worker
+        thread (QueueStore.sync)."""
         with self._lock:
             if self._closed:
                 return
@@ -241,7 +242,7 @@ class PriorityStore(MarkerFiles):
         done = False
         try:
             for store in stores:
-                store.sync()
+                store.sync(acks)
             if dir_dirty and self.fsync:
                 self._fsync_dir()
             done = True

@@ -392,8 +392,10 @@ class QueueStore(SegmentDir):
         return removed
 
     # ------------------------------------------------------------ durability
-    def sync(self) -> None:
-        """Make appends and acks so far durable. Safe to call from a worker thread."""
+    def sync(self, acks: bool = True) -> None:
+        """Make appends (and with ``acks``, acks and the delivered mark) so far durable. Safe to call
+        from a worker thread. acks=False is the confirm path's round: a confirm needs only the
+        records durable; ack files stay dirty for a later round with acks (see docs/storage.md)."""
         if not self.fsync:
             self._settle()
             return
@@ -414,7 +416,8 @@ class QueueStore(SegmentDir):
             if mark_fsync >= 0:
                 fds.append(mark_fsync)
             self._dir_dirty = self._dir_dirty or newly_named
-            if self._acks_dirty:
+            acks_synced = acks and self._acks_dirty
+            if acks_synced:
                 fds.extend(self._ack_fds)
                 self._acks_dirty = False
             dir_dirty = self._dir_dirty
@@ -439,7 +442,8 @@ class QueueStore(SegmentDir):
                 else:
                     # Put it all back so the next sync tries again.
                     self._sync_fds[:0] = fds[:owned]
-                    self._wdirty = self._acks_dirty = True
+                    self._wdirty = True
+                    self._acks_dirty = self._acks_dirty or acks_synced
                     self._dir_dirty = self._dir_dirty or dir_dirty
                 self._syncing -= 1
                 if not self._syncing:

@@ -491,8 +491,9 @@ class StreamStore(SegmentDir):
             write_observer.current.replace(target, blob)
 
     # ------------------------------------------------------------ durability
-    def sync(self) -> None:
-        """Make appends, new/removed segments and tracked offsets durable. Safe from a worker thread."""
+    def sync(self, acks: bool = True) -> None:
+        """Make appends, new/removed segments and tracked offsets durable. Safe from a worker thread.
+        ``acks`` is QueueStore.sync's: a stream has no ack files, every round syncs all of it."""
         with self._lock:
             if self._closed:
                 return

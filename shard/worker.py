@@ -95,6 +95,9 @@ class ShardWorker:
         self._sync_stores: set[QueueStore] = set()
         self._sync_running = False
         self._after_sync: list[Callable[[], None]] = []  # run once the next group sync is done
+        # The next group sync also fsyncs ack files and delivered marks (set by the periodic pass):
+        # the rounds confirms wait for fsync only records, so a confirm never waits on acks.
+        self._sync_acks = False
         self._confirms: dict[tuple[bytes, int, int], list[int]] = {}
         self.stopped = asyncio.Event()
         self._stopping = False
@@ -1103,7 +1106,8 @@ class ShardWorker:
         # In a cluster the confirms also wait for the ISR followers to ack everything written so far.
         target = self.repl.position() if waiting and self.repl is not None and self.repl.gating else -1
         ordered = sorted(stores, key=self._sync_order)
-        fut = self.loop.run_in_executor(None, _sync_all, ordered)
+        acks, self._sync_acks = self._sync_acks, False
+        fut = self.loop.run_in_executor(None, _sync_all, ordered, acks)
         fut.add_done_callback(lambda f: self._sync_done(f, waiting, after, target, started))
 
     def _sync_order(self, store: QueueStore) -> int:
@@ -1176,6 +1180,7 @@ class ShardWorker:
                     store.flush_acks()
                     store.sync()
             self._sync_stores.update(s for s in self.dead_letters.all_stores() if s.dirty)
+            self._sync_acks = True
             self._start_sync()
             self.loop.call_later(_PERIODIC_SYNC_S, self._periodic_sync)
 
@@ -1214,10 +1219,11 @@ class ShardWorker:
         self.stopped.set()
 
 
-def _sync_all(stores: list[QueueStore]) -> None:
+def _sync_all(stores: list[QueueStore], acks: bool = True) -> None:
+    """One group sync (worker thread); ``acks``: ack files and delivered marks too (QueueStore.sync)."""
     stall_for_tests()
     for s in stores:
         # Only stores with something to make durable: a clean store's first sync would fsync its
         # name files and three parent dirs, 5 fsyncs for each of 100,000 idle queues at every stop.
         if s.dirty:
-            s.sync()
+            s.sync(acks)

@@ -4,6 +4,8 @@
 - ``node_factory``: ``node_factory(frontends=1, shards=3, extra_args=[...], start=True)`` for custom nodes.
 - ``shared_node``: one node per test module for tests that need no isolation; use unique queue names.
 
+A module that sets ``QUEUE_PLACEMENT = "hash"`` gets nodes placing queues by name (``module_node_args``).
+
 When a test fails, the tail of each of its nodes' logs is added to the report.
 
 Every test that uses one of these fixtures (directly or through another fixture) is marked
@@ -21,9 +23,16 @@ import pytest
 from tests.harness import Node, NodeFactory, sweep_own_nodes, sweep_stale_nodes
 
 
+def module_node_args(module) -> list[str]:
+    """Node arguments a test module asks for: ``QUEUE_PLACEMENT = "hash"`` in a module that picks
+    queue names by their crc32 to put them on given shards (tests/helpers.py); others get the default."""
+    placement = getattr(module, "QUEUE_PLACEMENT", None)
+    return ["--queue-placement", placement] if placement else []
+
+
 @pytest.fixture
-def node_factory(tmp_path):
-    factory = NodeFactory(tmp_path)
+def node_factory(tmp_path, request):
+    factory = NodeFactory(tmp_path, module_node_args(request.module))
     yield factory
     factory.cleanup()
 
@@ -34,8 +43,8 @@ def node(node_factory) -> Node:
 
 
 @pytest.fixture(scope="module")
-def shared_node(tmp_path_factory):
-    factory = NodeFactory(tmp_path_factory.mktemp("shared_node"))
+def shared_node(tmp_path_factory, request):
+    factory = NodeFactory(tmp_path_factory.mktemp("shared_node"), module_node_args(request.module))
     try:
         yield factory(name="node", frontends=2, shards=2)
     finally:

@@ -243,9 +243,6 @@ class Node:
             "--ws-port", str(self.ws_port),
             "--wss-port", "0", "--https-port", "0", "--prometheus-tls-port", "0",  # a test that wants them over TLS passes its own after these
             "--replication-port", str(self.replication_port),
-            # Tests that set up cross-shard cases pick queue names by their hash (tests/helpers.py
-            # names_on_different_shards); tests/test_queue_placement.py passes balanced, the default.
-            "--queue-placement", "hash",
             *self.extra_args,
         ]
 
@@ -468,11 +465,14 @@ class Node:
 class NodeFactory:
     """Makes Nodes for one test (or module) and cleans all of them up."""
 
-    def __init__(self, base_dir: Path) -> None:
+    def __init__(self, base_dir: Path, node_args: Sequence[str] = ()) -> None:
         self.base_dir = Path(base_dir)
         self.nodes: list[Node] = []
+        self.node_args = list(node_args)  # before each node's own extra_args (conftest: module_node_args)
 
     def __call__(self, *, start: bool = True, name: str | None = None, **kwargs) -> Node:
+        if self.node_args:
+            kwargs["extra_args"] = [*self.node_args, *kwargs.get("extra_args", ())]
         node = Node(self.base_dir / (name or f"node{len(self.nodes)}"), **kwargs)
         self.nodes.append(node)
         if start:

@@ -20,7 +20,8 @@ def uid(prefix: str = "q") -> str:
 
 
 def names_on_different_shards(prefix: str, shards: int = 2) -> list[str]:
-    """One queue name per shard: placement is crc32(vhost + NUL + name) % shards (docs/architecture.md)."""
+    """One queue name per shard under --queue-placement hash: crc32(vhost + NUL + name) % shards
+    (docs/architecture.md); a module using it sets QUEUE_PLACEMENT = "hash" (tests/conftest.py)."""
     found: dict[int, str] = {}
     i = 0
     while len(found) < shards:
@@ -31,7 +32,7 @@ def names_on_different_shards(prefix: str, shards: int = 2) -> list[str]:
 
 
 def same_shard_name(queue: str, shards: int = 2, prefix: str = "barrier") -> str:
-    """A fresh queue name placed on the same shard as ``queue``."""
+    """A fresh queue name placed on the same shard as ``queue`` (under QUEUE_PLACEMENT = "hash")."""
     want = zlib.crc32(f"/\0{queue}".encode()) % shards
     while True:
         name = uid(prefix)

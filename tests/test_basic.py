@@ -18,6 +18,9 @@ from pika.exceptions import ChannelClosedByBroker
 
 from tests.helpers import WAIT, connections_on_two_frontends, names_on_different_shards, uid
 
+# Queue names are picked per shard by their crc32 (tests/helpers.py): nodes place by name.
+QUEUE_PLACEMENT = "hash"
+
 GRACE = 0.3  # how long "no further delivery" is watched for
 
 

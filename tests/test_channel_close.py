@@ -17,6 +17,9 @@ from pamqp.body import ContentBody
 from tests.helpers import connections_on_two_frontends, names_on_different_shards, uid
 from tests.raw_amqp import RawClient
 
+# Queue names are picked per shard by their crc32 (tests/helpers.py): nodes place by name.
+QUEUE_PLACEMENT = "hash"
+
 
 def test_pika_close_ok_comes_after_the_unacked_messages_are_requeued(shared_node):
     """After channel.close-ok, a basic.get on another frontend finds every unacked message back,

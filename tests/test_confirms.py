@@ -16,6 +16,9 @@ from pamqp import header as pheader
 from tests.helpers import names_on_different_shards, uid
 from tests.raw_amqp import FrameClient
 
+# Queue names are picked per shard by their crc32 (tests/helpers.py): nodes place by name.
+QUEUE_PLACEMENT = "hash"
+
 
 @pytest.fixture
 def raw(shared_node):

@@ -26,17 +26,24 @@ def _publish(ch, queue: str, bodies) -> None:
         ch.basic_publish("", queue, body)
 
 
-def test_small_bodies_over_several_windows_arrive_once_in_order(conn, pub):
-    n = int(contract.CREDIT_WINDOW * WINDOWS)  # each 16 B body costs one credit
+def _fill_then_consume(conn, pub, n: int, words: int) -> tuple[str, Inbox]:
+    """Queue n bodies of ``words`` 4-byte sequence numbers, then consume them all with no-ack; checks
+    they arrived in order. Returns the queue and the consumer's inbox."""
     q = uid()
     pub.queue_declare(q, auto_delete=True)
-    _publish(pub, q, (i.to_bytes(4, "big") * 4 for i in range(n)))
+    _publish(pub, q, (i.to_bytes(4, "big") * words for i in range(n)))
     wait_count(pub, q, n, timeout=30)
     ch = conn.channel()
     inbox = Inbox()
     ch.basic_consume(q, inbox, auto_ack=True)
     wait_for(conn, lambda: len(inbox) >= n, f"all {n} messages", timeout=60)
     assert [int.from_bytes(b[:4], "big") for b in inbox.bodies] == list(range(n))
+    return q, inbox
+
+
+def test_small_bodies_over_several_windows_arrive_once_in_order(conn, pub):
+    n = int(contract.CREDIT_WINDOW * WINDOWS)  # each 16 B body costs one credit
+    q, inbox = _fill_then_consume(conn, pub, n, 4)
     wait_count(pub, q, 0)
     assert len(inbox) == n  # nothing delivered twice after the last refill
 
@@ -45,15 +52,7 @@ def test_large_bodies_spend_credit_by_size_and_keep_flowing(conn, pub):
     size = 64 * 1024
     cost = 1 + (size >> contract.CREDIT_BYTES_SHIFT)
     n = int(contract.CREDIT_WINDOW * WINDOWS) // cost + 1  # several byte-bounded windows
-    q = uid()
-    pub.queue_declare(q, auto_delete=True)
-    _publish(pub, q, (i.to_bytes(4, "big") * (size // 4) for i in range(n)))
-    wait_count(pub, q, n, timeout=30)
-    ch = conn.channel()
-    inbox = Inbox()
-    ch.basic_consume(q, inbox, auto_ack=True)
-    wait_for(conn, lambda: len(inbox) >= n, f"all {n} large messages", timeout=60)
-    assert [int.from_bytes(b[:4], "big") for b in inbox.bodies] == list(range(n))
+    _q, inbox = _fill_then_consume(conn, pub, n, size // 4)
     assert all(len(b) == size for b in inbox.bodies)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import time
 
 import pika
@@ -16,7 +17,7 @@ from tests.helpers import uid
 from tests.mgmt_api import Api, connect
 from tests.raw_amqp import FrameClient
 
-# More than two of the node's commit slices (256 ops each).
+# Many of the node's commit slices (broker/node.py _COMMIT_SLICE ops each).
 COUNT = 600
 
 
@@ -76,13 +77,18 @@ def _declare_pipelined(port: int, vhost: str, names: list[str], with_message: bo
         raw.close()
 
 
-def test_deleting_a_vhost_of_many_queues_removes_them_all_and_keeps_the_others(node):
+def _vhost_of_many_queues(node, prefix: str) -> tuple[Api, str]:
+    """A new vhost with COUNT queues q0.. declared pipelined, one message in each."""
     api = Api(node.http_port)
-    vhost = uid("bulk")
+    vhost = uid(prefix)
     api.put(f"/api/vhosts/{vhost}", {})
     api.put(f"/api/permissions/{vhost}/guest", {"configure": ".*", "write": ".*", "read": ".*"})
-    names = [f"q{i}" for i in range(COUNT)]
-    _declare_pipelined(node.port, vhost, names, with_message=True)
+    _declare_pipelined(node.port, vhost, [f"q{i}" for i in range(COUNT)], with_message=True)
+    return api, vhost
+
+
+def test_deleting_a_vhost_of_many_queues_removes_them_all_and_keeps_the_others(node):
+    api, vhost = _vhost_of_many_queues(node, "bulk")
     assert len(_queue_dirs(node, vhost)) == COUNT
     keep_conn, keep = _keep_queue(node, 50)
     try:
@@ -96,7 +102,7 @@ def test_deleting_a_vhost_of_many_queues_removes_them_all_and_keeps_the_others(n
         try:
             ch = conn.channel()
             try:
-                ch.queue_declare(names[0], passive=True)
+                ch.queue_declare("q0", passive=True)
                 raise AssertionError("a queue of the deleted vhost still exists")
             except pika.exceptions.ChannelClosedByBroker as exc:
                 assert exc.reply_code == 404
@@ -151,3 +157,58 @@ def _wait_no_queue_dirs_except(node, vhost: str, keep: str) -> None:
     while left := [d for d in _queue_dirs(node, vhost) if d != keep_dir]:
         assert time.monotonic() < deadline, f"{len(left)} queue dirs still on disk"
         time.sleep(0.05)
+
+
+def test_publishes_to_another_vhost_flow_on_while_a_vhost_of_many_queues_is_deleted(node):
+    """A confirming publisher of the default vhost keeps publishing through a vhost delete (the
+    delete is applied in slices between which the workers serve other queues): it makes progress
+    after the delete began, and every message it got a confirm for is in its queue, in order, once."""
+    api, vhost = _vhost_of_many_queues(node, "bulkflow")
+    keep = uid("flow")
+    confirmed: list[int] = []
+    started = threading.Event()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def publish() -> None:
+        try:
+            conn = node.connect()
+            ch = conn.channel()
+            ch.queue_declare(keep, durable=True)
+            ch.confirm_delivery()
+            i = 0
+            while not stop.is_set():
+                ch.basic_publish("", keep, b"%d" % i, pika.BasicProperties(delivery_mode=2))
+                confirmed.append(i)  # basic_publish returned: the broker confirmed it
+                i += 1
+                started.set()
+            conn.close()
+        except BaseException as exc:  # reported by the test
+            errors.append(exc)
+            started.set()
+
+    t = threading.Thread(target=publish, daemon=True)
+    t.start()
+    assert started.wait(30)
+    before = len(confirmed)
+    api.delete(f"/api/vhosts/{vhost}")
+    assert api.call("GET", f"/api/vhosts/{vhost}")[0] == 404
+    # The publisher goes on: 100 more confirms after the delete was asked for.
+    deadline = time.monotonic() + 30
+    while len(confirmed) < before + 100 and not errors:
+        assert time.monotonic() < deadline, f"publisher stuck at {len(confirmed)} (from {before})"
+        time.sleep(0.01)
+    stop.set()
+    t.join(30)
+    assert not errors, errors
+    _wait_no_queue_dirs(node, vhost)
+    conn = node.connect()
+    try:
+        ch = conn.channel()
+        got = []
+        while (m := ch.basic_get(keep, auto_ack=True))[0] is not None:
+            got.append(int(m[2]))
+        assert got == confirmed == list(range(len(confirmed)))
+        ch.queue_delete(keep)
+    finally:
+        conn.close()

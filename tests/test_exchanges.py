@@ -15,6 +15,9 @@ import pytest
 
 from tests.helpers import channel_error, connections_on_two_frontends, names_on_different_shards, uid
 
+# Queue names are picked per shard by their crc32 (tests/helpers.py): nodes place by name.
+QUEUE_PLACEMENT = "hash"
+
 
 def drain(ch, queue: str) -> list[bytes]:
     bodies = []

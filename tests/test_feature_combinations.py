@@ -11,6 +11,9 @@ import pika
 
 from tests.helpers import WAIT, get_one, names_on_different_shards, uid, wait_count
 
+# Queue names are picked per shard by their crc32 (tests/helpers.py): nodes place by name.
+QUEUE_PLACEMENT = "hash"
+
 STREAM = {"x-queue-type": "stream"}
 
 

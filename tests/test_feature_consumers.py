@@ -20,6 +20,9 @@ from tests.helpers import (
     wait_queue_gone,
 )
 
+# Queue names are picked per shard by their crc32 (tests/helpers.py): nodes place by name.
+QUEUE_PLACEMENT = "hash"
+
 
 class Inbox:
     """Deliveries of several consumers, as (consumer name, body, redelivered)."""

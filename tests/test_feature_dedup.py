@@ -24,6 +24,9 @@ from tests.helpers import (
     wait_count,
 )
 
+# Queue names are picked per shard by their crc32 (tests/helpers.py): nodes place by name.
+QUEUE_PLACEMENT = "hash"
+
 DEDUP = {"x-message-deduplication": True}
 
 

@@ -25,6 +25,9 @@ from broker.routing import delay_store_shard
 from frontend.amqp.publish_extras import delay_ms, with_delay
 from tests.helpers import WAIT, count, get_one, uid, wait_count
 
+# Queue names are picked per shard by their crc32 (tests/helpers.py): nodes place by name.
+QUEUE_PLACEMENT = "hash"
+
 ON_TIME_S = 0.1  # the "delivered on time to within 0.1 s"
 
 

@@ -15,6 +15,9 @@ from pika.exceptions import ChannelClosedByBroker
 from shard.store import queue_dir
 from tests.helpers import WAIT, count, get_one, uid
 
+# Queue names are picked per shard by their crc32 (tests/helpers.py): nodes place by name.
+QUEUE_PLACEMENT = "hash"
+
 
 def get_unacked(ch, queue: str):
     return get_one(ch, queue, auto_ack=False)

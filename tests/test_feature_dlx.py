@@ -15,6 +15,9 @@ import pytest
 from broker.definitions import queue_shard
 from tests.helpers import WAIT, count, get_one, uid
 
+# Queue names are picked per shard by their crc32 (tests/helpers.py): nodes place by name.
+QUEUE_PLACEMENT = "hash"
+
 
 def uid_on(shard: int, prefix: str = "q", shards: int = 2) -> str:
     while True:

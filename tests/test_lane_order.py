@@ -23,6 +23,9 @@ import time
 from broker.definitions import queue_shard
 from tests.helpers import WAIT, same_shard_name, uid, wait_count
 
+# Queue names are picked per shard by their crc32 (tests/helpers.py): nodes place by name.
+QUEUE_PLACEMENT = "hash"
+
 BACKLOG = 4000
 
 

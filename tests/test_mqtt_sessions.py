@@ -17,6 +17,9 @@ from broker.mqtt import codec as M
 from tests.harness import free_port
 from tests.raw_mqtt import RawMQTT
 
+# Queue names are picked per shard by their crc32 (tests/helpers.py): nodes place by name.
+QUEUE_PLACEMENT = "hash"
+
 N = 30
 
 

@@ -14,6 +14,9 @@ from tests.helpers import names_on_different_shards, uid
 from tests.raw_amqp import FrameClient
 from tests.test_queues import exists
 
+# Queue names are picked per shard by their crc32 (tests/helpers.py): nodes place by name.
+QUEUE_PLACEMENT = "hash"
+
 
 def _frames(channel: int, *methods) -> bytes:
     return b"".join(pframe.marshal(m, channel) for m in methods)

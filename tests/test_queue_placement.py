@@ -17,7 +17,6 @@ from tests.mgmt_api import Api, q
 from tests.test_recovery import drain, publish_confirmed
 
 V = "/"
-BALANCED = ("--queue-placement", "balanced")
 
 
 def skewed_names(prefix: str, shards: int = 2, count: int = 4) -> list[str]:
@@ -137,7 +136,7 @@ def shards_of(api: Api, names) -> dict[str, int]:
 
 
 def test_node_places_balanced_and_keeps_placement_across_restarts_with_other_shard_counts(node_factory):
-    node = node_factory(frontends=1, shards=2, extra_args=BALANCED)
+    node = node_factory(frontends=1, shards=2)
     api = Api(node.http_port)
     names = skewed_names("pq")
     conn = node.connect()
@@ -168,8 +167,8 @@ def test_node_places_balanced_and_keeps_placement_across_restarts_with_other_sha
 
 
 def test_definitions_export_import_round_trip_places_like_declares(node_factory):
-    a = node_factory(name="a", frontends=1, shards=2, extra_args=BALANCED)
-    b = node_factory(name="b", frontends=1, shards=2, extra_args=BALANCED)
+    a = node_factory(name="a", frontends=1, shards=2)
+    b = node_factory(name="b", frontends=1, shards=2)
     api_a, api_b = Api(a.http_port), Api(b.http_port)
     names = skewed_names("ex")
     conn = a.connect()

@@ -646,3 +646,41 @@ def test_a_non_durable_queues_store_is_never_fsynced_but_closes_its_sealed_segme
         assert sorted(got) == sorted(kept)
         again.close()
         assert calls == []
+
+
+def test_a_confirm_round_fsyncs_records_not_acks_and_a_later_round_fsyncs_the_acks(tmp_path, monkeypatch):
+    """sync(acks=False), the round confirms wait for, fdatasyncs the segment and leaves the ack file
+    and the delivered mark for a later round with acks (the periodic pass): a confirm never waits on
+    acks. The acks are written all the same (a killed shard finds them in the page cache: a store
+    reopened without any further sync has them), and the store stays dirty until they are fsynced."""
+    from shard.store import DELIVERED_MARK
+
+    calls = _record_syncs(monkeypatch)
+    path = queue_dir(str(tmp_path / "data"), "/", "q")
+    s = QueueStore(path, segment_size=64 << 10)
+    for i in range(10):
+        add(s, i)
+    s.sync()  # the first round also fsyncs the new directories; not what this test looks at
+    for _ in range(4):
+        assert s.ack(s.shift()[0])
+    s.flush_acks()
+    add(s, 10)
+    calls.clear()
+    s.sync(acks=False)
+    names = [os.path.basename(c) for c in calls]
+    assert "msgs.0000000001" in names
+    assert not [n for n in names if n.startswith("acks.") or n == DELIVERED_MARK], names
+    assert s.dirty  # the acks still wait for their round
+    # What a shard killed now leaves: the acks are in the file (page cache), the records too.
+    again = QueueStore(path, segment_size=64 << 10)
+    assert drain(again, ack=False) == list(range(4, 11))
+    again.close()
+    calls.clear()
+    s.sync()  # the periodic round: the acks and the mark now
+    names = [os.path.basename(c) for c in calls]
+    assert "acks.0000000001" in names and DELIVERED_MARK in names, names
+    assert not s.dirty
+    calls.clear()
+    s.sync()
+    assert calls == []  # nothing left to make durable
+    s.close()

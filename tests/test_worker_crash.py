@@ -19,6 +19,9 @@ from broker.definitions import queue_shard
 from loadtest.amqp_client import AMQPClient, AMQPClosed
 from tests.harness import Node
 
+# Queue names are picked per shard by their crc32 (tests/helpers.py): nodes place by name.
+QUEUE_PLACEMENT = "hash"
+
 PERSISTENT = pika.BasicProperties(delivery_mode=2)
 PERSISTENT_RAW = b"\x10\x00\x02"  # property flags: delivery-mode only; delivery-mode 2
 CLOSE_BOUND_S = 10.0  # a client must learn of the crash within this; a hang would exceed it
