@@ -348,8 +348,8 @@ def _convert(opt: Option, raw: str) -> Any:
 def _describe_default(opt: Option) -> str:
     defaults = {
         "data_dir": "/var/lib/shardmq (root) or ~/.local/share/shardmq",
-        "frontends": "1 per core the node may use",
-        "shards": "1 per core the node may use",
+        "frontends": "1 per 2 cores the node may use (min 1)",
+        "shards": "1 per 2 cores the node may use (min 1)",
         "loopback_users": "guest",
         "node_name": "hostname",
         "advertised_host": "hostname",

@@ -1,10 +1,10 @@
 """How many cores the node may use, and the default frontend and shard counts for that many.
 
-The defaults are chosen by measurement (docs/benchmarks.md, "Default process counts"): on 1 and 2
-cores every combination of 1-2 frontends x 1-2 shards was run alternately under the same load;
-the counts for more cores are extrapolated from those two points (no bigger machine was measured).
-What changed with the measurement is what counts as a core: the ones this process may run on, not
-the host's (``available_cpus``).
+The defaults are chosen by measurement (docs/benchmarks.md, "Default process counts", re-measured
+2026-11-26 with the node in the tool's session, 8 scenarios including bind and connection churn):
+on 1 core 1x1, 1x2 and 2x1, on 2 cores 1x1, 1x2, 2x1 and 2x2, alternating under the same load; the
+counts for more cores are extrapolated from those two points (no bigger machine was measured).
+What counts as a core: the ones this process may run on, not the host's (``available_cpus``).
 """
 
 from __future__ import annotations
@@ -68,15 +68,20 @@ def available_cpus() -> int:
 
 
 def default_frontends(cores: int) -> int:
-    """Frontend processes for ``cores``: one per core. Measured on 1 and 2 cores (1 and 2 were the
-    best or within noise of the best there; fewer frontends than cores left 2 cores' throughput on
-    the table in the 4-queue scenario); one per core beyond that is extrapolated, not measured."""
-    return max(1, cores)
+    """Frontend processes for ``cores``: one per two cores, at least 1 (frontends + shards = cores).
+
+    Measured on the tree with the 16000-credit window and balanced placement (2026-11-26, docs/
+    benchmarks.md "Default process counts"). 2 cores: 1F x 1S against 2F x 2S, medians of 3
+    alternating runs: 1P/1C 152k vs 143k msg/s (5.9 vs 6.0 µs CPU/msg), 4P/4C 205k vs 163k (6.2 vs
+    6.9), persistent confirms 46k vs 38k (19.4 vs 20.6), fanout 149k vs 162k (5.9 vs 6.8), latency
+    at 10k msg/s p50 203 vs 209 µs, bind+unbind 2,572 vs 1,608 pairs/s (299 vs 559 µs CPU: every
+    worker applies every definition change). 1 core: CPU per message the same for 1x1, 1x2, 2x1
+    (16 B 5.7-6.4 µs); 1x1 has the cheapest bind round trip (392 µs against 487 and 505) and the
+    fewest processes. Beyond 2 cores (2+2 on 4, 4+4 on 8): extrapolated, not measured."""
+    return max(1, cores // 2)
 
 
 def default_shards(cores: int) -> int:
-    """Shard processes for ``cores``: one per core. On 2 cores 2 shards were at or near the top in
-    every scenario and the steadiest under a loaded machine; 1 shard was not consistently better in
-    any. On 1 core every count cost the same CPU per message, so the fewest processes (1) win on
-    memory. Beyond 2 cores: extrapolated."""
-    return max(1, cores)
+    """Shard processes for ``cores``: one per two cores, at least 1, measured with
+    ``default_frontends`` as pairs (see there). Beyond 2 cores: extrapolated, not measured."""
+    return max(1, cores // 2)

@@ -38,16 +38,26 @@ from loadtest.ports import free_port, listening_sockets
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# name -> perf tool `amqp throughput` arguments (the duration is appended)
+# name -> perf tool `amqp` arguments, subcommand first (``--time`` is appended). The default count must
+# weigh the control plane (every worker applies every definition change, so a bind round trip costs
+# more with more processes) and connection churn as well as the message paths.
 SCENARIOS: dict[str, tuple[str, ...]] = {
-    "1p1c-16b-transient": ("-x", "1", "-y", "1", "-s", "16"),
-    "4p4c-16b-4queues": ("-x", "4", "-y", "4", "-s", "16", "--queues", "4"),
-    "1p1c-1kib-persistent-confirm": ("-x", "1", "-y", "1", "-s", "1024", "--persistent", "-c", "1000", "-a", "1",
-                                     "-q", "1000"),
-    "latency-10k": ("-x", "1", "-y", "1", "-s", "16", "--rate", "10000"),
-    "latency-1k": ("-x", "1", "-y", "1", "-s", "16", "--rate", "1000"),
-    "fanout-4queues": ("-x", "1", "-y", "4", "-s", "16", "--queues", "4", "--exchange", "bench-fanout",
+    "1p1c-16b-transient": ("throughput", "-x", "1", "-y", "1", "-s", "16"),
+    "4p4c-16b-4queues": ("throughput", "-x", "4", "-y", "4", "-s", "16", "--queues", "4"),
+    "fanout-4queues": ("throughput", "-x", "1", "-y", "4", "-s", "16", "--queues", "4", "--exchange", "pc-fanout",
                        "--exchange-type", "fanout"),
+    "1p1c-1kib-persistent-confirm": ("throughput", "-x", "1", "-y", "1", "-s", "1024", "--persistent", "-c", "1000",
+                                     "-a", "1", "-q", "1000"),
+    "latency-1k": ("throughput", "-x", "1", "-y", "1", "-s", "16", "--rate", "1000"),
+    "latency-10k": ("throughput", "-x", "1", "-y", "1", "-s", "16", "--rate", "10000"),
+    "bind-churn": ("bind-churn",),
+    "connection-churn": ("connection-churn", "--concurrency", "20"),
+}
+# Scenarios that count operations, not messages: the run.json ``extra`` key holding the count, and
+# what one operation is (for the summary's header).
+OPERATIONS: dict[str, tuple[str, str]] = {
+    "bind-churn": ("bind_unbind_pairs", "bind+unbind"),
+    "connection-churn": ("connections", "connection"),
 }
 
 
@@ -121,12 +131,15 @@ def start_node(cfg: Config, workdir: Path) -> tuple[subprocess.Popen, int]:
             "--shards", str(cfg.shards), "--log-level", "warning", *extra]
     proc = spawn_node(argv, workdir, ROOT)
     deadline = time.monotonic() + 60
-    while listening_sockets(port) < cfg.frontends:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop_node(proc)
-            raise RuntimeError(f"node {cfg.label} did not start: {(workdir / 'node.log').read_text()[-2000:]}")
-        time.sleep(0.2)
-    time.sleep(1.0)  # shards say HELLO after the frontends listen; let the node settle
+    try:
+        while listening_sockets(port) < cfg.frontends:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"node {cfg.label} did not start: {(workdir / 'node.log').read_text()[-2000:]}")
+            time.sleep(0.2)
+        time.sleep(1.0)  # shards say HELLO after the frontends listen; let the node settle
+    except BaseException:  # an interrupt (SIGTERM, ^C) while starting must not leave the node running
+        stop_node(proc)
+        raise
     return proc, port
 
 
@@ -141,9 +154,8 @@ def stop_node(proc: subprocess.Popen) -> None:
 
 
 def run_scenario(cfg: Config, proc: subprocess.Popen, port: int, scenario: str, duration: float) -> dict:
-    cmd = [*cfg.perf_prefix(), sys.executable, "-m", "loadtest.cli", "amqp", "throughput",
-           "--uri", f"amqp://guest:guest@127.0.0.1:{port}/%2F", "--json", *SCENARIOS[scenario],
-           "--time", f"{duration:g}"]
+    cmd = [*cfg.perf_prefix(), sys.executable, "-m", "loadtest.cli", "amqp", *SCENARIOS[scenario],
+           "--uri", f"amqp://guest:guest@127.0.0.1:{port}/%2F", "--json", "--time", f"{duration:g}"]
     load = os.getloadavg()[0]
     before = tree_cpu_seconds(proc.pid)
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=duration + 120, check=False)
@@ -155,15 +167,26 @@ def run_scenario(cfg: Config, proc: subprocess.Popen, port: int, scenario: str, 
     if out.returncode != 0 or not lines:
         row["error"] = (out.stderr or out.stdout)[-500:]
         return row
-    r = json.loads(lines[-1])
+    return row | result_fields(scenario, json.loads(lines[-1]), cpu)
+
+
+def result_fields(scenario: str, r: dict, cpu: float) -> dict:
+    """What a run records from the perf tool's JSON ``r`` and the node's CPU seconds ``cpu``.
+
+    Message scenarios: rates, latency and CPU per message. Operation scenarios (``OPERATIONS``):
+    ``ops`` done, ``ops_per_s`` and CPU per operation.
+    """
+    if scenario in OPERATIONS:
+        ops = (r.get("extra") or {}).get(OPERATIONS[scenario][0], 0)
+        took = r["duration_s"] or 1
+        return {"ops": ops, "ops_per_s": round(ops / took, 1),
+                "cpu_us_per_op": round(cpu / max(ops, 1) * 1e6, 2)}
     # A message costs CPU going in and going out; a publisher that outruns its consumer leaves
     # some only half done, so count the mean of the two.
     msgs = max((r["published"] + r["consumed"]) / 2, 1)
-    row.update(publish_rate=r["publish_rate"], consume_rate=r["consume_rate"], published=r["published"],
-               consumed=r["consumed"],
-               p50_us=r["latency_us"]["p50"], p99_us=r["latency_us"]["p99"],
-               cpu_us_per_msg=round(cpu / msgs * 1e6, 2))
-    return row
+    return {"publish_rate": r["publish_rate"], "consume_rate": r["consume_rate"], "published": r["published"],
+            "consumed": r["consumed"], "p50_us": r["latency_us"]["p50"], "p99_us": r["latency_us"]["p99"],
+            "cpu_us_per_msg": round(cpu / msgs * 1e6, 2)}
 
 
 def _stat(rs: list[dict], key: str, fmt: str = "{:,.0f}", spread: bool = True) -> str:
@@ -179,46 +202,55 @@ def summarize(rows: list[dict]) -> str:
 
     Saturating scenarios: msgs/s as the mean of the publish and consume rates (a publisher that
     outruns its consumer still did work) and node CPU per message; their latency is queueing time
-    and left out. ``latency-10k``: p50 / p99 (medians of the runs' own percentiles), the lowest
-    consume rate reached (10,000 = sustained) and CPU per message.
+    and left out. ``latency-*``: p50 / p99 (medians of the runs' own percentiles), the lowest
+    consume rate reached (the target = sustained) and CPU per message. Operation scenarios
+    (``OPERATIONS``): operations/s and node CPU per operation.
     """
     for r in rows:
-        if "error" not in r:
+        if "error" not in r and "publish_rate" in r:
             r["work_rate"] = (r["publish_rate"] + r["consume_rate"]) / 2
     groups: dict[tuple[str, str, str], list[dict]] = {}
     for r in rows:
         if "error" not in r:
             groups.setdefault((r["scenario"], r["cores"], f"{r['frontends']}F x {r['shards']}S"), []).append(r)
     configs = sorted({(c, fs) for _, c, fs in groups}, key=lambda k: (k[0] != "1", k[1]))
-    saturating = [s for s in SCENARIOS if not s.startswith("latency") and any(k[0] == s for k in groups)]
-    lines = ["| cores | frontends x shards | runs | " + " | ".join(
-        f"{s}: msgs/s | {s}: CPU µs/msg" for s in saturating) + " | load average |",
-             "|---|---|---|" + "---|---|" * len(saturating) + "---|"]
-    for cores, fs in configs:
-        cells, loads, n = [], [], 0
-        for s in saturating:
-            rs = groups.get((s, cores, fs), [])
-            n = max(n, len(rs))
-            loads += [r["load1"] for r in rs]
-            cells += [_stat(rs, "work_rate"), _stat(rs, "cpu_us_per_msg", "{:.1f}")]
-        load = f"{min(loads):.1f}–{max(loads):.1f}" if loads else "—"
-        lines.append(f"| {cores} | {fs} | {n} | " + " | ".join(cells) + f" | {load} |")
-    lat = [k for k in groups if k[0] == "latency-10k"]
-    if lat:
-        lines += ["", "| cores | frontends x shards | runs | latency-10k p50 µs | p99 µs | lowest consume msgs/s "
-                  "| CPU µs/msg | load average |", "|---|---|---|---|---|---|---|---|"]
+    present = [s for s in SCENARIOS if any(k[0] == s for k in groups)]
+    saturating = [s for s in present if not s.startswith("latency") and s not in OPERATIONS]
+    latency = [s for s in present if s.startswith("latency")]
+    operations = [s for s in present if s in OPERATIONS]
+
+    def loads(rs: list[dict]) -> str:
+        ls = [r["load1"] for r in rs]
+        return f"{min(ls):.1f}–{max(ls):.1f}" if ls else "—"
+
+    def table(names: list[str], header: str, cells) -> list[str]:  # noqa: ANN001
+        out = ["| cores | frontends x shards | runs | " + " | ".join(header.format(s=s) for s in names)
+               + " | load average |", "|---|---|---|" + "---|" * (header.count("|") + 1) * len(names) + "---|"]
         for cores, fs in configs:
-            rs = groups.get(("latency-10k", cores, fs), [])
-            if rs:
-                lines.append(f"| {cores} | {fs} | {len(rs)} | {_stat(rs, 'p50_us', spread=False)} | "
-                             f"{_stat(rs, 'p99_us', spread=False)} | {min(r['consume_rate'] for r in rs):,.0f} | "
-                             f"{_stat(rs, 'cpu_us_per_msg', '{:.1f}')} | "
-                             f"{min(r['load1'] for r in rs):.1f}–{max(r['load1'] for r in rs):.1f} |")
+            rss = [groups.get((s, cores, fs), []) for s in names]
+            if any(rss):
+                out.append(f"| {cores} | {fs} | {max(len(rs) for rs in rss)} | "
+                           + " | ".join(c for rs in rss for c in cells(rs)) + f" | {loads([r for rs in rss for r in rs])} |")
+        return out
+
+    lines: list[str] = []
+    if saturating:
+        lines += table(saturating, "{s}: msgs/s | {s}: CPU µs/msg",
+                       lambda rs: [_stat(rs, "work_rate"), _stat(rs, "cpu_us_per_msg", "{:.1f}")])
+    for s in latency:
+        lines += ["", *table([s], "{s} p50 µs | p99 µs | lowest consume msgs/s | CPU µs/msg",
+                             lambda rs: [_stat(rs, "p50_us", spread=False), _stat(rs, "p99_us", spread=False),
+                                         f"{min(r['consume_rate'] for r in rs):,.0f}" if rs else "—",
+                                         _stat(rs, "cpu_us_per_msg", "{:.1f}")])]
+    if operations:
+        lines += ["", *table(operations, "{s}: /s | {s}: CPU µs/op",
+                             lambda rs: [_stat(rs, "ops_per_s"), _stat(rs, "cpu_us_per_op", "{:.0f}")])]
+        lines += ["", "Operations: " + "; ".join(f"{s} = one {OPERATIONS[s][1]}" for s in operations) + "."]
     failed = [r for r in rows if "error" in r]
     if failed:
         lines += ["", f"{len(failed)} runs failed: "
                   + "; ".join(f"{r['scenario']} {r['cores']} {r['frontends']}x{r['shards']}" for r in failed)]
-    return "\n".join(lines) + "\n"
+    return "\n".join(ln for ln in lines).lstrip("\n") + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

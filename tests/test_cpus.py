@@ -46,7 +46,7 @@ def test_cgroup_cpu_limit(tmp_path: Path, files: dict[str, str], proc_cgroup: st
 def test_rule_for_1_2_4_8_cores() -> None:
     # measured on 1 and 2 cores, extrapolated to 4 and 8 (docs/benchmarks.md "Default process counts")
     got = {n: (cpus.default_frontends(n), cpus.default_shards(n)) for n in (1, 2, 4, 8)}
-    assert got == {1: (1, 1), 2: (2, 2), 4: (4, 4), 8: (8, 8)}
+    assert got == {1: (1, 1), 2: (1, 1), 4: (2, 2), 8: (4, 4)}
     assert all(cpus.default_frontends(n) >= 1 and cpus.default_shards(n) >= 1 for n in range(1, 130))
 
 

@@ -329,7 +329,7 @@ def test_process_counts_follow_the_cpu_limit(values):
     limit = resources["limits"]["cpu"]
     assert resources["requests"]["cpu"] == limit
     cores = math.ceil(float(limit[:-1]) / 1000 if str(limit).endswith("m") else float(limit))
-    assert (cpus.default_frontends(cores), cpus.default_shards(cores)) == (2, 2)
+    assert (cpus.default_frontends(cores), cpus.default_shards(cores)) == (1, 1)
 
 
 def test_explicit_process_counts_are_written_to_the_ini():

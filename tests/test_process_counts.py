@@ -63,3 +63,48 @@ def test_a_one_core_run_pins_the_node(tmp_path: Path) -> None:
     assert rows[0]["node_cpus"] == [0]
     assert rows[0]["consumed"] > 0 and rows[0]["node_cpu_s"] > 0
     assert "| 1 | 1F x 1S | 1 |" in (tmp_path / "summary.md").read_text()
+
+
+def test_every_scenario_is_a_valid_perf_tool_command() -> None:
+    from loadtest.cli import build_parser
+    for name, argv in pc.SCENARIOS.items():
+        args = build_parser().parse_args(["amqp", *argv, "--json", "--time", "6"])
+        assert args.json and args.time_s == 6, name
+    assert set(pc.OPERATIONS) <= set(pc.SCENARIOS)
+    # the control plane and connection churn weigh on the default count as well as the message paths
+    assert {"bind-churn", "connection-churn", "fanout-4queues", "latency-1k"} <= set(pc.SCENARIOS)
+
+
+def test_operation_scenarios_count_operations_not_messages() -> None:
+    run = {"duration_s": 2.0, "published": 0, "consumed": 0, "extra": {"bind_unbind_pairs": 500, "pairs_per_s": 250}}
+    assert pc.result_fields("bind-churn", run, 0.1) == {"ops": 500, "ops_per_s": 250.0, "cpu_us_per_op": 200.0}
+    churn = {"duration_s": 4.0, "extra": {"connections": 1000}}
+    assert pc.result_fields("connection-churn", churn, 0.5) == {"ops": 1000, "ops_per_s": 250.0, "cpu_us_per_op": 500.0}
+    msgs = {"published": 300, "consumed": 100, "publish_rate": 150.0, "consume_rate": 50.0,
+            "latency_us": {"p50": 7, "p99": 9}}
+    assert pc.result_fields("1p1c-16b-transient", msgs, 0.002)["cpu_us_per_msg"] == 10.0
+
+
+def test_summary_has_an_operations_table() -> None:
+    rows = [{"cores": "all", "frontends": f, "shards": 1, "scenario": s, "load1": 3.0, "ops": 10, "ops_per_s": r,
+             "cpu_us_per_op": c}
+            for f, s, r, c in [(1, "bind-churn", 2000.0, 300.0), (1, "bind-churn", 1000.0, 320.0),
+                               (1, "bind-churn", 1500.0, 310.0), (2, "bind-churn", 900.0, 600.0),
+                               (1, "connection-churn", 1800.0, 150.0)]]
+    md = pc.summarize(rows)
+    assert "| cores | frontends x shards | runs | bind-churn: /s | bind-churn: CPU µs/op | connection-churn: /s " in md
+    assert "| all | 1F x 1S | 3 | 1,500 (1,000–2,000) | 310 (300–320) | 1,800 | 150 | 3.0–3.0 |" in md
+    assert "| all | 2F x 1S | 1 | 900 | 600 | — | — | 3.0–3.0 |" in md
+    assert "msgs/s" not in md  # no message scenario ran: no empty message table
+
+
+@pytest.mark.integration  # a node and the perf tool's churn commands
+def test_churn_scenarios_count_operations_against_a_node(tmp_path: Path) -> None:
+    assert pc.main(["--counts", "1x1", "--cores", "all", "--scenarios", "bind-churn,connection-churn",
+                    "--rounds", "1", "--duration", "1", "--out", str(tmp_path)]) == 0
+    rows = {r["scenario"]: r for r in map(json.loads, (tmp_path / "runs.jsonl").read_text().splitlines())}
+    assert set(rows) == {"bind-churn", "connection-churn"}
+    for r in rows.values():
+        assert "error" not in r, r
+        assert r["ops"] > 0 and r["ops_per_s"] > 0 and r["cpu_us_per_op"] > 0, r
+    assert "| all | 1F x 1S | 1 |" in (tmp_path / "summary.md").read_text()
