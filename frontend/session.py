@@ -28,7 +28,9 @@ class Session(Protocol):
     publisher: bool
     transport: asyncio.Transport | None
     # Optional (read with getattr by the worker): ``user`` (closing a user's sessions),
-    # ``apply_alarms()`` (block a publishing session while worker.alarms is not empty) and the
+    # ``apply_alarms()`` (block a publishing session while worker.alarms is not empty),
+    # ``on_deliver_run(shard, items)`` (consecutive DELIVER items of one batch for one channel and
+    # consumer, in order; without it the worker calls on_deliver per item) and the
     # fields frontend/stats.py reports to the management API.
 
     def on_deliver(self, shard: int, item: list) -> None:

@@ -434,8 +434,28 @@ class FrontendWorker:
                 kind = item[0]
                 if kind == _DELIVER:
                     conn = conns.get(item[1])
-                    if conn is not None:
+                    if conn is None:
+                        continue
+                    # A run of deliveries for one consumer (a shard's delivery pass) goes to the
+                    # session whole, to be encoded in one pass (issue #15); sessions without
+                    # on_deliver_run (MQTT) get them one by one, as before.
+                    on_run = getattr(conn, "on_deliver_run", None)
+                    j = i
+                    if on_run is not None:
+                        conn_id = item[1]
+                        lane = item[2]
+                        ctag = item[3]
+                        while j < n:
+                            nxt = items[j]
+                            if nxt[0] != _DELIVER or nxt[3] != ctag or nxt[2] != lane or nxt[1] != conn_id:
+                                break
+                            j += 1
+                    if j == i:
                         conn.on_deliver(shard, item)
+                    else:
+                        run = items[i - 1:j]
+                        i = j
+                        on_run(shard, run)
                 elif kind == _CONFIRM or kind == _CONFIRM_NACK:
                     conn = conns.get(item[1])
                     if conn is not None:

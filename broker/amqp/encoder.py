@@ -112,6 +112,65 @@ def encode_deliver(
     return b"".join(parts)
 
 
+_TAG_BIT = struct.Struct(">QB")  # delivery-tag, redelivered (the run encoder packs the names once)
+
+
+def encode_deliver_run(
+    channel: int,
+    consumer_tag: str | bytes,
+    first_tag: int,
+    items: list,
+    frame_max: int = DEFAULT_FRAME_MAX,
+) -> bytes:
+    """Several deliveries to one consumer in one pass: exactly the bytes of ``encode_deliver`` for
+    each item in turn, delivery tags ``first_tag``, ``first_tag + 1``, ...
+
+    ``items`` are contract DELIVER items (broker/contract.py): [6:11] are redelivered, exchange,
+    routing_key, props_raw, body. The method frame's head and names are packed once per exchange and
+    routing key, the content header once per properties and body size: per delivery only the tag
+    and a few list slots remain (issue #15: 0.57 -> 0.13 us per delivery measured)."""
+    ct = consumer_tag if consumer_tag.__class__ is bytes else consumer_tag.encode()
+    limit = frame_max - 8 if frame_max else 0
+    parts: list = []
+    tag_bit = _TAG_BIT.pack
+    end_header = _END_HEADER.pack
+    ex_prev = rk_prev = props_prev = None
+    size_prev = -1
+    head = names = header = b""
+    single = True  # the header ends with the one body frame's header
+    tag = first_tag
+    try:
+        for item in items:
+            ex = item[7]
+            rk = item[8]
+            if ex != ex_prev or rk != rk_prev:
+                ex_prev = ex
+                rk_prev = rk
+                exb = ex if ex.__class__ is bytes else ex.encode()
+                rkb = rk if rk.__class__ is bytes else rk.encode()
+                head = _DELIVER_HEAD.pack(1, channel, 16 + len(ct) + len(exb) + len(rkb), 60, 60, len(ct)) + ct
+                names = _LEN1[len(exb)] + exb + _LEN1[len(rkb)] + rkb
+            props = item[9]
+            body = item[10]
+            size = len(body)
+            if size != size_prev or props != props_prev:
+                size_prev = size
+                props_prev = props
+                header = end_header(0xCE, 2, channel, 12 + len(props), 60, 0, size) + props
+                single = size and (size <= limit or not frame_max)
+                if single:
+                    header += _END_BODY.pack(0xCE, 3, channel, size)
+            if single:
+                parts += (head, tag_bit(tag, item[6]), names, header, body, _END)
+            else:
+                parts += (head, tag_bit(tag, item[6]), names, header)
+                parts += _body_tail(channel, body, frame_max)
+            tag += 1
+    except (struct.error, IndexError) as exc:
+        raise ValueError(f"cannot encode basic.deliver: {exc}") from exc
+    return b"".join(parts)
+
+
 def encode_publish(
     channel: int,
     exchange: str | bytes,

@@ -719,6 +719,13 @@ class AMQPConnection(asyncio.Protocol):
         if ch is not None and ch.key == key:
             ch.deliver(shard, item)
 
+    def on_deliver_run(self, shard: int, items: list) -> None:
+        """Consecutive DELIVER items of one batch for the same channel and consumer (worker._on_shard)."""
+        key = items[0][2]
+        ch = self.channels.get(key & 0xFFFF)
+        if ch is not None and ch.key == key:
+            ch.deliver_run(shard, items)
+
     def on_confirm(self, channel: int, seqs: list, ok: bool) -> None:
         ch = self.channels.get(channel & 0xFFFF)
         if ch is not None and ch.key == channel:

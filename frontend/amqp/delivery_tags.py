@@ -40,6 +40,12 @@ class DeliveryTags:
         self.next_tag = tag + 1
         return tag
 
+    def skip_many(self, n: int) -> int:
+        """Tags for ``n`` no-ack deliveries in a row: returns the first."""
+        tag = self.next_tag
+        self.next_tag = tag + n
+        return tag
+
     def take(self, tag: int, multiple: bool, class_id: int = 60, method_id: int = 80) -> list[Ref]:
         """Remove and return the refs an ack/nack/reject of ``tag`` settles.
 
