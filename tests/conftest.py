@@ -20,6 +20,7 @@ import signal
 
 import pytest
 
+from loadtest.etcd import EtcdCluster
 from tests.harness import Node, NodeFactory, sweep_own_nodes, sweep_stale_nodes
 
 
@@ -147,3 +148,14 @@ def spark():
     session = local_session()
     yield session
     session.stop()
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    """A one-member etcd for the cluster modules, one per module (a module-scoped conftest fixture)."""
+    cluster = EtcdCluster(1, tmp_path_factory.mktemp("etcd"))
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

@@ -21,16 +21,6 @@ from tests.harness import REPO_ROOT
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory):
-    cluster = EtcdCluster(1, tmp_path_factory.mktemp("etcd"))
-    cluster.start()
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
-
-
 @pytest.fixture
 def cluster(node_factory, etcd) -> Cluster:
     return Cluster(node_factory, etcd.endpoints)

@@ -14,22 +14,11 @@ import time
 import pika
 import pytest
 
-from loadtest.etcd import EtcdCluster
 from tests.cluster_helpers import Cluster, http_get, wait_for
 
 pytestmark = pytest.mark.integration
 
 QUEUES = 300  # enough for the restarted shard to take a moment to recover them
-
-
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory):
-    cluster = EtcdCluster(1, tmp_path_factory.mktemp("etcd"))
-    cluster.start()
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
 
 
 def _status(node) -> dict:

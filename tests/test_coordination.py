@@ -13,16 +13,6 @@ from replication.coordination import CoordinationError, Coordinator, NodeInfo, p
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory):
-    cluster = EtcdCluster(1, tmp_path_factory.mktemp("etcd"))
-    cluster.start()
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
-
-
 _prefixes = iter(range(1_000_000))
 
 
