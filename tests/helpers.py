@@ -138,3 +138,22 @@ def flood_thread(url: str, queue: str, body: bytes, chunk: int, stop, published:
             errors.append(exc)
 
     return threading.Thread(target=flood, daemon=True)
+
+
+def ack_deliveries(con, want: int, timeout: float, published: list, errors: list) -> None:
+    """Read `con`'s events and ack every delivery on channel 1 until `want` were delivered; fails when
+    the flood thread (flood_thread) raised or `timeout` seconds pass first."""
+    import time
+
+    from broker.amqp import encoder, events
+
+    got = 0
+    deadline = time.monotonic() + timeout
+    while got < want:
+        assert time.monotonic() < deadline, f"{got} of {want} delivered while {published[0]} were published"
+        assert not errors, errors
+        ev = con.next_event()
+        con._handle_close(ev)
+        if isinstance(ev, events.Deliver):
+            got += 1
+            con.send(encoder.encode_ack(1, ev.delivery_tag, False))

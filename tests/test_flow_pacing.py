@@ -12,12 +12,10 @@ unconfirmed; then the queue's ready count must be near the pacing threshold, not
 from __future__ import annotations
 
 import threading
-import time
 
-from broker.amqp import encoder, events
 from loadtest.amqp_client import AMQPClient
 from shard import worker
-from tests.helpers import flood_thread
+from tests.helpers import ack_deliveries, flood_thread
 
 WANT = 30_000
 PREFETCH = 1000
@@ -38,16 +36,7 @@ def test_an_unconfirmed_flood_is_paced_to_an_acking_consumer(node_factory):
         publisher = flood_thread(node.url, queue, b"x" * 1024, CHUNK, stop, published, errors)
         publisher.start()
         try:
-            got = 0
-            deadline = time.monotonic() + 120
-            while got < WANT:
-                assert time.monotonic() < deadline, f"{got} of {WANT} delivered while {published[0]} were published"
-                assert not errors, errors
-                ev = con.next_event()
-                con._handle_close(ev)
-                if isinstance(ev, events.Deliver):
-                    got += 1
-                    con.send(encoder.encode_ack(1, ev.delivery_tag, False))
+            ack_deliveries(con, WANT, 120, published, errors)
             with AMQPClient(node.url, timeout=30.0).connect() as probe:
                 backlog = probe.queue_declare(queue, passive=True)[1]
         finally:

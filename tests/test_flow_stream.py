@@ -9,11 +9,9 @@ Count-based: the flood goes on until the consumer has its messages, within a gen
 from __future__ import annotations
 
 import threading
-import time
 
-from broker.amqp import encoder, events
 from loadtest.amqp_client import AMQPClient
-from tests.helpers import flood_thread
+from tests.helpers import ack_deliveries, flood_thread
 
 WANT = 3000  # ~100 s at the starved rate; well under a second when paced
 PREFETCH = 10
@@ -33,16 +31,7 @@ def test_stream_consumer_progresses_during_an_unconfirmed_publish_flood(node_fac
         publisher = flood_thread(node.url, queue, b"x" * 16, 500, stop, published, errors)
         publisher.start()
         try:
-            got = 0
-            deadline = time.monotonic() + 60
-            while got < WANT:
-                assert time.monotonic() < deadline, f"{got} of {WANT} delivered while {published[0]} were published"
-                assert not errors, errors
-                ev = con.next_event()
-                con._handle_close(ev)
-                if isinstance(ev, events.Deliver):
-                    got += 1
-                    con.send(encoder.encode_ack(1, ev.delivery_tag, False))
+            ack_deliveries(con, WANT, 60, published, errors)
             assert published[0] > 0 and not errors, errors
         finally:
             stop.set()
