@@ -153,17 +153,18 @@ def _cluster_status(port: int) -> dict:
 
 
 def start_synced_cluster(nodes: list[Node], workdir: Path, etcd_endpoints: str, prefix: str, secret: Path,
-                         ttl: int, nodes_n: int, node_args: list[str] | tuple[str, ...] = ()) -> None:
+                         ttl: int | None, nodes_n: int, node_args: list[str] | tuple[str, ...] = ()) -> None:
     """Start n1 as leader, then the followers, and wait until every follower is in the ISR.
 
     Started nodes are appended to `nodes` as they are made, so the caller's cleanup stops them even
-    when a wait here fails.
+    when a wait here fails. ttl None leaves --lease-ttl at the node's default.
     """
     for i in range(nodes_n):
         name = f"n{i + 1}"
         node = Node(name, workdir / name, [
             "--cluster", "--etcd-endpoints", etcd_endpoints, "--etcd-prefix", prefix,
-            "--node-name", name, "--advertised-host", "127.0.0.1", "--lease-ttl", str(ttl),
+            "--node-name", name, "--advertised-host", "127.0.0.1",
+            *(("--lease-ttl", str(ttl)) if ttl is not None else ()),
             "--cluster-secret-file", str(secret), *node_args])
         node.argv += ["--replication-port", str(node.repl_port)]
         nodes.append(node)
@@ -233,24 +234,8 @@ def run_cluster(workdir: Path, node_args: list[str], perf_args: list[str], follo
     prefix = f"ratio{os.getpid()}"
     nodes: list[Node] = []
     try:
-        for i in range(followers + 1):
-            nodes.append(Node(f"n{i + 1}", workdir / f"n{i + 1}", [
-                "--cluster", "--etcd-endpoints", etcd.endpoints, "--etcd-prefix", prefix,
-                "--node-name", f"n{i + 1}", "--advertised-host", "127.0.0.1",
-                "--cluster-secret-file", str(secret), *node_args]))
-            nodes[-1].argv += ["--replication-port", str(nodes[-1].repl_port)]
         # The first node leads (the others start once it does), so the roles are the same every run.
-        nodes[0].start()
-        _wait(nodes[0].leader, 60, "n1 to lead")
-        for n in nodes[1:]:
-            n.start()
-
-        def all_in_sync() -> bool:
-            st = _cluster_status(nodes[0].http_port)
-            fol = st.get("followers") or {}
-            return len(st.get("isr") or []) == followers + 1 and len(fol) == followers and all(
-                f.get("in_sync") for f in fol.values())
-        _wait(all_in_sync, 120, "every follower in the ISR")
+        start_synced_cluster(nodes, workdir, etcd.endpoints, prefix, secret, None, followers + 1, node_args)
         trees = {"leader": nodes[0].proc.pid}
         for i, n in enumerate(nodes[1:]):
             trees[f"follower{i + 1}"] = n.proc.pid
