@@ -604,10 +604,7 @@ class Node:
         self._broadcast_defs(defs.version, ops, ident)
         waits = [self._wait_all_applied(defs.version, ident)]
         if self.defstore.record(logged):
-            fut = self.loop.create_future()
-            self._sync_waiters.append(fut)
-            self._start_sync()
-            waits.append(fut)
+            waits.append(self._durable())
 
         answered = []
 
@@ -972,11 +969,12 @@ class Node:
         self._check_apply_waiters()
         return fut
 
-    async def _durable(self) -> None:
+    def _durable(self) -> asyncio.Future:
+        """Done once the definitions written so far are synced (a sync starts now if none runs)."""
         fut = self.loop.create_future()
         self._sync_waiters.append(fut)
         self._start_sync()
-        await fut
+        return fut
 
     def _start_sync(self) -> None:
         if self._sync_running or not self._sync_waiters:
