@@ -83,6 +83,9 @@ class NodeStats:
         self.fe_conns: dict[int, dict[int, list]] = {}
         self.fe_consumers: dict[int, dict[int, list]] = {}
         self.fe_seq: dict[int, int] = {}
+        # Per frontend: conn_id -> (recv_oct, send_oct) bytes per second over the latest interval, for
+        # the connections its latest report carried (a row not sent did not move: rate 0).
+        self.fe_rates: dict[int, dict[int, tuple[float, float]]] = {}
         self._props = Interner()  # connections' client properties: one copy per distinct table
         self.received_at: dict[tuple[str, int], float] = {}
         self._queues: dict[tuple[str, str], list] = {}  # every shard's rows, merged
@@ -102,7 +105,8 @@ class NodeStats:
         else:
             if index in self.frontends:
                 self.previous_fe[index] = (self.received_at[(role, index)], self.frontends[index])
-            need_full = self._merge_frontend(index, payload)
+            prev_at = self.received_at.get((role, index))
+            need_full = self._merge_frontend(index, payload, now - prev_at if prev_at is not None else 0.0)
             self.frontends[index] = {k: v for k, v in payload.items()
                                      if k not in ("connections", "consumers", "closed")}
         self.received_at[(role, index)] = now
@@ -149,8 +153,19 @@ class NodeStats:
             self.seq[index] = int(seq)
         return not full and (last is None or int(seq) != last + 1)
 
-    def _merge_frontend(self, index: int, payload: dict) -> bool:
-        """Apply a frontend's connection rows: O(rows in the report), so idle connections cost nothing."""
+    def _merge_frontend(self, index: int, payload: dict, seconds: float) -> bool:
+        """Apply a frontend's connection rows: O(rows in the report), so idle connections cost nothing.
+        ``seconds`` since the frontend's previous report: byte rates of the rows that changed."""
+        old_conns = self.fe_conns.get(index, {})
+        rates: dict[int, tuple[float, float]] = {}
+        if seconds > 0:
+            for row in payload.get("connections", ()):
+                old = old_conns.get(row[C_ID])
+                # Bytes of an unchanged row did not move: all of a changed row's moved since the last report.
+                if old is not None and row[C_RECV] >= old[C_RECV] and row[C_SEND] >= old[C_SEND]:
+                    rates[row[C_ID]] = (round((row[C_RECV] - old[C_RECV]) / seconds, 1),
+                                        round((row[C_SEND] - old[C_SEND]) / seconds, 1))
+        self.fe_rates[index] = rates
         seq = payload.get("seq")
         full = bool(payload.get("full", True)) or seq is None  # no seq: an older frontend, always full
         last = self.fe_seq.get(index)
@@ -191,6 +206,7 @@ class NodeStats:
             self.fe_conns.pop(index, None)
             self.fe_consumers.pop(index, None)
             self.fe_seq.pop(index, None)
+            self.fe_rates.pop(index, None)
         if role == "shard":
             self.previous.pop(index, None)
             for key in self.rows.pop(index, {}):
@@ -276,6 +292,10 @@ class NodeStats:
     def connections(self) -> list[tuple[int, list]]:
         """(frontend index, connection row) for every open connection."""
         return [(fe, row) for fe, conns in sorted(self.fe_conns.items()) for row in conns.values()]
+
+    def connection_rates(self, index: int, conn_id: int) -> tuple[float, float]:
+        """(recv_oct, send_oct) bytes per second of one connection over its frontend's latest interval."""
+        return self.fe_rates.get(index, {}).get(conn_id, (0.0, 0.0))
 
     def frontend_connections(self, index: int) -> list[list]:
         """One frontend's connection rows."""

@@ -182,8 +182,7 @@ def test_an_mqtt_websocket_subscriber_that_stops_reading_pauses_its_deliveries(n
     while (ready := _ready(ch, queue)) < N - LEFT_QUEUE_BOUND // BODY:
         assert time.monotonic() < deadline, f"only {ready} of {N + 1} messages still queued: deliveries did not pause"
         time.sleep(0.1)
-    # The WebSocket session and the publisher (MQTT sessions count no send_oct: the largest send_pend
-    # is the WebSocket's).
+    # The WebSocket session and the publisher: the largest send_pend is the WebSocket's.
     rows = Api(node.http_port).wait_for("/api/connections", lambda rows: len(rows) >= 2, timeout=10)
     assert max(r["send_pend"] for r in rows) <= FRONTEND_BOUND, rows
 

@@ -446,11 +446,15 @@ def connection_name(node: Any, row: list) -> str:
 
 def _connection_json(node: Any, fe: int, row: list) -> dict:
     props = row[C_PROPS] or {}
-    return {"name": connection_name(node, row), "node": node_name(), "type": "network", "protocol": "AMQP 0-9-1",
+    recv_rate, send_rate = node.stats.connection_rates(fe, row[C_ID])
+    return {"name": connection_name(node, row), "node": node_name(), "type": "network",
+            # An MQTT session names its protocol in the properties it reports (frontend/mqtt/connection.py).
+            "protocol": props.get("protocol", "MQTT 3.1.1") if props.get("product") == "MQTT client" else "AMQP 0-9-1",
             "user": row[C_USER], "vhost": row[C_VHOST], "peer_host": row[C_HOST], "peer_port": row[C_PORT],
             "host": node.settings.bind, "port": node.settings.port, "client_properties": props,
             "connected_at": row[C_AT], "channels": len(row[C_CHANNELS]), "recv_oct": row[C_RECV],
             "send_oct": row[C_SEND], "send_pend": row[C_SEND_PEND] if len(row) > C_SEND_PEND else 0,
+            "recv_oct_details": {"rate": recv_rate}, "send_oct_details": {"rate": send_rate},
             "state": "blocked" if row[C_BLOCKED] else "running",
             "frontend": fe, "conn_id": row[C_ID], "auth_mechanism": "PLAIN", "ssl": False}
 

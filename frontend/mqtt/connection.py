@@ -105,6 +105,10 @@ class MQTTConnection(asyncio.Protocol):
         # What the management API lists for a connection (frontend/stats.py reads these).
         self.client_properties: dict = {"product": "MQTT client", "protocol": "MQTT 3.1.1"}
         self.connected_at = int(time.time() * 1000)
+        # Bytes read from / written to the transport (RabbitMQ's recv_oct / send_oct): one add per
+        # socket read and per turn's write, nothing per packet.
+        self.recv_oct = 0
+        self.send_oct = 0
         self.clean = True
         self.publisher = False
         self.will: M.Publish | None = None
@@ -168,6 +172,7 @@ class MQTTConnection(asyncio.Protocol):
         if self.state == CLOSED or self._close_after_flush:
             return  # closing: nothing the client sends counts any more
         self._received = True
+        self.recv_oct += len(data)
         try:
             packets = self.parser.feed(data)
         except M.MQTTProtocolError as exc:
@@ -292,7 +297,9 @@ class MQTTConnection(asyncio.Protocol):
             if transport is not None and not transport.is_closing():
                 # One buffer: a turn can hold thousands of small PUBLISH packets, and a transport's queue
                 # of that many tiny buffers is slow to drain once the client falls behind.
-                transport.write(out[0] if len(out) == 1 else b"".join(out))
+                data = out[0] if len(out) == 1 else b"".join(out)
+                transport.write(data)
+                self.send_oct += len(data)
         put = self.worker.shard_put
         if self._acks:
             for shard, flat in self._acks.items():
@@ -446,7 +453,7 @@ class MQTTConnection(asyncio.Protocol):
             return
         self.vhost, self.user, self.client_id = vhost, user, client_id
         self.access = Access(user, vhost, client_id)
-        self.client_properties = {"product": "MQTT client", "protocol": f"MQTT {p.protocol_level}",
+        self.client_properties = {"product": "MQTT client", "protocol": "MQTT 3.1.1",  # level 4, the only one accepted
                                   "client_id": client_id, "clean_session": bool(p.clean_session)}
         self.clean = bool(p.clean_session)
         self.will = p.will
