@@ -143,6 +143,9 @@ class Settings:
     min_isr: int = 0
     # A follower that is behind and has not acked for this many seconds is disconnected.
     replication_ack_timeout: int = 3
+    # A follower that got no file list this many seconds after the leader welcomed it on a stream
+    # drops its session and reconnects (the leader's shard may be stopped or hung).
+    replication_file_list_timeout: int = 60
     # HOST:PORT: follow that leader's replication port without etcd (static/manual mode, tests).
     follow: str | None = None
     config_file: str | None = None
@@ -278,6 +281,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("replication_ack_timeout", "int", "clustering",
            "seconds a lagging follower may go without acking before it is dropped", 1, 3600,
            key="ack_timeout"),
+    Option("replication_file_list_timeout", "int", "clustering",
+           "seconds a follower waits for a stream's file list before it reconnects", 1, 86400,
+           key="file_list_timeout"),
     Option("follow", "str", "clustering",
            "HOST:PORT of a leader to follow without etcd (static/manual mode, tests)"),
 )

@@ -17,7 +17,7 @@ from typing import Any
 
 from replication import protocol as p
 from replication.files import CrcCache
-from replication.receiver import AuthFailed, StreamReceiver
+from replication.receiver import FILE_LIST_TIMEOUT_S, AuthFailed, FileListTimeout, StreamReceiver
 
 log = logging.getLogger("shardmq.replication")
 
@@ -34,12 +34,14 @@ class ReplicationFollower:
         self.node_name = node_name
         self.leader_host = leader_host
         self.leader_port = leader_port
+        self.file_list_timeout = float(getattr(config, "replication_file_list_timeout", FILE_LIST_TIMEOUT_S))
         self._task: asyncio.Task | None = None
         self._receivers: list[StreamReceiver] = []
         # One per stream (their full syncs hash in parallel threads); they survive sessions, so
         # unchanged files are not hashed again.
         self._crcs: dict[str, CrcCache] = {}
         self.sessions = 0
+        self.file_list_timeouts = 0
         self.last_error = ""
 
     async def start(self) -> None:
@@ -69,6 +71,7 @@ class ReplicationFollower:
             "leader": f"{self.leader_host}:{self.leader_port}",
             "streams": {r.stream: {"synced": r.synced, "position": r.position, "acked": r.acked} for r in recs},
             "sessions": self.sessions,
+            "file_list_timeouts": self.file_list_timeouts,
             "last_error": self.last_error,
         }
 
@@ -87,6 +90,10 @@ class ReplicationFollower:
                 log.error("replication: authentication with %s:%d failed: %s", self.leader_host,
                           self.leader_port, exc)
                 delay = AUTH_RETRY_S
+            except FileListTimeout as exc:
+                self.last_error = str(exc)
+                self.file_list_timeouts += 1
+                log.warning("replication: %s; dropping the session and reconnecting", exc)
             except (OSError, p.ProtocolError) as exc:
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 log.warning("replication: session with %s:%d ended: %s; resyncing", self.leader_host,
@@ -100,7 +107,8 @@ class ReplicationFollower:
 
     async def _session(self) -> None:
         self.sessions += 1
-        node = StreamReceiver(self.data_dir, self.secret, self.node_name, "node", self._crc_cache("node"))
+        node = StreamReceiver(self.data_dir, self.secret, self.node_name, "node", self._crc_cache("node"),
+                              self.file_list_timeout)
         self._receivers = [node]
         tasks: list[asyncio.Task] = []
         loop = asyncio.get_running_loop()
@@ -115,7 +123,8 @@ class ReplicationFollower:
             for stream in node.streams:
                 if stream == "node":
                     continue
-                rec = StreamReceiver(self.data_dir, self.secret, self.node_name, stream, self._crc_cache(stream))
+                rec = StreamReceiver(self.data_dir, self.secret, self.node_name, stream, self._crc_cache(stream),
+                                     self.file_list_timeout)
                 self._receivers.append(rec)
                 tasks.append(loop.create_task(rec.run(self.leader_host, self.leader_port)))
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)

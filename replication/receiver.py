@@ -27,6 +27,10 @@ log = logging.getLogger("shardmq.replication")
 # Unapplied bytes held while the file list is compared (the socket is paused beyond this).
 _HOLD_MAX = 4 << 20
 HANDSHAKE_TIMEOUT_S = 10.0
+# Default of --replication-file-list-timeout: after WELCOME the leader's node hands a shard stream to
+# its shard (waiting up to leader.HANDOFF_WAIT_S, 30 s, for one that restarts), which first hashes its
+# sealed segments off its loop (a restarted leader with a large data dir) and then lists its files.
+FILE_LIST_TIMEOUT_S = 60.0
 # Durability batches in flight per stream. With one, data that arrives while an fdatasync is slow
 # (a journal commit behind other writers) waits for it to end and then for its own; with two it
 # starts its own at once, and the confirm that waits for it is released sooner.
@@ -35,6 +39,11 @@ MAX_SYNCS = 2
 
 class AuthFailed(Exception):
     """The leader refused us, or could not prove it knows the secret."""
+
+
+class FileListTimeout(TimeoutError):
+    """The leader welcomed us on a stream and then sent no file list in time (a stopped or hung
+    shard): the follower drops the session and reconnects."""
 
 
 class _Conn(asyncio.BufferedProtocol):
@@ -64,8 +73,10 @@ class _Conn(asyncio.BufferedProtocol):
 
 
 class StreamReceiver:
-    def __init__(self, root: str, secret: bytes, name: str, stream: str, crcs: CrcCache) -> None:
+    def __init__(self, root: str, secret: bytes, name: str, stream: str, crcs: CrcCache,
+                 file_list_timeout: float = FILE_LIST_TIMEOUT_S) -> None:
         self.root = os.path.abspath(root)
+        self.file_list_timeout = file_list_timeout
         self.secret = secret
         self.name = name
         self.stream = stream
@@ -204,7 +215,14 @@ class StreamReceiver:
 
     async def _serve(self) -> None:
         loop = self._loop
-        ev = await self._next()
+        try:
+            # Not wait_for: see handshake().
+            async with asyncio.timeout(self.file_list_timeout):
+                ev = await self._next()
+        except TimeoutError:
+            raise FileListTimeout(f"no file list on stream {self.stream} from {self.leader} within "
+                                  f"{self.file_list_timeout:g} s of its welcome "
+                                  "(--replication-file-list-timeout)") from None
         if not isinstance(ev, p.FileList):
             raise p.ProtocolError(f"expected FILE_LIST, got {type(ev).__name__}")
         wanted = await loop.run_in_executor(None, self._compare, ev)

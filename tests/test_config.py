@@ -100,7 +100,7 @@ SAMPLES = {
     "cluster": "true", "etcd_endpoints": "10.0.0.1:2379,10.0.0.2:2379", "etcd_prefix": "mq1",
     "node_name": "n1", "advertised_host": "n1.example", "lease_ttl": "3",
     "cluster_secret_file": "/tmp/shardmq-secret", "replication_port": "6000", "replication_bind": "0.0.0.0",
-    "min_isr": "2", "replication_ack_timeout": "7", "follow": "h1:5679",
+    "min_isr": "2", "replication_ack_timeout": "7", "replication_file_list_timeout": "90", "follow": "h1:5679",
 }
 # Settings some samples need to be valid (a cluster node needs a secret; --follow needs --cluster).
 NEEDS = {"cluster": {"SHARDMQ_CLUSTER_SECRET": "s"}, "follow": {"SHARDMQ_CLUSTER": "1", "SHARDMQ_CLUSTER_SECRET": "s"}}

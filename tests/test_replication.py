@@ -33,9 +33,10 @@ def leader_node(node_factory, name="n1", shards=2, extra=(), env=SECRET, **kwarg
     return node
 
 
-def follower_node(node_factory, leader, name="n2", env=SECRET, start=True):
+def follower_node(node_factory, leader, name="n2", env=SECRET, start=True, extra=()):
     node = node_factory(name=name, frontends=1, shards=leader.shards, env=env, start=False,
-                        extra_args=["--cluster", "--node-name", name, "--follow", f"127.0.0.1:{leader.rport}"])
+                        extra_args=["--cluster", "--node-name", name, "--follow", f"127.0.0.1:{leader.rport}",
+                                    *extra])
     if start:
         node.start(wait=False)
     return node
@@ -389,6 +390,40 @@ def test_a_leader_shard_that_dies_is_resynced_and_confirms_go_on(node_factory):
     wait_isr(leader, "n2")
     publish(leader, {"k0": 5, "k1": 5})  # min-isr 1: acked only because the follower is back in the ISR
     wait_identical(leader, follower)
+
+
+def test_a_follower_without_a_file_list_times_out_reconnects_and_syncs_once_the_leader_answers(node_factory):
+    """The leader's shard that serves a stream is stopped (SIGSTOP): the node still welcomes the
+    follower and hands the connection over, but no FILE_LIST comes. The follower gives up after
+    --replication-file-list-timeout, says so, reconnects, and is in sync once the shard runs again."""
+    leader = leader_node(node_factory, shards=1)
+    publish(leader, {"fl": 100})
+    shard = leader.worker_pid("shard", 0)
+    os.kill(shard, signal.SIGSTOP)
+    try:
+        follower = follower_node(node_factory, leader, extra=["--replication-file-list-timeout", "1"])
+        timed_out = "replication: no file list on stream shard-0 from n1 within 1 s of its welcome"
+        wait_for(lambda: log_count(follower, timed_out) >= 2, "two file-list timeouts", node=follower)
+        assert "dropping the session and reconnecting" in follower.log_text()
+        assert log_count(leader, "follower n2 is in sync") == 0
+    finally:
+        os.kill(shard, signal.SIGCONT)
+    wait_in_sync(leader)
+    wait_isr(leader, "n2", shards=1)
+    publish(leader, {"fl": 50})  # confirmed once the follower acked them (it is in the ISR)
+    wait_identical(leader, follower)
+    leader.kill9()
+    follower.stop()
+    standalone = node_factory(name="promoted", frontends=1, shards=1, start=False)
+    standalone.data_dir = follower.data_dir
+    standalone.start()
+    assert count(standalone, "fl") == 150
+    conn = standalone.connect()
+    ch = conn.channel()
+    bodies = [ch.basic_get("fl", auto_ack=True)[2] for _ in range(150)]
+    conn.close()
+    assert [b.split(b"-")[1] for b in bodies] == [str(i).encode() for i in range(100)] + \
+        [str(i).encode() for i in range(50)]
 
 
 def test_role_api_follower_promoted_by_become_leader_then_replicates_to_a_new_follower(node_factory, tmp_path,
