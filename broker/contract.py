@@ -213,6 +213,9 @@ CHANNEL_CLOSED = 28
 CONNECTION_CLOSED = 29  # [CONNECTION_CLOSED, conn_id]
 PURGE = 30  # [PURGE, req_id, vhost, queue] -> REPLY_DATA {"messages": purged_count}
 CREDIT = 31  # [CREDIT, conn_id, channel, consumer_tag, n]  frontend wrote deliveries costing n credits out
+# (n < 0: the frontend takes back credit of a consumer whose client stopped reading, and gives it back
+# later with positive n; the shard adds n either way and delivers only while the sum is positive:
+# frontend/paused_credit.py)
 # QUEUE_INFO: [QUEUE_INFO, req_id, vhost, queue] -> REPLY_DATA {"messages", "consumers"}. Asked on the
 # data path (not through the node) so the counts include every publish this frontend sent before.
 QUEUE_INFO = 32

@@ -11,10 +11,11 @@ burst of a loop turn becomes one binary message sent by a task. The listeners ar
 
 Write back-pressure is the TCP transports': past ``HIGH_WATER`` bytes written and waiting for the
 WebSocket send (which waits while the socket's own buffer is over its limit: aiohttp drains it),
-the session gets ``pause_writing()`` - it then returns no credit, so its shards stop delivering -
-and once a send went out with at most ``LOW_WATER`` waiting, ``resume_writing()``. A client that
-stops reading therefore costs the frontend about the high-water mark, one send and its consumers'
-credit windows, not everything published to it.
+the session gets ``pause_writing()`` - it then returns no credit and takes back what its shards have
+not spent (frontend/paused_credit.py), so they stop delivering - and once a send went out with at
+most ``LOW_WATER`` waiting, ``resume_writing()``. A client that stops reading therefore costs the
+frontend about the high-water mark, one send and the deliveries in flight when it paused, not its
+consumers' credit windows nor everything published to it.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from broker import contract
 from broker.amqp import events as E
 from frontend.amqp.channel import Consumer
 from frontend.amqp.connection import CREDIT_RETURN_AT
+from frontend.paused_credit import GIVE_BACK_STEP
 
 from .test_channel_generations import _frames, _running
 
@@ -78,16 +79,38 @@ def test_a_big_body_returns_its_credit_at_once():
     assert _credits(worker) == [(0, ch.key, "ctag", 1 + CREDIT_RETURN_AT)]
 
 
-def test_no_credit_back_while_the_client_socket_is_paused():
+def test_a_paused_connection_takes_its_credit_back_and_gives_it_back_in_steps():
+    """frontend/paused_credit.py: no credit goes back while the client's socket is paused, and what the
+    shard has not spent yet is taken back at once; after the resume it comes back in steps, and the
+    window is conserved."""
+    window = contract.CREDIT_WINDOW
     conn, worker, ch = _consuming()
-    conn.pause_writing()
-    for _ in range(CREDIT_RETURN_AT):
+    for _ in range(10):
         _deliver(conn, ch)
     conn.flush_turn()
-    assert _credits(worker) == []
+    conn.pause_writing()
+    assert _credits(worker) == [(0, ch.key, "ctag", -(window - 10))]  # all but the 10 seen delivered
+    for _ in range(CREDIT_RETURN_AT):  # in flight at the pause: written, not credited back
+        _deliver(conn, ch)
+    conn.flush_turn()
+    conn.pause_writing()  # a second pause before the resume: nothing more is outstanding
+    assert len(_credits(worker)) == 1
     conn.resume_writing()
     conn.flush_turn()
-    assert _credits(worker) == [(0, ch.key, "ctag", CREDIT_RETURN_AT)]
+    assert _credits(worker)[1:] == [(0, ch.key, "ctag", GIVE_BACK_STEP), (0, ch.key, "ctag", CREDIT_RETURN_AT + 10)]
+    while conn._taken is not None:  # then a step per turn whose writes the socket took at once
+        conn._give_back()
+    steps = [n for _s, _c, _t, n in _credits(worker)[1:] if n != CREDIT_RETURN_AT + 10]
+    assert max(steps) == GIVE_BACK_STEP and sum(steps) == window - 10
+
+
+def test_credit_taken_back_from_a_cancelled_consumer_is_not_given_back():
+    conn, worker, ch = _consuming(("a", "b"))
+    conn.pause_writing()
+    assert {(t, n) for _s, _c, t, n in _credits(worker)} == {("a", -contract.CREDIT_WINDOW), ("b", -contract.CREDIT_WINDOW)}
+    conn.drop_credit(ch.key, "a")  # the shard dropped consumer a
+    conn.resume_writing()
+    assert [(t, n) for _s, _c, t, n in _credits(worker)[2:]] == [("b", GIVE_BACK_STEP)]
 
 
 def test_held_credit_of_a_cancelled_consumer_or_closed_channel_is_forgotten():

@@ -40,6 +40,7 @@ from broker.version import __version__
 from frontend.amqp.channel import BACKLOG_PAUSE, CLOSED, OPEN, Channel
 from frontend.amqp.replies import plain, reply_text
 from frontend.amqp.shard_loss import connection_lost_shard
+from frontend.paused_credit import GIVE_BACK_BELOW, give_back, take_back
 from frontend.timer_wheel import wheel_for
 
 if TYPE_CHECKING:
@@ -138,7 +139,7 @@ class AMQPConnection(asyncio.Protocol):
         "worker", "conn_id", "frame_max", "channel_max", "heartbeat", "parser", "transport", "state", "vhost",
         "user", "access", "peer", "client_properties", "connected_at", "recv_oct", "send_oct", "_sent_blocked",
         "channels", "had_exclusive", "registered", "confirm_shards", "_out", "_dirty", "_confirm_channels", "_credit",
-        "_write_paused", "_read_pause", "publisher", "_close_after_flush", "_linger_after_flush", "_released",
+        "_taken", "_write_paused", "_read_pause", "publisher", "_close_after_flush", "_linger_after_flush", "_released",
         "wheel_tick", "_wheel", "_close_timer", "_received", "_wrote", "_missed", "_close_requested", "_open_pending",
         "_generation", "_turn_read",
     )
@@ -173,6 +174,7 @@ class AMQPConnection(asyncio.Protocol):
         # Empty and shared until used (an idle connection has neither): a set each is 216 bytes.
         self._confirm_channels: set[Channel] | frozenset = _NO_REASONS
         self._credit: dict[tuple[int, int, str], int] = {}
+        self._taken: dict[tuple[int, int, str], int] | None = None  # credit taken back while paused
         self._write_paused = False
         self._read_pause: set[str] | frozenset = _NO_REASONS
         # Set on the first basic.publish: only publishing connections are paused under shard
@@ -260,11 +262,34 @@ class AMQPConnection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self._write_paused = True
+        if self.state != CLOSED_STATE:
+            # The client stopped reading: the shards keep what they have not sent (frontend/paused_credit.py).
+            credit = self._credit
+            consumers = []
+            for ch in self.channels.values():
+                for tag, c in ch.consumers.items():
+                    key = (c.shard, ch.key, tag)
+                    consumers.append((key, credit.get(key, 0)))
+            taken = self._taken
+            if taken is None:
+                taken = self._taken = {}
+            take_back(self.worker.shard_put, self.conn_id, consumers, taken)
 
     def resume_writing(self) -> None:
         self._write_paused = False
+        if self._taken is not None:
+            self._give_back()
         if self._credit:
             self._mark_dirty()
+
+    def _give_back(self) -> None:
+        """A step of the credit taken back while paused (frontend/paused_credit.py): at resume, then
+        after each turn whose writes the socket took at once, until all of it is back."""
+        taken = self._taken
+        if taken and self.state != CLOSED_STATE:
+            give_back(self.worker.shard_put, self.conn_id, taken)
+        if not taken:
+            self._taken = None
 
     def became_publisher(self) -> None:
         self.publisher = True
@@ -352,6 +377,10 @@ class AMQPConnection(asyncio.Protocol):
         if credit:
             for key in [k for k in credit if k[1] == channel and (tag is None or k[2] == tag)]:
                 del credit[key]
+        taken = self._taken
+        if taken:  # nothing to give back to a consumer the shard no longer has
+            for key in [k for k in taken if k[1] == channel and (tag is None or k[2] == tag)]:
+                del taken[key]
 
     def flush_turn(self) -> None:
         """End of a loop turn: confirms, then one write, then the credit for what was written."""
@@ -379,6 +408,9 @@ class AMQPConnection(asyncio.Protocol):
             due = [key for key, n in credit.items() if n >= CREDIT_RETURN_AT]
             for key in due:
                 put(key[0], [_CREDIT, conn_id, key[1], key[2], credit.pop(key)])
+        if (self._taken is not None and not self._write_paused and transport is not None
+                and transport.get_write_buffer_size() <= GIVE_BACK_BELOW):
+            self._give_back()
         self._dirty = False
         read = self._turn_read
         if read:

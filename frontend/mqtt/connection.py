@@ -54,6 +54,7 @@ from frontend.mqtt.messages import (
     session_shard,
     transient_queue,
 )
+from frontend.paused_credit import GIVE_BACK_BELOW, give_back, take_back
 from frontend.publish import put_marked_publish, put_publish, queues_by_shard
 from frontend.session import CONNECTION_FORCED
 
@@ -150,6 +151,7 @@ class MQTTConnection(asyncio.Protocol):
         self._dirty = False
         self._acks: dict[int, list] = {}
         self._credit: dict[tuple[int, str], int] = {}
+        self._taken: dict[tuple[int, int, str], int] | None = None  # credit taken back while paused
         self.consumer_tag: str | None = None
         self._backlog: deque = deque()
         self._busy = False
@@ -218,14 +220,34 @@ class MQTTConnection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self._write_paused = True
+        if self.state != CLOSED:
+            # The client stopped reading: the shard keeps what it has not sent (frontend/paused_credit.py).
+            consumers = []
+            if self.consuming and self.consumer_tag is not None and self.queue_shard is not None:
+                key = (self.queue_shard, LANE, self.consumer_tag)
+                consumers.append((key, self._credit.get((self.queue_shard, self.consumer_tag), 0)))
+            if self._taken is None:
+                self._taken = {}
+            take_back(self.worker.shard_put, self.conn_id, consumers, self._taken)
 
     def resume_writing(self) -> None:
         self._write_paused = False
+        if self._taken is not None:
+            self._give_back()
         self._slow = False
         if (self._holding or self._slow_timer is not None) and not self._waiting:
             self._let_go()
         if self._credit:
             self._mark_dirty()
+
+    def _give_back(self) -> None:
+        """A step of the credit taken back while paused (frontend/paused_credit.py): at resume, then
+        after each turn whose writes the socket took at once, until all of it is back."""
+        taken = self._taken
+        if taken and self.state != CLOSED:
+            give_back(self.worker.shard_put, self.conn_id, taken)
+        if not taken:
+            self._taken = None
 
     def _let_go(self) -> None:
         """Resume the publishers this (directly served) session held."""
@@ -309,6 +331,9 @@ class MQTTConnection(asyncio.Protocol):
             for (shard, tag), n in self._credit.items():
                 put(shard, [_CREDIT, self.conn_id, LANE, tag, n])
             self._credit = {}
+        if (self._taken is not None and not self._write_paused and transport is not None
+                and transport.get_write_buffer_size() <= GIVE_BACK_BELOW):
+            self._give_back()
         if (self._holding or self._slow_timer is not None) and not self._write_paused and not self._waiting:
             self._let_go()  # held for this turn only: the transport took it all
         if self._close_after_flush and transport is not None:
@@ -896,6 +921,8 @@ class MQTTConnection(asyncio.Protocol):
         put = self.worker.shard_put
         if self.consuming and self.consumer_tag is not None:
             put(q.shard, [contract.CANCEL, self.conn_id, LANE, self.consumer_tag])
+            if self._taken:
+                self._taken.pop((self.queue_shard, LANE, self.consumer_tag), None)  # that consumer is gone
         self.consuming = True
         self.queue_shard = q.shard
         no_ack = not any(self.subs.values())

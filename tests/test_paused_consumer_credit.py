@@ -1,0 +1,195 @@
+"""A consumer whose client stops reading has its unspent delivery credit taken back by the frontend
+(frontend/paused_credit.py): once its connection's writes pause, its shard sends nothing more, so a
+publisher flooding its queue fills the queue, not the frontend's memory (before, the shard went on
+until the consumer's whole credit window, about 8 MiB, sat in the frontend's transport buffer).
+When the client reads again it gets every message, in order, nothing twice. Over WebSocket (AMQP
+and MQTT) and over plain TCP."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pika
+import pytest
+from pamqp import commands, frame
+from pamqp import heartbeat as pamqp_heartbeat
+
+from broker import contract
+from broker.mqtt import codec as M
+from frontend.mqtt.messages import session_queue
+from frontend.ws import HIGH_WATER
+from tests.harness import free_port
+from tests.mgmt_api import Api
+from tests.raw_mqtt import RawMQTT
+from tests.test_ws_backpressure import WSAMQP, WSClient
+
+pytestmark = pytest.mark.integration
+
+BODY = 64 << 10
+FLOOD = 160  # 10 MiB published after the client's connection paused: more than a credit window
+WINDOW_BYTES = contract.CREDIT_WINDOW << contract.CREDIT_BYTES_SHIFT
+# What the frontend may hold for the paused client: its transport's buffer (the high-water mark
+# plus the turn's write that crossed it) and, for a WebSocket, the one send in progress below it,
+# each a couple of messages here (the messages before the pause were published one at a time).
+BOUND = 4 * (HIGH_WATER + BODY + 1024)
+assert BOUND < WINDOW_BYTES // 4
+
+
+class TCPAMQP:
+    """AMQP 0-9-1 over a plain socket that is read only when the test asks (pamqp frames)."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        self.buf = b""
+
+    def send(self, channel: int, value) -> None:
+        self.sock.sendall(frame.marshal(value, channel))
+
+    def read(self):
+        while True:
+            if len(self.buf) >= 8 and len(self.buf) >= 8 + int.from_bytes(self.buf[3:7], "big"):
+                used, _channel, value = frame.unmarshal(self.buf)  # a whole frame (pamqp wants one)
+                if used:
+                    self.buf = self.buf[used:]
+                    if not isinstance(value, pamqp_heartbeat.Heartbeat):
+                        return value
+                    continue
+            data = self.sock.recv(1 << 20)
+            assert data, "the server closed the connection"
+            self.buf += data
+
+    def send_binary(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    open = WSAMQP.open
+
+
+def _ready(ch, queue: str) -> int:
+    return ch.queue_declare(queue, passive=True).method.message_count
+
+
+def _send_pend(api: Api) -> int:
+    """The largest send_pend of the node's connections (the paused client's: the others read)."""
+    return max(r["send_pend"] for r in api.get("/api/connections"))
+
+
+def _until_paused(publish, ch, queue: str) -> int:
+    """Publish one message at a time until one stays in the queue: the client's connection paused
+    (its socket buffers are full) and its credit was taken back. Returns how many were published."""
+    n = 0
+    while True:
+        publish(n)
+        n += 1
+        if _ready(ch, queue):
+            return n
+        assert n < 2000, "the consumer's connection never paused"
+
+
+def _flood_and_check(node, publish, ch, queue: str, paused_at: int) -> int:
+    """Flood the queue of the paused consumer; nothing more reaches the frontend for it."""
+    api = Api(node.http_port)
+    delivered = paused_at - _ready(ch, queue)
+    for i in range(paused_at, paused_at + FLOOD):
+        publish(i)
+    total = paused_at + FLOOD
+    # Every message published since the pause stays queued (before: a window's worth went on).
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        assert _ready(ch, queue) == total - delivered, (total, delivered, _ready(ch, queue))
+        time.sleep(0.1)
+    # Two stats intervals later the frontend's buffer for the client is within the bound.
+    time.sleep(0.3)
+    pend = _send_pend(api)
+    assert pend <= BOUND, f"the frontend holds {pend} bytes for a paused consumer (bound {BOUND})"
+    return total
+
+
+def _amqp_case(node, client) -> None:
+    queue = "paused"
+    client.open()
+    client.send(1, commands.Queue.Declare(queue=queue))
+    assert isinstance(client.read(), commands.Queue.DeclareOk)
+    client.send(1, commands.Basic.Consume(queue=queue, consumer_tag="slow", no_ack=True))
+    assert isinstance(client.read(), commands.Basic.ConsumeOk)
+    # From here on the client reads nothing until every message is published.
+    conn = pika.BlockingConnection(pika.URLParameters(node.url))
+    ch = conn.channel()
+    ch.confirm_delivery()
+
+    def publish(i: int) -> None:
+        ch.basic_publish("", queue, b"%08d" % i + b"x" * (BODY - 8))
+
+    paused_at = _until_paused(publish, ch, queue)
+    total = _flood_and_check(node, publish, ch, queue, paused_at)
+
+    # The client reads again: everything arrives, in order, once.
+    for i in range(total):
+        deliver = client.read()
+        assert isinstance(deliver, commands.Basic.Deliver), deliver
+        client.read()  # content header
+        body = b""
+        while len(body) < BODY:
+            body += client.read().value
+        assert body[:8] == b"%08d" % i, (i, body[:8])
+    assert _ready(ch, queue) == 0
+    conn.close()
+    client.sock.close()
+
+
+def test_a_websocket_amqp_consumer_that_stops_reading_holds_no_credit_window_in_the_frontend(node_factory):
+    node = node_factory(name="node", frontends=1, shards=1, ws_port=free_port(),
+                        extra_args=["--stats-interval", "100"])
+    client = WSAMQP(node.ws_port)
+    client.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+    _amqp_case(node, client)
+
+
+def test_a_tcp_amqp_consumer_that_stops_reading_holds_no_credit_window_in_the_frontend(node_factory):
+    node = node_factory(name="node", frontends=1, shards=1, extra_args=["--stats-interval", "100"])
+    _amqp_case(node, TCPAMQP(node.port))
+
+
+def test_a_websocket_mqtt_subscriber_that_stops_reading_holds_no_credit_window_in_the_frontend(node_factory):
+    # A persistent session's QoS 0 subscription: its messages come through its queue on the shard,
+    # paced by credit.
+    node = node_factory(name="node", frontends=1, shards=1, ws_port=free_port(), mqtt_port=free_port(),
+                        extra_args=["--stats-interval", "100"])
+    client = WSClient(node.ws_port, "/ws", "mqtt")
+    client.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+    parser = M.MQTTParser(server=False)
+    packets: list = []
+
+    def read():
+        while not packets:
+            packets.extend(parser.feed(client.recv_message()))
+        return packets.pop(0)
+
+    client.send_binary(M.encode_connect("ws-paused", clean_session=False, username="guest", password=b"guest"))
+    assert isinstance(read(), M.ConnAck)
+    client.send_binary(M.encode_subscribe(1, [("paused/#", 0)]))
+    assert isinstance(read(), M.SubAck)
+    publisher = RawMQTT(node.mqtt_port)
+    publisher.connect("ws-paused-publisher")
+    pid = [0]
+
+    def publish(i: int) -> None:
+        # QoS 1, one at a time: PUBACK once the message is in the session queue.
+        pid[0] = pid[0] % 65535 + 1
+        publisher.publish("paused/x", b"%08d" % i + b"x" * (BODY - 8), qos=1, pid=pid[0])
+        assert publisher.recv(timeout=30) == M.Ack(M.PUBACK, pid[0])
+
+    conn = node.connect()
+    ch = conn.channel()
+    queue = session_queue("ws-paused")
+    paused_at = _until_paused(publish, ch, queue)
+    total = _flood_and_check(node, publish, ch, queue, paused_at)
+
+    for i in range(total):
+        p = read()
+        assert isinstance(p, M.Publish) and p.payload[:8] == b"%08d" % i, (i, p)
+    assert _ready(ch, queue) == 0
+    conn.close()
+    publisher.disconnect()
+    client.sock.close()
