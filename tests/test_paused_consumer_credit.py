@@ -193,3 +193,57 @@ def test_a_websocket_mqtt_subscriber_that_stops_reading_holds_no_credit_window_i
     conn.close()
     publisher.disconnect()
     client.sock.close()
+
+
+def test_every_consumer_of_a_paused_connection_gives_its_credit_back(node_factory):
+    """Four consumers on one TCP connection whose client stops reading: once the connection pauses,
+    none of the four queues sends anything more (before, each consumer's window, 8 MiB, could go to
+    the frontend: four windows for one connection). Afterwards each consumer gets its queue in order."""
+    node = node_factory(name="node", frontends=1, shards=2, extra_args=["--stats-interval", "100"])
+    client = TCPAMQP(node.port)
+    client.open()
+    queues = [f"many-{i}" for i in range(4)]
+    for q in queues:
+        client.send(1, commands.Queue.Declare(queue=q))
+        assert isinstance(client.read(), commands.Queue.DeclareOk)
+        client.send(1, commands.Basic.Consume(queue=q, consumer_tag=q, no_ack=True))
+        assert isinstance(client.read(), commands.Basic.ConsumeOk)
+    conn = pika.BlockingConnection(pika.URLParameters(node.url))
+    ch = conn.channel()
+    ch.confirm_delivery()
+    sent = dict.fromkeys(queues, 0)
+
+    def publish(q: str) -> None:
+        ch.basic_publish("", q, q.encode() + b"%08d" % sent[q] + b"x" * (BODY - 16))
+        sent[q] += 1
+
+    while not _ready(ch, queues[0]):  # the first queue fills the client's socket buffers
+        publish(queues[0])
+        assert sent[queues[0]] < 2000, "the consumer's connection never paused"
+    before = {q: sent[q] - _ready(ch, q) for q in queues}
+    for _ in range(FLOOD // 4):
+        for q in queues:
+            publish(q)
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        for q in queues:
+            assert _ready(ch, q) == sent[q] - before[q], (q, sent, before, _ready(ch, q))
+        time.sleep(0.1)
+    time.sleep(0.3)
+    pend = _send_pend(Api(node.http_port))
+    assert pend <= BOUND, f"the frontend holds {pend} bytes for a paused connection (bound {BOUND})"
+
+    got = dict.fromkeys(queues, 0)
+    for _ in range(sum(sent.values())):
+        deliver = client.read()
+        assert isinstance(deliver, commands.Basic.Deliver), deliver
+        size = client.read().body_size  # content header
+        body = b""
+        while len(body) < size:
+            body += client.read().value
+        q = deliver.consumer_tag
+        assert body[:len(q) + 8] == q.encode() + b"%08d" % got[q], (q, got[q], body[:16])
+        got[q] += 1
+    assert got == sent
+    conn.close()
+    client.sock.close()
