@@ -78,6 +78,23 @@ _NACK = contract.NACK
 _CREDIT_SHIFT = contract.CREDIT_BYTES_SHIFT
 
 
+def _ids(method: Any) -> tuple[int, int]:
+    index = method.index
+    return index >> 16, index & 0xFFFF
+
+
+class Consumer:
+    __slots__ = ("tag", "queue", "shard", "no_ack", "ready", "early")
+
+    def __init__(self, tag: str, queue: str, shard: int, no_ack: bool) -> None:
+        self.tag = tag
+        self.queue = queue
+        self.shard = shard
+        self.no_ack = no_ack
+        self.ready = False  # consume-ok (or the nowait reply) not yet through
+        self.early: list = []  # deliveries that overtook the shard's reply
+
+
 class ChannelConnection(Protocol):
     """What a channel uses of its connection (frontend/amqp/connection.py AMQPConnection)."""
 
@@ -117,23 +134,6 @@ class ChannelConnection(Protocol):
     def backlog_grew(self) -> None: ...
 
     def forget_channel(self, ch: Channel) -> None: ...
-
-
-def _ids(method: Any) -> tuple[int, int]:
-    index = method.index
-    return index >> 16, index & 0xFFFF
-
-
-class Consumer:
-    __slots__ = ("tag", "queue", "shard", "no_ack", "ready", "early")
-
-    def __init__(self, tag: str, queue: str, shard: int, no_ack: bool) -> None:
-        self.tag = tag
-        self.queue = queue
-        self.shard = shard
-        self.no_ack = no_ack
-        self.ready = False  # consume-ok (or the nowait reply) not yet through
-        self.early: list = []  # deliveries that overtook the shard's reply
 
 
 class Channel:
