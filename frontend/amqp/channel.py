@@ -916,6 +916,7 @@ class Channel:
             return [contract.CONSUME, req_id, *item_tail]
 
         self._shard_request(q.shard, build, ok, method)
+        conn.consumer_started(q.shard, self.key, tag)  # after the CONSUME, on the same lane
 
     def _consume_replies(self, method: C.Basic.Consume) -> None:
         if not method.no_ack:

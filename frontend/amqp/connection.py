@@ -262,8 +262,11 @@ class AMQPConnection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self._write_paused = True
+        self.take_back_credit()
+
+    def take_back_credit(self) -> None:
+        """The client stopped reading: the shards keep what they have not sent (frontend/paused_credit.py)."""
         if self.state != CLOSED_STATE:
-            # The client stopped reading: the shards keep what they have not sent (frontend/paused_credit.py).
             credit = self._credit
             consumers = []
             for ch in self.channels.values():
@@ -274,6 +277,15 @@ class AMQPConnection(asyncio.Protocol):
             if taken is None:
                 taken = self._taken = {}
             take_back(self.worker.shard_put, self.conn_id, consumers, taken)
+
+    def consumer_started(self, shard: int, channel: int, tag: str) -> None:
+        """A CONSUME was just put: one that starts on a paused connection gets no window either (the
+        shard applies this in the same batch, before it delivers)."""
+        if self._write_paused and self.state != CLOSED_STATE:
+            if self._taken is None:
+                self._taken = {}
+            key = (shard, channel, tag)
+            take_back(self.worker.shard_put, self.conn_id, [(key, self._credit.get(key, 0))], self._taken)
 
     def resume_writing(self) -> None:
         self._write_paused = False

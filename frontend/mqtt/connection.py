@@ -220,8 +220,12 @@ class MQTTConnection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self._write_paused = True
+        self._take_back_credit()
+
+    def _take_back_credit(self) -> None:
+        """The client stopped reading: the shard keeps what it has not sent (frontend/paused_credit.py).
+        At the pause, and for a consumer that starts while paused (after its CONSUME)."""
         if self.state != CLOSED:
-            # The client stopped reading: the shard keeps what it has not sent (frontend/paused_credit.py).
             consumers = []
             if self.consuming and self.consumer_tag is not None and self.queue_shard is not None:
                 key = (self.queue_shard, LANE, self.consumer_tag)
@@ -936,6 +940,8 @@ class MQTTConnection(asyncio.Protocol):
             then()
 
         self._shard_request(q.shard, lambda req: [contract.CONSUME, req, *tail], consumed)
+        if self._write_paused:
+            self._take_back_credit()  # after the CONSUME, on the same lane: no window while paused
 
     def _on_unsubscribe(self, p: M.Unsubscribe) -> None:
         known = [f for f in p.topics if f in self.subs]
