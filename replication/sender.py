@@ -54,6 +54,17 @@ FLUSH_DELAY_S = 0.005
 FLUSH_BYTES = 256 << 10
 
 
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """True when the peer has closed (or reset) the connection. A follower sends nothing before the
+    file list, so a readable byte here is not expected either: only EOF or an error say closed."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True
+
+
 class _Link(asyncio.Protocol):
     """One follower on this stream."""
 
@@ -328,6 +339,13 @@ class StreamSender:
                     and not self._crcs.fresh(self.root, r)]
             if cold:
                 self._crcs.merge(await self.loop.run_in_executor(None, CrcCache.compute, self.root, cold))
+            if _closed_by_peer(sock):
+                # The follower gave up waiting for the file list (a stopped or slow shard: its handoffs
+                # queued up) and is on a newer connection: attaching this one would replace that one.
+                log.info("replication %s: follower %s closed this connection before its file list: dropped",
+                         self.stream, name)
+                sock.close()
+                return
             await self.loop.connect_accepted_socket(lambda: _Link(self, name), sock)
         except Exception:
             log.exception("replication %s: cannot attach follower %s", self.stream, name)

@@ -409,6 +409,10 @@ def test_a_follower_without_a_file_list_times_out_reconnects_and_syncs_once_the_
     finally:
         os.kill(shard, signal.SIGCONT)
     wait_in_sync(leader)
+    # The connections the follower gave up on were handed to the shard meanwhile: it drops them
+    # instead of attaching them over the live one.
+    wait_for(lambda: log_count(leader, "follower n2 closed this connection before its file list: dropped") >= 2,
+             "the shard dropping the connections the follower gave up on", node=leader)
     wait_isr(leader, "n2", shards=1)
     publish(leader, {"fl": 50})  # confirmed once the follower acked them (it is in the ISR)
     wait_identical(leader, follower)
