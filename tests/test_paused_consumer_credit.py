@@ -151,24 +151,31 @@ def test_a_tcp_amqp_consumer_that_stops_reading_holds_no_credit_window_in_the_fr
     _amqp_case(node, TCPAMQP(node.port))
 
 
-def test_a_websocket_mqtt_subscriber_that_stops_reading_holds_no_credit_window_in_the_frontend(node_factory):
+@pytest.mark.parametrize("transport", ["websocket", "tcp"])
+def test_an_mqtt_subscriber_that_stops_reading_holds_no_credit_window_in_the_frontend(node_factory, transport):
     # A persistent session's QoS 0 subscription: its messages come through its queue on the shard,
     # paced by credit.
     node = node_factory(name="node", frontends=1, shards=1, ws_port=free_port(), mqtt_port=free_port(),
                         extra_args=["--stats-interval", "100"])
-    client = WSClient(node.ws_port, "/ws", "mqtt")
+    if transport == "websocket":
+        client = WSClient(node.ws_port, "/ws", "mqtt")
+        parser = M.MQTTParser(server=False)
+        packets: list = []
+
+        def read():
+            while not packets:
+                packets.extend(parser.feed(client.recv_message()))
+            return packets.pop(0)
+        send = client.send_binary
+    else:
+        client = RawMQTT(node.mqtt_port)
+        read = client.recv
+        send = client.send
     client.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
-    parser = M.MQTTParser(server=False)
-    packets: list = []
 
-    def read():
-        while not packets:
-            packets.extend(parser.feed(client.recv_message()))
-        return packets.pop(0)
-
-    client.send_binary(M.encode_connect("ws-paused", clean_session=False, username="guest", password=b"guest"))
+    send(M.encode_connect("ws-paused", clean_session=False, username="guest", password=b"guest"))
     assert isinstance(read(), M.ConnAck)
-    client.send_binary(M.encode_subscribe(1, [("paused/#", 0)]))
+    send(M.encode_subscribe(1, [("paused/#", 0)]))
     assert isinstance(read(), M.SubAck)
     publisher = RawMQTT(node.mqtt_port)
     publisher.connect("ws-paused-publisher")
