@@ -6,11 +6,13 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import urllib.request
 import uuid
 
 import paho.mqtt.client as mqtt
 import pika
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.harness import free_port
 from tests.mgmt_api import Api
@@ -42,6 +44,14 @@ def _row(api: Api, _client_id: str) -> dict | None:
     """The node's one MQTT connection (an MQTT row says which protocol it speaks)."""
     rows = [r for r in api.get("/api/connections") if r["protocol"].startswith("MQTT")]
     return rows[0] if len(rows) == 1 else None
+
+
+def _prometheus_bytes(node) -> tuple[float, float]:
+    """rabbitmq_connection_incoming/outgoing_bytes_total (every connection of the node)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{node.prometheus_port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    got = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return got["rabbitmq_connection_incoming_bytes_total"], got["rabbitmq_connection_outgoing_bytes_total"]
 
 
 def _wait(check, what: str):
@@ -81,6 +91,9 @@ def test_an_mqtt_connection_reports_its_bytes_and_rates(node_factory, transport)
                     and r["send_oct"] >= send0 + moved and r, "the byte counters grew by what moved")
         assert row["recv_oct"] < recv0 + moved + N * 64, row  # and not much more: headers and topics
         assert row["send_oct"] < send0 + moved + N * 64, row
+        # Prometheus sums the same rows (the MQTT connection is the node's only one).
+        _wait(lambda: (b := _prometheus_bytes(node))[0] >= row["recv_oct"] and b[1] >= row["send_oct"],
+              "Prometheus' connection byte totals include the MQTT connection's")
 
         # While bytes keep moving, the rates say so; once nothing moves they fall back to 0.
         stop = threading.Event()
