@@ -184,7 +184,7 @@ class Segment:
     __slots__ = (
         "no", "dir", "fd", "mm", "size", "used", "sealed",
         "count", "transient", "body_bytes", "live", "acked", "ack_fd", "skip_acked", "unverified",
-        "msgs_path", "alloc_end",
+        "_msgs_path", "alloc_end",
     )
 
     def __init__(self, dir_path: str, no: int) -> None:
@@ -208,7 +208,16 @@ class Segment:
         self.skip_acked = False
         # Sealed with a valid meta and loaded without reading it: CRC-checked when first mapped.
         self.unverified = False
-        self.msgs_path = os.path.join(dir_path, file_name("msgs", no))  # reported per append when replicating
+        self._msgs_path: str | None = None  # see msgs_path
+
+    @property
+    def msgs_path(self) -> str:
+        """The msgs file's path, reported per append when replicating: made on first use, so the
+        placeholder segment of an empty queue holds no copy of it (100,000 queues)."""
+        p = self._msgs_path
+        if p is None:
+            p = self._msgs_path = os.path.join(self.dir, file_name("msgs", self.no))
+        return p
 
     def path(self, kind: str) -> str:
         return os.path.join(self.dir, file_name(kind, self.no))
