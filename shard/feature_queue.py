@@ -219,7 +219,7 @@ class FeatureQueue(Queue):
     def _deliver_to(self, consumers: list[Consumer], i: int, send: Send, now: int) -> int:
         store = self.store
         n = len(consumers)
-        unacked = self.unacked
+        unacked = self.unacked_map()
         qid = self.qid
         fresh = self._fresh_from
         returns = self.returns
@@ -280,7 +280,7 @@ class FeatureQueue(Queue):
             self.returns.pop(msg_id, None)
         else:
             chan.unacked += 1
-            self.unacked[msg_id] = chan
+            self.unacked_map()[msg_id] = chan
             if self.consumer_timeout is not None:
                 self.delivered_at[msg_id] = now
         self._arm_next(now, self._expire_head(now))  # a new head: its deadline

@@ -302,8 +302,10 @@ class ShardWorker:
             self.data.put(c.fe, [contract.CANCEL_NOTIFY, c.conn_id, c.channel, c.tag])
         for owner in q.unacked.values():
             owner.settle()
-        q.unacked.clear()
-        q.consumers.clear()
+        if q.unacked:  # an idle queue's is the shared empty one (shard/queue.py NO_UNACKED)
+            q.unacked.clear()
+        if q.consumers:
+            q.consumers.clear()
         self._dirty_queues.discard(q)
         self._sync_stores.discard(q.store)
         if q.store.__class__ is QueueStore:
