@@ -375,3 +375,24 @@ class Segment:
                 continue
             if obs is not None:
                 obs.delete(self.path(kind))
+
+
+class _Placeholder(Segment):
+    """The write segment of a store that never held a message: no file, nothing mapped. One object
+    shared by every such store (100,000 idle queues), so it refuses any change: a store replaces it
+    with a real segment before writing (QueueStore._materialize)."""
+
+    __slots__ = ()
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"the shared placeholder segment is read-only (set {name})")
+
+
+def _placeholder() -> Segment:
+    seg = Segment("", 1)
+    seg.__class__ = _Placeholder
+    return seg
+
+
+# Segment number 1 of no directory (its file is made by Segment.create under the store's path).
+PLACEHOLDER: Segment = _placeholder()

@@ -26,6 +26,7 @@ from shard.segment import (
     ACKS_MAGIC,
     DATA_START,
     FORMAT_VERSION,
+    PLACEHOLDER,
     VERSION_HEADER,
     PositionSet,
     Segment,
@@ -134,6 +135,8 @@ _STORE_LOCK = threading.Lock()
 # #15 measured ~4 KB per empty queue in a shard). Never mutated: the code replaces them with a new
 # dict/list/set on first use (see ack, requeue, _track_fd, _sync_later).
 _NO_ACKS: dict = {}
+_NO_SEGS: dict = {}  # the segments of a store that never held a message (its write segment: a placeholder)
+_FIRST_END = PLACEHOLDER.no << 32 | PLACEHOLDER.used  # an empty store's mark: one int for all of them
 
 
 class QueueStore(SegmentDir):
@@ -190,12 +193,12 @@ class QueueStore(SegmentDir):
         # Opened when a sync has a directory change to make durable: 100,000 idle queues hold no fd.
         self._dir_fd = -1
         if empty_dir:
-            self._wseg = Segment(self.path, 1)  # the placeholder of an empty store (see _recover)
-            self._segs[1] = self._wseg
+            self._wseg = PLACEHOLDER  # an empty store's (see _recover)
+            self._segs = _NO_SEGS
         else:
             self._recover()
-        first = min(self._segs)
-        self._rseg = self._segs[first]  # read cursor: segment and position of the next unread record
+        # The read cursor: segment and position of the next unread record.
+        self._rseg = self._segs[min(self._segs)] if self._segs else self._wseg
         self._rpos = DATA_START
         if self._rseg.mm is None and self._wseg.fd >= 0:  # fd -1: the placeholder, no file to map
             self._map(self._rseg)
@@ -205,6 +208,8 @@ class QueueStore(SegmentDir):
         # end of the data: ids of messages appended from now on are never below it.
         self._mark_fd = -1
         end = self._wseg.no << 32 | self._wseg.used
+        if end == _FIRST_END:
+            end = _FIRST_END
         if self._wseg.fd < 0:
             # No message was ever stored (placeholder segment): nothing to redeliver, no mark to
             # write (writing it would hold a file open per idle queue).
@@ -589,6 +594,8 @@ class QueueStore(SegmentDir):
             # there is space) is refused by the usual growth path, as for a full segment.
             new = Segment.create(self.path, old.no, DATA_START)
         with self._lock:
+            if self._segs is _NO_SEGS:
+                self._segs = {}
             self._segs[new.no] = new
             self._wseg = new
             self._dir_dirty = True
@@ -729,11 +736,12 @@ class QueueStore(SegmentDir):
             if not seg.sealed:
                 wseg = seg
         if wseg is None and not self._segs:
-            # Empty queue: a placeholder write segment without a file (fd -1, nothing allocated);
-            # the first append creates the file (_materialize). Declaring a queue then costs a
-            # directory and its name file, no segment, no allocation and no sync.
-            wseg = Segment(self.path, (msgs[-1] if msgs else 0) + 1)
-            self._segs[wseg.no] = wseg
+            # Empty queue: a placeholder write segment without a file (fd -1, nothing allocated),
+            # not in _segs; the first append creates the file (_materialize). Declaring a queue
+            # then costs a directory and its name file, no segment, no allocation and no sync.
+            no = (msgs[-1] if msgs else 0) + 1
+            wseg = PLACEHOLDER if no == PLACEHOLDER.no else Segment(self.path, no)
+            self._segs = _NO_SEGS
         if wseg is None:
             no = (msgs[-1] if msgs else 0) + 1
             try:

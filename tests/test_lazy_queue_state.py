@@ -20,6 +20,7 @@ import pytest
 from shard import store as store_mod
 from shard.consumers import ChannelRef, Consumer
 from shard.queue import NO_UNACKED, Queue
+from shard.segment import DATA_START, PLACEHOLDER
 from shard.store import QueueStore, make_queue_dir
 from tests.helpers import WAIT
 
@@ -31,7 +32,7 @@ def _assert_idle(store: QueueStore) -> None:
     assert not hasattr(store, "__dict__")  # slots: no per-instance dict
     assert store._requeued == () and store._sync_fds == () and store._ack_fds == ()
     assert store._deferred_close == () and store._ack_pending is store_mod._NO_ACKS
-    assert store._synced is None and store._wseg._msgs_path is None
+    assert store._synced is None and store._wseg is PLACEHOLDER and store._segs == {}
     assert store._wseg.fd == -1 and store._dir_fd == -1 and store._mark_fd == -1  # no fd per idle queue
 
 
@@ -63,7 +64,11 @@ def test_new_and_reopened_empty_store_share_defaults_and_work(tmp_path, fsync):
     again = QueueStore(path, fsync=fsync)  # recovered with acked segments: nothing comes back
     assert again.ready == 0 and again.shift() is None
     again.close()
-    assert store_mod._NO_ACKS == {}  # the shared default was never written
+    # The shared defaults were never written.
+    assert store_mod._NO_ACKS == {} and store_mod._NO_SEGS == {}
+    assert (PLACEHOLDER.fd, PLACEHOLDER.used, PLACEHOLDER.count, PLACEHOLDER.mm) == (-1, DATA_START, 0, None)
+    with pytest.raises(AttributeError):
+        PLACEHOLDER.used = 100
 
 
 # ------------------------------------------------------------------------------------ unit: queue
