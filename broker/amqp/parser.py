@@ -37,6 +37,7 @@ import struct
 
 from pamqp import commands
 
+from broker.amqp import pamqp_types  # noqa: F401  (pamqp's amqp_type without a string per call)
 from broker.amqp.constants import (
     CHANNEL_ERROR,
     DEFAULT_FRAME_MAX,
