@@ -84,10 +84,11 @@ def _rows(worker: StatsShard) -> tuple[dict[tuple[str, str], tuple], list]:
         info = q.info()
         if info.get("damaged_records") or info.get("damaged_acks"):
             damaged.append([key[0], key[1], int(info.get("damaged_records", 0)), int(info.get("damaged_acks", 0))])
-        rows[key] = (int(info.get("messages", 0)), len(q.unacked), len(q.consumers),
-                     int(getattr(store, "ready_bytes", 0) or 0), q.n_published, q.n_delivered, q.n_acked,
-                     getattr(q, "n_deliver_no_ack", 0), getattr(q, "n_get", 0), getattr(q, "n_get_no_ack", 0),
-                     getattr(store, "n_redelivered", 0))
+        row = (int(info.get("messages", 0)), len(q.unacked), len(q.consumers),
+               int(getattr(store, "ready_bytes", 0) or 0), q.n_published, q.n_delivered, q.n_acked,
+               getattr(q, "n_deliver_no_ack", 0), getattr(q, "n_get", 0), getattr(q, "n_get_no_ack", 0),
+               getattr(store, "n_redelivered", 0))
+        rows[key] = idle if row == idle else row
     return rows, damaged
 
 
