@@ -25,6 +25,13 @@ crossing channel.close), as RabbitMQ does.
 A ConnectionProtocolError is always the last event; the parser ignores all input after it.
 The parser never raises: an unforeseen failure is reported as 541 INTERNAL_ERROR.
 
+Publish runs (publish_runs=True, the broker's connections): consecutive Publish events of one channel
+that differ only in their bodies (the same method arguments and content header properties, compared
+as raw bytes, nothing decoded again) come out as one PublishRun holding the bodies in order. Only
+messages assembled in the fast path (method, header and one body frame in one read) join a run, and
+only while nothing else was emitted since the run's last message, so expanding every PublishRun into
+its Publish events gives exactly the events of a parser without runs.
+
 Memory: input is only buffered up to the frame being waited for, whose size is checked against
 frame_max from its 7-byte header; a body is accumulated from its frames, never preallocated from
 the declared size; the bodies being accumulated on all channels of a connection together never
@@ -62,6 +69,7 @@ from broker.amqp.events import (
     Nack,
     ProtocolHeaderReceived,
     Publish,
+    PublishRun,
     Reject,
 )
 
@@ -161,12 +169,14 @@ class FrameParser:
         frame_max: int = DEFAULT_FRAME_MAX,
         max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
         channel_gate: bool = False,
+        publish_runs: bool = False,
     ) -> None:
         if role not in ("server", "client"):
             raise ValueError(f"role must be 'server' or 'client', not {role!r}")
         self.role = role
         self.frame_max = frame_max
         self.max_message_size = max_message_size
+        self.publish_runs = publish_runs
         self._expect_header = True  # the client role only checks for a refusal header
         self._dead = False
         self._pending: list[bytes] = []
@@ -270,6 +280,16 @@ class FrameParser:
         content = self._content
         emit = events.append
         unpack_hdr = _FRAME_HDR.unpack_from
+        # The publish run being collected (publish_runs): its channel, raw method arguments, decoded
+        # info and properties, its bodies once it holds two (the PublishRun's list), and len(events)
+        # right after its last message: a run only grows while it is still the last event.
+        runs = self.publish_runs
+        run_ch = -1
+        run_args = run_props = b""
+        run_info: tuple = ()
+        run_bodies: list | None = None
+        run_at = -1
+        same = False
         while True:
             if end - pos < 7:
                 if pos < end:
@@ -311,20 +331,27 @@ class FrameParser:
                 if ch in content:
                     return self._unexpected(events, content[ch], f"got method {index >> 16}.{index & 0xFFFF}")
                 if index == _PUBLISH:
-                    # ticket(2) exchange(shortstr) routing-key(shortstr) bits(1)
-                    p = start + 7
-                    if p > fend:
-                        return self._syntax(events, index)
-                    q = p + data[p - 1]
-                    r = q + 1
-                    b = r + (data[q] if q < fend else 0)
-                    if b + 1 != fend:
-                        return self._syntax(events, index)
-                    try:
-                        info = (data[p:q].decode(), data[r:b].decode(), data[b] & 1 == 1, data[b] & 2 == 2)
-                    except UnicodeDecodeError:
-                        return self._syntax(events, index)
                     kind = Publish
+                    if (ch == run_ch and run_at == len(events) and fend - start - 4 == len(run_args)
+                            and data.startswith(run_args, start + 4)):
+                        # the run's own method arguments again: already checked and decoded
+                        info = run_info
+                        same = True
+                    else:
+                        same = False
+                        # ticket(2) exchange(shortstr) routing-key(shortstr) bits(1)
+                        p = start + 7
+                        if p > fend:
+                            return self._syntax(events, index)
+                        q = p + data[p - 1]
+                        r = q + 1
+                        b = r + (data[q] if q < fend else 0)
+                        if b + 1 != fend:
+                            return self._syntax(events, index)
+                        try:
+                            info = (data[p:q].decode(), data[r:b].decode(), data[b] & 1 == 1, data[b] & 2 == 2)
+                        except UnicodeDecodeError:
+                            return self._syntax(events, index)
                 elif index == _ACK:
                     if size != 13:
                         return self._syntax(events, index)
@@ -412,6 +439,21 @@ class FrameParser:
                             bend = b + 7 + bsize
                             if (btype == 3 and bch == ch and bsize == body_size and bsize <= limit and bend < end
                                     and data[bend] == 0xCE):
+                                if runs and kind is Publish:
+                                    props = data[pos + 19 : hend]
+                                    if same and props == run_props:
+                                        if run_bodies is None:
+                                            run_bodies = [events[-1][6], data[b + 7 : bend]]
+                                            events[-1] = _new_tuple(PublishRun, (ch, *info, props, run_bodies))
+                                        else:
+                                            run_bodies.append(data[b + 7 : bend])
+                                    else:
+                                        emit(_new_tuple(Publish, (ch, *info, props, data[b + 7 : bend])))
+                                        run_ch, run_info, run_props, run_bodies = ch, info, props, None
+                                        run_args = data[start + 4 : fend]
+                                        run_at = len(events)
+                                    pos = bend + 1
+                                    continue
                                 emit(_new_tuple(kind, (ch, *info, data[pos + 19 : hend], data[b + 7 : bend])))
                                 pos = bend + 1
                                 continue
