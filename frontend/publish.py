@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 _PUBLISH = contract.PUBLISH
 _MARKED_PUBLISH = contract.MARKED_PUBLISH
+_PUBLISH_RUN = contract.PUBLISH_RUN
 
 
 def queues_by_shard(defs: Definitions, vhost: str, queues: Sequence[str]) -> dict[int, list]:
@@ -44,6 +45,17 @@ def put_publish(worker: FrontendWorker, groups: dict[int, list], vhost: str, exc
     for shard, names in groups.items():
         put(shard, [_PUBLISH, vhost, names, exchange, routing_key, props_raw, body, persistent,
                     conn_id, channel, seq])
+
+
+def put_publish_run(worker: FrontendWorker, groups: dict[int, list], vhost: str, exchange: str, routing_key: str,
+                    props_raw: bytes, bodies: list, persistent: bool, conn_id: int | None = None,
+                    channel: int | None = None, first_seq: int | None = None) -> None:
+    """Publishes alike but for their bodies, routed once: one PUBLISH_RUN item per shard (body i has
+    confirm seq first_seq + i)."""
+    put = worker.shard_put
+    for shard, names in groups.items():
+        put(shard, [_PUBLISH_RUN, vhost, names, exchange, routing_key, props_raw, bodies, persistent,
+                    conn_id, channel, first_seq])
 
 
 def put_marked_publish(worker: FrontendWorker, groups: dict[int, list], vhost: str, space: str, key: str,

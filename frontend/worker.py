@@ -43,6 +43,7 @@ _RETURN = contract.RETURN
 _MAX_IN_FLIGHT = contract.MAX_BATCHES_IN_FLIGHT
 _MAX_BYTES_IN_FLIGHT = contract.MAX_BYTES_IN_FLIGHT
 _PUBLISH = contract.PUBLISH
+_PUBLISH_RUN = contract.PUBLISH_RUN
 _CONTROL_LANE_KINDS = contract.CONTROL_LANE_KINDS
 
 
@@ -404,10 +405,11 @@ class FrontendWorker:
             self._ctl_put[shard] += 1  # before put: a full batch is sent inside it, counting this item
             self.control[shard].put(None, item)
         else:
-            if kind == _PUBLISH:
+            if kind == _PUBLISH or kind == _PUBLISH_RUN:
                 # Bytes are checked as publishes come in, not only when the batch leaves: one loop
                 # turn can read megabytes per connection (libuv reads a socket up to 32 times).
-                n = self._unsent_bytes[shard] = self._unsent_bytes[shard] + len(item[6])
+                size = len(item[6]) if kind == _PUBLISH else sum(map(len, item[6]))
+                n = self._unsent_bytes[shard] = self._unsent_bytes[shard] + size
                 if n + self._bytes_in_flight[shard] > _MAX_BYTES_IN_FLIGHT and not self.pressure:
                     self._set_pressure(True)
             self._pub_need[shard] = self._ctl_put[shard]
