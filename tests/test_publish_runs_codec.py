@@ -18,8 +18,11 @@ HDR = b"AMQP\x00\x00\x09\x01"
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # Few distinct values, so that consecutive publishes are often alike and runs form.
+# Same length as another (delivery-mode 1 and 2), and one with another's bytes as its prefix (the
+# parser does not decode properties, so any bytes will do).
 _PROPS = [b"\x00\x00", encode_properties(commands.Basic.Properties(delivery_mode=2)),
-          encode_properties(commands.Basic.Properties(headers={"a": 1}, expiration="100"))]
+          encode_properties(commands.Basic.Properties(headers={"a": 1}, expiration="100")),
+          encode_properties(commands.Basic.Properties(delivery_mode=1)), b"\x10\x00\x02\x00"]
 _body = st.one_of(st.just(b""), st.binary(max_size=8), st.binary(min_size=30, max_size=300))
 # A group of publishes alike but for their bodies (what a run is made of), flattened below.
 _publishes = st.tuples(
@@ -28,7 +31,7 @@ _publishes = st.tuples(
     st.sampled_from(["k", "", "k2"]),
     st.booleans(),  # mandatory
     # bodies, each with its properties: mostly the first ones (same properties bytes), not always
-    st.lists(st.tuples(st.sampled_from([0, 0, 0, 0, 1, 2]), _body), min_size=1, max_size=6),
+    st.lists(st.tuples(st.sampled_from([0, 0, 0, 0, 1, 2, 3, 4]), _body), min_size=1, max_size=6),
 ).map(lambda g: [("publish", *g[:4], props, body) for props, body in g[4]])
 _other = st.one_of(
     st.tuples(st.just("ack"), st.sampled_from([1, 2]), st.integers(1, 100)),

@@ -288,8 +288,7 @@ class FrameParser:
         run_args = run_props = b""
         run_info: tuple = ()
         run_bodies: list | None = None
-        run_at = -1
-        same = False
+        run_hsize = run_at = -1
         while True:
             if end - pos < 7:
                 if pos < end:
@@ -334,11 +333,30 @@ class FrameParser:
                     kind = Publish
                     if (ch == run_ch and run_at == len(events) and fend - start - 4 == len(run_args)
                             and data.startswith(run_args, start + 4)):
-                        # the run's own method arguments again: already checked and decoded
+                        # The run's own method arguments again: already checked and decoded, and the
+                        # channel checks below passed for the run (a change would have been an event).
+                        # Joined here when its header carries the run's properties and one body frame
+                        # follows, all in this read; any other shape goes the ordinary way.
+                        if pos + 19 <= end:
+                            htype, hch, hsize, class_id, weight, body_size = _HEADER_FRAME.unpack_from(data, pos)
+                            hend = pos + 7 + hsize
+                            b = hend + 1
+                            if (htype == 2 and hch == ch and hsize == run_hsize and b + 7 <= end and data[hend] == 0xCE
+                                    and class_id == 60 and not weight and 0 < body_size <= max_size
+                                    and data.startswith(run_props, pos + 19)):
+                                btype, bch, bsize = unpack_hdr(data, b)
+                                bend = b + 7 + bsize
+                                if (btype == 3 and bch == ch and bsize == body_size and bsize <= limit and bend < end
+                                        and data[bend] == 0xCE):
+                                    if run_bodies is None:
+                                        run_bodies = [events[-1][6], data[b + 7 : bend]]
+                                        events[-1] = _new_tuple(PublishRun, (ch, *run_info, run_props, run_bodies))
+                                    else:
+                                        run_bodies.append(data[b + 7 : bend])
+                                    pos = bend + 1
+                                    continue
                         info = run_info
-                        same = True
                     else:
-                        same = False
                         # ticket(2) exchange(shortstr) routing-key(shortstr) bits(1)
                         p = start + 7
                         if p > fend:
@@ -439,19 +457,13 @@ class FrameParser:
                             bend = b + 7 + bsize
                             if (btype == 3 and bch == ch and bsize == body_size and bsize <= limit and bend < end
                                     and data[bend] == 0xCE):
-                                if runs and kind is Publish:
+                                if runs and kind is Publish:  # this message may begin a run
                                     props = data[pos + 19 : hend]
-                                    if same and props == run_props:
-                                        if run_bodies is None:
-                                            run_bodies = [events[-1][6], data[b + 7 : bend]]
-                                            events[-1] = _new_tuple(PublishRun, (ch, *info, props, run_bodies))
-                                        else:
-                                            run_bodies.append(data[b + 7 : bend])
-                                    else:
-                                        emit(_new_tuple(Publish, (ch, *info, props, data[b + 7 : bend])))
-                                        run_ch, run_info, run_props, run_bodies = ch, info, props, None
-                                        run_args = data[start + 4 : fend]
-                                        run_at = len(events)
+                                    emit(_new_tuple(Publish, (ch, *info, props, data[b + 7 : bend])))
+                                    run_ch, run_info, run_props, run_bodies = ch, info, props, None
+                                    run_args = data[start + 4 : fend]
+                                    run_hsize = hsize
+                                    run_at = len(events)
                                     pos = bend + 1
                                     continue
                                 emit(_new_tuple(kind, (ch, *info, data[pos + 19 : hend], data[b + 7 : bend])))
