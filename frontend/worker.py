@@ -405,13 +405,22 @@ class FrontendWorker:
             self._ctl_put[shard] += 1  # before put: a full batch is sent inside it, counting this item
             self.control[shard].put(None, item)
         else:
-            if kind == _PUBLISH or kind == _PUBLISH_RUN:
+            if kind == _PUBLISH:
                 # Bytes are checked as publishes come in, not only when the batch leaves: one loop
                 # turn can read megabytes per connection (libuv reads a socket up to 32 times).
-                size = len(item[6]) if kind == _PUBLISH else sum(map(len, item[6]))
-                n = self._unsent_bytes[shard] = self._unsent_bytes[shard] + size
+                n = self._unsent_bytes[shard] = self._unsent_bytes[shard] + len(item[6])
                 if n + self._bytes_in_flight[shard] > _MAX_BYTES_IN_FLIGHT and not self.pressure:
                     self._set_pressure(True)
+            elif kind == _PUBLISH_RUN:
+                # As many messages as it has bodies: their bytes, and their number in the batch
+                # (put_weighted), so batches in flight bound messages as with single PUBLISH items.
+                bodies = item[6]
+                n = self._unsent_bytes[shard] = self._unsent_bytes[shard] + sum(map(len, bodies))
+                if n + self._bytes_in_flight[shard] > _MAX_BYTES_IN_FLIGHT and not self.pressure:
+                    self._set_pressure(True)
+                self._pub_need[shard] = self._ctl_put[shard]
+                self.shards[shard].put_weighted(None, item, len(bodies))
+                return
             self._pub_need[shard] = self._ctl_put[shard]
             self.shards[shard].put(None, item)
 
