@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import struct
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pamqp import commands
@@ -139,3 +140,31 @@ def test_a_run_holds_consecutive_alike_publishes_only():
     assert events[6].__class__.__name__ == "Ack"
     # Without publish_runs nothing changes.
     assert all(ev.__class__ is not PublishRun for ev in FrameParser().feed(data))
+
+
+def _frame(ftype: int, channel: int, payload: bytes, end: int = 0xCE) -> bytes:
+    return struct.pack(">BHI", ftype, channel, len(payload)) + payload + bytes((end,))
+
+
+def _publish_raw(body: bytes, body_size: int | None = None, body_frame_size: int | None = None,
+                 end: int = 0xCE) -> bytes:
+    """basic.publish on channel 1 with hand-made content frames (sizes and end octet as given)."""
+    size = len(body) if body_size is None else body_size
+    method = encode_method(1, commands.Basic.Publish(exchange="x", routing_key="k"))
+    header = _frame(2, 1, struct.pack(">HHQ", 60, 0, size) + b"\x00\x00")
+    bsize = len(body) if body_frame_size is None else body_frame_size
+    return method + header + struct.pack(">BHI", 3, 1, bsize) + body + bytes((end,))
+
+
+@pytest.mark.parametrize("bad, parser_args", [
+    (_publish_raw(b"a\xce", body_size=1), {}),  # body frame larger than the header said, 0xCE where it would end
+    (_publish_raw(b"zz", end=0), {}),  # bad frame end octet on the body
+    (_publish_raw(b"y" * 300), {"frame_max": 4096, "max_message_size": 200}),  # over max_message_size
+    (_publish_raw(b"y" * 5000), {"frame_max": 4096}),  # body frame over frame_max
+])
+def test_a_malformed_message_after_a_run_gets_the_same_answer(bad, parser_args):
+    data = HDR + _publish_raw(b"one") + _publish_raw(b"two") + bad + _publish_raw(b"three")
+    plain = FrameParser(**parser_args).feed(data)
+    with_runs = FrameParser(publish_runs=True, **parser_args).feed(data)
+    assert with_runs[1].__class__ is PublishRun
+    assert _expand(with_runs) == _expand(plain)

@@ -26,11 +26,11 @@ A ConnectionProtocolError is always the last event; the parser ignores all input
 The parser never raises: an unforeseen failure is reported as 541 INTERNAL_ERROR.
 
 Publish runs (publish_runs=True, the broker's connections): consecutive Publish events of one channel
-that differ only in their bodies (the same method arguments and content header properties, compared
-as raw bytes, nothing decoded again) come out as one PublishRun holding the bodies in order. Only
-messages assembled in the fast path (method, header and one body frame in one read) join a run, and
-only while nothing else was emitted since the run's last message, so expanding every PublishRun into
-its Publish events gives exactly the events of a parser without runs.
+that differ only in their bodies come out as one PublishRun holding the bodies in order. After a
+message assembled in the fast path (method, header and one body frame in one read), the messages that
+follow at once, complete in the same read, whose frames are byte for byte that message's but for the
+body size and body (so they pass the same checks; nothing is decoded again) join it. Expanding every
+PublishRun into its Publish events gives exactly the events of a parser without runs.
 
 Memory: input is only buffered up to the frame being waited for, whose size is checked against
 frame_max from its 7-byte header; a body is accumulated from its frames, never preallocated from
@@ -75,6 +75,7 @@ from broker.amqp.events import (
 
 _FRAME_HDR = struct.Struct(">BHI")
 _U32 = struct.Struct(">I")
+_U64 = struct.Struct(">Q")
 _CONTENT_HDR = struct.Struct(">HHQ")
 _HEADER_FRAME = struct.Struct(">BHIHHQ")  # frame header + class, weight, body size
 _TAG_BITS = struct.Struct(">QB")
@@ -280,15 +281,7 @@ class FrameParser:
         content = self._content
         emit = events.append
         unpack_hdr = _FRAME_HDR.unpack_from
-        # The publish run being collected (publish_runs): its channel, raw method arguments, decoded
-        # info and properties, its bodies once it holds two (the PublishRun's list), and len(events)
-        # right after its last message: a run only grows while it is still the last event.
         runs = self.publish_runs
-        run_ch = -1
-        run_args = run_props = b""
-        run_info: tuple = ()
-        run_bodies: list | None = None
-        run_hsize = run_at = -1
         while True:
             if end - pos < 7:
                 if pos < end:
@@ -330,46 +323,20 @@ class FrameParser:
                 if ch in content:
                     return self._unexpected(events, content[ch], f"got method {index >> 16}.{index & 0xFFFF}")
                 if index == _PUBLISH:
+                    # ticket(2) exchange(shortstr) routing-key(shortstr) bits(1)
+                    p = start + 7
+                    if p > fend:
+                        return self._syntax(events, index)
+                    q = p + data[p - 1]
+                    r = q + 1
+                    b = r + (data[q] if q < fend else 0)
+                    if b + 1 != fend:
+                        return self._syntax(events, index)
+                    try:
+                        info = (data[p:q].decode(), data[r:b].decode(), data[b] & 1 == 1, data[b] & 2 == 2)
+                    except UnicodeDecodeError:
+                        return self._syntax(events, index)
                     kind = Publish
-                    if (ch == run_ch and run_at == len(events) and fend - start - 4 == len(run_args)
-                            and data.startswith(run_args, start + 4)):
-                        # The run's own method arguments again: already checked and decoded, and the
-                        # channel checks below passed for the run (a change would have been an event).
-                        # Joined here when its header carries the run's properties and one body frame
-                        # follows, all in this read; any other shape goes the ordinary way.
-                        if pos + 19 <= end:
-                            htype, hch, hsize, class_id, weight, body_size = _HEADER_FRAME.unpack_from(data, pos)
-                            hend = pos + 7 + hsize
-                            b = hend + 1
-                            if (htype == 2 and hch == ch and hsize == run_hsize and b + 7 <= end and data[hend] == 0xCE
-                                    and class_id == 60 and not weight and 0 < body_size <= max_size
-                                    and data.startswith(run_props, pos + 19)):
-                                btype, bch, bsize = unpack_hdr(data, b)
-                                bend = b + 7 + bsize
-                                if (btype == 3 and bch == ch and bsize == body_size and bsize <= limit and bend < end
-                                        and data[bend] == 0xCE):
-                                    if run_bodies is None:
-                                        run_bodies = [events[-1][6], data[b + 7 : bend]]
-                                        events[-1] = _new_tuple(PublishRun, (ch, *run_info, run_props, run_bodies))
-                                    else:
-                                        run_bodies.append(data[b + 7 : bend])
-                                    pos = bend + 1
-                                    continue
-                        info = run_info
-                    else:
-                        # ticket(2) exchange(shortstr) routing-key(shortstr) bits(1)
-                        p = start + 7
-                        if p > fend:
-                            return self._syntax(events, index)
-                        q = p + data[p - 1]
-                        r = q + 1
-                        b = r + (data[q] if q < fend else 0)
-                        if b + 1 != fend:
-                            return self._syntax(events, index)
-                        try:
-                            info = (data[p:q].decode(), data[r:b].decode(), data[b] & 1 == 1, data[b] & 2 == 2)
-                        except UnicodeDecodeError:
-                            return self._syntax(events, index)
                 elif index == _ACK:
                     if size != 13:
                         return self._syntax(events, index)
@@ -457,14 +424,37 @@ class FrameParser:
                             bend = b + 7 + bsize
                             if (btype == 3 and bch == ch and bsize == body_size and bsize <= limit and bend < end
                                     and data[bend] == 0xCE):
-                                if runs and kind is Publish:  # this message may begin a run
-                                    props = data[pos + 19 : hend]
-                                    emit(_new_tuple(Publish, (ch, *info, props, data[b + 7 : bend])))
-                                    run_ch, run_info, run_props, run_bodies = ch, info, props, None
-                                    run_args = data[start + 4 : fend]
-                                    run_hsize = hsize
-                                    run_at = len(events)
+                                if runs and kind is Publish:
+                                    body = data[b + 7 : bend]
+                                    bodies = None
+                                    # A run: the publishes that follow on this channel, complete in this
+                                    # read, with frames byte for byte this one's but for the body size and
+                                    # body (so every check above holds for them too), join it.
+                                    method = data[start - 7 : fend + 1]
+                                    head = data[pos : pos + 11]  # type, channel, size, class, weight
+                                    tail = data[pos + 19 : b]  # properties and frame end
+                                    bch3 = data[b : b + 3]  # body frame type and channel
+                                    mlen = len(method)
+                                    hskip = mlen + 19
+                                    bskip = hskip + len(tail)
+                                    body_max = limit if limit < max_size else max_size
                                     pos = bend + 1
+                                    while (data.startswith(method, pos) and data.startswith(head, pos + mlen)
+                                           and data.startswith(tail, pos + hskip)):
+                                        size = _U64.unpack_from(data, pos + hskip - 8)[0]
+                                        b = pos + bskip
+                                        bend = b + 7 + size
+                                        if not (0 < size <= body_max and bend < end and data.startswith(bch3, b)
+                                                and _U32.unpack_from(data, b + 3)[0] == size and data[bend] == 0xCE):
+                                            break
+                                        if bodies is None:
+                                            bodies = [body]
+                                        bodies.append(data[b + 7 : bend])
+                                        pos = bend + 1
+                                    if bodies is None:
+                                        emit(_new_tuple(Publish, (ch, *info, tail[:-1], body)))
+                                    else:
+                                        emit(_new_tuple(PublishRun, (ch, *info, tail[:-1], bodies)))
                                     continue
                                 emit(_new_tuple(kind, (ch, *info, data[pos + 19 : hend], data[b + 7 : bend])))
                                 pos = bend + 1
