@@ -121,6 +121,7 @@ def test_a_run_holds_consecutive_alike_publishes_only():
         encode_publish(1, "x", "k2", False, props, b"d"),  # another routing key: a new run
         encode_publish(1, "x", "k2", False, props, b"e"),
         encode_publish(1, "x", "k2", True, props, b"f"),  # mandatory
+        encode_publish(1, "x", "k2", True, _PROPS[3], b"f2"),  # other properties of the same length
         encode_publish(1, "x", "k2", True, _PROPS[0], b"g"),  # other properties
         encode_publish(2, "x", "k2", True, _PROPS[0], b"h"),  # another channel
         encode_publish(2, "x", "k2", True, _PROPS[0], b"i"),
@@ -132,12 +133,13 @@ def test_a_run_holds_consecutive_alike_publishes_only():
         PublishRun(1, "x", "k", False, False, props, [b"a", b"b", b"c"]),
         PublishRun(1, "x", "k2", False, False, props, [b"d", b"e"]),
         Publish(1, "x", "k2", True, False, props, b"f"),
+        Publish(1, "x", "k2", True, False, _PROPS[3], b"f2"),
         Publish(1, "x", "k2", True, False, _PROPS[0], b"g"),
         PublishRun(2, "x", "k2", True, False, _PROPS[0], [b"h", b"i"]),
-        events[6],
+        events[7],
         Publish(2, "x", "k2", True, False, _PROPS[0], b"j"),
     ]
-    assert events[6].__class__.__name__ == "Ack"
+    assert events[7].__class__.__name__ == "Ack"
     # Without publish_runs nothing changes.
     assert all(ev.__class__ is not PublishRun for ev in FrameParser().feed(data))
 

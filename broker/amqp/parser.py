@@ -425,37 +425,37 @@ class FrameParser:
                             if (btype == 3 and bch == ch and bsize == body_size and bsize <= limit and bend < end
                                     and data[bend] == 0xCE):
                                 if runs and kind is Publish:
-                                    body = data[b + 7 : bend]
-                                    bodies = None
                                     # A run: the publishes that follow on this channel, complete in this
                                     # read, with frames byte for byte this one's but for the body size and
-                                    # body (so every check above holds for them too), join it.
-                                    method = data[start - 7 : fend + 1]
-                                    head = data[pos : pos + 11]  # type, channel, size, class, weight
-                                    tail = data[pos + 19 : b]  # properties and frame end
-                                    bch3 = data[b : b + 3]  # body frame type and channel
-                                    mlen = len(method)
-                                    hskip = mlen + 19
-                                    bskip = hskip + len(tail)
-                                    body_max = limit if limit < max_size else max_size
-                                    pos = bend + 1
-                                    while (data.startswith(method, pos) and data.startswith(head, pos + mlen)
-                                           and data.startswith(tail, pos + hskip)):
-                                        size = _U64.unpack_from(data, pos + hskip - 8)[0]
-                                        b = pos + bskip
-                                        bend = b + 7 + size
-                                        if not (0 < size <= body_max and bend < end and data.startswith(bch3, b)
-                                                and _U32.unpack_from(data, b + 3)[0] == size and data[bend] == 0xCE):
-                                            break
-                                        if bodies is None:
-                                            bodies = [body]
-                                        bodies.append(data[b + 7 : bend])
-                                        pos = bend + 1
-                                    if bodies is None:
-                                        emit(_new_tuple(Publish, (ch, *info, tail[:-1], body)))
-                                    else:
-                                        emit(_new_tuple(PublishRun, (ch, *info, tail[:-1], bodies)))
-                                    continue
+                                    # body (so every check above holds for them too), join it. Looked for
+                                    # only when another method frame as long as this one is there.
+                                    nxt = bend + 1
+                                    mlen = fend + 8 - start
+                                    if end - nxt > mlen + 30 and data.startswith(method := data[start - 7 : fend + 1], nxt):
+                                        bodies = [data[b + 7 : bend]]
+                                        head = data[pos : pos + 11]  # type, channel, size, class, weight
+                                        tail = data[pos + 19 : b]  # properties and frame end
+                                        bch3 = data[b : b + 3]  # body frame type and channel
+                                        hskip = mlen + 19
+                                        bskip = hskip + len(tail)
+                                        body_max = limit if limit < max_size else max_size
+                                        pos = nxt
+                                        while (data.startswith(method, pos) and data.startswith(head, pos + mlen)
+                                               and data.startswith(tail, pos + hskip)):
+                                            size = _U64.unpack_from(data, pos + hskip - 8)[0]
+                                            b = pos + bskip
+                                            bend = b + 7 + size
+                                            if not (0 < size <= body_max and bend < end and data.startswith(bch3, b)
+                                                    and _U32.unpack_from(data, b + 3)[0] == size
+                                                    and data[bend] == 0xCE):
+                                                break
+                                            bodies.append(data[b + 7 : bend])
+                                            pos = bend + 1
+                                        if len(bodies) > 1:
+                                            emit(_new_tuple(PublishRun, (ch, *info, tail[:-1], bodies)))
+                                        else:
+                                            emit(_new_tuple(Publish, (ch, *info, tail[:-1], bodies[0])))
+                                        continue
                                 emit(_new_tuple(kind, (ch, *info, data[pos + 19 : hend], data[b + 7 : bend])))
                                 pos = bend + 1
                                 continue
