@@ -431,7 +431,11 @@ class FrameParser:
                                     # only when another method frame as long as this one is there.
                                     nxt = bend + 1
                                     mlen = fend + 8 - start
-                                    if end - nxt > mlen + 30 and data.startswith(method := data[start - 7 : fend + 1], nxt):
+                                    # (the size's low byte and the routing key's last byte first: no slice
+                                    # when every message has another key)
+                                    if (end - nxt > mlen + 30 and data[nxt + 6] == data[start - 1]
+                                            and data[nxt + mlen - 3] == data[fend - 2]
+                                            and data.startswith(method := data[start - 7 : fend + 1], nxt)):
                                         bodies = [data[b + 7 : bend]]
                                         head = data[pos : pos + 11]  # type, channel, size, class, weight
                                         tail = data[pos + 19 : b]  # properties and frame end
