@@ -12,6 +12,7 @@ import urllib.request
 import pytest
 from pamqp import body as pbody
 from pamqp import commands as C
+from pamqp import frame as pframe
 from pamqp import header as pheader
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -70,6 +71,9 @@ def test_runs_keep_order_confirms_returns_and_counts(node_factory):
     pub.expect(1, C.Exchange.DeclareOk)
     pub.send(1, C.Exchange.Declare(exchange=hx, exchange_type="headers"))
     pub.expect(1, C.Exchange.DeclareOk)
+    ax = uid("alt")  # unroutable here: to its alternate exchange, the fanout
+    pub.send(1, C.Exchange.Declare(exchange=ax, exchange_type="direct", arguments={"alternate-exchange": fx}))
+    pub.expect(1, C.Exchange.DeclareOk)
     binds = [(q[0], "amq.direct", "k0", {}), (q[1], "amq.direct", "k1", {}), (q[0], fx, "", {}), (q[1], fx, "", {}),
              (q[3], fx, "", {}), (q[1], hx, "", {"x-match": "any", "a": 1})]
     for queue, exchange, key, args in binds:
@@ -80,7 +84,7 @@ def test_runs_keep_order_confirms_returns_and_counts(node_factory):
 
     # (exchange, routing key, queues it routes to for each of PROPS)
     targets = [("amq.direct", "k0", lambda p: [0]), ("amq.direct", "k1", lambda p: [1]), ("", q[2], lambda p: [2]),
-               ("", q[3], lambda p: [3]), (fx, "", lambda p: [0, 1, 3]), (hx, "", lambda p: [1] if p == 2 else []),
+               ("", q[3], lambda p: [3]), (fx, "", lambda p: [0, 1, 3]), (ax, "k", lambda p: [0, 1, 3]), (hx, "", lambda p: [1] if p == 2 else []),
                ("amq.direct", uid("nowhere"), lambda p: [])]
     expected: list[list[bytes]] = [[], [], [], []]
     returned: dict[int, list[bytes]] = {1: [], 2: []}
@@ -156,3 +160,30 @@ def test_runs_keep_order_confirms_returns_and_counts(node_factory):
         time.sleep(0.05)
     pub.close()
     cons.close()
+
+
+def test_a_run_in_a_transaction_waits_for_commit(node_factory):
+    node = node_factory(name="node", frontends=1, shards=1)
+    client = FrameClient(node.port)
+    client.open_channel(1)
+    name = uid("txrun")
+    client.send(1, C.Queue.Declare(queue=name), C.Tx.Select())
+    client.expect(1, C.Queue.DeclareOk)
+    client.expect(1, C.Tx.SelectOk)
+    publishes = b"".join(client.publish_frames(1, "", name, b"m%d" % i) for i in range(50))
+    client.sock.sendall(publishes + pframe.marshal(C.Queue.Declare(queue=name, passive=True), 1))
+    assert client.expect(1, C.Queue.DeclareOk).message_count == 0  # held by the transaction
+    client.sock.sendall(publishes + pframe.marshal(C.Tx.Rollback(), 1) + pframe.marshal(C.Tx.Commit(), 1))
+    client.expect(1, C.Tx.RollbackOk)
+    client.expect(1, C.Tx.CommitOk)
+    client.send(1, C.Queue.Declare(queue=name, passive=True))
+    assert client.expect(1, C.Queue.DeclareOk).message_count == 0  # both runs were rolled back
+    client.sock.sendall(publishes + pframe.marshal(C.Tx.Commit(), 1))
+    client.expect(1, C.Tx.CommitOk)
+    client.send(1, C.Queue.Declare(queue=name, passive=True))
+    assert client.expect(1, C.Queue.DeclareOk).message_count == 50
+    client.send(1, C.Basic.Get(queue=name, no_ack=True))
+    assert client.expect(1, C.Basic.GetOk)
+    client.recv()
+    assert client.recv()[1].value == b"m0"
+    client.close()
