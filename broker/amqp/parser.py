@@ -424,17 +424,17 @@ class FrameParser:
                             bend = b + 7 + bsize
                             if (btype == 3 and bch == ch and bsize == body_size and bsize <= limit and bend < end
                                     and data[bend] == 0xCE):
-                                if runs and kind is Publish:
-                                    # A run: the publishes that follow on this channel, complete in this
-                                    # read, with frames byte for byte this one's but for the body size and
-                                    # body (so every check above holds for them too), join it. Looked for
-                                    # only when another method frame as long as this one is there.
+                                # A run: the publishes that follow on this channel, complete in this
+                                # read, with frames byte for byte this one's but for the body size and
+                                # body (so every check above holds for them too), join it. Looked for
+                                # only when the next frame's size has this method frame's low byte and
+                                # the routing key's last byte matches: no slice when every message has
+                                # another key.
+                                if (runs and kind is Publish and end - bend > 40
+                                        and data[bend + 7] == data[start - 1]):
                                     nxt = bend + 1
                                     mlen = fend + 8 - start
-                                    # (the size's low byte and the routing key's last byte first: no slice
-                                    # when every message has another key)
-                                    if (end - nxt > mlen + 30 and data[nxt + 6] == data[start - 1]
-                                            and data[nxt + mlen - 3] == data[fend - 2]
+                                    if (end - nxt > mlen + 30 and data[nxt + mlen - 3] == data[fend - 2]
                                             and data.startswith(method := data[start - 7 : fend + 1], nxt)):
                                         bodies = [data[b + 7 : bend]]
                                         head = data[pos : pos + 11]  # type, channel, size, class, weight
