@@ -55,8 +55,10 @@ def _settle(client: FrameClient, channel: int, n: int, returns: dict[int, list])
     return settled
 
 
-def test_runs_keep_order_confirms_returns_and_counts(node_factory):
-    node = node_factory(name="node", frontends=1, shards=2, extra_args=["--stats-interval", "200"])
+@pytest.mark.parametrize("transport", ["unix", "zmq"])  # both data-plane transports batch runs by weight
+def test_runs_keep_order_confirms_returns_and_counts(node_factory, transport):
+    node = node_factory(name="node", frontends=1, shards=2,
+                        extra_args=["--stats-interval", "200", "--ipc-transport", transport])
     rnd = random.Random(15)
     pub = FrameClient(node.port)
     pub.open_channel(1)
