@@ -189,3 +189,38 @@ def test_a_run_in_a_transaction_waits_for_commit(node_factory):
     client.recv()
     assert client.recv()[1].value == b"m0"
     client.close()
+
+
+def test_persistent_runs_to_a_durable_queue_are_confirmed_after_they_are_stored(node_factory):
+    """The synced path: every body of a run waits for the group sync before its confirm; all of them
+    are there, in order, after the shard is killed and restarted."""
+    node = node_factory(name="node", frontends=1, shards=1)
+    client = FrameClient(node.port)
+    client.open_channel(1)
+    name = uid("durrun")
+    client.send(1, C.Queue.Declare(queue=name, durable=True), C.Confirm.Select())
+    client.expect(1, C.Queue.DeclareOk)
+    client.expect(1, C.Confirm.SelectOk)
+    persistent = C.Basic.Properties(delivery_mode=2)
+    client.sock.sendall(b"".join(client.publish_frames(1, "", name, b"p%d" % i, persistent) for i in range(300)))
+    settled = _settle(client, 1, 300, {})
+    assert all(settled.values())
+    client.sock.close()
+    old = node.kill_worker("shard", 0)
+    node.wait_worker_restarted("shard", 0, old)
+    client = FrameClient(node.port)
+    client.open_channel(1)
+    got = []
+    deadline = time.monotonic() + 15
+    while len(got) < 300:
+        assert time.monotonic() < deadline, f"{len(got)} of 300 after the restart"
+        client.send(1, C.Basic.Get(queue=name, no_ack=True))
+        _ch, frame = client.recv()
+        if isinstance(frame, C.Basic.GetEmpty):
+            time.sleep(0.05)  # the restarted shard may still be loading the queue
+            continue
+        assert isinstance(frame, C.Basic.GetOk), frame
+        client.recv()
+        got.append(client.recv()[1].value)
+    assert got == [b"p%d" % i for i in range(300)]
+    client.close()
