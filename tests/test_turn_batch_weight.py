@@ -72,3 +72,22 @@ def test_random_mixes_keep_order_and_batch_weight(loop):
         batches = [items for d, items in b.sent if d == dest]
         assert [item for items in batches for item in items] == [item for d, item in put if d == dest]
         assert all(_weight(items) <= MAX_BATCH_ITEMS for items in batches)
+
+
+def test_the_stage_trace_sees_every_body_of_a_run(loop):
+    import io
+    import zlib
+
+    from broker.stage_trace import SAMPLE, StageTrace
+
+    keys = [k for k in (i.to_bytes(16, "big") for i in range(5000)) if zlib.crc32(k) % SAMPLE == 0][:3]
+    out = io.StringIO()
+    b = Capture(loop)
+    b.set_trace(StageTrace(out), "in", "fe_publish_out")
+    run = [contract.PUBLISH_RUN, "/", ["q"], "", "q", b"\x00\x00", [keys[0], b"x" * 16, keys[1]], False,
+           None, None, None]
+    b.put_weighted(None, run, 3)
+    b.put(None, [contract.PUBLISH, "/", ["q"], "", "q", b"\x00\x00", keys[2], False, None, None, None])
+    b.flush()
+    assert [line.split()[:2] for line in out.getvalue().splitlines()] == [
+        ["fe_publish_out", k.hex()] for k in keys]
