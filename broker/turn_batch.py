@@ -70,6 +70,11 @@ class TurnBatcher:
         """Send one batch already packed (contract.pack) immediately: the same bytes to many peers."""
         self._send(dest, payload)
 
+    def send_pending(self) -> None:
+        """Send what was put this turn now, before the turn ends (the end-of-turn flush still runs)."""
+        if not self._closed:
+            self._send_pending()
+
     def flush(self) -> None:
         self._scheduled = False
         if self._closed:

@@ -411,7 +411,19 @@ class FrontendWorker:
                 if n + self._bytes_in_flight[shard] > _MAX_BYTES_IN_FLIGHT and not self.pressure:
                     self._set_pressure(True)
             self._pub_need[shard] = self._ctl_put[shard]
-            self.shards[shard].put(None, item)
+            lane = self.shards[shard]
+            lane.put(None, item)
+            if kind == _PUBLISH and self._sent[shard] == self._processed[shard]:
+                # The shard has answered every batch: it is idle, so this publish leaves now rather
+                # than at the end of the turn. The shard's wake-up and work then overlap the rest of
+                # this turn (the other publishes of a burst read in one go), which go out together
+                # at its end; while batches are in flight (a busy shard) publishes wait for the
+                # turn's end as before, so saturation batches as much as ever. Control-lane items
+                # put before it go first: the shard would hold the batch until it has them.
+                control = self.control[shard]
+                if control._pending:
+                    control.send_pending()
+                lane.send_pending()
 
     def shard_request(self, shard: int, build: Callable[[int], list], conn: Session,
                       callback: Callback) -> None:
