@@ -99,6 +99,7 @@ class FrontendWorker:
         # node_request (a queue.delete behind a publish still in flight to the queue's shard).
         self._held_requests: deque[tuple[int | None, int, list]] = deque()
         self._turn_scheduled = False
+        self._early: list[int] = []  # shards idle when this read put a publish for them (send_early)
         # Restarted shards whose publish lane has not answered yet: their control-lane items wait here.
         self._control_held: dict[int, list] = {}
         self._snapshot: asyncio.Future = loop.create_future()
@@ -411,19 +412,28 @@ class FrontendWorker:
                 if n + self._bytes_in_flight[shard] > _MAX_BYTES_IN_FLIGHT and not self.pressure:
                     self._set_pressure(True)
             self._pub_need[shard] = self._ctl_put[shard]
-            lane = self.shards[shard]
-            lane.put(None, item)
-            if kind == _PUBLISH and self._sent[shard] == self._processed[shard]:
-                # The shard has answered every batch: it is idle, so this publish leaves now rather
-                # than at the end of the turn. The shard's wake-up and work then overlap the rest of
-                # this turn (the other publishes of a burst read in one go), which go out together
-                # at its end; while batches are in flight (a busy shard) publishes wait for the
-                # turn's end as before, so saturation batches as much as ever. Control-lane items
-                # put before it go first: the shard would hold the batch until it has them.
+            self.shards[shard].put(None, item)
+            if kind == _PUBLISH and self._sent[shard] == self._processed[shard] and shard not in self._early:
+                self._early.append(shard)  # sent at the end of this read (send_early)
+
+    def send_early(self) -> None:
+        """End of a client read that put publishes for a shard with nothing in flight: send them now.
+
+        The shard has answered every batch, so it is idle: the publishes read in one go (a burst is
+        one batch still) leave at the end of the read rather than of the loop turn, and what the
+        turn still does after that (end-of-turn callbacks, other connections' flushes) no longer
+        delays them. While batches are in flight (a busy shard) publishes wait for the turn's end as
+        before, so saturation batches as much as ever. Control-lane items put before them go first:
+        the shard would hold the publish batch until it has them (docs/architecture.md "Lanes").
+        """
+        early = self._early
+        self._early = []
+        for shard in early:
+            if self._sent[shard] == self._processed[shard]:
                 control = self.control[shard]
                 if control._pending:
                     control.send_pending()
-                lane.send_pending()
+                self.shards[shard].send_pending()
 
     def shard_request(self, shard: int, build: Callable[[int], list], conn: Session,
                       callback: Callback) -> None:

@@ -1,9 +1,9 @@
-"""A publish to an idle shard leaves at once; the rest of the turn's publishes follow at its end.
+"""Publishes to an idle shard leave at the end of the client read, not of the loop turn.
 
-frontend/worker.py shard_put: when every publish-lane batch sent to a shard has been answered
-(PROCESSED), the frontend sends a publish right away instead of at the end of the loop turn, so the
-shard works on it while the frontend still parses the rest of a burst read in one go; while batches
-are in flight everything waits for the turn's end, as before (docs/architecture.md "Lanes").
+frontend/worker.py shard_put / send_early: when every publish-lane batch sent to a shard has been
+answered (PROCESSED), the publishes a client read put for it are sent as soon as that read is
+handled (one batch for the whole read), not after the rest of the loop turn; while batches are in
+flight everything waits for the turn's end, as before (docs/architecture.md "Lanes").
 The first tests drive the rule against recording lanes (no sockets); the last ones send bursts of
 publishes in one socket write to a real node and check that every message arrives once, in order,
 and that confirms count every publish.
@@ -69,48 +69,63 @@ def _end_of_turn(worker: FrontendWorker) -> None:
     worker.control[0].flush()
 
 
-def test_a_publish_to_an_idle_shard_leaves_at_once_and_the_rest_at_the_turns_end(worker):
-    _publish(worker)
-    assert [(name, header[1], kinds) for name, header, kinds in worker.sent] == [
-        ("publish", 1, [contract.PUBLISH])]  # sent inside shard_put, before the turn ends
-    _publish(worker)
-    _publish(worker)
-    assert len(worker.sent) == 1  # batch 1 is in flight: these wait for the turn's end
-    _end_of_turn(worker)
-    assert [(header[1], kinds) for _n, header, kinds in worker.sent[1:]] == [
-        (2, [contract.PUBLISH, contract.PUBLISH])]
-    _end_of_turn(worker)
-    assert len(worker.sent) == 2  # nothing sent twice
+def _batches(worker):
+    return [(name, header[1], kinds) for name, header, kinds in worker.sent]
 
 
-def test_publishes_wait_for_the_turns_end_while_a_batch_is_in_flight_and_go_at_once_when_answered(worker):
+def test_a_reads_publishes_to_an_idle_shard_leave_at_its_end_in_one_batch(worker):
     _publish(worker)
+    _publish(worker)
+    assert worker.sent == []  # not one by one while the read is handled
+    worker.send_early()  # the end of the read
+    assert _batches(worker) == [("publish", 1, [contract.PUBLISH, contract.PUBLISH])]
     _end_of_turn(worker)
-    _publish(worker)  # batch 1 not answered: batched
+    worker.send_early()
+    assert len(worker.sent) == 1  # nothing sent twice
+
+
+def test_publishes_wait_for_the_turns_end_while_a_batch_is_in_flight_and_go_early_when_answered(worker):
+    _publish(worker)
+    worker.send_early()
+    _publish(worker)  # batch 1 not answered: batched until the turn ends
+    worker.send_early()
     assert len(worker.sent) == 1
     _end_of_turn(worker)
     assert worker.sent[-1][1][1] == 2
     worker._on_shard(0, [[contract.PROCESSED, 1]])
     _publish(worker)  # batch 2 still in flight
+    worker.send_early()
     assert len(worker.sent) == 2
     _end_of_turn(worker)
     worker._on_shard(0, [[contract.PROCESSED, 3]])
     assert worker._bytes_in_flight == [0]
-    _publish(worker)  # everything answered: at once again
-    assert [header[1] for _n, header, _k in worker.sent] == [1, 2, 3, 4]
+    _publish(worker)  # everything answered: early again
+    worker.send_early()
+    assert [seq for _n, seq, _k in _batches(worker)] == [1, 2, 3, 4]
     assert worker._unsent_bytes == [0]
 
 
-def test_control_items_put_before_an_early_publish_go_first_and_the_publish_counts_them(worker):
+def test_a_shard_that_became_busy_during_the_read_gets_the_publishes_at_the_turns_end(worker):
+    _publish(worker)  # idle when put...
+    worker.shards[0].flush()  # ...but a batch left before the read ended (a full one, say)
+    _publish(worker)
+    worker.send_early()
+    assert len(worker.sent) == 1  # the second waits: batch 1 is in flight
+    _end_of_turn(worker)
+    assert [seq for _n, seq, _k in _batches(worker)] == [1, 2]
+
+
+def test_control_items_put_before_early_publishes_go_first_and_the_publishes_count_them(worker):
     worker.shard_put(0, [contract.ACK, 1, 1, [0, 5]])
     worker.shard_put(0, [contract.ACK, 1, 1, [0, 6]])
     _publish(worker)
-    assert [(name, kinds) for name, _h, kinds in worker.sent] == [
+    worker.send_early()
+    assert [(name, kinds) for name, _s, kinds in _batches(worker)] == [
         ("control", [contract.ACK, contract.ACK]), ("publish", [contract.PUBLISH])]
     assert worker.sent[1][1][2] == 2  # the shard handles the publish only after both acks
     worker.shard_put(0, [contract.ACK, 1, 1, [0, 7]])
     _end_of_turn(worker)
-    assert [(name, kinds) for name, _h, kinds in worker.sent[2:]] == [("control", [contract.ACK])]
+    assert [(name, kinds) for name, _s, kinds in _batches(worker)[2:]] == [("control", [contract.ACK])]
 
 
 # ------------------------------------------------------------------ end to end

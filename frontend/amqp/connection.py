@@ -229,6 +229,8 @@ class AMQPConnection(asyncio.Protocol):
             self.internal_error(exc)
             return
         self._dispatch_all(events)
+        if self.worker._early:
+            self.worker.send_early()
 
     def _dispatch_all(self, events: list) -> None:
         """Handle events in order; a connection error closes us, a bug is a 541, never a crash."""
