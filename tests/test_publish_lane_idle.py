@@ -187,3 +187,40 @@ def test_bursts_read_in_one_go_arrive_once_and_in_order_and_are_all_confirmed(no
         assert time.monotonic() < deadline, "acked messages still counted in the queue"
         conn.process_data_events(time_limit=0.02)
     conn.close()
+
+
+class _Session:
+    """What _on_shard needs of a client session: deliveries in, one flush_turn per write."""
+
+    def __init__(self, worker: FrontendWorker) -> None:
+        self.worker = worker
+        self.conn_id = 7
+        self.delivered: list = []
+        self.writes: list[list] = []
+        self.dirty = False
+
+    def on_deliver(self, _shard: int, item: list) -> None:
+        self.delivered.append(item[-1])
+        if not self.dirty:  # as AMQPConnection: once per write
+            self.dirty = True
+            self.worker.mark_dirty(self)
+
+    def flush_turn(self) -> None:
+        self.writes.append(self.delivered)
+        self.delivered = []
+        self.dirty = False
+
+
+def test_a_shard_batchs_deliveries_are_written_when_the_batch_is_handled_not_at_the_turns_end(worker):
+    session = _Session(worker)
+    worker.conns[7] = session
+
+    def deliver(body: bytes, tag: str) -> list:
+        return [contract.DELIVER, 7, 1, tag, 1, 1, False, "", "q", b"", body]
+
+    worker._on_shard(0, [deliver(b"a", "t1"), deliver(b"b", "t2"), [contract.PROCESSED, 0]])
+    assert session.writes == [[b"a", b"b"]]  # one write for the batch, before the loop runs again
+    worker._on_shard(0, [deliver(b"c", "t1")])
+    assert session.writes == [[b"a", b"b"], [b"c"]]
+    worker.loop.run_until_complete(asyncio.sleep(0))  # the end-of-turn callbacks: nothing left to write
+    assert session.writes == [[b"a", b"b"], [b"c"]]
