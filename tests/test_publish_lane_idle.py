@@ -139,9 +139,10 @@ def _burst(channel: int, queue: str, bodies: list[bytes]) -> bytes:
     return b"".join(out)
 
 
+@pytest.mark.parametrize("transport", ["unix", "zmq"])
 @pytest.mark.parametrize("no_ack", [True, False], ids=["no-ack", "manual-ack"])
-def test_bursts_read_in_one_go_arrive_once_and_in_order_and_are_all_confirmed(node_factory, no_ack):
-    node = node_factory(name="node", frontends=1, shards=1)
+def test_bursts_read_in_one_go_arrive_once_and_in_order_and_are_all_confirmed(node_factory, no_ack, transport):
+    node = node_factory(name="node", frontends=1, shards=1, extra_args=["--ipc-transport", transport])
     q = uid("burst")
     conn = node.connect()
     ch = conn.channel()
