@@ -3,8 +3,8 @@
 One FrontendWorker per process. It holds the local copy of the definitions
 (kept current by DEFS from the node), routes items from shards to the client
 connection they belong to, matches replies to requests, counts data batches in
-flight per shard (back-pressure on publishers) and, once per loop turn, lets
-every connection that produced output write it in one go.
+flight per shard (back-pressure on publishers) and, once per loop turn and after
+each shard batch, lets every connection that produced output write it in one go.
 """
 
 from __future__ import annotations

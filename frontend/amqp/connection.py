@@ -2,8 +2,9 @@
 
 An asyncio.Protocol around a sans-IO FrameParser. Everything a connection writes
 during one loop turn is collected and written once by the worker's end-of-turn
-callback (``flush_turn``), together with that turn's publisher confirms and the
-CREDIT returned to shards for deliveries written out.
+flush (``flush_turn``; the worker also runs it when it has handled a shard batch),
+together with that turn's publisher confirms and the CREDIT returned to shards for
+deliveries written out.
 """
 
 from __future__ import annotations
