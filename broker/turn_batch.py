@@ -25,7 +25,7 @@ class TurnBatcher:
     """Items put during a loop turn, one packed batch per destination at its end; trace hooks."""
 
     __slots__ = ("loop", "on_batch", "header_for", "_pending", "_scheduled", "_closed",
-                 "_trace", "_trace_in", "_trace_out", "_trace_keep", "on_sent")
+                 "_trace", "_trace_in", "_trace_out", "_trace_keep", "on_sent", "on_drained")
 
     is_router = False
 
@@ -42,6 +42,9 @@ class TurnBatcher:
         self._trace_keep = False
         # Called with the size of every batch sent (after header_for): the frontend counts bytes in flight.
         self.on_sent: Callable[[int], None] | None = None
+        # Called after the batches of one read from a peer were handled (broker/unixio.py; ZeroMQ
+        # does not call it): a worker sends what they produced then, not after the rest of the turn.
+        self.on_drained: Callable[[], None] | None = None
 
     def set_trace(self, trace: Any, stage_in: str, stage_out: str, keep_in: bool = False) -> None:
         """Record the sampled messages of every batch received (``stage_in``) and sent (``stage_out``)."""

@@ -4,7 +4,7 @@ One FrontendWorker per process. It holds the local copy of the definitions
 (kept current by DEFS from the node), routes items from shards to the client
 connection they belong to, matches replies to requests, counts data batches in
 flight per shard (back-pressure on publishers) and, once per loop turn and after
-each shard batch, lets every connection that produced output write it in one go.
+each read from a shard, lets every connection that produced output write it in one go.
 """
 
 from __future__ import annotations
@@ -136,6 +136,7 @@ class FrontendWorker:
             lane = data_sockets.shard_connection(self.loop, self.run_dir, i, self.ident, self._shard_handler(i),
                                                  self._header_for(i))
             lane.on_sent = self._sent_bytes(i)
+            lane.on_drained = self._shard_drained
             if self._trace is not None:
                 lane.set_trace(self._trace, "fe_deliver_in", "fe_publish_out", keep_in=True)
             self.shards.append(lane)
@@ -512,11 +513,13 @@ class FrontendWorker:
                     conn.internal_error(exc)
                 else:
                     log.exception("frontend %d: failed to handle shard %d item %r", self.index, shard, item[:1])
+
+    def _shard_drained(self) -> None:
+        """The batches of one read from a shard are handled (unix data plane): their deliveries and
+        confirms are written to the clients now, not after the rest of the loop turn (its other
+        callbacks, other sockets). At a steady rate that read is all the turn carries, and what runs
+        after it would only delay the client; a flood still writes once per read."""
         if self._dirty:
-            # The batch's deliveries and confirms are written now, not after the rest of the loop
-            # turn (its other callbacks, other sockets): at a steady rate this batch is all the turn
-            # carries, and what runs after it would only delay the client. A flood writes once per
-            # batch (up to 512 items) instead of once per turn.
             self._end_of_turn()
 
     # ---------------------------------------------------------- back-pressure

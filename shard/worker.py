@@ -142,6 +142,7 @@ class ShardWorker:
     # ------------------------------------------------------------------ startup
     async def start(self) -> None:
         self.data = data_sockets.shard_listener(self.loop, self.run_dir, self.index, self._on_data)
+        self.data.on_drained = self._data_drained
         trace = stage_trace.get("shard")  # --trace-stages (debug): None normally
         if trace is not None:
             self.data.set_trace(trace, "sh_publish_in", "sh_deliver_out")
@@ -400,10 +401,13 @@ class ShardWorker:
         self._batch_forwards = False
         if self._confirms:
             self._flush_confirms()
-        # The batch's DELIVERs, PROCESSED and confirms leave now, in one write, rather than from
-        # call_soon callbacks after the rest of the loop turn: at a steady rate this batch is all
-        # the turn carries, and the frontend waits for it. A flood writes once per batch read
-        # (up to 512 items) instead of once per turn.
+
+    def _data_drained(self) -> None:
+        """The batches of one read from a frontend are handled (unix data plane): their DELIVERs,
+        PROCESSED and confirms leave now, in one write, rather than from call_soon callbacks after
+        the rest of the loop turn. At a steady rate that read is all the turn carries and the
+        frontend waits for it; a flood still writes once per read (per batch was 8x the ack-file
+        and mark writes with acks at saturation)."""
         if self._deliver_scheduled:
             self._deliver()
         self.data.send_pending()
@@ -999,7 +1003,7 @@ class ShardWorker:
             self.loop.call_soon(self._deliver_if_scheduled)
 
     def _deliver_if_scheduled(self) -> None:
-        if self._deliver_scheduled:  # not run already, by _process at the end of a batch
+        if self._deliver_scheduled:  # not run already, by _data_drained at the end of a read
             self._deliver()
 
     def schedule_deliver_all(self) -> None:

@@ -212,7 +212,7 @@ class _Session:
         self.dirty = False
 
 
-def test_a_shard_batchs_deliveries_are_written_when_the_batch_is_handled_not_at_the_turns_end(worker):
+def test_a_shard_reads_deliveries_are_written_when_the_read_is_handled_not_at_the_turns_end(worker):
     session = _Session(worker)
     worker.conns[7] = session
 
@@ -220,8 +220,12 @@ def test_a_shard_batchs_deliveries_are_written_when_the_batch_is_handled_not_at_
         return [contract.DELIVER, 7, 1, tag, 1, 1, False, "", "q", b"", body]
 
     worker._on_shard(0, [deliver(b"a", "t1"), deliver(b"b", "t2"), [contract.PROCESSED, 0]])
-    assert session.writes == [[b"a", b"b"]]  # one write for the batch, before the loop runs again
-    worker._on_shard(0, [deliver(b"c", "t1")])
-    assert session.writes == [[b"a", b"b"], [b"c"]]
+    worker._on_shard(0, [deliver(b"c", "t1")])  # two batches in one read
+    assert session.writes == []
+    worker._shard_drained()  # the lane's on_drained: the read is handled
+    assert session.writes == [[b"a", b"b", b"c"]]  # one write, before the loop runs again
+    worker._on_shard(0, [deliver(b"d", "t1")])
+    worker._shard_drained()
+    assert session.writes == [[b"a", b"b", b"c"], [b"d"]]
     worker.loop.run_until_complete(asyncio.sleep(0))  # the end-of-turn callbacks: nothing left to write
-    assert session.writes == [[b"a", b"b"], [b"c"]]
+    assert session.writes == [[b"a", b"b", b"c"], [b"d"]]

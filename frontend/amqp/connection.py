@@ -2,7 +2,7 @@
 
 An asyncio.Protocol around a sans-IO FrameParser. Everything a connection writes
 during one loop turn is collected and written once by the worker's end-of-turn
-flush (``flush_turn``; the worker also runs it when it has handled a shard batch),
+flush (``flush_turn``; the worker also runs it when it has handled a read from a shard),
 together with that turn's publisher confirms and the CREDIT returned to shards for
 deliveries written out.
 """
