@@ -84,6 +84,17 @@ def test_a_reads_publishes_to_an_idle_shard_leave_at_its_end_in_one_batch(worker
     assert len(worker.sent) == 1  # nothing sent twice
 
 
+def test_a_publish_run_to_an_idle_shard_leaves_at_the_end_of_the_read_too(worker):
+    worker.shard_put(0, [contract.PUBLISH_RUN, "/", ["q"], "", "q", b"", [b"a", b"b", b"c"], False,
+                         None, None, None])
+    assert worker.sent == []
+    worker.send_early()
+    assert _batches(worker) == [("publish", 1, [contract.PUBLISH_RUN])]
+    worker.shard_put(0, [contract.PUBLISH_RUN, "/", ["q"], "", "q", b"", [b"d"], False, None, None, None])
+    worker.send_early()  # batch 1 in flight: waits for the turn's end
+    assert len(worker.sent) == 1
+
+
 def test_publishes_wait_for_the_turns_end_while_a_batch_is_in_flight_and_go_early_when_answered(worker):
     _publish(worker)
     worker.send_early()
