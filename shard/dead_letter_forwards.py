@@ -180,8 +180,13 @@ class DeadLetterForwards:
             self._settled.set()
 
     def in_flight(self) -> int:
-        """Dead letters sent to a shard (or to ourselves) and not confirmed or refused by it yet."""
-        return sum(sent[0] != -1 for items in self.pending.values() for sent in items.values())
+        """Dead letters sent to the running incarnation of a shard (or to ourselves) and not confirmed
+        or refused by it yet (what went to an earlier one, now dead, will not be answered)."""
+        w = self.worker
+        epochs = w.epochs
+        own, own_epoch = w.index, w.epoch
+        return sum(sent[0] != -1 and sent[0] == (own_epoch if shard == own else epochs.get(shard, 0))
+                   for items in self.pending.values() for shard, sent in items.items())
 
     async def settle(self, timeout: float = STOP_WAIT_S) -> int:
         """At a clean stop: wait until every dead letter in flight is confirmed or refused (at most
