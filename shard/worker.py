@@ -1283,6 +1283,9 @@ class ShardWorker:
             # Its _sync_done (confirms, after-sync callbacks) runs before we resume; none starts after.
             with contextlib.suppress(Exception):
                 await fut
+        # In a cluster a confirm promises the in-sync followers have the record: the final sync below
+        # is local only, so what waits on it is not confirmed here (its sender sends it again).
+        gating = self.repl is not None and self.repl.gating
         if self.repl is not None:
             self.repl.close()
             self.repl = None
@@ -1303,7 +1306,8 @@ class ShardWorker:
             for store in stores:
                 store.flush_acks()
             await self.loop.run_in_executor(None, _sync_all, stores)
-            self._replicated(waiting, True)
+            if not gating:
+                self._replicated(waiting, True)
             if not self._sync_waiting:
                 break
         self._flush_confirms()
