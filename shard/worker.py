@@ -10,6 +10,7 @@ thread, never one fsync per message.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -103,6 +104,8 @@ class ShardWorker:
         self._sync_waiting: list[tuple[bytes, int, int, int]] = []
         self._sync_stores: set[QueueStore] = set()
         self._sync_running = False
+        self._sync_fut: asyncio.Future | None = None  # the group sync running, if any
+        self._closing = False  # stop()'s final sync has begun: no other one starts
         self._after_sync: list[Callable[[], None]] = []  # run once the next group sync is done
         # The next group sync also fsyncs ack files and delivered marks (set by the periodic pass):
         # the rounds confirms wait for fsync only records, so a confirm never waits on acks.
@@ -1187,7 +1190,7 @@ class ShardWorker:
             put(fe, [contract.CONFIRM, conn_id, channel, seqs])
 
     def _start_sync(self) -> None:
-        if self._sync_running or not (self._sync_waiting or self._sync_stores or self._after_sync):
+        if self._sync_running or self._closing or not (self._sync_waiting or self._sync_stores or self._after_sync):
             return
         self._sync_running = True
         waiting = self._sync_waiting
@@ -1204,7 +1207,7 @@ class ShardWorker:
         target = self.repl.position() if waiting and self.repl is not None and self.repl.gating else -1
         ordered = sorted(stores, key=self._sync_order)
         acks, self._sync_acks = self._sync_acks, False
-        fut = self.loop.run_in_executor(None, _sync_all, ordered, acks)
+        fut = self._sync_fut = self.loop.run_in_executor(None, _sync_all, ordered, acks)
         fut.add_done_callback(lambda f: self._sync_done(f, waiting, after, target, started))
 
     def _sync_order(self, store: QueueStore) -> int:
@@ -1286,6 +1289,19 @@ class ShardWorker:
         if self.stopping:
             return
         self.stopping = True
+        # Every shard stops at once: dead letters we sent may be stored by their target and their
+        # CONFIRM not here yet. Wait for them (syncs and confirms go on meanwhile), or they would be
+        # sent again after the restart, twice in the target queue (shard/dead_letter_forwards.py).
+        await self.dead_letters.settle()
+        self._closing = True
+        fut = self._sync_fut
+        if fut is not None and not fut.done():
+            # Its _sync_done (confirms, after-sync callbacks) runs before we resume; none starts after.
+            with contextlib.suppress(Exception):
+                await fut
+        # In a cluster a confirm promises the in-sync followers have the record: the final sync below
+        # is local only, so what waits on it is not confirmed here (its sender sends it again).
+        gating = self.repl is not None and self.repl.gating
         if self.repl is not None:
             self.repl.close()
             self.repl = None
@@ -1298,9 +1314,19 @@ class ShardWorker:
         for callback in after:  # the final sync below covers what they wait for
             callback()
         stores = self.dead_letters.all_stores() + [q.store for q in self.queues.values()] + self.delayed.all_stores()
-        for store in stores:
-            store.flush_acks()
-        await self.loop.run_in_executor(None, _sync_all, stores)
+        while True:
+            # Publishes that waited for a group sync (a peer's dead letters among them) are durable
+            # after this one: confirm them, or their senders keep them in their outboxes and send them
+            # again after the restart. What arrives during it gets one more.
+            waiting, self._sync_waiting = self._sync_waiting, []
+            for store in stores:
+                store.flush_acks()
+            await self.loop.run_in_executor(None, _sync_all, stores)
+            if not gating:
+                self._replicated(waiting, True)
+            if not self._sync_waiting:
+                break
+        self._flush_confirms()
         for s in stores:
             s.close()
         self.timers.close()
