@@ -52,11 +52,20 @@ _FLOW_BACKLOG = 8000  # ready messages before publishers are paced (4x the credi
 _FLOW_MAX_HOLD_S = 0.5
 _PACED_KINDS = frozenset((contract.PUBLISH, contract.DELAYED_PUBLISH, contract.DEDUP_PUBLISH,
                           contract.MARKED_PUBLISH))  # items that add messages
+_PUBLISH_RUN = contract.PUBLISH_RUN
 
 
 def _publishes(items: list) -> int:
-    """Items of a batch that add messages (what pacing counts; only computed while pacing)."""
-    return sum(1 for item in items if item[0] in _PACED_KINDS)
+    """Messages a batch adds (what pacing counts; only computed while pacing): a PUBLISH_RUN counts
+    its bodies, the other kinds that add messages one each."""
+    n = 0
+    for item in items:
+        kind = item[0]
+        if kind == _PUBLISH_RUN:
+            n += len(item[6])
+        elif kind in _PACED_KINDS:
+            n += 1
+    return n
 
 
 def _consumer_waiting(consumers: list) -> bool:
@@ -302,8 +311,10 @@ class ShardWorker:
             self.data.put(c.fe, [contract.CANCEL_NOTIFY, c.conn_id, c.channel, c.tag])
         for owner in q.unacked.values():
             owner.settle()
-        q.unacked.clear()
-        q.consumers.clear()
+        if q.unacked:  # an idle queue's is the shared empty one (shard/queue.py NO_UNACKED)
+            q.unacked.clear()
+        if q.consumers:
+            q.consumers.clear()
         self._dirty_queues.discard(q)
         self._sync_stores.discard(q.store)
         if q.store.__class__ is QueueStore:
@@ -405,6 +416,8 @@ class ShardWorker:
         kind = item[0]
         if kind == contract.PUBLISH:
             self._publish(fe, item)
+        elif kind == _PUBLISH_RUN:
+            self._publish_run(fe, item)
         elif kind == contract.DEDUP_PUBLISH:
             self.exchange_dedup.publish(fe, item)
             # Only a frontend's batches are held: a shard's (dead letters) never, or two shards
@@ -628,6 +641,74 @@ class ShardWorker:
                 else:
                     seqs.append(seq)
         return not rejected
+
+    def _publish_run(self, fe: bytes, item: list) -> None:
+        """Store a PUBLISH_RUN: each body exactly as the PUBLISH it stands for, in order (body i has
+        confirm seq first + i), with what is the same for all of them (queues, time, flags) found once."""
+        (_, vhost, names, exchange, routing_key, props_raw, bodies, persistent,
+         conn_id, channel, first) = item
+        ts = int(time.time() * 1000)
+        flags = 1 if persistent else 0
+        queues = self.queues
+        if len(props_raw) > 1 and props_raw[0] & 1:  # per-message TTL: the queues need FeatureQueue
+            self._upgrade_queues(vhost, names)
+        found = [q for q in map(queues.get, [(vhost, name) for name in names]) if q is not None]
+        dirty = self._dirty_queues
+        sync_durable = persistent and self._fsync
+        confirmed: list[int] = []
+        nacked: list[int] = []
+        synced: list[int] = []
+        seq = first
+        for body in bodies:
+            rejected = needs_sync = False
+            for i, q in enumerate(found):
+                if q.deleted:  # replaced (upgraded) or deleted since the run began: as PUBLISH would find it
+                    q = queues.get((q.vhost, q.name))
+                    if q is None or q.deleted:
+                        continue
+                    found[i] = q
+                try:
+                    if q.__class__ is Queue:
+                        if (not persistent and not q.store.ready and q.consumers and q.groups is None
+                                and q.deliver_unstored(self.data.put, exchange, routing_key, props_raw, body)):
+                            q.n_published += 1
+                            dirty.add(q)
+                            continue
+                        q.store.append(ts, flags, exchange, routing_key, props_raw, body)
+                    elif not q.publish(ts, flags, exchange, routing_key, props_raw, body):
+                        rejected = True
+                        continue
+                except OSError as exc:
+                    self._store_failed(q, exc)
+                    rejected = True
+                    continue
+                q.n_published += 1
+                dirty.add(q)
+                if sync_durable and q.durable:
+                    needs_sync = True
+                    self._sync_stores.add(q.store)
+            if first is not None:
+                if rejected:
+                    nacked.append(seq)
+                elif needs_sync:
+                    synced.append(seq)
+                else:
+                    confirmed.append(seq)
+                seq += 1
+        if first is None:
+            return
+        if nacked:
+            self.data.put(fe, [contract.CONFIRM_NACK, conn_id, channel, nacked])
+        if synced:
+            self._sync_waiting.extend((fe, conn_id, channel, s) for s in synced)
+            self._start_sync()
+        if confirmed:
+            key = (fe, conn_id, channel)
+            seqs = self._confirms.get(key)
+            if seqs is None:
+                self._confirms[key] = confirmed
+            else:
+                seqs.extend(confirmed)
 
     def _store_failed(self, q: Queue, exc: OSError) -> None:
         """Log a refused append at most once a second per shard (a full disk refuses every one)."""
