@@ -10,6 +10,7 @@ thread, never one fsync per message.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -103,6 +104,8 @@ class ShardWorker:
         self._sync_waiting: list[tuple[bytes, int, int, int]] = []
         self._sync_stores: set[QueueStore] = set()
         self._sync_running = False
+        self._sync_fut: asyncio.Future | None = None  # the group sync running, if any
+        self._closing = False  # stop()'s final sync has begun: no other one starts
         self._after_sync: list[Callable[[], None]] = []  # run once the next group sync is done
         # The next group sync also fsyncs ack files and delivered marks (set by the periodic pass):
         # the rounds confirms wait for fsync only records, so a confirm never waits on acks.
@@ -151,6 +154,7 @@ class ShardWorker:
     # ------------------------------------------------------------------ startup
     async def start(self) -> None:
         self.data = data_sockets.shard_listener(self.loop, self.run_dir, self.index, self._on_data)
+        self.data.on_drained = self._data_drained
         trace = stage_trace.get("shard")  # --trace-stages (debug): None normally
         if trace is not None:
             self.data.set_trace(trace, "sh_publish_in", "sh_deliver_out")
@@ -412,6 +416,16 @@ class ShardWorker:
         if self._confirms:
             self._flush_confirms()
 
+    def _data_drained(self) -> None:
+        """The batches of one read from a frontend are handled (unix data plane): their DELIVERs,
+        PROCESSED and confirms leave now, in one write, rather than from call_soon callbacks after
+        the rest of the loop turn. At a steady rate that read is all the turn carries and the
+        frontend waits for it; a flood still writes once per read (per batch was 8x the ack-file
+        and mark writes with acks at saturation)."""
+        if self._deliver_scheduled:
+            self._deliver()
+        self.data.send_pending()
+
     def _handle(self, fe: bytes, item: list) -> None:
         kind = item[0]
         if kind == contract.PUBLISH:
@@ -608,8 +622,10 @@ class ShardWorker:
                     # being appended, read back and acked (a persistent one is always stored first).
                     if (not persistent and not q.store.ready and q.consumers and q.groups is None
                             and q.deliver_unstored(self.data.put, exchange, routing_key, props_raw, body)):
+                        # Not marked dirty: nothing is ready, so the turn's delivery pass would find
+                        # nothing to do for this queue (at a steady rate that pass, its call_soon and
+                        # its flush_acks were a fixed cost of every turn carrying one message).
                         q.n_published += 1
-                        self._dirty_queues.add(q)
                         continue
                     q.store.append(ts, flags, exchange, routing_key, props_raw, body)
                 elif not q.publish(ts, flags, exchange, routing_key, props_raw, body):
@@ -671,8 +687,7 @@ class ShardWorker:
                     if q.__class__ is Queue:
                         if (not persistent and not q.store.ready and q.consumers and q.groups is None
                                 and q.deliver_unstored(self.data.put, exchange, routing_key, props_raw, body)):
-                            q.n_published += 1
-                            dirty.add(q)
+                            q.n_published += 1  # not dirty: nothing ready (see _publish)
                             continue
                         q.store.append(ts, flags, exchange, routing_key, props_raw, body)
                     elif not q.publish(ts, flags, exchange, routing_key, props_raw, body):
@@ -1068,7 +1083,11 @@ class ShardWorker:
     def _schedule_deliver(self) -> None:
         if self._dirty_queues and not self._deliver_scheduled:
             self._deliver_scheduled = True
-            self.loop.call_soon(self._deliver)
+            self.loop.call_soon(self._deliver_if_scheduled)
+
+    def _deliver_if_scheduled(self) -> None:
+        if self._deliver_scheduled:  # not run already, by _data_drained at the end of a read
+            self._deliver()
 
     def schedule_deliver_all(self) -> None:
         self._dirty_queues.update(self.queues.values())
@@ -1171,7 +1190,7 @@ class ShardWorker:
             put(fe, [contract.CONFIRM, conn_id, channel, seqs])
 
     def _start_sync(self) -> None:
-        if self._sync_running or not (self._sync_waiting or self._sync_stores or self._after_sync):
+        if self._sync_running or self._closing or not (self._sync_waiting or self._sync_stores or self._after_sync):
             return
         self._sync_running = True
         waiting = self._sync_waiting
@@ -1188,7 +1207,7 @@ class ShardWorker:
         target = self.repl.position() if waiting and self.repl is not None and self.repl.gating else -1
         ordered = sorted(stores, key=self._sync_order)
         acks, self._sync_acks = self._sync_acks, False
-        fut = self.loop.run_in_executor(None, _sync_all, ordered, acks)
+        fut = self._sync_fut = self.loop.run_in_executor(None, _sync_all, ordered, acks)
         fut.add_done_callback(lambda f: self._sync_done(f, waiting, after, target, started))
 
     def _sync_order(self, store: QueueStore) -> int:
@@ -1270,6 +1289,19 @@ class ShardWorker:
         if self.stopping:
             return
         self.stopping = True
+        # Every shard stops at once: dead letters we sent may be stored by their target and their
+        # CONFIRM not here yet. Wait for them (syncs and confirms go on meanwhile), or they would be
+        # sent again after the restart, twice in the target queue (shard/dead_letter_forwards.py).
+        await self.dead_letters.settle()
+        self._closing = True
+        fut = self._sync_fut
+        if fut is not None and not fut.done():
+            # Its _sync_done (confirms, after-sync callbacks) runs before we resume; none starts after.
+            with contextlib.suppress(Exception):
+                await fut
+        # In a cluster a confirm promises the in-sync followers have the record: the final sync below
+        # is local only, so what waits on it is not confirmed here (its sender sends it again).
+        gating = self.repl is not None and self.repl.gating
         if self.repl is not None:
             self.repl.close()
             self.repl = None
@@ -1282,9 +1314,19 @@ class ShardWorker:
         for callback in after:  # the final sync below covers what they wait for
             callback()
         stores = self.dead_letters.all_stores() + [q.store for q in self.queues.values()] + self.delayed.all_stores()
-        for store in stores:
-            store.flush_acks()
-        await self.loop.run_in_executor(None, _sync_all, stores)
+        while True:
+            # Publishes that waited for a group sync (a peer's dead letters among them) are durable
+            # after this one: confirm them, or their senders keep them in their outboxes and send them
+            # again after the restart. What arrives during it gets one more.
+            waiting, self._sync_waiting = self._sync_waiting, []
+            for store in stores:
+                store.flush_acks()
+            await self.loop.run_in_executor(None, _sync_all, stores)
+            if not gating:
+                self._replicated(waiting, True)
+            if not self._sync_waiting:
+                break
+        self._flush_confirms()
         for s in stores:
             s.close()
         self.timers.close()
