@@ -236,6 +236,8 @@ class DelayedMessages:
     def _route(self, vhost: str, flags: int, exchange: str, routing_key: str, props: bytes, body: bytes,
                seq: int) -> tuple[bool, dict[int, list]]:
         worker = self.worker
+        if worker.fence[0] > worker.defs_version:  # due now: route as of now (broker/defs_fence.py)
+            worker.catch_up_defs()
         route = worker.defs.route
         keys = [routing_key]
         if may_have_cc(props):

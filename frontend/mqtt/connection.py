@@ -167,6 +167,11 @@ class MQTTConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.state == CLOSED or self._close_after_flush:
             return  # closing: nothing the client sends counts any more
+        worker = self.worker
+        if worker.fence[0] > worker.defs_version:  # definitions fence: broker/defs_fence.py
+            worker.catch_up_defs()
+            if self.state == CLOSED or self._close_after_flush:
+                return  # the node closed us (CLOSE_CONNECTIONS) in what it read
         self._received = True
         try:
             packets = self.parser.feed(data)
