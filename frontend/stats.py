@@ -13,10 +13,24 @@ carries every connection with "full": true.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from frontend.worker import FrontendWorker
+    from broker.heap_trim import HeapTrimmer
+    from frontend.session import Session
+
+
+class StatsFrontend(Protocol):
+    """What the report reads of the frontend (frontend/worker.py FrontendWorker)."""
+
+    conns: dict[int, Session]
+    counters: dict[str, int]
+    n_received: int
+    n_received_confirm: int
+    n_confirmed: int
+    n_unroutable_returned: int
+    n_unroutable_dropped: int
+    heap_trimmer: HeapTrimmer
 
 
 def _peer(peer: Any) -> tuple[str, int]:
@@ -33,7 +47,7 @@ def _send_pend(transport: Any) -> int:
         return 0
 
 
-def _counters(worker: FrontendWorker) -> dict:
+def _counters(worker: StatsFrontend) -> dict:
     counters = dict(worker.counters)
     counters["publishers"] = sum(1 for conn in worker.conns.values() if getattr(conn, "publisher", False))
     counters.update(received=worker.n_received, received_confirm=worker.n_received_confirm,
@@ -55,7 +69,7 @@ class StatsReporter:
         self.full_next = True
         self.rows_sent = 0  # connection rows sent since the frontend started (tests and metrics count them)
 
-    def report(self, worker: FrontendWorker) -> dict:
+    def report(self, worker: StatsFrontend) -> dict:
         full = self.full_next
         sent = self.sent
         now: dict[int, int] = {}

@@ -21,14 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from aiohttp import WSMsgType, web
 
 from frontend.listeners import load
-
-if TYPE_CHECKING:
-    from frontend.worker import FrontendWorker
 
 log = logging.getLogger("shardmq.frontend")
 
@@ -131,7 +128,15 @@ class WSTransport:
         self.readable.set()
 
 
-def make_app(worker: FrontendWorker) -> web.Application:
+class WSFrontend(Protocol):
+    """What the app uses of the frontend (frontend/worker.py FrontendWorker); the sessions it makes
+    are given the same object, as the TCP listeners give them."""
+
+    settings: dict
+    loop: asyncio.AbstractEventLoop
+
+
+def make_app(worker: WSFrontend) -> web.Application:
     max_size = int(worker.settings.get("mqtt_max_packet_size", 134217728))
 
     async def handle(request: web.Request) -> web.StreamResponse:

@@ -15,10 +15,7 @@ import asyncio
 import logging
 import socket
 import ssl
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from frontend.worker import FrontendWorker
+from typing import Any, Protocol
 
 log = logging.getLogger("shardmq.frontend")
 
@@ -38,10 +35,18 @@ def _listening_socket(bind: str, port: int) -> socket.socket:
     return sock
 
 
+class ListenerFrontend(Protocol):
+    """What the listeners use of the frontend (frontend/worker.py FrontendWorker); the app is given
+    the same object (frontend/ws.py make_app)."""
+
+    settings: dict
+    loop: asyncio.AbstractEventLoop
+
+
 class LazyWebSocket:
     """Owns the WebSocket listening sockets; ``shutdown``/``cleanup`` as an aiohttp ``AppRunner`` has them."""
 
-    def __init__(self, worker: FrontendWorker) -> None:
+    def __init__(self, worker: ListenerFrontend) -> None:
         self.worker = worker
         self.runner: Any = None  # aiohttp AppRunner, once a connection came
         self._socks: list[tuple[socket.socket, ssl.SSLContext | None]] = []

@@ -24,14 +24,17 @@ FeatureQueue, so skipped here), then the node default.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from broker import contract
 from shard.stream_queue import StreamQueue
 from shard.timers import now_ms
 
 if TYPE_CHECKING:
-    from shard.worker import ShardWorker
+    import asyncio
+
+    from shard.consumers import Consumer
+    from shard.queue import Queue
 
 MIN_TICK_MS = 50
 MAX_TICK_MS = 15_000
@@ -47,8 +50,18 @@ def timeout_text(channel: int, timeout: int) -> str:
             "consumers doc guide to learn more")
 
 
+class TimeoutsShard(Protocol):
+    """What the timeouts use of the shard that holds them (shard/worker.py ShardWorker)."""
+
+    loop: asyncio.AbstractEventLoop
+    stopping: bool
+    queues: dict[tuple[str, str], Queue]
+    consumers: dict[tuple[bytes, int, int, str], tuple[Queue, Consumer]]
+    data: Any  # its data socket: put(identity, item)
+
+
 class AckTimeouts:
-    def __init__(self, shard: ShardWorker, default_ms: int) -> None:
+    def __init__(self, shard: TimeoutsShard, default_ms: int) -> None:
         self.shard = shard
         self.default = default_ms if default_ms and default_ms > 0 else None
         self.ages: dict[int, dict[int, int]] = {}  # qid -> msg_id -> first tick that saw it unacked
@@ -87,7 +100,7 @@ class AckTimeouts:
     def _scan(self) -> None:
         self._timer = None
         shard = self.shard
-        if shard._stopping:
+        if shard.stopping:
             return
         now = now_ms()
         default = self.default

@@ -12,24 +12,37 @@ Low-rate operator actions, carried over the control socket like ``queue_info``:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from broker import contract
 from shard.consumers import ChannelRef
 from shard.stream_queue import StreamQueue
 
 if TYPE_CHECKING:
-    from shard.worker import ShardWorker
+    from shard.queue import Queue
 
 _NODE = b"node"  # owner identity of messages a management get holds while it reads them
 
 
-def admin_query(worker: ShardWorker, op: str, args: dict) -> tuple[bool, Any]:
+class AdminShard(Protocol):
+    """What the management operations use of the shard (shard/worker.py ShardWorker)."""
+
+    queues: dict[tuple[str, str], Queue]
+
+    def _publish(self, fe: bytes, item: list) -> bool:
+        """The frontends' PUBLISH path: a management publish is stored as theirs are."""
+
+    def mark_dirty(self, q: Queue) -> None: ...
+
+    def schedule_deliver_all(self) -> None: ...
+
+
+def admin_query(worker: AdminShard, op: str, args: dict) -> tuple[bool, Any]:
     if op == "publish":
         worker._publish(_NODE, [contract.PUBLISH, args["vhost"], list(args["queues"]), args.get("exchange", ""),
                                 args.get("routing_key", ""), bytes(args.get("props_raw") or b""),
                                 bytes(args.get("body") or b""), bool(args.get("persistent")), None, None, None])
-        worker._schedule_deliver_all()
+        worker.schedule_deliver_all()
         return True, {}
     vhost, name = args["vhost"], args["queue"]
     q = worker.queues.get((vhost, name))
@@ -39,7 +52,7 @@ def admin_query(worker: ShardWorker, op: str, args: dict) -> tuple[bool, Any]:
         return False, [540, f"NOT_IMPLEMENTED - not supported by queue '{name}' in vhost '{vhost}'", 0, 0]
     if op == "purge":
         n = q.purge()
-        worker._dirty_queues.add(q)
+        worker.mark_dirty(q)
         return True, {"messages": n}
     requeue = bool(args.get("requeue", True))
     chan = ChannelRef(_NODE, 0, 0)
@@ -55,6 +68,6 @@ def admin_query(worker: ShardWorker, op: str, args: dict) -> tuple[bool, Any]:
             held.append(msg_id)
     for msg_id in held:
         q.nack(msg_id, _NODE, 0, 0, True)
-    worker._dirty_queues.add(q)
-    worker._schedule_deliver_all()
+    worker.mark_dirty(q)
+    worker.schedule_deliver_all()
     return True, {"messages": got}

@@ -22,14 +22,25 @@ oldest (RabbitMQ 3.12+).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from shard.consumers import Consumer
-    from shard.queue import Queue
 
 
-def add(q: Queue, consumer: Consumer) -> None:
+class OrderedQueue(Protocol):
+    """What the ordering uses of a queue (shard/queue.py Queue, shard/feature_queue.py FeatureQueue)."""
+
+    consumers: list[Consumer]
+    groups: list[list] | None
+    sac: bool
+    store: Any  # deliver_ranked stops once its ``ready`` is 0
+
+    def _deliver_to(self, consumers: list[Consumer], i: int, send: Callable[[bytes, list], None], now: int) -> int:
+        """The queue's round-robin over one group from index i; the next index."""
+
+
+def add(q: OrderedQueue, consumer: Consumer) -> None:
     consumers = q.consumers
     i = len(consumers)
     prio = consumer.priority
@@ -42,7 +53,7 @@ def add(q: Queue, consumer: Consumer) -> None:
         regroup(q)
 
 
-def remove(q: Queue, consumer: Consumer) -> bool:
+def remove(q: OrderedQueue, consumer: Consumer) -> bool:
     """Take a consumer off; on a single-active-consumer queue the next one takes over."""
     consumers = q.consumers
     try:
@@ -56,7 +67,7 @@ def remove(q: Queue, consumer: Consumer) -> bool:
     return True
 
 
-def regroup(q: Queue) -> None:
+def regroup(q: OrderedQueue) -> None:
     consumers = q.consumers
     if q.sac:
         active = [c for c in consumers if c.active]
@@ -75,7 +86,7 @@ def regroup(q: Queue) -> None:
     q.groups = groups
 
 
-def deliver_ranked(q: Queue, send: Callable[[bytes, list], None], now: int) -> None:
+def deliver_ranked(q: OrderedQueue, send: Callable[[bytes, list], None], now: int) -> None:
     store = q.store
     deliver_to = q._deliver_to
     for group in q.groups:

@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from broker import contract
 from broker.datadir import DEAD_LETTERS_DIR
 from shard.store import QueueStore
 
 if TYPE_CHECKING:
-    from shard.worker import ShardWorker
+    import asyncio
 
 log = logging.getLogger("shardmq.shard")
 
@@ -47,8 +47,23 @@ RETRY_S = 1.0
 _SEQ_FIELD = {contract.PUBLISH: 10, contract.DEDUP_PUBLISH: 9}
 
 
+class ForwardsShard(Protocol):
+    """What the outbox uses of the shard that holds it (shard/worker.py ShardWorker)."""
+
+    index: int
+    epoch: int
+    epochs: dict[int, int]
+    settings: dict
+    loop: asyncio.AbstractEventLoop
+    stopping: bool
+
+    def send_to_peer(self, shard: int, item: list) -> None: ...
+
+    def sync_first(self, store: QueueStore) -> None: ...
+
+
 class DeadLetterForwards:
-    def __init__(self, worker: ShardWorker) -> None:
+    def __init__(self, worker: ForwardsShard) -> None:
         self.worker = worker
         self.store: QueueStore | None = None  # the outbox, opened by load()
         # outbox msg id (= confirm seq) -> {target shard: [epoch it was sent to, item]}
@@ -155,7 +170,7 @@ class DeadLetterForwards:
     def _retry(self) -> None:
         self._retry_armed = False
         w = self.worker
-        if w._stopping:
+        if w.stopping:
             return
         for items in self.pending.values():
             for shard, sent in items.items():

@@ -25,13 +25,17 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from broker import contract, data_sockets
 from broker.dedup import DEFAULT_CACHE_SIZE, DedupSettings, dedup_key, exchange_shard
 
 if TYPE_CHECKING:
-    from shard.worker import ShardWorker
+    import asyncio
+    from collections.abc import Callable
+
+    from broker.definitions import Definitions
+    from shard.dead_letter_forwards import DeadLetterForwards
 
 _MISSING = object()
 
@@ -117,10 +121,27 @@ class _Pending:
         self.waiters: list[tuple[bytes, Any, Any, Any]] = []  # duplicates that arrived meanwhile
 
 
+class DedupShard(Protocol):
+    """What the exchange caches use of the shard that owns them (shard/worker.py ShardWorker)."""
+
+    index: int
+    ident: bytes
+    run_dir: str
+    epoch: int
+    settings: dict
+    loop: asyncio.AbstractEventLoop
+    defs: Definitions | None
+    data: Any  # its data socket: put(identity, item)
+    peers: dict[int, Any]  # the DEALER to each other shard
+    dead_letters: DeadLetterForwards
+
+    def on_peer_answers(self, shard: int) -> Callable[[bytes | None, object, list], None]: ...
+
+
 class ExchangeDedup:
     """The caches of the deduplicating exchanges this shard owns, and their forwards."""
 
-    def __init__(self, worker: ShardWorker) -> None:
+    def __init__(self, worker: DedupShard) -> None:
         self.worker = worker
         # (vhost, exchange) -> (the Exchange definition it was made for, cache): a redeclared
         # exchange is a new object and starts with an empty cache, as in LavinMQ.

@@ -32,7 +32,7 @@ import heapq
 import itertools
 import logging
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from broker.datadir import DELAYED_DIR, name_hash
 from broker.routing import delay_store_shard, may_have_cc, sender_routes
@@ -40,7 +40,11 @@ from shard.store import QueueStore, queue_dir
 from shard.timers import now_ms
 
 if TYPE_CHECKING:
-    from shard.worker import ShardWorker
+    import asyncio
+    from collections.abc import Callable
+
+    from broker.definitions import Definitions
+    from shard.timers import TimerHeap
 
 log = logging.getLogger("shardmq.shard")
 
@@ -83,10 +87,35 @@ class Forward:
         self.sync_pending = sync_pending  # local appends wait for the group sync
 
 
+class DelayShard(Protocol):
+    """What the delay stores use of the shard that owns them (shard/worker.py ShardWorker)."""
+
+    index: int
+    settings: dict
+    loop: asyncio.AbstractEventLoop
+    timers: TimerHeap
+    defs: Definitions | None
+    stopping: bool
+    _fsync: bool  # settings "sync" is fsync
+
+    def confirm_stored(self, fe: bytes, conn_id: int | None, channel: int | None, seq: int | None,
+                       sync_store: QueueStore | None) -> None: ...
+
+    def after_sync(self, callback: Callable[[], None]) -> None: ...
+
+    def forget_store(self, store: QueueStore) -> None: ...
+
+    def route_to_queues(self, vhost: str, names: list[str] | tuple, flags: int, exchange: str, routing_key: str,
+                        props: bytes, body: bytes, confirm_seq: int | None = None,
+                        peer_channel: int = ..., send: bool = True) -> tuple[bool, dict[int, list]]: ...
+
+    def forward(self, shard: int, item: list) -> None: ...
+
+
 class DelayedMessages:
     """Every delay store of one shard, one heap of due times, one timer."""
 
-    def __init__(self, worker: ShardWorker) -> None:
+    def __init__(self, worker: DelayShard) -> None:
         self.worker = worker
         self.stores: dict[tuple[str, str], DelayStore] = {}
         self._heap: list[int] = []  # due_ms << 96 | store no << 64 | msg_id
@@ -191,7 +220,7 @@ class DelayedMessages:
             self._armed_at = None
         heap = self._heap
         worker = self.worker
-        if not self._peers_ready or worker._stopping:
+        if not self._peers_ready or worker.stopping:
             return  # peer_up fires again once every peer is ready; a stopping shard routes nothing
         now = now_ms()
         done: dict[DelayStore, list[int]] = {}

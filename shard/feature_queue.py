@@ -32,7 +32,7 @@ Semantics follow RabbitMQ's classic queues:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from broker import contract
 from broker.amqp.properties import decode_properties, encode_properties
@@ -48,7 +48,7 @@ from shard.store import QueueStore
 from shard.timers import now_ms
 
 if TYPE_CHECKING:
-    from shard.worker import ShardWorker
+    from shard.timers import TimerHeap
 
 _DELIVER = contract.DELIVER
 _CREDIT_SHIFT = contract.CREDIT_BYTES_SHIFT
@@ -85,6 +85,20 @@ def _with_delivery_count(props_raw: bytes, count: int) -> bytes:
     return encode_properties(props)
 
 
+class FeatureShard(Protocol):
+    """What a feature queue uses of the shard that holds it (shard/worker.py ShardWorker)."""
+
+    timers: TimerHeap
+    data: Any  # its data socket: put(identity, item)
+
+    def mark_dirty(self, q: Queue) -> None: ...
+
+    def request_node(self, op: str, args: dict) -> None: ...
+
+    def dead_letter(self, q: FeatureQueue, reason: str, flags: int, exchange: str, routing_key: str,
+                    props_raw: bytes, body: bytes) -> None: ...
+
+
 class FeatureQueue(Queue):
     __slots__ = (
         "shard", "ttl", "dlx", "dlrk", "max_length", "max_bytes", "overflow", "delivery_limit",
@@ -93,7 +107,7 @@ class FeatureQueue(Queue):
     )
 
     def __init__(self, qid: int, vhost: str, name: str, defn: Any, store: QueueStore,
-                 shard: ShardWorker, arguments: dict | None = None) -> None:
+                 shard: FeatureShard, arguments: dict | None = None) -> None:
         super().__init__(qid, vhost, name, defn, store)
         self.shard = shard
         # msg_id -> times returned to the queue; saved with the periodic sync (save_returns).
@@ -137,7 +151,7 @@ class FeatureQueue(Queue):
         self._arm(now_ms())  # a shorter TTL or a lower limit applies to what is queued already
 
     @classmethod
-    def upgrade(cls, q: Queue, defn: Any, shard: ShardWorker, arguments: dict | None = None) -> FeatureQueue:
+    def upgrade(cls, q: Queue, defn: Any, shard: FeatureShard, arguments: dict | None = None) -> FeatureQueue:
         """The same queue, with features (a per-message TTL arrived, or a policy now applies)."""
         fq = cls(q.qid, q.vhost, q.name, defn, q.store, shard, arguments)
         fq.consumers = q.consumers

@@ -21,7 +21,7 @@ import os
 import struct
 import zlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
 
@@ -30,7 +30,8 @@ from broker.datadir import name_hash
 from broker.fsync_beacon import stall_for_tests
 
 if TYPE_CHECKING:
-    from shard.worker import ShardWorker
+    from broker.fsync_beacon import FsyncBeacon
+    from shard.replication_stream import ShardReplication
 
 log = logging.getLogger("shardmq.shard")
 
@@ -123,10 +124,20 @@ class KVStore:
         os.close(self.fd)
 
 
+class KVShard(Protocol):
+    """What the stores use of the shard that opened them (shard/worker.py ShardWorker)."""
+
+    settings: dict
+    loop: asyncio.AbstractEventLoop
+    data: Any  # its data socket: put(identity, item)
+    fsync_beacon: FsyncBeacon
+    repl: ShardReplication | None  # a cluster leader's: confirms also wait for the followers
+
+
 class KVStores:
     """The stores a shard has opened, and their batched fsync."""
 
-    def __init__(self, worker: ShardWorker) -> None:
+    def __init__(self, worker: KVShard) -> None:
         self.worker = worker
         self.stores: dict[tuple[str, str], KVStore] = {}
         self._dirty: set[KVStore] = set()

@@ -8,12 +8,12 @@ delivery turn), once per stats_interval.
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from shard.queue import Queue
 
 if TYPE_CHECKING:
-    from shard.worker import ShardWorker
+    from shard.dead_letter_forwards import DeadLetterForwards
 
 
 # Upper bounds (seconds) of the fsync latency histogram buckets (Prometheus' "le"), +Inf implied.
@@ -50,7 +50,15 @@ def _segment_bytes(store: Any) -> int:
     return sum(getattr(seg, "used", 0) for seg in segs)
 
 
-def _rows(worker: ShardWorker) -> tuple[dict[tuple[str, str], tuple], list]:
+class StatsShard(Protocol):
+    """What the report reads of the shard (shard/worker.py ShardWorker)."""
+
+    queues: dict[tuple[str, str], Queue]
+    sync_histogram: SyncHistogram
+    dead_letters: DeadLetterForwards
+
+
+def _rows(worker: StatsShard) -> tuple[dict[tuple[str, str], tuple], list]:
     """Every queue's row (vhost, name, ready, unacked, consumers, ready bytes, then the totals
     published, delivered (all kinds), acked, delivered to no-ack consumers, got with ack, got
     without ack, redelivered: broker/node_stats.py names the positions), and the damaged list."""
@@ -91,7 +99,7 @@ class StatsReporter:
         self.full_next = True
         self.rows_sent = 0  # queue rows sent since the shard started (tests and metrics count them)
 
-    def report(self, worker: ShardWorker) -> dict:
+    def report(self, worker: StatsShard) -> dict:
         rows, damaged = _rows(worker)
         sent = self.sent
         full = self.full_next

@@ -14,7 +14,7 @@ from __future__ import annotations
 import struct
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pamqp import decode as amqp_decode
 from pamqp import encode as amqp_encode
@@ -26,7 +26,7 @@ from shard.consumers import ChannelRef, Consumer
 from shard.stream_store import Cursor, StreamStore
 
 if TYPE_CHECKING:
-    from shard.worker import ShardWorker
+    from shard.timers import TimerHeap
 
 Send = Callable[[bytes, list], None]
 
@@ -186,6 +186,14 @@ class Reader:
         return self.cursor.offset
 
 
+class StreamShard(Protocol):
+    """What a stream queue uses of the shard that holds it (shard/worker.py ShardWorker)."""
+
+    timers: TimerHeap
+
+    def mark_dirty(self, q: StreamQueue) -> None: ...
+
+
 class StreamQueue:
     __slots__ = (
         "qid", "vhost", "name", "durable", "auto_delete", "arguments", "store", "consumers", "unacked",
@@ -193,7 +201,7 @@ class StreamQueue:
         "_age_wake", "n_published", "n_delivered", "n_acked",
     )
 
-    def __init__(self, qid: int, vhost: str, name: str, defn: Any, store: StreamStore, shard: ShardWorker,
+    def __init__(self, qid: int, vhost: str, name: str, defn: Any, store: StreamStore, shard: StreamShard,
                  arguments: dict) -> None:
         self.qid = qid
         self.n_published = self.n_delivered = self.n_acked = 0  # see shard/queue.py

@@ -106,7 +106,7 @@ class ShardWorker:
         self._sync_acks = False
         self._confirms: dict[tuple[bytes, int, int], list[int]] = {}
         self.stopped = asyncio.Event()
-        self._stopping = False
+        self.stopping = False
         self._behind = False  # see _hold_processed
         self._held: deque[tuple[float, bytes, int, int]] = deque()
         # Deliveries not yet spent on releasing held batches (see _release_processed).
@@ -163,7 +163,7 @@ class ShardWorker:
 
     def _send_stats(self) -> None:
         """Queue counts for the node's management API and metrics, once per stats_interval."""
-        if self._stopping:
+        if self.stopping:
             return
         try:
             self.node.put(None, [contract.STATS, self.stats_reporter.report(self)])
@@ -266,7 +266,7 @@ class ShardWorker:
             # Next turn, out of this control batch: the fence check in _on_data may have to apply the
             # DEFS behind this snapshot first. Batches arriving meanwhile queue behind them (_on_data).
             self.loop.call_soon(self._run_early)
-        self._schedule_deliver_all()
+        self.schedule_deliver_all()
         self.ack_timeouts.schedule()
 
     def _run_early(self) -> None:
@@ -506,7 +506,7 @@ class ShardWorker:
         elif kind == contract.QOS:
             _, conn_id, channel, prefetch = item
             self._channel(fe, conn_id, channel).global_prefetch = int(prefetch)
-            self._schedule_deliver_all()
+            self.schedule_deliver_all()
         elif kind == contract.RECOVER:
             _, conn_id, channel = item
             self._requeue_where(lambda o: o.fe == fe and o.conn_id == conn_id and o.channel == channel)
@@ -1025,7 +1025,7 @@ class ShardWorker:
             self._deliver_scheduled = True
             self.loop.call_soon(self._deliver)
 
-    def _schedule_deliver_all(self) -> None:
+    def schedule_deliver_all(self) -> None:
         self._dirty_queues.update(self.queues.values())
         self._schedule_deliver()
 
@@ -1195,7 +1195,7 @@ class ShardWorker:
         self._start_sync()
 
     def _periodic_sync(self) -> None:
-        if not self._stopping:
+        if not self.stopping:
             # Acks and non-confirmed appends reach the disk within a second even when idle.
             for q in self.queues.values():
                 store = q.store
@@ -1222,9 +1222,9 @@ class ShardWorker:
 
     # ----------------------------------------------------------------- stop
     async def stop(self) -> None:
-        if self._stopping:
+        if self.stopping:
             return
-        self._stopping = True
+        self.stopping = True
         if self.repl is not None:
             self.repl.close()
             self.repl = None
