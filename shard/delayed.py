@@ -95,8 +95,12 @@ class DelayShard(Protocol):
     loop: asyncio.AbstractEventLoop
     timers: TimerHeap
     defs: Definitions | None
+    defs_version: int  # the definitions fence (broker/defs_fence.py): fence[0] newer -> catch_up_defs()
+    fence: memoryview
     stopping: bool
     _fsync: bool  # settings "sync" is fsync
+
+    def catch_up_defs(self) -> None: ...
 
     def confirm_stored(self, fe: bytes, conn_id: int | None, channel: int | None, seq: int | None,
                        sync_store: QueueStore | None) -> None: ...
