@@ -254,6 +254,11 @@ class FrontendWorker:
                 "node_pending": len(self._node_pending)}
 
     # -------------------------------------------------------------- node side
+    def fence_check(self) -> None:
+        """Before routing what no data_received brought (an MQTT will): the definitions fence."""
+        if self.fence[0] > self.defs_version:
+            self.catch_up_defs()
+
     def catch_up_defs(self) -> None:
         """The fence is ahead of our definitions: apply the control plane up to it now, before the
         caller (a session, about to handle what it read) routes anything (broker/defs_fence.py)."""

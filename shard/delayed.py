@@ -95,12 +95,10 @@ class DelayShard(Protocol):
     loop: asyncio.AbstractEventLoop
     timers: TimerHeap
     defs: Definitions | None
-    defs_version: int  # the definitions fence (broker/defs_fence.py): fence[0] newer -> catch_up_defs()
-    fence: memoryview
     stopping: bool
     _fsync: bool  # settings "sync" is fsync
 
-    def catch_up_defs(self) -> None: ...
+    def fence_check(self) -> None: ...
 
     def confirm_stored(self, fe: bytes, conn_id: int | None, channel: int | None, seq: int | None,
                        sync_store: QueueStore | None) -> None: ...
@@ -226,6 +224,7 @@ class DelayedMessages:
         worker = self.worker
         if not self._peers_ready or worker.stopping:
             return  # peer_up fires again once every peer is ready; a stopping shard routes nothing
+        worker.fence_check()  # due now: routed as of now (broker/defs_fence.py); before the heap is read
         now = now_ms()
         done: dict[DelayStore, list[int]] = {}
         after_sync: dict[DelayStore, list[int]] = {}
@@ -269,8 +268,6 @@ class DelayedMessages:
     def _route(self, vhost: str, flags: int, exchange: str, routing_key: str, props: bytes, body: bytes,
                seq: int) -> tuple[bool, dict[int, list]]:
         worker = self.worker
-        if worker.fence[0] > worker.defs_version:  # due now: route as of now (broker/defs_fence.py)
-            worker.catch_up_defs()
         route = worker.defs.route
         keys = [routing_key]
         if may_have_cc(props):

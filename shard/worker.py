@@ -121,7 +121,8 @@ class ShardWorker:
         self.node: UnixDealer | None = None  # the control plane (broker/unixio.py)
         self.data: Any = None  # BatchSocket or UnixRouter (broker/data_sockets.py)
         # TTL, queue expiry and consumer timeouts of every queue here: one heap, one loop timer.
-        self.timers = TimerHeap(loop)
+        # (A timer's dead letters and due delayed messages route as of now: the fence is checked first.)
+        self.timers = TimerHeap(loop, self.fence_check)
         # Dead-lettered messages for queues of other shards go over a DEALER to each of them.
         self.epochs: dict[int, int] = {}
         self.peers: dict[int, Any] = {}
@@ -173,6 +174,11 @@ class ShardWorker:
         self.loop.call_later(interval, self._send_stats)
 
     # --------------------------------------------------------------- control
+    def fence_check(self) -> None:
+        """Before acting on what did not come through _on_data (a timer): the definitions fence."""
+        if self.fence[0] > self.defs_version:
+            self.catch_up_defs()
+
     def catch_up_defs(self) -> None:
         """The fence is ahead of our definitions: apply the control plane up to it now, before the
         caller routes anything (broker/defs_fence.py)."""
@@ -757,8 +763,6 @@ class ShardWorker:
         dlx = msg_dlx if msg_dlx is not None else q.dlx
         if dlx is None:
             return
-        if self.fence[0] > self.defs_version:  # a TTL or limit's dead letter: broker/defs_fence.py
-            self.catch_up_defs()
         dlrk = msg_dlrk if msg_dlrk is not None else q.dlrk
         rk = dlrk if dlrk is not None else routing_key
         targets: dict[str, None] = {}

@@ -794,6 +794,7 @@ class MQTTConnection(asyncio.Protocol):
     def _publish_will(self) -> None:
         will = self.will
         self.will = None
+        self.worker.fence_check()  # a will is routed as of now, as a publish (broker/defs_fence.py)
         if not self._may_publish(will.topic):
             return
         self._route(will.topic, will.payload, will.qos, None)
