@@ -4,9 +4,12 @@ Every declare/bind/delete a client asks for arrives here as a REQUEST from a
 frontend. The node validates it against its Definitions (``plan_*``), applies
 the resulting ops, records them durably (DefStore, group fsync in a thread),
 broadcasts them with a new version to every worker, and answers only when
-every live worker has applied that version and the ops are on disk. That is
+every live worker routes through that version and the ops are on disk. That is
 what makes a publish on any connection right after ``bind-ok`` route through
-the new binding.
+the new binding. Most changes wait for every worker's APPLIED; binds, unbinds
+and exchange declares/deletes are kept by the definitions fence instead
+(broker/defs_fence.py): answered without waiting for the workers, which apply
+up to the fence before they act on any input.
 """
 
 from __future__ import annotations
