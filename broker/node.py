@@ -438,10 +438,14 @@ class Node:
         if fenced:
             self.fence_word.raise_to(version)
             quiet = [contract.DEFS, version, ops, False]
+            # The origin's batch first (batches leave in the order they were started, TurnBatcher):
+            # its REPLY is the round trip; the other workers' wake-ups are off its path.
+            if origin is not None and origin in self.by_ident and self.by_ident[origin].connected:
+                self._put(origin, quiet)
             starting = []
             for ident, w in self.by_ident.items():
-                if w.connected:
-                    if w.applied < 0 and ident != origin:
+                if w.connected and ident != origin:
+                    if w.applied < 0:
                         starting.append(ident)
                         self._put(ident, [contract.DEFS, version, ops])
                     else:
