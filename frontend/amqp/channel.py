@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import secrets
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pamqp import commands as C
 
@@ -54,7 +54,11 @@ from frontend.confirms import ConfirmTracker
 from frontend.publish import put_publish, queues_by_shard
 
 if TYPE_CHECKING:
-    from frontend.amqp.connection import AMQPConnection
+    from collections.abc import Callable
+
+    from broker.amqp.parser import FrameParser
+    from broker.permissions import Access
+    from frontend.worker import FrontendWorker
 
 # A client that keeps sending while its channel waits for a reply is paused past this many events.
 BACKLOG_PAUSE = 10_000
@@ -91,6 +95,47 @@ class Consumer:
         self.early: list = []  # deliveries that overtook the shard's reply
 
 
+class ChannelConnection(Protocol):
+    """What a channel uses of its connection (frontend/amqp/connection.py AMQPConnection)."""
+
+    worker: FrontendWorker
+    conn_id: int
+    vhost: str
+    user: str
+    access: Access
+    frame_max: int
+    parser: FrameParser
+    channels: dict[int, Channel]
+    confirm_shards: set[int]  # shards this connection published to with confirms
+    publisher: bool
+    had_exclusive: bool
+
+    @property
+    def cancel_notify(self) -> bool: ...
+
+    def write(self, data: bytes) -> None: ...
+
+    def send_method(self, channel: int, method: Any) -> None: ...
+
+    @staticmethod
+    def reply_text(code: int, text: str) -> str: ...
+
+    def on_reply(self, ch: Channel, ok: bool, result: Any, on_ok: Callable | None, class_id: int,
+                 method_id: int) -> None: ...
+
+    def confirm_dirty(self, channel: Channel) -> None: ...
+
+    def add_credit(self, shard: int, channel: int, tag: str, n: int = 1) -> None: ...
+
+    def drop_credit(self, channel: int, tag: str | None = None) -> None: ...
+
+    def became_publisher(self) -> None: ...
+
+    def backlog_grew(self) -> None: ...
+
+    def forget_channel(self, ch: Channel) -> None: ...
+
+
 class Channel:
     __slots__ = (
         "conn", "number", "key", "state", "backlog", "confirm", "tags", "consumers", "prefetch_count",
@@ -98,7 +143,7 @@ class Channel:
         "deleting", "deferred_cancels", "_handlers", "pipeline",
     )
 
-    def __init__(self, conn: AMQPConnection, number: int, generation: int = 0) -> None:
+    def __init__(self, conn: ChannelConnection, number: int, generation: int = 0) -> None:
         self.conn = conn
         self.number = number
         # What shards know this opening of the channel number by: number + 65536 * generation. A

@@ -11,19 +11,37 @@ stay in order with each other.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from broker import contract
 from broker.amqp.properties import delivery_mode
 from broker.dedup import dedup_key, exchange_shard
 
 if TYPE_CHECKING:
-    from frontend.amqp.channel import Channel
+    from frontend.confirms import ConfirmTracker
+    from frontend.worker import FrontendWorker
 
 _DEDUP_PUBLISH = contract.DEDUP_PUBLISH
 
 
-def publish_dedup(channel: Channel, ex: Any, exchange: str, routing_key: str, props_raw: bytes, body: bytes,
+class DedupConnection(Protocol):
+    """What a publish to a deduplicating exchange uses of the connection (frontend/amqp/connection.py)."""
+
+    worker: FrontendWorker
+    conn_id: int
+    vhost: str
+    confirm_shards: set[int]
+
+
+class DedupChannel(Protocol):
+    """What it uses of the channel (frontend/amqp/channel.py Channel)."""
+
+    conn: DedupConnection
+    key: int  # the channel's number for the shards
+    confirm: ConfirmTracker | None
+
+
+def publish_dedup(channel: DedupChannel, ex: Any, exchange: str, routing_key: str, props_raw: bytes, body: bytes,
                   queues: list[str] | tuple[str, ...], mandatory: bool = False) -> None:
     """Hand a publish to the exchange's owner shard (queues may be empty: it remembers the key)."""
     conn = channel.conn

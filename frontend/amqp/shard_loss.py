@@ -20,19 +20,31 @@ Connections with nothing on that shard see nothing at all.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pamqp import commands as C
 
 from frontend.amqp.channel import OPEN
 
 if TYPE_CHECKING:
-    from frontend.amqp.connection import AMQPConnection
+    from frontend.amqp.channel import Channel
 
 DEAD_SHARD = -1  # shard of a delivery tag whose message the dead shard had: acks of it go nowhere
 
 
-def connection_lost_shard(conn: AMQPConnection, shard: int) -> None:
+class LosingConnection(Protocol):
+    """What it uses of the connection (frontend/amqp/connection.py AMQPConnection)."""
+
+    channels: dict[int, Channel]
+    confirm_shards: set[int]  # shards this connection published to with confirms
+
+    @property
+    def cancel_notify(self) -> bool: ...
+
+    def confirm_dirty(self, channel: Channel) -> None: ...
+
+
+def connection_lost_shard(conn: LosingConnection, shard: int) -> None:
     """Settle everything `conn` had in flight on `shard`, which died (its new incarnation is starting)."""
     published_there = shard in conn.confirm_shards
     for ch in list(conn.channels.values()):
