@@ -209,3 +209,54 @@ def test_mqtt_publish_on_the_late_frontend_right_after_suback(fenced_node):
     finally:
         sub.close()
         pub.close()
+
+
+def test_binds_while_the_late_frontend_restarts_route_on_it_once_it_is_back(fenced_node):
+    """Binds made while frontend 1 is down, starting (its SNAPSHOT sent and, by the delay, not
+    applied for 300 ms: those binds wait for its APPLIED, as before the fence) and up again: a
+    publish on it afterwards routes through every one of them, and none after the unbinds."""
+    a = _amqp_on(fenced_node, 0)
+    try:
+        ch = a.channel()
+        x = uid("frx")
+        ch.exchange_declare(x, "direct")
+        q = ch.queue_declare(uid("frq")).method.queue
+        old = fenced_node.kill_worker("frontend", 1)
+        keys: list[str] = []
+
+        def bind() -> None:
+            key = f"r{len(keys)}"
+            ch.queue_bind(q, x, key)
+            keys.append(key)
+
+        bind()  # frontend 1 down (or not yet noticed)
+        fenced_node.wait_worker_restarted("frontend", 1, old)
+        back: list[pika.BlockingConnection] = []
+        deadline = time.monotonic() + WAIT
+        while not back:
+            bind()  # frontend 1 starting: interpreter, HELLO, its SNAPSHOT held 300 ms
+            assert time.monotonic() < deadline, "frontend 1 did not listen again"
+            conn = fenced_node.connect()
+            if conn._impl.server_properties["shardmq_frontend"] == 1:
+                back.append(conn)
+            else:
+                conn.close()
+        b = back[0]
+        try:
+            bind()  # frontend 1 up
+            publisher = b.channel()
+            publisher.confirm_delivery()
+            for key in keys:
+                publisher.basic_publish(x, key, key.encode(), mandatory=True)
+            assert sorted(get_one(ch, q)[2] for _ in keys) == sorted(k.encode() for k in keys)
+            for key in keys:
+                ch.queue_unbind(q, x, key)
+            for key in keys:
+                with pytest.raises(pika.exceptions.UnroutableError):
+                    publisher.basic_publish(x, key, b"after unbind", mandatory=True)
+        finally:
+            b.close()
+        ch.queue_delete(q)
+        ch.exchange_delete(x)
+    finally:
+        a.close()
