@@ -21,6 +21,7 @@ import pytest
 from tests.conftest import module_node_args
 from tests.harness import NodeFactory, free_port
 from tests.helpers import get_one, uid
+from tests.mgmt_api import Api
 from tests.test_feature_dlx import uid_on
 from tests.test_mqtt import Paho, topic
 
@@ -209,6 +210,30 @@ def test_mqtt_publish_on_the_late_frontend_right_after_suback(fenced_node):
     finally:
         sub.close()
         pub.close()
+
+
+def test_a_binding_made_over_the_http_api_routes_on_the_late_frontend_at_once(fenced_node):
+    """The management API's binds take the node's other path (Node._commit, fenced): the same promise."""
+    api = Api(fenced_node.http_port)
+    b = _amqp_on(fenced_node, 1)
+    try:
+        publisher = b.channel()
+        publisher.confirm_delivery()
+        x = uid("fhx")
+        publisher.exchange_declare(x, "direct")
+        q = publisher.queue_declare(uid("fhq")).method.queue
+        for i in range(3):
+            status, _ = api.call("POST", f"/api/bindings/%2F/e/{x}/q/{q}", {"routing_key": f"h{i}"})
+            assert status == 201
+            publisher.basic_publish(x, f"h{i}", b"h%d" % i, mandatory=True)
+            assert get_one(publisher, q)[2] == b"h%d" % i
+            api.delete(f"/api/bindings/%2F/e/{x}/q/{q}/h{i}")
+            with pytest.raises(pika.exceptions.UnroutableError):
+                publisher.basic_publish(x, f"h{i}", b"after unbind", mandatory=True)
+        publisher.queue_delete(q)
+        publisher.exchange_delete(x)
+    finally:
+        b.close()
 
 
 def test_binds_while_the_late_frontend_restarts_route_on_it_once_it_is_back(fenced_node):
