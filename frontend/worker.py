@@ -61,6 +61,7 @@ class FrontendWorker:
         self.defs_version = -1  # the version of self.defs: SNAPSHOT's, then each DEFS'
         self.fence = open_fence(run_dir)
         self._in_control = False  # handling a control-plane batch: no catch-up from inside it
+        self._fence_gave_up = -1  # a version waited for in vain (node stuck or gone): not waited for again
         self.settings: dict = {}
         self.shard_count = 0
         self.epochs: list[int] = []
@@ -265,7 +266,11 @@ class FrontendWorker:
         if self._in_control or self.node is None:
             return  # inside _on_node (a REPLY's callback): that batch's DEFS come first; read time checked
         target = self.fence[0]
-        if not self.node.read_until(lambda: self.defs_version >= target, CATCH_UP_TIMEOUT_S):
+        # A version already waited for in vain is not waited for again (the input would stall for
+        # good); what has arrived since is still applied.
+        timeout = 0.0 if target <= self._fence_gave_up else CATCH_UP_TIMEOUT_S
+        if not self.node.read_until(lambda: self.defs_version >= target, timeout) and timeout:
+            self._fence_gave_up = target
             log.warning("frontend %d: definitions version %d announced, still at %d after %.1f s",
                         self.index, target, self.defs_version, CATCH_UP_TIMEOUT_S)
 
@@ -288,10 +293,11 @@ class FrontendWorker:
                     if cb is not None:
                         cb(item[2], item[3])
                 elif kind == contract.DEFS:
+                    # The version first: an op that fails to apply must not leave the fence waiting.
+                    applied = self.defs_version = item[1]
                     defs = self.defs
                     for op in item[2]:
                         defs.apply(op)
-                    applied = self.defs_version = item[1]
                     ack = ack or len(item) < 4 or item[3]
                     weight += len(item[2])
                 elif kind == contract.SNAPSHOT:

@@ -83,6 +83,7 @@ class ShardWorker:
         self.defs_version = -1  # the version of self.defs: SNAPSHOT's, then each DEFS'
         self.fence = open_fence(run_dir)
         self._in_control = False  # handling a control-plane batch: no catch-up from inside it
+        self._fence_gave_up = -1  # a version waited for in vain (node stuck or gone): not waited for again
         self.settings: dict = {}
         self.queues: dict[tuple[str, str], Queue] = {}
         self.sync_histogram = SyncHistogram()  # group sync durations, reported in STATS
@@ -185,7 +186,11 @@ class ShardWorker:
         if self._in_control or self.node is None:
             return  # inside _on_control (a policy's dead letters): that batch goes first
         target = self.fence[0]
-        if not self.node.read_until(lambda: self.defs_version >= target, CATCH_UP_TIMEOUT_S):
+        # A version already waited for in vain is not waited for again (the input would stall for
+        # good); what has arrived since is still applied.
+        timeout = 0.0 if target <= self._fence_gave_up else CATCH_UP_TIMEOUT_S
+        if not self.node.read_until(lambda: self.defs_version >= target, timeout) and timeout:
+            self._fence_gave_up = target
             log.warning("shard %d: definitions version %d announced, still at %d after %.1f s",
                         self.index, target, self.defs_version, CATCH_UP_TIMEOUT_S)
 
@@ -205,8 +210,9 @@ class ShardWorker:
             if kind == contract.SNAPSHOT:
                 self._load_snapshot(item)
             elif kind == contract.DEFS:
-                self._apply_defs(item[2])
+                # The version first: an op that fails to apply must not leave the fence waiting.
                 applied = self.defs_version = item[1]
+                self._apply_defs(item[2])
                 ack = ack or len(item) < 4 or item[3]
                 weight += len(item[2])
             elif kind == contract.QUERY:
