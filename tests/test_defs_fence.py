@@ -5,25 +5,29 @@ before handling it (the test-only SHARDMQ_TEST_CONTROL_DELAY_MS), as workers the
 run for a while; frontend 0 does not, so what a client asks there is answered at once. The node
 answers binds, unbinds and exchange declares/deletes without waiting for the workers, so only the
 fence makes a late worker apply them before it acts on its next input: a publish on frontend 1 right
-after bind-ok on frontend 0, a dead letter (by a reject from frontend 1, and by TTL, which no input
-triggers), an MQTT publish on frontend 1 right after SUBACK on frontend 0. Without the fence each of
-these tests fails: the late worker would still route with the definitions of 300 ms ago.
+after bind-ok on frontend 0 (AMQP, MQTT, MQTT over WebSocket, a binding made over the HTTP API), a
+dead letter (by a reject from frontend 1, and by TTL, which no input triggers), binds while frontend 1
+restarts. Without the fence each of these tests but the first fails (checked by disabling
+catch_up_defs): the late worker would still route with the definitions of 300 ms ago.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
 import pika
 import pytest
 
+from broker.mqtt import codec as M
 from tests.conftest import module_node_args
 from tests.harness import NodeFactory, free_port
 from tests.helpers import get_one, uid
 from tests.mgmt_api import Api
 from tests.test_feature_dlx import uid_on
 from tests.test_mqtt import Paho, topic
+from tests.test_ws import WSMQTT, ws_connect
 
 QUEUE_PLACEMENT = "hash"  # uid_on picks names by their crc32 (tests/conftest.py)
 DELAY_MS = 300
@@ -34,7 +38,7 @@ WAIT = 10.0
 def fenced_node(tmp_path_factory, request):
     factory = NodeFactory(tmp_path_factory.mktemp("fence_node"), module_node_args(request.module))
     try:
-        yield factory(name="node", frontends=2, shards=2, mqtt_port=free_port(),
+        yield factory(name="node", frontends=2, shards=2, mqtt_port=free_port(), ws_port=free_port(),
                       env={"SHARDMQ_TEST_CONTROL_DELAY_MS": f"fe-1:{DELAY_MS},shard:{DELAY_MS}"})
     finally:
         factory.cleanup()
@@ -210,6 +214,32 @@ def test_mqtt_publish_on_the_late_frontend_right_after_suback(fenced_node):
     finally:
         sub.close()
         pub.close()
+
+
+def test_mqtt_over_websocket_publish_on_the_late_frontend_right_after_suback(fenced_node):
+    """A WebSocket connection's input goes through the same session data_received: fenced too."""
+    sub = _mqtt_on(fenced_node, 0)
+    for _ in range(40):
+        opened = contextlib.ExitStack()  # websockets wants its connections entered as a context
+        ws = opened.enter_context(ws_connect(fenced_node.ws_port))
+        if _frontend_of(fenced_node, fenced_node.ws_port, ws.socket.getsockname()[1]) == 1:
+            break
+        opened.close()
+    else:
+        pytest.fail("40 WebSocket connections, none on frontend 1")
+    try:
+        w = WSMQTT(ws)
+        w.send(M.encode_connect(uid("fws"), username="guest", password=b"guest"))
+        assert w.recv() == M.ConnAck(False, 0)
+        for i in range(3):
+            t = topic("fencews/")
+            assert sub.subscribe((t, 1)) == [1]
+            w.send(M.encode_publish(t.encode(), b"w%d" % i))
+            assert sub.get(timeout=WAIT)[:2] == (t, b"w%d" % i)
+        w.send(bytes((M.DISCONNECT << 4, 0)))
+    finally:
+        opened.close()
+        sub.close()
 
 
 def test_a_binding_made_over_the_http_api_routes_on_the_late_frontend_at_once(fenced_node):
