@@ -82,6 +82,9 @@ class Node:
         # The definitions fence (broker/defs_fence.py): binds and exchange changes are answered without
         # waiting for the workers' APPLIED; they apply up to this word before they act on input.
         self.fence_word: FenceWord | None = None
+        # The fence went up in this control batch: its DEFS are written when the batch is handled
+        # (_on_control), not after whatever else this loop turn runs (a worker may be waiting for them).
+        self._fence_flush = False
         self._chains = RequestChains(self.loop)  # a channel's pipelined requests, in order
         self._snapshot: tuple[tuple, bytes] | None = None  # ((version, epochs), the packed SNAPSHOT batch)
         self._queries: dict[int, asyncio.Future] = {}
@@ -437,6 +440,7 @@ class Node:
         still starting (SNAPSHOT sent, not applied): they answer APPLIED and are waited for."""
         if fenced:
             self.fence_word.raise_to(version)
+            self._fence_flush = True
             quiet = [contract.DEFS, version, ops, False]
             # The origin's batch first (batches leave in the order they were started, TurnBatcher):
             # its REPLY is the round trip; the other workers' wake-ups are off its path.
@@ -513,6 +517,9 @@ class Node:
             elif kind == contract.REPL_STATUS:
                 if self.repl_leader is not None and w.role == "shard":
                     self.repl_leader.shard_status(w.index, item[1])
+        if self._fence_flush:
+            self._fence_flush = False
+            self.ctl.flush()
 
     def _hello(self, ident: bytes, w: WorkerProcess, item: list) -> None:
         if item[1] != contract.VERSION:
@@ -982,6 +989,9 @@ class Node:
         if len(ops) <= _COMMIT_SLICE:
             defs.apply_all(ops)  # bumps defs.version once per op; every replica does the same
             starting = self._broadcast_defs(defs.version, ops, origin, fenced)
+            if fenced:
+                self._fence_flush = False
+                self.ctl.flush()  # a task's turn: written now, not after what else the turn runs
         else:
             # A vhost of 10,000 queues: applied and sent in slices, one loop turn each, so that this
             # node and every worker (each handles a slice as one batch, a bounded number per turn)
