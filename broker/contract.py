@@ -80,6 +80,7 @@ import msgpack
 # 11: DEFS' optional 4th field ack (default True): False on the copy the node sends to the worker whose
 # request it answers, in the batch of that REPLY; the worker sends no APPLIED for it.
 # 12: CREDIT counts 512 B units (CREDIT_BYTES_SHIFT 9, was 12) and CREDIT_WINDOW is 16000 (was 2000).
+# 13: PUBLISH_RUN (consecutive publishes of one channel alike but for their bodies, in one item).
 # 14: the definitions fence (run/defs.fence, broker/defs_fence.py): a worker applies its control plane up to
 # the word's version before it acts on input; the DEFS of a fenced change (bind, unbind, exchange
 # declare/delete) carry ack False for every worker that has applied its SNAPSHOT (no APPLIED for them).
@@ -196,6 +197,13 @@ QUERY_OPS = (
 # conn_id/channel/seq are set when the channel is in confirm mode; the shard answers CONFIRM
 # once the message is written (and synced, when persistent into a durable queue).
 PUBLISH = 20
+# PUBLISH_RUN: consecutive basic.publish of one channel with the same exchange, routing key, flags and
+# properties bytes (the parser's PublishRun), routed once: one item per shard instead of one per message.
+#   [PUBLISH_RUN, vhost, queues(list[str]), exchange, routing_key, props_raw(bytes), bodies(list[bytes]),
+#    persistent(bool), conn_id|None, channel|None, first_confirm_seq|None]
+# The shard handles it as len(bodies) PUBLISH items in order; with confirms body i has seq first + i.
+# Numbered 48 because 20..39 (to a shard) are all taken; a receiver decodes every kind either way.
+PUBLISH_RUN = 48
 # CONSUME: [CONSUME, req_id, conn_id, channel, vhost, queue, consumer_tag, no_ack, exclusive,
 #           prefetch(int, 0 = unlimited), arguments(dict)]  -> REPLY_DATA {} or error
 CONSUME = 21
@@ -437,6 +445,7 @@ KINDS: dict[str, dict[str, tuple[int, int]]] = {
         "DELIVER": (DELIVER, 1), "CONFIRM": (CONFIRM, 1), "CONFIRM_NACK": (CONFIRM_NACK, 1),
         "REPLY_DATA": (REPLY_DATA, 1), "CANCEL_NOTIFY": (CANCEL_NOTIFY, 1), "PROCESSED": (PROCESSED, 1),
         "CLOSE_CHANNEL": (CLOSE_CHANNEL, 1), "RETURN": (RETURN, 6),
+        "PUBLISH_RUN": (PUBLISH_RUN, 13),
     },
 }
 # Integer constants of this module that are not message kinds.

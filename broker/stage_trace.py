@@ -35,6 +35,7 @@ ENV = "SHARDMQ_TRACE_STAGES"
 SAMPLE = 64  # trace 1 message in SAMPLE
 _PUBLISH = contract.PUBLISH
 _DELIVER = contract.DELIVER
+_PUBLISH_RUN = contract.PUBLISH_RUN
 _BODY_AT = {contract.PUBLISH: 6, contract.DELIVER: 10}
 
 
@@ -58,6 +59,14 @@ class StageTrace:
         now = time.monotonic_ns()
         lines = []
         for item in items:
+            if item and item[0] == _PUBLISH_RUN:  # every body of a run is a message
+                for body in item[6]:
+                    key = sampled(body)
+                    if key is not None:
+                        lines.append(f"{stage} {key.hex()} {now}\n")
+                        if keep:
+                            self._pending.append(key)
+                continue
             at = _BODY_AT.get(item[0]) if item else None
             if at is None or len(item) <= at or not isinstance(item[at], bytes | bytearray | memoryview):
                 continue

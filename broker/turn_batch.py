@@ -24,7 +24,7 @@ MAX_BATCH_ITEMS = 512
 class TurnBatcher:
     """Items put during a loop turn, one packed batch per destination at its end; trace hooks."""
 
-    __slots__ = ("loop", "on_batch", "header_for", "_pending", "_scheduled", "_closed",
+    __slots__ = ("loop", "on_batch", "header_for", "_pending", "_extra", "_scheduled", "_closed",
                  "_trace", "_trace_in", "_trace_out", "_trace_keep", "on_sent")
 
     is_router = False
@@ -35,6 +35,9 @@ class TurnBatcher:
         self.on_batch = on_batch
         self.header_for = header_for or (lambda dest: 0)
         self._pending: dict[bytes | None, list] = {}
+        # Per destination, the weight beyond one each of the pending batch's items that stand for
+        # several (put_weighted); empty unless some do, so put() pays one truth test for it.
+        self._extra: dict[bytes | None, int] = {}
         self._scheduled = False
         self._closed = False
         self._trace: Any = None  # broker.stage_trace.StageTrace under --trace-stages
@@ -53,14 +56,43 @@ class TurnBatcher:
             self._pending[dest] = [item]
         else:
             items.append(item)
-            if len(items) >= MAX_BATCH_ITEMS:
-                del self._pending[dest]
-                if self._trace is not None:
-                    self._trace.batch(self._trace_out, items)
-                self._send(dest, contract.pack(self.header_for(dest), items))
+            if len(items) >= MAX_BATCH_ITEMS or (self._extra and len(items) + self._extra.get(dest, 0)
+                                                 >= MAX_BATCH_ITEMS):
+                self._send_batch(dest)
         if not self._scheduled:
             self._scheduled = True
             self.loop.call_soon(self.flush)
+
+    def put_weighted(self, dest: bytes | None, item: list, weight: int) -> None:
+        """An item that stands for ``weight`` items (a PUBLISH_RUN of that many messages): a batch
+        goes out once it holds MAX_BATCH_ITEMS of weight, as one of single items does, so whatever
+        bounds batches in flight bounds messages the same way. A heavier item goes alone."""
+        extra = self._extra
+        items = self._pending.get(dest)
+        if items is not None and len(items) + extra.get(dest, 0) + weight > MAX_BATCH_ITEMS:
+            self._send_batch(dest)
+            items = None
+        if items is None:
+            self._pending[dest] = [item]
+            held = weight
+        else:
+            items.append(item)
+            held = len(items) + extra.get(dest, 0) + weight - 1
+        if held >= MAX_BATCH_ITEMS:
+            self._send_batch(dest)
+        else:
+            extra[dest] = extra.get(dest, 0) + weight - 1
+        if not self._scheduled:
+            self._scheduled = True
+            self.loop.call_soon(self.flush)
+
+    def _send_batch(self, dest: bytes | None) -> None:
+        """Send the pending batch of one destination now."""
+        items = self._pending.pop(dest)
+        self._extra.pop(dest, None)
+        if self._trace is not None:
+            self._trace.batch(self._trace_out, items)
+        self._send(dest, contract.pack(self.header_for(dest), items))
 
     def send_now(self, dest: bytes | None, items: list, header: Any = 0) -> None:
         """Send one batch immediately (control messages outside the per-turn batch)."""
@@ -81,6 +113,7 @@ class TurnBatcher:
             return
         pending = self._pending
         self._pending = {}
+        self._extra.clear()
         trace = self._trace
         for dest, items in pending.items():
             if trace is not None:

@@ -41,6 +41,13 @@ class ConfirmTracker:
             self._settled.append((seq, True))
         return seq
 
+    def publish_run(self, shards: int, n: int) -> int:
+        """Number n publishes that each went to ``shards`` (> 0) shards: the first of their n seqs."""
+        first = self.next_seq
+        self.next_seq = first + n
+        self._remaining.update(dict.fromkeys(range(first, first + n), shards))
+        return first
+
     def confirm(self, seqs: list[int], ok: bool = True) -> None:
         """One shard's CONFIRM (ok) or CONFIRM_NACK for these seqs. Unknown seqs are ignored."""
         remaining = self._remaining

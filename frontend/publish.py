@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from broker import contract
+from broker.turn_batch import MAX_BATCH_ITEMS
 
 if TYPE_CHECKING:
     from broker.definitions import Definitions
@@ -19,6 +20,8 @@ if TYPE_CHECKING:
 
 _PUBLISH = contract.PUBLISH
 _MARKED_PUBLISH = contract.MARKED_PUBLISH
+_PUBLISH_RUN = contract.PUBLISH_RUN
+RUN_MAX = MAX_BATCH_ITEMS  # bodies per PUBLISH_RUN item at most
 
 
 def queues_by_shard(defs: Definitions, vhost: str, queues: Sequence[str]) -> dict[int, list]:
@@ -44,6 +47,24 @@ def put_publish(worker: FrontendWorker, groups: dict[int, list], vhost: str, exc
     for shard, names in groups.items():
         put(shard, [_PUBLISH, vhost, names, exchange, routing_key, props_raw, body, persistent,
                     conn_id, channel, seq])
+
+
+def put_publish_run(worker: FrontendWorker, groups: dict[int, list], vhost: str, exchange: str, routing_key: str,
+                    props_raw: bytes, bodies: list, persistent: bool, conn_id: int | None = None,
+                    channel: int | None = None, first_seq: int | None = None) -> None:
+    """Publishes alike but for their bodies, routed once: one PUBLISH_RUN item per shard (body i has
+    confirm seq first_seq + i)."""
+    put = worker.shard_put
+    if len(bodies) > RUN_MAX:
+        # Cut so that one item never outweighs a batch (broker/turn_batch.py put_weighted): batches
+        # in flight then bound the messages in flight as they do for single PUBLISH items.
+        for i in range(0, len(bodies), RUN_MAX):
+            put_publish_run(worker, groups, vhost, exchange, routing_key, props_raw, bodies[i : i + RUN_MAX],
+                            persistent, conn_id, channel, None if first_seq is None else first_seq + i)
+        return
+    for shard, names in groups.items():
+        put(shard, [_PUBLISH_RUN, vhost, names, exchange, routing_key, props_raw, bodies, persistent,
+                    conn_id, channel, first_seq])
 
 
 def put_marked_publish(worker: FrontendWorker, groups: dict[int, list], vhost: str, space: str, key: str,

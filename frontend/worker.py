@@ -44,6 +44,7 @@ _RETURN = contract.RETURN
 _MAX_IN_FLIGHT = contract.MAX_BATCHES_IN_FLIGHT
 _MAX_BYTES_IN_FLIGHT = contract.MAX_BYTES_IN_FLIGHT
 _PUBLISH = contract.PUBLISH
+_PUBLISH_RUN = contract.PUBLISH_RUN
 _CONTROL_LANE_KINDS = contract.CONTROL_LANE_KINDS
 
 
@@ -447,6 +448,16 @@ class FrontendWorker:
                 n = self._unsent_bytes[shard] = self._unsent_bytes[shard] + len(item[6])
                 if n + self._bytes_in_flight[shard] > _MAX_BYTES_IN_FLIGHT and not self.pressure:
                     self._set_pressure(True)
+            elif kind == _PUBLISH_RUN:
+                # As many messages as it has bodies: their bytes, and their number in the batch
+                # (put_weighted), so batches in flight bound messages as with single PUBLISH items.
+                bodies = item[6]
+                n = self._unsent_bytes[shard] = self._unsent_bytes[shard] + sum(map(len, bodies))
+                if n + self._bytes_in_flight[shard] > _MAX_BYTES_IN_FLIGHT and not self.pressure:
+                    self._set_pressure(True)
+                self._pub_need[shard] = self._ctl_put[shard]
+                self.shards[shard].put_weighted(None, item, len(bodies))
+                return
             self._pub_need[shard] = self._ctl_put[shard]
             self.shards[shard].put(None, item)
 

@@ -38,7 +38,7 @@ for r in $(seq 1 "$REPEATS"); do
         out=$(cd "$REPO_ROOT" && "$PY" -m loadtest.cli amqp throughput \
             --uri "amqp://guest:guest@127.0.0.1:$port/" --json "$@" 2>&1 | tail -1)
         label=$([ "$tree" = "$REPO_ROOT" ] && echo "HEAD" || echo "$BASE_REV")
-        echo "$label run$r $(echo "$out" | "$PY" -c 'import json, sys; d = json.loads(sys.stdin.read()); print("publish %.0f consume %.0f msgs/s" % (d["publish_rate"], d["consume_rate"]))' 2>/dev/null || echo "$out")"
+        echo "$label run$r $(echo "$out" | "$PY" -c 'import json, sys; d = json.loads(sys.stdin.read()); lat = d.get("latency_us") or {}; print("publish %.0f consume %.0f msgs/s" % (d["publish_rate"], d["consume_rate"]) + (" latency p50 %s p99 %s us" % (lat["p50"], lat["p99"]) if lat.get("p50") is not None else ""))' 2>/dev/null || echo "$out")"
         kill "$pid"; wait "$pid" 2>/dev/null || true; pid=""
         rm -rf "$data"
     done

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 class OrderedQueue(Protocol):
     """What the ordering uses of a queue (shard/queue.py Queue, shard/feature_queue.py FeatureQueue)."""
 
-    consumers: list[Consumer]
+    consumers: list[Consumer] | tuple[()]  # () until the first consumer (no list per idle queue)
     groups: list[list] | None
     sac: bool
     store: Any  # deliver_ranked stops once its ``ready`` is 0
@@ -42,6 +42,8 @@ class OrderedQueue(Protocol):
 
 def add(q: OrderedQueue, consumer: Consumer) -> None:
     consumers = q.consumers
+    if consumers.__class__ is tuple:
+        consumers = q.consumers = []
     i = len(consumers)
     prio = consumer.priority
     while i and consumers[i - 1].priority < prio:
@@ -56,6 +58,8 @@ def add(q: OrderedQueue, consumer: Consumer) -> None:
 def remove(q: OrderedQueue, consumer: Consumer) -> bool:
     """Take a consumer off; on a single-active-consumer queue the next one takes over."""
     consumers = q.consumers
+    if not consumers:
+        return False
     try:
         consumers.remove(consumer)
     except ValueError:

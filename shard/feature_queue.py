@@ -99,6 +99,10 @@ class FeatureShard(Protocol):
                     props_raw: bytes, body: bytes) -> None: ...
 
 
+# The saved delivery counts of every queue that has none (FeatureQueue._returns_saved): never written.
+_NO_RETURNS: dict[int, int] = {}
+
+
 class FeatureQueue(Queue):
     __slots__ = (
         "shard", "ttl", "dlx", "dlrk", "max_length", "max_bytes", "overflow", "delivery_limit",
@@ -113,7 +117,8 @@ class FeatureQueue(Queue):
         # msg_id -> times returned to the queue; saved with the periodic sync (save_returns).
         self.returns: dict[int, int] = {mid: n for mid, n in delivery_counts.load(store.path).items()
                                         if store.holds(mid)}
-        self._returns_saved = dict(self.returns)
+        # What was last written: only compared and replaced, never changed in place, so shared when empty.
+        self._returns_saved = dict(self.returns) if self.returns else _NO_RETURNS
         self.delivered_at: dict[int, int] = {}  # msg_id -> delivery time (ms), oldest first
         self.last_used = now_ms()
         self._expire_requested = False
@@ -219,7 +224,7 @@ class FeatureQueue(Queue):
     def _deliver_to(self, consumers: list[Consumer], i: int, send: Send, now: int) -> int:
         store = self.store
         n = len(consumers)
-        unacked = self.unacked
+        unacked = self.unacked_map()
         qid = self.qid
         fresh = self._fresh_from
         returns = self.returns
@@ -280,7 +285,7 @@ class FeatureQueue(Queue):
             self.returns.pop(msg_id, None)
         else:
             chan.unacked += 1
-            self.unacked[msg_id] = chan
+            self.unacked_map()[msg_id] = chan
             if self.consumer_timeout is not None:
                 self.delivered_at[msg_id] = now
         self._arm_next(now, self._expire_head(now))  # a new head: its deadline
@@ -325,7 +330,7 @@ class FeatureQueue(Queue):
         """Write the delivery counts if they changed since the last write (periodic sync, stop)."""
         if self.returns != self._returns_saved and not self.deleted:
             delivery_counts.save(self.store.path, self.returns)
-            self._returns_saved = dict(self.returns)
+            self._returns_saved = dict(self.returns) if self.returns else _NO_RETURNS
 
     def _return(self, msg_id: int) -> None:
         if self.count_returns:

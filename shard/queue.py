@@ -19,6 +19,9 @@ Send = Callable[[bytes, list], None]
 
 _DELIVER = contract.DELIVER
 _CREDIT_SHIFT = contract.CREDIT_BYTES_SHIFT
+# The unacked map of a queue that never delivered with manual ack (or basic.get): shared, never
+# written (insertions replace it first: see unacked_map), so an idle queue holds no dict of its own.
+NO_UNACKED: dict = {}
 
 
 class Queue:
@@ -38,11 +41,13 @@ class Queue:
         self.name = name
         self.durable = bool(defn.durable)
         self.auto_delete = bool(defn.auto_delete)
-        self.arguments = dict(defn.arguments or {})
+        # The definitions' own copy (broker/definitions: a dict per declare, never changed in place).
+        self.arguments = defn.arguments if defn.arguments is not None else {}
         self.store = store
-        self.consumers: list[Consumer] = []
+        # A list from the first consumer on (shard/consumer_order.py add); () costs nothing per queue.
+        self.consumers: list[Consumer] | tuple[()] = ()
         # msg_id -> owner (Consumer, or ChannelRef for basic.get); bounded by prefetch/credit.
-        self.unacked: dict[int, Consumer | ChannelRef] = {}
+        self.unacked: dict[int, Consumer | ChannelRef] = NO_UNACKED
         self._rr = 0
         self.had_consumers = False
         self.exclusive_consumer = False
@@ -64,6 +69,13 @@ class Queue:
             return
         if consumer.exclusive:
             self.exclusive_consumer = False
+
+    def unacked_map(self) -> dict[int, Consumer | ChannelRef]:
+        """The unacked map to insert into: a dict of this queue's own from the first one on."""
+        unacked = self.unacked
+        if unacked is NO_UNACKED:
+            unacked = self.unacked = {}
+        return unacked
 
     # ------------------------------------------------------------------ delivery
     def deliver(self, send: Send) -> None:
@@ -108,7 +120,7 @@ class Queue:
         """Round-robin over `consumers` from index i while one can take; the next index."""
         store = self.store
         n = len(consumers)
-        unacked = self.unacked
+        unacked = self.unacked_map()
         qid = self.qid
         idle = 0
         while idle < n and store.ready:
@@ -144,7 +156,7 @@ class Queue:
             self.store.ack(msg_id)
         else:
             chan.unacked += 1
-            self.unacked[msg_id] = chan
+            self.unacked_map()[msg_id] = chan
         return [self.qid, msg_id, redelivered, exchange, routing_key, props_raw, body, self.store.ready]
 
     # ---------------------------------------------------------------- settlement

@@ -184,7 +184,7 @@ class Segment:
     __slots__ = (
         "no", "dir", "fd", "mm", "size", "used", "sealed",
         "count", "transient", "body_bytes", "live", "acked", "ack_fd", "skip_acked", "unverified",
-        "msgs_path", "alloc_end",
+        "_msgs_path", "alloc_end",
     )
 
     def __init__(self, dir_path: str, no: int) -> None:
@@ -208,7 +208,16 @@ class Segment:
         self.skip_acked = False
         # Sealed with a valid meta and loaded without reading it: CRC-checked when first mapped.
         self.unverified = False
-        self.msgs_path = os.path.join(dir_path, file_name("msgs", no))  # reported per append when replicating
+        self._msgs_path: str | None = None  # see msgs_path
+
+    @property
+    def msgs_path(self) -> str:
+        """The msgs file's path, reported per append when replicating: made on first use, so the
+        placeholder segment of an empty queue holds no copy of it (100,000 queues)."""
+        p = self._msgs_path
+        if p is None:
+            p = self._msgs_path = os.path.join(self.dir, file_name("msgs", self.no))
+        return p
 
     def path(self, kind: str) -> str:
         return os.path.join(self.dir, file_name(kind, self.no))
@@ -366,3 +375,24 @@ class Segment:
                 continue
             if obs is not None:
                 obs.delete(self.path(kind))
+
+
+class _Placeholder(Segment):
+    """The write segment of a store that never held a message: no file, nothing mapped. One object
+    shared by every such store (100,000 idle queues), so it refuses any change: a store replaces it
+    with a real segment before writing (QueueStore._materialize)."""
+
+    __slots__ = ()
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"the shared placeholder segment is read-only (set {name})")
+
+
+def _placeholder() -> Segment:
+    seg = Segment("", 1)
+    seg.__class__ = _Placeholder
+    return seg
+
+
+# Segment number 1 of no directory (its file is made by Segment.create under the store's path).
+PLACEHOLDER: Segment = _placeholder()

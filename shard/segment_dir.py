@@ -130,6 +130,7 @@ class MarkerFiles:
     """Empty marker files in a store's directory (e.g. feature_queue.EXPIRING_MARK); needs ``path``
     and ``_dir_dirty`` (the next sync then fsyncs the directory, which makes a new marker durable)."""
 
+    __slots__ = ()  # QueueStore has slots (100,000 queues): no instance dict from a base class
     path: str
     _dir_dirty: bool
 
@@ -152,15 +153,17 @@ class SegmentDir(MarkerFiles):
     ``_syncing`` and ``_deferred_close`` (the last two guarded by their ``_lock``), implement
     ``close`` and name their per-segment file kinds in ``SEGMENT_KINDS``."""
 
+    __slots__ = ()
     SEGMENT_KINDS: tuple[str, ...] = ()
     path: str
     _dir_dirty: bool
     _syncing: int
-    _deferred_close: list[int]
+    _deferred_close: list[int] | tuple[()]
     _dir_fd: int
 
     _closed: bool
-    # Set once the directories above ours have been fsynced (see _sync_parents).
+    # Set once the directories above ours have been fsynced (see _sync_parents). QueueStore has
+    # it as a slot set in __init__; StreamStore reads this default until it sets its own.
     _parents_synced = False
 
     def close(self) -> None:
@@ -231,13 +234,21 @@ class SegmentDir(MarkerFiles):
 
     def _release(self, fds: list[int]) -> None:
         """Close fds now, or after the running sync (which may be using them). Call with the lock held."""
-        self._deferred_close.extend(fds)
+        self._defer_close(fds)
         if not self._syncing:
             self._close_deferred()
 
+    def _defer_close(self, fds: list[int]) -> None:
+        """Add fds for _close_deferred (lock held). ``_deferred_close`` is an empty tuple, not a list of
+        its own, whenever nothing waits: an idle queue holds no list for it."""
+        if fds:
+            self._deferred_close = [*self._deferred_close, *fds]
+
     def _close_deferred(self) -> None:
         fds = self._deferred_close
-        self._deferred_close = []
+        if not fds:
+            return
+        self._deferred_close = ()
         for fd in fds:
             try:
                 os.close(fd)

@@ -58,29 +58,37 @@ class StatsShard(Protocol):
     dead_letters: DeadLetterForwards
 
 
+# The counters of a queue that has seen nothing: the one tuple every such queue's entry holds in
+# StatsReporter.sent (100,000 idle queues keep no 11-tuple each between reports).
+_IDLE = (0,) * 11
+
+
 def _rows(worker: StatsShard) -> tuple[dict[tuple[str, str], tuple], list]:
-    """Every queue's row (vhost, name, ready, unacked, consumers, ready bytes, then the totals
-    published, delivered (all kinds), acked, delivered to no-ack consumers, got with ack, got
-    without ack, redelivered: broker/node_stats.py names the positions), and the damaged list."""
+    """Every queue's counters by (vhost, name): ready, unacked, consumers, ready bytes, then the
+    totals published, delivered (all kinds), acked, delivered to no-ack consumers, got with ack, got
+    without ack, redelivered (a STATS row is vhost, name and these: broker/node_stats.py names the
+    positions); and the damaged list."""
     rows: dict[tuple[str, str], tuple] = {}
     damaged = []  # only queues with storage damage (docs/storage.md "Recovery"): usually none
+    idle = _IDLE
     for key, q in worker.queues.items():
-        vhost, name = key
         store = q.store
         if q.__class__ is Queue:  # the common case, read directly: 100,000 queues every interval
-            rows[key] = (vhost, name, store.ready, len(q.unacked), len(q.consumers), store.ready_bytes,
-                         q.n_published, q.n_delivered, q.n_acked, q.n_deliver_no_ack, q.n_get, q.n_get_no_ack,
-                         store.n_redelivered)
+            row = (store.ready, len(q.unacked), len(q.consumers), store.ready_bytes,
+                   q.n_published, q.n_delivered, q.n_acked, q.n_deliver_no_ack, q.n_get, q.n_get_no_ack,
+                   store.n_redelivered)
+            rows[key] = idle if row == idle else row
             if store.damaged_records or store.damaged_acks:
-                damaged.append([vhost, name, int(store.damaged_records), int(store.damaged_acks)])
+                damaged.append([key[0], key[1], int(store.damaged_records), int(store.damaged_acks)])
             continue
         info = q.info()
         if info.get("damaged_records") or info.get("damaged_acks"):
-            damaged.append([vhost, name, int(info.get("damaged_records", 0)), int(info.get("damaged_acks", 0))])
-        rows[key] = (vhost, name, int(info.get("messages", 0)), len(q.unacked), len(q.consumers),
-                     int(getattr(store, "ready_bytes", 0) or 0), q.n_published, q.n_delivered, q.n_acked,
-                     getattr(q, "n_deliver_no_ack", 0), getattr(q, "n_get", 0), getattr(q, "n_get_no_ack", 0),
-                     getattr(store, "n_redelivered", 0))
+            damaged.append([key[0], key[1], int(info.get("damaged_records", 0)), int(info.get("damaged_acks", 0))])
+        row = (int(info.get("messages", 0)), len(q.unacked), len(q.consumers),
+               int(getattr(store, "ready_bytes", 0) or 0), q.n_published, q.n_delivered, q.n_acked,
+               getattr(q, "n_deliver_no_ack", 0), getattr(q, "n_get", 0), getattr(q, "n_get_no_ack", 0),
+               getattr(store, "n_redelivered", 0))
+        rows[key] = idle if row == idle else row
     return rows, damaged
 
 
@@ -104,11 +112,11 @@ class StatsReporter:
         sent = self.sent
         full = self.full_next
         if full:
-            changed = list(rows.values())
+            changed = [(*key, *row) for key, row in rows.items()]
             removed: list = []
         else:
             get = sent.get
-            changed = [row for key, row in rows.items() if get(key) != row]
+            changed = [(*key, *row) for key, row in rows.items() if get(key) != row]
             # New queues are among the changed rows, so this counts removals without a scan of `sent`.
             n_new = sum(1 for row in changed if (row[0], row[1]) not in sent)
             removed = [list(key) for key in sent if key not in rows] if len(sent) + n_new > len(rows) else []
@@ -116,7 +124,7 @@ class StatsReporter:
         self.full_next = False
         self.seq += 1
         self.rows_sent += len(changed)
-        totals = [sum(row[i] for row in rows.values()) for i in range(6, 13)]
+        totals = [sum(row[i] for row in rows.values()) for i in range(4, 11)]
         return {"seq": self.seq, "full": full, "queues": changed, "removed": removed, "rows_sent": self.rows_sent,
                 "totals": totals, "fsync": worker.sync_histogram.report(),
                 "segment_bytes": sum(_segment_bytes(q.store) for q in worker.queues.values()), "damaged": damaged,

@@ -26,6 +26,7 @@ from shard.segment import (
     ACKS_MAGIC,
     DATA_START,
     FORMAT_VERSION,
+    PLACEHOLDER,
     VERSION_HEADER,
     PositionSet,
     Segment,
@@ -126,10 +127,31 @@ def make_queue_dir(data_dir: str, vhost: str, name: str, exists: bool = False) -
     return qdir, made
 
 
+# Every QueueStore of the process shares one lock: its critical sections are a few attribute updates
+# (and an open() at most) between the event loop and the sync thread, and never nest, so one lock
+# serves as well as 100,000 (88 bytes each).
+_STORE_LOCK = threading.Lock()
+# What an idle store holds instead of containers of its own (an empty queue must cost little: issue
+# #15 measured ~4 KB per empty queue in a shard). Never mutated: the code replaces them with a new
+# dict/list/set on first use (see ack, requeue, _track_fd, _sync_later).
+_NO_ACKS: dict = {}
+_NO_SEGS: dict = {}  # the segments of a store that never held a message (its write segment: a placeholder)
+_FIRST_END = PLACEHOLDER.no << 32 | PLACEHOLDER.used  # an empty store's mark: one int for all of them
+
+
 class QueueStore(SegmentDir):
     """The messages of one queue on disk. See the module docstring and docs/storage.md."""
 
     SEGMENT_KINDS = ("msgs", "acks", "meta")
+    # Slots, not an instance dict: with more than 30 attributes CPython gives each instance a dict
+    # of its own (no shared keys), ~1.5 KB per queue.
+    __slots__ = (
+        "path", "fsync", "_segment_size", "_keep_transient", "_segs", "_requeued", "requeue_watch",
+        "_ready", "_ready_bytes", "n_redelivered", "_closed", "_lock", "_wdirty", "_acks_dirty",
+        "_dir_dirty", "_sync_fds", "_ack_fds", "_ack_pending", "_syncing", "_deferred_close", "_synced",
+        "damaged_records", "damaged_acks", "_dir_fd", "_wseg", "_rseg", "_rpos", "_mark_fd", "_mark",
+        "_redeliver_below", "_parents_synced",
+    )
 
     def __init__(self, path: str, *, segment_size: int = 8 << 20, keep_transient: bool = False,
                  empty_dir: bool = False, fsync: bool = True) -> None:
@@ -144,7 +166,7 @@ class QueueStore(SegmentDir):
         self._segment_size = max(int(segment_size), DATA_START + record.MIN_RECORD)
         self._keep_transient = keep_transient
         self._segs: dict[int, Segment] = {}
-        self._requeued: list[int] = []  # heap of msg ids
+        self._requeued: list[int] | tuple[()] = ()  # heap of msg ids (a list from the first requeue)
         # Ids requeued since the last consumer-timeout scan, while shard/ack_timeouts.py tracks this queue.
         self.requeue_watch: set[int] | None = None
         self._ready = 0
@@ -152,28 +174,31 @@ class QueueStore(SegmentDir):
         self.n_redelivered = 0  # requeued messages taken again, in total (shard/stats.py)
         self._closed = False
         # sync bookkeeping, guarded by _lock (flags are set lock-free, cleared under it before syncing)
-        self._lock = threading.Lock()
+        self._lock = _STORE_LOCK
         self._wdirty = False  # appends to the write segment since the last sync
         self._acks_dirty = False  # acks written since the last sync
         self._dir_dirty = False  # files created or removed since the last sync
-        self._sync_fds: list[int] = []  # sealed msgs fds and meta fds: sync them, then close them
-        self._ack_fds: set[int] = set()
-        self._ack_pending: dict[Segment, list[int]] = {}  # acks not yet written (see flush_acks)
+        # Sealed msgs fds and meta fds: sync them, then close them (a list once there is one).
+        self._sync_fds: list[int] | tuple[()] = ()
+        self._ack_fds: set[int] | tuple[()] = ()  # ack files and the delivered mark (a set once opened)
+        self._ack_pending: dict[Segment, list[int]] = _NO_ACKS  # acks not yet written (see flush_acks)
         self._syncing = 0
-        self._deferred_close: list[int] = []
-        self._synced = synced_mark.SyncedMark(self.path)  # the synced mark (shard/synced_mark.py)
+        self._deferred_close: list[int] | tuple[()] = ()
+        # The synced mark (shard/synced_mark.py), made by the first sync that fsyncs.
+        self._synced: synced_mark.SyncedMark | None = None
+        self._parents_synced = False
         # Records lost to damage (skipped, their bytes set aside; see docs/storage.md) since opened.
         self.damaged_records = 0
         self.damaged_acks = 0  # ack entries that failed their checksum
         # Opened when a sync has a directory change to make durable: 100,000 idle queues hold no fd.
         self._dir_fd = -1
         if empty_dir:
-            self._wseg = Segment(self.path, 1)  # the placeholder of an empty store (see _recover)
-            self._segs[1] = self._wseg
+            self._wseg = PLACEHOLDER  # an empty store's (see _recover)
+            self._segs = _NO_SEGS
         else:
             self._recover()
-        first = min(self._segs)
-        self._rseg = self._segs[first]  # read cursor: segment and position of the next unread record
+        # The read cursor: segment and position of the next unread record.
+        self._rseg = self._segs[min(self._segs)] if self._segs else self._wseg
         self._rpos = DATA_START
         if self._rseg.mm is None and self._wseg.fd >= 0:  # fd -1: the placeholder, no file to map
             self._map(self._rseg)
@@ -183,6 +208,8 @@ class QueueStore(SegmentDir):
         # end of the data: ids of messages appended from now on are never below it.
         self._mark_fd = -1
         end = self._wseg.no << 32 | self._wseg.used
+        if end == _FIRST_END:
+            end = _FIRST_END
         if self._wseg.fd < 0:
             # No message was ever stored (placeholder segment): nothing to redeliver, no mark to
             # write (writing it would hold a file open per idle queue).
@@ -277,9 +304,12 @@ class QueueStore(SegmentDir):
             return False
         acked.add(pos)
         # Positions reach the ack file in flush_acks (once per loop turn), not one write per ack.
-        pend = self._ack_pending.get(seg)
+        pending = self._ack_pending
+        pend = pending.get(seg)
         if pend is None:
-            self._ack_pending[seg] = [pos]
+            if pending is _NO_ACKS:
+                pending = self._ack_pending = {}
+            pending[seg] = [pos]
         else:
             pend.append(pos)
         seg.live -= 1
@@ -297,7 +327,10 @@ class QueueStore(SegmentDir):
             return False
         if seg.mm is None:
             self._map(seg)
-        heapq.heappush(self._requeued, msg_id)
+        requeued = self._requeued
+        if not requeued:
+            requeued = self._requeued = []
+        heapq.heappush(requeued, msg_id)
         if self.requeue_watch is not None:
             self.requeue_watch.add(msg_id)
         self._ready += 1
@@ -359,7 +392,7 @@ class QueueStore(SegmentDir):
         by_seg: dict[int, list[int]] = {}
         for msg_id in self._requeued:
             by_seg.setdefault(msg_id >> 32, []).append(msg_id & _POS_MASK)
-        self._requeued = []
+        self._requeued = ()
         for no, positions in by_seg.items():
             removed += self._remove_many(self._segs[no], positions)
         wseg = self._wseg
@@ -402,8 +435,8 @@ class QueueStore(SegmentDir):
         with self._lock:
             if self._closed:
                 return
-            fds = self._sync_fds
-            self._sync_fds = []
+            fds = [*self._sync_fds]
+            self._sync_fds = ()
             owned = len(fds)  # these fds are ours to close once synced
             wseg_no, wseg_used = None, 0
             if self._wdirty:
@@ -412,7 +445,10 @@ class QueueStore(SegmentDir):
                 self._wdirty = False
                 # Everything below `used` is in the page cache now; durable once the fsyncs below ran.
                 wseg_no, wseg_used = wseg.no, wseg.used
-            mark, mark_fd, mark_fsync, newly_named = self._synced.begin(wseg_no, wseg_used)
+            synced = self._synced
+            if synced is None:
+                synced = self._synced = synced_mark.SyncedMark(self.path)
+            mark, mark_fd, mark_fsync, newly_named = synced.begin(wseg_no, wseg_used)
             if mark_fsync >= 0:
                 fds.append(mark_fsync)
             self._dir_dirty = self._dir_dirty or newly_named
@@ -432,16 +468,16 @@ class QueueStore(SegmentDir):
             if dir_fd >= 0:
                 os.fsync(dir_fd)
             self._sync_parents()
-            self._synced.write(mark, mark_fd)
+            synced.write(mark, mark_fd)
             done = True
         finally:
             with self._lock:
-                self._synced.end(mark, mark_fd, done)
+                synced.end(mark, mark_fd, done)
                 if done:
-                    self._deferred_close.extend(fds[:owned])
+                    self._defer_close(fds[:owned])
                 else:
                     # Put it all back so the next sync tries again.
-                    self._sync_fds[:0] = fds[:owned]
+                    self._sync_fds = [*fds[:owned], *self._sync_fds]
                     self._wdirty = True
                     self._acks_dirty = self._acks_dirty or acks_synced
                     self._dir_dirty = self._dir_dirty or dir_dirty
@@ -459,8 +495,8 @@ class QueueStore(SegmentDir):
         with self._lock:
             if self._closed:
                 return
-            self._deferred_close.extend(self._sync_fds)
-            self._sync_fds = []
+            self._defer_close(self._sync_fds)
+            self._sync_fds = ()
             self._wdirty = self._acks_dirty = self._dir_dirty = False
             if not self._syncing:
                 self._close_deferred()
@@ -481,10 +517,10 @@ class QueueStore(SegmentDir):
             if self._dir_fd >= 0:
                 fds.append(self._dir_fd)
                 self._dir_fd = -1
-            self._ack_fds = set()
-            self._sync_fds = []
+            self._ack_fds = ()
+            self._sync_fds = ()
             self._release(fds)
-        self._requeued = []
+        self._requeued = ()
         self._ready = self._ready_bytes = 0
 
     # ------------------------------------------------------------ internals
@@ -533,9 +569,9 @@ class QueueStore(SegmentDir):
         new = Segment.create(self.path, old.no + 1, size)
         with self._lock:
             meta_fd = old.seal()
-            self._sync_fds.append(old.fd)
+            self._sync_later(old.fd)
             if meta_fd >= 0:
-                self._sync_fds.append(meta_fd)
+                self._sync_later(meta_fd)
             old.fd = -1
             self._segs[new.no] = new
             self._wseg = new
@@ -558,6 +594,8 @@ class QueueStore(SegmentDir):
             # there is space) is refused by the usual growth path, as for a full segment.
             new = Segment.create(self.path, old.no, DATA_START)
         with self._lock:
+            if self._segs is _NO_SEGS:
+                self._segs = {}
             self._segs[new.no] = new
             self._wseg = new
             self._dir_dirty = True
@@ -568,7 +606,7 @@ class QueueStore(SegmentDir):
     def _open_acks(self, seg: Segment) -> int:
         with self._lock:
             fd = seg.open_acks()
-            self._ack_fds.add(fd)
+            self._track_fd(fd)
             self._dir_dirty = True
         return fd
 
@@ -581,7 +619,7 @@ class QueueStore(SegmentDir):
         if not self._ack_pending:
             return
         pending = self._ack_pending
-        self._ack_pending = {}
+        self._ack_pending = _NO_ACKS
         for seg, positions in pending.items():
             try:
                 fd = seg.ack_fd
@@ -592,6 +630,8 @@ class QueueStore(SegmentDir):
                 # A full disk: the messages stay removed in memory; their acks are written on a later
                 # turn (after a crash meanwhile they come back: at least once, never lost).
                 log.warning("queue %s: cannot write acks of segment %d: %s", self.path, seg.no, exc)
+                if self._ack_pending is _NO_ACKS:
+                    self._ack_pending = {}
                 self._ack_pending.setdefault(seg, []).extend(positions)
         self._acks_dirty = True
 
@@ -610,7 +650,7 @@ class QueueStore(SegmentDir):
             fd = self._mark_fd = os.open(os.path.join(self.path, DELIVERED_MARK),
                                          os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             with self._lock:
-                self._ack_fds.add(fd)  # closed by close() with the ack files
+                self._track_fd(fd)  # closed by close() with the ack files
             self._dir_dirty = True
         data = struct.pack("<Q", cursor)
         os.pwrite(fd, data, 0)
@@ -646,7 +686,7 @@ class QueueStore(SegmentDir):
         seg.close_map()
         with self._lock:
             fds = []
-            if seg.ack_fd >= 0:
+            if seg.ack_fd >= 0 and self._ack_fds:
                 self._ack_fds.discard(seg.ack_fd)
                 fds.append(seg.ack_fd)
             if seg.fd >= 0:
@@ -696,11 +736,12 @@ class QueueStore(SegmentDir):
             if not seg.sealed:
                 wseg = seg
         if wseg is None and not self._segs:
-            # Empty queue: a placeholder write segment without a file (fd -1, nothing allocated);
-            # the first append creates the file (_materialize). Declaring a queue then costs a
-            # directory and its name file, no segment, no allocation and no sync.
-            wseg = Segment(self.path, (msgs[-1] if msgs else 0) + 1)
-            self._segs[wseg.no] = wseg
+            # Empty queue: a placeholder write segment without a file (fd -1, nothing allocated),
+            # not in _segs; the first append creates the file (_materialize). Declaring a queue
+            # then costs a directory and its name file, no segment, no allocation and no sync.
+            no = (msgs[-1] if msgs else 0) + 1
+            wseg = PLACEHOLDER if no == PLACEHOLDER.no else Segment(self.path, no)
+            self._segs = _NO_SEGS
         if wseg is None:
             no = (msgs[-1] if msgs else 0) + 1
             try:
@@ -787,7 +828,7 @@ class QueueStore(SegmentDir):
             os.truncate(seg.path("msgs"), seg.used)
         meta_fd = seg.write_meta()
         if meta_fd >= 0:
-            self._sync_fds.append(meta_fd)
+            self._sync_later(meta_fd)
         self._dir_dirty = True
         return seg
 
@@ -884,7 +925,7 @@ class QueueStore(SegmentDir):
         elif dropped and (live or not seg.sealed):
             self._acks_dirty = True
             fd = seg.open_acks()
-            self._ack_fds.add(fd)
+            self._track_fd(fd)
             _write_acks(seg, fd, encode_acks(dropped))
         return changed
 
@@ -897,8 +938,19 @@ class QueueStore(SegmentDir):
     def _rewrite_meta(self, seg: Segment) -> None:
         fd = seg.write_meta()
         if fd >= 0:
-            self._sync_fds.append(fd)
+            self._sync_later(fd)
         self._dir_dirty = True
+
+    def _sync_later(self, fd: int) -> None:
+        """An fd for the next sync to fsync and then close (lock held, or no sync thread yet)."""
+        self._sync_fds = [*self._sync_fds, fd]
+
+    def _track_fd(self, fd: int) -> None:
+        """An ack file's or the delivered mark's fd: fsynced by syncs with acks, closed by close()."""
+        fds = self._ack_fds
+        if not fds:
+            fds = self._ack_fds = set()
+        fds.add(fd)
 
     def _map(self, seg: Segment) -> None:
         """Map a sealed segment for reading; the first time, CRC-check it (lazy verification)."""

@@ -154,7 +154,7 @@ class StreamStore(SegmentDir):
         self._dir_dirty = False
         self._sync_fds: list[int] = []
         self._syncing = 0
-        self._deferred_close: list[int] = []
+        self._deferred_close: list[int] | tuple[()] = ()
         self._synced = synced_mark.SyncedMark(self.path)  # the synced mark (shard/synced_mark.py)
         # Messages lost to damage since opened (skipped, bytes set aside; docs/storage.md).
         self.damaged_records = 0
@@ -530,7 +530,7 @@ class StreamStore(SegmentDir):
             with self._lock:
                 self._synced.end(mark, mark_fd, done)
                 if done:
-                    self._deferred_close.extend(fds[:owned])
+                    self._defer_close(fds[:owned])
                 else:
                     self._sync_fds[:0] = fds[:owned]
                     self._wdirty = True

@@ -73,6 +73,8 @@ class SyncedMark:
     ``begin`` and ``end`` run under the store's lock, ``write`` between them after the data's fsync.
     """
 
+    __slots__ = ("path", "_unflushed", "_named", "_flushed_at")
+
     def __init__(self, dir_path: str) -> None:
         self.path = dir_path
         self._unflushed = False  # written since the last fsync round, which then includes it

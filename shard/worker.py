@@ -10,6 +10,7 @@ thread, never one fsync per message.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -53,11 +54,20 @@ _FLOW_BACKLOG = 8000  # ready messages before publishers are paced (4x the credi
 _FLOW_MAX_HOLD_S = 0.5
 _PACED_KINDS = frozenset((contract.PUBLISH, contract.DELAYED_PUBLISH, contract.DEDUP_PUBLISH,
                           contract.MARKED_PUBLISH))  # items that add messages
+_PUBLISH_RUN = contract.PUBLISH_RUN
 
 
 def _publishes(items: list) -> int:
-    """Items of a batch that add messages (what pacing counts; only computed while pacing)."""
-    return sum(1 for item in items if item[0] in _PACED_KINDS)
+    """Messages a batch adds (what pacing counts; only computed while pacing): a PUBLISH_RUN counts
+    its bodies, the other kinds that add messages one each."""
+    n = 0
+    for item in items:
+        kind = item[0]
+        if kind == _PUBLISH_RUN:
+            n += len(item[6])
+        elif kind in _PACED_KINDS:
+            n += 1
+    return n
 
 
 def _consumer_waiting(consumers: list) -> bool:
@@ -101,6 +111,8 @@ class ShardWorker:
         self._sync_waiting: list[tuple[bytes, int, int, int]] = []
         self._sync_stores: set[QueueStore] = set()
         self._sync_running = False
+        self._sync_fut: asyncio.Future | None = None  # the group sync running, if any
+        self._closing = False  # stop()'s final sync has begun: no other one starts
         self._after_sync: list[Callable[[], None]] = []  # run once the next group sync is done
         # The next group sync also fsyncs ack files and delivered marks (set by the periodic pass):
         # the rounds confirms wait for fsync only records, so a confirm never waits on acks.
@@ -345,8 +357,10 @@ class ShardWorker:
             self.data.put(c.fe, [contract.CANCEL_NOTIFY, c.conn_id, c.channel, c.tag])
         for owner in q.unacked.values():
             owner.settle()
-        q.unacked.clear()
-        q.consumers.clear()
+        if q.unacked:  # an idle queue's is the shared empty one (shard/queue.py NO_UNACKED)
+            q.unacked.clear()
+        if q.consumers:
+            q.consumers.clear()
         self._dirty_queues.discard(q)
         self._sync_stores.discard(q.store)
         if q.store.__class__ is QueueStore:
@@ -451,6 +465,8 @@ class ShardWorker:
         kind = item[0]
         if kind == contract.PUBLISH:
             self._publish(fe, item)
+        elif kind == _PUBLISH_RUN:
+            self._publish_run(fe, item)
         elif kind == contract.DEDUP_PUBLISH:
             self.exchange_dedup.publish(fe, item)
             # Only a frontend's batches are held: a shard's (dead letters) never, or two shards
@@ -674,6 +690,74 @@ class ShardWorker:
                 else:
                     seqs.append(seq)
         return not rejected
+
+    def _publish_run(self, fe: bytes, item: list) -> None:
+        """Store a PUBLISH_RUN: each body exactly as the PUBLISH it stands for, in order (body i has
+        confirm seq first + i), with what is the same for all of them (queues, time, flags) found once."""
+        (_, vhost, names, exchange, routing_key, props_raw, bodies, persistent,
+         conn_id, channel, first) = item
+        ts = int(time.time() * 1000)
+        flags = 1 if persistent else 0
+        queues = self.queues
+        if len(props_raw) > 1 and props_raw[0] & 1:  # per-message TTL: the queues need FeatureQueue
+            self._upgrade_queues(vhost, names)
+        found = [q for q in map(queues.get, [(vhost, name) for name in names]) if q is not None]
+        dirty = self._dirty_queues
+        sync_durable = persistent and self._fsync
+        confirmed: list[int] = []
+        nacked: list[int] = []
+        synced: list[int] = []
+        seq = first
+        for body in bodies:
+            rejected = needs_sync = False
+            for i, q in enumerate(found):
+                if q.deleted:  # replaced (upgraded) or deleted since the run began: as PUBLISH would find it
+                    q = queues.get((q.vhost, q.name))
+                    if q is None or q.deleted:
+                        continue
+                    found[i] = q
+                try:
+                    if q.__class__ is Queue:
+                        if (not persistent and not q.store.ready and q.consumers and q.groups is None
+                                and q.deliver_unstored(self.data.put, exchange, routing_key, props_raw, body)):
+                            q.n_published += 1
+                            dirty.add(q)
+                            continue
+                        q.store.append(ts, flags, exchange, routing_key, props_raw, body)
+                    elif not q.publish(ts, flags, exchange, routing_key, props_raw, body):
+                        rejected = True
+                        continue
+                except OSError as exc:
+                    self._store_failed(q, exc)
+                    rejected = True
+                    continue
+                q.n_published += 1
+                dirty.add(q)
+                if sync_durable and q.durable:
+                    needs_sync = True
+                    self._sync_stores.add(q.store)
+            if first is not None:
+                if rejected:
+                    nacked.append(seq)
+                elif needs_sync:
+                    synced.append(seq)
+                else:
+                    confirmed.append(seq)
+                seq += 1
+        if first is None:
+            return
+        if nacked:
+            self.data.put(fe, [contract.CONFIRM_NACK, conn_id, channel, nacked])
+        if synced:
+            self._sync_waiting.extend((fe, conn_id, channel, s) for s in synced)
+            self._start_sync()
+        if confirmed:
+            key = (fe, conn_id, channel)
+            seqs = self._confirms.get(key)
+            if seqs is None:
+                self._confirms[key] = confirmed
+            else:
+                seqs.extend(confirmed)
 
     def _store_failed(self, q: Queue, exc: OSError) -> None:
         """Log a refused append at most once a second per shard (a full disk refuses every one)."""
@@ -1136,7 +1220,7 @@ class ShardWorker:
             put(fe, [contract.CONFIRM, conn_id, channel, seqs])
 
     def _start_sync(self) -> None:
-        if self._sync_running or not (self._sync_waiting or self._sync_stores or self._after_sync):
+        if self._sync_running or self._closing or not (self._sync_waiting or self._sync_stores or self._after_sync):
             return
         self._sync_running = True
         waiting = self._sync_waiting
@@ -1153,7 +1237,7 @@ class ShardWorker:
         target = self.repl.position() if waiting and self.repl is not None and self.repl.gating else -1
         ordered = sorted(stores, key=self._sync_order)
         acks, self._sync_acks = self._sync_acks, False
-        fut = self.loop.run_in_executor(None, _sync_all, ordered, acks)
+        fut = self._sync_fut = self.loop.run_in_executor(None, _sync_all, ordered, acks)
         fut.add_done_callback(lambda f: self._sync_done(f, waiting, after, target, started))
 
     def _sync_order(self, store: QueueStore) -> int:
@@ -1235,6 +1319,19 @@ class ShardWorker:
         if self.stopping:
             return
         self.stopping = True
+        # Every shard stops at once: dead letters we sent may be stored by their target and their
+        # CONFIRM not here yet. Wait for them (syncs and confirms go on meanwhile), or they would be
+        # sent again after the restart, twice in the target queue (shard/dead_letter_forwards.py).
+        await self.dead_letters.settle()
+        self._closing = True
+        fut = self._sync_fut
+        if fut is not None and not fut.done():
+            # Its _sync_done (confirms, after-sync callbacks) runs before we resume; none starts after.
+            with contextlib.suppress(Exception):
+                await fut
+        # In a cluster a confirm promises the in-sync followers have the record: the final sync below
+        # is local only, so what waits on it is not confirmed here (its sender sends it again).
+        gating = self.repl is not None and self.repl.gating
         if self.repl is not None:
             self.repl.close()
             self.repl = None
@@ -1247,9 +1344,19 @@ class ShardWorker:
         for callback in after:  # the final sync below covers what they wait for
             callback()
         stores = self.dead_letters.all_stores() + [q.store for q in self.queues.values()] + self.delayed.all_stores()
-        for store in stores:
-            store.flush_acks()
-        await self.loop.run_in_executor(None, _sync_all, stores)
+        while True:
+            # Publishes that waited for a group sync (a peer's dead letters among them) are durable
+            # after this one: confirm them, or their senders keep them in their outboxes and send them
+            # again after the restart. What arrives during it gets one more.
+            waiting, self._sync_waiting = self._sync_waiting, []
+            for store in stores:
+                store.flush_acks()
+            await self.loop.run_in_executor(None, _sync_all, stores)
+            if not gating:
+                self._replicated(waiting, True)
+            if not self._sync_waiting:
+                break
+        self._flush_confirms()
         for s in stores:
             s.close()
         self.timers.close()

@@ -32,6 +32,21 @@ class Publish(NamedTuple):
     body: bytes
 
 
+class PublishRun(NamedTuple):
+    """Consecutive Publish events of one channel that differ only in their bodies (same exchange,
+    routing key, flags and props_raw bytes), from a parser built with publish_runs=True. It stands
+    for ``Publish(channel, exchange, routing_key, mandatory, immediate, props_raw, body)`` for each
+    body, in order; it always holds at least two."""
+
+    channel: int
+    exchange: str
+    routing_key: str
+    mandatory: bool
+    immediate: bool
+    props_raw: bytes
+    bodies: list
+
+
 class Deliver(NamedTuple):
     channel: int
     consumer_tag: str

@@ -12,6 +12,8 @@ import struct
 from pamqp import commands, decode
 from pamqp import encode as _pamqp_encode
 
+from broker.amqp import pamqp_types  # noqa: F401  (pamqp's amqp_type without a string per call)
+
 EMPTY_PROPS = b"\x00\x00"
 
 _U16 = struct.Struct(">H")

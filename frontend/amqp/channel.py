@@ -51,7 +51,7 @@ from frontend.amqp.publish_extras import (
 )
 from frontend.amqp.replies import consume_arguments, error_from_reply, plain
 from frontend.confirms import ConfirmTracker
-from frontend.publish import put_publish, queues_by_shard
+from frontend.publish import put_publish, put_publish_run, queues_by_shard
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -76,6 +76,12 @@ _MODE_ONLY = b"\x10\x00"  # property flags: delivery-mode only
 _ACK = contract.ACK
 _NACK = contract.NACK
 _CREDIT_SHIFT = contract.CREDIT_BYTES_SHIFT
+
+
+def _each_publish(run: E.PublishRun) -> list[E.Publish]:
+    """The Publish events a PublishRun stands for."""
+    head = run[:6]
+    return [E.Publish(*head, body) for body in run.bodies]
 
 
 def _ids(method: Any) -> tuple[int, int]:
@@ -208,6 +214,11 @@ class Channel:
                     self.tx.append(event)
                 else:
                     self.publish(event)
+            elif cls is E.PublishRun:
+                if self.tx is not None:
+                    self.tx.extend(_each_publish(event))
+                else:
+                    self.publish_run(event)
             elif cls is E.Ack:
                 if self.tx is not None:
                     self.tx.append(event)
@@ -423,42 +434,16 @@ class Channel:
 
     # ------------------------------------------------------------- publish
     def publish(self, ev: E.Publish) -> None:
+        ex, persistent = self._publish_checks(ev)
         conn = self.conn
-        if not conn.publisher:
-            conn.became_publisher()
         vhost = conn.vhost
         worker = conn.worker
         defs = worker.defs
         exchange = ev.exchange
-        ex = defs.exchange(vhost, exchange)
-        if ex is None:
-            raise AMQPChannelError(NOT_FOUND, f"no exchange '{exchange}' in vhost '{vhost}'", 60, 40)
-        # RabbitMQ checks write permission first; the cache makes a permitted publish one set lookup.
-        access = conn.access
-        if exchange not in access.writable or access.version != defs.version or access.topics is not None:
-            access.check_publish(defs, ex, exchange, ev.routing_key)
-        if ex.internal:
-            raise AMQPChannelError(
-                ACCESS_REFUSED, f"cannot publish to internal exchange '{exchange}' in vhost '{vhost}'", 60, 40)
-        if ev.immediate:
-            raise AMQPConnectionError(NOT_IMPLEMENTED, "immediate=true", 60, 40)
         # rabbitmq_global_messages_received_total (in STATS); refused publishes above count nowhere,
         # so routed = received - unroutable (broker/http/metrics.py).
         worker.n_received += 1
         props_raw = ev.props_raw
-        try:
-            persistent = delivery_mode(props_raw) == 2
-            # Properties other than delivery-mode are decoded once here, as RabbitMQ does, so a
-            # malformed headers table or string is refused at publish instead of being stored and
-            # breaking every consumer's client later. Empty or delivery-mode-only properties (the
-            # bulk of high-rate traffic) are fully checked by delivery_mode() alone.
-            n = len(props_raw)
-            if not ((n == 2 and props_raw == _NO_PROPS) or (n == 3 and props_raw[:2] == _MODE_ONLY)):
-                props = decode_properties(props_raw)
-                if props.user_id is not None:
-                    self._check_user_id(props.user_id)
-        except ValueError as exc:
-            raise AMQPConnectionError(SYNTAX_ERROR, f"malformed content properties: {exc}", 60, 40) from None
         # Plain path: one flag test. 0x22 = headers (CC/BCC) or reply-to (direct reply-to) present.
         if self.extras or ex.extras or (props_raw and props_raw[0] & 0x22 and (
                 may_have_cc(props_raw) or may_reply_to_pseudo_queue(props_raw))):
@@ -492,6 +477,89 @@ class Channel:
             put_publish(conn.worker, groups, vhost, exchange, ev.routing_key, props_raw, ev.body, persistent,
                         conn.conn_id, self.key, seq)
             conn.confirm_shards.update(groups)
+
+    def publish_run(self, ev: E.PublishRun) -> None:
+        """Publishes alike but for their bodies (the parser's PublishRun): checked, routed and handed
+        to the shards once, one PUBLISH_RUN per shard, with the same effects as publishing each body.
+        Whatever could treat them apart goes message by message: CC/BCC or direct reply-to in the
+        properties, server timestamps, delayed and deduplicating exchanges, and no route (returns,
+        direct reply-to answers, unroutable counters); a refusal (no exchange, access, malformed
+        properties) is the first message's, as it would be, and the channel ignores the rest."""
+        conn = self.conn
+        worker = conn.worker
+        defs = worker.defs
+        vhost = conn.vhost
+        exchange = ev.exchange
+        props_raw = ev.props_raw
+        ex = defs.exchange(vhost, exchange)
+        if (self.extras or ex is None or ex.extras or (props_raw and props_raw[0] & 0x22 and (
+                may_have_cc(props_raw) or may_reply_to_pseudo_queue(props_raw)))):
+            self._publish_each(ev)
+            return
+        ex, persistent = self._publish_checks(ev)
+        queues = defs.route(vhost, exchange, ev.routing_key, props_raw)
+        if not queues:
+            self._publish_each(ev)
+            return
+        bodies = ev.bodies
+        n = len(bodies)
+        worker.n_received += n
+        groups = queues_by_shard(defs, vhost, queues)
+        confirm = self.confirm
+        if confirm is None:
+            put_publish_run(worker, groups, vhost, exchange, ev.routing_key, props_raw, bodies, persistent)
+        else:
+            worker.n_received_confirm += n
+            first = confirm.publish_run(len(groups), n)
+            put_publish_run(worker, groups, vhost, exchange, ev.routing_key, props_raw, bodies, persistent,
+                            conn.conn_id, self.key, first)
+            conn.confirm_shards.update(groups)
+
+    def _publish_each(self, ev: E.PublishRun) -> None:
+        """A run as the Publish events it stands for, until one of them closes the channel."""
+        publish = self.publish
+        for one in _each_publish(ev):
+            publish(one)
+            if self.state != OPEN:
+                return
+
+    def _publish_checks(self, ev: E.Publish | E.PublishRun) -> tuple[Any, bool]:
+        """What a publish must pass before it is routed, in RabbitMQ's order (the exchange, write
+        access, not internal, not immediate, well-formed properties with a permitted user-id):
+        (the exchange, whether the message is persistent)."""
+        conn = self.conn
+        if not conn.publisher:
+            conn.became_publisher()
+        vhost = conn.vhost
+        defs = conn.worker.defs
+        exchange = ev.exchange
+        ex = defs.exchange(vhost, exchange)
+        if ex is None:
+            raise AMQPChannelError(NOT_FOUND, f"no exchange '{exchange}' in vhost '{vhost}'", 60, 40)
+        # RabbitMQ checks write permission first; the cache makes a permitted publish one set lookup.
+        access = conn.access
+        if exchange not in access.writable or access.version != defs.version or access.topics is not None:
+            access.check_publish(defs, ex, exchange, ev.routing_key)
+        if ex.internal:
+            raise AMQPChannelError(
+                ACCESS_REFUSED, f"cannot publish to internal exchange '{exchange}' in vhost '{vhost}'", 60, 40)
+        if ev.immediate:
+            raise AMQPConnectionError(NOT_IMPLEMENTED, "immediate=true", 60, 40)
+        props_raw = ev.props_raw
+        try:
+            persistent = delivery_mode(props_raw) == 2
+            # Properties other than delivery-mode are decoded once here, as RabbitMQ does, so a
+            # malformed headers table or string is refused at publish instead of being stored and
+            # breaking every consumer's client later. Empty or delivery-mode-only properties (the
+            # bulk of high-rate traffic) are fully checked by delivery_mode() alone.
+            n = len(props_raw)
+            if not ((n == 2 and props_raw == _NO_PROPS) or (n == 3 and props_raw[:2] == _MODE_ONLY)):
+                props = decode_properties(props_raw)
+                if props.user_id is not None:
+                    self._check_user_id(props.user_id)
+        except ValueError as exc:
+            raise AMQPConnectionError(SYNTAX_ERROR, f"malformed content properties: {exc}", 60, 40) from None
+        return ex, persistent
 
     def _publish_extras(self, ex: Any, ev: E.Publish, props_raw: bytes) -> tuple[bytes, Any]:
         """CC/BCC, server timestamp, delayed and deduplicating exchanges: (properties, queues, or

@@ -82,6 +82,7 @@ DRAIN_TIMEOUT = 30.0
 TURN_READ_BYTES = 256 << 10
 
 _PUBLISH = E.Publish
+_PUBLISH_RUN = E.PublishRun
 _ACK = E.Ack
 _METHOD = E.MethodFrame
 _CREDIT = contract.CREDIT
@@ -151,7 +152,7 @@ class AMQPConnection(asyncio.Protocol):
         self.channel_max = int(settings.get("channel_max", 2047))
         self.heartbeat = int(settings.get("heartbeat", 60))
         self.parser = FrameParser("server", self.frame_max, int(settings.get("max_message_size", 128 << 20)),
-                                  channel_gate=True)
+                                  channel_gate=True, publish_runs=True)
         self.transport: asyncio.Transport | None = None
         self.state = AWAIT_HEADER
         self.vhost = "/"
@@ -426,7 +427,7 @@ class AMQPConnection(asyncio.Protocol):
         cls = ev.__class__
         if self.state == CLOSING and not (cls is _METHOD and ev.channel == 0):
             return  # after our connection.close only close/close-ok matter
-        if cls is _PUBLISH or cls is _ACK:
+        if cls is _PUBLISH or cls is _PUBLISH_RUN or cls is _ACK:
             ch = self.channels.get(ev.channel)
             if ch is None:
                 self._no_channel(ev)
@@ -472,7 +473,7 @@ class AMQPConnection(asyncio.Protocol):
         method = getattr(ev, "method", None)
         if method is not None:
             cid, mid = method.index >> 16, method.index & 0xFFFF
-        elif ev.__class__ is _PUBLISH:
+        elif ev.__class__ is _PUBLISH or ev.__class__ is _PUBLISH_RUN:
             cid, mid = 60, 40
         raise AMQPConnectionError(CHANNEL_ERROR, "expected 'channel.open'", cid, mid)
 
