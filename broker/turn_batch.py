@@ -25,7 +25,7 @@ class TurnBatcher:
     """Items put during a loop turn, one packed batch per destination at its end; trace hooks."""
 
     __slots__ = ("loop", "on_batch", "header_for", "_pending", "_extra", "_scheduled", "_closed",
-                 "_trace", "_trace_in", "_trace_out", "_trace_keep", "on_sent")
+                 "_trace", "_trace_in", "_trace_out", "_trace_keep", "on_sent", "on_drained")
 
     is_router = False
 
@@ -45,6 +45,9 @@ class TurnBatcher:
         self._trace_keep = False
         # Called with the size of every batch sent (after header_for): the frontend counts bytes in flight.
         self.on_sent: Callable[[int], None] | None = None
+        # Called after the batches of one read from a peer were handled (broker/unixio.py; ZeroMQ
+        # does not call it): a worker sends what they produced then, not after the rest of the turn.
+        self.on_drained: Callable[[], None] | None = None
 
     def set_trace(self, trace: Any, stage_in: str, stage_out: str, keep_in: bool = False) -> None:
         """Record the sampled messages of every batch received (``stage_in``) and sent (``stage_out``)."""
@@ -101,6 +104,11 @@ class TurnBatcher:
     def send_packed(self, dest: bytes | None, payload: bytes) -> None:
         """Send one batch already packed (contract.pack) immediately: the same bytes to many peers."""
         self._send(dest, payload)
+
+    def send_pending(self) -> None:
+        """Send what was put this turn now, before the turn ends (the end-of-turn flush still runs)."""
+        if not self._closed:
+            self._send_pending()
 
     def flush(self) -> None:
         self._scheduled = False

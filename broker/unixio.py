@@ -115,7 +115,15 @@ class _Stream(asyncio.BufferedProtocol):
         self._start, self._end = 0, unread
 
     def _drain(self) -> None:
-        """Hand complete frames to the owner, at most about TURN_ITEMS items this turn."""
+        """Hand complete frames to the owner, then tell it (``on_drained``) when there were any."""
+        if self._drain_frames():
+            on_drained = self.owner.on_drained
+            if on_drained is not None and not self.closed:
+                on_drained()
+
+    def _drain_frames(self) -> bool:
+        """Hand complete frames to the owner, at most about TURN_ITEMS items this turn; True if any."""
+        handled = False
         view = self._view
         owner = self.owner
         budget = TURN_ITEMS
@@ -134,16 +142,18 @@ class _Stream(asyncio.BufferedProtocol):
             self._need = 0
             self._start = start + _FRAME_SIZE + size
             budget -= owner._frame(self, view[start + _FRAME_SIZE:self._start])
+            handled = True
             if budget <= 0 or (turn_s is not None and time.perf_counter() > until):
                 if self._end - self._start >= _FRAME_SIZE and not self.closed:
                     self._pause()
-                    return
+                    return True
                 break
         if self._start == self._end:
             self._start = self._end = 0
         if self._paused and not self.closed:
             self._paused = False
             self.transport.resume_reading()
+        return handled
 
     def _pause(self) -> None:
         if not self._paused:

@@ -3,8 +3,8 @@
 One FrontendWorker per process. It holds the local copy of the definitions
 (kept current by DEFS from the node), routes items from shards to the client
 connection they belong to, matches replies to requests, counts data batches in
-flight per shard (back-pressure on publishers) and, once per loop turn, lets
-every connection that produced output write it in one go.
+flight per shard (back-pressure on publishers) and, once per loop turn and after
+each read from a shard, lets every connection that produced output write it in one go.
 """
 
 from __future__ import annotations
@@ -107,6 +107,7 @@ class FrontendWorker:
         # node_request (a queue.delete behind a publish still in flight to the queue's shard).
         self._held_requests: deque[tuple[int | None, int, list]] = deque()
         self._turn_scheduled = False
+        self._early: list[int] = []  # shards idle when this read put a publish for them (send_early)
         # Restarted shards whose publish lane has not answered yet: their control-lane items wait here.
         self._control_held: dict[int, list] = {}
         self._snapshot: asyncio.Future = loop.create_future()
@@ -140,6 +141,7 @@ class FrontendWorker:
             lane = data_sockets.shard_connection(self.loop, self.run_dir, i, self.ident, self._shard_handler(i),
                                                  self._header_for(i))
             lane.on_sent = self._sent_bytes(i)
+            lane.on_drained = self._shard_drained
             if self._trace is not None:
                 lane.set_trace(self._trace, "fe_deliver_in", "fe_publish_out", keep_in=True)
             self.shards.append(lane)
@@ -448,6 +450,8 @@ class FrontendWorker:
                 n = self._unsent_bytes[shard] = self._unsent_bytes[shard] + len(item[6])
                 if n + self._bytes_in_flight[shard] > _MAX_BYTES_IN_FLIGHT and not self.pressure:
                     self._set_pressure(True)
+                self._pub_need[shard] = self._ctl_put[shard]
+                self.shards[shard].put(None, item)
             elif kind == _PUBLISH_RUN:
                 # As many messages as it has bodies: their bytes, and their number in the batch
                 # (put_weighted), so batches in flight bound messages as with single PUBLISH items.
@@ -457,9 +461,31 @@ class FrontendWorker:
                     self._set_pressure(True)
                 self._pub_need[shard] = self._ctl_put[shard]
                 self.shards[shard].put_weighted(None, item, len(bodies))
+            else:
+                self._pub_need[shard] = self._ctl_put[shard]
+                self.shards[shard].put(None, item)
                 return
-            self._pub_need[shard] = self._ctl_put[shard]
-            self.shards[shard].put(None, item)
+            if self._sent[shard] == self._processed[shard] and shard not in self._early:
+                self._early.append(shard)  # sent at the end of this read (send_early)
+
+    def send_early(self) -> None:
+        """End of a client read that put publishes for a shard with nothing in flight: send them now.
+
+        The shard has answered every batch, so it is idle: the publishes read in one go (a burst is
+        one batch still) leave at the end of the read rather than of the loop turn, and what the
+        turn still does after that (end-of-turn callbacks, other connections' flushes) no longer
+        delays them. While batches are in flight (a busy shard) publishes wait for the turn's end as
+        before, so saturation batches as much as ever. Control-lane items put before them go first:
+        the shard would hold the publish batch until it has them (docs/architecture.md "Lanes").
+        """
+        early = self._early
+        self._early = []
+        for shard in early:
+            if self._sent[shard] == self._processed[shard]:
+                control = self.control[shard]
+                if control._pending:
+                    control.send_pending()
+                self.shards[shard].send_pending()
 
     def shard_request(self, shard: int, build: Callable[[int], list], conn: Session,
                       callback: Callback) -> None:
@@ -538,6 +564,14 @@ class FrontendWorker:
                     conn.internal_error(exc)
                 else:
                     log.exception("frontend %d: failed to handle shard %d item %r", self.index, shard, item[:1])
+
+    def _shard_drained(self) -> None:
+        """The batches of one read from a shard are handled (unix data plane): their deliveries and
+        confirms are written to the clients now, not after the rest of the loop turn (its other
+        callbacks, other sockets). At a steady rate that read is all the turn carries, and what runs
+        after it would only delay the client; a flood still writes once per read."""
+        if self._dirty:
+            self._end_of_turn()
 
     # ---------------------------------------------------------- back-pressure
     def _set_pressure(self, on: bool) -> None:

@@ -162,6 +162,7 @@ class ShardWorker:
     # ------------------------------------------------------------------ startup
     async def start(self) -> None:
         self.data = data_sockets.shard_listener(self.loop, self.run_dir, self.index, self._on_data)
+        self.data.on_drained = self._data_drained
         trace = stage_trace.get("shard")  # --trace-stages (debug): None normally
         if trace is not None:
             self.data.set_trace(trace, "sh_publish_in", "sh_deliver_out")
@@ -461,6 +462,16 @@ class ShardWorker:
         if self._confirms:
             self._flush_confirms()
 
+    def _data_drained(self) -> None:
+        """The batches of one read from a frontend are handled (unix data plane): their DELIVERs,
+        PROCESSED and confirms leave now, in one write, rather than from call_soon callbacks after
+        the rest of the loop turn. At a steady rate that read is all the turn carries and the
+        frontend waits for it; a flood still writes once per read (per batch was 8x the ack-file
+        and mark writes with acks at saturation)."""
+        if self._deliver_scheduled:
+            self._deliver()
+        self.data.send_pending()
+
     def _handle(self, fe: bytes, item: list) -> None:
         kind = item[0]
         if kind == contract.PUBLISH:
@@ -657,8 +668,10 @@ class ShardWorker:
                     # being appended, read back and acked (a persistent one is always stored first).
                     if (not persistent and not q.store.ready and q.consumers and q.groups is None
                             and q.deliver_unstored(self.data.put, exchange, routing_key, props_raw, body)):
+                        # Not marked dirty: nothing is ready, so the turn's delivery pass would find
+                        # nothing to do for this queue (at a steady rate that pass, its call_soon and
+                        # its flush_acks were a fixed cost of every turn carrying one message).
                         q.n_published += 1
-                        self._dirty_queues.add(q)
                         continue
                     q.store.append(ts, flags, exchange, routing_key, props_raw, body)
                 elif not q.publish(ts, flags, exchange, routing_key, props_raw, body):
@@ -720,8 +733,7 @@ class ShardWorker:
                     if q.__class__ is Queue:
                         if (not persistent and not q.store.ready and q.consumers and q.groups is None
                                 and q.deliver_unstored(self.data.put, exchange, routing_key, props_raw, body)):
-                            q.n_published += 1
-                            dirty.add(q)
+                            q.n_published += 1  # not dirty: nothing ready (see _publish)
                             continue
                         q.store.append(ts, flags, exchange, routing_key, props_raw, body)
                     elif not q.publish(ts, flags, exchange, routing_key, props_raw, body):
@@ -1117,7 +1129,11 @@ class ShardWorker:
     def _schedule_deliver(self) -> None:
         if self._dirty_queues and not self._deliver_scheduled:
             self._deliver_scheduled = True
-            self.loop.call_soon(self._deliver)
+            self.loop.call_soon(self._deliver_if_scheduled)
+
+    def _deliver_if_scheduled(self) -> None:
+        if self._deliver_scheduled:  # not run already, by _data_drained at the end of a read
+            self._deliver()
 
     def schedule_deliver_all(self) -> None:
         self._dirty_queues.update(self.queues.values())

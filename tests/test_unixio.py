@@ -233,6 +233,27 @@ def test_read_until_handles_held_and_unread_frames_at_once_and_in_order(path):
         assert dealer.read_until(lambda: len(inbox.items) >= 4, 5.0)
         await until(lambda: len(inbox.items) == 5, "the frame left after the one asked for")
         assert [item[1] for item in inbox.items] == [1, 2, 3, 4, 5]
+
+
+def test_on_drained_runs_once_after_the_batches_of_one_read_were_handled(path):
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        at_router = Inbox()
+        router = UnixRouter(loop, path, at_router)
+        drained: list[int] = []  # how many batches the router had handled when it was called
+        router.on_drained = lambda: drained.append(len(at_router.batches))
+        dealer = UnixDealer(loop, path, b"fe-0", Inbox())
+        await until(lambda: dealer.connected, "the connection")
+        await until(lambda: drained == [0] or drained == [], "the hello read")
+        drained.clear()
+        dealer.send_now(None, [[contract.PUBLISH, 1]])
+        dealer.send_now(None, [[contract.PUBLISH, 2]])  # both written before the router can read
+        await until(lambda: len(at_router.batches) == 2, "both batches")
+        await until(lambda: drained, "on_drained")
+        assert drained == [2]  # once, after both
+        dealer.send_now(None, [[contract.PUBLISH, 3]])
+        await until(lambda: len(drained) == 2, "the next read")
+        assert drained == [2, 3]
         dealer.close()
         router.close()
 

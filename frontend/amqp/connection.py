@@ -2,8 +2,9 @@
 
 An asyncio.Protocol around a sans-IO FrameParser. Everything a connection writes
 during one loop turn is collected and written once by the worker's end-of-turn
-callback (``flush_turn``), together with that turn's publisher confirms and the
-CREDIT returned to shards for deliveries written out.
+flush (``flush_turn``; the worker also runs it when it has handled a read from a shard),
+together with that turn's publisher confirms and the CREDIT returned to shards for
+deliveries written out.
 """
 
 from __future__ import annotations
@@ -233,6 +234,8 @@ class AMQPConnection(asyncio.Protocol):
             self.internal_error(exc)
             return
         self._dispatch_all(events)
+        if self.worker._early:
+            self.worker.send_early()
 
     def _dispatch_all(self, events: list) -> None:
         """Handle events in order; a connection error closes us, a bug is a 541, never a crash."""
