@@ -81,7 +81,10 @@ import msgpack
 # request it answers, in the batch of that REPLY; the worker sends no APPLIED for it.
 # 12: CREDIT counts 512 B units (CREDIT_BYTES_SHIFT 9, was 12) and CREDIT_WINDOW is 16000 (was 2000).
 # 13: PUBLISH_RUN (consecutive publishes of one channel alike but for their bodies, in one item).
-VERSION = 13
+# 14: the definitions fence (run/defs.fence, broker/defs_fence.py): a worker applies its control plane up to
+# the word's version before it acts on input; the DEFS of a fenced change (bind, unbind, exchange
+# declare/delete) carry ack False for every worker that has applied its SNAPSHOT (no APPLIED for them).
+VERSION = 14
 
 # --------------------------------------------------------------------------
 # Control plane: node <-> every worker (node.sock)
@@ -360,6 +363,12 @@ def node_stream_path(run_dir: str) -> str:
     """The control plane's unix stream socket (node <-> every worker, ``broker/unixio.py``): frames
     and hello as ``shard_stream_path`` describes, the worker's identity ``fe-K`` / ``sh-N``."""
     return os.path.join(run_dir, "node.sock")  # as long as when it was a ZeroMQ ipc:// path (AF_UNIX: 107 bytes)
+
+
+def defs_fence_path(run_dir: str) -> str:
+    """8 bytes the node maps read-write and every worker read-only: the newest definitions version of
+    a change the node answered without waiting for APPLIED (``broker/defs_fence.py``)."""
+    return os.path.join(run_dir, "defs.fence")
 
 
 def shard_address(run_dir: str, index: int) -> str:

@@ -4,9 +4,12 @@ Every declare/bind/delete a client asks for arrives here as a REQUEST from a
 frontend. The node validates it against its Definitions (``plan_*``), applies
 the resulting ops, records them durably (DefStore, group fsync in a thread),
 broadcasts them with a new version to every worker, and answers only when
-every live worker has applied that version and the ops are on disk. That is
+every live worker routes through that version and the ops are on disk. That is
 what makes a publish on any connection right after ``bind-ok`` route through
-the new binding.
+the new binding. Most changes wait for every worker's APPLIED; binds, unbinds
+and exchange declares/deletes are kept by the definitions fence instead
+(broker/defs_fence.py): answered without waiting for the workers, which apply
+up to the fence before they act on any input.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from broker.config import Settings, cluster_secret
 from broker.datadir import PRIVATE_UMASK, DataDir, DataDirLocked, DataDirUnsafe
 from broker.definitions import Definitions
 from broker.definitions_file import plan_from_file, read_definitions_file
+from broker.defs_fence import FenceWord
 from broker.defstore import DefStore, durable_ops, is_durable_relevant
 from broker.heap_trim import HeapTrimmer
 from broker.http.metrics import MetricsServer
@@ -72,9 +76,15 @@ class Node:
         # DEFS held back for the worker whose request they answer: sent in one batch with its REPLY,
         # before anything else for that worker (_put), instead of at once (see _commit).
         self._held: dict[bytes, list] = {}
-        # (version, future) in version order: answered once every connected worker applied it.
-        # (version, worker identity not waited for or None, future), in version order.
-        self._apply_waiters: deque[tuple[int, bytes | None, asyncio.Future]] = deque()
+        # (version, worker identity not waited for or None, the only workers waited for or None (every
+        # connected one), future), in version order: answered once those workers applied the version.
+        self._apply_waiters: deque[tuple[int, bytes | None, frozenset | None, asyncio.Future]] = deque()
+        # The definitions fence (broker/defs_fence.py): binds and exchange changes are answered without
+        # waiting for the workers' APPLIED; they apply up to this word before they act on input.
+        self.fence_word: FenceWord | None = None
+        # The fence went up in this control batch: its DEFS are written when the batch is handled
+        # (_on_control), not after whatever else this loop turn runs (a worker may be waiting for them).
+        self._fence_flush = False
         self._chains = RequestChains(self.loop)  # a channel's pipelined requests, in order
         self._snapshot: tuple[tuple, bytes] | None = None  # ((version, epochs), the packed SNAPSHOT batch)
         self._queries: dict[int, asyncio.Future] = {}
@@ -121,6 +131,7 @@ class Node:
     async def start(self) -> None:
         s = self.settings
         self.datadir.lock()
+        self.fence_word = FenceWord(self.datadir.run_dir)
         # The control plane on unix stream sockets written and read by the loops themselves: a
         # declare's or bind's round trip crosses it twice per worker, and ZeroMQ added two I/O-thread
         # handoffs to each crossing (broker/unixio.py).
@@ -230,6 +241,7 @@ class Node:
         self._loading = True
         self._shards_ready.clear()
         self.sup.held.clear()
+        self.fence_word.reset()  # every worker starts from this load's versions (no worker runs now)
         for i in range(s.shards):
             self.epochs[i] = 1
             await self.sup.spawn(self._worker("shard", i))
@@ -414,13 +426,35 @@ class Node:
             if w.connected and (role is None or w.role == role):
                 self._put(ident, item)
 
-    def _broadcast_defs(self, version: int, ops: list, origin: bytes | None) -> None:
+    def _broadcast_defs(self, version: int, ops: list, origin: bytes | None, fenced: bool = False) -> frozenset:
         """DEFS to every worker; the one whose request this is (origin) gets them with its REPLY.
 
         The REPLY is sent only once every other worker has applied them, and the origin applies
         the DEFS before it reads the REPLY behind them: sent at once, they only woke it (and then
         the node, for an APPLIED nobody waits for) while the other workers, who are on the round
-        trip's path, needed the cores. Its copy says so (``ack`` False): no APPLIED for it."""
+        trip's path, needed the cores. Its copy says so (``ack`` False): no APPLIED for it.
+
+        ``fenced``: the fence word goes up first, then every worker gets them now (held for none:
+        the origin would otherwise wait for them on its next input, until the REPLY), ``ack`` False
+        for those that applied their snapshot; nobody waits for their APPLIED. Returns the workers
+        still starting (SNAPSHOT sent, not applied): they answer APPLIED and are waited for."""
+        if fenced:
+            self.fence_word.raise_to(version)
+            self._fence_flush = True
+            quiet = [contract.DEFS, version, ops, False]
+            # The origin's batch first (batches leave in the order they were started, TurnBatcher):
+            # its REPLY is the round trip; the other workers' wake-ups are off its path.
+            if origin is not None and origin in self.by_ident and self.by_ident[origin].connected:
+                self._put(origin, quiet)
+            starting = []
+            for ident, w in self.by_ident.items():
+                if w.connected and ident != origin:
+                    if w.applied < 0:
+                        starting.append(ident)
+                        self._put(ident, [contract.DEFS, version, ops])
+                    else:
+                        self._put(ident, quiet)
+            return frozenset(starting)
         item = [contract.DEFS, version, ops]
         for ident, w in self.by_ident.items():
             if w.connected:
@@ -428,6 +462,7 @@ class Node:
                     self._held.setdefault(ident, []).append([contract.DEFS, version, ops, False])
                 else:
                     self._put(ident, item)
+        return frozenset()
 
     def _put(self, ident: bytes, item: list) -> None:
         """Every item for a worker goes through here: DEFS held for it (_commit) go out first, in order."""
@@ -482,6 +517,9 @@ class Node:
             elif kind == contract.REPL_STATUS:
                 if self.repl_leader is not None and w.role == "shard":
                     self.repl_leader.shard_status(w.index, item[1])
+        if self._fence_flush:
+            self._fence_flush = False
+            self.ctl.flush()
 
     def _hello(self, ident: bytes, w: WorkerProcess, item: list) -> None:
         if item[1] != contract.VERSION:
@@ -544,10 +582,13 @@ class Node:
         waiters = self._apply_waiters
         if not waiters:
             return
-        live = [(ident, w.applied) for ident, w in self.by_ident.items() if w.connected]
+        live = {ident: w.applied for ident, w in self.by_ident.items() if w.connected}
         while waiters:
-            version, origin, fut = waiters[0]
-            if any(applied < version for ident, applied in live if ident != origin):
+            version, origin, only, fut = waiters[0]
+            if only is None:
+                if any(applied < version for ident, applied in live.items() if ident != origin):
+                    return
+            elif any(live.get(ident, version) < version for ident in only):
                 return
             waiters.popleft()
             if not fut.done():
@@ -601,10 +642,15 @@ class Node:
             return True
         logged = durable_ops(defs, ops)  # judged before applying, as _commit does
         defs.apply_all(ops)
-        self._broadcast_defs(defs.version, ops, ident)
-        waits = [self._wait_all_applied(defs.version, ident)]
+        # The definitions fence (broker/defs_fence.py): no worker's APPLIED is waited for but those
+        # of workers still starting; a transient change is answered in this very turn.
+        starting = self._broadcast_defs(defs.version, ops, ident, fenced=True)
+        waits = [self._wait_applied(defs.version, ident, starting)] if starting else []
         if self.defstore.record(logged):
             waits.append(self._durable())
+        if not waits:
+            self._put(ident, [contract.REPLY, req_id, True, {}])
+            return True
 
         answered = []
 
@@ -757,7 +803,8 @@ class Node:
         else:
             raise AMQPError(540, f"NOT_IMPLEMENTED - unknown request {op}")
         # A closed connection's exclusive and auto-delete leftovers are cleanup, never refused.
-        await self._commit(ops, op=op, gate=op != "connection.closed", on_applied=on_applied, origin=origin)
+        await self._commit(ops, op=op, gate=op != "connection.closed", on_applied=on_applied, origin=origin,
+                           fenced=op in _PLANNED_AT_ONCE)
         return {}
 
     def _plan_at_once(self, op: str, a: dict) -> list:
@@ -919,9 +966,13 @@ class Node:
             return None
 
     async def _commit(self, ops: list, op: str | None = None, gate: bool = True,
-                      on_applied: Callable[[], None] | None = None, origin: bytes | None = None) -> None:
+                      on_applied: Callable[[], None] | None = None, origin: bytes | None = None,
+                      fenced: bool = False) -> None:
         """Apply, persist and broadcast ops; return once durable and applied by every live worker.
 
+        ``fenced`` (a bind, unbind, exchange declare or delete): not in a cluster and in one slice, it
+        returns without waiting for the workers that have applied their snapshot: they apply it before
+        they act on any input read from now on (the definitions fence, broker/defs_fence.py).
         On a leader whose ISR is below --min-isr a durable change (``gate``: a client's or an
         operator's, not the node's own cleanup) is held, then refused (replication/definition_gate.py).
         """
@@ -933,9 +984,14 @@ class Node:
             raise definition_gate.refusal(repl, op)
         defs = self.defs
         logged = durable_ops(defs, ops)  # judged before applying: a deleted queue is gone after
+        fenced = fenced and self.repl_leader is None and len(ops) <= _COMMIT_SLICE
+        starting: frozenset = frozenset()
         if len(ops) <= _COMMIT_SLICE:
             defs.apply_all(ops)  # bumps defs.version once per op; every replica does the same
-            self._broadcast_defs(defs.version, ops, origin)
+            starting = self._broadcast_defs(defs.version, ops, origin, fenced)
+            if fenced:
+                self._fence_flush = False
+                self.ctl.flush()  # a task's turn: written now, not after what else the turn runs
         else:
             # A vhost of 10,000 queues: applied and sent in slices, one loop turn each, so that this
             # node and every worker (each handles a slice as one batch, a bounded number per turn)
@@ -951,11 +1007,16 @@ class Node:
             on_applied()
         # The worker that asked gets our DEFS in the REPLY's batch, before it (_broadcast_defs), and
         # applies them before it reads the REPLY: its APPLIED need not be waited for (one process
-        # wake-up less on every declare's and bind's round trip).
-        waits = [self._wait_all_applied(version, origin)]
+        # wake-up less on every declare's and bind's round trip). A fenced change waits only for
+        # the workers still starting.
+        if not fenced:
+            waits = [self._wait_all_applied(version, origin)]
+        else:
+            waits = [self._wait_applied(version, origin, starting)] if starting else []
         if wrote:
             waits.append(self._durable())
-        await asyncio.gather(*waits)
+        if waits:
+            await asyncio.gather(*waits)
         if wrote and self.repl_leader is not None:
             # In a cluster the *-Ok also waits for the ISR followers to ack the node stream.
             repl = self.repl_leader
@@ -963,9 +1024,14 @@ class Node:
                 raise definition_gate.refusal(repl, op, applied=True)
 
     def _wait_all_applied(self, version: int, origin: bytes | None = None) -> asyncio.Future:
+        return self._wait_applied(version, origin, None)
+
+    def _wait_applied(self, version: int, origin: bytes | None, only: frozenset | None) -> asyncio.Future:
+        """Done once every connected worker but origin (or only those of ``only`` still connected)
+        has applied ``version``."""
         # Added at once (not when a coroutine first runs), so the waiters stay in version order.
         fut = self.loop.create_future()
-        self._apply_waiters.append((version, origin, fut))
+        self._apply_waiters.append((version, origin, only, fut))
         self._check_apply_waiters()
         return fut
 

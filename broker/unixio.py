@@ -35,6 +35,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import select
 import socket
 import time
 from collections.abc import Callable
@@ -166,6 +167,58 @@ class _Stream(asyncio.BufferedProtocol):
         self._resume_scheduled = False
         self._drain()
 
+    def read_until(self, done: Callable[[], bool], timeout: float) -> bool:
+        """Handle frames now, reading the socket directly, until ``done()``; False: not within timeout.
+
+        The definitions fence's catch-up (broker/defs_fence.py): no turn budget, no time cap. Frames
+        already in the buffer come first (a paused or delayed stream's), then what the socket has,
+        then, while ``done()`` is still False, it waits for the socket (the node writes the DEFS in
+        the loop turn it raised the word in). The loop owns the descriptor but runs nothing else
+        meanwhile: it finds the bytes gone (EAGAIN) or the next ones, never half a frame missing.
+        """
+        deadline = time.monotonic() + timeout
+        owner = self.owner
+        fd = -1
+        while True:
+            while not self.closed and not done():
+                start = self._start
+                have = self._end - start
+                if have < _FRAME_SIZE:
+                    break
+                size = _FRAME.unpack_from(self._view, start)[0]
+                if have < _FRAME_SIZE + size:
+                    self._need = _FRAME_SIZE + size
+                    break
+                self._need = 0
+                self._start = start + _FRAME_SIZE + size
+                owner._frame(self, self._view[start + _FRAME_SIZE:self._start])
+            if self.closed:
+                return False
+            if done():
+                break
+            if self._start == self._end:
+                self._start = self._end = 0
+            if len(self._buf) - self._end < _MIN_READ or self._need > len(self._buf) - self._start:
+                self._make_room()
+            if fd < 0:
+                fd = self.transport.get_extra_info("socket").fileno()
+            try:
+                n = os.readv(fd, [self._view[self._end:]])
+            except (BlockingIOError, InterruptedError):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                select.select([fd], [], [], left)
+                continue
+            except OSError:
+                return False  # the transport sees the error too and closes
+            if n == 0:
+                return False  # end of file: the transport's next read sees it
+            self._end += n
+        if self._end - self._start >= _FRAME_SIZE or self._paused:
+            self._pause()  # what is left (or was paused) is handled from the loop's next turn
+        return True
+
     # ------------------------------------------------------------- frames out
     def send(self, payload: bytes) -> None:
         if not self.closed:
@@ -175,6 +228,27 @@ class _Stream(asyncio.BufferedProtocol):
         if not self.closed:
             self.closed = True
             self.transport.close()
+
+
+class _DelayedStream(_Stream):
+    """A control-plane stream that handles what it read only ``owner.read_delay_s`` later (tests only:
+    SHARDMQ_TEST_CONTROL_DELAY_MS, broker/defs_fence.py). ``read_until`` does not wait for it."""
+
+    __slots__ = ("_delayed",)
+
+    def __init__(self, owner: _Base, identity: bytes | None) -> None:
+        super().__init__(owner, identity)
+        self._delayed = False
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._end += nbytes
+        if not self._delayed:
+            self._delayed = True
+            self.owner.loop.call_later(self.owner.read_delay_s, self._late)
+
+    def _late(self) -> None:
+        self._delayed = False
+        self._drain()
 
 
 class _Base(TurnBatcher):
@@ -318,6 +392,7 @@ class UnixDealer(_Base):
         self._waiting: list[bytes] = []  # frames (length prefix included) put while not connected
         self._delay = _RECONNECT_FIRST_S
         self._task: asyncio.Task | None = None
+        self.read_delay_s = 0.0  # tests only (_DelayedStream); set before the first loop turn
         self._connect()
 
     def _connect(self) -> None:
@@ -325,9 +400,10 @@ class UnixDealer(_Base):
             self._task = self.loop.create_task(self._connect_loop())
 
     async def _connect_loop(self) -> None:
+        stream = _DelayedStream if self.read_delay_s else _Stream
         while not self._closed:
             try:
-                await self.loop.create_unix_connection(lambda: _Stream(self, self.identity), self.path)
+                await self.loop.create_unix_connection(lambda: stream(self, self.identity), self.path)
                 return
             except OSError:  # not bound yet, or the dead peer's file: try again, as ZeroMQ reconnects
                 await asyncio.sleep(self._delay)
@@ -363,6 +439,14 @@ class UnixDealer(_Base):
     @property
     def connected(self) -> bool:
         return self._stream is not None and not self._stream.closed
+
+    def read_until(self, done: Callable[[], bool], timeout: float) -> bool:
+        """Handle what the peer sent, reading it now, until ``done()`` (_Stream.read_until); False
+        when not connected or not done within ``timeout`` seconds."""
+        stream = self._stream
+        if stream is None or stream.closed:
+            return done()
+        return stream.read_until(done, timeout)
 
     def close(self) -> None:
         if self._closed:

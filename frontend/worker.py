@@ -20,6 +20,7 @@ import zmq
 
 from broker import contract, data_sockets, gc_pause, stage_trace
 from broker.definitions import Definitions
+from broker.defs_fence import CATCH_UP_TIMEOUT_S, control_delay_for_tests_s, open_fence
 from broker.heap_trim import HeapTrimmer
 from broker.tls import reload_certificate, server_context
 from broker.unixio import CONTROL_TURN_S, UnixDealer
@@ -56,6 +57,12 @@ class FrontendWorker:
         self.ctx = ctx or zmq.Context.instance()
         self.ident = contract.worker_id("frontend", index)
         self.defs = Definitions()
+        # The definitions fence (broker/defs_fence.py): every session compares fence[0] with
+        # defs_version before it handles what it read, and calls catch_up_defs when it is behind.
+        self.defs_version = -1  # the version of self.defs: SNAPSHOT's, then each DEFS'
+        self.fence = open_fence(run_dir)
+        self._in_control = False  # handling a control-plane batch: no catch-up from inside it
+        self._fence_gave_up = -1  # a version waited for in vain (node stuck or gone): not waited for again
         self.settings: dict = {}
         self.shard_count = 0
         self.epochs: list[int] = []
@@ -114,13 +121,10 @@ class FrontendWorker:
         # A sliced commit (a vhost of 10,000 queues) is applied a few ms per loop turn at most, so
         # publishes to other queues go on between its slices (broker/node.py _commit).
         self.node.turn_s = CONTROL_TURN_S
+        self.node.read_delay_s = control_delay_for_tests_s("frontend", self.ident.decode())
         self.node.send_now(None, [[contract.HELLO, contract.VERSION, "frontend", self.index, os.getpid()]])
-        version, defs_dict, epochs, settings = await self._snapshot
+        version, epochs, settings = await self._snapshot
         self.settings = settings
-        with gc_pause.paused():  # see broker/gc_pause.py
-            self.defs = Definitions.from_dict(defs_dict)
-        del defs_dict
-        gc_pause.settle()
         self.shard_count = int(settings.get("shards", 1))
         self.epochs = [_epoch_of(epochs, i) for i in range(self.shard_count)]
         self._sent = [0] * self.shard_count
@@ -254,7 +258,33 @@ class FrontendWorker:
                 "node_pending": len(self._node_pending)}
 
     # -------------------------------------------------------------- node side
+    def fence_check(self) -> None:
+        """Before routing what no data_received brought (an MQTT will): the definitions fence."""
+        if self.fence[0] > self.defs_version:
+            self.catch_up_defs()
+
+    def catch_up_defs(self) -> None:
+        """The fence is ahead of our definitions: apply the control plane up to it now, before the
+        caller (a session, about to handle what it read) routes anything (broker/defs_fence.py)."""
+        if self._in_control or self.node is None:
+            return  # inside _on_node (a REPLY's callback): that batch's DEFS come first; read time checked
+        target = self.fence[0]
+        # A version already waited for in vain is not waited for again (the input would stall for
+        # good); what has arrived since is still applied.
+        timeout = 0.0 if target <= self._fence_gave_up else CATCH_UP_TIMEOUT_S
+        if not self.node.read_until(lambda: self.defs_version >= target, timeout) and timeout:
+            self._fence_gave_up = target
+            log.warning("frontend %d: definitions version %d announced, still at %d after %.1f s",
+                        self.index, target, self.defs_version, CATCH_UP_TIMEOUT_S)
+
     def _on_node(self, _ident: bytes | None, _header: Any, items: list) -> int:
+        self._in_control = True
+        try:
+            return self._on_node_items(items)
+        finally:
+            self._in_control = False
+
+    def _on_node_items(self, items: list) -> int:
         applied = None  # one APPLIED per batch, for its newest DEFS (pipelined declares bring many)
         ack = False  # the batch has DEFS that are not only the copy sent with our own request's REPLY
         weight = len(items)  # what this batch counts against the turn's read budget (broker/unixio.py)
@@ -266,15 +296,22 @@ class FrontendWorker:
                     if cb is not None:
                         cb(item[2], item[3])
                 elif kind == contract.DEFS:
+                    # The version first: an op that fails to apply must not leave the fence waiting.
+                    applied = self.defs_version = item[1]
                     defs = self.defs
                     for op in item[2]:
                         defs.apply(op)
-                    applied = item[1]
                     ack = ack or len(item) < 4 or item[3]
                     weight += len(item[2])
                 elif kind == contract.SNAPSHOT:
                     if not self._snapshot.done():
-                        self._snapshot.set_result(item[1:5])
+                        # Loaded here, not where start() awaits it: DEFS in the frames behind it are
+                        # applied on top of it, in this same read.
+                        with gc_pause.paused():  # see broker/gc_pause.py
+                            self.defs = Definitions.from_dict(item[2])
+                        gc_pause.settle()
+                        self.defs_version = item[1]
+                        self._snapshot.set_result((item[1], item[3], item[4]))
                 elif kind == contract.SHARD_UP:
                     self._shard_up(int(item[1]), int(item[2]))
                 elif kind == contract.CLOSE_CONNECTIONS:

@@ -122,6 +122,12 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("queues-20000-transient",
              ("queue-count", "--count", "20000", "--time", "120"),
              "the same with transient queues", timeout_s=400.0),
+    Scenario("delete-stall-30000",
+             ("delete-stall", "--count", "30000", "--time", "300"),
+             "declare 30,000 transient queues, then delete them (pipelined queue.delete, 500 in flight) while a "
+             "confirming publisher on another queue (one message in flight) times its round trips: worst and "
+             "p99 round trip during the delete (`worst_stall_ms`, `probe_during_p99_ms`)",
+             timeout_s=600.0),
     Scenario("bindings-per-second",
              ("bind-churn", "--time", DURATION),
              "queue.bind + queue.unbind round trips on one channel: bindings/s"),

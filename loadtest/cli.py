@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(through --api) instead of the queues")
     p.add_argument("--api", default="", help="management API base URL with credentials, for --vhost "
                    "(e.g. http://guest:guest@127.0.0.1:15672)")
+    p.add_argument("--probe-durable", action="store_true",
+                   help="the probe publishes persistent messages to a durable queue (its confirms then wait "
+                        "for an fsync) instead of transient ones")
 
     p = amqp.add_parser("connection-count", help="open N idle connections; report broker RSS")
     _common(p, amqp_uri)

@@ -334,9 +334,9 @@ class _ConfirmProbe(threading.Thread):
     """One publisher with confirms, one message in flight, on its own connection: (send time, round
     trip) of every publish until stopped. A stall anywhere on its path shows as one long round trip."""
 
-    def __init__(self, uri: str, queue: str) -> None:
+    def __init__(self, uri: str, queue: str, durable: bool = False) -> None:
         super().__init__(daemon=True)
-        self.uri, self.queue = uri, queue
+        self.uri, self.queue, self.durable = uri, queue, durable
         self.samples: list[tuple[float, float]] = []
         self.stop = threading.Event()
         self.ready = threading.Event()
@@ -347,9 +347,11 @@ class _ConfirmProbe(threading.Thread):
 
         try:
             with AMQPClient(self.uri).connect() as c:
-                c.queue_declare(self.queue)
+                c.queue_declare(self.queue, durable=self.durable)
                 c.confirm_select()
-                frame = encoder.encode_publish(1, "", self.queue, False, b"\x00\x00", b"p" * 16, c.frame_max)
+                # Property flags: none, or delivery-mode only (0x1000) = 2, persistent.
+                props = b"\x10\x00\x02" if self.durable else b"\x00\x00"
+                frame = encoder.encode_publish(1, "", self.queue, False, props, b"p" * 16, c.frame_max)
                 purge = _encode(commands.Queue.Purge(queue=self.queue))
                 n = 0
                 self.ready.set()
@@ -400,7 +402,7 @@ def delete_stall(args: argparse.Namespace, *, broker: str, scenario: str, broker
         t = time.monotonic()
         _declare_many(c, names, args.durable)
         declare_s = time.monotonic() - t
-        probe = _ConfirmProbe(args.uri, f"{args.queue}-probe")
+        probe = _ConfirmProbe(args.uri, f"{args.queue}-probe", args.probe_durable)
         probe.start()
         probe.ready.wait(30)
         time.sleep(1.0)  # the probe's round trips before the delete: the baseline
@@ -425,7 +427,8 @@ def delete_stall(args: argparse.Namespace, *, broker: str, scenario: str, broker
     # after the reply (the brokers may still be finishing: removing files, reporting stats).
     during = [rtt for ts, rtt in probe.samples if ts + rtt >= t0]
     ms = 1000.0
-    extra = {"queues": len(names), "vhost": args.vhost or None, "declare_s": round(declare_s, 3),
+    extra = {"queues": len(names), "vhost": args.vhost or None, "probe_durable": args.probe_durable,
+             "declare_s": round(declare_s, 3),
              "delete_s": round(t1 - t0, 3),
              "deletes_per_s": round(len(names) / (t1 - t0), 1) if t1 > t0 else None,
              "probe_before_p50_ms": round(_percentile(before, 0.5) * ms, 2) if before else None,

@@ -59,6 +59,8 @@ class TimeoutsShard(Protocol):
     consumers: dict[tuple[bytes, int, int, str], tuple[Queue, Consumer]]
     data: Any  # its data socket: put(identity, item)
 
+    def fence_check(self) -> None: ...
+
 
 class AckTimeouts:
     def __init__(self, shard: TimeoutsShard, default_ms: int) -> None:
@@ -102,6 +104,7 @@ class AckTimeouts:
         shard = self.shard
         if shard.stopping:
             return
+        shard.fence_check()  # a requeue may dead-letter (delivery limit): as of now (broker/defs_fence.py)
         now = now_ms()
         default = self.default
         old_ages = self.ages

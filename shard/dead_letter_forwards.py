@@ -196,7 +196,8 @@ class DeadLetterForwards:
             return 0
         self._settled = asyncio.Event()
         try:
-            await asyncio.wait_for(self._settled.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._settled.wait()
         except TimeoutError:
             pass
         finally:

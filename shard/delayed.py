@@ -98,6 +98,8 @@ class DelayShard(Protocol):
     stopping: bool
     _fsync: bool  # settings "sync" is fsync
 
+    def fence_check(self) -> None: ...
+
     def confirm_stored(self, fe: bytes, conn_id: int | None, channel: int | None, seq: int | None,
                        sync_store: QueueStore | None) -> None: ...
 
@@ -222,6 +224,7 @@ class DelayedMessages:
         worker = self.worker
         if not self._peers_ready or worker.stopping:
             return  # peer_up fires again once every peer is ready; a stopping shard routes nothing
+        worker.fence_check()  # due now: routed as of now (broker/defs_fence.py); before the heap is read
         now = now_ms()
         done: dict[DelayStore, list[int]] = {}
         after_sync: dict[DelayStore, list[int]] = {}

@@ -8,44 +8,60 @@ segments are renamed out of the way, never deleted, so they can be inspected.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
+import queue
 import shutil
 import subprocess
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from broker import write_observer
 
+log = logging.getLogger(__name__)
+
 # Removes deleted stores' directories off the event loop: deleting a vhost of 100,000 queues must
-# not stall the shard's other queues for the seconds their renames and unlinks take (a rename in a
-# directory of 10,000 entries that the reaper is emptying can wait milliseconds on the file system).
-# One thread, created on first use; a directory it has not removed yet when the process dies is
-# removed at the next boot (broker/datadir.py removes every queue directory no durable queue owns).
-# The loop only queues a path (no executor job per queue: 100,000 futures and wake-ups); the thread
-# takes everything queued at once, renames each directory aside and hands the trash to `rm -rf`, a
-# child process: shutil.rmtree's Python loop over the files held the shard's GIL against its event
-# loop for most of a 30,000-queue vhost delete (the loop then waited for the GIL between syscalls).
-_reaper: ThreadPoolExecutor | None = None
+# not stall the shard's other queues for the seconds their renames and unlinks take.
+# One thread, started on first use; a directory it has not removed yet when the process dies is
+# removed at the next boot (broker/datadir.py removes every directory of a vhost directory that no
+# durable queue owns, trash directories included). The thread takes everything queued at once,
+# moves each directory into one fresh trash directory per vhost directory (`deleted-<pid>-<n>`,
+# beside the queue directories) and hands the trash directories to `rm -rf`, a child process:
+# shutil.rmtree's Python loop over the files held the shard's GIL against its event loop.
+#
+# Why a trash directory and not a renamed sibling (docs/benchmarks.md, "Vhost deletes: the cause"):
+# on a file system mounted with `discard`, an rmdir/unlink that frees blocks can wait for a
+# synchronous discard while it holds its parent directory's lock. `rm` removing renamed queue
+# directories straight from the vhost directory held that lock for milliseconds at a time, and the
+# reaper's next rename in that directory waited for it (4-23 ms each, measured) while it held the lock
+# the event loop took for every deleted queue. Inside a trash directory, rm's removals lock the
+# trash directory, which no rename touches.
+# The loop never waits for the reaper: _remove_later takes no lock (a set add and a SimpleQueue put);
+# only claim_path (a deleted queue's name declared again) takes _pending_lock, which the reaper
+# holds for a few bytecodes per path, never across a syscall.
+_reaper: threading.Thread | None = None
+_work: queue.SimpleQueue[tuple[str, bool]] = queue.SimpleQueue()  # (path, already renamed aside)
 _trash_seq = itertools.count()
-# Directories handed to the reaper and not yet renamed aside: a queue of the same name declared
-# meanwhile takes them over first (claim_path), so it never sees the old files.
+# Directories handed to the reaper and not yet moved: a queue of the same name declared meanwhile
+# takes them over first (claim_path), so it never sees the old files.
 _pending: set[str] = set()
 _pending_lock = threading.Lock()
-_queued: list[str] = []  # paths for the reaper, in order (under _pending_lock)
-_draining = False  # a _reap_all job is submitted and has not seen _queued empty yet (under the lock)
+_moved = threading.Condition(_pending_lock)  # notified when the reaper's rename of _moving is done
+_moving: str | None = None  # the path the reaper is renaming now (out of _pending, not yet moved)
 _RM_ARGS = 1000  # trash directories per `rm -rf`
+TRASH_PREFIX = "deleted-"
 
 
-def _submit(fn: Any, *args: Any) -> None:
+def _submit(path: str, aside: bool) -> None:
     global _reaper
+    _work.put((path, aside))
     if _reaper is None:
-        _reaper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-reaper")
-    _reaper.submit(fn, *args)
+        _reaper = threading.Thread(target=_reap_forever, name="store-reaper", daemon=True)
+        _reaper.start()
 
 
 def _trash_name(path: str) -> str:
-    return f"{path}.deleted-{os.getpid()}-{next(_trash_seq)}"
+    return os.path.join(os.path.dirname(path), f"{TRASH_PREFIX}{os.getpid()}-{next(_trash_seq)}")
 
 
 def _rename_aside(path: str) -> str | None:
@@ -59,6 +75,26 @@ def _rename_aside(path: str) -> str | None:
         shutil.rmtree(path, ignore_errors=True)
         return None
     return trash
+
+
+def _move_to(trash_dirs: dict[str, str], path: str) -> None:
+    """Move path into its vhost directory's trash directory of this round (made on first use)."""
+    parent = os.path.dirname(path)
+    trash = trash_dirs.get(parent)
+    if trash is None:
+        trash = _trash_name(path)
+        try:
+            os.mkdir(trash, 0o700)
+        except OSError:  # the vhost dir is gone, or no space for a directory: remove it in place
+            shutil.rmtree(path, ignore_errors=True)
+            return
+        trash_dirs[parent] = trash
+    try:
+        os.rename(path, os.path.join(trash, str(next(_trash_seq))))
+    except FileNotFoundError:
+        pass
+    except OSError:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _remove_trees(paths: list[str]) -> None:
@@ -77,53 +113,62 @@ def _remove_trees(paths: list[str]) -> None:
                 shutil.rmtree(p, True)
 
 
-def _reap_all() -> None:
-    """Reaper thread: until nothing is queued, rename every queued directory aside (unless claimed
-    meanwhile) and remove them."""
-    global _draining
+def _reap_forever() -> None:
+    """Reaper thread: take everything queued at once, move each queued directory (unless claimed
+    meanwhile) into a trash directory and remove those, and again."""
+    global _moving
     while True:
-        with _pending_lock:
-            batch = _queued[:]
-            _queued.clear()
-            if not batch:
-                _draining = False
-                return
-        trash = []
-        for path in batch:
+        items = [_work.get()]
+        while True:
+            try:
+                items.append(_work.get_nowait())
+            except queue.Empty:
+                break
+        trash_dirs: dict[str, str] = {}
+        aside = []
+        for path, renamed in items:
+            if renamed:
+                aside.append(path)
+                continue
             with _pending_lock:
                 if path not in _pending:
                     continue  # claim_path() took it over (or an earlier entry of the same path did)
-                aside = _rename_aside(path)
-                # Only now: claim_path's check without the lock must not see it gone before it is renamed.
+                # _moving first: claim_path, which reads both without the lock, must never see the
+                # path in neither while it is still in place.
+                _moving = path
                 _pending.discard(path)
-            if aside is not None:
-                trash.append(aside)
-        _remove_trees(trash)
+            try:
+                _move_to(trash_dirs, path)
+            finally:
+                with _pending_lock:
+                    _moving = None
+                    _moved.notify_all()
+        try:
+            _remove_trees(list(trash_dirs.values()) + aside)
+        except Exception:  # never let the thread die: what is left goes at the next boot
+            log.exception("removing deleted queue directories failed")
 
 
 def _remove_later(path: str) -> None:
-    global _draining
-    with _pending_lock:
-        _pending.add(path)
-        _queued.append(path)
-        if _draining:
-            return
-        _draining = True
-    _submit(_reap_all)
+    _pending.add(path)
+    _submit(path, False)
 
 
 def claim_path(path: str) -> None:
     """Before a store's directory is made again: a deletion of it still waiting in the reaper is
-    done now (renamed aside here, removed by the reaper), so the new store starts empty."""
-    if not _pending:
+    done now (renamed aside here, removed by the reaper), so the new store starts empty; one the
+    reaper is moving right now is waited for (one rename)."""
+    if not _pending and _moving is None:
         return
     with _pending_lock:
+        while _moving == path:
+            _moved.wait()
         if path not in _pending:
             return
         trash = _rename_aside(path)
         _pending.discard(path)
     if trash is not None:
-        _submit(_remove_trees, [trash])
+        _submit(trash, True)
 
 
 class MarkerFiles:

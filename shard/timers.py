@@ -27,10 +27,13 @@ def now_ms() -> int:
 
 
 class TimerHeap:
-    __slots__ = ("_loop", "_heap", "_seq", "_handle", "_handle_at")
+    __slots__ = ("_loop", "_heap", "_seq", "_handle", "_handle_at", "_before")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, before: Callable[[], None] | None = None) -> None:
         self._loop = loop
+        # Called before the due callbacks of each firing (the shard's definitions fence check): here,
+        # not inside a callback, so whatever it applies never lands in the middle of a queue's work.
+        self._before = before
         self._heap: list[tuple[int, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self._handle: asyncio.TimerHandle | None = None
@@ -60,6 +63,11 @@ class TimerHeap:
 
     def _fire(self) -> None:
         self._handle = None
+        if self._before is not None:
+            try:
+                self._before()
+            except Exception:
+                log.exception("timer pre-check failed")
         heap = self._heap
         now = now_ms()
         while heap and heap[0][0] <= now:

@@ -23,6 +23,7 @@ import zmq
 from broker import contract, data_sockets, gc_pause, stage_trace
 from broker.datadir import name_hash
 from broker.definitions import Definitions
+from broker.defs_fence import CATCH_UP_TIMEOUT_S, control_delay_for_tests_s, open_fence
 from broker.fsync_beacon import FsyncBeacon, stall_for_tests
 from broker.policies import POLICY_OPS
 from broker.unixio import CONTROL_TURN_S, UnixDealer
@@ -87,6 +88,12 @@ class ShardWorker:
         self.ctx = zmq.Context.instance()
         self.epoch = -1
         self.defs: Definitions | None = None
+        # The definitions fence (broker/defs_fence.py): before a data-plane batch, a dead letter or a
+        # due delayed message is routed, fence[0] is compared with defs_version (catch_up_defs).
+        self.defs_version = -1  # the version of self.defs: SNAPSHOT's, then each DEFS'
+        self.fence = open_fence(run_dir)
+        self._in_control = False  # handling a control-plane batch: no catch-up from inside it
+        self._fence_gave_up = -1  # a version waited for in vain (node stuck or gone): not waited for again
         self.settings: dict = {}
         self.queues: dict[tuple[str, str], Queue] = {}
         self.sync_histogram = SyncHistogram()  # group sync durations, reported in STATS
@@ -127,7 +134,8 @@ class ShardWorker:
         self.node: UnixDealer | None = None  # the control plane (broker/unixio.py)
         self.data: Any = None  # BatchSocket or UnixRouter (broker/data_sockets.py)
         # TTL, queue expiry and consumer timeouts of every queue here: one heap, one loop timer.
-        self.timers = TimerHeap(loop)
+        # (A timer's dead letters and due delayed messages route as of now: the fence is checked first.)
+        self.timers = TimerHeap(loop, self.fence_check)
         # Dead-lettered messages for queues of other shards go over a DEALER to each of them.
         self.epochs: dict[int, int] = {}
         self.peers: dict[int, Any] = {}
@@ -162,6 +170,7 @@ class ShardWorker:
         # A sliced commit (a vhost of 10,000 queues) is applied a few ms per loop turn at most, so
         # publishes to other queues go on between its slices (broker/node.py _commit).
         self.node.turn_s = CONTROL_TURN_S
+        self.node.read_delay_s = control_delay_for_tests_s("shard", self.ident.decode())
         self.node.send_now(None, [[contract.HELLO, contract.VERSION, "shard", self.index, os.getpid()]])
         await self._ready.wait()
         self.loop.call_later(_PERIODIC_SYNC_S, self._periodic_sync)
@@ -179,7 +188,33 @@ class ShardWorker:
         self.loop.call_later(interval, self._send_stats)
 
     # --------------------------------------------------------------- control
+    def fence_check(self) -> None:
+        """Before acting on what did not come through _on_data (a timer): the definitions fence."""
+        if self.fence[0] > self.defs_version:
+            self.catch_up_defs()
+
+    def catch_up_defs(self) -> None:
+        """The fence is ahead of our definitions: apply the control plane up to it now, before the
+        caller routes anything (broker/defs_fence.py)."""
+        if self._in_control or self.node is None:
+            return  # inside _on_control (a policy's dead letters): that batch goes first
+        target = self.fence[0]
+        # A version already waited for in vain is not waited for again (the input would stall for
+        # good); what has arrived since is still applied.
+        timeout = 0.0 if target <= self._fence_gave_up else CATCH_UP_TIMEOUT_S
+        if not self.node.read_until(lambda: self.defs_version >= target, timeout) and timeout:
+            self._fence_gave_up = target
+            log.warning("shard %d: definitions version %d announced, still at %d after %.1f s",
+                        self.index, target, self.defs_version, CATCH_UP_TIMEOUT_S)
+
     def _on_control(self, _ident: bytes | None, _header, items: list) -> int:
+        self._in_control = True
+        try:
+            return self._on_control_items(items)
+        finally:
+            self._in_control = False
+
+    def _on_control_items(self, items: list) -> int:
         applied = None  # one APPLIED per batch, for its newest DEFS (pipelined declares bring many)
         ack = False  # the batch has DEFS that are not only the copy sent with our own request's REPLY
         weight = len(items)  # what this batch counts against the turn's read budget (broker/unixio.py)
@@ -188,8 +223,9 @@ class ShardWorker:
             if kind == contract.SNAPSHOT:
                 self._load_snapshot(item)
             elif kind == contract.DEFS:
+                # The version first: an op that fails to apply must not leave the fence waiting.
+                applied = self.defs_version = item[1]
                 self._apply_defs(item[2])
-                applied = item[1]
                 ack = ack or len(item) < 4 or item[3]
                 weight += len(item[2])
             elif kind == contract.QUERY:
@@ -224,6 +260,7 @@ class ShardWorker:
         self.epochs = {int(k): int(v) for k, v in epochs.items()}
         with gc_pause.paused():  # see broker/gc_pause.py
             self.defs = Definitions.from_dict(defs_dict)
+            self.defs_version = version
             self._connect_peers()
             self.dead_letters.load()  # after the peers: what it recovered goes to them
             if self.ack_timeouts is None:
@@ -250,11 +287,17 @@ class ShardWorker:
         log.info("shard %d (pid %d) ready: %d queues, epoch %d", self.index, os.getpid(),
                  len(self.queues), self.epoch)
         self._ready.set()
+        if self._early:
+            # Next turn, out of this control batch: the fence check in _on_data may have to apply the
+            # DEFS behind this snapshot first. Batches arriving meanwhile queue behind them (_on_data).
+            self.loop.call_soon(self._run_early)
+        self.schedule_deliver_all()
+        self.ack_timeouts.schedule()
+
+    def _run_early(self) -> None:
         early, self._early = self._early, []
         for batch in early:
             self._on_data(*batch)
-        self.schedule_deliver_all()
-        self.ack_timeouts.schedule()
 
     def _apply_defs(self, ops: list) -> None:
         defs = self.defs
@@ -350,12 +393,15 @@ class ShardWorker:
 
     # ------------------------------------------------------------------ data
     def _on_data(self, fe: bytes | None, header, items: list) -> None:
-        if self.defs is None:
+        if self.defs is None or self._early:
             # Not started yet: frontends learn our new epoch when the old shard dies and may send
             # before our snapshot is loaded. Dropping those batches while answering PROCESSED lost
-            # publishes (a confirming publisher waited forever); they are handled once we are ready.
+            # publishes (a confirming publisher waited forever); they are handled once we are ready
+            # (_run_early), and so is what comes until then, behind them.
             self._early.append((fe, header, items))
             return
+        if self.fence[0] > self.defs_version:  # definitions fence: broker/defs_fence.py
+            self.catch_up_defs()
         try:
             epoch, batch_seq = header[0], header[1]
         except (TypeError, IndexError, KeyError):

@@ -47,7 +47,7 @@ def test_scenario_names_are_unique_and_match_the_brief() -> None:
     assert {"1p1c-16b-transient-autoack", "publish-only-16b", "consume-only-drain-1m",
             "1p1c-1kib-persistent-confirm1000-ack-prefetch1000", "4p4c-16b-4queues", "fanout-4queues",
             "idle-connections-1000", "queues-10000", "queues-20000-durable", "queues-20000-transient",
-            "bindings-per-second", "idle-connections-10000", "connection-churn"} < set(names)
+            "bindings-per-second", "idle-connections-10000", "connection-churn", "delete-stall-30000"} < set(names)
     # the fixed-rate latency scenarios: 1k/10k/50k msg/s, each no-ack and with manual acks
     assert {f"latency-{k}k-{mode}" for k in (1, 10, 50) for mode in ("autoack", "ack")} < set(names)
 

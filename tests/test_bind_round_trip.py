@@ -20,6 +20,9 @@ from tests.test_feature_dlx import uid_on
 from tests.test_pipelined_declares import _frames
 from tests.test_queues import exists
 
+# uid_on picks names by crc32 to put the dead-letter source and target on given shards.
+QUEUE_PLACEMENT = "hash"
+
 
 def _same_frontend_as(node, other):
     """Another connection served by the same frontend process as `other`."""

@@ -212,3 +212,23 @@ def test_publishes_to_another_vhost_flow_on_while_a_vhost_of_many_queues_is_dele
         ch.queue_delete(keep)
     finally:
         conn.close()
+
+
+def test_a_vhost_deleted_just_before_a_crash_is_gone_after_the_restart(node):
+    """The node dies (SIGKILL, its workers with it) right after a vhost delete was applied, while
+    the shard's reaper is still moving and removing the queue directories: after the restart the
+    vhost stays deleted, no directory of it (queue or trash) is left, and a durable queue of another
+    vhost still holds every confirmed message, once, in order."""
+    api, vhost = _vhost_of_many_queues(node, "crash")
+    keep_conn, keep = _keep_queue(node, 50)
+    keep_conn.close()
+    api.delete(f"/api/vhosts/{vhost}")
+    node.kill9()
+    node.restart()
+    _wait_no_queue_dirs(node, vhost)
+    assert api.call("GET", f"/api/vhosts/{vhost}")[0] == 404
+    conn = node.connect()
+    try:
+        _assert_intact(conn, keep, 50)
+    finally:
+        conn.close()

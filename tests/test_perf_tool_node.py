@@ -193,10 +193,10 @@ def test_delete_stall_deletes_queues_and_a_vhost_while_probing(node, capsys):
     assert e["queues"] == 300 and e["probe_during_confirms"] > 0
     assert e["worst_stall_ms"] >= e["probe_during_p50_ms"] > 0
     rc = main(["amqp", "delete-stall", "--uri", node.url, "-n", "300", "--durable", "--vhost", "stall-v",
-               "--api", f"http://guest:guest@127.0.0.1:{node.http_port}", "--json"])
+               "--api", f"http://guest:guest@127.0.0.1:{node.http_port}", "--probe-durable", "--json"])
     e = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["extra"]
     assert rc == EXIT_OK, e
-    assert e["vhost"] == "stall-v" and e["probe_during_confirms"] > 0
+    assert e["vhost"] == "stall-v" and e["probe_during_confirms"] > 0 and e["probe_durable"] is True
     from tests.mgmt_api import Api
     from tests.test_queues import exists
 

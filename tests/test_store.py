@@ -9,6 +9,7 @@ import threading
 
 from shard import record
 from shard.segment import DATA_START, Meta, file_name
+from shard.segment_dir import TRASH_PREFIX
 from shard.store import QueueStore, queue_dir
 
 PROPS = b"\x80\x00\x02"  # delivery-mode present, = 2
@@ -387,7 +388,7 @@ def test_delete_later_reaps_in_the_background_and_a_redeclare_starts_empty(tmp_p
     assert again.ready == 0
     add(again, 2)
     deadline = time.monotonic() + 10
-    while any(".deleted-" in n for n in os.listdir(os.path.dirname(path))) or not os.path.isdir(path):
+    while any(TRASH_PREFIX in n for n in os.listdir(os.path.dirname(path))) or not os.path.isdir(path):
         assert time.monotonic() < deadline, "the deleted store's directory was never removed"
         time.sleep(0.01)
     assert drain(again) == [2]
@@ -406,6 +407,36 @@ def test_delete_later_removes_the_directory(tmp_path):
     while os.listdir(os.path.dirname(path)) != [".vhost"]:
         assert time.monotonic() < deadline, os.listdir(os.path.dirname(path))
         time.sleep(0.01)
+
+
+def test_delete_later_of_many_while_some_names_come_back(tmp_path):
+    """The reaper moves queued directories into trash directories while the loop declares some of
+    the deleted names again (claim_path, racing the reaper's renames): every re-declared store
+    keeps exactly its new message, every other directory and every trash directory goes."""
+    import time
+
+    names = [f"q{i}" for i in range(250)]
+    stores = {}
+    for n in names:
+        stores[n] = QueueStore(queue_dir(str(tmp_path), "v", n))
+        add(stores[n], 1)
+    again = {}
+    for i, n in enumerate(names):
+        stores[n].delete(later=True)
+        if i % 7 == 0 and i >= 14:  # an earlier name back while later deletes keep the reaper busy
+            back = names[i - 14]
+            again[back] = QueueStore(queue_dir(str(tmp_path), "v", back))
+            add(again[back], 2)
+    vdir = os.path.dirname(stores[names[0]].path)
+    kept = {hashlib.sha1(n.encode()).hexdigest() for n in again} | {".vhost"}
+    deadline = time.monotonic() + 30
+    while set(os.listdir(vdir)) != kept:
+        left = set(os.listdir(vdir)) - kept
+        assert time.monotonic() < deadline, f"{len(left)} left, e.g. {sorted(left)[:3]}"
+        time.sleep(0.01)
+    for n, s in again.items():
+        assert s.ready == 1 and drain(s) == [2], n
+        s.close()
 
 
 def test_empty_store_has_no_segment_file_until_the_first_message(tmp_path):

@@ -207,6 +207,34 @@ def test_the_listener_replaces_a_dead_predecessors_socket_file(path):
     run(scenario)
 
 
+def test_read_until_handles_held_and_unread_frames_at_once_and_in_order(path):
+    """The definitions fence's catch-up (UnixDealer.read_until, broker/defs_fence.py): frames the
+    stream holds (here by the test-only read delay) and frames still in the socket are handled
+    synchronously, in order, up to the one asked for; what is left follows from the loop; and it
+    gives up after its timeout when what it waits for is not sent."""
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        inbox = Inbox()
+        router = UnixRouter(loop, path, Inbox())
+        dealer = UnixDealer(loop, path, b"fe-0", inbox)
+        dealer.read_delay_s = 60.0  # the loop never handles what it reads within this test
+        await until(lambda: b"fe-0" in router._peers, "the dealer's hello")
+        router.send_now(b"fe-0", [[contract.DEFS, 1, []], [contract.DEFS, 2, []]])
+        await until(lambda: dealer._stream._end > dealer._stream._start, "the first frame read (and held)")
+        assert inbox.items == []
+        router.send_now(b"fe-0", [[contract.DEFS, 3, []]])  # in the socket, not read yet
+        assert dealer.read_until(lambda: len(inbox.items) == 3, 5.0)
+        assert [item[1] for item in inbox.items] == [1, 2, 3]
+        # Nothing more comes: False after the timeout.
+        assert not dealer.read_until(lambda: len(inbox.items) == 4, 0.1)
+        # Two frames read in one go, the first one asked for: the second is handled from the loop.
+        router.send_now(b"fe-0", [[contract.DEFS, 4, []]])
+        router.send_now(b"fe-0", [[contract.DEFS, 5, []]])
+        assert dealer.read_until(lambda: len(inbox.items) >= 4, 5.0)
+        await until(lambda: len(inbox.items) == 5, "the frame left after the one asked for")
+        assert [item[1] for item in inbox.items] == [1, 2, 3, 4, 5]
+
+
 def test_on_drained_runs_once_after_the_batches_of_one_read_were_handled(path):
     async def scenario() -> None:
         loop = asyncio.get_running_loop()

@@ -206,6 +206,9 @@ class AMQPConnection(asyncio.Protocol):
         self._wheel.arm(self, HANDSHAKE_TIMEOUT)
 
     def data_received(self, data: bytes) -> None:
+        worker = self.worker
+        if worker.fence[0] > worker.defs_version:  # definitions fence: broker/defs_fence.py
+            worker.catch_up_defs()
         self._received = True
         n = len(data)
         self.recv_oct += n

@@ -173,6 +173,11 @@ class MQTTConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.state == CLOSED or self._close_after_flush:
             return  # closing: nothing the client sends counts any more
+        worker = self.worker
+        if worker.fence[0] > worker.defs_version:  # definitions fence: broker/defs_fence.py
+            worker.catch_up_defs()
+            if self.state == CLOSED or self._close_after_flush:
+                return  # the node closed us (CLOSE_CONNECTIONS) in what it read
         self._received = True
         self.recv_oct += len(data)
         try:
@@ -825,6 +830,7 @@ class MQTTConnection(asyncio.Protocol):
     def _publish_will(self) -> None:
         will = self.will
         self.will = None
+        self.worker.fence_check()  # a will is routed as of now, as a publish (broker/defs_fence.py)
         if not self._may_publish(will.topic):
             return
         self._route(will.topic, will.payload, will.qos, None)
