@@ -22,6 +22,7 @@ from pamqp import header as pheader
 from pamqp.body import ContentBody
 
 from broker import contract
+from broker.defs_fence import FenceWord
 from broker.turn_batch import TurnBatcher
 from frontend.worker import FrontendWorker
 from tests.helpers import WAIT, uid
@@ -44,9 +45,10 @@ class _Recording(TurnBatcher):
 
 
 @pytest.fixture
-def worker():
+def worker(tmp_path):
     loop = asyncio.new_event_loop()
-    w = FrontendWorker(0, "/nonexistent", loop)
+    fence = FenceWord(str(tmp_path))  # the node's side of the definitions fence, which a worker maps
+    w = FrontendWorker(0, str(tmp_path), loop)
     w.shard_count = 1
     w.epochs = [1]
     w._sent, w._processed, w._unanswered = [0], [0], [deque()]
@@ -58,6 +60,7 @@ def worker():
     w.control = [_Recording(loop, w._control_header_for(0), w.sent, "control")]
     yield w
     loop.close()
+    fence.close()
 
 
 def _publish(worker: FrontendWorker) -> None:

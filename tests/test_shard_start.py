@@ -16,6 +16,7 @@ import pytest
 
 from broker import contract, data_sockets
 from broker.definitions import Definitions
+from broker.defs_fence import FenceWord
 from broker.unixio import UnixRouter
 from shard.worker import ShardWorker
 
@@ -43,6 +44,7 @@ def test_a_publish_sent_before_the_snapshot_is_stored_and_confirmed(tmp_path, mo
                                            lambda _dest: [epoch, 1])
         fe.put(None, [contract.PUBLISH, "/", ["q"], "", "q", b"\x00\x00", b"early", True, 1, 1, 7])
         await asyncio.sleep(0.05)
+        FenceWord(str(run_dir))  # the node creates the definitions fence before it spawns workers
         shard = ShardWorker(0, str(run_dir), loop)
         start = loop.create_task(shard.start())
         ident, items = await asyncio.wait_for(from_shard.get(), 10)
