@@ -68,3 +68,13 @@ def give_back(put: Callable[[int, list], None], conn_id: int, taken: dict[Key, i
             del taken[key]
         else:
             taken[key] = n - step
+
+
+def give_back_step(put: Callable[[int, list], None], conn_id: int, taken: dict[Key, int] | None,
+                   is_open: bool) -> dict[Key, int] | None:
+    """A connection's step of giving back (AMQP and MQTT alike): at resume, then after each turn
+    whose writes the socket took at once. Returns what is still taken, None once all of it is back
+    (a closed connection gives nothing back: its consumers are gone with it)."""
+    if taken and is_open:
+        give_back(put, conn_id, taken)
+    return taken or None

@@ -41,7 +41,7 @@ from broker.version import __version__
 from frontend.amqp.channel import BACKLOG_PAUSE, CLOSED, OPEN, Channel
 from frontend.amqp.replies import plain, reply_text
 from frontend.amqp.shard_loss import connection_lost_shard
-from frontend.paused_credit import GIVE_BACK_BELOW, give_back, take_back
+from frontend.paused_credit import GIVE_BACK_BELOW, give_back_step, take_back
 from frontend.timer_wheel import wheel_for
 
 if TYPE_CHECKING:
@@ -302,13 +302,8 @@ class AMQPConnection(asyncio.Protocol):
             self._mark_dirty()
 
     def _give_back(self) -> None:
-        """A step of the credit taken back while paused (frontend/paused_credit.py): at resume, then
-        after each turn whose writes the socket took at once, until all of it is back."""
-        taken = self._taken
-        if taken and self.state != CLOSED_STATE:
-            give_back(self.worker.shard_put, self.conn_id, taken)
-        if not taken:
-            self._taken = None
+        """A step of the credit taken back while paused (frontend/paused_credit.py give_back_step)."""
+        self._taken = give_back_step(self.worker.shard_put, self.conn_id, self._taken, self.state != CLOSED_STATE)
 
     def became_publisher(self) -> None:
         self.publisher = True

@@ -54,7 +54,7 @@ from frontend.mqtt.messages import (
     session_shard,
     transient_queue,
 )
-from frontend.paused_credit import GIVE_BACK_BELOW, give_back, take_back
+from frontend.paused_credit import GIVE_BACK_BELOW, give_back_step, take_back
 from frontend.publish import put_marked_publish, put_publish, queues_by_shard
 from frontend.session import CONNECTION_FORCED
 
@@ -250,13 +250,8 @@ class MQTTConnection(asyncio.Protocol):
             self._mark_dirty()
 
     def _give_back(self) -> None:
-        """A step of the credit taken back while paused (frontend/paused_credit.py): at resume, then
-        after each turn whose writes the socket took at once, until all of it is back."""
-        taken = self._taken
-        if taken and self.state != CLOSED:
-            give_back(self.worker.shard_put, self.conn_id, taken)
-        if not taken:
-            self._taken = None
+        """A step of the credit taken back while paused (frontend/paused_credit.py give_back_step)."""
+        self._taken = give_back_step(self.worker.shard_put, self.conn_id, self._taken, self.state != CLOSED)
 
     def _let_go(self) -> None:
         """Resume the publishers this (directly served) session held."""
