@@ -34,8 +34,11 @@ bind-ok still routes through the binding; without it, it would not. Never set it
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
+from collections.abc import Callable
+from typing import Any
 
 from broker import contract
 
@@ -45,6 +48,7 @@ _SIZE = 8
 # on with what it has, and says so).
 CATCH_UP_TIMEOUT_S = 2.0
 TEST_DELAY_ENV = "SHARDMQ_TEST_CONTROL_DELAY_MS"
+log = logging.getLogger("shardmq.defs_fence")
 
 
 class FenceWord:
@@ -99,3 +103,17 @@ def control_delay_for_tests_s(role: str, identity: str) -> float:
         except ValueError:
             return 0.0
     return 0.0
+
+
+def catch_up(node: Any, fence: memoryview, applied: Callable[[], int], gave_up: int, who: str) -> int:
+    """A worker's catch-up (frontend and shard alike): read and apply ``node``'s control plane until
+    ``applied()`` reaches the fence word. A version already waited for in vain is not waited for
+    again (the input would stall for good); what has arrived since is still applied. Returns the
+    version given up on, for the next call."""
+    target = fence[0]
+    timeout = 0.0 if target <= gave_up else CATCH_UP_TIMEOUT_S
+    if not node.read_until(lambda: applied() >= target, timeout) and timeout:
+        log.warning("%s: definitions version %d announced, still at %d after %.1f s",
+                    who, target, applied(), CATCH_UP_TIMEOUT_S)
+        return target
+    return gave_up

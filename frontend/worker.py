@@ -20,7 +20,7 @@ import zmq
 
 from broker import contract, data_sockets, gc_pause, stage_trace
 from broker.definitions import Definitions
-from broker.defs_fence import CATCH_UP_TIMEOUT_S, control_delay_for_tests_s, open_fence
+from broker.defs_fence import catch_up, control_delay_for_tests_s, open_fence
 from broker.heap_trim import HeapTrimmer
 from broker.tls import reload_certificate, server_context
 from broker.unixio import CONTROL_TURN_S, UnixDealer
@@ -268,14 +268,8 @@ class FrontendWorker:
         caller (a session, about to handle what it read) routes anything (broker/defs_fence.py)."""
         if self._in_control or self.node is None:
             return  # inside _on_node (a REPLY's callback): that batch's DEFS come first; read time checked
-        target = self.fence[0]
-        # A version already waited for in vain is not waited for again (the input would stall for
-        # good); what has arrived since is still applied.
-        timeout = 0.0 if target <= self._fence_gave_up else CATCH_UP_TIMEOUT_S
-        if not self.node.read_until(lambda: self.defs_version >= target, timeout) and timeout:
-            self._fence_gave_up = target
-            log.warning("frontend %d: definitions version %d announced, still at %d after %.1f s",
-                        self.index, target, self.defs_version, CATCH_UP_TIMEOUT_S)
+        self._fence_gave_up = catch_up(self.node, self.fence, lambda: self.defs_version, self._fence_gave_up,
+                                       f"frontend {self.index}")
 
     def _on_node(self, _ident: bytes | None, _header: Any, items: list) -> int:
         self._in_control = True

@@ -23,7 +23,7 @@ import zmq
 from broker import contract, data_sockets, gc_pause, stage_trace
 from broker.datadir import name_hash
 from broker.definitions import Definitions
-from broker.defs_fence import CATCH_UP_TIMEOUT_S, control_delay_for_tests_s, open_fence
+from broker.defs_fence import catch_up, control_delay_for_tests_s, open_fence
 from broker.fsync_beacon import FsyncBeacon, stall_for_tests
 from broker.policies import POLICY_OPS
 from broker.unixio import CONTROL_TURN_S, UnixDealer
@@ -198,14 +198,8 @@ class ShardWorker:
         caller routes anything (broker/defs_fence.py)."""
         if self._in_control or self.node is None:
             return  # inside _on_control (a policy's dead letters): that batch goes first
-        target = self.fence[0]
-        # A version already waited for in vain is not waited for again (the input would stall for
-        # good); what has arrived since is still applied.
-        timeout = 0.0 if target <= self._fence_gave_up else CATCH_UP_TIMEOUT_S
-        if not self.node.read_until(lambda: self.defs_version >= target, timeout) and timeout:
-            self._fence_gave_up = target
-            log.warning("shard %d: definitions version %d announced, still at %d after %.1f s",
-                        self.index, target, self.defs_version, CATCH_UP_TIMEOUT_S)
+        self._fence_gave_up = catch_up(self.node, self.fence, lambda: self.defs_version, self._fence_gave_up,
+                                       f"shard {self.index}")
 
     def _on_control(self, _ident: bytes | None, _header, items: list) -> int:
         self._in_control = True
