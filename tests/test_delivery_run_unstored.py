@@ -77,7 +77,9 @@ def _queue(tmp_path, consumers: list[tuple[bool, bool, int, int]]) -> Queue:
     return q
 
 
-_consumer = st.tuples(st.booleans(), st.booleans(), st.integers(-2, 12), st.integers(0, 1))
+# No-ack consumers only: what deliver_unstored does for a manual-ack one is not a delivery run's
+# business (the run stops there and leaves it to deliver_unstored: the explicit test below).
+_consumer = st.tuples(st.just(True), st.booleans(), st.integers(-2, 12), st.integers(0, 1))
 
 
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -113,7 +115,7 @@ def test_credit_used_up_in_the_middle_of_a_run(tmp_path):
     assert q.consumers[0].credit == 0
     assert q.deliver_unstored_run(lambda fe, items: sent.append(items), "", "q", b"", bodies[4:]) == 0
     assert len(sent) == 1
-    # A manual-ack consumer next in the round-robin stops a run too (its messages must be stored).
+    # A manual-ack consumer next in the round-robin stops a run (its messages go body by body).
     q = _queue(tmp_path / "b", [(True, True, 100, 0), (False, True, 100, 1)])
     sent = []
     assert q.deliver_unstored_run(lambda fe, items: sent.append((fe, items)), "", "q", b"", bodies) == 1
