@@ -14,6 +14,8 @@ cost of one publish (start-up, imports and the first read cancel out). Workloads
   alternate   two keys of one length taking turns (a run never forms)
   blocks      runs of 8 publishes with one key, then 8 with the next (PUBLISHES keys)
 The parser is fed the same bytes objects each time; the events are dropped.
+Environment: WORKLOADS=same,new-key picks workloads; PARSER_RUNS=0 measures the parser without runs
+(publish_runs=False), the floor a publish that never joins a run should stay at.
 """
 
 import os
