@@ -30,7 +30,10 @@ that differ only in their bodies come out as one PublishRun holding the bodies i
 message assembled in the fast path (method, header and one body frame in one read), the messages that
 follow at once, complete in the same read, whose frames are byte for byte that message's but for the
 body size and body (so they pass the same checks; nothing is decoded again) join it. Expanding every
-PublishRun into its Publish events gives exactly the events of a parser without runs.
+PublishRun into its Publish events gives exactly the events of a parser without runs. Looking for a
+run that is not there costs a third of a publish's parse, so a connection whose publishes keep
+missing is not probed for a while (_PROBE_MISSES, _PROBE_WAIT): which events come out as runs then
+changes, never the events they expand to.
 
 Memory: input is only buffered up to the frame being waited for, whose size is checked against
 frame_max from its 7-byte header; a body is accumulated from its frames, never preallocated from
