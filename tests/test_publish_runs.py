@@ -274,12 +274,13 @@ def test_runs_interrupted_by_key_changes_keep_order_and_confirms(node_factory):
     cons.close()
 
 
-def test_delivery_runs_keep_order_through_credit_and_cancel(node_factory):
+@pytest.mark.parametrize("transport", ["unix", "zmq"])  # both batch a delivery run's items (put_many)
+def test_delivery_runs_keep_order_through_credit_and_cancel(node_factory, transport):
     """Runs fanned out to a queue with a waiting no-ack consumer (delivery runs) and one without (stored):
     the consumer does not read, so its credit runs out in the middle of a run and the rest is stored;
     it then reads some, is cancelled, and a second consumer gets the rest: every body once, in order,
     in both queues; every publish confirmed."""
-    node = node_factory(name="node", frontends=1, shards=1)
+    node = node_factory(name="node", frontends=1, shards=1, extra_args=["--ipc-transport", transport])
     pub = FrameClient(node.port)
     pub.open_channel(1)
     live, kept, fx = uid("live"), uid("kept"), uid("fan")
