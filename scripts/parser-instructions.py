@@ -13,6 +13,7 @@ cost of one publish (start-up, imports and the first read cancel out). Workloads
               same, so the run probe's two byte tests pass and only its compare tells them apart)
   alternate   two keys of one length taking turns (a run never forms)
   blocks      runs of 8 publishes with one key, then 8 with the next (PUBLISHES keys)
+  lone        one key, each publish a read of its own (a low rate: no run can form)
 The parser is fed the same bytes objects each time; the events are dropped.
 Environment: WORKLOADS=same,new-key picks workloads; PARSER_RUNS=0 measures the parser without runs
 (publish_runs=False), the floor a publish that never joins a run should stay at.
@@ -26,11 +27,11 @@ import tempfile
 
 PUBLISHES = 2200
 FEEDS = 10
-WORKLOADS = tuple(os.environ.get("WORKLOADS", "same,new-key,alternate,blocks").split(","))
+WORKLOADS = tuple(os.environ.get("WORKLOADS", "same,new-key,alternate,blocks,lone").split(","))
 
 
 def keys(workload: str) -> list[str]:
-    if workload == "same":
+    if workload in ("same", "lone"):
         return ["perf-test"] * PUBLISHES
     if workload == "new-key":
         return [f"dev.{i:05d}.t" for i in range(PUBLISHES)]
@@ -39,21 +40,24 @@ def keys(workload: str) -> list[str]:
     return [f"dev.{i // 8:05d}.t" for i in range(PUBLISHES)]
 
 
-def inner(workload: str, reads: int) -> None:
+def inner(workload: str, times: int) -> None:
     from broker.amqp import encoder
     from broker.amqp.constants import PROTOCOL_HEADER
     from broker.amqp.parser import FrameParser
 
-    data = b"".join(encoder.encode_publish(1, "ex", k, False, b"\x10\x00\x01", bytes(16)) for k in keys(workload))
+    publishes = [encoder.encode_publish(1, "ex", k, False, b"\x10\x00\x01", bytes(16)) for k in keys(workload)]
+    reads = publishes if workload == "lone" else [b"".join(publishes)]
     try:
         parser = FrameParser("server", publish_runs=os.environ.get("PARSER_RUNS", "1") == "1")
     except TypeError:  # a tree from before publish runs
         parser = FrameParser("server")
     parser.feed(PROTOCOL_HEADER)
     feed = parser.feed
-    for _ in range(reads):
-        if feed(data) and parser.dead:
-            raise SystemExit("parser failed")
+    for _ in range(times):
+        for data in reads:
+            feed(data)
+    if parser.dead:
+        raise SystemExit("parser failed")
 
 
 def instructions(tree: str, workload: str, reads: int) -> int:
