@@ -22,11 +22,11 @@ While this shard runs, an item is also kept in memory and sent again when its ta
 
 A clean stop sends no dead letter twice: every shard of the node stops at once, so a target may
 have stored a dead letter whose CONFIRM (sent after its next group sync) has not reached us yet.
-``settle`` keeps this shard's loop serving its peers' answers until every dead letter in flight is
-confirmed (at most STOP_WAIT_S), and a stopping shard confirms what its final sync covered
-(ShardWorker.stop); only then is the outbox closed. A record still there after a clean stop was not
-stored by its target (or the target did not stop within STOP_WAIT_S). After a kill -9 of either
-side, a copy stored but not confirmed is sent again: at least once, duplicates possible.
+The stopping shard waits for it with its other forwards (shard/forward_settle.py, ``in_flight``
+here), and a stopping shard confirms what its final sync covered (ShardWorker.stop); only then is
+the outbox closed. A record still there after a clean stop was not stored by its target (or the
+target did not stop in time). After a kill -9 of either side, a copy stored but not confirmed is
+sent again: at least once, duplicates possible.
 """
 
 from __future__ import annotations
@@ -48,9 +48,6 @@ log = logging.getLogger("shardmq.shard")
 MAX_PENDING = 100_000
 # A dead letter a target refused (CONFIRM_NACK) is sent again after this long.
 RETRY_S = 1.0
-# At a clean stop, how long the shard waits for its peers' confirms of dead letters in flight (they
-# confirm after their next group sync; the node gives a stopping shard 15 s in all).
-STOP_WAIT_S = 5.0
 
 # Where an item kind keeps its confirm seq (contract.PUBLISH / DEDUP_PUBLISH field lists).
 _SEQ_FIELD = {contract.PUBLISH: 10, contract.DEDUP_PUBLISH: 9}
@@ -78,7 +75,6 @@ class DeadLetterForwards:
         # outbox msg id (= confirm seq) -> {target shard: [epoch it was sent to, item]}
         self.pending: dict[int, dict[int, list]] = {}
         self._retry_armed = False
-        self._settled: asyncio.Event | None = None  # set while settle() waits
 
     def path(self) -> str:
         w = self.worker
@@ -176,8 +172,6 @@ class DeadLetterForwards:
                 store.ack(seq)  # dropped from memory (MAX_PENDING) and confirmed after all
         if store is not None:
             store.flush_acks()
-        if self._settled is not None and not self.in_flight():
-            self._settled.set()
 
     def in_flight(self) -> int:
         """Dead letters sent to the running incarnation of a shard (or to ourselves) and not confirmed
@@ -187,26 +181,6 @@ class DeadLetterForwards:
         own, own_epoch = w.index, w.epoch
         return sum(sent[0] != -1 and sent[0] == (own_epoch if shard == own else epochs.get(shard, 0))
                    for items in self.pending.values() for shard, sent in items.items())
-
-    async def settle(self, timeout: float = STOP_WAIT_S) -> int:
-        """At a clean stop: wait until every dead letter in flight is confirmed or refused (at most
-        `timeout`), so a copy its target stored is not sent again after the restart. Returns how many
-        are still unconfirmed (they stay in the outbox)."""
-        if not self.in_flight():
-            return 0
-        self._settled = asyncio.Event()
-        try:
-            async with asyncio.timeout(timeout):
-                await self._settled.wait()
-        except TimeoutError:
-            pass
-        finally:
-            self._settled = None
-        left = self.in_flight()
-        if left:
-            log.warning("shard %d: stopping with %d dead letters not confirmed by other shards; they are "
-                        "sent again after the restart", self.worker.index, left)
-        return left
 
     def _retry(self) -> None:
         self._retry_armed = False

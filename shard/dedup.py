@@ -261,6 +261,12 @@ class ExchangeDedup:
         for token in tokens:
             self._settle(token, shard, ok)
 
+    def in_flight(self) -> int:
+        """Forwards not answered yet, counted per target shard. A clean stop waits for them
+        (shard/forward_settle.py): the answer owed to a dead letter's source shard depends on them,
+        and a source without it sends the dead letter again after the restart, when our cache is empty."""
+        return sum(len(p.shards) for p in self.pending.values())
+
     def shard_up(self, shard: int) -> None:
         """`shard` restarted: what it had not confirmed is lost, so those publishes are nacked."""
         for token in [t for t, p in self.pending.items() if shard in p.shards]:

@@ -294,6 +294,13 @@ class DelayedMessages:
             if fwd is not None:
                 self._settle(fwd, shard)
 
+    def in_flight(self) -> int:
+        """Forwarded due messages not confirmed yet, counted per target shard (a clean stop waits for
+        them, shard/forward_settle.py: the record stays in the delay store until they are, and a record
+        still there is routed again after the restart). What went to a shard that restarted counts too
+        (it is sent again once that shard is ready); the wait is bounded."""
+        return sum(len(fwd.items) for fwd in self._forwards.values())
+
     def _settle(self, fwd: Forward, shard: int | None) -> None:
         if shard is None:
             fwd.sync_pending = False
