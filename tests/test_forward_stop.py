@@ -9,6 +9,8 @@ stops at once: a shard that stops without waiting for its peers' confirms routes
 again after the restart (or sends the dead letter again, to an owner whose cache is empty by then),
 and the target queue holds it twice.
 
+After a kill -9 of the node, at least once: the forwarding side sends what it kept again.
+
 The window is held open with a test-only stall of the target shard's group syncs
 (SHARDMQ_TEST_STALL_FSYNC_WHILE's ``.shard-N`` twin): the forwards are stored, not confirmed. The
 stall ends once the forwarding shard either stopped (the bug) or logged that it waits for its peers.
@@ -16,11 +18,14 @@ stall ends once the forwarding shard either stopped (the bug) or logged that it 
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from pathlib import Path
 
 import pika
+import pytest
 
 from broker.dedup import exchange_shard
 from broker.routing import delay_store_shard
@@ -76,12 +81,9 @@ def _bodies(ch, queue: str) -> list[bytes]:
         out.append(body)
 
 
-def test_due_delayed_messages_confirmed_late_are_not_routed_again_after_a_clean_stop(node_factory, tmp_path):
-    """N delayed messages fall due and are stored by the queue's shard (1), unconfirmed (its syncs
-    are held), when the node is told to stop. The delay store's shard (0) must keep their records
-    until the confirms come, or it routes them again after the restart."""
-    stall = tmp_path / "stall"
-    node = node_factory(name="node", frontends=2, shards=2, env={"SHARDMQ_TEST_STALL_FSYNC_WHILE": str(stall)})
+def _delayed_in_flight(node: Node, stall: Path) -> tuple[str, list[bytes], Path]:
+    """N delayed messages of shard 0's delay store fall due and are stored by the queue's shard (1),
+    unconfirmed (its syncs are held). Returns the queue, the bodies and the stall file to remove."""
     x = names_on_different_shards(uid("dx"))[0]
     assert delay_store_shard("/", x, 2) == 0
     q = names_on_different_shards(uid("dq"))[1]
@@ -98,25 +100,13 @@ def test_due_delayed_messages_confirmed_late_are_not_routed_again_after_a_clean_
         ch.basic_publish(x, "", body, pika.BasicProperties(delivery_mode=2, headers={"x-delay": 50}))
     wait_count(ch, q, N)  # due and stored, not confirmed
     conn.close()
-
-    _stop_then_release(node, held, forwarder=0)
-
-    assert "delayed messages recovered" not in node.log_text()  # each was removed after its confirm
-    conn = node.connect()
-    ch = conn.channel()
-    assert count(ch, q) == N
-    assert _bodies(ch, q) == bodies
-    conn.close()
+    return q, bodies, held
 
 
-def test_dead_letters_through_a_dedup_owner_are_not_sent_again_after_a_clean_stop(node_factory, tmp_path):
+def _dedup_dead_letters_in_flight(node: Node, stall: Path) -> tuple[str, list[bytes], Path]:
     """N messages of shard 0 are dead-lettered to a deduplicating exchange owned by shard 1, whose
-    queue is on shard 0 again: source -> owner -> queue. The queue's shard stores them unconfirmed
-    (its syncs are held) when the node is told to stop. The owner must wait for those confirms and
-    pass them on to the source, or the source sends every dead letter again after the restart and
-    the owner (its cache lives in memory) forwards each a second time."""
-    stall = tmp_path / "stall"
-    node = node_factory(name="node", frontends=2, shards=2, env={"SHARDMQ_TEST_STALL_FSYNC_WHILE": str(stall)})
+    queue is on shard 0 again: source -> owner -> queue, stored there unconfirmed (shard 0's syncs
+    are held). Returns the queue, the bodies and the stall file to remove."""
     x = next(n for i in range(1000) if exchange_shard("/", n := uid(f"dedup{i}"), 2) == 1)
     src = names_on_different_shards(uid("src"))[0]
     q = names_on_different_shards(uid("dq"))[0]
@@ -144,13 +134,65 @@ def test_dead_letters_through_a_dedup_owner_are_not_sent_again_after_a_clean_sto
         ch.basic_reject(tag, requeue=False)
     wait_count(ch, q, N)  # through the owner and back, stored, not confirmed
     conn.close()
+    return q, bodies, held
+
+
+def _node(node_factory, tmp_path) -> tuple[Node, Path]:
+    stall = tmp_path / "stall"
+    return node_factory(name="node", frontends=2, shards=2, env={"SHARDMQ_TEST_STALL_FSYNC_WHILE": str(stall)}), stall
+
+
+def test_due_delayed_messages_confirmed_late_are_not_routed_again_after_a_clean_stop(node_factory, tmp_path):
+    """The delay store's shard (0) must keep the records until the confirms come, or it routes them
+    again after the restart."""
+    node, stall = _node(node_factory, tmp_path)
+    q, bodies, held = _delayed_in_flight(node, stall)
+
+    _stop_then_release(node, held, forwarder=0)
+
+    assert "delayed messages recovered" not in node.log_text()  # each was removed after its confirm
+    conn = node.connect()
+    ch = conn.channel()
+    assert count(ch, q) == N
+    assert _bodies(ch, q) == bodies
+    conn.close()
+
+
+def test_dead_letters_through_a_dedup_owner_are_not_sent_again_after_a_clean_stop(node_factory, tmp_path):
+    """The owner (shard 1) must wait for the queue's confirms and pass them on to the source, or the
+    source sends every dead letter again after the restart and the owner (its cache lives in memory)
+    forwards each a second time."""
+    node, stall = _node(node_factory, tmp_path)
+    q, bodies, held = _dedup_dead_letters_in_flight(node, stall)
 
     _stop_then_release(node, held, forwarder=1)
 
     assert "dead letters unconfirmed before the restart are sent again" not in node.log_text()
     conn = node.connect()
     ch = conn.channel()
-    assert count(ch, src) == 0
     assert count(ch, q) == N
     assert _bodies(ch, q) == bodies
+    conn.close()
+
+
+@pytest.mark.parametrize("setup", [_delayed_in_flight, _dedup_dead_letters_in_flight], ids=["delayed", "dedup-dlx"])
+def test_forwards_in_flight_survive_a_kill9_of_the_node(node_factory, tmp_path, setup):
+    """kill -9 of every process of the node while the forwards are stored but unconfirmed: at least
+    once. The forwarding side still has its copy (delay store, outbox) and sends it again after the
+    restart; the target's unsynced copies may survive too (written, not fsynced: the page cache
+    outlives the processes), so duplicates are possible, loss is not."""
+    node, stall = _node(node_factory, tmp_path)
+    q, bodies, held = setup(node, stall)
+    os.killpg(node.pid, signal.SIGKILL)
+    node.proc.wait()
+    held.unlink()
+    node.restart()
+    conn = node.connect()
+    ch = conn.channel()
+    got: list[bytes] = []
+    deadline = time.monotonic() + WAIT
+    while not set(bodies) <= set(got):
+        assert time.monotonic() < deadline, f"lost: {sorted(set(bodies) - set(got))}\n{node.log_tail()}"
+        got += _bodies(ch, q)
+        time.sleep(0.02)
     conn.close()
