@@ -18,7 +18,10 @@ them have (so only after every append is written, and fsynced when it must be).
 
 A duplicate that arrives while the original is still unconfirmed waits for it and gets the
 same answer; an original that ends in a nack leaves the cache again, so a retry is accepted.
-The caches live in memory (as LavinMQ's): a restart of the shard forgets them.
+The caches live in memory (as LavinMQ's): a restart of the shard forgets them. So a clean stop
+waits for the forwards in flight (``in_flight``, shard/forward_settle.py) before the owner closes:
+a dead letter's source that got no answer would send it again after the restart, and the empty
+cache would let it through twice.
 """
 
 from __future__ import annotations

@@ -21,6 +21,10 @@ afterwards: at once when nothing has to be synced, otherwise after the group
 sync that makes the local appends durable, so neither a killed process nor a
 power loss between the two loses it (it may be delivered twice instead).
 
+A copy routed to a queue of another shard keeps its record until that shard confirms it; a clean
+stop waits for those confirms (``in_flight``, shard/forward_settle.py), or the restarted shard would
+route the message again. A stopping shard routes nothing that falls due.
+
 The store's read cursor is moved past every record as soon as it is appended
 (``shift``), so any record can be removed (``ack``) in due order rather than
 append order.
