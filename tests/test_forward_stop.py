@@ -103,13 +103,14 @@ def _delayed_in_flight(node: Node, stall: Path) -> tuple[str, list[bytes], Path]
     return q, bodies, held
 
 
-def _dedup_dead_letters_in_flight(node: Node, stall: Path) -> tuple[str, list[bytes], Path]:
+def _dedup_dead_letters_in_flight(node: Node, stall: Path, queue_shard: int = 0) -> tuple[str, list[bytes], Path]:
     """N messages of shard 0 are dead-lettered to a deduplicating exchange owned by shard 1, whose
-    queue is on shard 0 again: source -> owner -> queue, stored there unconfirmed (shard 0's syncs
-    are held). Returns the queue, the bodies and the stall file to remove."""
+    queue is on shard 0 again (or on the owner: its forward goes to its own ROUTER): source -> owner
+    -> queue, stored there unconfirmed (the queue's shard's syncs are held). Returns the queue, the
+    bodies and the stall file to remove."""
     x = next(n for i in range(1000) if exchange_shard("/", n := uid(f"dedup{i}"), 2) == 1)
     src = names_on_different_shards(uid("src"))[0]
-    q = names_on_different_shards(uid("dq"))[0]
+    q = names_on_different_shards(uid("dq"))[queue_shard]
     conn = node.connect()
     ch = conn.channel()
     ch.confirm_delivery()
@@ -121,8 +122,8 @@ def _dedup_dead_letters_in_flight(node: Node, stall: Path) -> tuple[str, list[by
     for i, body in enumerate(bodies):
         ch.basic_publish("", src, body, pika.BasicProperties(
             delivery_mode=2, headers={"x-deduplication-header": f"k{i}"}))
-    held = Path(f"{stall}.shard-0")
-    held.touch()  # shard 0 (source and queue) stores what comes, confirms nothing
+    held = Path(f"{stall}.shard-{queue_shard}")
+    held.touch()  # the queue's shard stores what comes, confirms nothing
     ch.basic_qos(prefetch_count=N)
     tags: list[int] = []
     ch.basic_consume(src, lambda c, m, p, b: tags.append(m.delivery_tag))
@@ -158,12 +159,16 @@ def test_due_delayed_messages_confirmed_late_are_not_routed_again_after_a_clean_
     conn.close()
 
 
-def test_dead_letters_through_a_dedup_owner_are_not_sent_again_after_a_clean_stop(node_factory, tmp_path):
+@pytest.mark.parametrize("queue_shard", [0, 1], ids=["queue-on-source", "queue-on-owner"])
+def test_dead_letters_through_a_dedup_owner_are_not_sent_again_after_a_clean_stop(node_factory, tmp_path,
+                                                                                  queue_shard):
     """The owner (shard 1) must wait for the queue's confirms and pass them on to the source, or the
     source sends every dead letter again after the restart and the owner (its cache lives in memory)
-    forwards each a second time."""
+    forwards each a second time. With the queue on the owner its forwards go to its own ROUTER and
+    are answered by its own group sync (the owner without the wait would neither wait nor stop while
+    that sync is held: the test fails on the log it waits for)."""
     node, stall = _node(node_factory, tmp_path)
-    q, bodies, held = _dedup_dead_letters_in_flight(node, stall)
+    q, bodies, held = _dedup_dead_letters_in_flight(node, stall, queue_shard)
 
     _stop_then_release(node, held, forwarder=1)
 
