@@ -1374,12 +1374,16 @@ class ShardWorker:
             await self.loop.run_in_executor(None, _sync_all, stores, True, self._stall_as)
             if not gating:
                 self._replicated(waiting, True)
+            settled = False
             if not self._sync_waiting and self.forward_settle.in_flight() and self.loop.time() < deadline:
                 # A forward that came during it (a dead letter into a dedup exchange we own, sent on
-                # to a target, maybe our own ROUTER): its answer, then what that answer frees.
+                # to a target, maybe our own ROUTER): its answer, then one more round for what that
+                # answer wrote (a removed delay record, our own queue's copy). Ends: after settle
+                # nothing is in flight or the deadline has passed.
                 self.data.flush()
                 await self.forward_settle.settle(max(0.0, deadline - self.loop.time()))
-            if not self._sync_waiting:
+                settled = True
+            if not self._sync_waiting and not settled:
                 break
         self._flush_confirms()
         for s in stores:
