@@ -63,7 +63,7 @@ class ForwardsShard(Protocol):
     loop: asyncio.AbstractEventLoop
     stopping: bool
 
-    def send_to_peer(self, shard: int, item: list) -> None: ...
+    def send_to_peer(self, shard: int, item: list) -> bool: ...
 
     def sync_first(self, store: QueueStore) -> None: ...
 
@@ -103,8 +103,7 @@ class DeadLetterForwards:
         for items in self.pending.values():  # a deduplicating exchange we own: our own ROUTER is ready
             sent = items.get(own)
             if sent is not None:
-                sent[0] = self.worker.epoch
-                self.worker.send_to_peer(own, sent[1])
+                sent[0] = self.worker.epoch if self.worker.send_to_peer(own, sent[1]) else -1
         if n:
             log.info("shard %d: %d dead letters unconfirmed before the restart are sent again", self.worker.index, n)
 
@@ -126,8 +125,9 @@ class DeadLetterForwards:
         kept = self.pending[msg_id] = {}
         for shard, item in items.items():
             item = _with_seq(item, msg_id)
-            kept[shard] = [w.epoch if shard == w.index else epochs.get(shard, 0), item]
-            w.send_to_peer(shard, item)
+            # Not sent (a clean stop told the peers we are done): epoch -1, sent after the restart.
+            kept[shard] = [(w.epoch if shard == w.index else epochs.get(shard, 0))
+                           if w.send_to_peer(shard, item) else -1, item]
 
     def _keep(self, items: dict[int, list], persistent: bool) -> int | None:
         """Append the outbox record; its msg id, or None when it could not be written."""
@@ -189,9 +189,8 @@ class DeadLetterForwards:
             return
         for items in self.pending.values():
             for shard, sent in items.items():
-                if sent[0] == -1 and (shard == w.index or shard in w.epochs):
+                if sent[0] == -1 and (shard == w.index or shard in w.epochs) and w.send_to_peer(shard, sent[1]):
                     sent[0] = w.epoch if shard == w.index else w.epochs[shard]
-                    w.send_to_peer(shard, sent[1])
 
     def peer_up(self, index: int, restarted: bool) -> None:
         """SHARD_UP: a new epoch means the peer died; the known epoch again means it is ready now,
@@ -205,9 +204,8 @@ class DeadLetterForwards:
             # Only what went to an earlier incarnation (or nowhere yet: recovered from the outbox):
             # what was sent to this one (held until its snapshot) is handled and confirmed by it,
             # and a resend would double it.
-            if sent is not None and sent[0] < epoch:
+            if sent is not None and sent[0] < epoch and worker.send_to_peer(index, sent[1]):
                 sent[0] = epoch
-                worker.send_to_peer(index, sent[1])
 
     def all_stores(self) -> list[QueueStore]:
         return [] if self.store is None else [self.store]

@@ -136,6 +136,7 @@ class DedupShard(Protocol):
     defs: Definitions | None
     data: Any  # its data socket: put(identity, item)
     peers: dict[int, Any]  # the DEALER to each other shard
+    peers_closed: bool  # a clean stop told them nothing more comes
     dead_letters: DeadLetterForwards
 
     def on_peer_answers(self, shard: int) -> Callable[[bytes | None, object, list], None]: ...
@@ -241,10 +242,11 @@ class ExchangeDedup:
         return cache
 
     def socket_to(self, shard: int) -> Any:
-        """The DEALER to `shard`'s ROUTER: a peer's, or ours connected to our own ROUTER."""
+        """The DEALER to `shard`'s ROUTER: a peer's, or ours connected to our own ROUTER. None for a
+        peer once we told the peers we are done (a clean stop, ShardWorker._say_peers_done)."""
         worker = self.worker
         if shard != worker.index:
-            return worker.peers.get(shard)
+            return None if worker.peers_closed else worker.peers.get(shard)
         if self._self_socket is None:
             self._self_socket = data_sockets.shard_connection(worker.loop, worker.run_dir, worker.index, worker.ident,
                                                               worker.on_peer_answers(worker.index), self._self_header)

@@ -35,7 +35,7 @@ from shard.deadletter import dead_letter_props, has_dlx_header, has_expiration, 
 from shard.dedup import ExchangeDedup
 from shard.delayed import DelayedMessages
 from shard.feature_queue import EXPIRING_MARK, FeatureQueue, needs_features
-from shard.forward_settle import STOP_WAIT_S, ForwardSettle
+from shard.forward_settle import PEERS_DONE_SLACK_S, STOP_WAIT_S, ForwardSettle, PeersDone
 from shard.kvstore import KVStores
 from shard.priority_store import open_store
 from shard.queue import Queue
@@ -159,9 +159,13 @@ class ShardWorker:
         self.dead_letters = DeadLetterForwards(self)  # cross-shard dead letters until confirmed
         self.kv = KVStores(self)  # MQTT retained messages and session state placed here
         # What a clean stop waits for: the forwards to peers (and to our own ROUTER) not confirmed yet.
+        # At a clean stop, after PEER_DONE: the other shards that have not said theirs yet.
+        self.peers_done = PeersDone()
+        self.peers_closed = False  # we said PEER_DONE: nothing more goes to another shard
         self.forward_settle = ForwardSettle(index, {"dead letters": self.dead_letters,
                                                     "due delayed messages": self.delayed,
-                                                    "deduplicating-exchange forwards": self.exchange_dedup})
+                                                    "deduplicating-exchange forwards": self.exchange_dedup,
+                                                    "peer shards not done": self.peers_done})
         # A cluster leader's shard streams its files to the followers and holds confirms for them.
         self.repl: ShardReplication | None = None
 
@@ -560,6 +564,8 @@ class ShardWorker:
                 # that DEALER is connected for sure, while after a shard restart the publish lane's
                 # may not have reconnected yet, and a ROUTER drops what it cannot route.
                 self.data.put(self._lane, [contract.REPLY_DATA, req_id, True, {}])
+        elif kind == contract.PEER_DONE:
+            self._peer_done(fe)
         elif kind == contract.CONNECTION_CLOSED:
             conn_id = item[1]
             self._drop_consumers(lambda c: c.fe == fe and c.conn_id == conn_id)
@@ -938,16 +944,19 @@ class ShardWorker:
 
     def forward(self, shard: int, item: list) -> None:
         """Send a PUBLISH item built by route_to_queues to that shard again (it restarted)."""
-        peer = self.peers.get(shard)
+        peer = None if self.peers_closed else self.peers.get(shard)
         if peer is not None:
             peer.put(None, item)
 
-    def send_to_peer(self, shard: int, item: list) -> None:
+    def send_to_peer(self, shard: int, item: list) -> bool:
         """Send an item over the peer DEALER to `shard`, this shard included (a deduplicating exchange
-        it owns): the answers come back through ``on_peer_answers``."""
+        it owns): the answers come back through ``on_peer_answers``. False when it cannot go (no such
+        peer, or we told the peers we are done: ``exchange_dedup.socket_to``)."""
         sock = self.exchange_dedup.socket_to(shard)
-        if sock is not None:
-            sock.put(None, item)
+        if sock is None:
+            return False
+        sock.put(None, item)
+        return True
 
     def sync_first(self, store: QueueStore) -> None:
         """`store` is synced in the next group sync, before any other store of it (the dead-letter
@@ -1040,6 +1049,25 @@ class ShardWorker:
         put = self.data.put
         for fe, seqs in held.items():
             put(fe, [contract.PROCESSED, seqs[-1]])
+
+    def _peer_done(self, fe: bytes) -> None:
+        """PEER_DONE from shard `fe` (sh-N): it is stopping and sends us nothing more."""
+        try:
+            index = int(fe[3:])
+        except ValueError:
+            return
+        self.peers_done.done.add(index)
+        self.forward_settle.answered()
+
+    def _say_peers_done(self) -> None:
+        """At a clean stop, our forwards settled: tell every other shard nothing more comes from us.
+        From here no item goes to another shard (a dead letter stays in the outbox for the restart, a
+        dedup forward is refused); ours still goes to our own ROUTER."""
+        self.peers_closed = True
+        shards = int(self.settings.get("shards", 1))
+        self.peers_done.expect({i for i in range(shards) if i != self.index})
+        for peer in self.peers.values():
+            peer.put(None, [contract.PEER_DONE])
 
     def _peer_restarted(self, index: int) -> None:
         """Batches to its dead incarnation get no answer: they no longer count as in flight."""
@@ -1341,8 +1369,13 @@ class ShardWorker:
         # exchange's publishes) may be stored by its target and its CONFIRM not here yet. Wait for
         # them (syncs and confirms go on meanwhile), or they would be sent again after the restart,
         # twice in the target queue (shard/forward_settle.py).
-        deadline = self.loop.time() + STOP_WAIT_S
+        started = self.loop.time()
+        deadline = started + STOP_WAIT_S
         await self.forward_settle.settle()
+        # Then nothing more from us to the other shards, and we serve until each said the same: a peer
+        # that got its STOP later may still forward to us (due delayed messages, dead letters).
+        self._say_peers_done()
+        await self.forward_settle.settle(max(0.0, started + STOP_WAIT_S + PEERS_DONE_SLACK_S - self.loop.time()))
         self._closing = True
         fut = self._sync_fut
         if fut is not None and not fut.done():

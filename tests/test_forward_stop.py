@@ -35,7 +35,7 @@ from tests.helpers import WAIT, count, names_on_different_shards, uid, wait_coun
 QUEUE_PLACEMENT = "hash"  # names picked per shard (tests/helpers.py)
 
 N = 40
-WAITS = "stops once its peers confirm"  # shard/forward_settle.py's log line
+WAITS = "stops once its peers answer: "  # shard/forward_settle.py's log line
 
 
 def _wait_log(node: Node, *texts: str) -> str:
@@ -63,7 +63,7 @@ def _stop_then_release(node: Node, stall: Path, forwarder: int) -> None:
     stopper = threading.Thread(target=node.stop)
     stopper.start()
     try:
-        _wait_log(node, f"shard {forwarder} stopped", f"shard {forwarder} {WAITS}")
+        _wait_log(node, f"shard {forwarder} stopped", f"shard {forwarder} {WAITS}{N} ")
     finally:
         stall.unlink()
     stopper.join(WAIT + 20)
@@ -200,4 +200,45 @@ def test_forwards_in_flight_survive_a_kill9_of_the_node(node_factory, tmp_path, 
         assert time.monotonic() < deadline, f"lost: {sorted(set(bodies) - set(got))}\n{node.log_tail()}"
         got += _bodies(ch, q)
         time.sleep(0.02)
+    conn.close()
+
+
+def test_a_peer_that_stops_first_still_takes_what_a_later_one_routes(node_factory):
+    """Shard 0 (the delay store) gets its STOP 800 ms after shard 1 (SHARDMQ_TEST_CONTROL_DELAY_MS)
+    and routes what falls due meanwhile to a local queue and to one on shard 1. Shard 1 must keep
+    serving until shard 0 said it is done (PEER_DONE): a closed shard 1 would leave those records in
+    the delay store, and their re-routing after the restart doubles the local queue's copies."""
+    node = node_factory(name="node", frontends=2, shards=2, env={"SHARDMQ_TEST_CONTROL_DELAY_MS": "sh-0:800"})
+    x = names_on_different_shards(uid("dx"))[0]
+    assert delay_store_shard("/", x, 2) == 0
+    local, remote = names_on_different_shards(uid("dq"))
+    conn = node.connect()
+    ch = conn.channel()
+    ch.exchange_declare(x, "x-delayed-message", durable=True, arguments={"x-delayed-type": "fanout"})
+    for q in (local, remote):
+        ch.queue_declare(q, durable=True)
+        ch.queue_bind(q, x)
+    m = 600
+    bodies = [b"s%d" % i for i in range(m)]
+    first_due = time.monotonic() + 0.3
+    for i, body in enumerate(bodies):  # due one every 5 ms, across the stop
+        delay = max(1, int((first_due + i * 0.005 - time.monotonic()) * 1000))
+        ch.basic_publish(x, "", body, pika.BasicProperties(delivery_mode=2, headers={"x-delay": delay}))
+    ch.confirm_delivery()  # same channel, same shard: confirmed after every delayed publish before it
+    ch.basic_publish(x, "", b"last", pika.BasicProperties(delivery_mode=2, headers={"x-delay": 1}))
+    bodies.append(b"last")
+    conn.close()
+    node.stop()
+    node.start()
+    conn = node.connect()
+    ch = conn.channel()
+    for q in (local, remote):
+        # What is left routes in one turn per 2,000, its copies before any later due one: at the
+        # full count nothing more comes.
+        deadline = time.monotonic() + WAIT
+        while count(ch, q) < len(bodies):
+            assert time.monotonic() < deadline, f"{q}: {count(ch, q)} of {len(bodies)}"
+            time.sleep(0.02)
+    for q in (local, remote):
+        assert sorted(_bodies(ch, q)) == sorted(bodies), q
     conn.close()
