@@ -564,8 +564,6 @@ class ShardWorker:
                 # that DEALER is connected for sure, while after a shard restart the publish lane's
                 # may not have reconnected yet, and a ROUTER drops what it cannot route.
                 self.data.put(self._lane, [contract.REPLY_DATA, req_id, True, {}])
-        elif kind == contract.PEER_DONE:
-            self._peer_done(fe)
         elif kind == contract.CONNECTION_CLOSED:
             conn_id = item[1]
             self._drop_consumers(lambda c: c.fe == fe and c.conn_id == conn_id)
@@ -615,6 +613,8 @@ class ShardWorker:
                 self.kv.mark(vhost, space, key, mark, fe, req_id)  # same step as the ack: both or neither
             else:
                 self.data.put(fe, [contract.REPLY_DATA, req_id, True, {"acked": False}])
+        elif kind == contract.PEER_DONE:  # once per peer per stop: last in the chain
+            self._peer_done(fe)
         else:
             log.warning("shard %d: unknown item kind %r", self.index, kind)
 
