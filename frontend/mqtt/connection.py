@@ -926,6 +926,9 @@ class MQTTConnection(asyncio.Protocol):
         put = self.worker.shard_put
         if self.consuming and self.consumer_tag is not None:
             put(q.shard, [contract.CANCEL, self.conn_id, LANE, self.consumer_tag])
+            # Credit held back for the old consumer would reach nothing (or, were its tag ever consumed
+            # again, a consumer whose window it is not): each consumer's credit is its own.
+            self._credit.pop((self.queue_shard, self.consumer_tag), None)
             if self._taken:
                 self._taken.pop((self.queue_shard, LANE, self.consumer_tag), None)  # that consumer is gone
         self.consuming = True
