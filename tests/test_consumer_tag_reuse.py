@@ -9,18 +9,20 @@ more."""
 
 from __future__ import annotations
 
-import time
-
 import pika
 import pytest
 from pamqp import commands, frame
 
-from tests.test_paused_consumer_credit import BODY, FLOOD, TCPAMQP, _ready, _until_paused
+from frontend.amqp.connection import CREDIT_RETURN_AT
+from tests.test_paused_consumer_credit import BODY, TCPAMQP, _flood_and_check, _ready, _until_paused
 
 pytestmark = pytest.mark.integration
 
-CYCLES = 5
-PER_INSTANCE = 1000  # 16 B messages each instance gets: what the frontend holds back (< a credit lump)
+CYCLES = 4
+# Small messages (one credit each) per instance of the tag: the frontend holds back their credit until
+# a lump of CREDIT_RETURN_AT, which the last instance's deliveries complete (were the older instances'
+# credit counted for it, that lump would give it (CYCLES - 1) * PER_INSTANCE credits it never spent).
+PER_INSTANCE = CREDIT_RETURN_AT // CYCLES
 
 
 def _read_delivery(client: TCPAMQP) -> tuple[commands.Basic.Deliver, bytes]:
@@ -67,22 +69,14 @@ def test_a_tag_cancelled_with_nowait_is_consumed_again_at_once_and_its_credit_is
             assert (deliver.consumer_tag, body) == (tag, b"%08d" % i)
     assert _ready(ch, queue) == 0
 
-    # The last instance got PER_INSTANCE deliveries; the frontend holds their credit back, and had
-    # held each older instance's too. Now its client stops reading: once the connection pauses the
-    # shard must send nothing more (with the older instances' credit it would send
-    # (CYCLES - 1) * PER_INSTANCE credits more: about 2 MB of these 64 KiB bodies).
+    # Now the last instance's client stops reading: once its connection pauses the frontend holds no
+    # more than its transport's buffer for it (with the older instances' credit the shard would go on
+    # for (CYCLES - 1) * PER_INSTANCE credits more: 1.5 MB, 23 of these 64 KiB bodies).
     def publish(i: int) -> None:
         ch.basic_publish("", queue, b"%08d" % i + b"x" * (BODY - 8))
 
     paused_at = _until_paused(publish, ch, queue)
-    delivered = paused_at - _ready(ch, queue)
-    for i in range(paused_at, paused_at + FLOOD // 4):
-        publish(i)
-    total = paused_at + FLOOD // 4
-    deadline = time.monotonic() + 1.0
-    while time.monotonic() < deadline:
-        assert _ready(ch, queue) == total - delivered, (total, delivered, _ready(ch, queue))
-        time.sleep(0.1)
+    total = _flood_and_check(node, publish, ch, queue, paused_at)  # the frontend's buffer for it: bounded
 
     # Reading again, the client gets every one, in order, once.
     for i in range(total):
