@@ -8,6 +8,8 @@ window still turns over end to end.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from pamqp import commands as C
 
 from broker import contract
@@ -134,3 +136,45 @@ def test_held_credit_of_a_cancelled_consumer_or_closed_channel_is_forgotten():
     conn.forget_channel(ch)
     assert conn._credit == {}
     assert _credits(worker) == []  # nothing was due: none of it went to the shard
+
+
+def _reusing(shards: dict[str, int]):
+    """A running connection whose queues (name -> shard) are known and whose user may consume them."""
+    conn, worker, ch = _consuming(())
+    worker.defs = SimpleNamespace(queue=lambda _vhost, name: SimpleNamespace(shard=shards[name], exclusive_owner=None))
+    conn.access = SimpleNamespace(check=lambda *_args: None)
+    return conn, worker, ch
+
+
+def _method(ch, method) -> None:
+    ch.handle(E.MethodFrame(1, method))
+
+
+def test_a_reused_tag_gets_only_its_own_deliveries_and_credit():
+    """basic.cancel nowait then basic.consume with the same tag before the shard answered the cancel
+    (tests/test_consumer_tag_reuse.py runs it end to end). The shard delivers in order, so what comes
+    for the tag from the old instance's shard before its cancel answer is the old instance's: written
+    with its ack mode, credited to no one (a CREDIT for the tag would reach the new instance). The new
+    instance's deliveries (here from another shard) wait until the old one is done."""
+    conn, worker, ch = _reusing({"qa": 0, "qb": 1})
+    _method(ch, C.Basic.Consume(queue="qa", consumer_tag="t", no_ack=False))
+    worker.requests[-1][2](True, {})  # consume-ok
+    for mid in (1, 2, 3):
+        conn.on_deliver(0, [contract.DELIVER, 7, ch.key, "t", 1, mid, False, "", "qa", b"\x00\x00", b"x"])
+    assert conn._credit == {(0, ch.key, "t"): 3}
+    _method(ch, C.Basic.Cancel(consumer_tag="t", nowait=True))
+    _method(ch, C.Basic.Consume(queue="qb", consumer_tag="t", no_ack=True))  # was 530 NOT_ALLOWED
+    cancel, consume = worker.requests[-2:]
+    assert (cancel[0], cancel[1][0], consume[0], consume[1][0]) == (0, contract.CANCEL, 1, contract.CONSUME)
+    assert conn._credit == {}  # the old instance's held-back credit is gone with it
+    _frames(conn)
+    conn.on_deliver(0, [contract.DELIVER, 7, ch.key, "t", 1, 4, False, "", "qa", b"\x00\x00", b"x"])  # old's, in flight
+    consume[2](True, {})  # the new one's consume-ok
+    conn.on_deliver(1, [contract.DELIVER, 7, ch.key, "t", 2, 1, False, "", "qb", b"\x00\x00", b"y"])  # new's: waits
+    assert [f for _c, f in _frames(conn)] == ["Deliver", "ContentHeader", "ContentBody", "ConsumeOk"]
+    assert [ref[2] for ref in ch.tags.unacked.values()] == [1, 2, 3, 4]  # the old one's ack mode: ackable
+    assert conn._credit == {}
+    cancel[2](True, {})  # the shard removed the old instance: the new one's deliveries go out
+    assert [f for _c, f in _frames(conn)] == ["Deliver", "ContentHeader", "ContentBody"]
+    assert len(ch.tags.unacked) == 4  # no-ack
+    assert conn._credit == {(1, ch.key, "t"): 1} and ch.cancelling is None
