@@ -28,7 +28,11 @@ Nothing here runs per message: once per pause, and per turn only while something
 
 from __future__ import annotations
 
+import fcntl
+import struct
+import termios
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from broker import contract
 
@@ -36,22 +40,39 @@ _CREDIT = contract.CREDIT
 _WINDOW = contract.CREDIT_WINDOW
 # Credits given back per step (about 1 MiB of large bodies, 2,000 small ones).
 GIVE_BACK_STEP = contract.CREDIT_WINDOW // 8
+# A consumer starts with this much of its window (250 KiB of large bodies, 500 small ones); the frontend
+# takes the rest back right behind its CONSUME and gives it back in steps, as after a pause, one per
+# turn whose writes the socket took at once: a fast consumer has its whole window within
+# CREDIT_WINDOW / GIVE_BACK_STEP turns, and a client that never reads is sent this much and one or two
+# steps, not a window (TCP's slow start; docs/architecture.md "Delivery credit").
+START_WINDOW = contract.CREDIT_WINDOW // 32
 # A turn that leaves at most this many bytes in the transport earns the next step (asyncio's low-water mark).
 GIVE_BACK_BELOW = 16 << 10
+
+# The kernel's send queue counts too: a client that does not read still lets the kernel take a few MB
+# (the send buffer autotunes to 4 MB on Linux) before the transport's own buffer grows, so "the socket
+# took it at once" alone let a window grow whole into the kernel. A window grows only while the bytes
+# the client has not yet taken (SIOCOUTQ: unacknowledged) are at most this, or a quarter of all the
+# connection wrote (a fast client far away always has a bandwidth-delay product in flight).
+GROW_UNTAKEN_BELOW = 64 << 10
+_OUTQ = getattr(termios, "TIOCOUTQ", None)  # SIOCOUTQ on Linux
+_INT = struct.Struct("i")
+_ZERO = bytes(4)
 
 # (shard, channel, consumer tag)
 Key = tuple[int, int, str]
 
 
 def take_back(put: Callable[[int, list], None], conn_id: int, consumers: Iterable[tuple[Key, int]],
-              taken: dict[Key, int]) -> None:
-    """Revoke each consumer's credit not yet spent on deliveries the frontend has seen.
+              taken: dict[Key, int], keep: int = 0) -> None:
+    """Revoke each consumer's credit not yet spent on deliveries the frontend has seen, but ``keep``
+    (START_WINDOW for a consumer that starts).
 
     ``consumers``: (key, credit the frontend holds unreturned for it); ``taken`` (updated): what is
     taken back and not yet given back, per key."""
     for key, unreturned in consumers:
         had = taken.get(key, 0)
-        n = _WINDOW - unreturned - had
+        n = _WINDOW - keep - unreturned - had
         if n > 0:
             put(key[0], [_CREDIT, conn_id, key[1], key[2], -n])
             taken[key] = had + n
@@ -78,3 +99,49 @@ def give_back_step(put: Callable[[int, list], None], conn_id: int, taken: dict[K
     if taken and is_open:
         give_back(put, conn_id, taken)
     return taken or None
+
+
+def return_growing(put: Callable[[int, list], None], conn_id: int, credit: dict[Key, int],
+                   taken: dict[Key, int], lump: int, keeps_up: bool) -> dict[Key, int] | None:
+    """Return credit (``credit``: what the frontend holds unreturned, per key) while some consumers'
+    windows are not whole (``taken``), at the end of a turn of a connection that is not paused.
+
+    A consumer missing part of its window returns a lump at a quarter of what it has (not at ``lump``:
+    with a small window that would never come, and the consumer would stall). When the socket took
+    the turn's writes at once (``keeps_up``), each lump brings a step of what was taken back with it:
+    the window grows as fast as the client reads, and no faster (TCP's slow start, clocked by what
+    the client took). Returns what is still taken, None once every window is whole."""
+    for key in list(credit):
+        n = credit[key]
+        had = taken.get(key)
+        if had is None:
+            if n < lump:
+                continue
+        elif 4 * n < _WINDOW - had and n < lump:
+            continue
+        elif keeps_up:
+            step = had if had <= GIVE_BACK_STEP else GIVE_BACK_STEP
+            n += step
+            if step == had:
+                del taken[key]
+            else:
+                taken[key] = had - step
+        del credit[key]
+        put(key[0], [_CREDIT, conn_id, key[1], key[2], n])
+    return taken or None
+
+
+def keeps_up(transport: Any, written: int) -> bool:
+    """The client takes what is written to it (a window not yet whole may grow): the transport's buffer
+    is at most GIVE_BACK_BELOW and the kernel holds at most max(GROW_UNTAKEN_BELOW, written / 4) bytes
+    the client has not taken. Once per turn, only while a window is not whole."""
+    if transport is None or transport.get_write_buffer_size() > GIVE_BACK_BELOW:
+        return False
+    sock = transport.get_extra_info("socket")
+    if sock is None or _OUTQ is None:
+        return True  # a WebSocket's stand-in transport: its own buffer is all we know
+    try:
+        untaken = _INT.unpack(fcntl.ioctl(sock.fileno(), _OUTQ, _ZERO))[0]
+    except (OSError, ValueError):
+        return True
+    return untaken <= GROW_UNTAKEN_BELOW or untaken <= written >> 2

@@ -41,7 +41,7 @@ from broker.version import __version__
 from frontend.amqp.channel import BACKLOG_PAUSE, CLOSED, OPEN, Channel
 from frontend.amqp.replies import plain, reply_text
 from frontend.amqp.shard_loss import connection_lost_shard
-from frontend.paused_credit import GIVE_BACK_BELOW, give_back_step, take_back
+from frontend.paused_credit import START_WINDOW, give_back_step, keeps_up, return_growing, take_back
 from frontend.timer_wheel import wheel_for
 
 if TYPE_CHECKING:
@@ -286,13 +286,14 @@ class AMQPConnection(asyncio.Protocol):
             take_back(self.worker.shard_put, self.conn_id, consumers, taken)
 
     def consumer_started(self, shard: int, channel: int, tag: str) -> None:
-        """A CONSUME was just put: one that starts on a paused connection gets no window either (the
-        shard applies this in the same batch, before it delivers)."""
-        if self._write_paused and self.state != CLOSED_STATE:
+        """A CONSUME was just put: the consumer starts with START_WINDOW of its window, and with none on
+        a paused connection (the shard applies this in the same batch, before it delivers)."""
+        if self.state != CLOSED_STATE:
             if self._taken is None:
                 self._taken = {}
             key = (shard, channel, tag)
-            take_back(self.worker.shard_put, self.conn_id, [(key, self._credit.get(key, 0))], self._taken)
+            take_back(self.worker.shard_put, self.conn_id, [(key, self._credit.get(key, 0))], self._taken,
+                      0 if self._write_paused else START_WINDOW)
 
     def resume_writing(self) -> None:
         self._write_paused = False
@@ -419,12 +420,13 @@ class AMQPConnection(asyncio.Protocol):
             put = self.worker.shard_put
             conn_id = self.conn_id
             credit = self._credit
-            due = [key for key, n in credit.items() if n >= CREDIT_RETURN_AT]
-            for key in due:
-                put(key[0], [_CREDIT, conn_id, key[1], key[2], credit.pop(key)])
-        if (self._taken is not None and not self._write_paused and transport is not None
-                and transport.get_write_buffer_size() <= GIVE_BACK_BELOW):
-            self._give_back()
+            if self._taken:  # a consumer's window is not whole (it started, or its socket paused)
+                self._taken = return_growing(put, conn_id, credit, self._taken, CREDIT_RETURN_AT,
+                                             keeps_up(transport, self.send_oct))
+            else:
+                due = [key for key, n in credit.items() if n >= CREDIT_RETURN_AT]
+                for key in due:
+                    put(key[0], [_CREDIT, conn_id, key[1], key[2], credit.pop(key)])
         self._dirty = False
         read = self._turn_read
         if read:

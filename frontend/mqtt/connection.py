@@ -54,7 +54,7 @@ from frontend.mqtt.messages import (
     session_shard,
     transient_queue,
 )
-from frontend.paused_credit import GIVE_BACK_BELOW, give_back_step, take_back
+from frontend.paused_credit import GIVE_BACK_STEP, START_WINDOW, give_back_step, keeps_up, take_back
 from frontend.publish import put_marked_publish, put_publish, queues_by_shard
 from frontend.session import CONNECTION_FORCED
 
@@ -227,9 +227,9 @@ class MQTTConnection(asyncio.Protocol):
         self._write_paused = True
         self._take_back_credit()
 
-    def _take_back_credit(self) -> None:
+    def _take_back_credit(self, keep: int = 0) -> None:
         """The client stopped reading: the shard keeps what it has not sent (frontend/paused_credit.py).
-        At the pause, and for a consumer that starts while paused (after its CONSUME)."""
+        At the pause (all of it), and after a CONSUME (all but ``keep``: START_WINDOW, or 0 while paused)."""
         if self.state != CLOSED:
             consumers = []
             if self.consuming and self.consumer_tag is not None and self.queue_shard is not None:
@@ -237,7 +237,7 @@ class MQTTConnection(asyncio.Protocol):
                 consumers.append((key, self._credit.get((self.queue_shard, self.consumer_tag), 0)))
             if self._taken is None:
                 self._taken = {}
-            take_back(self.worker.shard_put, self.conn_id, consumers, self._taken)
+            take_back(self.worker.shard_put, self.conn_id, consumers, self._taken, keep)
 
     def resume_writing(self) -> None:
         self._write_paused = False
@@ -332,12 +332,25 @@ class MQTTConnection(asyncio.Protocol):
                 put(shard, [_ACK, self.conn_id, LANE, flat])
             self._acks = {}
         if self._credit and not self._write_paused and self.state != CLOSED:
-            for (shard, tag), n in self._credit.items():
-                put(shard, [_CREDIT, self.conn_id, LANE, tag, n])
+            taken = self._taken
+            if taken and keeps_up(transport, self.send_oct):
+                # The socket took this turn's deliveries at once: a window not whole yet grows by a step
+                # (frontend/paused_credit.py: after a pause, and from START_WINDOW at the start).
+                for (shard, tag), n in self._credit.items():
+                    had = taken.get((shard, LANE, tag))
+                    if had is not None:
+                        step = had if had <= GIVE_BACK_STEP else GIVE_BACK_STEP
+                        n += step
+                        if step == had:
+                            del taken[(shard, LANE, tag)]
+                        else:
+                            taken[(shard, LANE, tag)] = had - step
+                    put(shard, [_CREDIT, self.conn_id, LANE, tag, n])
+                self._taken = taken or None
+            else:
+                for (shard, tag), n in self._credit.items():
+                    put(shard, [_CREDIT, self.conn_id, LANE, tag, n])
             self._credit = {}
-        if (self._taken is not None and not self._write_paused and transport is not None
-                and transport.get_write_buffer_size() <= GIVE_BACK_BELOW):
-            self._give_back()
         if (self._holding or self._slow_timer is not None) and not self._write_paused and not self._waiting:
             self._let_go()  # held for this turn only: the transport took it all
         if self._close_after_flush and transport is not None:
@@ -944,8 +957,8 @@ class MQTTConnection(asyncio.Protocol):
             then()
 
         self._shard_request(q.shard, lambda req: [contract.CONSUME, req, *tail], consumed)
-        if self._write_paused:
-            self._take_back_credit()  # after the CONSUME, on the same lane: no window while paused
+        # After the CONSUME, on the same lane: START_WINDOW of the window to start with, none while paused.
+        self._take_back_credit(0 if self._write_paused else START_WINDOW)
 
     def _on_unsubscribe(self, p: M.Unsubscribe) -> None:
         known = [f for f in p.topics if f in self.subs]
