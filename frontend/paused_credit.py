@@ -78,12 +78,19 @@ def take_back(put: Callable[[int, list], None], conn_id: int, consumers: Iterabl
             taken[key] = had + n
 
 
-def give_back(put: Callable[[int, list], None], conn_id: int, taken: dict[Key, int]) -> None:
+def give_back(put: Callable[[int, list], None], conn_id: int, taken: dict[Key, int], grow: bool = True) -> None:
     """Return a step of what :func:`take_back` took, per consumer (consumers gone since are removed
-    from ``taken`` by their connection); keys fully returned leave ``taken``."""
+    from ``taken`` by their connection); keys fully returned leave ``taken``. Without ``grow`` (the
+    client has not taken what the kernel holds for it), only up to START_WINDOW: a WebSocket's
+    transport resumes as soon as its sends reach the kernel, and a step per resume grew the window
+    of a client that never read into the kernel's send buffer, megabytes."""
     for key in list(taken):
         n = taken[key]
         step = n if n <= GIVE_BACK_STEP else GIVE_BACK_STEP
+        if not grow:
+            step = min(step, START_WINDOW - (_WINDOW - n))  # what it has short of START_WINDOW
+            if step <= 0:
+                continue
         put(key[0], [_CREDIT, conn_id, key[1], key[2], step])
         if step == n:
             del taken[key]
@@ -92,12 +99,12 @@ def give_back(put: Callable[[int, list], None], conn_id: int, taken: dict[Key, i
 
 
 def give_back_step(put: Callable[[int, list], None], conn_id: int, taken: dict[Key, int] | None,
-                   is_open: bool) -> dict[Key, int] | None:
-    """A connection's step of giving back (AMQP and MQTT alike): at resume, then after each turn
-    whose writes the socket took at once. Returns what is still taken, None once all of it is back
-    (a closed connection gives nothing back: its consumers are gone with it)."""
+                   is_open: bool, grow: bool = True) -> dict[Key, int] | None:
+    """A connection's step of giving back at resume (AMQP and MQTT alike; later steps come with the
+    credit returned while the client keeps up). Returns what is still taken, None once all of it is
+    back (a closed connection gives nothing back: its consumers are gone with it)."""
     if taken and is_open:
-        give_back(put, conn_id, taken)
+        give_back(put, conn_id, taken, grow)
     return taken or None
 
 

@@ -303,8 +303,9 @@ class AMQPConnection(asyncio.Protocol):
             self._mark_dirty()
 
     def _give_back(self) -> None:
-        """A step of the credit taken back while paused (frontend/paused_credit.py give_back_step)."""
-        self._taken = give_back_step(self.worker.shard_put, self.conn_id, self._taken, self.state != CLOSED_STATE)
+        """At resume: a step of the credit taken back (frontend/paused_credit.py give_back_step)."""
+        self._taken = give_back_step(self.worker.shard_put, self.conn_id, self._taken, self.state != CLOSED_STATE,
+                                     keeps_up(self.transport, self.send_oct))
 
     def became_publisher(self) -> None:
         self.publisher = True

@@ -250,8 +250,9 @@ class MQTTConnection(asyncio.Protocol):
             self._mark_dirty()
 
     def _give_back(self) -> None:
-        """A step of the credit taken back while paused (frontend/paused_credit.py give_back_step)."""
-        self._taken = give_back_step(self.worker.shard_put, self.conn_id, self._taken, self.state != CLOSED)
+        """At resume: a step of the credit taken back (frontend/paused_credit.py give_back_step)."""
+        self._taken = give_back_step(self.worker.shard_put, self.conn_id, self._taken, self.state != CLOSED,
+                                     keeps_up(self.transport, self.send_oct))
 
     def _let_go(self) -> None:
         """Resume the publishers this (directly served) session held."""
