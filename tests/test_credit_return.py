@@ -16,13 +16,36 @@ from broker import contract
 from broker.amqp import events as E
 from frontend.amqp.channel import Consumer
 from frontend.amqp.connection import CREDIT_RETURN_AT
-from frontend.paused_credit import GIVE_BACK_STEP
+from frontend.paused_credit import GIVE_BACK_STEP, START_WINDOW
 
 from .test_channel_generations import _frames, _running
 
 
+class _Transport:
+    """A transport stand-in: ``buffered`` bytes it could not send yet (no kernel socket to ask)."""
+
+    def __init__(self, buffered: int = 0) -> None:
+        self.buffered = buffered
+
+    def get_write_buffer_size(self) -> int:
+        return self.buffered
+
+    def get_extra_info(self, _name: str, default=None):
+        return default
+
+    def is_closing(self) -> bool:
+        return False
+
+    def write(self, _data: bytes) -> None:
+        pass
+
+    def writelines(self, _chunks) -> None:
+        pass
+
+
 def _consuming(tags=("ctag",)):
     conn, worker = _running()
+    conn.transport = _Transport()  # a client that takes what is written
     conn._open_channel(1)
     ch = conn.channels[1]
     for tag in tags:
@@ -98,12 +121,16 @@ def test_a_paused_connection_takes_its_credit_back_and_gives_it_back_in_steps():
     conn.pause_writing()  # a second pause before the resume: nothing more is outstanding
     assert len(_credits(worker)) == 1
     conn.resume_writing()
-    conn.flush_turn()
-    assert _credits(worker)[1:] == [(0, ch.key, "ctag", GIVE_BACK_STEP), (0, ch.key, "ctag", CREDIT_RETURN_AT + 10)]
-    while conn._taken is not None:  # then a step per turn whose writes the socket took at once
-        conn._give_back()
-    steps = [n for _s, _c, _t, n in _credits(worker)[1:] if n != CREDIT_RETURN_AT + 10]
-    assert max(steps) == GIVE_BACK_STEP and sum(steps) == window - 10
+    conn.flush_turn()  # the held lump goes back, with a step: the socket took the turn's writes
+    assert _credits(worker)[1:] == [(0, ch.key, "ctag", GIVE_BACK_STEP),
+                                    (0, ch.key, "ctag", CREDIT_RETURN_AT + 10 + GIVE_BACK_STEP)]
+    while conn._taken is not None:  # then a step with each lump while the client keeps up
+        for _ in range(CREDIT_RETURN_AT):
+            _deliver(conn, ch)
+        conn.flush_turn()
+    steps = [n - CREDIT_RETURN_AT for _s, _c, _t, n in _credits(worker)[3:]]
+    assert max(steps) == GIVE_BACK_STEP
+    assert GIVE_BACK_STEP + GIVE_BACK_STEP + sum(steps) == window - 10  # the window is conserved
 
 
 def test_credit_taken_back_from_a_cancelled_consumer_is_not_given_back():
@@ -178,3 +205,52 @@ def test_a_reused_tag_gets_only_its_own_deliveries_and_credit():
     assert [f for _c, f in _frames(conn)] == ["Deliver", "ContentHeader", "ContentBody"]
     assert len(ch.tags.unacked) == 4  # no-ack
     assert conn._credit == {(1, ch.key, "t"): 1} and ch.cancelling is None
+
+
+def test_a_consumer_starts_with_a_small_window_that_grows_while_its_client_keeps_up():
+    """frontend/paused_credit.py START_WINDOW: right behind the CONSUME the frontend takes back all of
+    the window but START_WINDOW; a lump (a quarter of the window it has) brings a step back with it
+    when the socket took the turn's writes at once, and none when it did not."""
+    window = contract.CREDIT_WINDOW
+    conn, worker, ch = _reusing({"q": 0})
+    _method(ch, C.Basic.Consume(queue="q", consumer_tag="t", no_ack=True))
+    worker.requests[-1][2](True, {})  # consume-ok
+    assert _credits(worker) == [(0, ch.key, "t", -(window - START_WINDOW))]  # same lane, after the CONSUME
+    conn.transport = _Transport(buffered=1 << 20)  # the client does not take what is written
+    for _ in range(START_WINDOW // 4):
+        _deliver(conn, ch, tag="t")
+    conn.flush_turn()
+    assert _credits(worker)[1:] == [(0, ch.key, "t", START_WINDOW // 4)]  # returned (no stall), no growth
+    conn.transport = _Transport()  # now it does
+    delivered = START_WINDOW // 4
+    turns = 0
+    while conn._taken is not None:
+        have = window - conn._taken[(0, ch.key, "t")]
+        for _ in range(have // 4):
+            _deliver(conn, ch, tag="t")
+        delivered += have // 4
+        conn.flush_turn()
+        turns += 1
+    assert turns <= window // GIVE_BACK_STEP
+    steps = [n for _s, _c, _t, n in _credits(worker)]
+    assert sum(steps) + sum(conn._credit.values()) == delivered  # the whole window is back, nothing more
+    assert max(steps) <= window // 4 + GIVE_BACK_STEP
+
+
+def test_a_resume_gives_back_only_up_to_the_start_window_while_the_client_takes_nothing():
+    """A WebSocket's transport resumes as soon as its sends reach the kernel: a client that has not
+    taken those gets no more than START_WINDOW back at the resume (a full step per resume grew the
+    window of a client that never read); one that keeps up gets a step."""
+    window = contract.CREDIT_WINDOW
+    conn, worker, ch = _consuming()
+    conn.transport = _Transport(buffered=1 << 20)
+    conn.pause_writing()
+    conn.resume_writing()
+    assert _credits(worker) == [(0, ch.key, "ctag", -window), (0, ch.key, "ctag", START_WINDOW)]
+    conn.pause_writing()  # the next pause takes that back, the next resume gives START_WINDOW again
+    conn.resume_writing()
+    assert _credits(worker)[2:] == [(0, ch.key, "ctag", -START_WINDOW), (0, ch.key, "ctag", START_WINDOW)]
+    conn.transport = _Transport()
+    conn.pause_writing()
+    conn.resume_writing()
+    assert _credits(worker)[4:] == [(0, ch.key, "ctag", -START_WINDOW), (0, ch.key, "ctag", GIVE_BACK_STEP)]
