@@ -41,7 +41,7 @@ from __future__ import annotations
 import fcntl
 import struct
 import termios
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from typing import Any
 
 from broker import contract
@@ -88,16 +88,19 @@ def take_back(put: Callable[[int, list], None], conn_id: int, consumers: Iterabl
             taken[key] = had + n
 
 
-def give_back(put: Callable[[int, list], None], conn_id: int, taken: dict[Key, int], grow: bool = True) -> None:
+def give_back(put: Callable[[int, list], None], conn_id: int, taken: dict[Key, int], grow: bool = True,
+              moved: Container[Key] | None = None) -> None:
     """Return a step of what :func:`take_back` took, per consumer (consumers gone since are removed
     from ``taken`` by their connection); keys fully returned leave ``taken``. Without ``grow`` (the
     client has not taken what the kernel holds for it), only up to START_WINDOW: a WebSocket's
     transport resumes as soon as its sends reach the kernel, and a step per resume grew the window
-    of a client that never read into the kernel's send buffer, megabytes."""
+    of a client that never read into the kernel's send buffer, megabytes. With ``moved``, only those
+    consumers grow (they had deliveries written this turn): a turn that wrote a consume-ok is no sign
+    that the client reads."""
     for key in list(taken):
         n = taken[key]
         step = n if n <= GIVE_BACK_STEP else GIVE_BACK_STEP
-        if not grow:
+        if not grow or (moved is not None and key not in moved):
             step = min(step, START_WINDOW - (_WINDOW - n))  # what it has short of START_WINDOW
             if step <= 0:
                 continue
@@ -109,43 +112,26 @@ def give_back(put: Callable[[int, list], None], conn_id: int, taken: dict[Key, i
 
 
 def give_back_step(put: Callable[[int, list], None], conn_id: int, taken: dict[Key, int] | None,
-                   is_open: bool, grow: bool = True) -> dict[Key, int] | None:
-    """A connection's step of giving back at resume (AMQP and MQTT alike; later steps come with the
-    credit returned while the client keeps up). Returns what is still taken, None once all of it is
-    back (a closed connection gives nothing back: its consumers are gone with it)."""
+                   is_open: bool, grow: bool = True, moved: Container[Key] | None = None) -> dict[Key, int] | None:
+    """A connection's step of giving back (AMQP and MQTT alike): at resume, and after each turn that
+    wrote deliveries (``moved``: for whom) while the client keeps up. Returns what is still taken,
+    None once all of it is back (a closed connection gives nothing back: its consumers are gone)."""
     if taken and is_open:
-        give_back(put, conn_id, taken, grow)
+        give_back(put, conn_id, taken, grow, moved)
     return taken or None
 
 
-def return_growing(put: Callable[[int, list], None], conn_id: int, credit: dict[Key, int],
-                   taken: dict[Key, int], lump: int, keeps_up: bool) -> dict[Key, int] | None:
+def return_lumps(put: Callable[[int, list], None], conn_id: int, credit: dict[Key, int],
+                 taken: dict[Key, int], lump: int) -> None:
     """Return credit (``credit``: what the frontend holds unreturned, per key) while some consumers'
-    windows are not whole (``taken``), at the end of a turn of a connection that is not paused.
-
-    A consumer missing part of its window returns a lump at a quarter of what it has (not at ``lump``:
-    with a small window that would never come, and the consumer would stall). When the socket took
-    the turn's writes at once (``keeps_up``), each lump brings a step of what was taken back with it:
-    the window grows as fast as the client reads, and no faster (TCP's slow start, clocked by what
-    the client took). Returns what is still taken, None once every window is whole."""
+    windows are not whole (``taken``), at the end of a turn of a connection that is not paused: such
+    a consumer returns a lump at a quarter of what it has, not at ``lump`` (with a small window that
+    would never come, and the consumer would stall)."""
     for key in list(credit):
         n = credit[key]
-        had = taken.get(key)
-        if had is None:
-            if n < lump:
-                continue
-        elif 4 * n < _WINDOW - had and n < lump:
-            continue
-        elif keeps_up:
-            step = had if had <= GIVE_BACK_STEP else GIVE_BACK_STEP
-            n += step
-            if step == had:
-                del taken[key]
-            else:
-                taken[key] = had - step
-        del credit[key]
-        put(key[0], [_CREDIT, conn_id, key[1], key[2], n])
-    return taken or None
+        if n >= lump or (key in taken and 4 * n >= _WINDOW - taken[key]):
+            del credit[key]
+            put(key[0], [_CREDIT, conn_id, key[1], key[2], n])
 
 
 def keeps_up(transport: Any, written: int) -> bool:

@@ -121,16 +121,18 @@ def test_a_paused_connection_takes_its_credit_back_and_gives_it_back_in_steps():
     conn.pause_writing()  # a second pause before the resume: nothing more is outstanding
     assert len(_credits(worker)) == 1
     conn.resume_writing()
-    conn.flush_turn()  # the held lump goes back, with a step: the socket took the turn's writes
-    assert _credits(worker)[1:] == [(0, ch.key, "ctag", GIVE_BACK_STEP),
-                                    (0, ch.key, "ctag", CREDIT_RETURN_AT + 10 + GIVE_BACK_STEP)]
-    while conn._taken is not None:  # then a step with each lump while the client keeps up
-        for _ in range(CREDIT_RETURN_AT):
-            _deliver(conn, ch)
+    conn.flush_turn()  # the held lump goes back, and a step: the socket took this turn's deliveries
+    assert _credits(worker)[1:] == [(0, ch.key, "ctag", GIVE_BACK_STEP), (0, ch.key, "ctag", CREDIT_RETURN_AT + 10),
+                                    (0, ch.key, "ctag", GIVE_BACK_STEP)]
+    delivered = CREDIT_RETURN_AT + 10
+    while conn._taken is not None:  # then a step per turn that wrote deliveries, while the client keeps up
+        _deliver(conn, ch)
+        delivered += 1
         conn.flush_turn()
-    steps = [n - CREDIT_RETURN_AT for _s, _c, _t, n in _credits(worker)[3:]]
-    assert max(steps) == GIVE_BACK_STEP
-    assert GIVE_BACK_STEP + GIVE_BACK_STEP + sum(steps) == window - 10  # the window is conserved
+    assert max(n for _s, _c, _t, n in _credits(worker)) == CREDIT_RETURN_AT + 10
+    assert len(_credits(worker)) == 1 + 1 + 1 + (window - 10) // GIVE_BACK_STEP  # take, lump, steps
+    # The window is conserved: what the shard spent minus what came back is what the frontend holds.
+    assert delivered - sum(n for _s, _c, _t, n in _credits(worker)) == sum(conn._credit.values())
 
 
 def test_credit_taken_back_from_a_cancelled_consumer_is_not_given_back():
@@ -209,13 +211,15 @@ def test_a_reused_tag_gets_only_its_own_deliveries_and_credit():
 
 def test_a_consumer_starts_with_a_small_window_that_grows_while_its_client_keeps_up():
     """frontend/paused_credit.py START_WINDOW: right behind the CONSUME the frontend takes back all of
-    the window but START_WINDOW; a lump (a quarter of the window it has) brings a step back with it
-    when the socket took the turn's writes at once, and none when it did not."""
+    the window but START_WINDOW; it comes back a step per turn that wrote the consumer's deliveries
+    while the socket took them at once, and while a window is not whole its credit goes back in lumps
+    of a quarter of what it has (no stall with a small window)."""
     window = contract.CREDIT_WINDOW
     conn, worker, ch = _reusing({"q": 0})
     _method(ch, C.Basic.Consume(queue="q", consumer_tag="t", no_ack=True))
     worker.requests[-1][2](True, {})  # consume-ok
     assert _credits(worker) == [(0, ch.key, "t", -(window - START_WINDOW))]  # same lane, after the CONSUME
+    conn.flush_turn()  # a turn without deliveries (the consume-ok) grows nothing
     conn.transport = _Transport(buffered=1 << 20)  # the client does not take what is written
     for _ in range(START_WINDOW // 4):
         _deliver(conn, ch, tag="t")
@@ -225,16 +229,13 @@ def test_a_consumer_starts_with_a_small_window_that_grows_while_its_client_keeps
     delivered = START_WINDOW // 4
     turns = 0
     while conn._taken is not None:
-        have = window - conn._taken[(0, ch.key, "t")]
-        for _ in range(have // 4):
-            _deliver(conn, ch, tag="t")
-        delivered += have // 4
+        _deliver(conn, ch, tag="t")
+        delivered += 1
         conn.flush_turn()
         turns += 1
-    assert turns <= window // GIVE_BACK_STEP
-    steps = [n for _s, _c, _t, n in _credits(worker)]
-    assert sum(steps) + sum(conn._credit.values()) == delivered  # the whole window is back, nothing more
-    assert max(steps) <= window // 4 + GIVE_BACK_STEP
+    assert turns == -(-(window - START_WINDOW) // GIVE_BACK_STEP)
+    credits = [n for _s, _c, _t, n in _credits(worker)]
+    assert delivered - sum(credits) == sum(conn._credit.values())  # the whole window is back, nothing more
 
 
 def test_a_resume_gives_back_only_up_to_the_start_window_while_the_client_takes_nothing():

@@ -54,7 +54,7 @@ from frontend.mqtt.messages import (
     session_shard,
     transient_queue,
 )
-from frontend.paused_credit import GIVE_BACK_STEP, START_WINDOW, give_back_step, keeps_up, take_back
+from frontend.paused_credit import START_WINDOW, give_back_step, keeps_up, take_back
 from frontend.publish import put_marked_publish, put_publish, queues_by_shard
 from frontend.session import CONNECTION_FORCED
 
@@ -249,10 +249,11 @@ class MQTTConnection(asyncio.Protocol):
         if self._credit:
             self._mark_dirty()
 
-    def _give_back(self) -> None:
-        """At resume: a step of the credit taken back (frontend/paused_credit.py give_back_step)."""
+    def _give_back(self, moved: set | None = None) -> None:
+        """At resume, and after a turn that wrote deliveries (``moved``: for whom): a step of the credit
+        taken back (frontend/paused_credit.py give_back_step)."""
         self._taken = give_back_step(self.worker.shard_put, self.conn_id, self._taken, self.state != CLOSED,
-                                     keeps_up(self.transport, self.send_oct))
+                                     keeps_up(self.transport, self.send_oct), moved)
 
     def _let_go(self) -> None:
         """Resume the publishers this (directly served) session held."""
@@ -333,24 +334,10 @@ class MQTTConnection(asyncio.Protocol):
                 put(shard, [_ACK, self.conn_id, LANE, flat])
             self._acks = {}
         if self._credit and not self._write_paused and self.state != CLOSED:
-            taken = self._taken
-            if taken and keeps_up(transport, self.send_oct):
-                # The socket took this turn's deliveries at once: a window not whole yet grows by a step
-                # (frontend/paused_credit.py: after a pause, and from START_WINDOW at the start).
-                for (shard, tag), n in self._credit.items():
-                    had = taken.get((shard, LANE, tag))
-                    if had is not None:
-                        step = had if had <= GIVE_BACK_STEP else GIVE_BACK_STEP
-                        n += step
-                        if step == had:
-                            del taken[(shard, LANE, tag)]
-                        else:
-                            taken[(shard, LANE, tag)] = had - step
-                    put(shard, [_CREDIT, self.conn_id, LANE, tag, n])
-                self._taken = taken or None
-            else:
-                for (shard, tag), n in self._credit.items():
-                    put(shard, [_CREDIT, self.conn_id, LANE, tag, n])
+            for (shard, tag), n in self._credit.items():
+                put(shard, [_CREDIT, self.conn_id, LANE, tag, n])
+            if self._taken is not None and transport is not None:  # a step for those with deliveries
+                self._give_back({(shard, LANE, tag) for shard, tag in self._credit})  # (paused_credit.keeps_up)
             self._credit = {}
         if (self._holding or self._slow_timer is not None) and not self._write_paused and not self._waiting:
             self._let_go()  # held for this turn only: the transport took it all
