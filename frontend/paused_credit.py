@@ -15,13 +15,14 @@ it sends nothing more. What the frontend holds for a connection whose client sto
 transport's buffer (the high-water mark) plus the deliveries in flight when it paused, not the rest
 of every consumer's window.
 
-What was taken goes back in steps of ``GIVE_BACK_STEP``: one at resume_writing, then one with each
-credit lump the connection returns (:func:`return_growing`) while the client keeps up
-(:func:`keeps_up`: at most ``GIVE_BACK_BELOW`` left in the transport and little the client has not
-taken in the kernel's send queue). Giving it all back at once let the shard send a window's worth
+What was taken goes back in steps of ``GIVE_BACK_STEP``: one at resume_writing, then one per loop
+turn that wrote the consumer's deliveries while the client keeps up (:func:`keeps_up`: at most
+``GIVE_BACK_BELOW`` left in the transport and little the client has not taken in the kernel's send
+queue); while a window is not whole, its credit goes back in lumps of a quarter of what it has
+(:func:`return_lumps`), so a small window never stalls. Giving it all back at once let the shard send a window's worth
 into the buffer the client had just drained (one turn's write of 5.6 MB, measured with a WebSocket
 MQTT client reading slowly); in steps, a client that reads slowly gets a step per drain, and a fast
-one has its whole window back within ``CREDIT_WINDOW / GIVE_BACK_STEP`` lumps. A resume while the
+one has its whole window back within ``CREDIT_WINDOW / GIVE_BACK_STEP`` turns. A resume while the
 kernel still holds what the client has not taken gives back no more than ``START_WINDOW``.
 
 The same steps make a consumer's slow start: right behind its CONSUME the frontend takes back all of

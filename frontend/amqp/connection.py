@@ -92,7 +92,8 @@ _CREDIT = contract.CREDIT
 # delivery: at a steady low rate each CREDIT woke the shard once per message (one more cross-core
 # wake-up, ~10 us of shard CPU each on a 2-core VM) just as the consumer's own wake-up needed a
 # core. The shard still holds at least CREDIT_WINDOW - CREDIT_RETURN_AT credits for deliveries it
-# has not seen written, so holding the rest back never stops a consumer (docs/architecture.md).
+# has not seen written, so holding the rest back never stops a consumer (docs/architecture.md); a
+# consumer whose window is not whole (slow start, after a pause) returns at a quarter of what it has.
 CREDIT_RETURN_AT = contract.CREDIT_WINDOW // 4
 _NO_CREDIT: dict = {}  # shared, never written
 _CLOSE_OK_FRAME = encode_method(0, C.Connection.CloseOk())
