@@ -820,6 +820,14 @@ class AMQPConnection(asyncio.Protocol):
         """A shard died: settle what this connection had on it; the connection stays open."""
         if self.state != RUNNING:
             return
+        # Credit held back or taken back for that shard's consumers was for the dead incarnation: its
+        # restarted consumers (a CONSUME still waiting is sent again) start with a whole window there.
+        for held in (self._credit, self._taken):
+            if held:
+                for key in [k for k in held if k[0] == shard]:
+                    del held[key]
+        if self._taken is not None and not self._taken:
+            self._taken = None
         try:
             connection_lost_shard(self, shard)
         except AMQPConnectionError as exc:
