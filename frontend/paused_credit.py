@@ -19,9 +19,9 @@ What was taken goes back in steps of ``GIVE_BACK_STEP``: one at resume_writing, 
 turn that wrote the consumer's deliveries while the client keeps up (:func:`keeps_up`: at most
 ``GIVE_BACK_BELOW`` left in the transport and little the client has not taken in the kernel's send
 queue); while a window is not whole, its credit goes back in lumps of a quarter of what it has
-(:func:`return_lumps`), so a small window never stalls. Giving it all back at once let the shard send a window's worth
-into the buffer the client had just drained (one turn's write of 5.6 MB, measured with a WebSocket
-MQTT client reading slowly); in steps, a client that reads slowly gets a step per drain, and a fast
+(:func:`return_lumps`), so a small window never stalls. Giving it all back at once let the shard
+send a window's worth into the buffer the client had just drained (one turn's write of 5.6 MB,
+measured with a WebSocket MQTT client reading slowly); in steps, a client that reads slowly gets a step per drain, and a fast
 one has its whole window back within ``CREDIT_WINDOW / GIVE_BACK_STEP`` turns. A resume while the
 kernel still holds what the client has not taken gives back no more than ``START_WINDOW``.
 
@@ -53,9 +53,10 @@ _WINDOW = contract.CREDIT_WINDOW
 GIVE_BACK_STEP = contract.CREDIT_WINDOW // 8
 # A consumer starts with this much of its window (250 KiB of large bodies, 500 small ones); the frontend
 # takes the rest back right behind its CONSUME and gives it back in steps, as after a pause, one per
-# turn whose writes the socket took at once: a fast consumer has its whole window within
-# CREDIT_WINDOW / GIVE_BACK_STEP turns, and a client that never reads is sent this much and one or two
-# steps, not a window (TCP's slow start; docs/architecture.md "Delivery credit").
+# turn that wrote its deliveries while the client keeps up: a fast consumer has its whole window
+# within CREDIT_WINDOW / GIVE_BACK_STEP such turns, and a client that never reads is sent this much
+# and what its kernel took while it seemed to read, not a window (TCP's slow start; docs/architecture.md
+# "Delivery credit").
 START_WINDOW = contract.CREDIT_WINDOW // 32
 # A turn that leaves at most this many bytes in the transport earns the next step (asyncio's low-water mark).
 GIVE_BACK_BELOW = 16 << 10
@@ -143,7 +144,7 @@ def keeps_up(transport: Any, written: int) -> bool:
         return False
     sock = transport.get_extra_info("socket")
     if sock is None or _OUTQ is None:
-        return True  # a WebSocket's stand-in transport: its own buffer is all we know
+        return True  # a transport without a socket: its own buffer is all we know
     try:
         untaken = _INT.unpack(fcntl.ioctl(sock.fileno(), _OUTQ, _ZERO))[0]
     except (OSError, ValueError):
