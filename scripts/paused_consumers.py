@@ -16,6 +16,7 @@ import json
 import socket
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -42,6 +43,8 @@ def main() -> None:
     ap.add_argument("--consumers", type=int, default=20)
     ap.add_argument("--body", type=int, default=64 << 10)
     ap.add_argument("--per-queue", type=int, default=0, help="messages per queue (default: 1.5 credit windows)")
+    ap.add_argument("--read-seconds", type=float, default=0.0,
+                    help="the clients read at full speed this long before they stop (their windows have grown)")
     args = ap.parse_args()
     window = contract.CREDIT_WINDOW << contract.CREDIT_BYTES_SHIFT
     per_queue = args.per_queue or max(8, window * 3 // 2 // args.body)
@@ -68,6 +71,22 @@ def main() -> None:
                 c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
                 c.send(1, commands.Basic.Consume(queue=q, consumer_tag=q, no_ack=True))
                 clients.append(c)
+            if args.read_seconds:
+                stop = time.monotonic() + args.read_seconds
+
+                def drain(c: TCPAMQP) -> None:
+                    c.sock.settimeout(0.2)
+                    while time.monotonic() < stop:
+                        try:
+                            c.sock.recv(1 << 20)
+                        except TimeoutError:
+                            pass
+
+                threads = [threading.Thread(target=drain, args=(c,)) for c in clients]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
             api = Api(node.http_port)
             last, stable_since = None, time.monotonic()
             while time.monotonic() - stable_since < 1.5:  # until nothing moves for 1.5 s
@@ -78,7 +97,7 @@ def main() -> None:
             time.sleep(0.3)  # two stats intervals
             pend = [r["send_pend"] for r in api.get("/api/connections")]
             after = rss(fe)
-            left = [per_queue - r for r in last]
+            left = [per_queue - r for r in last]  # with --read-seconds: read ones included
             print(json.dumps({
                 "consumers": args.consumers, "body": args.body, "per_queue": per_queue,
                 "frontend_rss_before_mib": round(before / 2**20, 1), "frontend_rss_after_mib": round(after / 2**20, 1),
