@@ -658,15 +658,18 @@ class ShardWorker:
                 continue  # deleted between routing and arrival: as if unroutable
             try:
                 if q.__class__ is Queue:
-                    # No backlog and a no-ack consumer waiting: a transient message goes out without
-                    # being appended, read back and acked (a persistent one is always stored first).
+                    # No backlog and a consumer waiting: a transient message goes out without being
+                    # appended and read back (a persistent one is always stored first); to a manual-ack
+                    # consumer it is held in memory until acked (shard/queue.py deliver_unstored).
                     if (not persistent and not q.store.ready and q.consumers and q.groups is None
-                            and q.deliver_unstored(self.data.put, exchange, routing_key, props_raw, body)):
+                            and q.deliver_unstored(self.data.put, exchange, routing_key, props_raw, body, ts)):
                         # Not marked dirty: nothing is ready, so the turn's delivery pass would find
                         # nothing to do for this queue (at a steady rate that pass, its call_soon and
                         # its flush_acks were a fixed cost of every turn carrying one message).
                         q.n_published += 1
                         continue
+                    if q.held:
+                        q.materialize()  # held ones first: they came before this message
                     q.store.append(ts, flags, exchange, routing_key, props_raw, body)
                 elif not q.publish(ts, flags, exchange, routing_key, props_raw, body):
                     rejected = True  # x-overflow reject-publish: the publisher gets basic.nack
@@ -726,9 +729,11 @@ class ShardWorker:
                 try:
                     if q.__class__ is Queue:
                         if (not persistent and not q.store.ready and q.consumers and q.groups is None
-                                and q.deliver_unstored(self.data.put, exchange, routing_key, props_raw, body)):
+                                and q.deliver_unstored(self.data.put, exchange, routing_key, props_raw, body, ts)):
                             q.n_published += 1  # not dirty: nothing ready (see _publish)
                             continue
+                        if q.held:
+                            q.materialize()  # held ones first: they came before this message
                         q.store.append(ts, flags, exchange, routing_key, props_raw, body)
                     elif not q.publish(ts, flags, exchange, routing_key, props_raw, body):
                         rejected = True
@@ -794,7 +799,7 @@ class ShardWorker:
         if msg_id not in q.unacked:
             return False
         try:
-            return has_dlx_header(q.store.read(msg_id)[4])
+            return has_dlx_header(q.read(msg_id)[4])  # a held message's too (shard/queue.py)
         except KeyError:
             return False
 
@@ -911,6 +916,8 @@ class ShardWorker:
             if target is None or target.deleted:
                 continue
             if target.__class__ is Queue:
+                if target.held:
+                    target.materialize()  # held ones first: they came before this message
                 target.store.append(ts, flags, exchange, routing_key, props, body)
             elif not target.publish(ts, flags, exchange, routing_key, props, body):
                 continue
