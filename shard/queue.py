@@ -2,7 +2,8 @@
 
 Memory per queue is independent of its length: the store keeps a read cursor
 over segment files, and the only per-message state here is the unacked map,
-which prefetch and credit bound.
+which prefetch and credit bound, as they bound the transient messages held unstored for
+manual-ack consumers (``held``, see ``deliver_unstored``).
 """
 
 from __future__ import annotations
