@@ -28,6 +28,14 @@ NO_UNACKED: dict = {}
 VIRTUAL = 1 << 62
 # The held / aliases maps of a queue that has none: shared, never written (as NO_UNACKED).
 NO_HELD: dict = {}
+# Bytes of held bodies (plus HELD_OVERHEAD each) this shard process keeps in memory at most. Prefetch
+# bounds them per consumer, but a consumer without prefetch that never acks gets its credit back as
+# its frontend writes, so without this budget held bodies would grow in the heap where the stored
+# path keeps them in segment files (memory flat however many messages are unacked). Beyond it, a
+# message is stored as before.
+HELD_BUDGET = 16 << 20
+HELD_OVERHEAD = 256
+held_total = [0]  # this shard's held bytes (one shard per process)
 
 
 class Queue:
@@ -123,6 +131,8 @@ class Queue:
             c = consumers[i]
             i += 1
             if c.can_take():
+                if not c.no_ack and held_total[0] + len(body) + HELD_OVERHEAD > HELD_BUDGET:
+                    return False  # over this shard's budget for held bodies: stored as before
                 self._rr = i
                 c.credit -= 1 + (len(body) >> _CREDIT_SHIFT)
                 if c.no_ack:
@@ -130,6 +140,7 @@ class Queue:
                                 exchange, routing_key, props_raw, body])
                     self.n_deliver_no_ack += 1
                 else:
+                    held_total[0] += len(body) + HELD_OVERHEAD
                     vid = self._next_vid
                     self._next_vid = vid + 1
                     held = self.held
@@ -157,6 +168,7 @@ class Queue:
         if not held:
             return
         self.held = NO_HELD
+        held_total[0] -= sum(len(rec[4]) + HELD_OVERHEAD for rec in held.values())
         aliases = self.aliases
         if aliases is NO_HELD:
             aliases = self.aliases = {}
@@ -167,7 +179,13 @@ class Queue:
                 aliases[vid] = append_taken(ts, 0, exchange, routing_key, props_raw, body)
             except BaseException:
                 self.held = dict(items[k:])  # not stored: still held (a full disk; retried later)
+                held_total[0] += sum(len(rec[4]) + HELD_OVERHEAD for _, rec in items[k:])
                 raise
+
+    def drop_held(self) -> None:
+        """Forget the held messages (the queue is deleted: as its store's records are)."""
+        held_total[0] -= sum(len(rec[4]) + HELD_OVERHEAD for rec in self.held.values())
+        self.held = NO_HELD
 
     def read(self, msg_id: int) -> tuple:
         """(ts_ms, flags, exchange, routing_key, props_raw, body) of an outstanding or stored message."""
@@ -183,7 +201,7 @@ class Queue:
         held = self.held
         if vid in held:
             if not requeue:
-                del held[vid]  # acked, or rejected without requeue: it was never stored
+                held_total[0] -= len(held.pop(vid)[4]) + HELD_OVERHEAD  # acked or dropped: never stored
                 if not held:
                     self.held = NO_HELD
                 return

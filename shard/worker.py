@@ -352,6 +352,8 @@ class ShardWorker:
             self.data.put(c.fe, [contract.CANCEL_NOTIFY, c.conn_id, c.channel, c.tag])
         for owner in q.unacked.values():
             owner.settle()
+        if q.held:
+            q.drop_held()
         if q.unacked:  # an idle queue's is the shared empty one (shard/queue.py NO_UNACKED)
             q.unacked.clear()
         if q.consumers:

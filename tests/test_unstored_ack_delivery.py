@@ -18,6 +18,7 @@ import time
 import pika
 import pytest
 
+from shard.queue import HELD_BUDGET, HELD_OVERHEAD
 from tests.helpers import WAIT, uid
 from tests.mgmt_api import Api
 
@@ -263,3 +264,23 @@ def test_clean_restart_drops_held_transient_and_keeps_persistent(node):
     ch = conn.channel()
     assert _get_all(ch, qn, 1) == [(b"p1", True)]
     conn.close()
+
+
+def test_held_bytes_have_a_budget_beyond_which_messages_are_stored(node):
+    """A consumer without prefetch that does not ack gets its credit back as its frontend writes: the
+    shard holds at most HELD_BUDGET bytes of bodies, then stores, behind the held ones."""
+    qn = uid("held-budget")
+    h = Held(node, qn, durable=True, prefetch=0)
+    size = 1 << 20
+    fit = HELD_BUDGET // (size + HELD_OVERHEAD)
+    for i in range(fit):
+        h.publish([bytes([i]) * size])
+        h.wait_got(i + 1)  # the queue is empty and the consumer waiting at each publish
+    assert _segments(node, qn) == [], "messages within the budget were stored"
+    h.publish([bytes([fit]) * size])
+    h.wait_got(fit + 1)
+    assert _segments(node, qn), "a message over the budget was held, not stored"
+    h.ch.close()
+    got = _get_all(h.pub, qn, fit + 1)
+    assert [(b[0], len(b), r) for b, r in got] == [(i, size, True) for i in range(fit + 1)]
+    h.close()
