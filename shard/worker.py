@@ -37,6 +37,7 @@ from shard.delayed import DelayedMessages
 from shard.feature_queue import EXPIRING_MARK, FeatureQueue, needs_features
 from shard.kvstore import KVStores
 from shard.priority_store import open_store
+from shard.queue import VIRTUAL as _VIRTUAL
 from shard.queue import Queue
 from shard.replication_stream import ShardReplication
 from shard.stats import StatsReporter, SyncHistogram
@@ -484,9 +485,14 @@ class ShardWorker:
             by_qid = self.by_qid
             for i in range(0, len(refs), 2):
                 q = by_qid.get(refs[i])
-                if q is not None and q.ack(refs[i + 1], fe, conn_id, channel):
+                mid = refs[i + 1]
+                if q is not None and q.ack(mid, fe, conn_id, channel):
                     q.n_acked += 1
-                    self._dirty_queues.add(q)
+                    # The ack of a message held unstored (shard/queue.py VIRTUAL) wrote nothing to
+                    # flush, and with nothing ready the freed prefetch has nothing to deliver: no
+                    # delivery pass (at a steady rate this turn carried only that ack).
+                    if mid < _VIRTUAL or q.store.ready or q.aliases:
+                        self._dirty_queues.add(q)
         elif kind == contract.CREDIT:
             _, conn_id, channel, tag, n = item
             found = self.consumers.get((fe, conn_id, channel, tag))
