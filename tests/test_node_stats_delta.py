@@ -197,3 +197,51 @@ def test_reporter_sends_changes_and_removals_and_full_on_request():
     full = rep.report(worker)
     assert full["full"] and sorted(r[1] for r in full["queues"]) == ["a", "c"] and full["removed"] == []
     assert full["rows_sent"] == 2 + 1 + 1 + 2 and full["seq"] == 5
+
+
+def test_a_report_built_over_several_turns_counts_each_queue_once_and_a_queue_deleted_meanwhile_as_removed(
+        monkeypatch):
+    """The shard builds a report a chunk of queues per loop turn (shard/stats.py steps): a queue
+    deleted between two chunks is reported removed, one declared meanwhile comes in the next
+    report, and the totals count every other queue once."""
+    from types import SimpleNamespace
+
+    import shard.stats as stats
+    from shard.stats import StatsReporter, SyncHistogram
+
+    class Q:
+        def __init__(self, published: int) -> None:
+            self.store = SimpleNamespace(ready_bytes=0, n_redelivered=0)
+            self.unacked, self.consumers = {}, []
+            self.n_published, self.n_delivered, self.n_acked = published, 0, 0
+            self.deleted = False
+
+        def info(self) -> dict:
+            return {"messages": 0}
+
+    monkeypatch.setattr(stats, "REPORT_CHUNK", 2)
+    worker = SimpleNamespace(queues={("/", f"q{i}"): Q(i + 1) for i in range(5)}, sync_histogram=SyncHistogram(),
+                             dead_letters=SimpleNamespace(pending={}))
+    rep = StatsReporter()
+    rep.report(worker)
+    for queue in worker.queues.values():
+        queue.n_delivered = 1  # every row changed
+    steps = rep.steps(worker)
+    next(steps)  # the first chunk (q0, q1) is read; q2..q4 wait for the next turns
+    gone = worker.queues.pop(("/", "q3"))
+    gone.deleted = True  # what ShardWorker._delete_queue does
+    worker.queues[("/", "new")] = Q(100)
+    steps_left = 0
+    while True:
+        try:
+            next(steps)
+            steps_left += 1
+        except StopIteration as done:
+            report = done.value
+            break
+    assert steps_left == 1  # 5 queues, 2 per turn: 3 turns
+    assert sorted(r[1] for r in report["queues"]) == ["q0", "q1", "q2", "q4"]
+    assert report["removed"] == [["/", "q3"]]
+    assert report["totals"][0] == 1 + 2 + 3 + 5  # published, q3 left out
+    after = rep.report(worker)
+    assert [r[1] for r in after["queues"]] == ["new"] and after["removed"] == []
