@@ -8,7 +8,6 @@ delivery turn), once per stats_interval.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Generator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from shard.queue import Queue
@@ -64,53 +63,32 @@ class StatsShard(Protocol):
 _IDLE = (0,) * 11
 
 
-# Queues read per loop turn while a report is built (StatsReporter.steps): 30,000 queues read in
-# one piece held the shard's loop 16-80 ms of CPU every stats interval, and every publish on the
-# shard waited behind it (docs/benchmarks.md "Paced deletes").
-REPORT_CHUNK = 2000
-
-
-def _read_rows(items: list, rows: dict[tuple[str, str], tuple], damaged: list, acc: list) -> None:
-    """Add the counters of the (key, queue) items to rows (by (vhost, name): ready, unacked,
-    consumers, ready bytes, then the totals published, delivered (all kinds), acked, delivered to
-    no-ack consumers, got with ack, got without ack, redelivered; a STATS row is vhost, name and
-    these: broker/node_stats.py names the positions), storage damage to damaged (usually none), and
-    the totals 4..10 and the segment bytes to acc (8 numbers). A queue deleted since the items
-    were taken is left out (it shows as removed)."""
+def _rows(worker: StatsShard) -> tuple[dict[tuple[str, str], tuple], list]:
+    """Every queue's counters by (vhost, name): ready, unacked, consumers, ready bytes, then the
+    totals published, delivered (all kinds), acked, delivered to no-ack consumers, got with ack, got
+    without ack, redelivered (a STATS row is vhost, name and these: broker/node_stats.py names the
+    positions); and the damaged list."""
+    rows: dict[tuple[str, str], tuple] = {}
+    damaged = []  # only queues with storage damage (docs/storage.md "Recovery"): usually none
     idle = _IDLE
-    for key, q in items:
-        if q.deleted:
-            continue
+    for key, q in worker.queues.items():
         store = q.store
         if q.__class__ is Queue:  # the common case, read directly: 100,000 queues every interval
             row = (store.ready, len(q.unacked), len(q.consumers), store.ready_bytes,
                    q.n_published, q.n_delivered, q.n_acked, q.n_deliver_no_ack, q.n_get, q.n_get_no_ack,
                    store.n_redelivered)
+            rows[key] = idle if row == idle else row
             if store.damaged_records or store.damaged_acks:
                 damaged.append([key[0], key[1], int(store.damaged_records), int(store.damaged_acks)])
-        else:
-            info = q.info()
-            if info.get("damaged_records") or info.get("damaged_acks"):
-                damaged.append([key[0], key[1], int(info.get("damaged_records", 0)),
-                                int(info.get("damaged_acks", 0))])
-            row = (int(info.get("messages", 0)), len(q.unacked), len(q.consumers),
-                   int(getattr(store, "ready_bytes", 0) or 0), q.n_published, q.n_delivered, q.n_acked,
-                   getattr(q, "n_deliver_no_ack", 0), getattr(q, "n_get", 0), getattr(q, "n_get_no_ack", 0),
-                   getattr(store, "n_redelivered", 0))
-        if row == idle:
-            rows[key] = idle
-        else:
-            rows[key] = row
-            for i in range(4, 11):
-                acc[i - 4] += row[i]
-        acc[7] += _segment_bytes(store)
-
-
-def _rows(worker: StatsShard) -> tuple[dict[tuple[str, str], tuple], list]:
-    """Every queue's counters by (vhost, name) and the damaged list (see _read_rows), in one piece."""
-    rows: dict[tuple[str, str], tuple] = {}
-    damaged: list = []
-    _read_rows(list(worker.queues.items()), rows, damaged, [0] * 8)
+            continue
+        info = q.info()
+        if info.get("damaged_records") or info.get("damaged_acks"):
+            damaged.append([key[0], key[1], int(info.get("damaged_records", 0)), int(info.get("damaged_acks", 0))])
+        row = (int(info.get("messages", 0)), len(q.unacked), len(q.consumers),
+               int(getattr(store, "ready_bytes", 0) or 0), q.n_published, q.n_delivered, q.n_acked,
+               getattr(q, "n_deliver_no_ack", 0), getattr(q, "n_get", 0), getattr(q, "n_get_no_ack", 0),
+               getattr(store, "n_redelivered", 0))
+        rows[key] = idle if row == idle else row
     return rows, damaged
 
 
@@ -130,25 +108,7 @@ class StatsReporter:
         self.rows_sent = 0  # queue rows sent since the shard started (tests and metrics count them)
 
     def report(self, worker: StatsShard) -> dict:
-        """The next report, built in one piece (tests; the shard uses steps)."""
-        steps = self.steps(worker)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
-
-    def steps(self, worker: StatsShard) -> Generator[None, None, dict]:
-        """Build the next report REPORT_CHUNK queues per step (the shard runs one step per loop
-        turn); the generator's return value is the report. The queues are those of the first step."""
-        items = list(worker.queues.items())
-        rows: dict[tuple[str, str], tuple] = {}
-        damaged: list = []
-        acc = [0] * 8
-        for start in range(0, len(items), REPORT_CHUNK):
-            if start:
-                yield
-            _read_rows(items[start : start + REPORT_CHUNK], rows, damaged, acc)
+        rows, damaged = _rows(worker)
         sent = self.sent
         full = self.full_next
         if full:
@@ -164,7 +124,8 @@ class StatsReporter:
         self.full_next = False
         self.seq += 1
         self.rows_sent += len(changed)
+        totals = [sum(row[i] for row in rows.values()) for i in range(4, 11)]
         return {"seq": self.seq, "full": full, "queues": changed, "removed": removed, "rows_sent": self.rows_sent,
-                "totals": acc[:7], "fsync": worker.sync_histogram.report(),
-                "segment_bytes": acc[7], "damaged": damaged,
+                "totals": totals, "fsync": worker.sync_histogram.report(),
+                "segment_bytes": sum(_segment_bytes(q.store) for q in worker.queues.values()), "damaged": damaged,
                 "dead_letters_unconfirmed": len(worker.dead_letters.pending)}

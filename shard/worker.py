@@ -15,7 +15,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -189,24 +189,13 @@ class ShardWorker:
         self._send_stats()
 
     def _send_stats(self) -> None:
-        """Queue counts for the node's management API and metrics, once per stats_interval; built
-        a few thousand queues per loop turn (shard/stats.py REPORT_CHUNK), sent when complete."""
-        if self.stopping:
-            return
-        self._stats_step(self.stats_reporter.steps(self))
-
-    def _stats_step(self, steps: Generator[None, None, dict]) -> None:
+        """Queue counts for the node's management API and metrics, once per stats_interval."""
         if self.stopping:
             return
         try:
-            next(steps)
-        except StopIteration as done:
-            self.node.put(None, [contract.STATS, done.value])
+            self.node.put(None, [contract.STATS, self.stats_reporter.report(self)])
         except Exception:
             log.exception("shard %d: stats report failed", self.index)
-        else:
-            self.loop.call_soon(self._stats_step, steps)
-            return
         interval = int(self.settings.get("stats_interval") or 5000) / 1000
         self.loop.call_later(interval, self._send_stats)
 

@@ -174,7 +174,6 @@ def test_reporter_sends_changes_and_removals_and_full_on_request():
             self.store = SimpleNamespace(ready_bytes=0, n_redelivered=0)
             self.unacked, self.consumers = {}, []
             self.n_published = self.n_delivered = self.n_acked = 0
-            self.deleted = False
 
         def info(self) -> dict:
             return {"messages": self.messages}
