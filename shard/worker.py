@@ -39,7 +39,7 @@ from shard.kvstore import KVStores
 from shard.priority_store import open_store
 from shard.queue import Queue
 from shard.replication_stream import ShardReplication
-from shard.stats import StatsReporter, SyncHistogram
+from shard.stats import STATS_CHECK_ENV, StatsReporter, SyncHistogram
 from shard.store import QueueStore, make_queue_dir
 from shard.stream_queue import StreamQueue, consume_error, retention_args, segment_size
 from shard.stream_store import StreamStore
@@ -97,7 +97,10 @@ class ShardWorker:
         self.settings: dict = {}
         self.queues: dict[tuple[str, str], Queue] = {}
         self.sync_histogram = SyncHistogram()  # group sync durations, reported in STATS
-        self.stats_reporter = StatsReporter()  # STATS as deltas: rows changed since the last report
+        # STATS as deltas: rows changed since the last report, read from the queues named in
+        # _stats_touched (and those of each delivery pass): shard/stats.py.
+        self.stats_reporter = StatsReporter(check=os.environ.get(STATS_CHECK_ENV) == "1")
+        self._stats_touched = self.stats_reporter.touched
         # Since when the running group sync runs, for the cluster leader's disk-stall check.
         self.fsync_beacon = FsyncBeacon(run_dir, index)
         self.by_qid: dict[int, Queue] = {}
@@ -181,7 +184,7 @@ class ShardWorker:
         if self.stopping:
             return
         try:
-            self.node.put(None, [contract.STATS, self.stats_reporter.report(self)])
+            self.node.put(None, [contract.STATS, self.stats_reporter.report(self, self._dirty_queues)])
         except Exception:
             log.exception("shard %d: stats report failed", self.index)
         interval = int(self.settings.get("stats_interval") or 5000) / 1000
@@ -270,6 +273,7 @@ class ShardWorker:
                 for name, q in v.queues.items():
                     if q.shard == self.index:
                         self._open_queue(v.name, name, name_hash(name) in present)
+            self._stats_touched.clear()  # the first report reads every queue anyway
         gc_pause.settle()
         self.delayed.load()
         if settings.get("cluster") and self.repl is None:  # shards run on a leader only
@@ -328,6 +332,7 @@ class ShardWorker:
             self._next_qid += 1
             self.queues[(vhost, name)] = sq
             self.by_qid[sq.qid] = sq
+            self._stats_touched.add(sq)
             return
         store = open_store(path, args, int(self.settings.get("segment_size", 8 << 20)), empty_dir=made,
                            fsync=bool(defn.durable))
@@ -340,12 +345,14 @@ class ShardWorker:
         self._next_qid += 1
         self.queues[(vhost, name)] = q
         self.by_qid[q.qid] = q
+        self._stats_touched.add(q)
 
     def _delete_queue(self, vhost: str, name: str) -> None:
         q = self.queues.pop((vhost, name), None)
         if q is None:
             return
         del self.by_qid[q.qid]
+        self.stats_reporter.gone((vhost, name))
         q.deleted = True
         for c in q.consumers:
             self.consumers.pop((c.fe, c.conn_id, c.channel, c.tag), None)
@@ -529,6 +536,7 @@ class ShardWorker:
                 return
             msg = q.get(self._channel(fe, conn_id, channel), bool(no_ack))
             q.store.flush_acks()  # the delivered mark, before get-ok leaves (a slow path anyway)
+            self._stats_touched.add(q)
             if msg is not None:
                 q.n_delivered += 1
                 if no_ack:
@@ -666,6 +674,7 @@ class ShardWorker:
                         # nothing to do for this queue (at a steady rate that pass, its call_soon and
                         # its flush_acks were a fixed cost of every turn carrying one message).
                         q.n_published += 1
+                        self._stats_touched.add(q)  # for the STATS report, which the pass feeds
                         continue
                     q.store.append(ts, flags, exchange, routing_key, props_raw, body)
                 elif not q.publish(ts, flags, exchange, routing_key, props_raw, body):
@@ -709,6 +718,7 @@ class ShardWorker:
         if len(props_raw) > 1 and props_raw[0] & 1:  # per-message TTL: the queues need FeatureQueue
             self._upgrade_queues(vhost, names)
         found = [q for q in map(queues.get, [(vhost, name) for name in names]) if q is not None]
+        self._stats_touched.update(found)  # once per run (its unstored deliveries skip the pass)
         dirty = self._dirty_queues
         sync_durable = persistent and self._fsync
         confirmed: list[int] = []
@@ -811,6 +821,7 @@ class ShardWorker:
         new.n_deliver_no_ack, new.n_get, new.n_get_no_ack = old.n_deliver_no_ack, old.n_get, old.n_get_no_ack
         self.queues[(old.vhost, old.name)] = new
         self.by_qid[old.qid] = new
+        self._stats_touched.add(new)
         for key, (q, c) in list(self.consumers.items()):
             if q is old:
                 self.consumers[key] = (new, c)
@@ -1137,6 +1148,7 @@ class ShardWorker:
         self._deliver_scheduled = False
         dirty = self._dirty_queues
         self._dirty_queues = set()
+        self._stats_touched |= dirty  # what the pass changes is what the next STATS report reads
         put = self.data.put
         delivered = 0
         behind = False
