@@ -20,7 +20,7 @@ from typing import Any
 
 import zmq
 
-from broker import contract, data_sockets, gc_pause, stage_trace
+from broker import contract, data_sockets, gc_pause, heap_trim, stage_trace
 from broker.datadir import name_hash
 from broker.definitions import Definitions
 from broker.defs_fence import catch_up, control_delay_for_tests_s, open_fence
@@ -46,6 +46,7 @@ from shard.stream_store import StreamStore
 from shard.timers import TimerHeap
 
 log = logging.getLogger("shardmq.shard")
+_TRIM_AFTER_LOAD_S = 2.0  # after the snapshot's queues are open: malloc_trim (see _load_snapshot)
 
 _CONTROL_LANE_SUFFIX = contract.CONTROL_LANE_SUFFIX
 
@@ -285,6 +286,9 @@ class ShardWorker:
         log.info("shard %d (pid %d) ready: %d queues, epoch %d", self.index, os.getpid(),
                  len(self.queues), self.epoch)
         self._ready.set()
+        # The snapshot's decode, the first full STATS report and the grown read buffer (which
+        # shrinks after 1 s, broker/unixio.py) leave free pages inside glibc's heap: give them back.
+        self.loop.call_later(_TRIM_AFTER_LOAD_S, heap_trim.trim)
         if self._early:
             # Next turn, out of this control batch: the fence check in _on_data may have to apply the
             # DEFS behind this snapshot first. Batches arriving meanwhile queue behind them (_on_data).
