@@ -55,38 +55,19 @@ def _sha1(name: str) -> str:
 
 
 def _write_name_file(path: str, name: str, new: bool = False) -> None:
-    """tmp + rename (written in place into a directory just made), not fsynced here: the store's first sync (SegmentDir._sync_parents, in the sync
+    """tmp + rename, not fsynced here: the store's first sync (SegmentDir._sync_parents, in the sync
     thread, before the first confirm into the queue) makes it durable; a queue that never held a
     message may lose it in a crash, and queue_dir() writes it again at the next open. ``new``: the
     directory was just made, there is nothing to compare with."""
     if not new:
         # Opening 100,000 queues at boot checks this file for each: one stat, not open+read+close.
-        # The file is only ever replaced whole (tmp + rename) or written once into a new directory,
-        # and named by the sha1 of its content's name, so the right size means the right name; an
-        # empty or short one (lost in a crash) is rewritten.
+        # The file is only ever replaced whole (tmp + rename) and named by the sha1 of its content's
+        # name, so the right size means the right name; an empty one (lost in a crash) is rewritten.
         try:
             if os.stat(path).st_size == len(name.encode()):
                 return
         except OSError:
             pass
-    else:
-        # A directory this process has just made: nobody else writes or reads its name file yet,
-        # so it is written in place, without a temporary file, a rename and Python's io layers
-        # (about a third of a shard's CPU per declared queue). A crash may leave it short: the
-        # size check above rewrites it at the next open.
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        except FileExistsError:
-            pass
-        else:
-            data = name.encode()
-            try:
-                os.write(fd, data)
-            finally:
-                os.close(fd)
-            if write_observer.current is not None:
-                write_observer.current.replace(path, data)
-            return
     # Per process: both shards write a new vhost's .vhost when each opens its first queue of it.
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:

@@ -468,21 +468,6 @@ def test_queue_dir_layout(tmp_path):
     assert queue_dir(str(tmp_path), "vh", "my-queue") == path
 
 
-def test_a_new_queue_dirs_name_file_is_written_in_place_and_a_short_one_rewritten(tmp_path):
-    from shard.store import make_queue_dir
-
-    path, made = make_queue_dir(str(tmp_path), "/", "név-ü")
-    assert made and sorted(os.listdir(path)) == [".queue"]  # no temporary file left beside it
-    name_file = os.path.join(path, ".queue")
-    with open(name_file, encoding="utf-8") as f:
-        assert f.read() == "név-ü"
-    with open(name_file, "wb") as f:  # a crash right after the create: short
-        f.write("név".encode())
-    assert make_queue_dir(str(tmp_path), "/", "név-ü", exists=True) == (path, False)
-    with open(name_file, encoding="utf-8") as f:
-        assert f.read() == "név-ü"
-
-
 def test_dirty_and_sync(tmp_path):
     s = QueueStore(str(tmp_path))
     s.sync()
