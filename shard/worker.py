@@ -515,6 +515,8 @@ class ShardWorker:
                     # delivery pass (at a steady rate this turn carried only that ack).
                     if mid < _VIRTUAL or q.store.ready or q.aliases:
                         self._dirty_queues.add(q)
+                    else:
+                        self._stats_touched.add(q)  # its counts changed: for the next STATS report
         elif kind == contract.CREDIT:
             _, conn_id, channel, tag, n = item
             found = self.consumers.get((fe, conn_id, channel, tag))
