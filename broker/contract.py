@@ -348,11 +348,19 @@ CONTROL_LANE_KINDS = frozenset((23, 24, 31, 21, 22, 26, 27, 28, 29, 39))  # ACK 
 
 
 _packer = msgpack.Packer(use_bin_type=True, autoreset=True)
+# A Packer's buffer grows to the largest batch it packed and never shrinks: after one bigger than
+# this (a SNAPSHOT of 100,000 queues, a full STATS report) the next batch gets a fresh Packer, so a
+# booted node and its shards do not keep a buffer of that size for good.
+_PACKER_KEEP = 1 << 20
 
 
 def pack(header: Any, items: list) -> bytes:
     """Encode one batch."""
-    return _packer.pack([header, items])
+    global _packer
+    data = _packer.pack([header, items])
+    if len(data) > _PACKER_KEEP:
+        _packer = msgpack.Packer(use_bin_type=True, autoreset=True)
+    return data
 
 
 def unpack(data: bytes) -> tuple[Any, list]:
