@@ -2,9 +2,9 @@
 
 One session = one connection per stream: the node stream first (its full sync decides which
 queue directories exist at all), then one per leader shard (``Welcome.streams``). If any stream
-ends (leader gone, CRC32 mismatch, ack timeout on the leader), the whole session is dropped and
-started again after a short pause (also when nothing came from the leader on a stream for the
-heartbeat timeout: a hung, stopped or unreachable leader): the next full sync sends only the files whose size or CRC32
+ends (leader gone, CRC32 mismatch, ack timeout on the leader, nothing from the leader for the
+heartbeat timeout: a hung, stopped or unreachable leader), the whole session is dropped and
+started again after a short pause: the next full sync sends only the files whose size or CRC32
 differ and deletes what the leader no longer has, so a corrupted file is replaced rather than
 patched and acked messages never come back.
 """
@@ -79,7 +79,8 @@ class ReplicationFollower:
             "in_sync": in_sync,
             "lag_bytes": sum(r.position - r.acked for r in recs),  # received but not yet durable
             "leader": f"{self.leader_host}:{self.leader_port}",
-            "streams": {r.stream: {"synced": r.synced, "position": r.position, "acked": r.acked} for r in recs},
+            "streams": {r.stream: {"synced": r.synced, "position": r.position, "acked": r.acked,
+                                   "heartbeats": r.heartbeats} for r in recs},
             "sessions": self.sessions,
             "file_list_timeouts": self.file_list_timeouts,
             "heartbeat_timeouts": self.heartbeat_timeouts,

@@ -91,6 +91,7 @@ class StreamReceiver:
         self._tick: asyncio.TimerHandle | None = None
         self._sent = False  # something went to the leader since the last tick
         self._last_sent = self._last_heard = self._last_tick = 0.0
+        self.heartbeats = 0  # HEARTBEAT frames received (status: an idle stream is kept alive by them)
         self.secret = secret
         self.name = name
         self.stream = stream
@@ -340,7 +341,7 @@ class StreamReceiver:
         elif isinstance(ev, p.SyncDone):
             self.sync_done = True
         elif isinstance(ev, p.Heartbeat):
-            pass  # the leader is alive: heard (the _Conn's flag)
+            self.heartbeats += 1  # the leader is alive (the _Conn's flag said so already)
         else:
             raise p.ProtocolError(f"unexpected {type(ev).__name__} while streaming")
 

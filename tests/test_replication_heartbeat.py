@@ -1,0 +1,167 @@
+"""Replication heartbeats end to end (docs/cluster.md "Heartbeats"): real nodes, a real etcd where
+the ISR is at stake, processes stopped with SIGSTOP (a hung process looks like a dead host or a
+dropped network path to its peer: its kernel keeps the connection open and says nothing).
+
+- a follower whose leader shard stops hearing from it times out, reconnects, and is in sync once the
+  shard runs again, with every confirmed message once and in order;
+- a leader drops a stopped follower from the ISR on an idle stream and confirms go on;
+- an idle stream in sync stays connected across many heartbeat intervals."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pika
+import pytest
+
+from tests.cluster_helpers import Cluster, http_get
+from tests.cluster_helpers import wait_for as wait_until
+from tests.test_replication import (
+    count,
+    follower_node,
+    leader_node,
+    log_count,
+    publish,
+    wait_for,
+    wait_identical,
+    wait_in_sync,
+    wait_isr,
+)
+
+pytestmark = pytest.mark.integration
+
+HB = ["--replication-heartbeat", "0.2", "--replication-heartbeat-timeout", "1"]
+
+
+def test_a_follower_whose_leader_shard_hangs_times_out_reconnects_and_resyncs_losing_nothing(node_factory):
+    """The leader's shard is stopped while the stream is idle and in sync: without heartbeats the
+    follower could not tell a hung leader from a quiet one and stayed 'in sync' with it forever. It
+    now says so within the heartbeat timeout, drops the session and reconnects (the node still
+    answers; the stopped shard does not list its files, so it keeps retrying), and after SIGCONT it
+    is in sync and its data dir holds every confirmed message once, in order."""
+    leader = leader_node(node_factory, shards=1, extra=HB)
+    follower = follower_node(node_factory, leader, extra=[*HB, "--replication-file-list-timeout", "2"])
+    publish(leader, {"hb": 100})
+    wait_in_sync(leader)
+    wait_isr(leader, "n2", shards=1)
+    shard = leader.worker_pid("shard", 0)
+    timed_out = "replication: nothing from n1 on stream shard-0 for"
+    assert log_count(follower, timed_out) == 0
+    os.kill(shard, signal.SIGSTOP)
+    t_stop = time.monotonic()
+    try:
+        wait_for(lambda: log_count(follower, timed_out) >= 1, "the follower's heartbeat timeout",
+                 timeout=15, node=follower)
+        detected = time.monotonic() - t_stop
+        assert "(--replication-heartbeat-timeout 1;" in follower.log_text()
+        assert "dropping the session and reconnecting" in follower.log_text()
+        # It keeps trying: the node welcomes it, the stopped shard never lists its files.
+        wait_for(lambda: "replication: no file list on stream shard-0 from n1" in follower.log_text(),
+                 "a reconnect attempt meanwhile", node=follower)
+    finally:
+        os.kill(shard, signal.SIGCONT)
+    print(f"heartbeat timeout noticed {detected:.2f} s after the SIGSTOP (timeout 1 s)")
+    wait_in_sync(leader, times=2)
+    wait_isr(leader, "n2", shards=1)
+    publish(leader, {"hb": 50})  # confirmed once the follower acked them (it is in the ISR again)
+    wait_identical(leader, follower)
+    leader.kill9()
+    follower.stop()
+    standalone = node_factory(name="promoted", frontends=1, shards=1, start=False)
+    standalone.data_dir = follower.data_dir
+    standalone.start()
+    assert count(standalone, "hb") == 150
+    conn = standalone.connect()
+    ch = conn.channel()
+    bodies = [ch.basic_get("hb", auto_ack=True)[2] for _ in range(150)]
+    conn.close()
+    assert [b.split(b"-")[1] for b in bodies] == [str(i).encode() for i in range(100)] + \
+        [str(i).encode() for i in range(50)]
+
+
+def _status(node) -> dict:
+    return http_get(node.http_port, "/api/cluster/status")[1]
+
+
+def _isr(leader) -> set[str]:
+    return set(_status(leader).get("isr") or [])
+
+
+def test_a_leader_drops_a_stopped_follower_from_the_isr_on_an_idle_stream_and_confirms_go_on(node_factory, etcd):
+    """Three nodes, --min-isr 1, and an ack timeout far away (60 s): it is the heartbeat timeout, not a
+    confirm waiting for acks, that takes the stopped follower out of the ISR, with nothing published.
+    Confirms then need the other follower only; the stopped one rejoins after SIGCONT."""
+    cluster = Cluster(node_factory, etcd.endpoints, ttl=30)  # about replication, not the stopped node's lease
+    extra = (*HB, "--min-isr", "1", "--replication-ack-timeout", "60")
+    nodes = [cluster.add(f"n{i}", wait=False, extra=extra) for i in (1, 2, 3)]
+    for node in nodes:
+        node.wait_ready()
+    leader = cluster.leader(timeout=30)
+    names = {n.workdir.name for n in nodes}
+    wait_until(lambda: _isr(leader) == names, 60, f"the ISR {sorted(names)}")
+    stopped, other = [n for n in nodes if n is not leader]
+    dropped = f"follower {stopped.workdir.name} sent nothing for"
+    os.kill(stopped.pid, signal.SIGSTOP)
+    t_stop = time.monotonic()
+    try:
+        wait_until(lambda: stopped.workdir.name not in _isr(leader), 20, "the stopped follower out of the ISR")
+        left = time.monotonic() - t_stop
+        assert leader.log_text().count(dropped) >= 1, leader.log_tail(30)
+        assert "has not acked for" not in leader.log_text()
+        assert _isr(leader) == names - {stopped.workdir.name}
+        # Confirms go on with the other follower (min-isr 1), without waiting for the stopped one.
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                publish(leader, {"after": 100})
+            except BaseException as exc:  # noqa: BLE001 - reported by the test
+                errors.append(exc)
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join(30)
+        assert not t.is_alive(), "confirms stuck behind the stopped follower"
+        assert not errors, errors
+        assert (_status(leader).get("followers") or {}).get(other.workdir.name, {}).get("in_sync") is True
+    finally:
+        os.kill(stopped.pid, signal.SIGCONT)
+    print(f"out of the ISR {left:.2f} s after the SIGSTOP (heartbeat timeout 1 s)")
+    # Its connections were dropped by the leader: it notices, resyncs and is back in the ISR.
+    wait_until(lambda: _isr(leader) == names, 60, "the stopped follower back in the ISR")
+    with leader.connect() as conn:
+        assert conn.channel().queue_declare("after", passive=True).method.message_count == 100
+
+
+def test_an_idle_stream_in_sync_stays_connected_across_many_heartbeats(node_factory, etcd):
+    """Nothing is published for 20+ heartbeat intervals (5x the timeout): every stream of the follower
+    receives heartbeats and neither side drops anything (no new session, no timeout on either side)."""
+    cluster = Cluster(node_factory, etcd.endpoints, ttl=30)
+    nodes = [cluster.add(f"n{i}", wait=False, shards=2, extra=HB) for i in (1, 2)]
+    for node in nodes:
+        node.wait_ready()
+    leader = cluster.leader(timeout=30)
+    follower = next(n for n in nodes if n is not leader)
+    with leader.connect() as conn:
+        ch = conn.channel()
+        ch.confirm_delivery()
+        ch.queue_declare("idle", durable=True)
+        ch.basic_publish("", "idle", b"x", pika.BasicProperties(delivery_mode=2))
+
+    def repl() -> dict:
+        return _status(follower).get("replication") or {}
+    wait_until(lambda: repl().get("in_sync") and follower.workdir.name in _isr(leader), 60, "the follower in sync")
+    before = repl()
+    assert set(before["streams"]) == {"node", "shard-0", "shard-1"}
+    # 20 heartbeats on every stream: ~4-5 s of an idle stream at 0.2 s, 5 heartbeat timeouts.
+    wait_until(lambda: all(s["heartbeats"] >= before["streams"][name]["heartbeats"] + 20
+                           for name, s in repl()["streams"].items()), 60, "20 heartbeats on every stream")
+    after = repl()
+    assert after["sessions"] == before["sessions"] and after["heartbeat_timeouts"] == 0, after
+    assert after["in_sync"] is True and after["last_error"] == before["last_error"]
+    assert "sent nothing for" not in leader.log_text()
+    assert follower.workdir.name in _isr(leader)
+    theirs = (_status(leader).get("followers") or {})[follower.workdir.name]
+    assert theirs["connected"] and theirs["in_sync"] and theirs["lag_bytes"] == 0
