@@ -33,7 +33,10 @@ from tests.test_replication import (
 
 pytestmark = pytest.mark.integration
 
-HB = ["--replication-heartbeat", "0.2", "--replication-heartbeat-timeout", "1"]
+# 10 heartbeats per timeout: a node process held up for half a second on a loaded 2-core machine
+# (it happens) is not a hung peer.
+TIMEOUT = 2
+HB = ["--replication-heartbeat", "0.2", "--replication-heartbeat-timeout", str(TIMEOUT)]
 
 
 def test_a_follower_whose_leader_shard_hangs_times_out_reconnects_and_resyncs_losing_nothing(node_factory):
@@ -56,14 +59,15 @@ def test_a_follower_whose_leader_shard_hangs_times_out_reconnects_and_resyncs_lo
         wait_for(lambda: log_count(follower, timed_out) >= 1, "the follower's heartbeat timeout",
                  timeout=15, node=follower)
         detected = time.monotonic() - t_stop
-        assert "(--replication-heartbeat-timeout 1;" in follower.log_text()
+        assert f"(--replication-heartbeat-timeout {TIMEOUT};" in follower.log_text()
         assert "dropping the session and reconnecting" in follower.log_text()
         # It keeps trying: the node welcomes it, the stopped shard never lists its files.
         wait_for(lambda: "replication: no file list on stream shard-0 from n1" in follower.log_text(),
                  "a reconnect attempt meanwhile", node=follower)
     finally:
         os.kill(shard, signal.SIGCONT)
-    print(f"heartbeat timeout noticed {detected:.2f} s after the SIGSTOP (timeout 1 s)")
+    print(f"heartbeat timeout noticed {detected:.2f} s after the SIGSTOP (timeout {TIMEOUT} s)")
+    assert detected >= TIMEOUT - 0.5  # counted from the shard's last frame: up to ~0.45 s before the stop
     wait_in_sync(leader, times=2)
     wait_isr(leader, "n2", shards=1)
     publish(leader, {"hb": 50})  # confirmed once the follower acked them (it is in the ISR again)
@@ -109,6 +113,7 @@ def test_a_leader_drops_a_stopped_follower_from_the_isr_on_an_idle_stream_and_co
     try:
         wait_until(lambda: stopped.workdir.name not in _isr(leader), 20, "the stopped follower out of the ISR")
         left = time.monotonic() - t_stop
+        assert left >= TIMEOUT - 0.5  # counted from the follower's last frame: up to ~0.3 s before the stop
         assert leader.log_text().count(dropped) >= 1, leader.log_tail(30)
         assert "has not acked for" not in leader.log_text()
         assert _isr(leader) == names - {stopped.workdir.name}
@@ -128,7 +133,7 @@ def test_a_leader_drops_a_stopped_follower_from_the_isr_on_an_idle_stream_and_co
         assert (_status(leader).get("followers") or {}).get(other.workdir.name, {}).get("in_sync") is True
     finally:
         os.kill(stopped.pid, signal.SIGCONT)
-    print(f"out of the ISR {left:.2f} s after the SIGSTOP (heartbeat timeout 1 s)")
+    print(f"out of the ISR {left:.2f} s after the SIGSTOP (heartbeat timeout {TIMEOUT} s)")
     # Its connections were dropped by the leader: it notices, resyncs and is back in the ISR.
     wait_until(lambda: _isr(leader) == names, 60, "the stopped follower back in the ISR")
     with leader.connect() as conn:
@@ -136,7 +141,7 @@ def test_a_leader_drops_a_stopped_follower_from_the_isr_on_an_idle_stream_and_co
 
 
 def test_an_idle_stream_in_sync_stays_connected_across_many_heartbeats(node_factory, etcd):
-    """Nothing is published for 20+ heartbeat intervals (5x the timeout): every stream of the follower
+    """Nothing is published for 20+ heartbeat intervals (2-3 timeouts): every stream of the follower
     receives heartbeats and neither side drops anything (no new session, no timeout on either side)."""
     cluster = Cluster(node_factory, etcd.endpoints, ttl=30)
     nodes = [cluster.add(f"n{i}", wait=False, shards=2, extra=HB) for i in (1, 2)]
@@ -155,7 +160,8 @@ def test_an_idle_stream_in_sync_stays_connected_across_many_heartbeats(node_fact
     wait_until(lambda: repl().get("in_sync") and follower.workdir.name in _isr(leader), 60, "the follower in sync")
     before = repl()
     assert set(before["streams"]) == {"node", "shard-0", "shard-1"}
-    # 20 heartbeats on every stream: ~4-5 s of an idle stream at 0.2 s, 5 heartbeat timeouts.
+    # 20 heartbeats on every stream: 5-9 s of an idle stream at 0.2 s (sent after 0.2 s idle, looked at
+    # every 0.25 s), more than two heartbeat timeouts.
     wait_until(lambda: all(s["heartbeats"] >= before["streams"][name]["heartbeats"] + 20
                            for name, s in repl()["streams"].items()), 60, "20 heartbeats on every stream")
     after = repl()

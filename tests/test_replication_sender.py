@@ -161,12 +161,16 @@ def test_heartbeats_go_to_idle_followers_that_announced_them_and_a_silent_one_is
             assert "silent" not in sender.links
             # Busy: a write every 50 ms, never a heartbeat in between.
             path = str(root / "q" / "msgs")
-            busy_from = time.monotonic()
+            writes = []
             for i in range(20):
                 sender.append(path, i, b"x")
+                writes.append(time.monotonic())
                 await asyncio.sleep(0.05)
-            busy_to = time.monotonic()
-            await asyncio.sleep(3 * hb)
+            # Idle again: heartbeats resume (waited for with a deadline).
+            deadline = time.monotonic() + 10
+            while (not any(t > writes[-1] and isinstance(ev, p.Heartbeat) for t, ev in received["live"])
+                   and time.monotonic() < deadline):
+                await asyncio.sleep(0.05)
             attached = set(sender.links)
         finally:
             closed.update({n: time.monotonic() for n in ends})
@@ -175,12 +179,13 @@ def test_heartbeats_go_to_idle_followers_that_announced_them_and_a_silent_one_is
             for end in ends.values():
                 end.close()
         beats = {n: [t for t, ev in received[n] if isinstance(ev, p.Heartbeat)] for n in ends}
-        idle_beats = [t for t in beats["live"] if t < busy_from]
-        assert len(idle_beats) >= 2, beats["live"]
-        assert all(b - a < hb + 0.5 for a, b in zip(idle_beats, idle_beats[1:], strict=False)), idle_beats
-        # the first heartbeat after the busy spell may race the last write by one check period
-        assert not [t for t in beats["live"] if busy_from + 2 * hb < t < busy_to], beats["live"]
-        assert [t for t in beats["live"] if t > busy_to], "no heartbeat once idle again"
+        assert len([t for t in beats["live"] if t < writes[0]]) >= 2, beats["live"]
+        # While data flows nothing else is sent: a heartbeat only after a whole check period without a
+        # write (this loop held up on a loaded machine), never more of them than such gaps.
+        gaps = sum(b - a >= smod._CHECK_S for a, b in zip(writes, writes[1:], strict=False))
+        busy = [t for t in beats["live"] if writes[0] + smod._CHECK_S < t < writes[-1]]
+        assert len(busy) <= gaps, (busy, writes)
+        assert [t for t in beats["live"] if t > writes[-1]], "no heartbeat once idle again"
         assert beats["old"] == [] and attached == {"live", "old"}
         assert sum(isinstance(ev, p.Append) for _t, ev in received["old"]) > 0
 
