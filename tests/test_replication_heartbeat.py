@@ -5,12 +5,15 @@ dropped network path to its peer: its kernel keeps the connection open and says 
 - a follower whose leader shard stops hearing from it times out, reconnects, and is in sync once the
   shard runs again, with every confirmed message once and in order;
 - a leader drops a stopped follower from the ISR on an idle stream and confirms go on;
-- an idle stream in sync stays connected across many heartbeat intervals."""
+- an idle stream in sync stays connected across many heartbeat intervals;
+- a network path that drops everything (no FIN, no RST: both connections stay open, half-open) is
+  noticed by both sides, and the follower is back in sync once the path is."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -20,6 +23,7 @@ import pytest
 from tests.cluster_helpers import Cluster, http_get
 from tests.cluster_helpers import wait_for as wait_until
 from tests.test_replication import (
+    SECRET,
     count,
     follower_node,
     leader_node,
@@ -171,3 +175,95 @@ def test_an_idle_stream_in_sync_stays_connected_across_many_heartbeats(node_fact
     assert follower.workdir.name in _isr(leader)
     theirs = (_status(leader).get("followers") or {})[follower.workdir.name]
     assert theirs["connected"] and theirs["in_sync"] and theirs["lag_bytes"] == 0
+
+
+class PathRelay:
+    """A TCP relay standing for the network path between a follower and its leader. ``cut()`` drops
+    the path: every byte either way is swallowed and neither end hears of a close (a pulled cable, a
+    dead router, a host that lost power: half-open connections), and new connections are refused.
+    ``heal()`` lets new connections through; the ones that lived through the cut stay dead."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.lsock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.lsock.getsockname()[1]
+        self.generation = 0  # connections made before the latest cut are dead for good
+        self.is_cut = False
+        self.socks: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def cut(self) -> None:
+        self.generation += 1
+        self.is_cut = True
+
+    def heal(self) -> None:
+        self.is_cut = False
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.lsock.accept()
+            except OSError:
+                return
+            if self.is_cut:
+                client.close()  # unreachable: the follower retries
+                continue
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            except OSError:
+                client.close()
+                continue
+            self.socks += [client, upstream]
+            gen = self.generation
+            threading.Thread(target=self._pump, args=(client, upstream, gen), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, gen), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, gen: int) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                if self.generation == gen:
+                    dst.sendall(data)
+        except OSError:
+            pass
+        if self.generation == gen:  # a close before the cut travels as it would
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.lsock.close()
+        for s in self.socks:
+            s.close()
+
+
+def test_a_dropped_network_path_is_noticed_by_both_sides_and_the_follower_resyncs_once_it_is_back(node_factory):
+    """The path between follower and leader drops everything while the stream is idle and in sync.
+    The leader takes the follower out of the ISR after the heartbeat timeout (confirms go on without
+    it); the follower notices too and reconnects, again and again until the path is back, and then
+    is in sync with what was confirmed meanwhile. Without heartbeats neither side heard anything:
+    the follower waited on its dead connection for good and never caught up."""
+    leader = leader_node(node_factory, shards=1, extra=HB)
+    relay = PathRelay(leader.rport)
+    follower = node_factory(name="n2", frontends=1, shards=1, env=SECRET, start=False,
+                            extra_args=["--cluster", "--node-name", "n2", "--follow", f"127.0.0.1:{relay.port}", *HB])
+    follower.start(wait=False)
+    try:
+        publish(leader, {"path": 20})
+        wait_in_sync(leader)
+        wait_isr(leader, "n2", shards=1)
+        relay.cut()
+        wait_for(lambda: "follower n2 sent nothing for" in leader.log_text(), "the leader dropping n2", node=leader)
+        wait_isr(leader, "", shards=1)
+        wait_for(lambda: log_count(follower, "replication: nothing from n1 on stream") >= 1,
+                 "the follower noticing the dead path", node=follower)
+        publish(leader, {"path": 30})  # confirmed without n2 (out of the ISR, min-isr 0)
+        relay.heal()
+        wait_in_sync(leader, times=2)
+        wait_isr(leader, "n2", shards=1)
+        publish(leader, {"path": 10})  # confirmed once n2 acked them
+        wait_identical(leader, follower)
+    finally:
+        relay.close()
+    assert count(leader, "path") == 60
