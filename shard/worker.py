@@ -293,7 +293,9 @@ class ShardWorker:
             self.repl = ShardReplication(
                 self.loop, self.index, settings["data_dir"], self.run_dir,
                 float(settings.get("replication_ack_timeout") or 3), self._owned_store_paths,
-                lambda status: self.node.put(None, [contract.REPL_STATUS, status]))
+                lambda status: self.node.put(None, [contract.REPL_STATUS, status]),
+                heartbeat=float(settings.get("replication_heartbeat") or 0),
+                heartbeat_timeout=float(settings.get("replication_heartbeat_timeout") or 0))
         self.node.put(None, [contract.APPLIED, version])
         log.info("shard %d (pid %d) ready: %d queues, epoch %d", self.index, os.getpid(),
                  len(self.queues), self.epoch)
