@@ -118,6 +118,10 @@ class Settings:
     # the fewest queues of its vhost, "hash" = crc32(vhost, name) % shards. Recorded in the queue's
     # definition either way: a queue keeps its shard across restarts and shard-count changes.
     queue_placement: str = "balanced"
+    # Queue deletions per second beyond a burst of 32 (broker/delete_pacer.py): a vhost of 100,000
+    # queues, or 100,000 pipelined queue.delete, is deleted at this pace so that publishing on the
+    # other queues keeps its cores (docs/benchmarks.md "Paced deletes"); 0 = as fast as possible.
+    delete_rate: int = 2000
     # Resource alarms (broker/alarms.py): publishers are blocked while free disk space of the data dir is
     # below disk_free_limit or the node's memory is above vm_memory_high_watermark (RabbitMQ's syntax).
     disk_free_limit: str = "50MB"
@@ -271,6 +275,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("queue_placement", "str", "main",
            "shard of a new queue: the one with the fewest queues of its vhost, or by a hash of its name",
            choices=QUEUE_PLACEMENTS),
+    Option("delete_rate", "int", "main",
+           "queue deletions per second beyond a burst of 32 (a vhost delete, pipelined queue.delete); "
+           "0 = unpaced", 0, 10**9),
     Option("cluster", "bool", "clustering", "run as a cluster member (etcd election, replication)",
            key="enabled"),
     Option("etcd_endpoints", "list", "clustering", "etcd endpoints HOST:PORT, comma separated"),

@@ -128,6 +128,12 @@ SCENARIOS: tuple[Scenario, ...] = (
              "confirming publisher on another queue (one message in flight) times its round trips: worst and "
              "p99 round trip during the delete (`worst_stall_ms`, `probe_during_p99_ms`)",
              timeout_s=600.0),
+    Scenario("delete-stall-100000",
+             ("delete-stall", "--count", "100000", "--time", "900"),
+             "the same with 100,000 transient queues deleted one by one through AMQP (pipelined queue.delete, "
+             "500 in flight): the probe's worst and p99 round trip while they go (ShardMQ paces deletions at "
+             "--delete-rate, 2,000/s by default: ~50 s; RabbitMQ ~2 min)",
+             timeout_s=1800.0),
     Scenario("bindings-per-second",
              ("bind-churn", "--time", DURATION),
              "queue.bind + queue.unbind round trips on one channel: bindings/s"),
