@@ -71,8 +71,12 @@ def test_overlapping_syncs_ack_in_order_and_only_what_is_durable(tmp_path, monke
         await until(lambda: len(gates) == 2, "two syncs in flight")
         assert rec.acked == 0 and sink.acks == []
 
-        gates[1].set()  # the second batch is durable first: nothing may be acked before the first
-        await asyncio.sleep(0.2)
+        # The second batch is durable first: nothing may be acked before the first. Callbacks run in
+        # the order they were added: once ours has, the receiver's own (_synced) has run too.
+        second_done = asyncio.Event()
+        rec._inflight[1][0].add_done_callback(lambda _f: second_done.set())
+        gates[1].set()
+        await asyncio.wait_for(second_done.wait(), 10)
         assert sink.acks == [] and rec.acked == 0
 
         gates[0].set()  # now both: one ack for the newer position
