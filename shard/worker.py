@@ -1329,6 +1329,7 @@ class ShardWorker:
         if self.stopping:
             return
         self.stopping = True
+        log.info("shard %d stopping", self.index)  # tests wait for it: the stop has begun
         # Every shard stops at once: dead letters we sent may be stored by their target and their
         # CONFIRM not here yet. Wait for them (syncs and confirms go on meanwhile), or they would be
         # sent again after the restart, twice in the target queue (shard/dead_letter_forwards.py).
