@@ -15,6 +15,7 @@ import pytest
 
 from loadtest import bench
 from loadtest.rabbitmq import RABBITMQ_SERVER, PrivateRabbitMQ
+from tests.harness import wait_until
 
 pytestmark = pytest.mark.integration  # starts a private RabbitMQ and ShardMQ nodes
 
@@ -122,7 +123,8 @@ def test_sigterm_during_a_run_still_stops_the_broker(tmp_path: Path) -> None:
             m = re.search(r"rabbitmq up at \S+ \(pid (\d+)", (tmp_path / "bench.err").read_text())
             beam = int(m[1]) if m else None
         assert beam is not None, (tmp_path / "bench.err").read_text()
-        time.sleep(1)  # let the perf run start
+        wait_until(lambda: any(ppid == proc.pid and "loadtest.cli amqp" in cmd
+                               for ppid, _state, cmd in _process_table().values()), 60, "the perf run to start")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 1  # no run finished
     finally:
