@@ -10,6 +10,7 @@ import threading
 from replication import protocol as p
 from replication import receiver as rmod
 from replication.files import CrcCache, make_durable
+from tests.harness import async_wait_until
 
 
 class _AckSink:
@@ -51,11 +52,7 @@ def test_overlapping_syncs_ack_in_order_and_only_what_is_durable(tmp_path, monke
         rec.synced = True
 
         async def until(pred, what: str) -> None:
-            for _ in range(500):
-                if pred():
-                    return
-                await asyncio.sleep(0.01)
-            raise AssertionError(f"timed out waiting for {what}")
+            await async_wait_until(pred, 5, what)
 
         def append(offset: int, data: bytes) -> int:
             frame = p.encode_append("q/msgs.0000000001", offset, data)
