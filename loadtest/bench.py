@@ -553,7 +553,7 @@ def _when_text(started: datetime | None, ended: datetime | None) -> str:
 
 def describe(groups: list[Invocation]) -> str:
     """One line per invocation, for the CLI's errors."""
-    return "\n".join(f"  {g.id}: {len(g.runs)} runs, commit {g.info['commit']}, {g.info['when']}: {g.info['command']}"
+    return "\n".join(f"  {g.id}: {len(g.runs)} run{'' if len(g.runs) == 1 else 's'}, commit {g.info['commit']}, {g.info['when']}: {g.info['command']}"
                      for g in groups)
 
 
