@@ -16,7 +16,8 @@ Sockets (under the node's run directory; ``node.sock`` is a unix stream socket, 
 * ``shard-N.sock`` - shard N binds a ROUTER; every frontend connects a DEALER
   with its worker id as identity. Data traffic: publishes, consumes, acks
   one way; deliveries, confirms, replies the other way. Every other shard
-  connects a DEALER too (identity ``sh-M``) and sends PUBLISH and DEDUP_PUBLISH items only:
+  connects a DEALER too (identity ``sh-M``) and sends PUBLISH and DEDUP_PUBLISH items only
+  (and one PEER_DONE at a clean stop):
   dead-lettered messages and due delayed messages whose target queues live on
   shard N, and messages of a deduplicating exchange that shard M owns (M also
   connects one to itself for those). Their header is ``[target_epoch, seq]``
@@ -84,7 +85,8 @@ import msgpack
 # 14: the definitions fence (run/defs.fence, broker/defs_fence.py): a worker applies its control plane up to
 # the word's version before it acts on input; the DEFS of a fenced change (bind, unbind, exchange
 # declare/delete) carry ack False for every worker that has applied its SNAPSHOT (no APPLIED for them).
-VERSION = 14
+# 18: PEER_DONE (shard -> shard at a clean stop: nothing more follows from the sender).
+VERSION = 18
 
 # --------------------------------------------------------------------------
 # Control plane: node <-> every worker (node.sock)
@@ -282,6 +284,12 @@ UNMARK = 38
 # CONNECTION_CLOSED of the same connection).
 MARKED_ACK = 39
 
+# PEER_DONE: over a shard's peer DEALER at a clean stop, once the sender's own forwards are settled:
+#   [PEER_DONE]  nothing more follows from it. A stopping shard keeps serving (storing, syncing,
+#   confirming) until every other shard said so (at most STOP_WAIT_S and a little), so a forward of a
+#   peer that got its STOP later never meets a closed socket (shard/forward_settle.py).
+PEER_DONE = 49
+
 # Channel numbers of the confirmed PUBLISH items a shard sends to another shard (conn_id 0): the
 # CONFIRM answers come back to the sender's peer DEALER and are told apart by this number.
 PEER_CHANNEL_DEDUP = 0
@@ -448,7 +456,7 @@ KINDS: dict[str, dict[str, tuple[int, int]]] = {
         "DELIVER": (DELIVER, 1), "CONFIRM": (CONFIRM, 1), "CONFIRM_NACK": (CONFIRM_NACK, 1),
         "REPLY_DATA": (REPLY_DATA, 1), "CANCEL_NOTIFY": (CANCEL_NOTIFY, 1), "PROCESSED": (PROCESSED, 1),
         "CLOSE_CHANNEL": (CLOSE_CHANNEL, 1), "RETURN": (RETURN, 6),
-        "PUBLISH_RUN": (PUBLISH_RUN, 13),
+        "PUBLISH_RUN": (PUBLISH_RUN, 13), "PEER_DONE": (PEER_DONE, 18),
     },
 }
 # Integer constants of this module that are not message kinds.

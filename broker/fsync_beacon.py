@@ -15,7 +15,7 @@ clears the time before it writes its new pid, so a reader never sees the new pid
 
 ``SHARDMQ_TEST_STALL_FSYNC_WHILE=PATH`` is a fault injection for tests only: while PATH exists
 every sync of either kind blocks before its fsync, as a stalled disk would (while ``PATH.<kind>``
-exists, only that kind's; SIGSTOP cannot show this: it stops the watchdog's view of the shard
+exists, only that kind's; while ``PATH.shard-N`` exists, only shard N's group sync; SIGSTOP cannot show this: it stops the watchdog's view of the shard
 too, and no test machine has dm-delay). Never set it in production.
 ``SHARDMQ_TEST_STALL_KV_FSYNC_WHILE=PATH`` does the same to the KV stores' sync round (shard/kvstore.py)
 only, so a test can hold an MQTT QoS 2 mark un-synced while the queues sync.
@@ -78,10 +78,13 @@ def running_since(run_dir: str, index: int) -> tuple[int, float]:
     return _FORMAT.unpack(data)
 
 
-def stall_for_tests(kind: str = "group") -> None:
-    """Block while a test's stall file exists (tests only, see above): SHARDMQ_TEST_STALL_FSYNC_WHILE
-    or its ``.<kind>`` twin, and for the KV sync also SHARDMQ_TEST_STALL_KV_FSYNC_WHILE."""
+def stall_for_tests(kind: str = "group", who: str = "") -> None:
+    """Block while a test's stall file exists (tests only, see above): SHARDMQ_TEST_STALL_FSYNC_WHILE,
+    its ``.<kind>`` twin or (``who``: "shard-N") its ``.shard-N`` twin, and for the KV sync also
+    SHARDMQ_TEST_STALL_KV_FSYNC_WHILE."""
     paths = [] if _STALL_PATH is None else [_STALL_PATH, f"{_STALL_PATH}.{kind}"]
+    if who and _STALL_PATH is not None:
+        paths.append(f"{_STALL_PATH}.{who}")
     if kind == "kv" and _KV_STALL_PATH is not None:
         paths.append(_KV_STALL_PATH)
     if paths:

@@ -22,11 +22,11 @@ While this shard runs, an item is also kept in memory and sent again when its ta
 
 A clean stop sends no dead letter twice: every shard of the node stops at once, so a target may
 have stored a dead letter whose CONFIRM (sent after its next group sync) has not reached us yet.
-``settle`` keeps this shard's loop serving its peers' answers until every dead letter in flight is
-confirmed (at most STOP_WAIT_S), and a stopping shard confirms what its final sync covered
-(ShardWorker.stop); only then is the outbox closed. A record still there after a clean stop was not
-stored by its target (or the target did not stop within STOP_WAIT_S). After a kill -9 of either
-side, a copy stored but not confirmed is sent again: at least once, duplicates possible.
+The stopping shard waits for it with its other forwards (shard/forward_settle.py, ``in_flight``
+here), and a stopping shard confirms what its final sync covered (ShardWorker.stop); only then is
+the outbox closed. A record still there after a clean stop was not stored by its target (or the
+target did not stop in time). After a kill -9 of either side, a copy stored but not confirmed is
+sent again: at least once, duplicates possible.
 """
 
 from __future__ import annotations
@@ -48,9 +48,6 @@ log = logging.getLogger("shardmq.shard")
 MAX_PENDING = 100_000
 # A dead letter a target refused (CONFIRM_NACK) is sent again after this long.
 RETRY_S = 1.0
-# At a clean stop, how long the shard waits for its peers' confirms of dead letters in flight (they
-# confirm after their next group sync; the node gives a stopping shard 15 s in all).
-STOP_WAIT_S = 5.0
 
 # Where an item kind keeps its confirm seq (contract.PUBLISH / DEDUP_PUBLISH field lists).
 _SEQ_FIELD = {contract.PUBLISH: 10, contract.DEDUP_PUBLISH: 9}
@@ -66,7 +63,7 @@ class ForwardsShard(Protocol):
     loop: asyncio.AbstractEventLoop
     stopping: bool
 
-    def send_to_peer(self, shard: int, item: list) -> None: ...
+    def send_to_peer(self, shard: int, item: list) -> bool: ...
 
     def sync_first(self, store: QueueStore) -> None: ...
 
@@ -78,7 +75,6 @@ class DeadLetterForwards:
         # outbox msg id (= confirm seq) -> {target shard: [epoch it was sent to, item]}
         self.pending: dict[int, dict[int, list]] = {}
         self._retry_armed = False
-        self._settled: asyncio.Event | None = None  # set while settle() waits
 
     def path(self) -> str:
         w = self.worker
@@ -107,8 +103,7 @@ class DeadLetterForwards:
         for items in self.pending.values():  # a deduplicating exchange we own: our own ROUTER is ready
             sent = items.get(own)
             if sent is not None:
-                sent[0] = self.worker.epoch
-                self.worker.send_to_peer(own, sent[1])
+                sent[0] = self.worker.epoch if self.worker.send_to_peer(own, sent[1]) else -1
         if n:
             log.info("shard %d: %d dead letters unconfirmed before the restart are sent again", self.worker.index, n)
 
@@ -130,8 +125,9 @@ class DeadLetterForwards:
         kept = self.pending[msg_id] = {}
         for shard, item in items.items():
             item = _with_seq(item, msg_id)
-            kept[shard] = [w.epoch if shard == w.index else epochs.get(shard, 0), item]
-            w.send_to_peer(shard, item)
+            # Not sent (a clean stop told the peers we are done): epoch -1, sent after the restart.
+            kept[shard] = [(w.epoch if shard == w.index else epochs.get(shard, 0))
+                           if w.send_to_peer(shard, item) else -1, item]
 
     def _keep(self, items: dict[int, list], persistent: bool) -> int | None:
         """Append the outbox record; its msg id, or None when it could not be written."""
@@ -176,8 +172,6 @@ class DeadLetterForwards:
                 store.ack(seq)  # dropped from memory (MAX_PENDING) and confirmed after all
         if store is not None:
             store.flush_acks()
-        if self._settled is not None and not self.in_flight():
-            self._settled.set()
 
     def in_flight(self) -> int:
         """Dead letters sent to the running incarnation of a shard (or to ourselves) and not confirmed
@@ -188,26 +182,6 @@ class DeadLetterForwards:
         return sum(sent[0] != -1 and sent[0] == (own_epoch if shard == own else epochs.get(shard, 0))
                    for items in self.pending.values() for shard, sent in items.items())
 
-    async def settle(self, timeout: float = STOP_WAIT_S) -> int:
-        """At a clean stop: wait until every dead letter in flight is confirmed or refused (at most
-        `timeout`), so a copy its target stored is not sent again after the restart. Returns how many
-        are still unconfirmed (they stay in the outbox)."""
-        if not self.in_flight():
-            return 0
-        self._settled = asyncio.Event()
-        try:
-            async with asyncio.timeout(timeout):
-                await self._settled.wait()
-        except TimeoutError:
-            pass
-        finally:
-            self._settled = None
-        left = self.in_flight()
-        if left:
-            log.warning("shard %d: stopping with %d dead letters not confirmed by other shards; they are "
-                        "sent again after the restart", self.worker.index, left)
-        return left
-
     def _retry(self) -> None:
         self._retry_armed = False
         w = self.worker
@@ -215,9 +189,8 @@ class DeadLetterForwards:
             return
         for items in self.pending.values():
             for shard, sent in items.items():
-                if sent[0] == -1 and (shard == w.index or shard in w.epochs):
+                if sent[0] == -1 and (shard == w.index or shard in w.epochs) and w.send_to_peer(shard, sent[1]):
                     sent[0] = w.epoch if shard == w.index else w.epochs[shard]
-                    w.send_to_peer(shard, sent[1])
 
     def peer_up(self, index: int, restarted: bool) -> None:
         """SHARD_UP: a new epoch means the peer died; the known epoch again means it is ready now,
@@ -231,9 +204,8 @@ class DeadLetterForwards:
             # Only what went to an earlier incarnation (or nowhere yet: recovered from the outbox):
             # what was sent to this one (held until its snapshot) is handled and confirmed by it,
             # and a resend would double it.
-            if sent is not None and sent[0] < epoch:
+            if sent is not None and sent[0] < epoch and worker.send_to_peer(index, sent[1]):
                 sent[0] = epoch
-                worker.send_to_peer(index, sent[1])
 
     def all_stores(self) -> list[QueueStore]:
         return [] if self.store is None else [self.store]

@@ -18,7 +18,10 @@ them have (so only after every append is written, and fsynced when it must be).
 
 A duplicate that arrives while the original is still unconfirmed waits for it and gets the
 same answer; an original that ends in a nack leaves the cache again, so a retry is accepted.
-The caches live in memory (as LavinMQ's): a restart of the shard forgets them.
+The caches live in memory (as LavinMQ's): a restart of the shard forgets them. So a clean stop
+waits for the forwards in flight (``in_flight``, shard/forward_settle.py) before the owner closes:
+a dead letter's source that got no answer would send it again after the restart, and the empty
+cache would let it through twice.
 """
 
 from __future__ import annotations
@@ -133,6 +136,7 @@ class DedupShard(Protocol):
     defs: Definitions | None
     data: Any  # its data socket: put(identity, item)
     peers: dict[int, Any]  # the DEALER to each other shard
+    peers_closed: bool  # a clean stop told them nothing more comes
     dead_letters: DeadLetterForwards
 
     def on_peer_answers(self, shard: int) -> Callable[[bytes | None, object, list], None]: ...
@@ -238,10 +242,11 @@ class ExchangeDedup:
         return cache
 
     def socket_to(self, shard: int) -> Any:
-        """The DEALER to `shard`'s ROUTER: a peer's, or ours connected to our own ROUTER."""
+        """The DEALER to `shard`'s ROUTER: a peer's, or ours connected to our own ROUTER. None for a
+        peer once we told the peers we are done (a clean stop, ShardWorker._say_peers_done)."""
         worker = self.worker
         if shard != worker.index:
-            return worker.peers.get(shard)
+            return None if worker.peers_closed else worker.peers.get(shard)
         if self._self_socket is None:
             self._self_socket = data_sockets.shard_connection(worker.loop, worker.run_dir, worker.index, worker.ident,
                                                               worker.on_peer_answers(worker.index), self._self_header)
@@ -260,6 +265,12 @@ class ExchangeDedup:
         """`shard`'s CONFIRM (ok) or CONFIRM_NACK for forwarded publishes (ShardWorker.on_peer_answers)."""
         for token in tokens:
             self._settle(token, shard, ok)
+
+    def in_flight(self) -> int:
+        """Forwards not answered yet, counted per target shard. A clean stop waits for them
+        (shard/forward_settle.py): the answer owed to a dead letter's source shard depends on them,
+        and a source without it sends the dead letter again after the restart, when our cache is empty."""
+        return sum(len(p.shards) for p in self.pending.values())
 
     def shard_up(self, shard: int) -> None:
         """`shard` restarted: what it had not confirmed is lost, so those publishes are nacked."""

@@ -21,6 +21,10 @@ afterwards: at once when nothing has to be synced, otherwise after the group
 sync that makes the local appends durable, so neither a killed process nor a
 power loss between the two loses it (it may be delivered twice instead).
 
+A copy routed to a queue of another shard keeps its record until that shard confirms it; a clean
+stop waits for those confirms (``in_flight``, shard/forward_settle.py), or the restarted shard would
+route the message again. A stopping shard routes nothing that falls due.
+
 The store's read cursor is moved past every record as soon as it is appended
 (``shift``), so any record can be removed (``ack``) in due order rather than
 append order.
@@ -293,6 +297,13 @@ class DelayedMessages:
             fwd = self._forwards.get(seq)
             if fwd is not None:
                 self._settle(fwd, shard)
+
+    def in_flight(self) -> int:
+        """Forwarded due messages not confirmed yet, counted per target shard (a clean stop waits for
+        them, shard/forward_settle.py: the record stays in the delay store until they are, and a record
+        still there is routed again after the restart). What went to a shard that restarted counts too
+        (it is sent again once that shard is ready); the wait is bounded."""
+        return sum(len(fwd.items) for fwd in self._forwards.values())
 
     def _settle(self, fwd: Forward, shard: int | None) -> None:
         if shard is None:

@@ -35,6 +35,7 @@ from shard.deadletter import dead_letter_props, has_dlx_header, has_expiration, 
 from shard.dedup import ExchangeDedup
 from shard.delayed import DelayedMessages
 from shard.feature_queue import EXPIRING_MARK, FeatureQueue, needs_features
+from shard.forward_settle import PEERS_DONE_SLACK_S, STOP_WAIT_S, ForwardSettle, PeersDone
 from shard.kvstore import KVStores
 from shard.priority_store import open_store
 from shard.queue import Queue
@@ -85,6 +86,7 @@ class ShardWorker:
         self.run_dir = run_dir
         self.loop = loop
         self.ident = contract.worker_id("shard", index)
+        self._stall_as = f"shard-{index}"  # a test may stall this shard's group syncs alone (fsync_beacon)
         self.ctx = zmq.Context.instance()
         self.epoch = -1
         self.defs: Definitions | None = None
@@ -156,6 +158,14 @@ class ShardWorker:
         self.delayed = DelayedMessages(self)  # delay stores of delayed exchanges owned here
         self.dead_letters = DeadLetterForwards(self)  # cross-shard dead letters until confirmed
         self.kv = KVStores(self)  # MQTT retained messages and session state placed here
+        # What a clean stop waits for: the forwards to peers (and to our own ROUTER) not confirmed yet.
+        # At a clean stop, after PEER_DONE: the other shards that have not said theirs yet.
+        self.peers_done = PeersDone()
+        self.peers_closed = False  # we said PEER_DONE: nothing more goes to another shard
+        self.forward_settle = ForwardSettle(index, {"dead letters": self.dead_letters,
+                                                    "due delayed messages": self.delayed,
+                                                    "deduplicating-exchange forwards": self.exchange_dedup,
+                                                    "peer shards not done": self.peers_done})
         # A cluster leader's shard streams its files to the followers and holds confirms for them.
         self.repl: ShardReplication | None = None
 
@@ -238,6 +248,7 @@ class ShardWorker:
                     self._peer_restarted(index)
                 self.delayed.peer_up(index, restarted)
                 self.dead_letters.peer_up(index, restarted)
+                self.forward_settle.answered()  # what went to its dead incarnation is answered by no one
             elif kind == contract.REPLY:
                 pass  # answers to our auto-delete requests need no action
             elif kind == contract.REPL_ISR:
@@ -602,6 +613,8 @@ class ShardWorker:
                 self.kv.mark(vhost, space, key, mark, fe, req_id)  # same step as the ack: both or neither
             else:
                 self.data.put(fe, [contract.REPLY_DATA, req_id, True, {"acked": False}])
+        elif kind == contract.PEER_DONE:  # once per peer per stop: last in the chain
+            self._peer_done(fe)
         else:
             log.warning("shard %d: unknown item kind %r", self.index, kind)
 
@@ -931,16 +944,19 @@ class ShardWorker:
 
     def forward(self, shard: int, item: list) -> None:
         """Send a PUBLISH item built by route_to_queues to that shard again (it restarted)."""
-        peer = self.peers.get(shard)
+        peer = None if self.peers_closed else self.peers.get(shard)
         if peer is not None:
             peer.put(None, item)
 
-    def send_to_peer(self, shard: int, item: list) -> None:
+    def send_to_peer(self, shard: int, item: list) -> bool:
         """Send an item over the peer DEALER to `shard`, this shard included (a deduplicating exchange
-        it owns): the answers come back through ``on_peer_answers``."""
+        it owns): the answers come back through ``on_peer_answers``. False when it cannot go (no such
+        peer, or we told the peers we are done: ``exchange_dedup.socket_to``)."""
         sock = self.exchange_dedup.socket_to(shard)
-        if sock is not None:
-            sock.put(None, item)
+        if sock is None:
+            return False
+        sock.put(None, item)
+        return True
 
     def sync_first(self, store: QueueStore) -> None:
         """`store` is synced in the next group sync, before any other store of it (the dead-letter
@@ -998,6 +1014,7 @@ class ShardWorker:
                         self.dead_letters.confirmed(shard, item[3], kind == contract.CONFIRM)
                     else:
                         self.exchange_dedup.peer_confirmed(shard, item[3], kind == contract.CONFIRM)
+            self.forward_settle.answered()
         return on_batch
 
     # ------------------------------------------------------ forward back-pressure
@@ -1032,6 +1049,25 @@ class ShardWorker:
         put = self.data.put
         for fe, seqs in held.items():
             put(fe, [contract.PROCESSED, seqs[-1]])
+
+    def _peer_done(self, fe: bytes) -> None:
+        """PEER_DONE from shard `fe` (sh-N): it is stopping and sends us nothing more."""
+        try:
+            index = int(fe[3:])
+        except ValueError:
+            return
+        self.peers_done.done.add(index)
+        self.forward_settle.answered()
+
+    def _say_peers_done(self) -> None:
+        """At a clean stop, our forwards settled: tell every other shard nothing more comes from us.
+        From here no item goes to another shard (a dead letter stays in the outbox for the restart, a
+        dedup forward is refused); ours still goes to our own ROUTER."""
+        self.peers_closed = True
+        shards = int(self.settings.get("shards", 1))
+        self.peers_done.expect({i for i in range(shards) if i != self.index})
+        for peer in self.peers.values():
+            peer.put(None, [contract.PEER_DONE])
 
     def _peer_restarted(self, index: int) -> None:
         """Batches to its dead incarnation get no answer: they no longer count as in flight."""
@@ -1247,7 +1283,7 @@ class ShardWorker:
         target = self.repl.position() if waiting and self.repl is not None and self.repl.gating else -1
         ordered = sorted(stores, key=self._sync_order)
         acks, self._sync_acks = self._sync_acks, False
-        fut = self._sync_fut = self.loop.run_in_executor(None, _sync_all, ordered, acks)
+        fut = self._sync_fut = self.loop.run_in_executor(None, _sync_all, ordered, acks, self._stall_as)
         fut.add_done_callback(lambda f: self._sync_done(f, waiting, after, target, started))
 
     def _sync_order(self, store: QueueStore) -> int:
@@ -1330,10 +1366,17 @@ class ShardWorker:
             return
         self.stopping = True
         log.info("shard %d stopping", self.index)  # tests wait for it: the stop has begun
-        # Every shard stops at once: dead letters we sent may be stored by their target and their
-        # CONFIRM not here yet. Wait for them (syncs and confirms go on meanwhile), or they would be
-        # sent again after the restart, twice in the target queue (shard/dead_letter_forwards.py).
-        await self.dead_letters.settle()
+        # Every shard stops at once: what we forwarded (dead letters, due delayed messages, a dedup
+        # exchange's publishes) may be stored by its target and its CONFIRM not here yet. Wait for
+        # them (syncs and confirms go on meanwhile), or they would be sent again after the restart,
+        # twice in the target queue (shard/forward_settle.py).
+        started = self.loop.time()
+        deadline = started + STOP_WAIT_S
+        await self.forward_settle.settle()
+        # Then nothing more from us to the other shards, and we serve until each said the same: a peer
+        # that got its STOP later may still forward to us (due delayed messages, dead letters).
+        self._say_peers_done()
+        await self.forward_settle.settle(max(0.0, started + STOP_WAIT_S + PEERS_DONE_SLACK_S - self.loop.time()))
         self._closing = True
         fut = self._sync_fut
         if fut is not None and not fut.done():
@@ -1356,16 +1399,25 @@ class ShardWorker:
             callback()
         stores = self.dead_letters.all_stores() + [q.store for q in self.queues.values()] + self.delayed.all_stores()
         while True:
-            # Publishes that waited for a group sync (a peer's dead letters among them) are durable
-            # after this one: confirm them, or their senders keep them in their outboxes and send them
-            # again after the restart. What arrives during it gets one more.
+            # Publishes that waited for a group sync (a peer's forwards among them) are durable
+            # after this one: confirm them, or their senders keep them and send them again after the
+            # restart. What arrives during it gets one more.
             waiting, self._sync_waiting = self._sync_waiting, []
             for store in stores:
                 store.flush_acks()
-            await self.loop.run_in_executor(None, _sync_all, stores)
+            await self.loop.run_in_executor(None, _sync_all, stores, True, self._stall_as)
             if not gating:
                 self._replicated(waiting, True)
-            if not self._sync_waiting:
+            settled = False
+            if not self._sync_waiting and self.forward_settle.in_flight() and self.loop.time() < deadline:
+                # A forward that came during it (a dead letter into a dedup exchange we own, sent on
+                # to a target, maybe our own ROUTER): its answer, then one more round for what that
+                # answer wrote (a removed delay record, our own queue's copy). Ends: after settle
+                # nothing is in flight or the deadline has passed.
+                self.data.flush()
+                await self.forward_settle.settle(max(0.0, deadline - self.loop.time()))
+                settled = True
+            if not self._sync_waiting and not settled:
                 break
         self._flush_confirms()
         for s in stores:
@@ -1383,9 +1435,10 @@ class ShardWorker:
         self.stopped.set()
 
 
-def _sync_all(stores: list[QueueStore], acks: bool = True) -> None:
-    """One group sync (worker thread); ``acks``: ack files and delivered marks too (QueueStore.sync)."""
-    stall_for_tests()
+def _sync_all(stores: list[QueueStore], acks: bool = True, stall_as: str = "") -> None:
+    """One group sync (worker thread); ``acks``: ack files and delivered marks too (QueueStore.sync);
+    ``stall_as``: the shard's name for a test's stall file (broker/fsync_beacon.py)."""
+    stall_for_tests("group", stall_as)
     for s in stores:
         # Only stores with something to make durable: a clean store's first sync would fsync its
         # name files and three parent dirs, 5 fsyncs for each of 100,000 idle queues at every stop.
