@@ -60,7 +60,11 @@ class WSTransport:
         self._protocol = protocol
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return self._peer if name == "peername" else default
+        if name == "peername":
+            return self._peer
+        if name == "socket" and self._socket is not None:  # the TCP socket under it (its kernel send
+            return self._socket.get_extra_info("socket", default)  # queue: frontend/paused_credit.py)
+        return default
 
     def write(self, data: bytes) -> None:
         if self._closing:

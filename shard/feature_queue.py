@@ -43,7 +43,7 @@ from shard.consumer_order import deliver_ranked
 from shard.consumers import ChannelRef, Consumer
 from shard.deadletter import DELIVERY_LIMIT, EXPIRED, MAXLEN, REJECTED, expiration_ms, has_dlx_header
 from shard.dedup import QueueDedup
-from shard.queue import Queue, Send
+from shard.queue import VIRTUAL, Queue, Send
 from shard.store import QueueStore
 from shard.timers import now_ms
 
@@ -160,7 +160,12 @@ class FeatureQueue(Queue):
         """The same queue, with features (a per-message TTL arrived, or a policy now applies)."""
         fq = cls(q.qid, q.vhost, q.name, defn, q.store, shard, arguments)
         fq.consumers = q.consumers
-        fq.unacked = q.unacked
+        # Messages held unstored (shard/queue.py deliver_unstored) are stored first, and keyed by
+        # their store ids here; the frontend still settles them by their virtual ids (aliases).
+        q.materialize()
+        aliases = q.aliases
+        fq.unacked = {aliases.get(k, k): v for k, v in q.unacked.items()} if aliases else q.unacked
+        fq.aliases = aliases
         fq._rr = q._rr
         fq.groups = q.groups
         fq.had_consumers = q.had_consumers
@@ -293,16 +298,26 @@ class FeatureQueue(Queue):
 
     # ----------------------------------------------------------------- settlement
     def ack(self, msg_id: int, fe: bytes, conn_id: int, channel: int) -> bool:
+        vid = 0
+        if msg_id >= VIRTUAL:  # delivered unstored before this queue had features (upgrade)
+            vid, msg_id = msg_id, self.aliases.get(msg_id, msg_id)
         if not super().ack(msg_id, fe, conn_id, channel):
             return False
+        if vid:
+            del self.aliases[vid]
         self.returns.pop(msg_id, None)
         self.delivered_at.pop(msg_id, None)
         return True
 
     def nack(self, msg_id: int, fe: bytes, conn_id: int, channel: int, requeue: bool) -> bool:
+        vid = 0
+        if msg_id >= VIRTUAL:  # delivered unstored before this queue had features (upgrade)
+            vid, msg_id = msg_id, self.aliases.get(msg_id, msg_id)
         owner = self.unacked.get(msg_id)
         if owner is None or owner.conn_id != conn_id or owner.channel != channel or owner.fe != fe:
             return False
+        if vid:
+            del self.aliases[vid]
         del self.unacked[msg_id]
         owner.settle()
         self.delivered_at.pop(msg_id, None)

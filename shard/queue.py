@@ -2,7 +2,8 @@
 
 Memory per queue is independent of its length: the store keeps a read cursor
 over segment files, and the only per-message state here is the unacked map,
-which prefetch and credit bound.
+which prefetch and credit bound, as they bound the transient messages held unstored for
+manual-ack consumers (``held``, see ``deliver_unstored``).
 """
 
 from __future__ import annotations
@@ -22,12 +23,25 @@ _CREDIT_SHIFT = contract.CREDIT_BYTES_SHIFT
 # The unacked map of a queue that never delivered with manual ack (or basic.get): shared, never
 # written (insertions replace it first: see unacked_map), so an idle queue holds no dict of its own.
 NO_UNACKED: dict = {}
+# Ids of messages delivered to a manual-ack consumer without being stored (deliver_unstored) start
+# here: far above any store id (segment number << 32 | position), so one compare tells them apart.
+VIRTUAL = 1 << 62
+# The held / aliases maps of a queue that has none: shared, never written (as NO_UNACKED).
+NO_HELD: dict = {}
+# Bytes of held bodies (plus HELD_OVERHEAD each) this shard process keeps in memory at most. Prefetch
+# bounds them per consumer, but a consumer without prefetch that never acks gets its credit back as
+# its frontend writes, so without this budget held bodies would grow in the heap where the stored
+# path keeps them in segment files (memory flat however many messages are unacked). Beyond it, a
+# message is stored as before.
+HELD_BUDGET = 16 << 20
+HELD_OVERHEAD = 256
+held_total = [0]  # this shard's held bytes (one shard per process)
 
 
 class Queue:
     __slots__ = (
         "qid", "vhost", "name", "durable", "auto_delete", "arguments", "store", "consumers", "unacked",
-        "_rr", "had_consumers", "exclusive_consumer", "deleted", "groups", "sac",
+        "_rr", "had_consumers", "held", "aliases", "_next_vid", "exclusive_consumer", "deleted", "groups", "sac",
         "n_published", "n_delivered", "n_acked", "n_deliver_no_ack", "n_get", "n_get_no_ack",
     )
 
@@ -48,6 +62,13 @@ class Queue:
         self.consumers: list[Consumer] | tuple[()] = ()
         # msg_id -> owner (Consumer, or ChannelRef for basic.get); bounded by prefetch/credit.
         self.unacked: dict[int, Consumer | ChannelRef] = NO_UNACKED
+        # Transient messages delivered to manual-ack consumers without being stored, until settled:
+        # virtual id -> (ts, exchange, routing_key, props_raw, body). Their ids are in `unacked` like
+        # any other; prefetch and credit bound them as they bound `unacked`. See deliver_unstored.
+        self.held: dict[int, tuple] = NO_HELD
+        # Virtual id -> store id of held messages stored since (materialize), until settled.
+        self.aliases: dict[int, int] = NO_HELD
+        self._next_vid = VIRTUAL
         self._rr = 0
         self.had_consumers = False
         self.exclusive_consumer = False
@@ -88,13 +109,18 @@ class Queue:
         else:
             consumer_order.deliver_ranked(self, send, 0)
 
-    def deliver_unstored(self, send: Send, exchange: str, routing_key: str, props_raw: bytes, body: bytes) -> bool:
-        """A transient message to this empty plain queue, straight to a no-ack consumer without being stored.
+    def deliver_unstored(self, send: Send, exchange: str, routing_key: str, props_raw: bytes, body: bytes,
+                         ts: int = 0) -> bool:
+        """A transient message to this empty plain queue, straight to the next consumer without being stored.
 
-        Only when the consumer the round-robin would pick next is a no-ack one that can take it: the
-        message is then delivered and settled in one step, as the append, shift and ack of the
-        delivery pass would have done (nothing outlives the delivery, so nothing had to reach the
-        segment). False: store it as usual.
+        Only when the consumer the round-robin would pick next can take it. A no-ack one: the message
+        is delivered and settled in one step, as the append, shift and ack of the delivery pass would
+        have done (nothing outlives the delivery, so nothing had to reach the segment). A manual-ack
+        one: the message is held in memory under a virtual id (``held``) until its ack drops it; a
+        requeue, or a later message appended to this queue, first stores the held ones in their
+        order as delivered messages (``materialize``), so requeue positions and redelivery are those
+        of the store. Transient messages are dropped when a store is reopened, so a held message
+        loses nothing at a restart the stored one would have kept. False: store it as usual.
         """
         consumers = self.consumers
         n = len(consumers)
@@ -105,16 +131,88 @@ class Queue:
             c = consumers[i]
             i += 1
             if c.can_take():
-                if not c.no_ack:
-                    return False
+                if not c.no_ack and held_total[0] + len(body) + HELD_OVERHEAD > HELD_BUDGET:
+                    return False  # over this shard's budget for held bodies: stored as before
                 self._rr = i
                 c.credit -= 1 + (len(body) >> _CREDIT_SHIFT)
-                send(c.fe, [_DELIVER, c.conn_id, c.channel, c.tag, self.qid, 0, False,
-                            exchange, routing_key, props_raw, body])
+                if c.no_ack:
+                    send(c.fe, [_DELIVER, c.conn_id, c.channel, c.tag, self.qid, 0, False,
+                                exchange, routing_key, props_raw, body])
+                    self.n_deliver_no_ack += 1
+                else:
+                    held_total[0] += len(body) + HELD_OVERHEAD
+                    vid = self._next_vid
+                    self._next_vid = vid + 1
+                    held = self.held
+                    if held is NO_HELD:
+                        held = self.held = {}
+                    held[vid] = (ts, exchange, routing_key, props_raw, body)
+                    self.unacked_map()[vid] = c
+                    c.unacked += 1
+                    c.chan.unacked += 1
+                    send(c.fe, [_DELIVER, c.conn_id, c.channel, c.tag, self.qid, vid, False,
+                                exchange, routing_key, props_raw, body])
                 self.n_delivered += 1
-                self.n_deliver_no_ack += 1
                 return True
         return False
+
+    def materialize(self) -> None:
+        """Store the held messages, in the order they were delivered, as delivered and unacked ones.
+
+        Called before anything else is appended to this queue and before a held message is
+        requeued: each then sits in the store where the stored path would have put it (behind what
+        came before, ahead of what comes after), and a requeue takes the store's position rules.
+        Their virtual ids stay the keys of ``unacked`` (the frontend acks with them); ``aliases``
+        maps them to their store ids."""
+        held = self.held
+        if not held:
+            return
+        self.held = NO_HELD
+        held_total[0] -= sum(len(rec[4]) + HELD_OVERHEAD for rec in held.values())
+        aliases = self.aliases
+        if aliases is NO_HELD:
+            aliases = self.aliases = {}
+        append_taken = self.store.append_taken
+        items = list(held.items())
+        for k, (vid, (ts, exchange, routing_key, props_raw, body)) in enumerate(items):
+            try:
+                aliases[vid] = append_taken(ts, 0, exchange, routing_key, props_raw, body)
+            except BaseException:
+                self.held = dict(items[k:])  # not stored: still held (a full disk; retried later)
+                held_total[0] += sum(len(rec[4]) + HELD_OVERHEAD for _, rec in items[k:])
+                raise
+
+    def drop_held(self) -> None:
+        """Forget the held messages (the queue is deleted: as its store's records are)."""
+        held_total[0] -= sum(len(rec[4]) + HELD_OVERHEAD for rec in self.held.values())
+        self.held = NO_HELD
+
+    def read(self, msg_id: int) -> tuple:
+        """(ts_ms, flags, exchange, routing_key, props_raw, body) of an outstanding or stored message."""
+        if msg_id >= VIRTUAL:
+            rec = self.held.get(msg_id)
+            if rec is not None:
+                return (rec[0], 0, *rec[1:])
+            msg_id = self.aliases[msg_id]  # KeyError: gone, as from the store
+        return self.store.read(msg_id)
+
+    def _settle_virtual(self, vid: int, requeue: bool) -> None:
+        """The store's ack or requeue of a message delivered under a virtual id."""
+        held = self.held
+        if vid in held:
+            if not requeue:
+                held_total[0] -= len(held.pop(vid)[4]) + HELD_OVERHEAD  # acked or dropped: never stored
+                if not held:
+                    self.held = NO_HELD
+                return
+            self.materialize()
+        msg_id = self.aliases.pop(vid, None)
+        if msg_id is None:
+            return
+        if requeue:
+            self.store.requeue(msg_id)
+        else:
+            self.store.ack(msg_id)
 
     def _deliver_to(self, consumers: list[Consumer], i: int, send: Send, _now: int) -> int:
         """Round-robin over `consumers` from index i while one can take; the next index."""
@@ -166,7 +264,10 @@ class Queue:
             return False
         del self.unacked[msg_id]
         owner.settle()
-        self.store.ack(msg_id)
+        if msg_id >= VIRTUAL:
+            self._settle_virtual(msg_id, False)
+        else:
+            self.store.ack(msg_id)
         return True
 
     def nack(self, msg_id: int, fe: bytes, conn_id: int, channel: int, requeue: bool) -> bool:
@@ -175,7 +276,9 @@ class Queue:
             return False
         del self.unacked[msg_id]
         owner.settle()
-        if requeue:
+        if msg_id >= VIRTUAL:
+            self._settle_virtual(msg_id, requeue)
+        elif requeue:
             self.store.requeue(msg_id)
         else:
             self.store.ack(msg_id)
@@ -184,10 +287,15 @@ class Queue:
     def requeue_owned(self, match: Callable[[Consumer | ChannelRef], bool]) -> int:
         """Requeue every unacked message whose owner matches (channel/connection gone, recover)."""
         gone = [mid for mid, owner in self.unacked.items() if match(owner)]
+        if self.held:
+            self.materialize()  # held ones go to the requeue heap by store id, in delivery order
         for mid in sorted(gone):
             owner = self.unacked.pop(mid)
             owner.settle()
-            self.store.requeue(mid)
+            if mid >= VIRTUAL:
+                self._settle_virtual(mid, True)
+            else:
+                self.store.requeue(mid)
         return len(gone)
 
     def purge(self) -> int:

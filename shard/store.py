@@ -291,6 +291,30 @@ class QueueStore(SegmentDir):
         self._ready_bytes -= len(body)
         return msg_id, redelivered, ts, flags, ex, rk, props, body
 
+    def append_taken(
+        self, ts_ms: int, flags: int, exchange: str, routing_key: str, props_raw: bytes, body: bytes
+    ) -> int:
+        """Store a message that was delivered without being stored and is still unacked
+        (shard/queue.py ``materialize``): appended behind everything and taken by the read cursor at
+        once, so it is outstanding, as ``append`` then ``shift`` would have left it. Only valid while
+        no unread record is stored (requeued ones may be): the caller stores these before any later
+        message is appended. Returns its msg_id."""
+        msg_id = self.append(ts_ms, flags, exchange, routing_key, props_raw, body)
+        seg = self._rseg
+        pos = self._rpos
+        if pos >= seg.used or seg.skip_acked:
+            head = self._head()
+            seg = self._rseg
+            pos = self._rpos
+        else:
+            head = seg.no << 32 | pos
+        if head != msg_id:  # an unread record before it: the caller broke the rule above
+            raise RuntimeError(f"queue {self.path}: append_taken behind unread record {head:#x}")
+        self._rpos = record.skip(seg.mm, pos)
+        self._ready -= 1
+        self._ready_bytes -= len(body)
+        return msg_id
+
     def ack(self, msg_id: int) -> bool:
         """Remove an outstanding message for good. False if it was not delivered or is already gone."""
         seg = self._segs.get(msg_id >> 32)

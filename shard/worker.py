@@ -38,6 +38,7 @@ from shard.feature_queue import EXPIRING_MARK, FeatureQueue, needs_features
 from shard.forward_settle import PEERS_DONE_SLACK_S, STOP_WAIT_S, ForwardSettle, PeersDone
 from shard.kvstore import KVStores
 from shard.priority_store import open_store
+from shard.queue import VIRTUAL as _VIRTUAL
 from shard.queue import Queue
 from shard.replication_stream import ShardReplication
 from shard.stats import StatsReporter, SyncHistogram
@@ -363,6 +364,8 @@ class ShardWorker:
             self.data.put(c.fe, [contract.CANCEL_NOTIFY, c.conn_id, c.channel, c.tag])
         for owner in q.unacked.values():
             owner.settle()
+        if q.held:
+            q.drop_held()
         if q.unacked:  # an idle queue's is the shared empty one (shard/queue.py NO_UNACKED)
             q.unacked.clear()
         if q.consumers:
@@ -493,9 +496,14 @@ class ShardWorker:
             by_qid = self.by_qid
             for i in range(0, len(refs), 2):
                 q = by_qid.get(refs[i])
-                if q is not None and q.ack(refs[i + 1], fe, conn_id, channel):
+                mid = refs[i + 1]
+                if q is not None and q.ack(mid, fe, conn_id, channel):
                     q.n_acked += 1
-                    self._dirty_queues.add(q)
+                    # The ack of a message held unstored (shard/queue.py VIRTUAL) wrote nothing to
+                    # flush, and with nothing ready the freed prefetch has nothing to deliver: no
+                    # delivery pass (at a steady rate this turn carried only that ack).
+                    if mid < _VIRTUAL or q.store.ready or q.aliases:
+                        self._dirty_queues.add(q)
         elif kind == contract.CREDIT:
             _, conn_id, channel, tag, n = item
             found = self.consumers.get((fe, conn_id, channel, tag))
@@ -671,15 +679,18 @@ class ShardWorker:
                 continue  # deleted between routing and arrival: as if unroutable
             try:
                 if q.__class__ is Queue:
-                    # No backlog and a no-ack consumer waiting: a transient message goes out without
-                    # being appended, read back and acked (a persistent one is always stored first).
+                    # No backlog and a consumer waiting: a transient message goes out without being
+                    # appended and read back (a persistent one is always stored first); to a manual-ack
+                    # consumer it is held in memory until acked (shard/queue.py deliver_unstored).
                     if (not persistent and not q.store.ready and q.consumers and q.groups is None
-                            and q.deliver_unstored(self.data.put, exchange, routing_key, props_raw, body)):
+                            and q.deliver_unstored(self.data.put, exchange, routing_key, props_raw, body, ts)):
                         # Not marked dirty: nothing is ready, so the turn's delivery pass would find
                         # nothing to do for this queue (at a steady rate that pass, its call_soon and
                         # its flush_acks were a fixed cost of every turn carrying one message).
                         q.n_published += 1
                         continue
+                    if q.held:
+                        q.materialize()  # held ones first: they came before this message
                     q.store.append(ts, flags, exchange, routing_key, props_raw, body)
                 elif not q.publish(ts, flags, exchange, routing_key, props_raw, body):
                     rejected = True  # x-overflow reject-publish: the publisher gets basic.nack
@@ -739,9 +750,11 @@ class ShardWorker:
                 try:
                     if q.__class__ is Queue:
                         if (not persistent and not q.store.ready and q.consumers and q.groups is None
-                                and q.deliver_unstored(self.data.put, exchange, routing_key, props_raw, body)):
+                                and q.deliver_unstored(self.data.put, exchange, routing_key, props_raw, body, ts)):
                             q.n_published += 1  # not dirty: nothing ready (see _publish)
                             continue
+                        if q.held:
+                            q.materialize()  # held ones first: they came before this message
                         q.store.append(ts, flags, exchange, routing_key, props_raw, body)
                     elif not q.publish(ts, flags, exchange, routing_key, props_raw, body):
                         rejected = True
@@ -807,7 +820,7 @@ class ShardWorker:
         if msg_id not in q.unacked:
             return False
         try:
-            return has_dlx_header(q.store.read(msg_id)[4])
+            return has_dlx_header(q.read(msg_id)[4])  # a held message's too (shard/queue.py)
         except KeyError:
             return False
 
@@ -924,6 +937,8 @@ class ShardWorker:
             if target is None or target.deleted:
                 continue
             if target.__class__ is Queue:
+                if target.held:
+                    target.materialize()  # held ones first: they came before this message
                 target.store.append(ts, flags, exchange, routing_key, props, body)
             elif not target.publish(ts, flags, exchange, routing_key, props, body):
                 continue

@@ -8,19 +8,44 @@ window still turns over end to end.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from pamqp import commands as C
 
 from broker import contract
 from broker.amqp import events as E
 from frontend.amqp.channel import Consumer
 from frontend.amqp.connection import CREDIT_RETURN_AT
-from frontend.paused_credit import GIVE_BACK_STEP
+from frontend.paused_credit import GIVE_BACK_STEP, START_WINDOW
 
 from .test_channel_generations import _frames, _running
 
 
+class _Transport:
+    """A transport stand-in: ``buffered`` bytes it could not send yet (no kernel socket to ask)."""
+
+    def __init__(self, buffered: int = 0) -> None:
+        self.buffered = buffered
+
+    def get_write_buffer_size(self) -> int:
+        return self.buffered
+
+    def get_extra_info(self, _name: str, default=None):
+        return default
+
+    def is_closing(self) -> bool:
+        return False
+
+    def write(self, _data: bytes) -> None:
+        pass
+
+    def writelines(self, _chunks) -> None:
+        pass
+
+
 def _consuming(tags=("ctag",)):
     conn, worker = _running()
+    conn.transport = _Transport()  # a client that takes what is written
     conn._open_channel(1)
     ch = conn.channels[1]
     for tag in tags:
@@ -96,12 +121,18 @@ def test_a_paused_connection_takes_its_credit_back_and_gives_it_back_in_steps():
     conn.pause_writing()  # a second pause before the resume: nothing more is outstanding
     assert len(_credits(worker)) == 1
     conn.resume_writing()
-    conn.flush_turn()
-    assert _credits(worker)[1:] == [(0, ch.key, "ctag", GIVE_BACK_STEP), (0, ch.key, "ctag", CREDIT_RETURN_AT + 10)]
-    while conn._taken is not None:  # then a step per turn whose writes the socket took at once
-        conn._give_back()
-    steps = [n for _s, _c, _t, n in _credits(worker)[1:] if n != CREDIT_RETURN_AT + 10]
-    assert max(steps) == GIVE_BACK_STEP and sum(steps) == window - 10
+    conn.flush_turn()  # the held lump goes back, and a step: the socket took this turn's deliveries
+    assert _credits(worker)[1:] == [(0, ch.key, "ctag", GIVE_BACK_STEP), (0, ch.key, "ctag", CREDIT_RETURN_AT + 10),
+                                    (0, ch.key, "ctag", GIVE_BACK_STEP)]
+    delivered = CREDIT_RETURN_AT + 10
+    while conn._taken is not None:  # then a step per turn that wrote deliveries, while the client keeps up
+        _deliver(conn, ch)
+        delivered += 1
+        conn.flush_turn()
+    assert max(n for _s, _c, _t, n in _credits(worker)) == CREDIT_RETURN_AT + 10
+    assert len(_credits(worker)) == 1 + 1 + 1 + (window - 10) // GIVE_BACK_STEP  # take, lump, steps
+    # The window is conserved: what the shard spent minus what came back is what the frontend holds.
+    assert delivered - sum(n for _s, _c, _t, n in _credits(worker)) == sum(conn._credit.values())
 
 
 def test_credit_taken_back_from_a_cancelled_consumer_is_not_given_back():
@@ -134,3 +165,93 @@ def test_held_credit_of_a_cancelled_consumer_or_closed_channel_is_forgotten():
     conn.forget_channel(ch)
     assert conn._credit == {}
     assert _credits(worker) == []  # nothing was due: none of it went to the shard
+
+
+def _reusing(shards: dict[str, int]):
+    """A running connection whose queues (name -> shard) are known and whose user may consume them."""
+    conn, worker, ch = _consuming(())
+    worker.defs = SimpleNamespace(queue=lambda _vhost, name: SimpleNamespace(shard=shards[name], exclusive_owner=None))
+    conn.access = SimpleNamespace(check=lambda *_args: None)
+    return conn, worker, ch
+
+
+def _method(ch, method) -> None:
+    ch.handle(E.MethodFrame(1, method))
+
+
+def test_a_reused_tag_gets_only_its_own_deliveries_and_credit():
+    """basic.cancel nowait then basic.consume with the same tag before the shard answered the cancel
+    (tests/test_consumer_tag_reuse.py runs it end to end). The shard delivers in order, so what comes
+    for the tag from the old instance's shard before its cancel answer is the old instance's: written
+    with its ack mode, credited to no one (a CREDIT for the tag would reach the new instance). The new
+    instance's deliveries (here from another shard) wait until the old one is done."""
+    conn, worker, ch = _reusing({"qa": 0, "qb": 1})
+    _method(ch, C.Basic.Consume(queue="qa", consumer_tag="t", no_ack=False))
+    worker.requests[-1][2](True, {})  # consume-ok
+    for mid in (1, 2, 3):
+        conn.on_deliver(0, [contract.DELIVER, 7, ch.key, "t", 1, mid, False, "", "qa", b"\x00\x00", b"x"])
+    assert conn._credit == {(0, ch.key, "t"): 3}
+    _method(ch, C.Basic.Cancel(consumer_tag="t", nowait=True))
+    _method(ch, C.Basic.Consume(queue="qb", consumer_tag="t", no_ack=True))  # was 530 NOT_ALLOWED
+    cancel, consume = worker.requests[-2:]
+    assert (cancel[0], cancel[1][0], consume[0], consume[1][0]) == (0, contract.CANCEL, 1, contract.CONSUME)
+    assert conn._credit == {}  # the old instance's held-back credit is gone with it
+    _frames(conn)
+    conn.on_deliver(0, [contract.DELIVER, 7, ch.key, "t", 1, 4, False, "", "qa", b"\x00\x00", b"x"])  # old's, in flight
+    consume[2](True, {})  # the new one's consume-ok
+    conn.on_deliver(1, [contract.DELIVER, 7, ch.key, "t", 2, 1, False, "", "qb", b"\x00\x00", b"y"])  # new's: waits
+    assert [f for _c, f in _frames(conn)] == ["Deliver", "ContentHeader", "ContentBody", "ConsumeOk"]
+    assert [ref[2] for ref in ch.tags.unacked.values()] == [1, 2, 3, 4]  # the old one's ack mode: ackable
+    assert conn._credit == {}
+    cancel[2](True, {})  # the shard removed the old instance: the new one's deliveries go out
+    assert [f for _c, f in _frames(conn)] == ["Deliver", "ContentHeader", "ContentBody"]
+    assert len(ch.tags.unacked) == 4  # no-ack
+    assert conn._credit == {(1, ch.key, "t"): 1} and ch.cancelling is None
+
+
+def test_a_consumer_starts_with_a_small_window_that_grows_while_its_client_keeps_up():
+    """frontend/paused_credit.py START_WINDOW: right behind the CONSUME the frontend takes back all of
+    the window but START_WINDOW; it comes back a step per turn that wrote the consumer's deliveries
+    while the socket took them at once, and while a window is not whole its credit goes back in lumps
+    of a quarter of what it has (no stall with a small window)."""
+    window = contract.CREDIT_WINDOW
+    conn, worker, ch = _reusing({"q": 0})
+    _method(ch, C.Basic.Consume(queue="q", consumer_tag="t", no_ack=True))
+    worker.requests[-1][2](True, {})  # consume-ok
+    assert _credits(worker) == [(0, ch.key, "t", -(window - START_WINDOW))]  # same lane, after the CONSUME
+    conn.flush_turn()  # a turn without deliveries (the consume-ok) grows nothing
+    conn.transport = _Transport(buffered=1 << 20)  # the client does not take what is written
+    for _ in range(START_WINDOW // 4):
+        _deliver(conn, ch, tag="t")
+    conn.flush_turn()
+    assert _credits(worker)[1:] == [(0, ch.key, "t", START_WINDOW // 4)]  # returned (no stall), no growth
+    conn.transport = _Transport()  # now it does
+    delivered = START_WINDOW // 4
+    turns = 0
+    while conn._taken is not None:
+        _deliver(conn, ch, tag="t")
+        delivered += 1
+        conn.flush_turn()
+        turns += 1
+    assert turns == -(-(window - START_WINDOW) // GIVE_BACK_STEP)
+    credits = [n for _s, _c, _t, n in _credits(worker)]
+    assert delivered - sum(credits) == sum(conn._credit.values())  # the whole window is back, nothing more
+
+
+def test_a_resume_gives_back_only_up_to_the_start_window_while_the_client_takes_nothing():
+    """A WebSocket's transport resumes as soon as its sends reach the kernel: a client that has not
+    taken those gets no more than START_WINDOW back at the resume (a full step per resume grew the
+    window of a client that never read); one that keeps up gets a step."""
+    window = contract.CREDIT_WINDOW
+    conn, worker, ch = _consuming()
+    conn.transport = _Transport(buffered=1 << 20)
+    conn.pause_writing()
+    conn.resume_writing()
+    assert _credits(worker) == [(0, ch.key, "ctag", -window), (0, ch.key, "ctag", START_WINDOW)]
+    conn.pause_writing()  # the next pause takes that back, the next resume gives START_WINDOW again
+    conn.resume_writing()
+    assert _credits(worker)[2:] == [(0, ch.key, "ctag", -START_WINDOW), (0, ch.key, "ctag", START_WINDOW)]
+    conn.transport = _Transport()
+    conn.pause_writing()
+    conn.resume_writing()
+    assert _credits(worker)[4:] == [(0, ch.key, "ctag", -START_WINDOW), (0, ch.key, "ctag", GIVE_BACK_STEP)]

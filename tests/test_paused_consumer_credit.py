@@ -266,3 +266,56 @@ def test_every_consumer_of_a_paused_connection_gives_its_credit_back(node_factor
     assert got == sent
     conn.close()
     client.sock.close()
+
+
+def _until_still(ch, queue: str, quiet: float = 1.0, timeout: float = 20.0) -> int:
+    """The queue's ready count once it has not changed for ``quiet`` seconds."""
+    last, since, deadline = -1, time.monotonic(), time.monotonic() + timeout
+    while True:
+        ready = _ready(ch, queue)
+        if ready != last:
+            last, since = ready, time.monotonic()
+        elif time.monotonic() - since >= quiet:
+            return ready
+        assert time.monotonic() < deadline, "the queue never settled"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "websocket"])
+def test_a_consumer_that_never_reads_starting_on_a_full_queue_is_sent_no_window(node_factory, transport):
+    """The worst case of the paused consumer: its queue holds more than a window when it starts, so
+    the shard could send a whole window (8 MiB) before the frontend sees the connection pause. It
+    starts with START_WINDOW and grows only while the client takes what is written, so what the
+    frontend holds for it stays within the paused bound (on main: ~4 MB in send_pend)."""
+    node = node_factory(name="node", frontends=1, shards=1, ws_port=free_port(),
+                        extra_args=["--stats-interval", "100"])
+    queue = "full"
+    conn = pika.BlockingConnection(pika.URLParameters(node.url))
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.queue_declare(queue)
+    total = WINDOW_BYTES * 3 // 2 // BODY
+    for i in range(total):
+        ch.basic_publish("", queue, b"%08d" % i + b"x" * (BODY - 8))
+    client = TCPAMQP(node.port) if transport == "tcp" else WSAMQP(node.ws_port)
+    client.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+    client.open()
+    client.send(1, commands.Basic.Consume(queue=queue, consumer_tag="never", no_ack=True))
+    left = total - _until_still(ch, queue)
+    time.sleep(0.3)  # two stats intervals
+    pend = _send_pend(Api(node.http_port))
+    assert pend <= BOUND, f"the frontend holds {pend} bytes for a consumer that never read (bound {BOUND})"
+    assert left < total, "nothing was delivered"
+
+    assert isinstance(client.read(), commands.Basic.ConsumeOk)
+    for i in range(total):  # reading, it gets everything, in order, once
+        deliver = client.read()
+        assert isinstance(deliver, commands.Basic.Deliver), deliver
+        client.read()  # content header
+        body = b""
+        while len(body) < BODY:
+            body += client.read().value
+        assert body[:8] == b"%08d" % i, (i, body[:8])
+    assert _ready(ch, queue) == 0
+    conn.close()
+    client.sock.close()

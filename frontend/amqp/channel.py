@@ -90,15 +90,22 @@ def _ids(method: Any) -> tuple[int, int]:
 
 
 class Consumer:
-    __slots__ = ("tag", "queue", "shard", "no_ack", "ready", "early")
+    """One instance of a consumer tag on a channel (a tag cancelled with nowait can be consumed again
+    at once, as RabbitMQ allows: each time a new instance, whose credit is its own)."""
+
+    __slots__ = ("tag", "queue", "shard", "no_ack", "ready", "early", "answered", "cancelled")
 
     def __init__(self, tag: str, queue: str, shard: int, no_ack: bool) -> None:
         self.tag = tag
         self.queue = queue
         self.shard = shard
         self.no_ack = no_ack
-        self.ready = False  # consume-ok (or the nowait reply) not yet through
-        self.early: list = []  # deliveries that overtook the shard's reply
+        # Its deliveries are written as they come: the shard's reply is through and no earlier
+        # instance of its tag is still cancelling (see Channel.cancelling).
+        self.ready = False
+        self.answered = False  # the shard's reply to its CONSUME is through (consume-ok sent)
+        self.cancelled = False  # its CANCEL is sent (basic.cancel nowait): the tag may be consumed again
+        self.early: list = []  # deliveries that wait for ``ready``
 
 
 class ChannelConnection(Protocol):
@@ -148,7 +155,7 @@ class Channel:
     __slots__ = (
         "conn", "number", "key", "state", "backlog", "confirm", "tags", "consumers", "prefetch_count",
         "global_prefetch", "held", "shards", "last_queue", "tx", "tx_commit", "extras", "reply_consumer",
-        "deleting", "deferred_cancels", "_handlers", "pipeline",
+        "deleting", "deferred_cancels", "_handlers", "pipeline", "cancelling",
     )
 
     def __init__(self, conn: ChannelConnection, number: int, generation: int = 0) -> None:
@@ -166,6 +173,13 @@ class Channel:
         self.confirm: ConfirmTracker | None = None
         self.tags = DeliveryTags()
         self.consumers: dict[str, Consumer] = {}
+        # Instances of a consumer tag cancelled with nowait and consumed again before the shard
+        # answered the CANCEL, oldest first. A shard delivers in order, so a DELIVER for the tag from
+        # such an instance's shard is that instance's until its cancel reply comes: it is written
+        # with that instance's ack mode and returns no credit (that consumer is gone from the shard,
+        # and a CREDIT for the tag would go to the new instance: more than a window in flight).
+        # The new instance's own deliveries wait (early) until every older instance is done.
+        self.cancelling: dict[str, list[Consumer]] | None = None
         self.prefetch_count = 0
         self.global_prefetch = 0
         # Deliveries beyond the global prefetch when this channel consumes from several shards
@@ -307,6 +321,7 @@ class Channel:
                 on_done()
         self.shards = set()
         self.consumers.clear()
+        self.cancelling = None
         self.tags = DeliveryTags()
         if self.held:
             self.held.clear()
@@ -687,6 +702,8 @@ class Channel:
         """A DELIVER item from a shard: [DELIVER, conn, ch, tag, qid, mid, redelivered, ex, rk, props, body]."""
         consumer = self.consumers.get(item[3])
         if consumer is None or self.state != OPEN:
+            if self.cancelling is not None and self.state == OPEN and self._to_cancelling(shard, item):
+                return
             # Cancelled or closed meanwhile: hand an acked-mode message straight back (the shard
             # ignores the nack for a no-ack delivery it already settled).
             if self.state == OPEN:
@@ -694,7 +711,8 @@ class Channel:
                     shard, [_NACK, self.conn.conn_id, self.key, True, [item[4], item[5]]])
             return
         if not consumer.ready:
-            consumer.early.append((shard, item))
+            if self.cancelling is None or not self._to_cancelling(shard, item):
+                consumer.early.append((shard, item))
             return
         if self.global_prefetch and not consumer.no_ack and (
             self.held or (len(self.shards) > 1 and len(self.tags) >= self.global_prefetch)
@@ -712,6 +730,48 @@ class Channel:
         conn.write(encode_deliver(self.number, item[3], tag, item[6], item[7], item[8], item[9], item[10],
                                   conn.frame_max))
         conn.add_credit(shard, self.key, item[3], 1 + (len(item[10]) >> _CREDIT_SHIFT))  # as the shard charged
+
+    def _to_cancelling(self, shard: int, item: list) -> bool:
+        """Write a delivery of an earlier instance of its tag that is still cancelling on that shard
+        (see ``cancelling``), without credit; False when it is not one."""
+        for consumer in self.cancelling.get(item[3], ()):  # type: ignore[union-attr]
+            if consumer.shard == shard:
+                self._write_uncredited(consumer, shard, item)
+                return True
+        return False
+
+    def _write_uncredited(self, consumer: Consumer, shard: int, item: list) -> None:
+        """A delivery of a consumer whose CANCEL is sent: to the client (as RabbitMQ writes what comes
+        between basic.cancel and cancel-ok), with no credit: its shard has no consumer to credit."""
+        tags = self.tags
+        tag = tags.skip() if consumer.no_ack else tags.add(shard, item[4], item[5])
+        conn = self.conn
+        conn.write(encode_deliver(self.number, item[3], tag, item[6], item[7], item[8], item[9], item[10],
+                                  conn.frame_max))
+
+    def _start_delivering(self, consumer: Consumer) -> None:
+        """The consumer's reply is through and no earlier instance of its tag is cancelling."""
+        consumer.ready = True
+        early = consumer.early
+        consumer.early = []
+        for shard, item in early:
+            self.deliver(shard, item)
+
+    def _cancel_answered(self, tag: str, consumer: Consumer) -> None:
+        """The shard removed a consumer that a newer instance of its tag had replaced."""
+        cancelling = self.cancelling
+        older = cancelling.get(tag) if cancelling is not None else None
+        if older is None or consumer not in older:
+            return
+        older.remove(consumer)
+        if older:
+            return
+        del cancelling[tag]  # type: ignore[union-attr]
+        if not cancelling:
+            self.cancelling = None
+        current = self.consumers.get(tag)
+        if current is not None and current.answered and not current.ready:
+            self._start_delivering(current)
 
     def deliver_run(self, shard: int, items: list) -> None:
         """Consecutive DELIVER items of one shard batch for one consumer of this channel (2 or more).
@@ -748,7 +808,9 @@ class Channel:
         while held and (not limit or len(tags) < limit):
             shard, item = held.popleft()
             consumer = self.consumers.get(item[3])
-            if consumer is None:
+            if consumer is None or not consumer.ready:  # gone, or a newer instance of its tag
+                if self.cancelling is not None and self._to_cancelling(shard, item):
+                    continue
                 self.conn.worker.shard_put(
                     shard, [_NACK, self.conn.conn_id, self.key, True, [item[4], item[5]]])
                 continue
@@ -774,6 +836,10 @@ class Channel:
                                       item[7], item[8], conn.frame_max))
 
     def cancel_notify(self, tag: str) -> None:
+        if self.cancelling is not None and tag in self.cancelling:
+            current = self.consumers.get(tag)
+            if current is None or not current.answered:
+                return  # for an older instance of the tag, cancelled by the client already
         consumer = self.consumers.pop(tag, None)
         self.conn.drop_credit(self.key, tag)
         if consumer is not None and self.state == OPEN and self.conn.cancel_notify:
@@ -960,11 +1026,18 @@ class Channel:
         q = self._local_queue(name, method)
         check_consume_arguments(name, self.conn.vhost, method.arguments)
         tag = method.consumer_tag
+        conn = self.conn
         if not tag:
             tag = "amq.ctag-" + secrets.token_urlsafe(16)
         elif tag in self.consumers:
-            raise AMQPConnectionError(NOT_ALLOWED, f"attempt to reuse consumer tag '{tag}'", 60, 20)
-        conn = self.conn
+            older = self.consumers[tag]
+            if not older.cancelled:
+                raise AMQPConnectionError(NOT_ALLOWED, f"attempt to reuse consumer tag '{tag}'", 60, 20)
+            # Cancelled with nowait, its shard's answer not yet through: a new instance (``cancelling``).
+            if self.cancelling is None:
+                self.cancelling = {}
+            self.cancelling.setdefault(tag, []).append(older)
+            conn.drop_credit(self.key, tag)  # what is held back for the tag counts the older one's deliveries
         consumer = Consumer(tag, name, q.shard, bool(method.no_ack))
         self.consumers[tag] = consumer
         nowait = method.nowait
@@ -976,11 +1049,9 @@ class Channel:
                 return
             if not nowait:
                 self._send(C.Basic.ConsumeOk(tag))
-            consumer.ready = True
-            early = consumer.early
-            consumer.early = []
-            for shard, item in early:
-                self.deliver(shard, item)
+            consumer.answered = True
+            if self.cancelling is None or tag not in self.cancelling:
+                self._start_delivering(consumer)
 
         def build(req_id: int) -> list:
             return [contract.CONSUME, req_id, *item_tail]
@@ -1008,10 +1079,11 @@ class Channel:
         if self.reply_consumer is not None and self.reply_consumer[0] == tag:
             self.reply_consumer = None
         consumer = self.consumers.get(tag)
-        if consumer is None:
+        if consumer is None or consumer.cancelled:
             if not nowait:
                 self._send(C.Basic.CancelOk(tag))
             return
+        consumer.cancelled = True
 
         def cancelled(_result: Any = None) -> None:
             # The shard has removed the consumer: nothing more comes for it. Deliveries it sent
@@ -1020,9 +1092,15 @@ class Channel:
             if self.consumers.get(tag) is consumer:
                 del self.consumers[tag]
                 self.conn.drop_credit(self.key, tag)
-            put = self.conn.worker.shard_put
-            for shard, item in consumer.early:
-                put(shard, [_NACK, self.conn.conn_id, self.key, True, [item[4], item[5]]])
+            else:
+                self._cancel_answered(tag, consumer)
+            if consumer.answered:  # its own, held while an older instance of its tag was cancelling
+                for shard, item in consumer.early:
+                    self._write_uncredited(consumer, shard, item)
+            else:
+                put = self.conn.worker.shard_put
+                for shard, item in consumer.early:
+                    put(shard, [_NACK, self.conn.conn_id, self.key, True, [item[4], item[5]]])
             consumer.early = []
             if self.held:
                 self._return_held(tag)

@@ -41,7 +41,7 @@ from broker.version import __version__
 from frontend.amqp.channel import BACKLOG_PAUSE, CLOSED, OPEN, Channel
 from frontend.amqp.replies import plain, reply_text
 from frontend.amqp.shard_loss import connection_lost_shard
-from frontend.paused_credit import GIVE_BACK_BELOW, give_back_step, take_back
+from frontend.paused_credit import START_WINDOW, give_back_step, keeps_up, return_lumps, take_back
 from frontend.timer_wheel import wheel_for
 
 if TYPE_CHECKING:
@@ -92,8 +92,10 @@ _CREDIT = contract.CREDIT
 # delivery: at a steady low rate each CREDIT woke the shard once per message (one more cross-core
 # wake-up, ~10 us of shard CPU each on a 2-core VM) just as the consumer's own wake-up needed a
 # core. The shard still holds at least CREDIT_WINDOW - CREDIT_RETURN_AT credits for deliveries it
-# has not seen written, so holding the rest back never stops a consumer (docs/architecture.md).
+# has not seen written, so holding the rest back never stops a consumer (docs/architecture.md); a
+# consumer whose window is not whole (slow start, after a pause) returns at a quarter of what it has.
 CREDIT_RETURN_AT = contract.CREDIT_WINDOW // 4
+_NO_CREDIT: dict = {}  # shared, never written
 _CLOSE_OK_FRAME = encode_method(0, C.Connection.CloseOk())
 _OPEN_OK_FRAME = encode_method(0, C.Connection.OpenOk())
 # The handshake's other frames depend only on settings and the channel number: encoded once
@@ -141,7 +143,7 @@ class AMQPConnection(asyncio.Protocol):
         "worker", "conn_id", "frame_max", "channel_max", "heartbeat", "parser", "transport", "state", "vhost",
         "user", "access", "peer", "client_properties", "connected_at", "recv_oct", "send_oct", "_sent_blocked",
         "channels", "had_exclusive", "registered", "confirm_shards", "_out", "_dirty", "_confirm_channels", "_credit",
-        "_taken", "_write_paused", "_read_pause", "publisher", "_close_after_flush", "_linger_after_flush", "_released",
+        "_taken", "_credit_seen", "_write_paused", "_read_pause", "publisher", "_close_after_flush", "_linger_after_flush", "_released",
         "wheel_tick", "_wheel", "_close_timer", "_received", "_wrote", "_missed", "_close_requested", "_open_pending",
         "_generation", "_turn_read",
     )
@@ -177,6 +179,7 @@ class AMQPConnection(asyncio.Protocol):
         self._confirm_channels: set[Channel] | frozenset = _NO_REASONS
         self._credit: dict[tuple[int, int, str], int] = {}
         self._taken: dict[tuple[int, int, str], int] | None = None  # credit taken back while paused
+        self._credit_seen: dict[tuple[int, int, str], int] = _NO_CREDIT  # _credit after the last turn, while _taken
         self._write_paused = False
         self._read_pause: set[str] | frozenset = _NO_REASONS
         # Set on the first basic.publish: only publishing connections are paused under shard
@@ -286,13 +289,14 @@ class AMQPConnection(asyncio.Protocol):
             take_back(self.worker.shard_put, self.conn_id, consumers, taken)
 
     def consumer_started(self, shard: int, channel: int, tag: str) -> None:
-        """A CONSUME was just put: one that starts on a paused connection gets no window either (the
-        shard applies this in the same batch, before it delivers)."""
-        if self._write_paused and self.state != CLOSED_STATE:
+        """A CONSUME was just put: the consumer starts with START_WINDOW of its window, and with none on
+        a paused connection (the shard applies this in the same batch, before it delivers)."""
+        if self.state != CLOSED_STATE:
             if self._taken is None:
                 self._taken = {}
             key = (shard, channel, tag)
-            take_back(self.worker.shard_put, self.conn_id, [(key, self._credit.get(key, 0))], self._taken)
+            take_back(self.worker.shard_put, self.conn_id, [(key, self._credit.get(key, 0))], self._taken,
+                      0 if self._write_paused else START_WINDOW)
 
     def resume_writing(self) -> None:
         self._write_paused = False
@@ -301,9 +305,13 @@ class AMQPConnection(asyncio.Protocol):
         if self._credit:
             self._mark_dirty()
 
-    def _give_back(self) -> None:
-        """A step of the credit taken back while paused (frontend/paused_credit.py give_back_step)."""
-        self._taken = give_back_step(self.worker.shard_put, self.conn_id, self._taken, self.state != CLOSED_STATE)
+    def _give_back(self, moved: set | None = None) -> None:
+        """At resume, and after a turn that wrote deliveries (``moved``: for whom): a step of the credit
+        taken back (frontend/paused_credit.py give_back_step)."""
+        self._taken = give_back_step(self.worker.shard_put, self.conn_id, self._taken, self.state != CLOSED_STATE,
+                                     keeps_up(self.transport, self.send_oct), moved)
+        if self._taken is None:
+            self._credit_seen = _NO_CREDIT
 
     def became_publisher(self) -> None:
         self.publisher = True
@@ -415,16 +423,22 @@ class AMQPConnection(asyncio.Protocol):
                     transport.writelines(out)
                     self.send_oct += sum(map(len, out))
                 self._wrote = True
+        moved: set | None = None
         if self._credit and not self._write_paused and self.state != CLOSED_STATE:
             put = self.worker.shard_put
             conn_id = self.conn_id
             credit = self._credit
-            due = [key for key, n in credit.items() if n >= CREDIT_RETURN_AT]
-            for key in due:
-                put(key[0], [_CREDIT, conn_id, key[1], key[2], credit.pop(key)])
-        if (self._taken is not None and not self._write_paused and transport is not None
-                and transport.get_write_buffer_size() <= GIVE_BACK_BELOW):
-            self._give_back()
+            if self._taken:  # a consumer's window is not whole (it started, or its socket paused)
+                seen = self._credit_seen
+                moved = {key for key, n in credit.items() if n != seen.get(key, 0)}  # deliveries this turn
+                return_lumps(put, conn_id, credit, self._taken, CREDIT_RETURN_AT)
+                self._credit_seen = dict(credit)
+            else:
+                due = [key for key, n in credit.items() if n >= CREDIT_RETURN_AT]
+                for key in due:
+                    put(key[0], [_CREDIT, conn_id, key[1], key[2], credit.pop(key)])
+        if moved and self._taken is not None and not self._write_paused and transport is not None:
+            self._give_back(moved)  # a step if the client took what was written (paused_credit.keeps_up)
         self._dirty = False
         read = self._turn_read
         if read:
@@ -806,6 +820,14 @@ class AMQPConnection(asyncio.Protocol):
         """A shard died: settle what this connection had on it; the connection stays open."""
         if self.state != RUNNING:
             return
+        # Credit held back or taken back for that shard's consumers was for the dead incarnation: its
+        # restarted consumers (a CONSUME still waiting is sent again) start with a whole window there.
+        for held in (self._credit, self._taken):
+            if held:
+                for key in [k for k in held if k[0] == shard]:
+                    del held[key]
+        if self._taken is not None and not self._taken:
+            self._taken = None
         try:
             connection_lost_shard(self, shard)
         except AMQPConnectionError as exc:

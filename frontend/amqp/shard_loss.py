@@ -61,7 +61,7 @@ def connection_lost_shard(conn: LosingConnection, shard: int) -> None:
                 continue
         _forget_deliveries(ch, shard)
         for tag, consumer in list(ch.consumers.items()):
-            if consumer.shard != shard or not consumer.ready:
+            if consumer.shard != shard or not consumer.answered:
                 continue  # a consume still waiting is sent again to the new incarnation
             del ch.consumers[tag]
             if conn.cancel_notify:

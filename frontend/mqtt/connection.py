@@ -54,7 +54,7 @@ from frontend.mqtt.messages import (
     session_shard,
     transient_queue,
 )
-from frontend.paused_credit import GIVE_BACK_BELOW, give_back_step, take_back
+from frontend.paused_credit import START_WINDOW, give_back_step, keeps_up, take_back
 from frontend.publish import put_marked_publish, put_publish, queues_by_shard
 from frontend.session import CONNECTION_FORCED
 
@@ -227,9 +227,9 @@ class MQTTConnection(asyncio.Protocol):
         self._write_paused = True
         self._take_back_credit()
 
-    def _take_back_credit(self) -> None:
+    def _take_back_credit(self, keep: int = 0) -> None:
         """The client stopped reading: the shard keeps what it has not sent (frontend/paused_credit.py).
-        At the pause, and for a consumer that starts while paused (after its CONSUME)."""
+        At the pause (all of it), and after a CONSUME (all but ``keep``: START_WINDOW, or 0 while paused)."""
         if self.state != CLOSED:
             consumers = []
             if self.consuming and self.consumer_tag is not None and self.queue_shard is not None:
@@ -237,7 +237,7 @@ class MQTTConnection(asyncio.Protocol):
                 consumers.append((key, self._credit.get((self.queue_shard, self.consumer_tag), 0)))
             if self._taken is None:
                 self._taken = {}
-            take_back(self.worker.shard_put, self.conn_id, consumers, self._taken)
+            take_back(self.worker.shard_put, self.conn_id, consumers, self._taken, keep)
 
     def resume_writing(self) -> None:
         self._write_paused = False
@@ -249,9 +249,11 @@ class MQTTConnection(asyncio.Protocol):
         if self._credit:
             self._mark_dirty()
 
-    def _give_back(self) -> None:
-        """A step of the credit taken back while paused (frontend/paused_credit.py give_back_step)."""
-        self._taken = give_back_step(self.worker.shard_put, self.conn_id, self._taken, self.state != CLOSED)
+    def _give_back(self, moved: set | None = None) -> None:
+        """At resume, and after a turn that wrote deliveries (``moved``: for whom): a step of the credit
+        taken back (frontend/paused_credit.py give_back_step)."""
+        self._taken = give_back_step(self.worker.shard_put, self.conn_id, self._taken, self.state != CLOSED,
+                                     keeps_up(self.transport, self.send_oct), moved)
 
     def _let_go(self) -> None:
         """Resume the publishers this (directly served) session held."""
@@ -334,10 +336,9 @@ class MQTTConnection(asyncio.Protocol):
         if self._credit and not self._write_paused and self.state != CLOSED:
             for (shard, tag), n in self._credit.items():
                 put(shard, [_CREDIT, self.conn_id, LANE, tag, n])
+            if self._taken is not None and transport is not None:  # a step for those with deliveries
+                self._give_back({(shard, LANE, tag) for shard, tag in self._credit})  # (paused_credit.keeps_up)
             self._credit = {}
-        if (self._taken is not None and not self._write_paused and transport is not None
-                and transport.get_write_buffer_size() <= GIVE_BACK_BELOW):
-            self._give_back()
         if (self._holding or self._slow_timer is not None) and not self._write_paused and not self._waiting:
             self._let_go()  # held for this turn only: the transport took it all
         if self._close_after_flush and transport is not None:
@@ -926,6 +927,9 @@ class MQTTConnection(asyncio.Protocol):
         put = self.worker.shard_put
         if self.consuming and self.consumer_tag is not None:
             put(q.shard, [contract.CANCEL, self.conn_id, LANE, self.consumer_tag])
+            # Credit held back for the old consumer would reach nothing (or, were its tag ever consumed
+            # again, a consumer whose window it is not): each consumer's credit is its own.
+            self._credit.pop((self.queue_shard, self.consumer_tag), None)
             if self._taken:
                 self._taken.pop((self.queue_shard, LANE, self.consumer_tag), None)  # that consumer is gone
         self.consuming = True
@@ -941,8 +945,8 @@ class MQTTConnection(asyncio.Protocol):
             then()
 
         self._shard_request(q.shard, lambda req: [contract.CONSUME, req, *tail], consumed)
-        if self._write_paused:
-            self._take_back_credit()  # after the CONSUME, on the same lane: no window while paused
+        # After the CONSUME, on the same lane: START_WINDOW of the window to start with, none while paused.
+        self._take_back_credit(0 if self._write_paused else START_WINDOW)
 
     def _on_unsubscribe(self, p: M.Unsubscribe) -> None:
         known = [f for f in p.topics if f in self.subs]
