@@ -302,7 +302,7 @@ def test_a_consumer_that_never_reads_starting_on_a_full_queue_is_sent_no_window(
     client.open()
     client.send(1, commands.Basic.Consume(queue=queue, consumer_tag="never", no_ack=True))
     left = total - _until_still(ch, queue)
-    time.sleep(0.3)  # two stats intervals
+    reports_after(node, 2)  # the frontend's reports since the queue settled
     pend = _send_pend(Api(node.http_port))
     assert pend <= BOUND, f"the frontend holds {pend} bytes for a consumer that never read (bound {BOUND})"
     assert left < total, "nothing was delivered"
