@@ -146,6 +146,11 @@ class Settings:
     # A follower that got no file list this many seconds after the leader welcomed it on a stream
     # drops its session and reconnects (the leader's shard may be stopped or hung).
     replication_file_list_timeout: int = 60
+    # Seconds between heartbeats on an idle replication stream, both ways (0 = off; replication/protocol.py).
+    replication_heartbeat: float = 2.0
+    # A stream from which nothing (data, acks, heartbeats) arrived for this many seconds is dropped: the
+    # follower reconnects, the leader takes the follower out of the ISR.
+    replication_heartbeat_timeout: float = 10.0
     # HOST:PORT: follow that leader's replication port without etcd (static/manual mode, tests).
     follow: str | None = None
     config_file: str | None = None
@@ -173,11 +178,11 @@ class Settings:
 @dataclass(frozen=True)
 class Option:
     name: str  # Settings field
-    kind: str  # "int" | "str" | "list" | "path" | "bool" (a flag without value; 1/0/true/false elsewhere)
+    kind: str  # "int" | "float" | "str" | "list" | "path" | "bool" (a flag without value; 1/0/true/false elsewhere)
     section: str | None  # INI section, None when the option cannot be set from a file
     help: str
-    minimum: int | None = None
-    maximum: int | None = None
+    minimum: float | None = None
+    maximum: float | None = None
     choices: tuple[str, ...] | None = None
     has_flag: bool = True
     # INI key inside ``section`` when it differs from the field name (DESIGN: `[http] port` is
@@ -284,6 +289,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("replication_file_list_timeout", "int", "clustering",
            "seconds a follower waits for a stream's file list before it reconnects", 1, 86400,
            key="file_list_timeout"),
+    Option("replication_heartbeat", "float", "clustering",
+           "seconds between heartbeats on an idle replication stream, both ways (0 = off)", 0, 3600,
+           key="heartbeat"),
+    Option("replication_heartbeat_timeout", "float", "clustering",
+           "seconds without a frame from the peer before a replication stream is dropped", 0.1, 86400,
+           key="heartbeat_timeout"),
     Option("follow", "str", "clustering",
            "HOST:PORT of a leader to follow without etcd (static/manual mode, tests)"),
 )
@@ -316,6 +327,18 @@ def _convert(opt: Option, raw: str) -> Any:
             raise _Invalid(f"must be >= {opt.minimum}")
         if opt.maximum is not None and value > opt.maximum:
             raise _Invalid(f"must be <= {opt.maximum}")
+        return value
+    if opt.kind == "float":
+        try:
+            value = float(raw)
+        except ValueError:
+            raise _Invalid(f"invalid number {raw!r}") from None
+        if value != value or value in (float("inf"), float("-inf")):
+            raise _Invalid(f"invalid number {raw!r}")
+        if opt.minimum is not None and value < opt.minimum:
+            raise _Invalid(f"must be >= {opt.minimum:g}")
+        if opt.maximum is not None and value > opt.maximum:
+            raise _Invalid(f"must be <= {opt.maximum:g}")
         return value
     if opt.kind == "bool":
         low = raw.lower()
@@ -366,7 +389,7 @@ def _describe_default(opt: Option) -> str:
     return str(getattr(Settings, opt.name))
 
 
-_METAVARS = {"int": "N", "path": "DIR", "list": "USERS", "str": "VALUE", "bind": "ADDR", "http_bind": "ADDR",
+_METAVARS = {"int": "N", "float": "SECS", "path": "DIR", "list": "USERS", "str": "VALUE", "bind": "ADDR", "http_bind": "ADDR",
              "default_user": "USER", "sync": "POLICY", "log_level": "LEVEL",
              "definitions": "FILE", "tls_cert": "FILE", "tls_key": "FILE", "tls_ca": "FILE",
              "etcd_endpoints": "HOSTS",
@@ -504,6 +527,11 @@ def _check_cluster(parser: argparse.ArgumentParser, s: Settings, environ: Mappin
             parser.error(f"--follow: expected HOST:PORT, got {s.follow!r}")
         if not s.cluster:
             parser.error("--follow needs --cluster")
+    if s.replication_heartbeat and s.replication_heartbeat_timeout < 3 * s.replication_heartbeat:
+        # Up to 1.5 heartbeats may pass between two frames of an idle stream (the follower checks every
+        # half heartbeat): a timeout shorter than three would drop healthy idle streams now and then.
+        parser.error(f"--replication-heartbeat-timeout ({s.replication_heartbeat_timeout:g}) must be at least "
+                     f"3 x --replication-heartbeat ({s.replication_heartbeat:g}), or set the heartbeat to 0 (off)")
     if s.cluster and not s.cluster_secret_file and not environ.get(SECRET_ENV):
         parser.error(f"--cluster needs --cluster-secret-file (or {SECRET_ENV})")
 

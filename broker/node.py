@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from broker import contract, data_sockets, gc_pause, stage_trace
+from broker import contract, data_sockets, gc_pause, heap_trim, stage_trace
 from broker.alarms import CHECK_INTERVAL_S, ResourceMonitor, parse_disk_limit, parse_memory_watermark
 from broker.amqp.errors import AMQPConnectionError, AMQPError
 from broker.config import Settings, cluster_secret
@@ -60,6 +60,8 @@ _COMMIT_SLICE = 32
 _PLANNED_AT_ONCE = frozenset(("exchange.declare", "exchange.delete", "queue.bind", "queue.unbind",
                               "exchange.bind", "exchange.unbind"))
 _STARTUP_TIMEOUT_S = 60.0
+# After every worker applied its boot snapshot: malloc_trim once the read buffers shrank (broker/unixio.py).
+_TRIM_AFTER_BOOT_S = 2.0
 
 
 class Node:
@@ -487,6 +489,14 @@ class Node:
                     self._check_apply_waiters()
                 if first and w.role == "shard":
                     self._shard_up(w)
+                if first and self._snapshot is not None and all(
+                        x.connected and x.applied >= 0 for x in self.sup.workers):
+                    # Every worker has its snapshot: a restarted one gets a fresh one (the
+                    # version moves on anyway), 7 MB at 100,000 queues are not kept for it. The
+                    # boot's big buffers are free now (the read buffers shrink after 1 s,
+                    # broker/unixio.py): give their pages back (10-13 MB at 100,000 queues).
+                    self._snapshot = None
+                    self.loop.call_later(_TRIM_AFTER_BOOT_S, heap_trim.trim)
             elif kind == contract.REQUEST:
                 if not self._request_at_once(ident, item[1], item[2], item[3]):
                     self._handle_request(ident, item[1], item[2], item[3])
@@ -542,7 +552,7 @@ class Node:
         key = (self.defs.version, tuple(sorted(self.epochs.items())))
         if self._snapshot is None or self._snapshot[0] != key:
             with gc_pause.paused():  # 100,000 dicts: see broker/gc_pause.py
-                item = [contract.SNAPSHOT, self.defs.version, self.defs.to_dict(), self.epochs,
+                item = [contract.SNAPSHOT, self.defs.version, self.defs.to_dict(queue_columns=True), self.epochs,
                         dataclasses.asdict(self.settings)]
                 self._snapshot = (key, contract.pack(0, [item]))
         self._held.pop(ident, None)  # older than the snapshot, which holds them

@@ -272,7 +272,9 @@ class Node:
             raise NodeError(f"node pid {self.pid} is already running")
         self.workdir.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDMQ_")}
-        env.update(PYTHONUNBUFFERED="1", **self.env)
+        # Every shard checks each STATS report against a read of all its queues and logs
+        # shard.stats.STATS_CHECK_FAILED when a change went unreported (tests/conftest.py fails the test).
+        env.update(PYTHONUNBUFFERED="1", SHARDMQ_TEST_STATS_CHECK="1", **self.env)
         self.starts += 1
         self._note(f"start #{self.starts}: {' '.join(self.argv())}")
         with open(self.log_path, "ab") as log:

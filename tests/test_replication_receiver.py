@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 
 from replication import protocol as p
 from replication import receiver as rmod
@@ -102,3 +103,75 @@ def test_make_durable_with_several_files_syncs_and_closes_them(tmp_path) -> None
             continue
         raise AssertionError("make_durable left an fd open")
     assert [(tmp_path / f"f{i}").read_bytes() for i in range(3)] == [bytes([i]) * 5000 for i in range(3)]
+
+
+def _fake_leader(secret: bytes, heartbeat: float, received: list):
+    """A leader that shakes hands (announcing ``heartbeat``, 0 = as a node without heartbeats does),
+    lists no files and then says nothing; what the follower sends lands in ``received``."""
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        dec = p.Decoder()
+        pending: list = []
+
+        async def next_event():
+            while not pending:
+                data = await reader.read(65536)
+                if not data:
+                    raise ConnectionError("closed")
+                pending.extend(dec.feed(data))
+            return pending.pop(0)
+        try:
+            hello = await next_event()
+            nonce_l = p.new_nonce()
+            writer.write(p.encode_challenge(nonce_l, p.leader_proof(secret, hello.stream, hello.nonce, nonce_l),
+                                            heartbeat))
+            await next_event()  # AUTH
+            writer.write(p.encode_welcome(["node"], "old") + p.encode_file_list([], []))
+            received.append(hello)
+            while True:
+                received.append(await next_event())
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+    return serve
+
+
+def test_a_silent_leader_that_announced_heartbeats_times_out_and_an_older_one_never_does(tmp_path) -> None:
+    """Against a leader that announced heartbeats and then sends nothing (hung, or the network path
+    gone), the receiver sends its own heartbeats and ends the stream with HeartbeatTimeout after the
+    timeout. Against a leader of a version without heartbeats (no "hb" in its CHALLENGE) it sends
+    none (that leader would not know the frame) and never times out: replication works as before."""
+    secret = b"s"
+    hb, timeout = 0.1, 0.5
+
+    async def scenario(leader_hb: float) -> tuple[list, BaseException | None, float]:
+        received: list = []
+        server = await asyncio.start_server(_fake_leader(secret, leader_hb, received), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        rec = rmod.StreamReceiver(str(tmp_path), secret, "n2", "node", CrcCache(), 5.0, hb, timeout)
+        t0 = time.monotonic()
+        task = asyncio.get_running_loop().create_task(rec.run("127.0.0.1", port))
+        done, _ = await asyncio.wait([task], timeout=4 * timeout)
+        elapsed = time.monotonic() - t0
+        if not done:
+            task.cancel()
+        error = None
+        try:
+            await task
+        except (asyncio.CancelledError, Exception) as exc:  # noqa: BLE001 - returned to the test
+            error = exc
+        server.close()
+        await server.wait_closed()
+        return received, error, elapsed
+
+    received, error, elapsed = asyncio.run(scenario(hb))
+    assert isinstance(error, rmod.HeartbeatTimeout), error
+    assert "nothing from old on stream node for" in str(error)
+    assert timeout * 0.9 <= elapsed < 4 * timeout
+    assert received[0].heartbeat == hb  # announced in HELLO
+    assert sum(isinstance(ev, p.Heartbeat) for ev in received) >= 2, received
+
+    received, error, _elapsed = asyncio.run(scenario(0.0))
+    assert isinstance(error, asyncio.CancelledError), error  # still running after 4 timeouts
+    assert isinstance(received[1], p.FileRequest)
+    assert not any(isinstance(ev, p.Heartbeat) for ev in received), received

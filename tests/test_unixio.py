@@ -170,6 +170,36 @@ def test_big_frames_and_a_flood_arrive_whole_and_in_order(path):
     run(scenario)
 
 
+def test_a_read_buffer_grown_for_a_big_frame_shrinks_when_idle_and_frames_still_arrive_whole(path, monkeypatch):
+    """A worker kept the 7 MB buffer its boot SNAPSHOT grew for good; now it goes back to the
+    starting size once empty for a while, and later frames, big ones too, still arrive whole."""
+    from broker import unixio
+
+    monkeypatch.setattr(unixio, "_SHRINK_AFTER_S", 0.05)
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        inbox = Inbox()
+        router = UnixRouter(loop, path, inbox)
+        dealer = UnixDealer(loop, path, b"fe-0", Inbox())
+        big = bytes(range(256)) * (3 * 4096)  # 3 MiB
+        dealer.put(None, [contract.PUBLISH, 0, big])
+        await until(lambda: len(inbox.items) == 1, "the big frame")
+        (stream,) = router._streams
+        assert len(stream._buf) > unixio._KEEP_BUFFER
+        await until(lambda: len(stream._buf) == unixio._READ_BUFFER, "the buffer to shrink")
+        for i in range(1, 4):
+            dealer.put(None, [contract.PUBLISH, i, big if i == 2 else b"small"])
+            await asyncio.sleep(0)
+        await until(lambda: len(inbox.items) == 4, "the later frames")
+        assert [item[2] for item in inbox.items[1:]] == [b"small", big, b"small"]
+        await until(lambda: len(stream._buf) == unixio._READ_BUFFER, "the buffer to shrink again")
+        dealer.close()
+        router.close()
+
+    run(scenario)
+
+
 def test_a_connection_that_does_not_say_hello_is_closed(path):
     async def scenario() -> None:
         loop = asyncio.get_running_loop()
