@@ -1415,6 +1415,7 @@ class ShardWorker:
         if self.stopping:
             return
         self.stopping = True
+        log.info("shard %d stopping", self.index)  # tests wait for it: the stop has begun
         # Every shard stops at once: what we forwarded (dead letters, due delayed messages, a dedup
         # exchange's publishes) may be stored by its target and its CONFIRM not here yet. Wait for
         # them (syncs and confirms go on meanwhile), or they would be sent again after the restart,

@@ -16,6 +16,7 @@ share a machine).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -24,8 +25,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pika
 
@@ -174,6 +176,25 @@ def _wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
         if time.monotonic() >= deadline:
             return False
         time.sleep(interval)
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:
+    """Poll ``predicate`` until it returns something truthy (returned); AssertionError naming ``what``
+    after ``timeout`` seconds. What a test waits for instead of sleeping and hoping."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out after {timeout:.1f}s waiting for {what}"
+        time.sleep(interval)
+    return value
+
+
+async def async_wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.005) -> Any:
+    """``wait_until`` inside an event loop: the loop runs (other tasks, callbacks) while it waits."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out after {timeout:.1f}s waiting for {what}"
+        await asyncio.sleep(interval)
+    return value
 
 
 class Node:

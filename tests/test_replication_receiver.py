@@ -11,6 +11,7 @@ import time
 from replication import protocol as p
 from replication import receiver as rmod
 from replication.files import CrcCache, make_durable
+from tests.harness import async_wait_until
 
 
 class _AckSink:
@@ -52,11 +53,7 @@ def test_overlapping_syncs_ack_in_order_and_only_what_is_durable(tmp_path, monke
         rec.synced = True
 
         async def until(pred, what: str) -> None:
-            for _ in range(500):
-                if pred():
-                    return
-                await asyncio.sleep(0.01)
-            raise AssertionError(f"timed out waiting for {what}")
+            await async_wait_until(pred, 5, what)
 
         def append(offset: int, data: bytes) -> int:
             frame = p.encode_append("q/msgs.0000000001", offset, data)
@@ -72,8 +69,12 @@ def test_overlapping_syncs_ack_in_order_and_only_what_is_durable(tmp_path, monke
         await until(lambda: len(gates) == 2, "two syncs in flight")
         assert rec.acked == 0 and sink.acks == []
 
-        gates[1].set()  # the second batch is durable first: nothing may be acked before the first
-        await asyncio.sleep(0.2)
+        # The second batch is durable first: nothing may be acked before the first. Callbacks run in
+        # the order they were added: once ours has, the receiver's own (_synced) has run too.
+        second_done = asyncio.Event()
+        rec._inflight[1][0].add_done_callback(lambda _f: second_done.set())
+        gates[1].set()
+        await asyncio.wait_for(second_done.wait(), 10)
         assert sink.acks == [] and rec.acked == 0
 
         gates[0].set()  # now both: one ack for the newer position

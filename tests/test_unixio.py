@@ -16,6 +16,7 @@ import uvloop
 from broker import contract
 from broker.turn_batch import MAX_BATCH_ITEMS
 from broker.unixio import UnixDealer, UnixRouter
+from tests.harness import async_wait_until
 
 
 def run(scenario: Callable) -> None:
@@ -24,10 +25,7 @@ def run(scenario: Callable) -> None:
 
 
 async def until(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.005)
+    await async_wait_until(cond, timeout, what)
 
 
 class Inbox:
