@@ -56,6 +56,13 @@ def test_scenario_names_are_unique_and_match_the_brief() -> None:
     assert {f"latency-{k}k-{mode}" for k in (1, 10, 50) for mode in ("autoack", "ack")} < set(names)
 
 
+def test_the_default_run_leaves_out_only_the_scenarios_marked_as_run_when_named() -> None:
+    default = bench.build_parser().parse_args([]).scenarios.split(",")
+    assert "delete-stall-100000" in bench.BY_NAME and "delete-stall-100000" not in default
+    assert default == [s.name for s in bench.SCENARIOS if s.by_default]
+    assert "delete-stall-30000" in default and "latency-1k-autoack" in default
+
+
 def test_unknown_scenario_is_a_usage_error(tmp_path: Path) -> None:
     assert bench.main(["--scenarios", "nope", "--results-dir", str(tmp_path), "--doc", ""]) == 2
 
