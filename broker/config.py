@@ -118,6 +118,10 @@ class Settings:
     # the fewest queues of its vhost, "hash" = crc32(vhost, name) % shards. Recorded in the queue's
     # definition either way: a queue keeps its shard across restarts and shard-count changes.
     queue_placement: str = "balanced"
+    # Queue deletions per second beyond a burst of 32 (broker/delete_pacer.py): a vhost of 100,000
+    # queues, or 100,000 pipelined queue.delete, is deleted at this pace so that publishing on the
+    # other queues keeps its cores (docs/benchmarks.md "Paced deletes"); 0 = as fast as possible.
+    delete_rate: int = 2000
     # Resource alarms (broker/alarms.py): publishers are blocked while free disk space of the data dir is
     # below disk_free_limit or the node's memory is above vm_memory_high_watermark (RabbitMQ's syntax).
     disk_free_limit: str = "50MB"
@@ -146,6 +150,11 @@ class Settings:
     # A follower that got no file list this many seconds after the leader welcomed it on a stream
     # drops its session and reconnects (the leader's shard may be stopped or hung).
     replication_file_list_timeout: int = 60
+    # Seconds between heartbeats on an idle replication stream, both ways (0 = off; replication/protocol.py).
+    replication_heartbeat: float = 2.0
+    # A stream from which nothing (data, acks, heartbeats) arrived for this many seconds is dropped: the
+    # follower reconnects, the leader takes the follower out of the ISR.
+    replication_heartbeat_timeout: float = 10.0
     # HOST:PORT: follow that leader's replication port without etcd (static/manual mode, tests).
     follow: str | None = None
     config_file: str | None = None
@@ -173,11 +182,11 @@ class Settings:
 @dataclass(frozen=True)
 class Option:
     name: str  # Settings field
-    kind: str  # "int" | "str" | "list" | "path" | "bool" (a flag without value; 1/0/true/false elsewhere)
+    kind: str  # "int" | "float" | "str" | "list" | "path" | "bool" (a flag without value; 1/0/true/false elsewhere)
     section: str | None  # INI section, None when the option cannot be set from a file
     help: str
-    minimum: int | None = None
-    maximum: int | None = None
+    minimum: float | None = None
+    maximum: float | None = None
     choices: tuple[str, ...] | None = None
     has_flag: bool = True
     # INI key inside ``section`` when it differs from the field name (DESIGN: `[http] port` is
@@ -266,6 +275,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("queue_placement", "str", "main",
            "shard of a new queue: the one with the fewest queues of its vhost, or by a hash of its name",
            choices=QUEUE_PLACEMENTS),
+    Option("delete_rate", "int", "main",
+           "queue deletions per second beyond a burst of 32 (a vhost delete, pipelined queue.delete); "
+           "0 = unpaced", 0, 10**9),
     Option("cluster", "bool", "clustering", "run as a cluster member (etcd election, replication)",
            key="enabled"),
     Option("etcd_endpoints", "list", "clustering", "etcd endpoints HOST:PORT, comma separated"),
@@ -284,6 +296,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("replication_file_list_timeout", "int", "clustering",
            "seconds a follower waits for a stream's file list before it reconnects", 1, 86400,
            key="file_list_timeout"),
+    Option("replication_heartbeat", "float", "clustering",
+           "seconds between heartbeats on an idle replication stream, both ways (0 = off)", 0, 3600,
+           key="heartbeat"),
+    Option("replication_heartbeat_timeout", "float", "clustering",
+           "seconds without a frame from the peer before a replication stream is dropped", 0.1, 86400,
+           key="heartbeat_timeout"),
     Option("follow", "str", "clustering",
            "HOST:PORT of a leader to follow without etcd (static/manual mode, tests)"),
 )
@@ -316,6 +334,18 @@ def _convert(opt: Option, raw: str) -> Any:
             raise _Invalid(f"must be >= {opt.minimum}")
         if opt.maximum is not None and value > opt.maximum:
             raise _Invalid(f"must be <= {opt.maximum}")
+        return value
+    if opt.kind == "float":
+        try:
+            value = float(raw)
+        except ValueError:
+            raise _Invalid(f"invalid number {raw!r}") from None
+        if value != value or value in (float("inf"), float("-inf")):
+            raise _Invalid(f"invalid number {raw!r}")
+        if opt.minimum is not None and value < opt.minimum:
+            raise _Invalid(f"must be >= {opt.minimum:g}")
+        if opt.maximum is not None and value > opt.maximum:
+            raise _Invalid(f"must be <= {opt.maximum:g}")
         return value
     if opt.kind == "bool":
         low = raw.lower()
@@ -366,7 +396,7 @@ def _describe_default(opt: Option) -> str:
     return str(getattr(Settings, opt.name))
 
 
-_METAVARS = {"int": "N", "path": "DIR", "list": "USERS", "str": "VALUE", "bind": "ADDR", "http_bind": "ADDR",
+_METAVARS = {"int": "N", "float": "SECS", "path": "DIR", "list": "USERS", "str": "VALUE", "bind": "ADDR", "http_bind": "ADDR",
              "default_user": "USER", "sync": "POLICY", "log_level": "LEVEL",
              "definitions": "FILE", "tls_cert": "FILE", "tls_key": "FILE", "tls_ca": "FILE",
              "etcd_endpoints": "HOSTS",
@@ -504,6 +534,11 @@ def _check_cluster(parser: argparse.ArgumentParser, s: Settings, environ: Mappin
             parser.error(f"--follow: expected HOST:PORT, got {s.follow!r}")
         if not s.cluster:
             parser.error("--follow needs --cluster")
+    if s.replication_heartbeat and s.replication_heartbeat_timeout < 3 * s.replication_heartbeat:
+        # Up to 1.5 heartbeats may pass between two frames of an idle stream (the follower checks every
+        # half heartbeat): a timeout shorter than three would drop healthy idle streams now and then.
+        parser.error(f"--replication-heartbeat-timeout ({s.replication_heartbeat_timeout:g}) must be at least "
+                     f"3 x --replication-heartbeat ({s.replication_heartbeat:g}), or set the heartbeat to 0 (off)")
     if s.cluster and not s.cluster_secret_file and not environ.get(SECRET_ENV):
         parser.error(f"--cluster needs --cluster-secret-file (or {SECRET_ENV})")
 

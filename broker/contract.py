@@ -86,7 +86,8 @@ import msgpack
 # the word's version before it acts on input; the DEFS of a fenced change (bind, unbind, exchange
 # declare/delete) carry ack False for every worker that has applied its SNAPSHOT (no APPLIED for them).
 # 18: PEER_DONE (shard -> shard at a clean stop: nothing more follows from the sender).
-VERSION = 18
+# 19: a replication handoff (pack_handoff) carries the follower's heartbeat interval from its HELLO.
+VERSION = 19
 
 # --------------------------------------------------------------------------
 # Control plane: node <-> every worker (node.sock)
@@ -348,11 +349,19 @@ CONTROL_LANE_KINDS = frozenset((23, 24, 31, 21, 22, 26, 27, 28, 29, 39))  # ACK 
 
 
 _packer = msgpack.Packer(use_bin_type=True, autoreset=True)
+# A Packer's buffer grows to the largest batch it packed and never shrinks: after one bigger than
+# this (a SNAPSHOT of 100,000 queues, a full STATS report) the next batch gets a fresh Packer, so a
+# booted node and its shards do not keep a buffer of that size for good.
+_PACKER_KEEP = 1 << 20
 
 
 def pack(header: Any, items: list) -> bytes:
     """Encode one batch."""
-    return _packer.pack([header, items])
+    global _packer
+    data = _packer.pack([header, items])
+    if len(data) > _PACKER_KEEP:
+        _packer = msgpack.Packer(use_bin_type=True, autoreset=True)
+    return data
 
 
 def unpack(data: bytes) -> tuple[Any, list]:
@@ -404,22 +413,24 @@ def fsync_beacon_path(run_dir: str, index: int) -> str:
 def repl_handoff_path(run_dir: str, index: int) -> str:
     """Unix datagram socket where shard ``index`` receives replication connections from the node
     (``replication/handoff.py``): one datagram per connection, the socket as SCM_RIGHTS ancillary
-    data, the payload ``pack_handoff(follower_name)``."""
+    data, the payload ``pack_handoff(follower_name, heartbeat)``."""
     return os.path.join(run_dir, f"repl-shard-{index}.sock")
 
 
-def pack_handoff(follower: str) -> bytes:
-    return msgpack.packb([VERSION, follower], use_bin_type=True)
+def pack_handoff(follower: str, heartbeat: float = 0.0) -> bytes:
+    """``heartbeat``: the interval the follower announced in its HELLO (0: none; replication/protocol.py)."""
+    return msgpack.packb([VERSION, follower, float(heartbeat)], use_bin_type=True)
 
 
-def unpack_handoff(data: bytes) -> str:
+def unpack_handoff(data: bytes) -> tuple[str, float]:
+    """(follower name, its heartbeat interval) of a handoff datagram."""
     try:
-        version, follower = msgpack.unpackb(data, raw=False)
+        version, follower, heartbeat = msgpack.unpackb(data, raw=False)
     except Exception as exc:
         raise ValueError(f"malformed handoff: {exc}") from exc
     if version != VERSION:
         raise ValueError(f"handoff of contract version {version}")
-    return str(follower)
+    return str(follower), float(heartbeat)
 
 
 def worker_id(role: str, index: int) -> bytes:

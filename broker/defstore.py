@@ -199,6 +199,12 @@ class DefStore:
             write_observer.current.append(os.path.abspath(self.log_path), offset, data)
         return len(lines)
 
+    def flush(self) -> None:
+        """Hand what was recorded to the OS (survives this process being killed; not yet synced)."""
+        with self._lock:
+            if self._log is not None:
+                self._log.flush()
+
     def sync(self) -> None:
         """Make everything recorded so far durable."""
         with self._lock:

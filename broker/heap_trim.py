@@ -36,6 +36,15 @@ def _malloc_trim() -> Callable[[int], int] | None:
     return fn
 
 
+def trim() -> None:
+    """``malloc_trim(0)`` now (nothing without glibc): after a one-off burst of big temporary
+    buffers, such as the node's boot (the definitions file's text, its parse, the packed
+    SNAPSHOT), whose free pages in the middle of the heap glibc would otherwise keep."""
+    fn = _malloc_trim()
+    if fn is not None:
+        fn(0)
+
+
 class HeapTrimmer:
     """Counts closes; once ``threshold`` have come since the last trim, trims when they stop coming.
 

@@ -20,10 +20,10 @@ import logging
 import os
 import signal
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from broker import contract, data_sockets, gc_pause, stage_trace
+from broker import contract, data_sockets, gc_pause, heap_trim, stage_trace
 from broker.alarms import CHECK_INTERVAL_S, ResourceMonitor, parse_disk_limit, parse_memory_watermark
 from broker.amqp.errors import AMQPConnectionError, AMQPError
 from broker.config import Settings, cluster_secret
@@ -32,6 +32,7 @@ from broker.definitions import Definitions
 from broker.definitions_file import plan_from_file, read_definitions_file
 from broker.defs_fence import FenceWord
 from broker.defstore import DefStore, durable_ops, is_durable_relevant
+from broker.delete_pacer import DeletePacer
 from broker.heap_trim import HeapTrimmer
 from broker.http.metrics import MetricsServer
 from broker.http.server import HttpServer
@@ -60,6 +61,25 @@ _COMMIT_SLICE = 32
 _PLANNED_AT_ONCE = frozenset(("exchange.declare", "exchange.delete", "queue.bind", "queue.unbind",
                               "exchange.bind", "exchange.unbind"))
 _STARTUP_TIMEOUT_S = 60.0
+# After every worker applied its boot snapshot: malloc_trim once the read buffers shrank (broker/unixio.py).
+_TRIM_AFTER_BOOT_S = 2.0
+# Queue deletions per slice of a paced commit (a vhost delete): a shard deletes 8 queues in ~0.3 ms.
+_PACED_SLICE_DELETES = 8
+
+
+def _slices(ops: list, deletes_per_slice: int) -> Iterator[list]:
+    """ops cut into slices of at most _COMMIT_SLICE ops and deletes_per_slice queue deletions."""
+    part: list = []
+    n = 0
+    for op in ops:
+        part.append(op)
+        if op[0] == "queue.delete":
+            n += 1
+        if len(part) >= _COMMIT_SLICE or n >= deletes_per_slice:
+            yield part
+            part, n = [], 0
+    if part:
+        yield part
 
 
 class Node:
@@ -69,6 +89,8 @@ class Node:
         self.loop = asyncio.get_running_loop()
         self.defstore = DefStore(self.datadir.path)
         self.defs: Definitions | None = None
+        # Queue deletions go at --delete-rate per second beyond a small burst (broker/delete_pacer.py).
+        self.delete_pacer = DeletePacer(self.loop, settings.delete_rate)
         self.epochs: dict[int, int] = {}
         self.sup = Supervisor(self.datadir.run_dir, settings.log_level, self._on_worker_exit, self._on_spawn)
         self.by_ident: dict[bytes, WorkerProcess] = {}
@@ -487,6 +509,14 @@ class Node:
                     self._check_apply_waiters()
                 if first and w.role == "shard":
                     self._shard_up(w)
+                if first and self._snapshot is not None and all(
+                        x.connected and x.applied >= 0 for x in self.sup.workers):
+                    # Every worker has its snapshot: a restarted one gets a fresh one (the
+                    # version moves on anyway), 7 MB at 100,000 queues are not kept for it. The
+                    # boot's big buffers are free now (the read buffers shrink after 1 s,
+                    # broker/unixio.py): give their pages back (10-13 MB at 100,000 queues).
+                    self._snapshot = None
+                    self.loop.call_later(_TRIM_AFTER_BOOT_S, heap_trim.trim)
             elif kind == contract.REQUEST:
                 if not self._request_at_once(ident, item[1], item[2], item[3]):
                     self._handle_request(ident, item[1], item[2], item[3])
@@ -542,7 +572,7 @@ class Node:
         key = (self.defs.version, tuple(sorted(self.epochs.items())))
         if self._snapshot is None or self._snapshot[0] != key:
             with gc_pause.paused():  # 100,000 dicts: see broker/gc_pause.py
-                item = [contract.SNAPSHOT, self.defs.version, self.defs.to_dict(), self.epochs,
+                item = [contract.SNAPSHOT, self.defs.version, self.defs.to_dict(queue_columns=True), self.epochs,
                         dataclasses.asdict(self.settings)]
                 self._snapshot = (key, contract.pack(0, [item]))
         self._held.pop(ident, None)  # older than the snapshot, which holds them
@@ -689,14 +719,19 @@ class Node:
                               prev: asyncio.Future | None, mine: asyncio.Future) -> None:
         ok = False
         early = None
+        paced = False
         try:
+            if op == "queue.delete":
+                # Paced before its counts are asked for: 500 pipelined deletes are 500 shard queries too.
+                await self.delete_pacer.take(1)
+                paced = True
             if prev is not None and op == "queue.delete" and not self._chains.failed(key):
                 early = self._early_counts(args)
             if self._chains.failed(key) or (prev is not None and not await prev):
                 reply = [contract.REPLY, req_id, False, [504, "CHANNEL_ERROR - an earlier method failed", 0, 0]]
             else:
                 reply = await self._reply_to(req_id, op, args,
-                                             lambda: self._chains.settle(key, mine, True), ident, early)
+                                             lambda: self._chains.settle(key, mine, True), ident, early, paced)
                 ok = reply[2]
         finally:
             self._chains.settle(key, mine, ok)
@@ -719,9 +754,9 @@ class Node:
         return q, self.loop.create_task(self._queue_info(a.get("vhost", "/"), a.get("queue", "")))
 
     async def _reply_to(self, req_id: int, op: str, args: dict, on_applied: Callable[[], None] | None,
-                        origin: bytes, early: tuple[Any, asyncio.Task] | None = None) -> list:
+                        origin: bytes, early: tuple[Any, asyncio.Task] | None = None, paced: bool = False) -> list:
         try:
-            result = await self._execute(op, args, on_applied, origin, early)
+            result = await self._execute(op, args, on_applied, origin, early, paced)
         except AMQPError as exc:
             return [contract.REPLY, req_id, False, [exc.code, exc.text, exc.class_id, exc.method_id]]
         except Exception:
@@ -730,10 +765,11 @@ class Node:
         return [contract.REPLY, req_id, True, result]
 
     async def _execute(self, op: str, a: dict, on_applied: Callable[[], None] | None = None,
-                       origin: bytes | None = None, early: tuple[Any, asyncio.Task] | None = None) -> dict:
+                       origin: bytes | None = None, early: tuple[Any, asyncio.Task] | None = None,
+                       paced: bool = False) -> dict:
         """Plan and commit one request; on_applied runs once its ops are applied (before durable).
         origin: the worker that asked (see _commit); early: a queue.delete's counts asked for
-        before its turn (_early_counts)."""
+        before its turn (_early_counts); paced: its deletion already waited for the delete pacer."""
         defs = self.defs
         vhost = a.get("vhost", "/")
         owner = a.get("owner")
@@ -769,7 +805,7 @@ class Node:
             info = info or {"messages": 0, "consumers": 0}
             ops = defs.plan_queue_delete(vhost, name, bool(a.get("if_unused")), bool(a.get("if_empty")),
                                          owner, info["consumers"], info["messages"])
-            await self._commit(ops, op=op, on_applied=on_applied, origin=origin)
+            await self._commit(ops, op=op, on_applied=on_applied, origin=origin, paced=paced)
             return {"messages": info["messages"] if ops else 0}
         if op == "queue.auto_delete":
             q = defs.queue(vhost, a["queue"])
@@ -967,8 +1003,11 @@ class Node:
 
     async def _commit(self, ops: list, op: str | None = None, gate: bool = True,
                       on_applied: Callable[[], None] | None = None, origin: bytes | None = None,
-                      fenced: bool = False) -> None:
+                      fenced: bool = False, paced: bool = False) -> None:
         """Apply, persist and broadcast ops; return once durable and applied by every live worker.
+
+        Queue deletions among the ops wait for the delete pacer (broker/delete_pacer.py) unless
+        ``paced`` (the request already did); many of them are applied in slices of a few queues each.
 
         ``fenced`` (a bind, unbind, exchange declare or delete): not in a cluster and in one slice, it
         returns without waiting for the workers that have applied their snapshot: they apply it before
@@ -986,23 +1025,40 @@ class Node:
         logged = durable_ops(defs, ops)  # judged before applying: a deleted queue is gone after
         fenced = fenced and self.repl_leader is None and len(ops) <= _COMMIT_SLICE
         starting: frozenset = frozenset()
-        if len(ops) <= _COMMIT_SLICE:
+        pacer = self.delete_pacer
+        deletes = 0 if paced or pacer.rate <= 0 else sum(1 for o in ops if o[0] == "queue.delete")
+        if len(ops) <= _COMMIT_SLICE and deletes <= _PACED_SLICE_DELETES:
+            if deletes:
+                await pacer.take(deletes)
+                logged = durable_ops(defs, ops)  # judged again: another request may have run meanwhile
             defs.apply_all(ops)  # bumps defs.version once per op; every replica does the same
             starting = self._broadcast_defs(defs.version, ops, origin, fenced)
             if fenced:
                 self._fence_flush = False
                 self.ctl.flush()  # a task's turn: written now, not after what else the turn runs
+            wrote = self.defstore.record(logged)
         else:
-            # A vhost of 10,000 queues: applied and sent in slices, one loop turn each, so that this
-            # node and every worker (each handles a slice as one batch, a bounded number per turn)
-            # go on with other work between them: publishing to other queues must not stall.
-            for i in range(0, len(ops), _COMMIT_SLICE):
-                part = ops[i : i + _COMMIT_SLICE]
+            # A vhost of 10,000 queues: applied and sent in slices, one loop turn each (paced: a few
+            # queues each, at --delete-rate), so that this node and every worker (each handles a slice
+            # as one batch, a bounded number per turn) go on with other work between them: publishing
+            # to other queues must not stall. Each slice is logged as it is applied (flushed to the
+            # OS, synced at the end): a node killed half-way restarts with the queues its workers
+            # deleted gone and the others intact, never a deleted queue's directory under a
+            # definition that survived.
+            wrote = 0
+            for part in _slices(ops, _PACED_SLICE_DELETES if deletes else _COMMIT_SLICE):
+                n = sum(1 for o in part if o[0] == "queue.delete") if deletes else 0
+                if n:
+                    await pacer.take(n)
+                logged_part = durable_ops(defs, part)
                 defs.apply_all(part)
+                written = self.defstore.record(logged_part)
+                if written:
+                    self.defstore.flush()
+                    wrote += written
                 self._broadcast(None, [contract.DEFS, defs.version, part])
                 await asyncio.sleep(0)  # this slice leaves in its own batch (BatchSocket.flush)
         version = defs.version
-        wrote = self.defstore.record(logged)
         if on_applied is not None:
             on_applied()
         # The worker that asked gets our DEFS in the REPLY's batch, before it (_broadcast_defs), and

@@ -54,6 +54,11 @@ _FRAME_MAX = (1 << (8 * _FRAME_SIZE)) - 1
 _HELLO = contract.STREAM_HELLO
 _READ_BUFFER = 256 * 1024  # starting size of a connection's read buffer; grows for bigger frames
 _MIN_READ = 64 * 1024  # free space offered to a read before unread data is moved to the front
+# A buffer grown past this for a big frame (a SNAPSHOT of 100,000 queues: 7 MB, a full STATS) goes
+# back to _READ_BUFFER once it has been empty for _SHRINK_AFTER_S: a worker kept its boot snapshot's
+# buffer for good. The delay keeps a stream of big batches (large bodies) on one grown buffer.
+_KEEP_BUFFER = 1 << 20
+_SHRINK_AFTER_S = 1.0
 _BULK_BATCH = 1 << 20  # a batch this big is decoded and handled with the cyclic GC paused
 _RECONNECT_FIRST_S = 0.01
 _RECONNECT_MAX_S = 0.1  # ZeroMQ reconnects every 100 ms
@@ -63,7 +68,7 @@ class _Stream(asyncio.BufferedProtocol):
     """One connection: frames in from a reused buffer, frames out with one write per call."""
 
     __slots__ = ("owner", "transport", "identity", "closed", "_buf", "_view", "_start", "_end",
-                 "_need", "_paused", "_resume_scheduled")
+                 "_need", "_paused", "_resume_scheduled", "_shrink_scheduled")
 
     def __init__(self, owner: _Base, identity: bytes | None) -> None:
         self.owner = owner
@@ -77,6 +82,7 @@ class _Stream(asyncio.BufferedProtocol):
         self._need = 0  # size of the frame being read when it does not fit the buffer
         self._paused = False
         self._resume_scheduled = False
+        self._shrink_scheduled = False
 
     # ------------------------------------------------------------- asyncio
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -110,9 +116,25 @@ class _Stream(asyncio.BufferedProtocol):
             buf = bytearray(max(wanted, 2 * size))
             buf[:unread] = self._view[start:end]
             self._buf, self._view = buf, memoryview(buf)
+            if len(buf) > _KEEP_BUFFER and not self._shrink_scheduled:
+                self._shrink_scheduled = True
+                self.owner.loop.call_later(_SHRINK_AFTER_S, self._shrink)
         elif unread:
             self._view[:unread] = self._view[start:end]
         self._start, self._end = 0, unread
+
+    def _shrink(self) -> None:
+        """Back to a _READ_BUFFER buffer if the grown one is empty now, else look again later."""
+        if self.closed or len(self._buf) <= _KEEP_BUFFER:
+            self._shrink_scheduled = False
+            return
+        if self._start != self._end or self._need:
+            self.owner.loop.call_later(_SHRINK_AFTER_S, self._shrink)
+            return
+        self._shrink_scheduled = False
+        self._start = self._end = 0
+        self._buf = bytearray(_READ_BUFFER)
+        self._view = memoryview(self._buf)
 
     def _drain(self) -> None:
         """Hand complete frames to the owner, then tell it (``on_drained``) when there were any."""

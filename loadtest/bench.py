@@ -17,6 +17,12 @@ heap). It costs a broker boot per run (seconds; RabbitMQ's is the longer). Then 
 docs/benchmarks.md: the report is merged into docs/benchmarks/results.json (a run of some scenarios
 keeps the others' latest numbers; loadtest/bench_doc.py), the plots are redrawn into
 docs/benchmarks/ and the page embeds them with the table, the machine and the command. A SIGTERM or Ctrl-C still stops the running broker by pid.
+
+Each run directory the perf tool writes gets a ``bench.json`` (RUN_RECORD) naming the bench invocation
+(id, command, commit) and the run's start, end and load average, so ``--from-results`` names the runs
+as they were measured even after the checkout moved on or run directories were copied elsewhere. One
+invocation is reported at a time: a ``--results-dir`` holding another invocation's runs is refused
+unless ``--append``, and ``--from-results`` over several invocations wants ``--invocation ID``.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import argparse
 import json
 import os
 import platform
+import secrets
 import shlex
 import shutil
 import signal
@@ -40,6 +47,7 @@ from broker.process import raise_nofile_limit
 from loadtest import bench_doc
 from loadtest.ports import free_port
 from loadtest.rabbitmq import PrivateRabbitMQ, package_version
+from loadtest.results import list_runs
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DOC = ROOT / "docs" / "benchmarks.md"
@@ -66,6 +74,7 @@ class Scenario:
     measures: str  # what the run's numbers mean, for the doc
     prefill: tuple[str, ...] = ()  # unmeasured perf run before argv (e.g. fill a backlog)
     timeout_s: float = 240.0
+    by_default: bool = True  # False: only run when named in --scenarios (too long for every bench)
 
 
 # Every scenario is bounded: throughput runs by --time (D = --duration), count-bounded runs by a
@@ -128,6 +137,13 @@ SCENARIOS: tuple[Scenario, ...] = (
              "confirming publisher on another queue (one message in flight) times its round trips: worst and "
              "p99 round trip during the delete (`worst_stall_ms`, `probe_during_p99_ms`)",
              timeout_s=600.0),
+    Scenario("delete-stall-100000",
+             ("delete-stall", "--count", "100000", "--time", "900"),
+             "the same with 100,000 transient queues deleted one by one through AMQP (pipelined queue.delete, "
+             "500 in flight): the probe's worst and p99 round trip while they go (ShardMQ paces deletions at "
+             "--delete-rate, 2,000/s by default: ~50 s; RabbitMQ ~2 min; ~6 min a repeat with the declares, "
+             "so it runs only when named)",
+             timeout_s=1800.0, by_default=False),
     Scenario("bindings-per-second",
              ("bind-churn", "--time", DURATION),
              "queue.bind + queue.unbind round trips on one channel: bindings/s"),
@@ -295,24 +311,42 @@ def run_perf(cmd: list[str], timeout: float, log: Path) -> tuple[int, str]:
     return proc.returncode, " / ".join(text[-3:])
 
 
-def run_one(s: Scenario, broker, repeat: int, results_dir: Path, duration: float, log: Path) -> RunOutcome:  # noqa: ANN001
+def run_one(s: Scenario, broker, repeat: int, results_dir: Path, duration: float, log: Path,  # noqa: ANN001
+            invocation: dict | None = None) -> RunOutcome:
+    """One perf run (after its unmeasured prefill). The run directory it writes gets a RUN_RECORD:
+    ``invocation`` (the bench's id, command, commit) plus this run's own times and load average."""
+    before = set(list_runs(results_dir))
+    started_at = datetime.now(UTC)
     started = time.monotonic()
     load1 = os.getloadavg()[0]
+    ok, detail = False, "interrupted"
+    try:
+        ok, detail = _perf(s, broker, results_dir, duration, log)
+    finally:
+        if invocation is not None:
+            record = {**invocation, "broker": broker.name, "broker_version": broker.version, "repeat": repeat,
+                      "started_at": started_at.isoformat(), "ended_at": datetime.now(UTC).isoformat(),
+                      "load1_start": round(load1, 2), "load1_end": round(os.getloadavg()[0], 2)}
+            for run_dir in set(list_runs(results_dir)) - before:
+                (run_dir / RUN_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    return RunOutcome(s.name, broker.name, repeat, ok, time.monotonic() - started, detail, load1)
+
+
+def _perf(s: Scenario, broker, results_dir: Path, duration: float, log: Path) -> tuple[bool, str]:  # noqa: ANN001
+    """The perf tool's prefill (if any) and measured run: (ok, what failed)."""
     if s.prefill:
         scratch = results_dir / "_prefill"
         cmd = perf_command(scenario_argv(s, s.prefill, duration), broker.url) + [
             "--json", "--results-dir", str(scratch), "--broker-name", broker.name, "--scenario", s.name + "-prefill"]
         rc, tail = run_perf(cmd, s.timeout_s, log)
         if rc != 0:
-            return RunOutcome(s.name, broker.name, repeat, False, time.monotonic() - started, f"prefill: {tail}",
-                              load1)
+            return False, f"prefill: {tail}"
     cmd = perf_command(scenario_argv(s, s.argv, duration), broker.url) + [
         "--json", "--results-dir", str(results_dir), "--broker-name", broker.name, "--scenario", s.name]
     if broker.pid:
         cmd += ["--broker-pid", str(broker.pid)]
     rc, tail = run_perf(cmd, s.timeout_s, log)
-    return RunOutcome(s.name, broker.name, repeat, rc == 0, time.monotonic() - started, "" if rc == 0 else tail,
-                      load1)
+    return rc == 0, "" if rc == 0 else tail
 
 
 # --------------------------------------------------------------------------- machine and doc
@@ -367,7 +401,12 @@ def render_doc(machine: dict[str, str], command: str, table: str | None, when: s
         "```",
         "",
         "(`python -m loadtest.bench` takes the same arguments; without `--scenarios` it runs every scenario",
-        "below, and `--from-results DIR` re-renders this page from the runs already in DIR.)",
+        "below but those marked \"only when named\", and `--from-results DIR` re-renders this page from the runs already in DIR.)",
+        "Each run's directory records the bench invocation that made it (`bench.json`: command, commit, the",
+        "run's start, end and load average), and the page names the invocation from those records. A",
+        "`--results-dir` that already holds another invocation's runs is refused unless `--append` (the report",
+        "and the page then use the new invocation's runs only); `--from-results` renders one invocation",
+        "(`--invocation ID` when DIR holds several).",
         "",
         "Both brokers run on the same host on free loopback ports, each from an empty temp dir: ShardMQ as",
         "`python -m broker.cli --data-dir TMP --port FREE` (the checkout's code), RabbitMQ as Debian's `rabbitmq-server` with its own",
@@ -426,7 +465,9 @@ def render_doc(machine: dict[str, str], command: str, table: str | None, when: s
     return "\n".join(lines)
 
 
-RUN_INFO = "bench-run.json"  # in the results dir: the commit and command of the run
+RUN_INFO = "bench-run.json"  # benches before RUN_RECORD kept one per results dir (still read for their runs)
+RUN_RECORD = "bench.json"  # in each run's directory: the bench invocation that made it, its times and load
+UNRECORDED = "unrecorded"  # the --invocation name of runs without a RUN_RECORD (older benches)
 KEEP_MARKER = "<!-- kept by shardmq-perf bench: everything below is carried over when the page is rewritten -->"
 
 
@@ -442,6 +483,99 @@ def _report_table(report_md: Path) -> str:
     return "\n".join(line for line in text.splitlines() if not line.startswith("Plots:")).strip() + "\n"
 
 
+# --------------------------------------------------------------------------- invocations
+
+
+@dataclass
+class Invocation:
+    """The runs one bench invocation left in a results dir, and what the page says about them."""
+
+    id: str
+    runs: list[Path]
+    info: dict  # commit, command, when, load1 ([min, max] at the runs' starts), rabbitmq (its version)
+    started: datetime | None = None
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def new_invocation(argv: list[str]) -> dict:
+    """What every run of this bench invocation records (RUN_RECORD) besides its own times and load."""
+    return {"invocation": datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ-") + secrets.token_hex(3),
+            "command": _reproduce_command(argv), "commit": _git_commit() or "unknown"}
+
+
+def invocations(results_dir: Path) -> list[Invocation]:
+    """The runs of ``results_dir`` grouped by the bench invocation that made them, oldest first; runs
+    of older benches (no RUN_RECORD) form one group named UNRECORDED, described by the dir's RUN_INFO."""
+    groups: dict[str, list[tuple[Path, dict | None]]] = {}
+    for run_dir in list_runs(results_dir):
+        record = _read_json(run_dir / RUN_RECORD)
+        key = str(record["invocation"]) if record and record.get("invocation") else UNRECORDED
+        groups.setdefault(key, []).append((run_dir, record))
+    out = [_invocation(results_dir, key, runs) for key, runs in groups.items()]
+    return sorted(out, key=lambda inv: inv.started or datetime.min.replace(tzinfo=UTC))
+
+
+def _invocation(results_dir: Path, key: str, runs: list[tuple[Path, dict | None]]) -> Invocation:
+    paths = [run_dir for run_dir, _ in runs]
+    records = [record for _, record in runs if record and key != UNRECORDED]
+    if not records:
+        legacy = _read_json(results_dir / RUN_INFO) or {}
+        started = min(filter(None, (_run_started(p) for p in paths)), default=None)
+        info = {"commit": legacy.get("commit", "not recorded"),
+                "command": legacy.get("command", f"(runs in {results_dir}; command not recorded)"),
+                "load1": legacy.get("load1"), "rabbitmq": legacy.get("rabbitmq"), "when": _when_text(started, None)}
+        return Invocation(key, paths, info, started)
+    started = min(datetime.fromisoformat(r["started_at"]) for r in records)
+    ended = max(datetime.fromisoformat(r["ended_at"]) for r in records)
+    loads = [r["load1_start"] for r in records if r.get("load1_start") is not None]
+    info = {"commit": records[0].get("commit", "unknown"), "command": records[0].get("command", "?"),
+            "load1": [min(loads), max(loads)] if loads else None,
+            "rabbitmq": next((r.get("broker_version") for r in records if r.get("broker") == "rabbitmq"), None),
+            "when": _when_text(started, ended)}
+    return Invocation(key, paths, info, started)
+
+
+def _run_started(run_dir: Path) -> datetime | None:
+    try:
+        return datetime.fromisoformat((_read_json(run_dir / "run.json") or {})["started_at"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _when_text(started: datetime | None, ended: datetime | None) -> str:
+    if started is None:
+        return "not recorded"
+    a = started.astimezone(UTC)
+    if ended is None:
+        return f"{a:%Y-%m-%d %H:%M} UTC"
+    b = ended.astimezone(UTC)
+    return f"{a:%Y-%m-%d %H:%M}–{b:%H:%M} UTC" if a.date() == b.date() else f"{a:%Y-%m-%d %H:%M} – {b:%Y-%m-%d %H:%M} UTC"
+
+
+def describe(groups: list[Invocation]) -> str:
+    """One line per invocation, for the CLI's errors."""
+    return "\n".join(f"  {g.id}: {len(g.runs)} run{'' if len(g.runs) == 1 else 's'}, commit {g.info['commit']}, {g.info['when']}: {g.info['command']}"
+                     for g in groups)
+
+
+def _report_source(results_dir: Path, runs: list[Path]) -> Path:
+    """``results_dir`` when ``runs`` are all of its runs, else a temp dir of links to just those (the
+    report reads every run below the directory it is given)."""
+    if set(runs) == set(list_runs(results_dir)):
+        return results_dir
+    view = Path(tempfile.mkdtemp(prefix="bench-runs-"))
+    for run_dir in runs:
+        (view / run_dir.name).symlink_to(run_dir, target_is_directory=True)
+    return view
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -449,8 +583,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardmq-perf bench",
                                 description="Run the benchmark scenarios against ShardMQ and RabbitMQ, one broker at a time, "
                                             "alternating.")
-    p.add_argument("--scenarios", default=",".join(s.name for s in SCENARIOS),
-                   help="comma-separated scenario names (default: all): " + ", ".join(BY_NAME))
+    p.add_argument("--scenarios", default=",".join(s.name for s in SCENARIOS if s.by_default),
+                   help="comma-separated scenario names (default: all but "
+                        + ", ".join(s.name for s in SCENARIOS if not s.by_default) + "): " + ", ".join(BY_NAME))
     p.add_argument("--repeats", type=int, default=3, help="runs per scenario and broker (default 3)")
     p.add_argument("--results-dir", default=None,
                    help="where runs are written (default: bench-results/<UTC timestamp>)")
@@ -466,6 +601,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "scenarios this run did not measure)")
     p.add_argument("--from-results", metavar="DIR", default=None,
                    help="run nothing: report the runs already in DIR and rewrite the page from them")
+    p.add_argument("--invocation", metavar="ID", default=None,
+                   help="with --from-results: only the runs of this bench invocation (DIR holding runs of several "
+                        f"is refused without it; '{UNRECORDED}' names runs of benches that recorded none)")
+    p.add_argument("--append", action="store_true",
+                   help="run even though --results-dir already holds runs of earlier bench invocations (refused "
+                        "without it); the report and the page use this invocation's runs only")
     return p
 
 
@@ -490,36 +631,62 @@ def main(argv: list[str] | None = None) -> int:
     if not wanted or set(wanted) - {"shardmq", "rabbitmq"} or args.repeats < 1:
         print("shardmq-perf bench: --brokers takes shardmq and/or rabbitmq; --repeats >= 1", file=sys.stderr)
         return 2
+    if args.invocation is not None and args.from_results is None:
+        print("shardmq-perf bench: --invocation goes with --from-results", file=sys.stderr)
+        return 2
     if args.from_results is not None:
         if not Path(args.from_results).is_dir():
             print(f"shardmq-perf bench: --from-results: no such directory: {args.from_results}", file=sys.stderr)
             return 2
         results_dir = Path(args.from_results).resolve()
-        try:
-            run_info = json.loads((results_dir / RUN_INFO).read_text())
-        except (OSError, ValueError):  # runs of an older bench
-            run_info = {"commit": "not recorded", "command": f"(runs in {results_dir}; command not recorded)"}
+        groups = invocations(results_dir)
+        if args.invocation is not None:
+            groups = [g for g in groups if g.id == args.invocation]
+            if not groups:
+                print(f"shardmq-perf bench: --invocation {args.invocation}: no such bench invocation in {results_dir}:\n"
+                      + describe(invocations(results_dir)), file=sys.stderr)
+                return 2
+        elif len(groups) > 1:
+            print(f"shardmq-perf bench: --from-results {results_dir} holds the runs of {len(groups)} bench "
+                  "invocations; pass --invocation ID to render one of them:\n" + describe(groups), file=sys.stderr)
+            return 2
+        if not groups:
+            print(f"shardmq-perf bench: --from-results: no runs in {results_dir}", file=sys.stderr)
+            return 2
+        runs, run_info = groups[0].runs, groups[0].info
         outcomes: list[RunOutcome] = []
         rabbit_version = run_info.get("rabbitmq")
     else:
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
         results_dir = Path(args.results_dir or Path("bench-results") / stamp).resolve()
+        earlier = invocations(results_dir) if results_dir.is_dir() else []
+        if earlier and not args.append:
+            print(f"shardmq-perf bench: --results-dir {results_dir} already holds runs of another bench "
+                  "invocation; the report and the page would mix them with this one's. Pass --append to add this "
+                  "invocation's runs beside them (the report and the page then use this invocation's runs only), "
+                  "or choose an empty --results-dir:\n" + describe(earlier), file=sys.stderr)
+            return 2
         results_dir.mkdir(parents=True, exist_ok=True)
-        # what --from-results needs to name this run later (the checkout may have moved on by then)
-        run_info = {"commit": _git_commit() or "unknown", "command": _reproduce_command(argv)}
-        (results_dir / RUN_INFO).write_text(json.dumps(run_info) + "\n")
-        outcomes, rabbit_version = _run_all(args, names, wanted, results_dir)
-        run_info.update(load1=_load_range(outcomes), rabbitmq=rabbit_version)
-        (results_dir / RUN_INFO).write_text(json.dumps(run_info) + "\n")
+        invocation = new_invocation(argv)
+        print(f"bench invocation {invocation['invocation']}", file=sys.stderr)
+        outcomes, rabbit_version = _run_all(args, names, wanted, results_dir, invocation)
+        mine = [g for g in invocations(results_dir) if g.id == invocation["invocation"]]
+        runs = mine[0].runs if mine else []
+        run_info = mine[0].info if mine else {"commit": invocation["commit"], "command": invocation["command"],
+                                              "load1": _load_range(outcomes)}
+        rabbit_version = run_info.get("rabbitmq") or rabbit_version
 
     shutil.rmtree(results_dir / "_prefill", ignore_errors=True)
     failures = [o for o in outcomes if not o.ok]
     table: str | None = None
     summary: dict | None = None
-    if args.from_results is not None or any(o.ok for o in outcomes):
-        rc = subprocess.run([sys.executable, "-m", "loadtest.report", str(results_dir), "--master", args.master,
-                             "--out", str(results_dir / "report")], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            check=False).returncode
+    if runs and (args.from_results is not None or any(o.ok for o in outcomes)):
+        source = _report_source(results_dir, runs)
+        try:
+            rc = report(source, results_dir / "report", args.master)
+        finally:
+            if source != results_dir:
+                shutil.rmtree(source, ignore_errors=True)  # the links only
         if rc == 0:
             table = _report_table(results_dir / "report" / "report.md")
             summary = json.loads((results_dir / "report" / "summary.json").read_text())
@@ -536,12 +703,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if outcomes and not failures else 1
 
 
+def report(source: Path, out: Path, master: str) -> int:
+    """The Spark report (loadtest/report.py) of the runs under ``source`` into ``out``; its exit status."""
+    return subprocess.run([sys.executable, "-m", "loadtest.report", str(source), "--master", master,
+                           "--out", str(out)], cwd=ROOT, stdout=subprocess.DEVNULL, check=False).returncode
+
+
 def _new_broker(name: str, args: argparse.Namespace):  # noqa: ANN202
     return ShardMQNode(shlex.split(args.shardmq_args)) if name == "shardmq" else RabbitMQBroker()
 
 
 def _run_all(args: argparse.Namespace, names: list[str], wanted: list[str],
-             results_dir: Path) -> tuple[list[RunOutcome], str | None]:
+             results_dir: Path, invocation: dict | None = None) -> tuple[list[RunOutcome], str | None]:
     """Run every scenario --repeats times alternating brokers, each run against a broker started for it
     and stopped right after it, so only the measured broker runs (module docstring says why)."""
     log = results_dir / "bench.log"
@@ -574,7 +747,7 @@ def _run_all(args: argparse.Namespace, names: list[str], wanted: list[str],
                     if broker_name == "rabbitmq":
                         rabbit_version = broker.version
                     try:
-                        outcome = run_one(s, broker, repeat, results_dir, args.duration, log)
+                        outcome = run_one(s, broker, repeat, results_dir, args.duration, log, invocation)
                     finally:
                         stopping, broker = broker, None
                         stopping.stop()
@@ -618,10 +791,10 @@ def write_doc(doc: Path, argv: list[str], summary: dict | None, outcomes: list[R
     assets = bench_doc.assets_dir(doc)
     store_path = assets / bench_doc.STORE_NAME
     store = bench_doc.empty_store() if no_merge else bench_doc.load_store(store_path)
-    when = _measured_when(results_dir)
+    when = run_info.get("when") or _measured_when(results_dir)
     if summary is not None:
         run = {"when": when, "commit": run_info.get("commit") or "unknown", "command": run_info.get("command", "?"),
-               "results_dir": str(results_dir), "load1": _load_range(outcomes) or run_info.get("load1")}
+               "results_dir": str(results_dir), "load1": run_info.get("load1") or _load_range(outcomes)}
         run_id = base = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
         n = 1
         while run_id in store["runs"]:  # two runs in one second (tests): both keep their rows
@@ -633,7 +806,7 @@ def write_doc(doc: Path, argv: list[str], summary: dict | None, outcomes: list[R
     rates = {s.name: r for s in SCENARIOS if (r := bench_doc.fixed_rate(s.argv)) is not None}
     images = bench_doc.write_plots(merged, rates, assets) if store["scenarios"] else []
     results = bench_doc.results_section(store, merged, images, doc.parent, [s.name for s in SCENARIOS], store_path)
-    machine = machine_info(rabbit_version)
+    machine = machine_info(run_info.get("rabbitmq") or rabbit_version)
     machine["ShardMQ commit"] = run_info.get("commit") or machine["ShardMQ commit"]  # the run's, not the checkout's
     page = render_doc(machine, run_info.get("command", "?"), None, when, failures,
                       str(results_dir), results=results)

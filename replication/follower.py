@@ -2,7 +2,8 @@
 
 One session = one connection per stream: the node stream first (its full sync decides which
 queue directories exist at all), then one per leader shard (``Welcome.streams``). If any stream
-ends (leader gone, CRC32 mismatch, ack timeout on the leader), the whole session is dropped and
+ends (leader gone, CRC32 mismatch, ack timeout on the leader, nothing from the leader for the
+heartbeat timeout: a hung, stopped or unreachable leader), the whole session is dropped and
 started again after a short pause: the next full sync sends only the files whose size or CRC32
 differ and deletes what the leader no longer has, so a corrupted file is replaced rather than
 patched and acked messages never come back.
@@ -17,7 +18,13 @@ from typing import Any
 
 from replication import protocol as p
 from replication.files import CrcCache
-from replication.receiver import FILE_LIST_TIMEOUT_S, AuthFailed, FileListTimeout, StreamReceiver
+from replication.receiver import (
+    FILE_LIST_TIMEOUT_S,
+    AuthFailed,
+    FileListTimeout,
+    HeartbeatTimeout,
+    StreamReceiver,
+)
 
 log = logging.getLogger("shardmq.replication")
 
@@ -35,6 +42,8 @@ class ReplicationFollower:
         self.leader_host = leader_host
         self.leader_port = leader_port
         self.file_list_timeout = float(getattr(config, "replication_file_list_timeout", FILE_LIST_TIMEOUT_S))
+        self.heartbeat = float(getattr(config, "replication_heartbeat", 0) or 0)
+        self.heartbeat_timeout = float(getattr(config, "replication_heartbeat_timeout", 0) or 0)
         self._task: asyncio.Task | None = None
         self._receivers: list[StreamReceiver] = []
         # One per stream (their full syncs hash in parallel threads); they survive sessions, so
@@ -42,6 +51,7 @@ class ReplicationFollower:
         self._crcs: dict[str, CrcCache] = {}
         self.sessions = 0
         self.file_list_timeouts = 0
+        self.heartbeat_timeouts = 0
         self.last_error = ""
 
     async def start(self) -> None:
@@ -69,9 +79,11 @@ class ReplicationFollower:
             "in_sync": in_sync,
             "lag_bytes": sum(r.position - r.acked for r in recs),  # received but not yet durable
             "leader": f"{self.leader_host}:{self.leader_port}",
-            "streams": {r.stream: {"synced": r.synced, "position": r.position, "acked": r.acked} for r in recs},
+            "streams": {r.stream: {"synced": r.synced, "position": r.position, "acked": r.acked,
+                                   "heartbeats": r.heartbeats} for r in recs},
             "sessions": self.sessions,
             "file_list_timeouts": self.file_list_timeouts,
+            "heartbeat_timeouts": self.heartbeat_timeouts,
             "last_error": self.last_error,
         }
 
@@ -94,6 +106,10 @@ class ReplicationFollower:
                 self.last_error = str(exc)
                 self.file_list_timeouts += 1
                 log.warning("replication: %s; dropping the session and reconnecting", exc)
+            except HeartbeatTimeout as exc:
+                self.last_error = str(exc)
+                self.heartbeat_timeouts += 1
+                log.warning("replication: %s; dropping the session and reconnecting", exc)
             except (OSError, p.ProtocolError) as exc:
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 log.warning("replication: session with %s:%d ended: %s; resyncing", self.leader_host,
@@ -105,10 +121,13 @@ class ReplicationFollower:
             self._receivers = []
             await asyncio.sleep(delay)
 
+    def _receiver(self, stream: str) -> StreamReceiver:
+        return StreamReceiver(self.data_dir, self.secret, self.node_name, stream, self._crc_cache(stream),
+                              self.file_list_timeout, self.heartbeat, self.heartbeat_timeout)
+
     async def _session(self) -> None:
         self.sessions += 1
-        node = StreamReceiver(self.data_dir, self.secret, self.node_name, "node", self._crc_cache("node"),
-                              self.file_list_timeout)
+        node = self._receiver("node")
         self._receivers = [node]
         tasks: list[asyncio.Task] = []
         loop = asyncio.get_running_loop()
@@ -123,8 +142,7 @@ class ReplicationFollower:
             for stream in node.streams:
                 if stream == "node":
                     continue
-                rec = StreamReceiver(self.data_dir, self.secret, self.node_name, stream, self._crc_cache(stream),
-                                     self.file_list_timeout)
+                rec = self._receiver(stream)
                 self._receivers.append(rec)
                 tasks.append(loop.create_task(rec.run(self.leader_host, self.leader_port)))
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)

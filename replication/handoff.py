@@ -19,23 +19,25 @@ from broker import contract
 log = logging.getLogger("shardmq.replication")
 
 
-def send_socket(run_dir: str, index: int, sock: socket.socket, follower: str) -> None:
+def send_socket(run_dir: str, index: int, sock: socket.socket, follower: str, heartbeat: float = 0.0) -> None:
     """Hand ``sock`` to shard ``index``. OSError (ECONNREFUSED, ENOENT) while that shard has not
-    bound its handoff socket: a (re)starting shard binds it once it has loaded its queues."""
+    bound its handoff socket: a (re)starting shard binds it once it has loaded its queues.
+    ``heartbeat``: the interval the follower announced in its HELLO (0: it has no heartbeats)."""
     out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
     try:
         out.setblocking(True)
         out.connect(contract.repl_handoff_path(run_dir, index))
-        socket.send_fds(out, [contract.pack_handoff(follower)], [sock.fileno()])
+        socket.send_fds(out, [contract.pack_handoff(follower, heartbeat)], [sock.fileno()])
     finally:
         out.close()
 
 
 class HandoffReceiver:
-    """Bound by a shard: calls ``on_socket(sock, follower)`` for every connection the node hands over."""
+    """Bound by a shard: calls ``on_socket(sock, follower, heartbeat)`` for every connection the node
+    hands over."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, run_dir: str, index: int,
-                 on_socket: Callable[[socket.socket, str], None]) -> None:
+                 on_socket: Callable[[socket.socket, str, float], None]) -> None:
         self.loop = loop
         self.path = contract.repl_handoff_path(run_dir, index)
         self.on_socket = on_socket
@@ -59,13 +61,13 @@ class HandoffReceiver:
                 return
             socks = [socket.socket(fileno=fd) for fd in fds]
             try:
-                follower = contract.unpack_handoff(msg)
+                follower, heartbeat = contract.unpack_handoff(msg)
             except ValueError:
                 for s in socks:
                     s.close()
                 continue
             for s in socks:
-                self.on_socket(s, follower)
+                self.on_socket(s, follower, heartbeat)
 
     def close(self) -> None:
         self.loop.remove_reader(self.sock.fileno())

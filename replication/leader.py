@@ -67,8 +67,12 @@ class ReplicationLeader:
         self.min_isr = int(config.min_isr)
         self.isr: set[str] = set()
         self.loop = asyncio.get_running_loop()
+        # Seconds between heartbeats on an idle stream (0: off), announced in CHALLENGE.
+        self.heartbeat = float(getattr(config, "replication_heartbeat", 0) or 0)
         self.node_sender = StreamSender(self.loop, self.data_dir, "node", lambda: None,
                                         ack_timeout=float(config.replication_ack_timeout),
+                                        heartbeat=self.heartbeat,
+                                        heartbeat_timeout=float(getattr(config, "replication_heartbeat_timeout", 0)),
                                         on_change=self._recompute)
         self._shard_status: dict[int, dict[str, list]] = {}
         self._in_sync: set[str] = set()
@@ -230,7 +234,7 @@ class ReplicationLeader:
                 return
             nonce_l = p.new_nonce()
             await self.loop.sock_sendall(conn, p.encode_challenge(
-                nonce_l, p.leader_proof(self.secret, hello.stream, hello.nonce, nonce_l)))
+                nonce_l, p.leader_proof(self.secret, hello.stream, hello.nonce, nonce_l), self.heartbeat))
             try:
                 async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
                     auth = await self._recv_event(conn, dec, pending)
@@ -247,17 +251,17 @@ class ReplicationLeader:
                 raise p.ProtocolError("data after AUTH before WELCOME")
             await self.loop.sock_sendall(conn, p.encode_welcome(self.streams, self.name))
             if hello.stream == "node":
-                self.node_sender.attach_socket(conn, hello.name)
+                self.node_sender.attach_socket(conn, hello.name, hello.heartbeat)
                 handed = True
             else:
-                await self._hand_to_shard(int(hello.stream.partition("-")[2]), conn, hello.name)
+                await self._hand_to_shard(int(hello.stream.partition("-")[2]), conn, hello.name, hello.heartbeat)
         except (OSError, p.ProtocolError, TimeoutError) as exc:
             log.warning("replication: connection from %s dropped during handshake: %s", addr, exc)
         finally:
             if not handed:
                 conn.close()
 
-    async def _hand_to_shard(self, index: int, conn: socket.socket, follower: str) -> None:
+    async def _hand_to_shard(self, index: int, conn: socket.socket, follower: str, heartbeat: float) -> None:
         """Pass ``conn`` to shard ``index``, waiting (up to HANDOFF_WAIT_S) for a shard that is not up.
 
         A follower reconnects as soon as a killed shard's stream ends, before the restarted shard
@@ -271,7 +275,7 @@ class ReplicationLeader:
         while True:
             started.clear()  # before the attempt: a start reported after it wakes the wait below
             try:
-                handoff.send_socket(self.run_dir, index, conn, follower)
+                handoff.send_socket(self.run_dir, index, conn, follower, heartbeat)
                 return
             except OSError as exc:
                 remaining = deadline - self.loop.time()

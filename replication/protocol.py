@@ -10,8 +10,8 @@ are packed by hand.
 
 Handshake (HMAC-SHA256 over nonces with the shared secret, never the secret itself, both ways)::
 
-    follower -> HELLO     {v, name, stream, nonce_f}
-    leader   -> CHALLENGE {v, nonce_l, proof_l = HMAC(secret, "leader"   | stream | nonce_f | nonce_l)}
+    follower -> HELLO     {v, name, stream, nonce_f[, hb]}
+    leader   -> CHALLENGE {v, nonce_l, proof_l = HMAC(secret, "leader"   | stream | nonce_f | nonce_l)[, hb]}
     follower -> AUTH      {proof_f = HMAC(secret, "follower" | stream | name | nonce_l | nonce_f)}
     leader   -> WELCOME   {streams: [...], leader: name}          (or REFUSED {reason}, then close)
 
@@ -34,6 +34,13 @@ then actions, each with the CRC32 of its bytes, which the receiver checks before
 
 and acks from the follower: ``ACK position, flags`` (flag 1: the full sync is applied) where position counts the bytes of every action
 frame (header included) received since SYNC_DONE, acked once the follower has made them durable.
+
+Heartbeats: ``hb`` in HELLO and CHALLENGE is the interval (seconds) at which that side sends
+HEARTBEAT (an empty frame) when it has sent nothing else for that long, from the file list on. A
+side sends HEARTBEAT only to a peer that announced ``hb`` > 0 too (an older peer does not know the
+kind, and ignores the unknown ``hb`` key): version 1 without ``hb`` is version 1 as it was, so a
+mixed-version cluster replicates as before, without heartbeats on the links of the older nodes.
+Each side drops a heartbeating peer from which nothing arrived for its heartbeat timeout.
 """
 
 from __future__ import annotations
@@ -79,6 +86,7 @@ APPEND = 20
 REPLACE = 21
 DELETE = 22
 ACK = 30
+HEARTBEAT = 31  # either way, empty: "still here" on an idle stream (only to a peer that announced hb)
 
 ACTION_KINDS = frozenset((APPEND, REPLACE, DELETE))
 
@@ -102,6 +110,7 @@ class Hello:
     name: str
     stream: str
     nonce: bytes
+    heartbeat: float = 0.0  # seconds between the follower's heartbeats (0: it sends none, knows none)
 
 
 @dataclass(slots=True)
@@ -109,6 +118,7 @@ class Challenge:
     version: int
     nonce: bytes
     proof: bytes
+    heartbeat: float = 0.0  # seconds between the leader's heartbeats (0: an older leader, or off)
 
 
 @dataclass(slots=True)
@@ -178,8 +188,13 @@ class Ack:
     synced: bool = False
 
 
+@dataclass(slots=True)
+class Heartbeat:
+    pass
+
+
 Event = (Hello | Challenge | Auth | Welcome | Refused | FileList | FileRequest | FileData | SyncDone
-         | Append | Replace | Delete | Ack)
+         | Append | Replace | Delete | Ack | Heartbeat)
 
 
 # ---------------------------------------------------------------- HMAC
@@ -218,12 +233,20 @@ def _path(path: str) -> bytes:
     return _U16.pack(len(raw)) + raw
 
 
-def encode_hello(name: str, stream: str, nonce: bytes) -> bytes:
-    return _control(HELLO, {"v": VERSION, "name": name, "stream": stream, "nonce": nonce})
+def _with_heartbeat(value: dict, heartbeat: float) -> dict:
+    # Only when on: without it the frame is byte for byte what a node without heartbeats sends.
+    if heartbeat > 0:
+        value["hb"] = float(heartbeat)
+    return value
 
 
-def encode_challenge(nonce: bytes, proof: bytes) -> bytes:
-    return _control(CHALLENGE, {"v": VERSION, "nonce": nonce, "proof": proof})
+def encode_hello(name: str, stream: str, nonce: bytes, heartbeat: float = 0.0) -> bytes:
+    return _control(HELLO, _with_heartbeat({"v": VERSION, "name": name, "stream": stream, "nonce": nonce},
+                                           heartbeat))
+
+
+def encode_challenge(nonce: bytes, proof: bytes, heartbeat: float = 0.0) -> bytes:
+    return _control(CHALLENGE, _with_heartbeat({"v": VERSION, "nonce": nonce, "proof": proof}, heartbeat))
 
 
 def encode_auth(proof: bytes) -> bytes:
@@ -283,6 +306,14 @@ def encode_delete(path: str) -> bytes:
 
 def encode_ack(position: int, synced: bool = False) -> bytes:
     return _frame(ACK, _ACK.pack(position, ACK_SYNCED if synced else 0))
+
+
+HEARTBEAT_FRAME = _frame(HEARTBEAT, b"")
+_HEARTBEAT_EVENT = Heartbeat()
+
+
+def encode_heartbeat() -> bytes:
+    return HEARTBEAT_FRAME
 
 
 # ---------------------------------------------------------------- decoding
@@ -431,6 +462,13 @@ def _control_map(payload: bytes) -> dict:
     return value
 
 
+def _heartbeat(m: dict) -> float:
+    value = float(m.get("hb", 0.0))
+    if not 0 <= value <= 86400:  # NaN fails too
+        raise ProtocolError(f"bad heartbeat interval {value!r}")
+    return value
+
+
 def _split_path(payload: bytes, need: int) -> tuple[str, int]:
     if len(payload) < 2:
         raise ProtocolError("truncated path")
@@ -479,6 +517,10 @@ def _decode(kind: int, payload: bytes, size: int) -> Event:
                 raise ProtocolError("bad ACK")
             position, flags = _ACK.unpack(payload)
             return Ack(position, bool(flags & ACK_SYNCED))
+        if kind == HEARTBEAT:
+            if payload:
+                raise ProtocolError("bad HEARTBEAT")
+            return _HEARTBEAT_EVENT
         if kind == FILE_DATA:
             path, at = _split_path(payload, _DATA.size)
             offset, total, crc = _DATA.unpack_from(payload, at)
@@ -490,9 +532,9 @@ def _decode(kind: int, payload: bytes, size: int) -> Event:
             return FileData(path, offset, total, data)
         m = _control_map(payload)
         if kind == HELLO:
-            return Hello(int(m["v"]), str(m["name"]), str(m["stream"]), bytes(m["nonce"]))
+            return Hello(int(m["v"]), str(m["name"]), str(m["stream"]), bytes(m["nonce"]), _heartbeat(m))
         if kind == CHALLENGE:
-            return Challenge(int(m["v"]), bytes(m["nonce"]), bytes(m["proof"]))
+            return Challenge(int(m["v"]), bytes(m["nonce"]), bytes(m["proof"]), _heartbeat(m))
         if kind == AUTH:
             return Auth(bytes(m["proof"]))
         if kind == WELCOME:
@@ -524,9 +566,9 @@ def _decode(kind: int, payload: bytes, size: int) -> Event:
 def encode(event: Event) -> bytes:
     """Bytes of any event (tests and tools; the sender calls the encode_* functions directly)."""
     if isinstance(event, Hello):
-        return encode_hello(event.name, event.stream, event.nonce)
+        return encode_hello(event.name, event.stream, event.nonce, event.heartbeat)
     if isinstance(event, Challenge):
-        return encode_challenge(event.nonce, event.proof)
+        return encode_challenge(event.nonce, event.proof, event.heartbeat)
     if isinstance(event, Auth):
         return encode_auth(event.proof)
     if isinstance(event, Welcome):
@@ -549,5 +591,7 @@ def encode(event: Event) -> bytes:
         return encode_delete(event.path)
     if isinstance(event, Ack):
         return encode_ack(event.position, event.synced)
+    if isinstance(event, Heartbeat):
+        return encode_heartbeat()
     raise TypeError(f"not a replication event: {event!r}")
 

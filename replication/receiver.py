@@ -46,6 +46,11 @@ class FileListTimeout(TimeoutError):
     shard): the follower drops the session and reconnects."""
 
 
+class HeartbeatTimeout(TimeoutError):
+    """Nothing arrived from the leader on a stream for the heartbeat timeout (a hung, stopped or
+    unreachable leader): the follower drops the session and reconnects."""
+
+
 class _Conn(asyncio.BufferedProtocol):
     """The socket end of a :class:`StreamReceiver`: reads into its FrameBuffer, hands it frames."""
 
@@ -54,6 +59,7 @@ class _Conn(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
         self._on_frames = on_frames
         self._on_lost = on_lost
+        self.heard = False  # bytes arrived since the receiver's last heartbeat tick
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -62,6 +68,7 @@ class _Conn(asyncio.BufferedProtocol):
         return self.frames.writable()
 
     def buffer_updated(self, nbytes: int) -> None:
+        self.heard = True
         self.frames.received(nbytes)
         self._on_frames()
 
@@ -74,9 +81,17 @@ class _Conn(asyncio.BufferedProtocol):
 
 class StreamReceiver:
     def __init__(self, root: str, secret: bytes, name: str, stream: str, crcs: CrcCache,
-                 file_list_timeout: float = FILE_LIST_TIMEOUT_S) -> None:
+                 file_list_timeout: float = FILE_LIST_TIMEOUT_S, heartbeat: float = 0.0,
+                 heartbeat_timeout: float = 0.0) -> None:
         self.root = os.path.abspath(root)
         self.file_list_timeout = file_list_timeout
+        self.heartbeat = heartbeat  # ours, announced in HELLO (0: off)
+        self.heartbeat_timeout = heartbeat_timeout
+        self.leader_heartbeat = 0.0  # the leader's, from its CHALLENGE (0: an older leader, or off)
+        self._tick: asyncio.TimerHandle | None = None
+        self._sent = False  # something went to the leader since the last tick
+        self._last_sent = self._last_heard = self._last_tick = 0.0
+        self.heartbeats = 0  # HEARTBEAT frames received (status: an idle stream is kept alive by them)
         self.secret = secret
         self.name = name
         self.stream = stream
@@ -107,6 +122,9 @@ class StreamReceiver:
 
     # ------------------------------------------------------------ connection
     def _end(self, exc: BaseException) -> None:
+        if self._tick is not None:
+            self._tick.cancel()
+            self._tick = None
         if self._ended is not None and not self._ended.done():
             self._ended.set_exception(exc)
             self._ended.exception()  # retrieved: run() may have left already
@@ -177,7 +195,7 @@ class StreamReceiver:
     async def handshake(self) -> None:
         writer = self._writer_w
         nonce_f = p.new_nonce()
-        writer.write(p.encode_hello(self.name, self.stream, nonce_f))
+        writer.write(p.encode_hello(self.name, self.stream, nonce_f, self.heartbeat))
         # asyncio.timeout, not wait_for: in 3.11 wait_for returns the result when the answer and a
         # cancellation arrive together, and a session that cancels this stream (another stream
         # failed) then waited for a stream that went on streaming.
@@ -189,6 +207,7 @@ class StreamReceiver:
             raise AuthFailed(f"unexpected handshake answer {type(ev).__name__}")
         if not p.check_proof(p.leader_proof(self.secret, self.stream, nonce_f, ev.nonce), ev.proof):
             raise AuthFailed("the leader does not know the cluster secret")
+        self.leader_heartbeat = ev.heartbeat
         writer.write(p.encode_auth(p.follower_proof(self.secret, self.stream, self.name, ev.nonce, nonce_f)))
         async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
             ev = await self._next()
@@ -210,6 +229,9 @@ class StreamReceiver:
             await self.handshake()
             await self._serve()
         finally:
+            if self._tick is not None:
+                self._tick.cancel()
+                self._tick = None
             transport.close()
             self.writer.close()
 
@@ -225,12 +247,20 @@ class StreamReceiver:
                                   "(--replication-file-list-timeout)") from None
         if not isinstance(ev, p.FileList):
             raise p.ProtocolError(f"expected FILE_LIST, got {type(ev).__name__}")
+        # The leader has attached us: from here on both sides heartbeat (we send nothing before the
+        # list: the leader's shard peeks at a handed-over connection to see whether we gave up on it).
+        if self.heartbeat > 0 and self.leader_heartbeat > 0:
+            self._last_sent = self._last_heard = self._last_tick = loop.time()
+            self._tick = loop.call_later(self.heartbeat / 2, self._on_tick)
         wanted = await loop.run_in_executor(None, self._compare, ev)
         self._writer_w.write(p.encode_file_request(wanted))
+        self._sent = True
         log.info("replication %s: full sync from %s: %d of %d files differ", self.stream, self.leader,
                  len(wanted), len(ev.files))
-        # From here on frames are applied as they arrive: first what was queued meanwhile.
+        # From here on frames are applied as they arrive: first what was queued meanwhile. The leader's
+        # silence counts from now (while the list was compared, reading may have been paused).
         self._applying = True
+        self._last_heard = loop.time()
         try:
             while self._events:
                 self._apply(self._events.popleft())
@@ -240,6 +270,40 @@ class StreamReceiver:
         self._conn.transport.resume_reading()
         self._on_frames()
         await self._ended  # raises why the connection ended
+
+    def _on_tick(self) -> None:
+        """Every half heartbeat: a heartbeat if nothing went to the leader since the last tick, and the
+        end of the stream if nothing came from it for the heartbeat timeout."""
+        loop = self._loop
+        now = loop.time()
+        # A stall of this process (its loop held, or the process stopped) is not the leader's
+        # silence: what the leader sent meanwhile waits in the socket, to be read after this tick.
+        period = self.heartbeat / 2
+        gap = now - self._last_tick
+        stalled = gap - period if gap > 2 * period else 0.0
+        self._last_tick = now
+        conn = self._conn
+        if conn.heard or not self._applying:
+            conn.heard = False
+            self._last_heard = now
+        else:
+            self._last_heard = min(now, self._last_heard + stalled)
+        timeout = max(self.heartbeat_timeout, 3 * self.leader_heartbeat)
+        if now - self._last_heard > timeout:
+            self._tick = None
+            self._end(HeartbeatTimeout(
+                f"nothing from {self.leader} on stream {self.stream} for {now - self._last_heard:.1f} s "
+                f"(--replication-heartbeat-timeout {timeout:g}; it heartbeats every "
+                f"{self.leader_heartbeat:g} s when idle)"))
+            return
+        if self._sent:
+            self._sent = False
+            self._last_sent = now
+        elif now - self._last_sent >= self.heartbeat - period / 2:
+            if self._writer_w is not None and not self._writer_w.is_closing():
+                self._writer_w.write(p.HEARTBEAT_FRAME)
+            self._last_sent = now
+        self._tick = loop.call_later(period, self._on_tick)
 
     def _compare(self, listing: p.FileList) -> list[str]:
         """Delete what the leader does not have in this stream's scope; return the paths that differ."""
@@ -276,6 +340,8 @@ class StreamReceiver:
                 w.write_at(ev.path, ev.offset, ev.data, truncate=ev.offset == 0)
         elif isinstance(ev, p.SyncDone):
             self.sync_done = True
+        elif isinstance(ev, p.Heartbeat):
+            self.heartbeats += 1  # the leader is alive (the _Conn's flag said so already)
         else:
             raise p.ProtocolError(f"unexpected {type(ev).__name__} while streaming")
 
@@ -309,6 +375,7 @@ class StreamReceiver:
         self.acked = position
         if self._writer_w is not None and not self._writer_w.is_closing():
             self._writer_w.write(p.encode_ack(position, sync_done))
+            self._sent = True
         if sync_done and not self.synced:
             self.synced = True
             self.synced_event.set()

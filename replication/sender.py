@@ -23,6 +23,13 @@ follow converge on the leader's content.
 Positions: ``seq`` counts the bytes of every action frame encoded since the sender started; a
 follower attached at ``base`` that acked position p has everything up to ``base + p``. Confirm
 gating (``when_replicated``) waits until every follower of the ISR has acked past a target seq.
+
+Heartbeats (with a follower that announced them in its HELLO): the check that runs every
+``_CHECK_S`` while followers are attached sends HEARTBEAT to a follower nothing was written to for
+``heartbeat`` seconds, and drops a follower from which nothing (acks, its own heartbeats) arrived
+for ``heartbeat_timeout`` seconds, as one that stops acking is dropped: a dead host, a dropped
+network path (a half-open connection) or a hung follower leaves the ISR on an idle stream too.
+The hot path pays a flag store per write and per received batch of acks, no clock read.
 """
 
 from __future__ import annotations
@@ -68,9 +75,16 @@ def _closed_by_peer(sock: socket.socket) -> bool:
 class _Link(asyncio.Protocol):
     """One follower on this stream."""
 
-    def __init__(self, sender: StreamSender, name: str) -> None:
+    def __init__(self, sender: StreamSender, name: str, peer_heartbeat: float = 0.0) -> None:
         self.sender = sender
         self.name = name
+        # Heartbeats on this link: both sides announced them. The follower promised a frame at
+        # least every peer_heartbeat seconds; we wait for one at most silence_timeout.
+        self.heartbeats = sender.heartbeat > 0 and peer_heartbeat > 0
+        self.silence_timeout = max(sender.heartbeat_timeout, 3 * peer_heartbeat)
+        self.wrote = False  # something was written since the last check (set per write: no clock read)
+        self.heard = False  # something arrived since the last check
+        self.last_write = self.last_heard = time.monotonic()
         self.transport: asyncio.Transport | None = None
         self.decoder = p.Decoder()
         self.base = 0
@@ -88,6 +102,7 @@ class _Link(asyncio.Protocol):
         self.sender._attach(self)
 
     def data_received(self, data: bytes) -> None:
+        self.heard = True
         try:
             events = self.decoder.feed(data)
         except p.ProtocolError as exc:
@@ -99,6 +114,8 @@ class _Link(asyncio.Protocol):
                 self.sender._on_ack(self, ev)
             elif isinstance(ev, p.FileRequest):
                 self.sender._spawn(self.sender._send_files(self, ev.paths))
+            elif isinstance(ev, p.Heartbeat):
+                pass  # heard (above)
             else:
                 log.warning("replication %s: unexpected %s from %s: dropped", self.sender.stream,
                             type(ev).__name__, self.name)
@@ -122,10 +139,12 @@ class _Link(asyncio.Protocol):
     def write(self, data: bytes) -> None:
         if not self.closed and self.transport is not None:
             self.transport.write(data)
+            self.wrote = True
 
     def writelines(self, frames: list) -> None:
         if not self.closed and self.transport is not None:
             self.transport.writelines(frames)
+            self.wrote = True
 
     def close(self) -> None:
         # abort, not close: a stuck follower's backlog would otherwise keep the socket open to drain.
@@ -140,6 +159,7 @@ class StreamSender:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, data_dir: str, stream: str,
                  owned_dirs: Callable[[], list[str] | None], *, ack_timeout: float = 3.0,
+                 heartbeat: float = 0.0, heartbeat_timeout: float = 0.0,
                  on_change: Callable[[], None] | None = None,
                  logical_size: Callable[[str], int | None] = lambda _p: None) -> None:
         self.loop = loop
@@ -148,6 +168,8 @@ class StreamSender:
         self.stream = stream
         self.owned_dirs = owned_dirs
         self.ack_timeout = ack_timeout
+        self.heartbeat = heartbeat  # seconds; 0: no heartbeats on this stream's links
+        self.heartbeat_timeout = heartbeat_timeout
         self.on_change = on_change or (lambda: None)
         self.logical_size = logical_size
         self.links: dict[str, _Link] = {}
@@ -173,6 +195,7 @@ class StreamSender:
         self._thread = threading.get_ident()
         self._tasks: set[asyncio.Task] = set()
         self._timer: asyncio.TimerHandle | None = None
+        self._checked = 0.0  # when _check last ran
         self._nack_logged = 0.0
         self._rels: dict[str, str | None] = {}  # absolute path -> stream path (appends repeat paths)
 
@@ -323,12 +346,13 @@ class StreamSender:
             self._marks.popleft()
 
     # ------------------------------------------------------------ followers
-    def attach_socket(self, sock: socket.socket, name: str) -> None:
-        """Start replicating to an authenticated follower connection (its full sync begins)."""
+    def attach_socket(self, sock: socket.socket, name: str, peer_heartbeat: float = 0.0) -> None:
+        """Start replicating to an authenticated follower connection (its full sync begins).
+        ``peer_heartbeat``: the interval the follower announced in its HELLO (0: it has none)."""
         sock.setblocking(False)
-        self._spawn(self._attach_socket(sock, name))
+        self._spawn(self._attach_socket(sock, name, peer_heartbeat))
 
-    async def _attach_socket(self, sock: socket.socket, name: str) -> None:
+    async def _attach_socket(self, sock: socket.socket, name: str, peer_heartbeat: float) -> None:
         # First pass, off the loop: hash every file that is not a live write segment, so the list
         # made in one loop turn by _attach (the second pass, the brief write pause) only hashes
         # what changed since (write segments, new acks). Sealed segments then cost the loop nothing.
@@ -346,7 +370,7 @@ class StreamSender:
                          self.stream, name)
                 sock.close()
                 return
-            await self.loop.connect_accepted_socket(lambda: _Link(self, name), sock)
+            await self.loop.connect_accepted_socket(lambda: _Link(self, name, peer_heartbeat), sock)
         except Exception:
             log.exception("replication %s: cannot attach follower %s", self.stream, name)
             sock.close()
@@ -365,12 +389,13 @@ class StreamSender:
             listed_dirs = dirs
         files = self._crcs.listing(self.root, rels, self.logical_size)
         link.base = link.acked = self.seq
-        link.last_ack = time.monotonic()
+        link.last_ack = link.last_write = link.last_heard = time.monotonic()
         link.write(p.encode_file_list(listed_dirs, files))
         self.links[link.name] = link
         if len(self.links) == 1:
             write_observer.subscribe(self)
         if self._timer is None:
+            self._checked = time.monotonic()
             self._timer = self.loop.call_later(_CHECK_S, self._check)
         log.info("replication %s: follower %s attached (%d files listed)", self.stream, link.name, len(files))
         self.on_change()
@@ -432,9 +457,35 @@ class StreamSender:
         self._check_waiters()
 
     def _check(self) -> None:
-        """Drop a follower that is behind and has not acked for ack_timeout."""
+        """Drop a follower that is behind and has not acked for ack_timeout, or that sent nothing for
+        its heartbeat timeout; send a heartbeat to one nothing was written to for a heartbeat."""
         now = time.monotonic()
+        # A stall of this process (its loop held, or the process stopped) is not the followers'
+        # silence: what they sent meanwhile waits in the socket, to be read after this check.
+        gap = now - self._checked
+        stalled = gap - _CHECK_S if gap > 2 * _CHECK_S else 0.0
+        self._checked = now
         for link in list(self.links.values()):
+            if link.heartbeats:
+                if link.heard:
+                    link.heard = False
+                    link.last_heard = now
+                else:
+                    link.last_heard = min(now, link.last_heard + stalled)
+                if now - link.last_heard > link.silence_timeout:
+                    log.warning("replication %s: follower %s sent nothing for %.1f s "
+                                "(--replication-heartbeat-timeout %g): disconnected", self.stream, link.name,
+                                now - link.last_heard, link.silence_timeout)
+                    link.close()
+                    self._detach(link)
+                    continue
+                if link.wrote:
+                    link.wrote = False
+                    link.last_write = now
+                elif now - link.last_write >= self.heartbeat:
+                    link.write(p.HEARTBEAT_FRAME)
+                    link.wrote = False
+                    link.last_write = now
             # During its full sync a follower hashes its files and receives whole files before it
             # gets to the actions behind them: give it longer (LavinMQ: 60 s) before calling it stuck.
             timeout = self.ack_timeout if link.synced else max(FULL_SYNC_ACK_TIMEOUT_S, self.ack_timeout)

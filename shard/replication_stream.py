@@ -27,13 +27,15 @@ def _logical_size(path: str) -> int | None:
 class ShardReplication:
     def __init__(self, loop: asyncio.AbstractEventLoop, index: int, data_dir: str, run_dir: str,
                  ack_timeout: float, owned_paths: Callable[[], list[str]],
-                 report: Callable[[dict], None]) -> None:
+                 report: Callable[[dict], None], *, heartbeat: float = 0.0,
+                 heartbeat_timeout: float = 0.0) -> None:
         self.loop = loop
         self.data_dir = os.path.abspath(data_dir)
         self._owned_paths = owned_paths
         self._report = report
         self.sender = StreamSender(loop, self.data_dir, f"shard-{index}", self._owned_dirs,
-                                   ack_timeout=ack_timeout, on_change=self.report,
+                                   ack_timeout=ack_timeout, heartbeat=heartbeat,
+                                   heartbeat_timeout=heartbeat_timeout, on_change=self.report,
                                    logical_size=_logical_size)
         self.handoff = HandoffReceiver(loop, run_dir, index, self.sender.attach_socket)
         self._timer = loop.call_later(_REPORT_S, self._periodic)

@@ -8,6 +8,7 @@ delivery turn), once per stats_interval.
 from __future__ import annotations
 
 import bisect
+import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
 from shard.queue import Queue
@@ -15,6 +16,8 @@ from shard.queue import Queue
 if TYPE_CHECKING:
     from shard.dead_letter_forwards import DeadLetterForwards
 
+
+log = logging.getLogger("shardmq.shard")
 
 # Upper bounds (seconds) of the fsync latency histogram buckets (Prometheus' "le"), +Inf implied.
 FSYNC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -61,71 +64,180 @@ class StatsShard(Protocol):
 # The counters of a queue that has seen nothing: the one tuple every such queue's entry holds in
 # StatsReporter.sent (100,000 idle queues keep no 11-tuple each between reports).
 _IDLE = (0,) * 11
+_NO_DAMAGE = (0, 0)
+# Tests: "1" makes every report check itself against a read of every queue (StatsReporter).
+STATS_CHECK_ENV = "SHARDMQ_TEST_STATS_CHECK"
+STATS_CHECK_FAILED = "stats check failed"  # the log line's start (tests/conftest.py looks for it)
+_CHECK_MAX = 20_000
 
 
-def _rows(worker: StatsShard) -> tuple[dict[tuple[str, str], tuple], list]:
-    """Every queue's counters by (vhost, name): ready, unacked, consumers, ready bytes, then the
-    totals published, delivered (all kinds), acked, delivered to no-ack consumers, got with ack, got
-    without ack, redelivered (a STATS row is vhost, name and these: broker/node_stats.py names the
-    positions); and the damaged list."""
-    rows: dict[tuple[str, str], tuple] = {}
-    damaged = []  # only queues with storage damage (docs/storage.md "Recovery"): usually none
-    idle = _IDLE
-    for key, q in worker.queues.items():
-        store = q.store
-        if q.__class__ is Queue:  # the common case, read directly: 100,000 queues every interval
-            row = (store.ready, len(q.unacked), len(q.consumers), store.ready_bytes,
-                   q.n_published, q.n_delivered, q.n_acked, q.n_deliver_no_ack, q.n_get, q.n_get_no_ack,
-                   store.n_redelivered)
-            rows[key] = idle if row == idle else row
-            if store.damaged_records or store.damaged_acks:
-                damaged.append([key[0], key[1], int(store.damaged_records), int(store.damaged_acks)])
-            continue
+def _row(q: Queue) -> tuple[tuple, tuple[int, int]]:
+    """A queue's counters: ready, unacked, consumers, ready bytes, then the totals published,
+    delivered (all kinds), acked, delivered to no-ack consumers, got with ack, got without ack,
+    redelivered (a STATS row is vhost, name and these: broker/node_stats.py names the positions);
+    and its damaged records and acks (docs/storage.md "Recovery")."""
+    store = q.store
+    if q.__class__ is Queue:  # the common case, read directly
+        row = (store.ready, len(q.unacked), len(q.consumers), store.ready_bytes,
+               q.n_published, q.n_delivered, q.n_acked, q.n_deliver_no_ack, q.n_get, q.n_get_no_ack,
+               store.n_redelivered)
+        damage = (int(store.damaged_records), int(store.damaged_acks)) \
+            if store.damaged_records or store.damaged_acks else _NO_DAMAGE
+    else:
         info = q.info()
-        if info.get("damaged_records") or info.get("damaged_acks"):
-            damaged.append([key[0], key[1], int(info.get("damaged_records", 0)), int(info.get("damaged_acks", 0))])
         row = (int(info.get("messages", 0)), len(q.unacked), len(q.consumers),
                int(getattr(store, "ready_bytes", 0) or 0), q.n_published, q.n_delivered, q.n_acked,
                getattr(q, "n_deliver_no_ack", 0), getattr(q, "n_get", 0), getattr(q, "n_get_no_ack", 0),
                getattr(store, "n_redelivered", 0))
-        rows[key] = idle if row == idle else row
-    return rows, damaged
+        damage = (int(info.get("damaged_records", 0)), int(info.get("damaged_acks", 0))) \
+            if info.get("damaged_records") or info.get("damaged_acks") else _NO_DAMAGE
+    return (_IDLE if row == _IDLE else row), damage
 
 
 class StatsReporter:
     """Builds the shard's STATS payloads as deltas: only the rows that changed since the last report,
-    and the queues removed since then. An idle queue costs a tuple compare here and nothing on the
-    wire or in the node, whose event loop would otherwise unpack 50,000 rows per shard per interval
-    (issue #11). The first report, and the one after the node asks (QUERY "stats_full": it lost
-    track, a seq gap), carries every row with "full": true."""
+    and the queues removed since then (issue #11), at a cost proportional to the queues that may
+    have changed, not to all of them (issue #15: 100,000 idle queues were 100,000 tuples, a dict and
+    sums over them every interval).
 
-    __slots__ = ("sent", "seq", "full_next", "rows_sent")
+    The shard names the queues whose counters may have changed: it adds them to ``touched`` (every
+    queue of each delivery pass, which is where publishes, acks, consumers, requeues and expiries
+    go, plus the few changes that skip that pass: a message given to a consumer without being
+    stored, a basic.get, a new or replaced queue object) and calls ``gone`` for a deleted one. A
+    report reads only those, compares each with what it last sent and keeps the totals, segment
+    bytes and damaged list up to date by difference. The first report, and the one after the node
+    asks (QUERY "stats_full": it lost track, a seq gap), reads every queue and carries every row
+    with "full": true. ``SHARDMQ_TEST_STATS_CHECK=1`` (tests) makes every report also read every
+    queue and log an error naming any queue whose change was not reported (a change the shard did
+    not name)."""
 
-    def __init__(self) -> None:
+    __slots__ = ("sent", "seq", "full_next", "rows_sent", "touched", "_gone", "_totals", "_segments",
+                 "_segment_total", "_damaged", "check")
+
+    def __init__(self, check: bool = False) -> None:
         self.sent: dict[tuple[str, str], tuple] = {}  # what the node holds, as of our last report
         self.seq = 0
         self.full_next = True
         self.rows_sent = 0  # queue rows sent since the shard started (tests and metrics count them)
+        # Queues whose counters may have changed since the last report (the shard adds to this set;
+        # it is cleared, never replaced, so the shard may hold it).
+        self.touched: set[Queue] = set()
+        self._gone: set[tuple[str, str]] = set()  # deleted since the last report
+        self._totals = [0] * 7  # sums of the sent rows' positions 4..10 (published ... redelivered)
+        self._segments: dict[tuple[str, str], int] = {}  # segment bytes of the queues that have any
+        self._segment_total = 0
+        self._damaged: dict[tuple[str, str], tuple[int, int]] = {}  # only queues with damage
+        self.check = check
 
-    def report(self, worker: StatsShard) -> dict:
-        rows, damaged = _rows(worker)
+    def gone(self, key: tuple[str, str]) -> None:
+        """The queue ``key`` was deleted (a queue declared again under it is touched anew)."""
+        self._gone.add(key)
+
+    def report(self, worker: StatsShard, pending: set | frozenset = frozenset()) -> dict:
+        """The next STATS payload. ``pending``: queues marked for the next delivery pass (changed too)."""
+        queues = worker.queues
         sent = self.sent
         full = self.full_next
         if full:
-            changed = [(*key, *row) for key, row in rows.items()]
+            self._reset()
+            sent = self.sent
+            changed = []
+            for key, q in queues.items():
+                row, damage = _row(q)
+                changed.append((*key, *row))
+                self._put(key, row, damage, q)
             removed: list = []
         else:
-            get = sent.get
-            changed = [(*key, *row) for key, row in rows.items() if get(key) != row]
-            # New queues are among the changed rows, so this counts removals without a scan of `sent`.
-            n_new = sum(1 for row in changed if (row[0], row[1]) not in sent)
-            removed = [list(key) for key in sent if key not in rows] if len(sent) + n_new > len(rows) else []
-        self.sent = rows
+            changed = []
+            removed = []
+            for key in self._gone:
+                if key not in queues and key in sent:
+                    self._drop(key)
+                    removed.append(list(key))
+            touched = self.touched
+            if pending:
+                touched = touched | pending
+            get = queues.get
+            for q in touched:
+                key = (q.vhost, q.name)
+                if get(key) is not q:
+                    continue  # deleted, or replaced by the object that is touched instead
+                row, damage = _row(q)
+                old = sent.get(key)
+                if old != row:
+                    changed.append((*key, *row))
+                    if old is not None:
+                        self._drop(key)
+                    self._put(key, row, damage, q)
+                else:  # its segments may have been written or removed all the same
+                    self._put_extras(key, damage, q)
+        self.touched.clear()
+        self._gone.clear()
         self.full_next = False
         self.seq += 1
         self.rows_sent += len(changed)
-        totals = [sum(row[i] for row in rows.values()) for i in range(4, 11)]
+        if self.check:
+            self._check(worker)
         return {"seq": self.seq, "full": full, "queues": changed, "removed": removed, "rows_sent": self.rows_sent,
-                "totals": totals, "fsync": worker.sync_histogram.report(),
-                "segment_bytes": sum(_segment_bytes(q.store) for q in worker.queues.values()), "damaged": damaged,
+                "totals": list(self._totals), "fsync": worker.sync_histogram.report(),
+                "segment_bytes": self._segment_total,
+                "damaged": [[k[0], k[1], d[0], d[1]] for k, d in self._damaged.items()],
                 "dead_letters_unconfirmed": len(worker.dead_letters.pending)}
+
+    # ------------------------------------------------------------ bookkeeping
+    def _reset(self) -> None:
+        self.sent = {}
+        self._totals = [0] * 7
+        self._segments = {}
+        self._segment_total = 0
+        self._damaged = {}
+
+    def _put(self, key: tuple[str, str], row: tuple, damage: tuple[int, int], q: Queue) -> None:
+        self.sent[key] = row
+        if row is not _IDLE:
+            totals = self._totals
+            for i in range(7):
+                totals[i] += row[4 + i]
+        self._put_extras(key, damage, q)
+
+    def _put_extras(self, key: tuple[str, str], damage: tuple[int, int], q: Queue) -> None:
+        if damage is _NO_DAMAGE:
+            self._damaged.pop(key, None)
+        else:
+            self._damaged[key] = damage
+        seg = _segment_bytes(q.store)
+        old = self._segments.pop(key, 0)
+        if seg:
+            self._segments[key] = seg
+        self._segment_total += seg - old
+
+    def _drop(self, key: tuple[str, str]) -> None:
+        """Take a sent row out of the sums (it is replaced, or its queue is gone)."""
+        row = self.sent.pop(key)
+        if row is not _IDLE:
+            totals = self._totals
+            for i in range(7):
+                totals[i] -= row[4 + i]
+        self._damaged.pop(key, None)
+        self._segment_total -= self._segments.pop(key, 0)
+
+    def _check(self, worker: StatsShard) -> None:
+        """Tests: what a report of every queue would say against what the node was told (up to
+        _CHECK_MAX queues: a test of 100,000 would spend the shard's time here)."""
+        if len(worker.queues) > _CHECK_MAX:
+            return
+        wrong = []
+        totals = [0] * 7
+        segments = 0
+        for key, q in worker.queues.items():
+            row, _damage = _row(q)
+            if self.sent.get(key) != row:
+                wrong.append((key, self.sent.get(key), row))
+            for i in range(7):
+                totals[i] += row[4 + i]
+            segments += _segment_bytes(q.store)
+        extra = [key for key in self.sent if key not in worker.queues]
+        if wrong or extra or totals != self._totals or segments != self._segment_total:
+            log.error(STATS_CHECK_FAILED + ": a change the shard did not report: rows %s, not removed %s, "
+                      "totals %s (should be %s), segment bytes %d (should be %d)", wrong[:5], extra[:5],
+                      self._totals, totals, self._segment_total, segments)

@@ -20,7 +20,7 @@ from typing import Any
 
 import zmq
 
-from broker import contract, data_sockets, gc_pause, stage_trace
+from broker import contract, data_sockets, gc_pause, heap_trim, stage_trace
 from broker.datadir import name_hash
 from broker.definitions import Definitions
 from broker.defs_fence import catch_up, control_delay_for_tests_s, open_fence
@@ -41,17 +41,19 @@ from shard.priority_store import open_store
 from shard.queue import VIRTUAL as _VIRTUAL
 from shard.queue import Queue
 from shard.replication_stream import ShardReplication
-from shard.stats import StatsReporter, SyncHistogram
+from shard.stats import STATS_CHECK_ENV, StatsReporter, SyncHistogram
 from shard.store import QueueStore, make_queue_dir
 from shard.stream_queue import StreamQueue, consume_error, retention_args, segment_size
 from shard.stream_store import StreamStore
 from shard.timers import TimerHeap
 
 log = logging.getLogger("shardmq.shard")
+_TRIM_AFTER_LOAD_S = 2.0  # after the snapshot's queues are open: malloc_trim (see _load_snapshot)
 
 _CONTROL_LANE_SUFFIX = contract.CONTROL_LANE_SUFFIX
 
 _PERIODIC_SYNC_S = 1.0
+_SYNC_WALK_CHUNK = 2000  # queues looked at per loop turn by the periodic sync (~0.5 ms)
 _FLOW_BACKLOG = 8000  # ready messages before publishers are paced (4x the credit window of old)
 _FLOW_MAX_HOLD_S = 0.5
 _PACED_KINDS = frozenset((contract.PUBLISH, contract.DELAYED_PUBLISH, contract.DEDUP_PUBLISH,
@@ -100,7 +102,10 @@ class ShardWorker:
         self.settings: dict = {}
         self.queues: dict[tuple[str, str], Queue] = {}
         self.sync_histogram = SyncHistogram()  # group sync durations, reported in STATS
-        self.stats_reporter = StatsReporter()  # STATS as deltas: rows changed since the last report
+        # STATS as deltas: rows changed since the last report, read from the queues named in
+        # _stats_touched (and those of each delivery pass): shard/stats.py.
+        self.stats_reporter = StatsReporter(check=os.environ.get(STATS_CHECK_ENV) == "1")
+        self._stats_touched = self.stats_reporter.touched
         # Since when the running group sync runs, for the cluster leader's disk-stall check.
         self.fsync_beacon = FsyncBeacon(run_dir, index)
         self.by_qid: dict[int, Queue] = {}
@@ -192,7 +197,7 @@ class ShardWorker:
         if self.stopping:
             return
         try:
-            self.node.put(None, [contract.STATS, self.stats_reporter.report(self)])
+            self.node.put(None, [contract.STATS, self.stats_reporter.report(self, self._dirty_queues)])
         except Exception:
             log.exception("shard %d: stats report failed", self.index)
         interval = int(self.settings.get("stats_interval") or 5000) / 1000
@@ -282,17 +287,23 @@ class ShardWorker:
                 for name, q in v.queues.items():
                     if q.shard == self.index:
                         self._open_queue(v.name, name, name_hash(name) in present)
+            self._stats_touched.clear()  # the first report reads every queue anyway
         gc_pause.settle()
         self.delayed.load()
         if settings.get("cluster") and self.repl is None:  # shards run on a leader only
             self.repl = ShardReplication(
                 self.loop, self.index, settings["data_dir"], self.run_dir,
                 float(settings.get("replication_ack_timeout") or 3), self._owned_store_paths,
-                lambda status: self.node.put(None, [contract.REPL_STATUS, status]))
+                lambda status: self.node.put(None, [contract.REPL_STATUS, status]),
+                heartbeat=float(settings.get("replication_heartbeat") or 0),
+                heartbeat_timeout=float(settings.get("replication_heartbeat_timeout") or 0))
         self.node.put(None, [contract.APPLIED, version])
         log.info("shard %d (pid %d) ready: %d queues, epoch %d", self.index, os.getpid(),
                  len(self.queues), self.epoch)
         self._ready.set()
+        # The snapshot's decode, the first full STATS report and the grown read buffer (which
+        # shrinks after 1 s, broker/unixio.py) leave free pages inside glibc's heap: give them back.
+        self.loop.call_later(_TRIM_AFTER_LOAD_S, heap_trim.trim)
         if self._early:
             # Next turn, out of this control batch: the fence check in _on_data may have to apply the
             # DEFS behind this snapshot first. Batches arriving meanwhile queue behind them (_on_data).
@@ -340,6 +351,7 @@ class ShardWorker:
             self._next_qid += 1
             self.queues[(vhost, name)] = sq
             self.by_qid[sq.qid] = sq
+            self._stats_touched.add(sq)
             return
         store = open_store(path, args, int(self.settings.get("segment_size", 8 << 20)), empty_dir=made,
                            fsync=bool(defn.durable))
@@ -352,12 +364,14 @@ class ShardWorker:
         self._next_qid += 1
         self.queues[(vhost, name)] = q
         self.by_qid[q.qid] = q
+        self._stats_touched.add(q)
 
     def _delete_queue(self, vhost: str, name: str) -> None:
         q = self.queues.pop((vhost, name), None)
         if q is None:
             return
         del self.by_qid[q.qid]
+        self.stats_reporter.gone((vhost, name))
         q.deleted = True
         for c in q.consumers:
             self.consumers.pop((c.fe, c.conn_id, c.channel, c.tag), None)
@@ -504,6 +518,8 @@ class ShardWorker:
                     # delivery pass (at a steady rate this turn carried only that ack).
                     if mid < _VIRTUAL or q.store.ready or q.aliases:
                         self._dirty_queues.add(q)
+                    else:
+                        self._stats_touched.add(q)  # its counts changed: for the next STATS report
         elif kind == contract.CREDIT:
             _, conn_id, channel, tag, n = item
             found = self.consumers.get((fe, conn_id, channel, tag))
@@ -548,6 +564,7 @@ class ShardWorker:
                 return
             msg = q.get(self._channel(fe, conn_id, channel), bool(no_ack))
             q.store.flush_acks()  # the delivered mark, before get-ok leaves (a slow path anyway)
+            self._stats_touched.add(q)
             if msg is not None:
                 q.n_delivered += 1
                 if no_ack:
@@ -688,6 +705,7 @@ class ShardWorker:
                         # nothing to do for this queue (at a steady rate that pass, its call_soon and
                         # its flush_acks were a fixed cost of every turn carrying one message).
                         q.n_published += 1
+                        self._stats_touched.add(q)  # for the STATS report, which the pass feeds
                         continue
                     if q.held:
                         q.materialize()  # held ones first: they came before this message
@@ -733,6 +751,7 @@ class ShardWorker:
         if len(props_raw) > 1 and props_raw[0] & 1:  # per-message TTL: the queues need FeatureQueue
             self._upgrade_queues(vhost, names)
         found = [q for q in map(queues.get, [(vhost, name) for name in names]) if q is not None]
+        self._stats_touched.update(found)  # once per run (its unstored deliveries skip the pass)
         dirty = self._dirty_queues
         sync_durable = persistent and self._fsync
         confirmed: list[int] = []
@@ -864,6 +883,7 @@ class ShardWorker:
         new.n_deliver_no_ack, new.n_get, new.n_get_no_ack = old.n_deliver_no_ack, old.n_get, old.n_get_no_ack
         self.queues[(old.vhost, old.name)] = new
         self.by_qid[old.qid] = new
+        self._stats_touched.add(new)
         for key, (q, c) in list(self.consumers.items()):
             if q is old:
                 self.consumers[key] = (new, c)
@@ -1215,6 +1235,7 @@ class ShardWorker:
         self._deliver_scheduled = False
         dirty = self._dirty_queues
         self._dirty_queues = set()
+        self._stats_touched |= dirty  # what the pass changes is what the next STATS report reads
         put = self.data.put
         delivered = 0
         behind = False
@@ -1379,34 +1400,49 @@ class ShardWorker:
     def _periodic_sync(self) -> None:
         if not self.stopping:
             # Acks and non-confirmed appends reach the disk within a second even when idle.
-            for q in self.queues.values():
-                store = q.store
-                if store.dirty:
-                    if store.fsync:
-                        self._sync_stores.add(store)
-                    else:
-                        # A non-durable queue: nothing to fsync (it is gone after a restart), only
-                        # acks to write and sealed segments' fds to close, here on the loop.
-                        store.flush_acks()
-                        store.sync()
-                if isinstance(q, FeatureQueue) and q.count_returns:
-                    q.save_returns()
-            for store in self.delayed.dirty_stores():
+            # The walk over every queue goes _SYNC_WALK_CHUNK queues per loop turn: with 30,000
+            # queues one walk took ~10 ms of the loop in one piece, once a second, and a publish on
+            # any queue of this shard waited behind it (docs/benchmarks.md "Paced deletes").
+            self._periodic_walk(list(self.queues.values()), 0)
+
+    def _periodic_walk(self, queues: list, start: int) -> None:
+        if self.stopping:
+            return
+        end = start + _SYNC_WALK_CHUNK
+        for q in queues[start:end]:
+            if q.deleted:  # deleted since the walk began: its store is closed
+                continue
+            store = q.store
+            if store.dirty:
                 if store.fsync:
                     self._sync_stores.add(store)
-                else:  # a non-durable delayed-message exchange's, as a non-durable queue's
+                else:
+                    # A non-durable queue: nothing to fsync (it is gone after a restart), only
+                    # acks to write and sealed segments' fds to close, here on the loop.
                     store.flush_acks()
                     store.sync()
-            self._sync_stores.update(s for s in self.dead_letters.all_stores() if s.dirty)
-            self._sync_acks = True
-            self._start_sync()
-            self.loop.call_later(_PERIODIC_SYNC_S, self._periodic_sync)
+            if isinstance(q, FeatureQueue) and q.count_returns:
+                q.save_returns()
+        if end < len(queues):
+            self.loop.call_soon(self._periodic_walk, queues, end)
+            return
+        for store in self.delayed.dirty_stores():
+            if store.fsync:
+                self._sync_stores.add(store)
+            else:  # a non-durable delayed-message exchange's, as a non-durable queue's
+                store.flush_acks()
+                store.sync()
+        self._sync_stores.update(s for s in self.dead_letters.all_stores() if s.dirty)
+        self._sync_acks = True
+        self._start_sync()
+        self.loop.call_later(_PERIODIC_SYNC_S, self._periodic_sync)
 
     # ----------------------------------------------------------------- stop
     async def stop(self) -> None:
         if self.stopping:
             return
         self.stopping = True
+        log.info("shard %d stopping", self.index)  # tests wait for it: the stop has begun
         # Every shard stops at once: what we forwarded (dead letters, due delayed messages, a dedup
         # exchange's publishes) may be stored by its target and its CONFIRM not here yet. Wait for
         # them (syncs and confirms go on meanwhile), or they would be sent again after the restart,

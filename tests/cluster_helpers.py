@@ -9,7 +9,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from tests.harness import Node, NodeFactory
+from tests.harness import Node, NodeFactory, wait_until
 
 SECRET = "test-cluster-secret"
 _prefixes = itertools.count()
@@ -27,14 +27,7 @@ def http_get(port: int, path: str, timeout: float = 2.0) -> tuple[int, dict]:
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
     """Poll ``predicate`` until it returns something truthy (returned) or fail naming ``what``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.1f}s waiting for {what}")
-        time.sleep(interval)
+    return wait_until(predicate, timeout, what, interval)
 
 
 def is_leader(node: Node) -> bool:

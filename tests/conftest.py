@@ -31,11 +31,25 @@ def module_node_args(module) -> list[str]:
     return ["--queue-placement", placement] if placement else []
 
 
+def _stats_unreported(factory: NodeFactory) -> None:
+    """Fail the test when a shard of one of its nodes logged a queue change its STATS reports missed
+    (shard/stats.py: the harness turns the check on in every node)."""
+    from shard.stats import STATS_CHECK_FAILED
+
+    for n in factory.nodes:
+        lines = [line for line in n.log_text().splitlines() if STATS_CHECK_FAILED in line]
+        if lines:
+            pytest.fail(f"{n.log_path}: a shard's STATS missed a change:\n" + "\n".join(lines[:3]))
+
+
 @pytest.fixture
 def node_factory(tmp_path, request):
     factory = NodeFactory(tmp_path, module_node_args(request.module))
-    yield factory
-    factory.cleanup()
+    try:
+        yield factory
+    finally:
+        factory.cleanup()
+    _stats_unreported(factory)
 
 
 @pytest.fixture
@@ -50,6 +64,7 @@ def shared_node(tmp_path_factory, request):
         yield factory(name="node", frontends=2, shards=2)
     finally:
         factory.cleanup()
+    _stats_unreported(factory)
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ share a machine).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -24,8 +25,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pika
 
@@ -176,6 +178,25 @@ def _wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
         time.sleep(interval)
 
 
+def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:
+    """Poll ``predicate`` until it returns something truthy (returned); AssertionError naming ``what``
+    after ``timeout`` seconds. What a test waits for instead of sleeping and hoping."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out after {timeout:.1f}s waiting for {what}"
+        time.sleep(interval)
+    return value
+
+
+async def async_wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.005) -> Any:
+    """``wait_until`` inside an event loop: the loop runs (other tasks, callbacks) while it waits."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out after {timeout:.1f}s waiting for {what}"
+        await asyncio.sleep(interval)
+    return value
+
+
 class Node:
     """One ShardMQ node process and its workers, on 127.0.0.1:port with data in ``data_dir``."""
 
@@ -251,7 +272,9 @@ class Node:
             raise NodeError(f"node pid {self.pid} is already running")
         self.workdir.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDMQ_")}
-        env.update(PYTHONUNBUFFERED="1", **self.env)
+        # Every shard checks each STATS report against a read of all its queues and logs
+        # shard.stats.STATS_CHECK_FAILED when a change went unreported (tests/conftest.py fails the test).
+        env.update(PYTHONUNBUFFERED="1", SHARDMQ_TEST_STATS_CHECK="1", **self.env)
         self.starts += 1
         self._note(f"start #{self.starts}: {' '.join(self.argv())}")
         with open(self.log_path, "ab") as log:

@@ -13,6 +13,7 @@ from pamqp import commands
 
 from broker.amqp import encoder
 from loadtest.amqp_client import AMQPClient
+from tests.harness import wait_until
 
 WAIT = 30.0
 
@@ -55,10 +56,4 @@ def publish(url: str, queue: str, messages: Iterable[tuple[bytes, commands.Basic
 
 def wait_for(predicate, timeout: float = WAIT, interval: float = 0.2, what: str = "condition"):
     """Poll until predicate() returns a truthy value (returned); AssertionError naming `what` after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out after {timeout:.0f}s waiting for {what}"
-        time.sleep(interval)
+    return wait_until(predicate, timeout, what, interval)

@@ -11,7 +11,7 @@ import pika
 import pytest
 
 from broker.alarms import parse_disk_limit, parse_memory_watermark
-from tests.harness import NodeFactory
+from tests.harness import NodeFactory, wait_until
 from tests.mgmt_api import Api
 
 pytestmark = pytest.mark.integration
@@ -42,10 +42,7 @@ def tmpfs(tmp_path):
 
 
 def _wait(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+    wait_until(predicate, timeout, what, 0.05)
 
 
 class Publisher(threading.Thread):

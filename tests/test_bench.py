@@ -3,18 +3,22 @@ node's start/stop (for real, when rabbitmq-server is installed) and the benchmar
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 
 from loadtest import bench
 from loadtest.rabbitmq import RABBITMQ_SERVER, PrivateRabbitMQ
+from tests.harness import wait_until
 
 pytestmark = pytest.mark.integration  # starts a private RabbitMQ and ShardMQ nodes
 
@@ -50,6 +54,13 @@ def test_scenario_names_are_unique_and_match_the_brief() -> None:
             "bindings-per-second", "idle-connections-10000", "connection-churn", "delete-stall-30000"} < set(names)
     # the fixed-rate latency scenarios: 1k/10k/50k msg/s, each no-ack and with manual acks
     assert {f"latency-{k}k-{mode}" for k in (1, 10, 50) for mode in ("autoack", "ack")} < set(names)
+
+
+def test_the_default_run_leaves_out_only_the_scenarios_marked_as_run_when_named() -> None:
+    default = bench.build_parser().parse_args([]).scenarios.split(",")
+    assert "delete-stall-100000" in bench.BY_NAME and "delete-stall-100000" not in default
+    assert default == [s.name for s in bench.SCENARIOS if s.by_default]
+    assert "delete-stall-30000" in default and "latency-1k-autoack" in default
 
 
 def test_unknown_scenario_is_a_usage_error(tmp_path: Path) -> None:
@@ -122,7 +133,8 @@ def test_sigterm_during_a_run_still_stops_the_broker(tmp_path: Path) -> None:
             m = re.search(r"rabbitmq up at \S+ \(pid (\d+)", (tmp_path / "bench.err").read_text())
             beam = int(m[1]) if m else None
         assert beam is not None, (tmp_path / "bench.err").read_text()
-        time.sleep(1)  # let the perf run start
+        wait_until(lambda: any(ppid == proc.pid and "loadtest.cli amqp" in cmd
+                               for ppid, _state, cmd in _process_table().values()), 60, "the perf run to start")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 1  # no run finished
     finally:
@@ -222,3 +234,62 @@ def test_only_the_measured_broker_runs_during_a_measurement(tmp_path: Path) -> N
                 measured[name] += 1
     assert all(measured.values()), measured  # both measurements were seen (each ran >= 2 s)
     assert not _broker_trees(os.getpid()), "a broker outlived the bench"
+
+
+def test_each_run_records_its_invocation_and_a_results_dir_with_other_runs_needs_append(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every run directory carries what the page needs (RUN_RECORD: the bench's command and commit, the
+    run's start, end and load); a bench into a --results-dir holding another invocation's runs is
+    refused unless --append, and then reports this invocation's runs only; --from-results renders one
+    invocation. The Spark report itself is tested in test_bench_doc: here it records which runs it got."""
+    from loadtest.results import list_runs
+
+    results = tmp_path / "r"
+    reported: list[set[str]] = []
+
+    def report(source: Path, out: Path, master: str) -> int:
+        reported.append({p.name for p in list_runs(source)})
+        return 1  # no table: the page is not written (--doc '' anyway)
+
+    monkeypatch.setattr(bench, "report", report)
+    argv = ["--brokers", "shardmq", "--scenarios", "bindings-per-second", "--repeats", "1", "--duration", "1",
+            "--results-dir", str(results), "--doc", ""]
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        assert bench.main(argv) == 0, capsys.readouterr().err
+        (first,) = list_runs(results)
+        record = json.loads((first / bench.RUN_RECORD).read_text())
+        assert record["command"] == "shardmq-perf bench " + shlex.join(argv)
+        assert record["commit"] == bench._git_commit() and record["broker"] == "shardmq" and record["repeat"] == 1
+        started, ended = (datetime.fromisoformat(record[k]) for k in ("started_at", "ended_at"))
+        assert (ended - started).total_seconds() >= 1.0  # the 1 s run lies between them
+        assert isinstance(record["load1_start"], float) and isinstance(record["load1_end"], float)
+        assert reported == [{first.name}]
+
+        # Again into the same directory: refused before anything runs, naming the flag and the runs there.
+        capsys.readouterr()
+        assert bench.main(argv) == 2
+        err = capsys.readouterr().err
+        assert "--results-dir" in err and "--append" in err and record["invocation"] in err
+        assert list_runs(results) == [first] and len(reported) == 1
+
+        assert bench.main([*argv, "--append"]) == 0
+        (second,) = set(list_runs(results)) - {first}
+        again = json.loads((second / bench.RUN_RECORD).read_text())
+        assert again["invocation"] != record["invocation"] and again["command"].endswith("--append")
+        assert reported[-1] == {second.name}  # this invocation's run only
+
+        # --from-results renders one invocation: the choice is the caller's when there are several.
+        capsys.readouterr()
+        assert bench.main(["--from-results", str(results), "--doc", ""]) == 2
+        err = capsys.readouterr().err
+        assert "--invocation" in err and record["invocation"] in err and again["invocation"] in err
+        assert bench.main(["--from-results", str(results), "--invocation", "nope", "--doc", ""]) == 2
+        assert bench.main(["--from-results", str(results), "--invocation", record["invocation"], "--doc", ""]) == 1
+        assert reported[-1] == {first.name}
+        (old,) = [g for g in bench.invocations(results) if g.id == record["invocation"]]
+        assert old.info["command"] == record["command"] and old.info["commit"] == record["commit"]
+        assert old.info["load1"] == [record["load1_start"], record["load1_start"]]
+        assert old.info["when"] == f"{started:%Y-%m-%d %H:%M}–{ended:%H:%M} UTC" or started.date() != ended.date()
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -123,9 +123,23 @@ def test_fixed_rate_scenarios_come_from_their_arguments() -> None:
     assert len(got) == 6 and bench_doc.fixed_rate(bench.BY_NAME["4p4c-16b-4queues"].argv) is None
 
 
-def _write_run(root: Path, i: int, broker: str, scenario: str, rate: float, latencies: list[int]) -> None:
+LATER = "20260105T100000Z-abc123"  # a later bench invocation's id (its runs carry a RUN_RECORD)
+
+
+def _record(i: int, broker: str) -> dict:
+    """The RUN_RECORD of run i of the LATER invocation: 10:00 + 5 min per run, each lasting 4 min."""
+    return {"invocation": LATER, "command": "shardmq-perf bench --scenarios publish-only-16b --append",
+            "commit": "def5678", "broker": broker, "broker_version": "3.12.1" if broker == "rabbitmq" else "def5678",
+            "repeat": 1, "started_at": f"2026-01-05T10:{5 * i:02d}:00+00:00",
+            "ended_at": f"2026-01-05T10:{5 * i + 4:02d}:00+00:00", "load1_start": 0.5 + 0.1 * i, "load1_end": 2.0}
+
+
+def _write_run(root: Path, i: int, broker: str, scenario: str, rate: float, latencies: list[int],
+               record: dict | None = None) -> None:
     d = root / f"run-{i:03d}"
     d.mkdir()
+    if record is not None:
+        (d / bench.RUN_RECORD).write_text(json.dumps(record))
     (d / "run.json").write_text(json.dumps({
         "run_id": d.name, "broker": broker, "scenario": scenario, "params": {},
         "started_at": "2026-01-02T03:04:05+00:00", "duration_s": 10.0, "published": int(rate * 10),
@@ -153,9 +167,17 @@ def test_from_results_renders_the_page_through_the_spark_report(tmp_path: Path) 
                 _write_run(results, i, broker, scenario, float(fixed[0] if fixed else 90_000 - 20_000 * b_i), lat)
     (results / bench.RUN_INFO).write_text(json.dumps({"commit": "abc1234", "command": "shardmq-perf bench -r 2",
                                                          "load1": [1.0, 2.5]}))
+    # A later invocation appended runs to the same directory (other numbers): not part of this page.
+    for k, broker in enumerate(BROKERS * 2):
+        _write_run(results, 100 + k, broker, "publish-only-16b", 70_000.0, [500] * 20, _record(k, broker))
     doc = tmp_path / "benchmarks.md"
-    proc = subprocess.run([sys.executable, "-m", "loadtest.bench", "--from-results", str(results), "--doc", str(doc),
-                           "--master", "local[1]"], cwd=bench.ROOT, capture_output=True, text=True, timeout=240)
+    command = [sys.executable, "-m", "loadtest.bench", "--from-results", str(results), "--doc", str(doc),
+               "--master", "local[1]"]
+    refused = subprocess.run(command, cwd=bench.ROOT, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and not doc.exists()
+    assert "--invocation" in refused.stderr and bench.UNRECORDED in refused.stderr and LATER in refused.stderr
+    proc = subprocess.run([*command, "--invocation", bench.UNRECORDED], cwd=bench.ROOT, capture_output=True,
+                          text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     page = doc.read_text()
     for name in ("latency-by-rate.png", "throughput-publish.png"):
@@ -167,3 +189,22 @@ def test_from_results_renders_the_page_through_the_spark_report(tmp_path: Path) 
     assert "| ShardMQ commit | abc1234 |" in page  # the run's commit, not the checkout's
     assert _table_row(page, "publish-only-16b", "publish msgs/s")[2] == "90,000 (90,000–90,000)"
     assert _table_row(page, "latency-10k-autoack", "publish msgs/s")[3] == "10,000 (10,000–10,000)"
+
+
+def test_the_run_row_and_the_reproduce_command_come_from_the_runs_own_records(tmp_path: Path) -> None:
+    """Runs that carry a RUN_RECORD name their invocation on the page: its command and commit, the
+    first start to the last end, the load range at the runs' starts, RabbitMQ's version as it ran."""
+    results = tmp_path / "results"
+    results.mkdir()
+    for k, broker in enumerate(BROKERS * 2):
+        _write_run(results, k, broker, "publish-only-16b", 70_000.0, [500] * 20, _record(k, broker))
+    (group,) = bench.invocations(results)
+    assert group.id == LATER and len(group.runs) == 4
+    doc = tmp_path / "docs" / "benchmarks.md"
+    bench.write_doc(doc, ["--ignored"], _summary(["publish-only-16b"]), [], [], results, None, run_info=group.info)
+    page = doc.read_text()
+    run_row = next(ln for ln in page.splitlines() if re.match(r"\| \d{8}T\d{6}Z", ln))
+    assert "| 2026-01-05 10:00–10:19 UTC | def5678 | 0.5–0.8 |" in run_row
+    assert "`shardmq-perf bench --scenarios publish-only-16b --append`" in run_row
+    assert "```sh\nshardmq-perf bench --scenarios publish-only-16b --append\n```" in page
+    assert "| ShardMQ commit | def5678 |" in page and "| RabbitMQ | 3.12.1 |" in page

@@ -127,8 +127,9 @@ def own_etcd(tmp_path):
         cluster.stop()
 
 
-def publish_until_closed(node, timeout: float) -> tuple[int, float]:
-    """Publish with confirms until the connection breaks; returns (confirmed, seconds it lasted)."""
+def publish_until_closed(node, timeout: float, confirming: threading.Event | None = None) -> tuple[int, float]:
+    """Publish with confirms until the connection breaks; returns (confirmed, seconds it lasted).
+    ``confirming`` is set at the first confirm."""
     conn = node.connect(heartbeat=0, blocked_connection_timeout=timeout)
     ch = conn.channel()
     ch.confirm_delivery()
@@ -139,6 +140,8 @@ def publish_until_closed(node, timeout: float) -> tuple[int, float]:
         while time.monotonic() - t0 < timeout:
             ch.basic_publish("", "fence", b"x", pika.BasicProperties(delivery_mode=2))
             confirmed += 1
+            if confirming is not None:
+                confirming.set()
     except (pika.exceptions.AMQPError, OSError):
         return confirmed, time.monotonic() - t0
     finally:
@@ -158,13 +161,14 @@ def test_leader_cut_off_from_etcd_stops_confirming_and_closes_clients_then_rejoi
         ch.basic_publish("", "fence", b"before", pika.BasicProperties(delivery_mode=2))
     member = own_etcd.members[0]
     result: dict = {}
+    confirming = threading.Event()
 
     def publisher():
-        result["value"] = publish_until_closed(node, 10)
+        result["value"] = publish_until_closed(node, 10, confirming)
 
     thread = threading.Thread(target=publisher)
     thread.start()
-    time.sleep(0.3)  # the publisher is confirming (asserted below by its count)
+    assert confirming.wait(15), "the publisher got no confirm"
     stopped_at = time.monotonic()
     own_etcd.stop_member(member, signal.SIGKILL)
     thread.join(15)

@@ -7,7 +7,7 @@ import struct
 
 from replication.coordination import NodeInfo
 from replication.proxy import ClientProxy, proxy_v2_header
-from tests.harness import free_port
+from tests.harness import async_wait_until, free_port
 
 SIG = b"\r\n\r\n\x00\r\nQUIT\n"
 
@@ -65,7 +65,7 @@ def test_relays_bytes_and_closes_connections_when_the_leader_changes():
         proxy.set_target(None)
         r3, w3 = await asyncio.open_connection("127.0.0.1", listen)
         w3.write(b"late")
-        await asyncio.sleep(0.2)
+        await async_wait_until(lambda: proxy._waiting, 10, "the connection to wait for a leader")
         proxy.set_target(NodeInfo("a", "127.0.0.1", port_a))
         assert (await asyncio.wait_for(r3.read(6), 5)) == b"A:late"
         for writer in (w, w2, w3):

@@ -90,7 +90,7 @@ SAMPLES = {
     "frame_max": "8192", "channel_max": "16", "max_message_size": "1000", "default_user": "bob",
     "default_pass": "secret", "loopback_users": "none", "definitions": "/tmp/shardmq-defs.json",
     "set_timestamp": "1", "consumer_timeout": "60000", "http_port": "8080", "http_bind": "0.0.0.0", "https_port": "0",
-    "stats_interval": "250", "trace_stages": "/tmp/trace", "ipc_transport": "zmq", "queue_placement": "hash", "prometheus_port": "9999", "prometheus_tls_port": "9998",
+    "stats_interval": "250", "trace_stages": "/tmp/trace", "ipc_transport": "zmq", "queue_placement": "hash", "delete_rate": "500", "prometheus_port": "9999", "prometheus_tls_port": "9998",
     "disk_free_limit": "mem_relative:1.5",
     "vm_memory_high_watermark": "2GB",
     "mqtt_port": "0", "mqtt_max_packet_size": "4096",
@@ -101,6 +101,7 @@ SAMPLES = {
     "node_name": "n1", "advertised_host": "n1.example", "lease_ttl": "3",
     "cluster_secret_file": "/tmp/shardmq-secret", "replication_port": "6000", "replication_bind": "0.0.0.0",
     "min_isr": "2", "replication_ack_timeout": "7", "replication_file_list_timeout": "90", "follow": "h1:5679",
+    "replication_heartbeat": "0.5", "replication_heartbeat_timeout": "30",
 }
 # Settings some samples need to be valid (a cluster node needs a secret; --follow needs --cluster).
 NEEDS = {"cluster": {"SHARDMQ_CLUSTER_SECRET": "s"}, "follow": {"SHARDMQ_CLUSTER": "1", "SHARDMQ_CLUSTER_SECRET": "s"}}
@@ -161,6 +162,14 @@ def test_lists_and_choices_are_normalised():
         (["--consumer-timeout", "-1"], {}, "shardmq: error: --consumer-timeout must be >= 0"),
         ([], {"SHARDMQ_CONSUMER_TIMEOUT": "30m"},
          "shardmq: error: SHARDMQ_CONSUMER_TIMEOUT: invalid int '30m'"),
+        (["--replication-heartbeat", "-1"], {}, "shardmq: error: --replication-heartbeat must be >= 0"),
+        (["--replication-heartbeat", "1s"], {}, "shardmq: error: --replication-heartbeat: invalid number '1s'"),
+        ([], {"SHARDMQ_REPLICATION_HEARTBEAT_TIMEOUT": "nan"},
+         "shardmq: error: SHARDMQ_REPLICATION_HEARTBEAT_TIMEOUT: invalid number 'nan'"),
+        (["--replication-heartbeat-timeout", "0"], {},
+         "shardmq: error: --replication-heartbeat-timeout must be >= 0.1"),
+        (["--replication-heartbeat", "5"], {},
+         "shardmq: error: --replication-heartbeat-timeout (10) must be at least 3 x --replication-heartbeat (5)"),
     ],
 )
 def test_invalid_values_exit_2_naming_the_source(capsys, argv, environ, message):
@@ -234,6 +243,15 @@ def test_readme_documents_every_setting():
         assert f"[{opt.section}] {opt.ini_key}" in readme or f"`{opt.name}`" in readme, opt.name
         if opt.has_flag:
             assert opt.flag in readme, opt.flag
+
+
+def test_replication_heartbeat_takes_fractions_and_0_turns_it_off():
+    s = load_settings(["--replication-heartbeat", "0.25", "--replication-heartbeat-timeout", "0.75"], {})
+    assert (s.replication_heartbeat, s.replication_heartbeat_timeout) == (0.25, 0.75)
+    # Off: no heartbeat to compare the timeout with.
+    assert load_settings(["--replication-heartbeat", "0", "--replication-heartbeat-timeout", "0.5"],
+                         {}).replication_heartbeat == 0
+    assert (Settings().replication_heartbeat, Settings().replication_heartbeat_timeout) == (2.0, 10.0)
 
 
 def test_consumer_timeout_defaults_to_rabbitmqs_30_minutes_and_0_turns_it_off():

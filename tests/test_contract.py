@@ -39,3 +39,13 @@ def test_version_is_stated_for_every_kind():
                 assert entry and re.search(rf"\b{name}\b", entry.group(1)), f"{name}: not in the history of {since}"
     assert re.search(rf"\b{contract.VERSION}: ", history), "VERSION bumped without a history entry"
 
+
+
+def test_a_big_batch_then_small_ones_pack_and_unpack_the_same():
+    """pack() drops its Packer after a batch over _PACKER_KEEP (its buffer would stay that big)."""
+    big = [[contract.STATS, {"queues": [["/", f"q{i}", i, 0, 0] for i in range(100_000)]}]]
+    small = [[contract.PROCESSED, 7]]
+    for header, items in ((1, small), (2, big), (3, small), (4, big)):
+        data = contract.pack(header, items)
+        assert contract.unpack(data) == (header, items)
+    assert len(contract.pack(0, big)) > contract._PACKER_KEEP

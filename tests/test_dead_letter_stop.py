@@ -75,12 +75,11 @@ def test_dead_letters_confirmed_late_are_not_sent_again_after_a_clean_stop(node_
 
     stopper = threading.Thread(target=node.stop)
     stopper.start()
-    # The shards are told to stop once the frontends have: end the hold after that, so the stop
-    # begins with the dead letters unconfirmed (what reproduces the double send on the old code;
-    # the fixed code keeps every letter once whenever the hold ends).
-    _wait_log(node, "frontend 0 stopped")
-    _wait_log(node, "frontend 1 stopped")
-    time.sleep(0.3)
+    # The shards are told to stop once the frontends have: end the hold after both began to stop, so
+    # the stop begins with the dead letters unconfirmed (what reproduces the double send on the old
+    # code; the fixed code keeps every letter once whenever the hold ends).
+    _wait_log(node, "shard 0 stopping")
+    _wait_log(node, "shard 1 stopping")
     stall.unlink()
     stopper.join(WAIT)
     assert not stopper.is_alive()

@@ -452,6 +452,34 @@ def test_to_dict_round_trip_through_json_and_msgpack():
     assert [b[2] for b in durable["vhosts"][V]["bindings"]] == ["q", "q"]
 
 
+def test_snapshot_queue_columns_round_trip_through_msgpack():
+    """The workers' SNAPSHOT carries queues as columns (to_dict(queue_columns=True)): a copy made
+    from it has the same queues, attributes, shards, routes and placement counts as one made from
+    the per-queue maps of definitions.json."""
+    d = Definitions()
+    d.apply_all(d.default_user_ops())
+    d.apply_all(d.plan_vhost_put("v2"))
+    declare_q(d, "q", args={"x-max-length": 3, "blob": b"\xff\x00"})
+    declare_q(d, "t", durable=False)
+    declare_q(d, "e", exclusive=True, owner=OWNER)
+    for i in range(50):
+        d.apply(["queue.declare", "v2" if i % 3 else V, f"n{i}", {"durable": i % 2 == 0, "auto_delete": i % 5 == 0,
+                                                               "arguments": {}, "shard": i % 4}])
+    declare_x(d, "x", "topic")
+    d.apply_all(d.plan_bind(V, "x", "queue", "q", "a.*", {}, None))
+    cols = d.to_dict(queue_columns=True)
+    assert "queues" not in cols["vhosts"][V] and len(cols["vhosts"][V]["queue_columns"][0]) == 3 + 17
+    wire = msgpack.unpackb(msgpack.packb(cols, use_bin_type=True), raw=False, strict_map_key=False)
+    copy = Definitions.from_dict(wire)
+    assert copy.to_dict() == d.to_dict()
+    assert copy.version == d.version
+    assert copy.shard_queues == d.shard_queues
+    assert {v: c.shard_queues for v, c in copy.vhosts.items()} == {v: c.shard_queues for v, c in d.vhosts.items()}
+    assert copy.queue(V, "e").exclusive_owner == tuple(OWNER)
+    assert copy.route(V, "", "n3") == ("n3",) and copy.route(V, "x", "a.b") == ("q",)
+    assert copy.place_queue("v2", "new", 4) == d.place_queue("v2", "new", 4)
+
+
 def test_management_plans():
     from broker.auth import authenticate
 

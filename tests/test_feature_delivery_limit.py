@@ -13,7 +13,7 @@ import pytest
 from pika.exceptions import ChannelClosedByBroker
 
 from shard.store import queue_dir
-from tests.helpers import WAIT, count, get_one, uid
+from tests.helpers import WAIT, control_lane_barrier, count, get_one, uid
 
 # Queue names are picked per shard by their crc32 (tests/helpers.py): nodes place by name.
 QUEUE_PLACEMENT = "hash"
@@ -50,11 +50,8 @@ def test_delivery_limit_counts_channel_close_returns(conn, ch):
     other = conn.channel()
     method, _p, _b = get_unacked(other, q)
     other.close()  # returned once: more than 0, dropped (no DLX)
-    deadline = time.monotonic() + WAIT
-    while count(ch, q) != 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    time.sleep(0.1)
+    control_lane_barrier(conn, q)  # the shard has handled the return
+    assert count(ch, q) == 0
     assert ch.basic_get(q, auto_ack=True)[0] is None
 
 

@@ -15,9 +15,12 @@ from tests.helpers import WAIT, channel_error, count, get_one, uid, wait_count, 
 def test_queue_ttl_expires_without_a_consumer(ch):
     q = uid()
     ch.queue_declare(q, arguments={"x-message-ttl": 200})
+    published = time.monotonic()
     for i in range(5):
         ch.basic_publish("", q, b"x%d" % i)
-    assert count(ch, q) == 5  # confirmed well within 200 ms of each other on loopback
+    n = count(ch, q)
+    # All five are there, unless the machine was so slow that the first could have expired meanwhile.
+    assert n == 5 or time.monotonic() - published >= 0.2, n
     wait_count(ch, q, 0)
 
 

@@ -4,7 +4,6 @@ consumer lists stay right through opens, changes, closes and a lost report."""
 
 from __future__ import annotations
 
-import time
 import urllib.request
 
 import pika
@@ -12,6 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from broker.node_stats import NodeStats
+from tests.harness import wait_until
 from tests.mgmt_api import Api
 
 pytestmark = pytest.mark.integration
@@ -26,13 +26,7 @@ def fe_metrics(node) -> dict[str, float]:
 
 
 def wait_for(check, what: str, timeout: float = 15.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"never: {what}"
-        time.sleep(0.05)
+    return wait_until(check, timeout, what, 0.05)
 
 
 def reports_after(node, n: int) -> dict[str, float]:

@@ -13,7 +13,6 @@ import re
 import socket
 import subprocess
 import threading
-import time
 import urllib.request
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import pika
 import pika.exceptions
 import pytest
 
-from tests.harness import NodeFactory, free_port
+from tests.harness import NodeFactory, free_port, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -102,14 +101,7 @@ def stats_of(sock_path: Path) -> dict[tuple[str, str], dict[str, str]]:
 
 
 def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.1)
+    return wait_until(predicate, timeout, what, 0.1)
 
 
 def servers_up(sock_path: Path, backend: str) -> list[str]:

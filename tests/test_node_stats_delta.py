@@ -163,36 +163,92 @@ def test_seq_gap_asks_for_a_full_snapshot_and_full_replaces_the_table():
     assert set(st.queues()) == {("/", "d")}
 
 
-def test_reporter_sends_changes_and_removals_and_full_on_request():
+class _Q:
+    """A queue as the stats' generic path reads it (info() and counters)."""
+
+    def __init__(self, name: str, messages: int = 0) -> None:
+        from types import SimpleNamespace
+
+        self.vhost, self.name = "/", name
+        self.messages = messages
+        self.store = SimpleNamespace(ready_bytes=0, n_redelivered=0)
+        self.unacked, self.consumers = {}, []
+        self.n_published = self.n_delivered = self.n_acked = 0
+
+    def info(self) -> dict:
+        return {"messages": self.messages}
+
+
+def _worker(*names: str):
     from types import SimpleNamespace
 
-    from shard.stats import StatsReporter, SyncHistogram
+    from shard.stats import SyncHistogram
 
-    class Q:  # a queue as the generic path reads it (info() and counters)
-        def __init__(self, messages: int = 0) -> None:
-            self.messages = messages
-            self.store = SimpleNamespace(ready_bytes=0, n_redelivered=0)
-            self.unacked, self.consumers = {}, []
-            self.n_published = self.n_delivered = self.n_acked = 0
+    return SimpleNamespace(queues={("/", n): _Q(n) for n in names}, sync_histogram=SyncHistogram(),
+                           dead_letters=SimpleNamespace(pending={}))
 
-        def info(self) -> dict:
-            return {"messages": self.messages}
 
-    worker = SimpleNamespace(queues={("/", "a"): Q(), ("/", "b"): Q()}, sync_histogram=SyncHistogram(),
-                             dead_letters=SimpleNamespace(pending={}))
+def test_reporter_sends_changes_and_removals_and_full_on_request():
+    from shard.stats import StatsReporter
+
+    worker = _worker("a", "b")
     rep = StatsReporter()
     first = rep.report(worker)
     assert first["full"] and first["seq"] == 1 and len(first["queues"]) == 2
     assert rep.report(worker)["queues"] == []
-    worker.queues[("/", "a")].messages = 3
+    a = worker.queues[("/", "a")]
+    a.messages = 3
+    a.n_published = 3
+    rep.touched.add(a)
+    rep.touched.add(worker.queues[("/", "b")])  # touched but unchanged: no row
     second = rep.report(worker)
     assert [r[1] for r in second["queues"]] == ["a"] and second["removed"] == []
+    assert second["totals"][0] == 3  # published, summed over the rows
     # one queue gone and one new in the same interval (same count): both are reported
     del worker.queues[("/", "b")]
-    worker.queues[("/", "c")] = Q()
+    rep.gone(("/", "b"))
+    worker.queues[("/", "c")] = c = _Q("c")
+    c.n_published = 2
+    rep.touched.add(c)
     third = rep.report(worker)
     assert [r[1] for r in third["queues"]] == ["c"] and third["removed"] == [["/", "b"]]
+    assert third["totals"][0] == 5
+    # a queue deleted and declared again under its name before the report: its row, not a removal
+    worker.queues[("/", "a")] = a2 = _Q("a")
+    rep.gone(("/", "a"))
+    rep.touched.add(a2)
+    fourth = rep.report(worker)
+    assert [r[1] for r in fourth["queues"]] == ["a"] and fourth["removed"] == []
+    assert fourth["totals"][0] == 2  # the old "a"'s publishes left the sums with it
     rep.full_next = True  # what QUERY "stats_full" sets
     full = rep.report(worker)
     assert full["full"] and sorted(r[1] for r in full["queues"]) == ["a", "c"] and full["removed"] == []
-    assert full["rows_sent"] == 2 + 1 + 1 + 2 and full["seq"] == 5
+    assert full["rows_sent"] == 2 + 1 + 1 + 1 + 2 and full["seq"] == 6 and full["totals"][0] == 2
+
+
+def test_reporter_reads_only_the_touched_queues_and_its_check_names_a_missed_change(caplog):
+    from shard.stats import StatsReporter
+
+    worker = _worker(*(f"q{i}" for i in range(1000)))
+    rep = StatsReporter(check=True)
+    rep.report(worker)
+    reads = []
+    for queue in worker.queues.values():  # count what a report reads
+        queue.info = (lambda x=queue: reads.append(x.name) or {"messages": x.messages})
+    q5 = worker.queues[("/", "q5")]
+    q5.messages = 1
+    pending = {q5}  # marked for the next delivery pass: read as touched
+    with caplog.at_level("ERROR", logger="shardmq.shard"):
+        out = rep.report(worker, pending)
+        assert [r[1] for r in out["queues"]] == ["q5"]
+        assert "stats check failed" not in caplog.text
+        worker.queues[("/", "q7")].messages = 4  # changed, and nobody told the reporter
+        out = rep.report(worker)
+    assert out["queues"] == []
+    assert "stats check failed" in caplog.text and "'q7'" in caplog.text
+    # without the check, a report reads only the queues it was given
+    rep.check = False
+    reads.clear()
+    rep.touched.add(q5)
+    rep.report(worker)
+    assert reads == ["q5"]

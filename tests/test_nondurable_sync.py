@@ -7,12 +7,12 @@ tests/test_confirms.py); the store-level check of "no fsync at all" is in tests/
 from __future__ import annotations
 
 import os
-import time
 
 import pika
 
 from broker.datadir import DELAYED_DIR, name_hash
 from shard.synced_mark import NAME as SYNCED_MARK
+from tests.harness import wait_until
 from tests.helpers import uid, wait_count
 
 PERSISTENT = pika.BasicProperties(delivery_mode=2)
@@ -23,10 +23,7 @@ def _mark(data: str, vhost: str, name: str, under: str = "") -> str:
 
 
 def _wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+    wait_until(predicate, timeout, what, 0.05)
 
 
 def test_a_non_durable_queue_is_never_synced_and_survives_a_killed_shard(node_factory):

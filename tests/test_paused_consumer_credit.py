@@ -22,6 +22,7 @@ from frontend.ws import HIGH_WATER
 from tests.harness import free_port
 from tests.mgmt_api import Api
 from tests.raw_mqtt import RawMQTT
+from tests.test_frontend_stats_delta import reports_after
 from tests.test_ws_backpressure import WSAMQP, WSClient
 
 pytestmark = pytest.mark.integration
@@ -99,8 +100,8 @@ def _flood_and_check(node, publish, ch, queue: str, paused_at: int) -> int:
     while time.monotonic() < deadline:
         assert _ready(ch, queue) == total - delivered, (total, delivered, _ready(ch, queue))
         time.sleep(0.1)
-    # Two stats intervals later the frontend's buffer for the client is within the bound.
-    time.sleep(0.3)
+    # Two stats reports later the frontend's buffer for the client is within the bound.
+    reports_after(node, 2)
     pend = _send_pend(api)
     assert pend <= BOUND, f"the frontend holds {pend} bytes for a paused consumer (bound {BOUND})"
     return total
@@ -245,7 +246,7 @@ def test_every_consumer_of_a_paused_connection_gives_its_credit_back(node_factor
         for q in queues:
             assert _ready(ch, q) == sent[q] - before[q], (q, sent, before, _ready(ch, q))
         time.sleep(0.1)
-    time.sleep(0.3)
+    reports_after(node, 2)  # the frontend's reports since the flood
     pend = _send_pend(Api(node.http_port))
     assert pend <= BOUND, f"the frontend holds {pend} bytes for a paused connection (bound {BOUND})"
 
@@ -301,7 +302,7 @@ def test_a_consumer_that_never_reads_starting_on_a_full_queue_is_sent_no_window(
     client.open()
     client.send(1, commands.Basic.Consume(queue=queue, consumer_tag="never", no_ack=True))
     left = total - _until_still(ch, queue)
-    time.sleep(0.3)  # two stats intervals
+    reports_after(node, 2)  # the frontend's reports since the queue settled
     pend = _send_pend(Api(node.http_port))
     assert pend <= BOUND, f"the frontend holds {pend} bytes for a consumer that never read (bound {BOUND})"
     assert left < total, "nothing was delivered"

@@ -19,8 +19,10 @@ data = st.binary(max_size=3000)
 u64 = st.integers(0, 2**63 - 1)
 
 events = st.one_of(
-    st.builds(p.Hello, st.just(p.VERSION), st.text(max_size=20), st.text(max_size=20), st.binary(min_size=16, max_size=16)),
-    st.builds(p.Challenge, st.just(p.VERSION), st.binary(max_size=16), st.binary(max_size=32)),
+    st.builds(p.Hello, st.just(p.VERSION), st.text(max_size=20), st.text(max_size=20), st.binary(min_size=16, max_size=16),
+              st.sampled_from([0.0, 0.25, 2.0])),
+    st.builds(p.Challenge, st.just(p.VERSION), st.binary(max_size=16), st.binary(max_size=32),
+              st.sampled_from([0.0, 0.25, 2.0])),
     st.builds(p.Auth, st.binary(max_size=32)),
     st.builds(p.Welcome, st.lists(st.text(max_size=10), max_size=5), st.text(max_size=10)),
     st.builds(p.Refused, st.text(max_size=40)),
@@ -34,6 +36,7 @@ events = st.one_of(
     st.builds(p.Replace, paths, data),
     st.builds(p.Delete, paths),
     st.builds(p.Ack, u64, st.booleans()),
+    st.builds(p.Heartbeat),
 )
 
 
@@ -94,6 +97,9 @@ def test_corrupt_file_chunk_is_refused():
     struct.pack("<IB", 5, p.ACK) + b"abcd",  # short ack
     struct.pack("<IB", 3, p.HELLO) + b"\xc1\xc1",  # not msgpack
     struct.pack("<IB", 2, p.SYNC_DONE) + b"\x01",  # msgpack but not a map
+    struct.pack("<IB", 2, p.HEARTBEAT) + b"\x00",  # a heartbeat has no payload
+    p._control(p.HELLO, {"v": 1, "name": "n", "stream": "node", "nonce": b"x" * 16, "hb": -1.0}),
+    p._control(p.CHALLENGE, {"v": 1, "nonce": b"x", "proof": b"y", "hb": "soon"}),
 ])
 def test_malformed_frames(frame):
     with pytest.raises(p.ProtocolError):
@@ -128,6 +134,38 @@ def test_handshake_proofs():
     # the secret itself never appears in any handshake frame
     frames = (p.encode_hello("n2", "shard-0", nf) + p.encode_challenge(nl, lp) + p.encode_auth(fp))
     assert secret not in frames
+
+
+def test_heartbeats_are_announced_only_when_on_and_the_version_stays_1():
+    """A node with heartbeats off sends the handshake of a node that has none, byte for byte; with
+    them on it adds only the "hb" key (an older node reads the keys it knows and ignores it), so a
+    mixed-version cluster still shakes hands, without heartbeats on the older nodes' links."""
+    import msgpack
+
+    nonce = b"n" * 16
+    off = msgpack.unpackb(p.encode_hello("n2", "node", nonce)[p.HEADER_SIZE:])
+    assert off == {"v": 1, "name": "n2", "stream": "node", "nonce": nonce}
+    on = msgpack.unpackb(p.encode_hello("n2", "node", nonce, 2.0)[p.HEADER_SIZE:])
+    assert on == {**off, "hb": 2.0} and p.VERSION == 1
+    challenge = msgpack.unpackb(p.encode_challenge(nonce, b"proof", 0.5)[p.HEADER_SIZE:])
+    assert challenge == {"v": 1, "nonce": nonce, "proof": b"proof", "hb": 0.5}
+    # What an older node sends decodes as "no heartbeats".
+    (hello,) = p.Decoder().feed(p._control(p.HELLO, off))
+    assert hello.heartbeat == 0.0
+    assert p.encode_heartbeat() == struct.pack("<IB", 1, p.HEARTBEAT)
+
+
+def test_heartbeat_frames_are_read_in_place_between_actions():
+    buf = p.FrameBuffer(64)
+    raw = p.encode_heartbeat() + p.encode_delete("q/x") + p.encode_heartbeat()
+    buf.writable()[:len(raw)] = raw
+    buf.received(len(raw))
+    kinds = []
+    while (fr := buf.next_frame()) is not None:
+        kinds.append(fr[0])
+        ev = buf.event(*fr)
+        assert isinstance(ev, p.Heartbeat) == (fr[0] == p.HEARTBEAT)
+    assert kinds == [p.HEARTBEAT, p.DELETE, p.HEARTBEAT] and p.HEARTBEAT not in p.ACTION_KINDS
 
 
 @SETTINGS

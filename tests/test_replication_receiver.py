@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 
 from replication import protocol as p
 from replication import receiver as rmod
 from replication.files import CrcCache, make_durable
+from tests.harness import async_wait_until
 
 
 class _AckSink:
@@ -51,11 +53,7 @@ def test_overlapping_syncs_ack_in_order_and_only_what_is_durable(tmp_path, monke
         rec.synced = True
 
         async def until(pred, what: str) -> None:
-            for _ in range(500):
-                if pred():
-                    return
-                await asyncio.sleep(0.01)
-            raise AssertionError(f"timed out waiting for {what}")
+            await async_wait_until(pred, 5, what)
 
         def append(offset: int, data: bytes) -> int:
             frame = p.encode_append("q/msgs.0000000001", offset, data)
@@ -71,8 +69,12 @@ def test_overlapping_syncs_ack_in_order_and_only_what_is_durable(tmp_path, monke
         await until(lambda: len(gates) == 2, "two syncs in flight")
         assert rec.acked == 0 and sink.acks == []
 
-        gates[1].set()  # the second batch is durable first: nothing may be acked before the first
-        await asyncio.sleep(0.2)
+        # The second batch is durable first: nothing may be acked before the first. Callbacks run in
+        # the order they were added: once ours has, the receiver's own (_synced) has run too.
+        second_done = asyncio.Event()
+        rec._inflight[1][0].add_done_callback(lambda _f: second_done.set())
+        gates[1].set()
+        await asyncio.wait_for(second_done.wait(), 10)
         assert sink.acks == [] and rec.acked == 0
 
         gates[0].set()  # now both: one ack for the newer position
@@ -101,3 +103,75 @@ def test_make_durable_with_several_files_syncs_and_closes_them(tmp_path) -> None
             continue
         raise AssertionError("make_durable left an fd open")
     assert [(tmp_path / f"f{i}").read_bytes() for i in range(3)] == [bytes([i]) * 5000 for i in range(3)]
+
+
+def _fake_leader(secret: bytes, heartbeat: float, received: list):
+    """A leader that shakes hands (announcing ``heartbeat``, 0 = as a node without heartbeats does),
+    lists no files and then says nothing; what the follower sends lands in ``received``."""
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        dec = p.Decoder()
+        pending: list = []
+
+        async def next_event():
+            while not pending:
+                data = await reader.read(65536)
+                if not data:
+                    raise ConnectionError("closed")
+                pending.extend(dec.feed(data))
+            return pending.pop(0)
+        try:
+            hello = await next_event()
+            nonce_l = p.new_nonce()
+            writer.write(p.encode_challenge(nonce_l, p.leader_proof(secret, hello.stream, hello.nonce, nonce_l),
+                                            heartbeat))
+            await next_event()  # AUTH
+            writer.write(p.encode_welcome(["node"], "old") + p.encode_file_list([], []))
+            received.append(hello)
+            while True:
+                received.append(await next_event())
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+    return serve
+
+
+def test_a_silent_leader_that_announced_heartbeats_times_out_and_an_older_one_never_does(tmp_path) -> None:
+    """Against a leader that announced heartbeats and then sends nothing (hung, or the network path
+    gone), the receiver sends its own heartbeats and ends the stream with HeartbeatTimeout after the
+    timeout. Against a leader of a version without heartbeats (no "hb" in its CHALLENGE) it sends
+    none (that leader would not know the frame) and never times out: replication works as before."""
+    secret = b"s"
+    hb, timeout = 0.1, 0.5
+
+    async def scenario(leader_hb: float) -> tuple[list, BaseException | None, float]:
+        received: list = []
+        server = await asyncio.start_server(_fake_leader(secret, leader_hb, received), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        rec = rmod.StreamReceiver(str(tmp_path), secret, "n2", "node", CrcCache(), 5.0, hb, timeout)
+        t0 = time.monotonic()
+        task = asyncio.get_running_loop().create_task(rec.run("127.0.0.1", port))
+        done, _ = await asyncio.wait([task], timeout=4 * timeout)
+        elapsed = time.monotonic() - t0
+        if not done:
+            task.cancel()
+        error = None
+        try:
+            await task
+        except (asyncio.CancelledError, Exception) as exc:  # noqa: BLE001 - returned to the test
+            error = exc
+        server.close()
+        await server.wait_closed()
+        return received, error, elapsed
+
+    received, error, elapsed = asyncio.run(scenario(hb))
+    assert isinstance(error, rmod.HeartbeatTimeout), error
+    assert "nothing from old on stream node for" in str(error)
+    assert timeout * 0.9 <= elapsed < 4 * timeout
+    assert received[0].heartbeat == hb  # announced in HELLO
+    assert sum(isinstance(ev, p.Heartbeat) for ev in received) >= 2, received
+
+    received, error, _elapsed = asyncio.run(scenario(0.0))
+    assert isinstance(error, asyncio.CancelledError), error  # still running after 4 timeouts
+    assert isinstance(received[1], p.FileRequest)
+    assert not any(isinstance(ev, p.Heartbeat) for ev in received), received

@@ -105,3 +105,88 @@ def test_appends_coalesce_per_run_and_keep_their_order_across_files(tmp_path) ->
             assert sender.seq == sum(e.size for e in evs)
 
     asyncio.run(scenario())
+
+
+def test_heartbeats_go_to_idle_followers_that_announced_them_and_a_silent_one_is_dropped(tmp_path) -> None:
+    """Three followers: one that announced heartbeats and sends its own, one that announced them and
+    then falls silent (a hung process, a dead host), one of an older version (announced none). The
+    first gets HEARTBEAT while the stream is idle and none while data flows; the silent one is
+    dropped after the heartbeat timeout and no sooner; the old one gets no HEARTBEAT (it would not
+    know the kind) and is never dropped for silence."""
+    root = tmp_path / "data"
+    (root / "q").mkdir(parents=True)
+    hb, timeout = 0.2, 1.0
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        sender = smod.StreamSender(loop, str(root), "shard-0", lambda: ["q"], heartbeat=hb, heartbeat_timeout=timeout)
+        ends, decs, got = {}, {}, {}
+        for name, announced in (("live", hb), ("silent", hb), ("old", 0.0)):
+            leader_end, ends[name] = socket.socketpair()
+            ends[name].setblocking(False)
+            decs[name] = p.Decoder()
+            sender.attach_socket(leader_end, name, announced)
+            got[name] = await _frames_until(ends[name], decs[name], lambda g: g)
+            assert isinstance(got[name][0], p.FileList)
+        t_attached = time.monotonic()
+        received: dict[str, list[tuple[float, object]]] = {n: [] for n in ends}
+        closed: dict[str, float] = {}
+
+        async def follower(name: str, answer: bool) -> None:
+            next_beat = time.monotonic()
+            while name not in closed:
+                if answer and time.monotonic() >= next_beat:
+                    await loop.sock_sendall(ends[name], p.encode_heartbeat())
+                    next_beat += hb
+                try:
+                    data = await asyncio.wait_for(loop.sock_recv(ends[name], 1 << 16), 0.05)
+                except TimeoutError:
+                    continue
+                except OSError:
+                    data = b""
+                if not data:
+                    closed[name] = time.monotonic()
+                    return
+                received[name].extend((time.monotonic(), ev) for ev in decs[name].feed(data))
+
+        tasks = [loop.create_task(follower("live", True)), loop.create_task(follower("silent", False)),
+                 loop.create_task(follower("old", False))]
+        try:
+            # Idle for a while: heartbeats to "live", the silent one dropped.
+            deadline = time.monotonic() + 10
+            while "silent" not in closed and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert "silent" in closed, "the silent follower was never dropped"
+            assert closed["silent"] - t_attached >= timeout * 0.9
+            assert "silent" not in sender.links
+            # Busy: a write every 50 ms, never a heartbeat in between.
+            path = str(root / "q" / "msgs")
+            writes = []
+            for i in range(20):
+                sender.append(path, i, b"x")
+                writes.append(time.monotonic())
+                await asyncio.sleep(0.05)
+            # Idle again: heartbeats resume (waited for with a deadline).
+            deadline = time.monotonic() + 10
+            while (not any(t > writes[-1] and isinstance(ev, p.Heartbeat) for t, ev in received["live"])
+                   and time.monotonic() < deadline):
+                await asyncio.sleep(0.05)
+            attached = set(sender.links)
+        finally:
+            closed.update({n: time.monotonic() for n in ends})
+            await asyncio.gather(*tasks, return_exceptions=True)
+            sender.close()
+            for end in ends.values():
+                end.close()
+        beats = {n: [t for t, ev in received[n] if isinstance(ev, p.Heartbeat)] for n in ends}
+        assert len([t for t in beats["live"] if t < writes[0]]) >= 2, beats["live"]
+        # While data flows nothing else is sent: a heartbeat only after a whole check period without a
+        # write (this loop held up on a loaded machine), never more of them than such gaps.
+        gaps = sum(b - a >= smod._CHECK_S for a, b in zip(writes, writes[1:], strict=False))
+        busy = [t for t in beats["live"] if writes[0] + smod._CHECK_S < t < writes[-1]]
+        assert len(busy) <= gaps, (busy, writes)
+        assert [t for t in beats["live"] if t > writes[-1]], "no heartbeat once idle again"
+        assert beats["old"] == [] and attached == {"live", "old"}
+        assert sum(isinstance(ev, p.Append) for _t, ev in received["old"]) > 0
+
+    asyncio.run(scenario())

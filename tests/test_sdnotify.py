@@ -126,19 +126,21 @@ def test_status_line_follows_changes_after_ready():
     sock.bind(path)
     role = ["following"]
 
-    async def run() -> None:
+    async def run() -> list[bytes]:
+        loop = asyncio.get_running_loop()
         notifier = Notifier(path)
         notifier.start(lambda: True, lambda: role[0])
-        await asyncio.sleep(0.3)
-        role[0] = "serving"
-        await asyncio.sleep(1.5)
-        notifier.close()
+        try:
+            got = [await asyncio.wait_for(loop.sock_recv(sock, 100), 10)]
+            role[0] = "serving"  # after READY went out: the change comes as a STATUS of its own
+            got.append(await asyncio.wait_for(loop.sock_recv(sock, 100), 10))
+            return got
+        finally:
+            notifier.close()
 
     try:
-        asyncio.run(run())
-        sock.settimeout(5)
-        assert sock.recv(100) == b"READY=1\nSTATUS=following"
-        assert sock.recv(100) == b"STATUS=serving"
+        sock.setblocking(False)
+        assert asyncio.run(run()) == [b"READY=1\nSTATUS=following", b"STATUS=serving"]
     finally:
         sock.close()
         os.unlink(path)

@@ -19,6 +19,7 @@ from broker.definitions import Definitions
 from broker.defs_fence import FenceWord
 from broker.unixio import UnixRouter
 from shard.worker import ShardWorker
+from tests.harness import async_wait_until
 
 
 @pytest.mark.parametrize("transport", ["unix", "zmq"])
@@ -38,26 +39,24 @@ def test_a_publish_sent_before_the_snapshot_is_stored_and_confirmed(tmp_path, mo
         node = UnixRouter(loop, contract.node_stream_path(str(run_dir)),
                           lambda ident, _header, items: from_shard.put_nowait((ident, items)))
         answers: list = []
-        # The frontend's publish lane, created before the shard listens (its batch waits until it does).
+        # The frontend's publish lane, created and written to before the shard exists (its batch waits
+        # until the shard listens).
         fe = data_sockets.shard_connection(loop, str(run_dir), 0, contract.worker_id("frontend", 0),
                                            lambda _ident, _header, items: answers.extend(items),
                                            lambda _dest: [epoch, 1])
         fe.put(None, [contract.PUBLISH, "/", ["q"], "", "q", b"\x00\x00", b"early", True, 1, 1, 7])
-        await asyncio.sleep(0.05)
         FenceWord(str(run_dir))  # the node creates the definitions fence before it spawns workers
         shard = ShardWorker(0, str(run_dir), loop)
         start = loop.create_task(shard.start())
         ident, items = await asyncio.wait_for(from_shard.get(), 10)
         assert items[0][0] == contract.HELLO
-        await asyncio.sleep(0.3)  # the shard has read the early batch by now
+        # The SNAPSHOT goes only once the shard holds the early batch (what the test is about).
+        await async_wait_until(lambda: shard._early, 10, "the early batch at the shard")
         settings = {"data_dir": str(data_dir), "segment_size": 1 << 20, "sync": "fsync", "shards": 1,
                     "consumer_timeout": 0}
         node.send_now(ident, [[contract.SNAPSHOT, defs.version, defs.to_dict(), {0: epoch}, settings]])
         await asyncio.wait_for(start, 10)
-        deadline = loop.time() + 10
-        while not any(a[0] == contract.CONFIRM for a in answers):
-            assert loop.time() < deadline, f"no confirm: {answers}"
-            await asyncio.sleep(0.01)
+        await async_wait_until(lambda: any(a[0] == contract.CONFIRM for a in answers), 10, "a confirm")
         await shard.stop()
         fe.close()
         node.close()

@@ -16,6 +16,7 @@ import uvloop
 from broker import contract
 from broker.turn_batch import MAX_BATCH_ITEMS
 from broker.unixio import UnixDealer, UnixRouter
+from tests.harness import async_wait_until
 
 
 def run(scenario: Callable) -> None:
@@ -24,10 +25,7 @@ def run(scenario: Callable) -> None:
 
 
 async def until(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.005)
+    await async_wait_until(cond, timeout, what)
 
 
 class Inbox:
@@ -166,6 +164,36 @@ def test_big_frames_and_a_flood_arrive_whole_and_in_order(path):
         assert inbox.items[0][2] == big
         assert [item[1] for item in inbox.items] == list(range(n + 1))
         assert max(len(items) for _i, _h, items in inbox.batches) == MAX_BATCH_ITEMS
+        dealer.close()
+        router.close()
+
+    run(scenario)
+
+
+def test_a_read_buffer_grown_for_a_big_frame_shrinks_when_idle_and_frames_still_arrive_whole(path, monkeypatch):
+    """A worker kept the 7 MB buffer its boot SNAPSHOT grew for good; now it goes back to the
+    starting size once empty for a while, and later frames, big ones too, still arrive whole."""
+    from broker import unixio
+
+    monkeypatch.setattr(unixio, "_SHRINK_AFTER_S", 0.05)
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        inbox = Inbox()
+        router = UnixRouter(loop, path, inbox)
+        dealer = UnixDealer(loop, path, b"fe-0", Inbox())
+        big = bytes(range(256)) * (3 * 4096)  # 3 MiB
+        dealer.put(None, [contract.PUBLISH, 0, big])
+        await until(lambda: len(inbox.items) == 1, "the big frame")
+        (stream,) = router._streams
+        assert len(stream._buf) > unixio._KEEP_BUFFER
+        await until(lambda: len(stream._buf) == unixio._READ_BUFFER, "the buffer to shrink")
+        for i in range(1, 4):
+            dealer.put(None, [contract.PUBLISH, i, big if i == 2 else b"small"])
+            await asyncio.sleep(0)
+        await until(lambda: len(inbox.items) == 4, "the later frames")
+        assert [item[2] for item in inbox.items[1:]] == [b"small", big, b"small"]
+        await until(lambda: len(stream._buf) == unixio._READ_BUFFER, "the buffer to shrink again")
         dealer.close()
         router.close()
 

@@ -17,7 +17,7 @@ import pytest
 from broker.amqp import encoder, events
 from broker.definitions import queue_shard
 from loadtest.amqp_client import AMQPClient, AMQPClosed
-from tests.harness import Node
+from tests.harness import Node, wait_until
 
 # Queue names are picked per shard by their crc32 (tests/helpers.py): nodes place by name.
 QUEUE_PLACEMENT = "hash"
@@ -58,13 +58,6 @@ def drain_ids(node: Node, queue: str) -> list[bytes]:
         out.append(body)
     conn.close()
     return out
-
-
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 class ConfirmPublisher(threading.Thread):
