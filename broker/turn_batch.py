@@ -66,6 +66,31 @@ class TurnBatcher:
             self._scheduled = True
             self.loop.call_soon(self.flush)
 
+    def put_many(self, dest: bytes | None, new: list) -> None:
+        """``put`` of each of ``new``'s items in order, in one call (a shard's delivery run): batches
+        are cut where single puts would cut them."""
+        if not new:
+            return
+        pending = self._pending
+        items = pending.get(dest)
+        if items is None:
+            items = pending[dest] = []
+        start, total = 0, len(new)
+        while True:
+            room = MAX_BATCH_ITEMS - len(items) - (self._extra.get(dest, 0) if self._extra else 0)
+            if total - start < room:
+                items.extend(new[start:] if start else new)
+                break
+            items.extend(new[start : start + room])
+            start += room
+            self._send_batch(dest)
+            if start == total:
+                break
+            items = pending[dest] = []
+        if not self._scheduled:
+            self._scheduled = True
+            self.loop.call_soon(self.flush)
+
     def put_weighted(self, dest: bytes | None, item: list, weight: int) -> None:
         """An item that stands for ``weight`` items (a PUBLISH_RUN of that many messages): a batch
         goes out once it holds MAX_BATCH_ITEMS of weight, as one of single items does, so whatever

@@ -73,6 +73,7 @@ class ThroughputOptions:
     exchange: str = ""
     exchange_type: str = "direct"
     routing_key: str = ""
+    routing_key_count: int = 1  # >1: publish round robin over this many keys, all bound to the queue
     queue: str = "perf-test"
     queues: int = 1
     queue_args: dict[str, Any] = field(default_factory=dict)
@@ -103,6 +104,10 @@ class ThroughputOptions:
             raise ValueError("--verify needs publishers and consumers")
         if self.queues < 1:
             raise ValueError("--queues must be >= 1")
+        if self.routing_key_count < 1:
+            raise ValueError("--routing-key-count must be >= 1")
+        if self.routing_key_count > 1 and not self.exchange:
+            raise ValueError("--routing-key-count needs --exchange (the default exchange routes by queue name)")
         if not self.time_s and not self.pmessages and not self.cmessages:
             self.time_s = 10.0  # every run is bounded
 
@@ -115,6 +120,15 @@ class ThroughputOptions:
         """(exchange, routing key) publisher ``idx`` publishes to."""
         q = self.queue_names()[idx % self.queues]
         return self.exchange, self.routing_key or q
+
+    def routing_keys(self, key: str) -> list[str]:
+        """The keys a publisher whose routing key is ``key`` takes turns over (all of one length, told
+        apart by a zero-padded number in front, so they end alike: per-device or RPC-style keys)."""
+        n = self.routing_key_count
+        if n == 1:
+            return [key]
+        width = len(str(n - 1))
+        return [f"{i:0{width}d}.{key}" for i in range(n)]
 
     def params(self) -> dict[str, Any]:
         return asdict(self)
@@ -252,11 +266,15 @@ def _publisher(idx: int, base: int, o: ThroughputOptions, sh: _Shared) -> dict[s
         if o.confirm:
             client.confirm_select()
         exchange, rk = o.publish_target(idx)
+        keys = [k.encode() for k in o.routing_keys(rk)]
         props = PERSISTENT_PROPS if o.persistent else TRANSIENT_PROPS
         marker = bytes(range(1, 17))[: min(16, o.size)]
         body = marker + bytes(o.size - len(marker))
-        one = encoder.encode_publish(1, exchange, rk, False, props, body, client.frame_max)
+        one = encoder.encode_publish(1, exchange, keys[0].decode(), False, props, body, client.frame_max)
         step = len(one)
+        # Message i of the stream has keys[i % len(keys)], written over the first key in place (same length).
+        key_at = one.index(keys[0], 7) if len(keys) > 1 else -1
+        key_len = len(keys[0])
         body_at = one.index(marker) if o.size >= 8 else -1
         batch = max(1, min(1000, (1 << 20) // step))
         if o.confirm:
@@ -300,6 +318,11 @@ def _publisher(idx: int, base: int, o: ThroughputOptions, sh: _Shared) -> dict[s
                     break
                 n = min(n, room)
             now = time.monotonic_ns()
+            if key_at >= 0:
+                nkeys = len(keys)
+                for i in range(n):
+                    at = i * step + key_at
+                    buf[at : at + key_len] = keys[(seq + i) % nkeys]
             if o.size >= 16:
                 for i in range(n):
                     stamp2(buf, offs[i], now, ident | (seq + i))
@@ -621,7 +644,8 @@ class ThroughputRun:
             if not existed:
                 self.created_queues.append(q)
             if o.exchange:
-                c.queue_bind(q, o.exchange, o.routing_key or q)
+                for key in o.routing_keys(o.routing_key or q):
+                    c.queue_bind(q, o.exchange, key)
 
     def _cleanup(self, c: AMQPClient) -> None:
         if self.o.keep:

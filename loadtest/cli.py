@@ -46,6 +46,9 @@ def _throughput_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exchange", default="", help="exchange to publish to (default: the default exchange)")
     p.add_argument("--exchange-type", default="direct", help="type when the tool declares --exchange")
     p.add_argument("--routing-key", default="", help="routing key (default: the queue name)")
+    p.add_argument("--routing-key-count", type=int, default=1, metavar="N",
+                   help="publish round robin over N routing keys of one length (0.KEY .. N-1.KEY, zero-padded), "
+                        "all bound to the publisher's queue; needs --exchange (default 1: the routing key)")
     p.add_argument("--queue", default="perf-test", help="queue name (default perf-test)")
     p.add_argument("--queues", type=int, default=1, help="spread over N queues NAME-1..NAME-N (default 1)")
     p.add_argument("--queue-args", type=json.loads, default={}, metavar="JSON", help="queue.declare arguments")
@@ -196,8 +199,8 @@ def _throughput_opts(args: argparse.Namespace) -> Any:
         uri=args.uri, publishers=args.publishers, consumers=args.consumers, size=args.size,
         persistent=args.persistent, confirm=args.confirm, ack_every=args.ack_every, prefetch=args.prefetch,
         exchange=args.exchange, exchange_type=args.exchange_type, routing_key=args.routing_key,
-        queue=args.queue, queues=args.queues, queue_args=args.queue_args, rate=args.rate,
-        consume_rate=args.consume_rate, pmessages=args.pmessages, cmessages=args.cmessages,
+        routing_key_count=args.routing_key_count, queue=args.queue, queues=args.queues, queue_args=args.queue_args,
+        rate=args.rate, consume_rate=args.consume_rate, pmessages=args.pmessages, cmessages=args.cmessages,
         time_s=args.time_s, verify=args.verify, keep=args.keep, trace_stages=args.trace_stages)
 
 

@@ -156,6 +156,66 @@ class Queue:
                 return True
         return False
 
+    def deliver_unstored_run(self, put_many: Callable[[bytes, list], None], exchange: str, routing_key: str,
+                             props_raw: bytes, bodies: list) -> int:
+        """deliver_unstored for each of a PUBLISH_RUN's bodies in order while it succeeds: how many went.
+
+        The DELIVER items are built in one loop and handed to the batcher at once per frontend, the
+        consumer's credit and the queue's counters updated once. It stops where the round-robin's next
+        consumer cannot take a body (credit used up, inactive: deliver_unstored would return False) or
+        acks manually (deliver_unstored holds those, body by body); the caller hands the rest to
+        deliver_unstored or the store, in order, so they follow these."""
+        consumers = self.consumers
+        qid = self.qid
+        if len(consumers) == 1:
+            c = consumers[0]
+            credit = c.credit
+            if not c.no_ack or not c.active or credit <= 0:
+                return 0
+            conn_id, channel, tag = c.conn_id, c.channel, c.tag
+            items: list = []
+            append = items.append
+            for body in bodies:
+                append([_DELIVER, conn_id, channel, tag, qid, 0, False, exchange, routing_key, props_raw, body])
+                credit -= 1 + (len(body) >> _CREDIT_SHIFT)
+                if credit <= 0:
+                    break
+            c.credit = credit
+            self._rr = 1
+            put_many(c.fe, items)
+            took = len(items)
+        else:
+            took = 0
+            n = len(consumers)
+            i = self._rr
+            by_fe: dict[bytes, list] = {}
+            for body in bodies:
+                for _ in range(n):
+                    if i >= n:
+                        i = 0
+                    c = consumers[i]
+                    i += 1
+                    if c.can_take():
+                        break
+                else:
+                    break
+                if not c.no_ack:
+                    break
+                self._rr = i
+                c.credit -= 1 + (len(body) >> _CREDIT_SHIFT)
+                item = [_DELIVER, c.conn_id, c.channel, c.tag, qid, 0, False, exchange, routing_key, props_raw, body]
+                items = by_fe.get(c.fe)
+                if items is None:
+                    by_fe[c.fe] = [item]
+                else:
+                    items.append(item)
+                took += 1
+            for fe, items in by_fe.items():
+                put_many(fe, items)
+        self.n_delivered += took
+        self.n_deliver_no_ack += took
+        return took
+
     def materialize(self) -> None:
         """Store the held messages, in the order they were delivered, as delivered and unacked ones.
 

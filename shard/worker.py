@@ -757,44 +757,71 @@ class ShardWorker:
         confirmed: list[int] = []
         nacked: list[int] = []
         synced: list[int] = []
-        seq = first
-        for body in bodies:
-            rejected = needs_sync = False
+        n_bodies = len(bodies)
+        # Delivery runs: an empty plain queue with a no-ack consumer waiting takes the run's first bodies
+        # at once (Queue.deliver_unstored_run, what deliver_unstored does body by body for no-ack
+        # consumers); below, each body goes to the queues that did not take it, as before. Segments
+        # [a, b) of bodies with the same queues left; without delivery runs, one segment of all
+        # bodies and all queues.
+        segments: list = [(0, n_bodies, found)]
+        if not persistent:
+            took = None
             for i, q in enumerate(found):
-                if q.deleted:  # replaced (upgraded) or deleted since the run began: as PUBLISH would find it
-                    q = queues.get((q.vhost, q.name))
-                    if q is None or q.deleted:
-                        continue
-                    found[i] = q
-                try:
-                    if q.__class__ is Queue:
-                        if (not persistent and not q.store.ready and q.consumers and q.groups is None
-                                and q.deliver_unstored(self.data.put, exchange, routing_key, props_raw, body, ts)):
-                            q.n_published += 1  # not dirty: nothing ready (see _publish)
+                if q.__class__ is Queue and not q.store.ready and q.consumers and q.groups is None:
+                    n = q.deliver_unstored_run(self.data.put_many, exchange, routing_key, props_raw, bodies)
+                    if n:
+                        q.n_published += n  # not dirty: nothing ready (see _publish)
+                        if took is None:
+                            took = [0] * len(found)
+                        took[i] = n
+            if took is not None:
+                cuts = sorted({0, n_bodies, *took})
+                segments = [(a, b, [q for q, t in zip(found, took, strict=True) if t <= a])
+                            for a, b in zip(cuts, cuts[1:], strict=False)]
+        seq = first
+        for a, b, left in segments:
+            if not left:  # every queue took these bodies: confirmed (transient, delivered)
+                if first is not None:
+                    confirmed.extend(range(seq, seq + b - a))
+                    seq += b - a
+                continue
+            for body in (bodies if b - a == n_bodies else bodies[a:b]):
+                rejected = needs_sync = False
+                for i, q in enumerate(left):
+                    if q.deleted:  # replaced (upgraded) or deleted since the run began: as PUBLISH would find it
+                        q = queues.get((q.vhost, q.name))
+                        if q is None or q.deleted:
                             continue
-                        if q.held:
-                            q.materialize()  # held ones first: they came before this message
-                        q.store.append(ts, flags, exchange, routing_key, props_raw, body)
-                    elif not q.publish(ts, flags, exchange, routing_key, props_raw, body):
+                        left[i] = q
+                    try:
+                        if q.__class__ is Queue:
+                            if (not persistent and not q.store.ready and q.consumers and q.groups is None
+                                    and q.deliver_unstored(self.data.put, exchange, routing_key, props_raw, body, ts)):
+                                q.n_published += 1  # not dirty: nothing ready (see _publish)
+                                continue
+                            if q.held:
+                                q.materialize()  # held ones first: they came before this message
+                            q.store.append(ts, flags, exchange, routing_key, props_raw, body)
+                        elif not q.publish(ts, flags, exchange, routing_key, props_raw, body):
+                            rejected = True
+                            continue
+                    except OSError as exc:
+                        self._store_failed(q, exc)
                         rejected = True
                         continue
-                except OSError as exc:
-                    self._store_failed(q, exc)
-                    rejected = True
-                    continue
-                q.n_published += 1
-                dirty.add(q)
-                if sync_durable and q.durable:
-                    needs_sync = True
-                    self._sync_stores.add(q.store)
-            if first is not None:
-                if rejected:
-                    nacked.append(seq)
-                elif needs_sync:
-                    synced.append(seq)
-                else:
-                    confirmed.append(seq)
-                seq += 1
+                    q.n_published += 1
+                    dirty.add(q)
+                    if sync_durable and q.durable:
+                        needs_sync = True
+                        self._sync_stores.add(q.store)
+                if first is not None:
+                    if rejected:
+                        nacked.append(seq)
+                    elif needs_sync:
+                        synced.append(seq)
+                    else:
+                        confirmed.append(seq)
+                    seq += 1
         if first is None:
             return
         if nacked:

@@ -86,6 +86,15 @@ def test_exchange_and_routing_key(sink, capsys):
     assert rc == EXIT_OK and r["consumed"] == 500 and r["verify"]["ok"]
 
 
+def test_routing_key_count_needs_an_exchange_and_delivers_everything(sink, capsys):
+    assert main(["amqp", "throughput", "--uri", sink.uri, "--routing-key-count", "3", "--pmessages", "10"]) == 2
+    assert "--routing-key-count needs --exchange" in capsys.readouterr().err
+    assert main(["amqp", "throughput", "--uri", sink.uri, "--exchange", "x", "--routing-key-count", "0"]) == 2
+    rc, r = run_json(capsys, ["amqp", "throughput", "--uri", sink.uri, "--exchange", "perf-x", "--routing-key-count",
+                              "7", "-x", "2", "-y", "2", "--queues", "2", "--pmessages", "1500", "--verify"])
+    assert rc == EXIT_OK and r["consumed"] == 3000 and r["verify"]["ok"], r
+
+
 def test_large_bodies_split_over_frames(sink, capsys):
     rc, r = run_json(capsys, ["amqp", "throughput", "--uri", sink.uri, "-s", "300000", "--pmessages", "20",
                               "--verify"])

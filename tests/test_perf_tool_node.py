@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from loadtest.amqp_client import AMQPClient
+from loadtest.amqp_throughput import ThroughputOptions
 from loadtest.cli import EXIT_OK, main
 
 
@@ -18,6 +20,24 @@ def test_throughput_verified_against_node(node, capsys):
     # publish -> confirm, timed by the publishers: every confirmed message is in it
     c = [r["extra"][f"confirm_latency_{k}_us"] for k in ("min", "p50", "p95", "p99", "max")]
     assert 0 <= c[0] and c == sorted(c), r["extra"]
+
+
+def test_routing_key_count_publishes_round_robin_over_keys_bound_to_the_queue(node, capsys):
+    """--routing-key-count 4: every message reaches the perf queue through one of four bindings, and
+    the keys take turns (a spy queue per key gets exactly a quarter)."""
+    keys = ThroughputOptions(routing_key_count=4).routing_keys("rr")
+    assert keys == ["0.rr", "1.rr", "2.rr", "3.rr"]
+    with AMQPClient(node.url).connect() as c:
+        c.exchange_declare("perf-rr", "direct")
+        for i, key in enumerate(keys):
+            c.queue_declare(f"spy-{i}")
+            c.queue_bind(f"spy-{i}", "perf-rr", key)
+        rc = main(["amqp", "throughput", "--uri", node.url, "--exchange", "perf-rr", "--routing-key", "rr",
+                   "--routing-key-count", "4", "--pmessages", "2002", "-c", "300", "--verify", "--json"])
+        r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert rc == EXIT_OK, r
+        assert r["published"] == r["confirmed"] == r["consumed"] == 2002 and r["verify"]["ok"]
+        assert [c.queue_declare(f"spy-{i}", passive=True)[1] for i in range(4)] == [501, 501, 500, 500]
 
 
 def test_consume_only_drains_a_backlog_on_node(node, capsys):

@@ -224,3 +224,102 @@ def test_persistent_runs_to_a_durable_queue_are_confirmed_after_they_are_stored(
         got.append(client.recv()[1].value)
     assert got == [b"p%d" % i for i in range(300)]
     client.close()
+
+
+def _bind_keys(client: FrameClient, queue: str, keys: list[str]) -> None:
+    client.send(1, *[C.Queue.Bind(queue=queue, exchange="amq.direct", routing_key=k) for k in keys])
+    for _ in keys:
+        client.expect(1, C.Queue.BindOk)
+
+
+def _deliveries(client: FrameClient, n: int, ctag: str | None = None) -> list[bytes]:
+    """The bodies of the next n deliveries (to consumer ctag, when given)."""
+    got = []
+    while len(got) < n:
+        _ch, frame = client.recv()
+        assert isinstance(frame, C.Basic.Deliver), frame
+        assert ctag is None or frame.consumer_tag == ctag, frame
+        header = client.recv()[1]
+        got.append(client.recv()[1].value if header.body_size else b"")
+    return got
+
+
+def test_runs_interrupted_by_key_changes_keep_order_and_confirms(node_factory):
+    """One write whose publishes take a new routing key each time (the parser's run probe backs off),
+    then one key (runs again), two keys taking turns, blocks of five per key: all of them reach the
+    queue in order, every confirm is an ack, and a no-ack consumer waiting gets them in order."""
+    node = node_factory(name="node", frontends=1, shards=1)
+    pub = FrameClient(node.port)
+    pub.open_channel(1)
+    name = uid("keys")
+    keys = [f"{i:03d}.k" for i in range(200)]  # one length, one last byte: every probe's byte tests pass
+    pub.send(1, C.Queue.Declare(queue=name))
+    pub.expect(1, C.Queue.DeclareOk)
+    _bind_keys(pub, name, keys)
+    cons = FrameClient(node.port)
+    cons.open_channel(1)
+    cons.send(1, C.Basic.Consume(queue=name, consumer_tag="c", no_ack=True))
+    cons.expect(1, C.Basic.ConsumeOk)
+    pub.send(1, C.Confirm.Select())
+    pub.expect(1, C.Confirm.SelectOk)
+    phases = ([keys[i % 200] for i in range(3000)] + [keys[7]] * 3000 + [keys[i % 2] for i in range(1000)]
+              + [keys[i // 5 % 200] for i in range(2000)] + [keys[i % 200] for i in range(1000)] + [keys[9]] * 2000)
+    bodies = [b"m%d" % i for i in range(len(phases))]
+    pub.sock.sendall(b"".join(pub.publish_frames(1, "amq.direct", k, body) for k, body in zip(phases, bodies,
+                                                                                              strict=True)))
+    settled = _settle(pub, 1, len(bodies), {})
+    assert len(settled) == len(bodies) and all(settled.values())
+    assert _deliveries(cons, len(bodies), "c") == bodies
+    pub.close()
+    cons.close()
+
+
+@pytest.mark.parametrize("transport", ["unix", "zmq"])  # both batch a delivery run's items (put_many)
+def test_delivery_runs_keep_order_through_credit_and_cancel(node_factory, transport):
+    """Runs fanned out to a queue with a waiting no-ack consumer (delivery runs) and one without (stored):
+    the consumer does not read, so its credit runs out in the middle of a run and the rest is stored;
+    it then reads some, is cancelled, and a second consumer gets the rest: every body once, in order,
+    in both queues; every publish confirmed."""
+    node = node_factory(name="node", frontends=1, shards=1, extra_args=["--ipc-transport", transport])
+    pub = FrameClient(node.port)
+    pub.open_channel(1)
+    live, kept, fx = uid("live"), uid("kept"), uid("fan")
+    pub.send(1, C.Exchange.Declare(exchange=fx, exchange_type="fanout"))
+    pub.expect(1, C.Exchange.DeclareOk)
+    for name in (live, kept):
+        pub.send(1, C.Queue.Declare(queue=name), C.Queue.Bind(queue=name, exchange=fx))
+        pub.expect(1, C.Queue.DeclareOk)
+        pub.expect(1, C.Queue.BindOk)
+    cons = FrameClient(node.port, timeout=30)
+    cons.open_channel(1)
+    cons.send(1, C.Basic.Consume(queue=live, consumer_tag="first", no_ack=True))
+    cons.expect(1, C.Basic.ConsumeOk)
+    pub.send(1, C.Confirm.Select())
+    pub.expect(1, C.Confirm.SelectOk)
+    # 600 B bodies cost 2 credits each: the window (contract.CREDIT_WINDOW) holds 8,000 of them.
+    n = 12_000
+    bodies = [b"%06d" % i + bytes(594) for i in range(n)]
+    pub.sock.sendall(b"".join(pub.publish_frames(1, fx, "", body) for body in bodies))
+    settled = _settle(pub, 1, n, {})
+    assert len(settled) == n and all(settled.values())
+    first = _deliveries(cons, 6000, "first")
+    cons.send(1, C.Basic.Cancel(consumer_tag="first"))
+    while True:  # deliveries already on their way come before cancel-ok
+        _ch, frame = cons.recv()
+        if isinstance(frame, C.Basic.CancelOk):
+            break
+        assert isinstance(frame, C.Basic.Deliver) and frame.consumer_tag == "first", frame
+        header = cons.recv()[1]
+        assert header.body_size
+        first.append(cons.recv()[1].value)
+    assert first == bodies[: len(first)]
+    cons.send(1, C.Basic.Consume(queue=live, consumer_tag="second", no_ack=True))
+    cons.expect(1, C.Basic.ConsumeOk)
+    assert _deliveries(cons, n - len(first), "second") == bodies[len(first):]
+    cons.send(1, C.Basic.Consume(queue=kept, consumer_tag="kept", no_ack=True))
+    cons.expect(1, C.Basic.ConsumeOk)
+    assert _deliveries(cons, n, "kept") == bodies
+    cons.send(1, C.Queue.Declare(queue=live, passive=True))
+    assert cons.expect(1, C.Queue.DeclareOk).message_count == 0
+    pub.close()
+    cons.close()

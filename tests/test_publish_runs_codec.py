@@ -4,12 +4,14 @@ gives exactly the events of the parser without runs, for any frame sequence spli
 from __future__ import annotations
 
 import struct
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pamqp import commands
 
+from broker.amqp import parser as parser_module
 from broker.amqp.encoder import encode_ack, encode_heartbeat, encode_method, encode_publish
 from broker.amqp.events import MethodFrame, Publish, PublishRun
 from broker.amqp.parser import FrameParser
@@ -29,7 +31,8 @@ _body = st.one_of(st.just(b""), st.binary(max_size=8), st.binary(min_size=30, ma
 _publishes = st.tuples(
     st.sampled_from([1, 1, 1, 2, 3]),  # channel
     st.sampled_from(["", "amq.direct", "x"]),
-    st.sampled_from(["k", "", "k2"]),
+    # "a1"/"b1": same length and last byte, so a probe's byte tests pass and only its compare fails
+    st.sampled_from(["k", "", "k2", "a1", "b1"]),
     st.booleans(),  # mandatory
     # bodies, each with its properties: mostly the first ones (same properties bytes), not always
     st.lists(st.tuples(st.sampled_from([0, 0, 0, 0, 1, 2, 3, 4]), _body), min_size=1, max_size=6),
@@ -91,6 +94,19 @@ def _feed(parser: FrameParser, chunks: list[bytes]) -> list:
 @SETTINGS
 @given(_streams, st.randoms(use_true_random=False))
 def test_runs_expand_to_the_per_message_events(items, rnd):
+    _check_runs_expand(items, rnd)
+
+
+@SETTINGS
+@given(_streams, st.randoms(use_true_random=False))
+def test_runs_expand_to_the_per_message_events_while_the_probe_backs_off(items, rnd):
+    """The same with a probe that backs off after every miss for a few bytes: runs start and stop
+    anywhere in a stream, in the middle of reads too."""
+    with mock.patch.object(parser_module, "_PROBE_MISSES", 1), mock.patch.object(parser_module, "_PROBE_WAIT", 50):
+        _check_runs_expand(items, rnd)
+
+
+def _check_runs_expand(items: list, rnd) -> None:
     frame_max = 4096 if rnd.random() < 0.5 else 40 + rnd.randrange(200)
     # Interleave the frames of different channels' messages (a channel's own frames stay in order).
     queues = [(item[1] if len(item) > 1 else 0, _frames(item, frame_max)) for item in items]
@@ -170,3 +186,64 @@ def test_a_malformed_message_after_a_run_gets_the_same_answer(bad, parser_args):
     with_runs = FrameParser(publish_runs=True, **parser_args).feed(data)
     assert with_runs[1].__class__ is PublishRun
     assert _expand(with_runs) == _expand(plain)
+
+
+def _pub(key: str, body: bytes = b"b", channel: int = 1) -> bytes:
+    return encode_publish(channel, "x", key, False, _PROPS[1], body)
+
+
+def _keys(n: int, tag: str = "a") -> bytes:
+    """n publishes, each with another routing key of one length and last byte (every probe misses)."""
+    return b"".join(_pub(f"{tag}{i:04d}.k") for i in range(n))
+
+
+def _runs(events: list) -> list:
+    return [len(ev.bodies) for ev in events if ev.__class__ is PublishRun]
+
+
+def test_the_probe_backs_off_after_four_misses_and_retries_after_16_kib():
+    probe_wait = parser_module._PROBE_WAIT
+    parser, plain = FrameParser(publish_runs=True), FrameParser()
+
+    def feed(data: bytes) -> list:
+        events = parser.feed(data)
+        assert _expand(events) == _expand(plain.feed(data))  # whatever the probe does
+        return events
+
+    feed(HDR)
+    run = _pub("same.k", b"1") + _pub("same.k", b"2") + _pub("same.k", b"3")
+    assert _runs(feed(run)) == [3]
+    # Three misses, then a run: the run resets the count.
+    assert _runs(feed(_keys(3) + run)) == [3]
+    assert _runs(feed(_keys(3) + run)) == [3]
+    # Four misses in a row: the rest of the read is not probed, nor the next 16 KiB.
+    assert _runs(feed(_keys(4) + run)) == []
+    assert _runs(feed(run)) == []
+    filler = _keys(probe_wait // len(_pub("a0000.k")) + 1, "f")
+    assert len(filler) > probe_wait
+    assert _runs(feed(filler)) == []
+    assert _runs(feed(run)) == [3]  # retried: a run again, the back-off ends
+    # Back off again, then a retry that misses once: backed off for twice as long.
+    assert _runs(feed(_keys(4) + run)) == []
+    feed(filler)
+    assert _runs(feed(_pub("b0000.k") + run)) == []  # probed: one miss, backs off at once
+    feed(filler)
+    assert _runs(feed(run)) == []  # 16 of the 32 KiB read
+    feed(filler)
+    assert _runs(feed(run)) == [3]
+    # Other frames between publishes are misses too; a lone publish at the end of a read is not.
+    acks = b"".join(_pub("same.k") + encode_ack(1, i, False) for i in range(1, 5))
+    assert _runs(feed(acks + run)) == []
+    feed(filler)
+    for _ in range(10):
+        feed(_pub("same.k"))
+    assert _runs(feed(run)) == [3]
+
+
+def test_the_probe_counts_misses_per_connection_not_per_channel():
+    """A channel whose publishes miss backs off the connection's other channels too (documented)."""
+    parser = FrameParser(publish_runs=True)
+    parser.feed(HDR)
+    two = _pub("same.k", b"1", 2) + _pub("same.k", b"2", 2)
+    events = parser.feed(_keys(4) + two)
+    assert _runs(events) == [] and len(events) == 6

@@ -30,7 +30,10 @@ that differ only in their bodies come out as one PublishRun holding the bodies i
 message assembled in the fast path (method, header and one body frame in one read), the messages that
 follow at once, complete in the same read, whose frames are byte for byte that message's but for the
 body size and body (so they pass the same checks; nothing is decoded again) join it. Expanding every
-PublishRun into its Publish events gives exactly the events of a parser without runs.
+PublishRun into its Publish events gives exactly the events of a parser without runs. Looking for a
+run that is not there costs a third of a publish's parse, so a connection whose publishes keep
+missing is not probed for a while (_PROBE_MISSES, _PROBE_WAIT): which events come out as runs then
+changes, never the events they expand to.
 
 Memory: input is only buffered up to the frame being waited for, whose size is checked against
 frame_max from its 7-byte header; a body is accumulated from its frames, never preallocated from
@@ -93,6 +96,16 @@ _CONNECTION_OPEN = 0x000A0028
 _CHANNEL_OPEN = 0x0014000A
 _CHANNEL_CLOSE = 0x00140028
 _CHANNEL_CLOSE_OK = 0x00140029
+
+# Publish-run probe back-off (per connection, see _probe_missed): after _PROBE_MISSES publishes in a
+# row that could have started a run but did not (a new routing key each time, two keys taking turns,
+# acks between publishes), no publish is probed for the rest of that read and for the next
+# _PROBE_WAIT bytes of input; each back-off in a row doubles that, up to _PROBE_WAIT << _PROBE_WAIT_SHIFTS
+# bytes; a run found ends it. A failed probe costs ~7,000 instructions, a third of the publish's parse;
+# while backed off a publish pays one local test (scripts/parser-instructions.py).
+_PROBE_MISSES = 4
+_PROBE_WAIT = 16 << 10
+_PROBE_WAIT_SHIFTS = 4
 
 # content state stages
 _HEADER = 0
@@ -193,6 +206,8 @@ class FrameParser:
         self._closing: set[int] = set()
         self._unfinished = 0
         self._ignore_channels = False
+        self._probe_misses = 0  # publishes in a row a run probe found alone (see _PROBE_MISSES)
+        self._probe_wait = 0  # bytes of input still to read without run probes
 
     def channel_closing(self, channel: int) -> None:
         """The server sent channel.close: drop the channel's content, ignore its frames until close-ok."""
@@ -282,7 +297,10 @@ class FrameParser:
         content = self._content
         emit = events.append
         unpack_hdr = _FRAME_HDR.unpack_from
-        runs = self.publish_runs
+        probe = self.publish_runs  # look for publish runs in this read
+        if probe and self._probe_wait > 0:
+            self._probe_wait -= end - pos
+            probe = False
         while True:
             if end - pos < 7:
                 if pos < end:
@@ -409,62 +427,41 @@ class FrameParser:
                 if self._gated and ch not in self._open_channels:
                     return self._fail(events, CHANNEL_ERROR, "expected 'channel.open'", index >> 16, index & 0xFFFF)
                 # Fast path: a valid header and one body frame for this channel follow in full. Any
-                # other shape goes frame by frame below, which yields the same events or error.
-                if pos + 19 <= end:
-                    htype, hch, hsize, class_id, weight, body_size = _HEADER_FRAME.unpack_from(data, pos)
-                    hend = pos + 7 + hsize
-                    if (htype == 2 and hch == ch and 14 <= hsize <= limit and hend < end and data[hend] == 0xCE
-                            and class_id == 60 and not weight and body_size <= max_size):
-                        b = hend + 1
-                        if not body_size:
-                            emit(_new_tuple(kind, (ch, *info, data[pos + 19 : hend], b"")))
-                            pos = b
-                            continue
-                        if b + 7 <= end:
-                            btype, bch, bsize = unpack_hdr(data, b)
-                            bend = b + 7 + bsize
-                            if (btype == 3 and bch == ch and bsize == body_size and bsize <= limit and bend < end
-                                    and data[bend] == 0xCE):
-                                # A run: the publishes that follow on this channel, complete in this
-                                # read, with frames byte for byte this one's but for the body size and
-                                # body (so every check above holds for them too), join it. Looked for
-                                # only when the next frame's size has this method frame's low byte and
-                                # the routing key's last byte matches: no slice when every message has
-                                # another key.
-                                if (runs and kind is Publish and end - bend > 40
-                                        and data[bend + 7] == data[start - 1]):
-                                    nxt = bend + 1
-                                    mlen = fend + 8 - start
-                                    if (end - nxt > mlen + 30 and data[nxt + mlen - 3] == data[fend - 2]
-                                            and data.startswith(method := data[start - 7 : fend + 1], nxt)):
-                                        bodies = [data[b + 7 : bend]]
-                                        head = data[pos : pos + 11]  # type, channel, size, class, weight
-                                        tail = data[pos + 19 : b]  # properties and frame end
-                                        bch3 = data[b : b + 3]  # body frame type and channel
-                                        hskip = mlen + 19
-                                        bskip = hskip + len(tail)
-                                        body_max = limit if limit < max_size else max_size
-                                        pos = nxt
-                                        while (data.startswith(method, pos) and data.startswith(head, pos + mlen)
-                                               and data.startswith(tail, pos + hskip)):
-                                            size = _U64.unpack_from(data, pos + hskip - 8)[0]
-                                            b = pos + bskip
-                                            bend = b + 7 + size
-                                            if not (0 < size <= body_max and bend < end and data.startswith(bch3, b)
-                                                    and _U32.unpack_from(data, b + 3)[0] == size
-                                                    and data[bend] == 0xCE):
-                                                break
-                                            bodies.append(data[b + 7 : bend])
-                                            pos = bend + 1
-                                        if len(bodies) > 1:
-                                            emit(_new_tuple(PublishRun, (ch, *info, tail[:-1], bodies)))
-                                        else:
-                                            emit(_new_tuple(Publish, (ch, *info, tail[:-1], bodies[0])))
-                                        continue
-                                emit(_new_tuple(kind, (ch, *info, data[pos + 19 : hend], data[b + 7 : bend])))
-                                pos = bend + 1
-                                continue
-                content[ch] = _Content(kind, info, index & 0xFFFF)
+                # other shape goes frame by frame below, which yields the same events or error. (Guard
+                # clauses, each with its own fallback: a condition that jumps past a long block costs an
+                # EXTENDED_ARG each time it runs, taken or not.)
+                if pos + 19 > end:
+                    content[ch] = _Content(kind, info, index & 0xFFFF)
+                    continue
+                htype, hch, hsize, class_id, weight, body_size = _HEADER_FRAME.unpack_from(data, pos)
+                hend = pos + 7 + hsize
+                if not (htype == 2 and hch == ch and 14 <= hsize <= limit and hend < end and data[hend] == 0xCE
+                        and class_id == 60 and not weight and body_size <= max_size):
+                    content[ch] = _Content(kind, info, index & 0xFFFF)
+                    continue
+                b = hend + 1
+                if not body_size:
+                    emit(_new_tuple(kind, (ch, *info, data[pos + 19 : hend], b"")))
+                    pos = b
+                    continue
+                if b + 7 > end:
+                    content[ch] = _Content(kind, info, index & 0xFFFF)
+                    continue
+                btype, bch, bsize = unpack_hdr(data, b)
+                bend = b + 7 + bsize
+                if not (btype == 3 and bch == ch and bsize == body_size and bsize <= limit and bend < end
+                        and data[bend] == 0xCE):
+                    content[ch] = _Content(kind, info, index & 0xFFFF)
+                    continue
+                # A publish that may start a run (see _run), unless this connection's publishes formed
+                # none lately (_probe_missed).
+                if probe and kind is Publish and end - bend > 40:
+                    if nxt := self._run(data, pos, start, fend, b, bend, ch, info, emit):
+                        pos = nxt
+                        continue
+                    probe = self._probe_wait <= 0
+                emit(_new_tuple(kind, (ch, *info, data[pos + 19 : hend], data[b + 7 : bend])))
+                pos = bend + 1
 
             elif ftype == 3:
                 st = content.get(ch)
@@ -537,6 +534,61 @@ class FrameParser:
                 emit(Heartbeat(0))
             else:
                 return self._fail(events, FRAME_ERROR, f"unknown frame type {ftype} on channel {ch}", 0, 0)
+
+    def _run(self, data: bytes, pos: int, start: int, fend: int, b: int, bend: int, ch: int, info: tuple,
+             emit) -> int:
+        """Emit the publish whose header frame is at pos (its method frame payload start..fend, body frame
+        b..bend) as a PublishRun with the publishes that follow it at once on its channel, complete in
+        this read, with frames byte for byte its own but for the body size and body (so every check
+        the caller made holds for them too); returns the offset after the run, or 0 (nothing emitted)
+        when the next publish does not join it. Out of the caller's loop: inline, its code made
+        every jump of the fast path long (EXTENDED_ARG, ~1,100 instructions per publish).
+
+        Before any slice, two byte compares: the next frame's size has this method frame's low byte and
+        its routing key's last byte matches."""
+        end = len(data)
+        nxt = bend + 1
+        mlen = fend + 8 - start
+        if not (data[bend + 7] == data[start - 1] and end - nxt > mlen + 30 and data[nxt + mlen - 3] == data[fend - 2]
+                and data.startswith(method := data[start - 7 : fend + 1], nxt)):
+            self._probe_missed()
+            return 0
+        limit = self.frame_max or 0xFFFFFFFF
+        body_max = limit if limit < self.max_message_size else self.max_message_size
+        head = data[pos : pos + 11]  # type, channel, size, class, weight
+        tail = data[pos + 19 : b]  # properties and frame end
+        bch3 = data[b : b + 3]  # body frame type and channel
+        hskip = mlen + 19
+        bskip = hskip + len(tail)
+        bodies = [data[b + 7 : bend]]
+        pos = nxt
+        while True:
+            if not (data.startswith(method, pos) and data.startswith(head, pos + mlen)
+                    and data.startswith(tail, pos + hskip)):
+                break
+            size = _U64.unpack_from(data, pos + hskip - 8)[0]
+            b = pos + bskip
+            bend = b + 7 + size
+            if not (0 < size <= body_max and bend < end and data.startswith(bch3, b)
+                    and _U32.unpack_from(data, b + 3)[0] == size and data[bend] == 0xCE):
+                break
+            bodies.append(data[b + 7 : bend])
+            pos = bend + 1
+        if len(bodies) == 1:  # same method frame, other properties
+            self._probe_missed()
+            return 0
+        self._probe_misses = 0
+        emit(_new_tuple(PublishRun, (ch, *info, tail[:-1], bodies)))
+        return pos
+
+    def _probe_missed(self) -> None:
+        """A run probe found a publish alone: after _PROBE_MISSES in a row, back off (see _PROBE_WAIT).
+
+        Per connection, not per channel: a run is consecutive frames of one channel, so a connection
+        whose channels interleave their publishes forms none either, and one counter costs least."""
+        misses = self._probe_misses = self._probe_misses + 1
+        if misses >= _PROBE_MISSES:
+            self._probe_wait = _PROBE_WAIT << min(misses - _PROBE_MISSES, _PROBE_WAIT_SHIFTS)
 
     @staticmethod
     def _message(ch: int, st: _Content, body: bytes) -> tuple:
