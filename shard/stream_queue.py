@@ -244,7 +244,10 @@ class StreamQueue:
     def _age_fired(self) -> None:
         self._age_wake = None
         if not self.deleted:
+            before = self.store.count
             self._age_check()
+            if self.store.count != before:  # segments aged out with no publish or reader to notice:
+                self.shard.mark_dirty(self)  # the pass it schedules puts the new counts in the next STATS
 
     # ----------------------------------------------------------------- consumers
     def add_consumer(self, consumer: Consumer) -> None:

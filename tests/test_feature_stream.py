@@ -274,6 +274,37 @@ def test_retention_by_age(conn, ch):
     assert got[-20:] == [(i, b"n" * 60) for i in range(20, 40)]
 
 
+def test_segments_aged_out_by_the_timer_show_in_the_management_api(node_factory):
+    """An idle stream shrinking on its max-age timer (no publish, no reader) reports its new count:
+    the STATS report reads only the queues touched since the last one, and the timer touches it."""
+    from tests.mgmt_api import Api
+
+    node = node_factory(extra_args=["--stats-interval", "200"])
+    conn = node.connect()
+    ch = conn.channel()
+    ch.confirm_delivery()
+    q = uid("s")
+    declare(ch, q, **{"x-stream-max-segment-size-bytes": 500, "x-max-age": "1s"})
+    publish(ch, q, [b"o" * 60 for _ in range(20)])
+    api = Api(node.http_port)
+
+    def shown() -> int | None:  # the list's counts come from the shards' STATS (one queue's GET asks the shard)
+        return next((x.get("messages") for x in api.get("/api/queues/%2F") if x["name"] == q), None)
+
+    deadline = time.monotonic() + WAIT
+    while shown() != 20:  # the publishes' report
+        assert time.monotonic() < deadline, shown()
+        time.sleep(0.05)
+    while (n := count(ch, q)) == 20:
+        assert time.monotonic() < deadline, "nothing aged out"
+        time.sleep(0.05)
+    assert 0 < n < 20
+    while (listed := shown()) != n:
+        assert time.monotonic() < deadline, f"the API still lists {listed} messages, the stream holds {n}"
+        time.sleep(0.05)
+    conn.close()
+
+
 # --------------------------------------------------------------------------- offset tracking
 def test_server_side_offset_tracking_resumes_after_reconnect(node):
     conn = node.connect()
