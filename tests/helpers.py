@@ -83,6 +83,19 @@ def wait_queue_gone(ch, queue: str, timeout: float = WAIT) -> None:
         time.sleep(0.05)
 
 
+def reject_all(conn, ch, queue: str, n: int, timeout: float = WAIT) -> None:
+    """Consume `queue`'s n messages on ch (prefetch n) and reject each without requeue (dead-letters them)."""
+    ch.basic_qos(prefetch_count=n)
+    tags: list[int] = []
+    ch.basic_consume(queue, lambda c, m, p, b: tags.append(m.delivery_tag))
+    deadline = time.monotonic() + timeout
+    while len(tags) < n:
+        assert time.monotonic() < deadline, f"got {len(tags)} of {n}"
+        conn.process_data_events(time_limit=0.05)
+    for tag in tags:
+        ch.basic_reject(tag, requeue=False)
+
+
 def get_one(ch, queue: str, timeout: float = WAIT, auto_ack: bool = True):
     """basic.get until a message arrives (bounded); (method, properties, body)."""
     deadline = time.monotonic() + timeout

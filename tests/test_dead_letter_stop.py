@@ -15,7 +15,7 @@ import time
 import pika
 
 from tests.harness import Node
-from tests.helpers import WAIT, names_on_different_shards, uid
+from tests.helpers import WAIT, names_on_different_shards, reject_all, uid
 from tests.test_feature_combinations import STREAM, read_stream
 
 QUEUE_PLACEMENT = "hash"  # names picked per shard (tests/helpers.py)
@@ -60,15 +60,7 @@ def test_dead_letters_confirmed_late_are_not_sent_again_after_a_clean_stop(node_
     for body in bodies:
         ch.basic_publish("", src, body, pika.BasicProperties(delivery_mode=2))
     stall.touch()  # from here no group sync finishes, so no dead letter is confirmed
-    ch.basic_qos(prefetch_count=N)
-    tags: list[int] = []
-    ch.basic_consume(src, lambda c, m, p, b: tags.append(m.delivery_tag))
-    deadline = time.monotonic() + WAIT
-    while len(tags) < N:
-        assert time.monotonic() < deadline, f"got {len(tags)} of {N}"
-        conn.process_data_events(time_limit=0.05)
-    for tag in tags:
-        ch.basic_reject(tag, requeue=False)
+    reject_all(conn, ch, src, N)
     assert [b for _o, b, _h in read_stream(conn, log, N)] == bodies  # stored, not yet confirmed
     _queue_count(ch, classic, N)
     conn.close()

@@ -30,7 +30,7 @@ import pytest
 from broker.dedup import exchange_shard
 from broker.routing import delay_store_shard
 from tests.harness import Node
-from tests.helpers import WAIT, count, names_on_different_shards, uid, wait_count
+from tests.helpers import WAIT, count, names_on_different_shards, reject_all, uid, wait_count
 
 QUEUE_PLACEMENT = "hash"  # names picked per shard (tests/helpers.py)
 
@@ -124,15 +124,7 @@ def _dedup_dead_letters_in_flight(node: Node, stall: Path, queue_shard: int = 0)
             delivery_mode=2, headers={"x-deduplication-header": f"k{i}"}))
     held = Path(f"{stall}.shard-{queue_shard}")
     held.touch()  # the queue's shard stores what comes, confirms nothing
-    ch.basic_qos(prefetch_count=N)
-    tags: list[int] = []
-    ch.basic_consume(src, lambda c, m, p, b: tags.append(m.delivery_tag))
-    deadline = time.monotonic() + WAIT
-    while len(tags) < N:
-        assert time.monotonic() < deadline, f"got {len(tags)} of {N}"
-        conn.process_data_events(time_limit=0.05)
-    for tag in tags:
-        ch.basic_reject(tag, requeue=False)
+    reject_all(conn, ch, src, N)
     wait_count(ch, q, N)  # through the owner and back, stored, not confirmed
     conn.close()
     return q, bodies, held

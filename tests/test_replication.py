@@ -418,16 +418,21 @@ def test_a_follower_without_a_file_list_times_out_reconnects_and_syncs_once_the_
     wait_identical(leader, follower)
     leader.kill9()
     follower.stop()
+    assert promoted_sequence(node_factory, follower, "fl", 150) == list(range(100)) + list(range(50))
+
+
+def promoted_sequence(node_factory, follower, queue: str, n: int) -> list[int]:
+    """Start the (stopped) follower's data dir as a plain node and read `queue`'s n messages back:
+    the sequence numbers publish() gave their bodies, in queue order (the queue holds exactly n)."""
     standalone = node_factory(name="promoted", frontends=1, shards=1, start=False)
     standalone.data_dir = follower.data_dir
     standalone.start()
-    assert count(standalone, "fl") == 150
+    assert count(standalone, queue) == n
     conn = standalone.connect()
     ch = conn.channel()
-    bodies = [ch.basic_get("fl", auto_ack=True)[2] for _ in range(150)]
+    bodies = [ch.basic_get(queue, auto_ack=True)[2] for _ in range(n)]
     conn.close()
-    assert [b.split(b"-")[1] for b in bodies] == [str(i).encode() for i in range(100)] + \
-        [str(i).encode() for i in range(50)]
+    return [int(b.split(b"-")[1]) for b in bodies]
 
 
 def test_role_api_follower_promoted_by_become_leader_then_replicates_to_a_new_follower(node_factory, tmp_path,

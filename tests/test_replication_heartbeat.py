@@ -28,6 +28,7 @@ from tests.test_replication import (
     follower_node,
     leader_node,
     log_count,
+    promoted_sequence,
     publish,
     wait_for,
     wait_identical,
@@ -78,16 +79,7 @@ def test_a_follower_whose_leader_shard_hangs_times_out_reconnects_and_resyncs_lo
     wait_identical(leader, follower)
     leader.kill9()
     follower.stop()
-    standalone = node_factory(name="promoted", frontends=1, shards=1, start=False)
-    standalone.data_dir = follower.data_dir
-    standalone.start()
-    assert count(standalone, "hb") == 150
-    conn = standalone.connect()
-    ch = conn.channel()
-    bodies = [ch.basic_get("hb", auto_ack=True)[2] for _ in range(150)]
-    conn.close()
-    assert [b.split(b"-")[1] for b in bodies] == [str(i).encode() for i in range(100)] + \
-        [str(i).encode() for i in range(50)]
+    assert promoted_sequence(node_factory, follower, "hb", 150) == list(range(100)) + list(range(50))
 
 
 def _status(node) -> dict:
