@@ -107,6 +107,18 @@ def _flood_and_check(node, publish, ch, queue: str, paused_at: int) -> int:
     return total
 
 
+def _read_in_order(client, total: int) -> None:
+    """Read `total` deliveries of BODY-byte messages: numbered 0.. in order, each once."""
+    for i in range(total):
+        deliver = client.read()
+        assert isinstance(deliver, commands.Basic.Deliver), deliver
+        client.read()  # content header
+        body = b""
+        while len(body) < BODY:
+            body += client.read().value
+        assert body[:8] == b"%08d" % i, (i, body[:8])
+
+
 def _amqp_case(node, client) -> None:
     queue = "paused"
     client.open()
@@ -126,14 +138,7 @@ def _amqp_case(node, client) -> None:
     total = _flood_and_check(node, publish, ch, queue, paused_at)
 
     # The client reads again: everything arrives, in order, once.
-    for i in range(total):
-        deliver = client.read()
-        assert isinstance(deliver, commands.Basic.Deliver), deliver
-        client.read()  # content header
-        body = b""
-        while len(body) < BODY:
-            body += client.read().value
-        assert body[:8] == b"%08d" % i, (i, body[:8])
+    _read_in_order(client, total)
     assert _ready(ch, queue) == 0
     conn.close()
     client.sock.close()
@@ -308,14 +313,7 @@ def test_a_consumer_that_never_reads_starting_on_a_full_queue_is_sent_no_window(
     assert left < total, "nothing was delivered"
 
     assert isinstance(client.read(), commands.Basic.ConsumeOk)
-    for i in range(total):  # reading, it gets everything, in order, once
-        deliver = client.read()
-        assert isinstance(deliver, commands.Basic.Deliver), deliver
-        client.read()  # content header
-        body = b""
-        while len(body) < BODY:
-            body += client.read().value
-        assert body[:8] == b"%08d" % i, (i, body[:8])
+    _read_in_order(client, total)  # reading, it gets everything, in order, once
     assert _ready(ch, queue) == 0
     conn.close()
     client.sock.close()

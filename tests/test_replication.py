@@ -17,6 +17,7 @@ import pytest
 
 from replication import protocol as p
 from tests.harness import free_port
+from tests.tcp_relay import Relay
 
 pytestmark = pytest.mark.integration
 
@@ -311,50 +312,20 @@ def _read_event(sock, dec):
     return events[0]
 
 
-class CorruptingRelay:
+class CorruptingRelay(Relay):
     """A TCP relay between follower and leader that flips one byte of the first leader->follower
     chunk containing ``marker`` (once), as a bad NIC or cable might."""
 
     def __init__(self, target_port: int, marker: bytes) -> None:
-        self.target_port = target_port
         self.marker = marker
         self.flipped = threading.Event()
-        self.lsock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.lsock.getsockname()[1]
-        self.socks: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(target_port)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.lsock.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(("127.0.0.1", self.target_port))
-            self.socks += [client, upstream]
-            threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, corrupt: bool) -> None:
-        try:
-            while data := src.recv(1 << 16):
-                if corrupt and not self.flipped.is_set() and (i := data.find(self.marker)) >= 0:
-                    data = data[:i] + bytes([data[i] ^ 0x01]) + data[i + 1:]
-                    self.flipped.set()
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self.lsock.close()
-        for s in self.socks:
-            s.close()
+    def forward(self, data: bytes, from_leader: bool, tag: int) -> bytes | None:
+        if from_leader and not self.flipped.is_set() and (i := data.find(self.marker)) >= 0:
+            data = data[:i] + bytes([data[i] ^ 0x01]) + data[i + 1:]
+            self.flipped.set()
+        return data
 
 
 def test_an_action_corrupted_in_transit_is_never_applied_and_the_file_is_resynced(node_factory):

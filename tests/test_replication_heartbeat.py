@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import threading
 import time
 
@@ -22,6 +21,7 @@ import pytest
 
 from tests.cluster_helpers import Cluster, http_get
 from tests.cluster_helpers import wait_for as wait_until
+from tests.tcp_relay import Relay
 from tests.test_replication import (
     SECRET,
     count,
@@ -169,20 +169,16 @@ def test_an_idle_stream_in_sync_stays_connected_across_many_heartbeats(node_fact
     assert theirs["connected"] and theirs["in_sync"] and theirs["lag_bytes"] == 0
 
 
-class PathRelay:
+class PathRelay(Relay):
     """A TCP relay standing for the network path between a follower and its leader. ``cut()`` drops
     the path: every byte either way is swallowed and neither end hears of a close (a pulled cable, a
     dead router, a host that lost power: half-open connections), and new connections are refused.
     ``heal()`` lets new connections through; the ones that lived through the cut stay dead."""
 
     def __init__(self, target_port: int) -> None:
-        self.target_port = target_port
-        self.lsock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.lsock.getsockname()[1]
         self.generation = 0  # connections made before the latest cut are dead for good
         self.is_cut = False
-        self.socks: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(target_port)
 
     def cut(self) -> None:
         self.generation += 1
@@ -191,43 +187,17 @@ class PathRelay:
     def heal(self) -> None:
         self.is_cut = False
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.lsock.accept()
-            except OSError:
-                return
-            if self.is_cut:
-                client.close()  # unreachable: the follower retries
-                continue
-            try:
-                upstream = socket.create_connection(("127.0.0.1", self.target_port))
-            except OSError:
-                client.close()
-                continue
-            self.socks += [client, upstream]
-            gen = self.generation
-            threading.Thread(target=self._pump, args=(client, upstream, gen), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, gen), daemon=True).start()
+    def refuse(self) -> bool:
+        return self.is_cut
 
-    def _pump(self, src: socket.socket, dst: socket.socket, gen: int) -> None:
-        try:
-            while data := src.recv(1 << 16):
-                if self.generation == gen:
-                    dst.sendall(data)
-        except OSError:
-            pass
-        if self.generation == gen:  # a close before the cut travels as it would
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+    def connection_tag(self) -> int:
+        return self.generation
 
-    def close(self) -> None:
-        self.lsock.close()
-        for s in self.socks:
-            s.close()
+    def forward(self, data: bytes, from_leader: bool, tag: int) -> bytes | None:
+        return data if self.generation == tag else None
+
+    def passes_close(self, tag: int) -> bool:
+        return self.generation == tag  # a close before the cut travels as it would
 
 
 def test_a_dropped_network_path_is_noticed_by_both_sides_and_the_follower_resyncs_once_it_is_back(node_factory):
