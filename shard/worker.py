@@ -27,6 +27,7 @@ from broker.defs_fence import catch_up, control_delay_for_tests_s, open_fence
 from broker.fsync_beacon import FsyncBeacon, stall_for_tests
 from broker.policies import POLICY_OPS
 from broker.unixio import CONTROL_TURN_S, UnixDealer
+from shard import peer_answer_hold
 from shard.ack_timeouts import AckTimeouts
 from shard.admin import admin_query
 from shard.consumers import ChannelRef, Consumer
@@ -35,6 +36,7 @@ from shard.deadletter import dead_letter_props, has_dlx_header, has_expiration, 
 from shard.dedup import ExchangeDedup
 from shard.delayed import DelayedMessages
 from shard.feature_queue import EXPIRING_MARK, FeatureQueue, needs_features
+from shard.forward_lives import for_this_life
 from shard.forward_settle import PEERS_DONE_SLACK_S, STOP_WAIT_S, ForwardSettle, PeersDone
 from shard.kvstore import KVStores
 from shard.priority_store import open_store
@@ -179,6 +181,7 @@ class ShardWorker:
     async def start(self) -> None:
         self.data = data_sockets.shard_listener(self.loop, self.run_dir, self.index, self._on_data)
         self.data.on_drained = self._data_drained
+        peer_answer_hold.install(self.data)  # SHARDMQ_TEST_HOLD_PEER_ANSWERS (tests only)
         trace = stage_trace.get("shard")  # --trace-stages (debug): None normally
         if trace is not None:
             self.data.set_trace(trace, "sh_publish_in", "sh_deliver_out")
@@ -994,7 +997,8 @@ class ShardWorker:
                 self._sync_stores.add(target.store)
                 needs_sync = True
         sent: dict[int, list] = {}
-        conn_to, chan_to = (None, None) if confirm_seq is None else (0, peer_channel)
+        # conn_id: our epoch, echoed in the answer (one for an earlier life is dropped: shard/forward_lives.py).
+        conn_to, chan_to = (None, None) if confirm_seq is None else (self.epoch, peer_channel)
         for shard, names in remote.items():
             peer = self.peers.get(shard)
             if peer is not None:
@@ -1070,6 +1074,8 @@ class ShardWorker:
                         if self._fwd_held:
                             self._release_forward_held()
                 elif kind == contract.CONFIRM or kind == contract.CONFIRM_NACK:
+                    if not for_this_life(item, self.epoch):
+                        continue  # for an earlier life of this shard: its seqs name other forwards now
                     if item[2] == contract.PEER_CHANNEL_DELAYED:
                         self.delayed.peer_confirmed(shard, item[3])
                     elif item[2] == contract.PEER_CHANNEL_DLX:
