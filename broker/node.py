@@ -382,17 +382,18 @@ class Node:
             # From now on no ISR change reaches etcd: the in-sync followers stay electable.
             self.cluster.stopping = True
         if self.repl_leader is not None:
-            await self.repl_leader.stop()
-        if self.repl_follower is not None:
-            await self.repl_follower.stop()
+            self.repl_leader.keep_isr()  # nor reaches the shards: followers go away only because we stop
         self.serving = False
         await self.http.stop()
         await self.metrics.stop()
         if self.cluster is not None:
-            # Frontends first (no new confirms), then the lease goes: followers take over at once.
-            self.fence()
-            await self.cluster.stop()
-        # Frontends first so no new work reaches the shards, then shards sync and exit.
+            self.fence()  # no confirm reaches a client from here on (the frontends are killed)
+        # Frontends first so no new work reaches the shards, then shards sync and exit. A cluster
+        # leader's replication (and its lease) stays up until its shards have stopped: a stopping
+        # shard's forwards to other shards (due delayed messages, dead letters) are confirmed as soon
+        # as the in-sync followers acked them, as a confirm promises, and its final sync reaches the
+        # followers. Replication stopped first left those confirms to wait out the whole settle
+        # (shard/forward_settle.py STOP_WAIT_S) and kept them from the followers.
         for role, timeout in (("frontend", 5.0), ("shard", 15.0)):
             for ident, w in self.by_ident.items():
                 if w.role == role and w.connected:
@@ -401,6 +402,12 @@ class Node:
                 if w.role == role and w.proc and w.proc.returncode is None and not w.connected:
                     w.proc.send_signal(signal.SIGTERM)
             await self.sup.stop_role(role, timeout)
+        if self.repl_leader is not None:
+            await self.repl_leader.stop()
+        if self.repl_follower is not None:
+            await self.repl_follower.stop()
+        if self.cluster is not None:
+            await self.cluster.stop()  # the lease goes: a follower takes over at once
         if self.defs is not None:
             await self.loop.run_in_executor(None, self.defstore.sync)
         if self.ctl is not None:

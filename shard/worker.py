@@ -1364,7 +1364,20 @@ class ShardWorker:
         return ([q.store.path for q in self.queues.values()] + [s.path for s in self.delayed.all_stores()]
                 + [s.path for s in self.dead_letters.all_stores()] + [st.path for st in self.kv.stores.values()])
 
+    async def _followers_acked(self, repl: ShardReplication, target: int, deadline: float) -> bool:
+        """At a stop: wait (until `deadline`) for the in-sync followers to ack up to `target`."""
+        acked = self.loop.create_future()
+        repl.when_replicated(target, lambda ok: acked.done() or acked.set_result(ok))
+        try:
+            async with asyncio.timeout(max(0.0, deadline - self.loop.time())):
+                return await acked
+        except TimeoutError:
+            return False
+
     def _replicated(self, waiting: list, ok: bool) -> None:
+        if not ok and self._closing:
+            return  # our stream closes at a stop: not a refusal (a nack would make a delayed forward's
+            # sender drop its copy); unconfirmed, the senders keep theirs
         kind = contract.CONFIRM if ok else contract.CONFIRM_NACK
         grouped: dict[tuple[bytes, int, int], list[int]] = {}
         for fe, conn_id, channel, seq in waiting:
@@ -1466,12 +1479,11 @@ class ShardWorker:
             # Its _sync_done (confirms, after-sync callbacks) runs before we resume; none starts after.
             with contextlib.suppress(Exception):
                 await fut
-        # In a cluster a confirm promises the in-sync followers have the record: the final sync below
-        # is local only, so what waits on it is not confirmed here (its sender sends it again).
-        gating = self.repl is not None and self.repl.gating
-        if self.repl is not None:
-            self.repl.close()
-            self.repl = None
+        # In a cluster a confirm promises the in-sync followers have the record: what waits on the
+        # final sync below is confirmed once they acked it too (the node stops replication after its
+        # shards), or not at all (its sender keeps it and sends it again).
+        repl = self.repl
+        repl_deadline = deadline + PEERS_DONE_SLACK_S + float(self.settings.get("replication_ack_timeout") or 3)
         self.data.flush()
         for q in self.queues.values():
             if isinstance(q, FeatureQueue) and q.count_returns:
@@ -1488,9 +1500,13 @@ class ShardWorker:
             waiting, self._sync_waiting = self._sync_waiting, []
             for store in stores:
                 store.flush_acks()
+            target = repl.position() if repl is not None and repl.gating else -1  # what the sync covers
             await self.loop.run_in_executor(None, _sync_all, stores, True, self._stall_as)
-            if not gating:
+            if target < 0 or await self._followers_acked(repl, target, repl_deadline):
                 self._replicated(waiting, True)
+            elif waiting:
+                log.warning("shard %d: stopping with %d confirms the in-sync followers have not acked "
+                            "(their senders keep the messages)", self.index, len(waiting))
             settled = False
             if not self._sync_waiting and self.forward_settle.in_flight() and self.loop.time() < deadline:
                 # A forward that came during it (a dead letter into a dedup exchange we own, sent on
@@ -1503,6 +1519,9 @@ class ShardWorker:
             if not self._sync_waiting and not settled:
                 break
         self._flush_confirms()
+        if repl is not None:
+            self.repl = None
+            repl.close()  # a confirm still waiting is dropped, not nacked (_replicated): it was not refused
         for s in stores:
             s.close()
         self.timers.close()
