@@ -41,6 +41,7 @@ from broker.permissions import CONFIGURE, READ, WRITE, check, check_topic
 from broker.process import install_uvloop, raise_nofile_limit
 from broker.request_chains import RequestChains
 from broker.sdnotify import Notifier
+from broker.shard_watchdog import ShardWatchdog
 from broker.supervisor import Supervisor, WorkerProcess
 from broker.tls import reload_certificate, server_context
 from broker.unixio import UnixRouter
@@ -148,6 +149,10 @@ class Node:
                                      self.tls)
         # In a cluster (--cluster): the etcd-driven role of this node (replication/cluster.py).
         self.cluster: Any = None
+        # A shard alive but silent for --shard-hang-timeout is killed and restarted (broker/shard_watchdog.py).
+        self.shard_watchdog = ShardWatchdog(self.loop, float(settings.shard_hang_timeout),
+                                            settings.stats_interval / 1000, lambda: self.sup.workers,
+                                            lambda: self.sup.stopping)
 
     # ------------------------------------------------------------------ life
     async def start(self) -> None:
@@ -158,6 +163,7 @@ class Node:
         # declare's or bind's round trip crosses it twice per worker, and ZeroMQ added two I/O-thread
         # handoffs to each crossing (broker/unixio.py).
         self.ctl = UnixRouter(self.loop, contract.node_stream_path(self.datadir.run_dir), self._on_control)
+        self.shard_watchdog.start()
         if s.cluster and not s.follow and s.etcd_endpoints:
             # The role (leader, follower) is etcd's decision: replication/cluster.py drives
             # become_leader / become_follower / step_down. Health answers meanwhile.
@@ -377,6 +383,7 @@ class Node:
         if self.sup.stopping:
             return
         self.sup.stopping = True
+        self.shard_watchdog.stop()
         log.info("node stopping")
         if self.cluster is not None:
             # From now on no ISR change reaches etcd: the in-sync followers stay electable.
@@ -507,6 +514,8 @@ class Node:
         if w is None:
             log.warning("control message from unknown worker %r", ident)
             return
+        if w.role == "shard":
+            self.shard_watchdog.heard_from(w.pid)
         for item in items:
             kind = item[0]
             if kind == contract.APPLIED:
