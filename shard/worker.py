@@ -1365,7 +1365,10 @@ class ShardWorker:
                 + [s.path for s in self.dead_letters.all_stores()] + [st.path for st in self.kv.stores.values()])
 
     async def _followers_acked(self, repl: ShardReplication, target: int, deadline: float) -> bool:
-        """At a stop: wait (until `deadline`) for the in-sync followers to ack up to `target`."""
+        """At a stop: wait (until `deadline`) for the in-sync followers to ack up to `target`. Not when
+        one of them is gone: the ISR does not change during a stop, so it would wait until the deadline."""
+        if not repl.isr_attached():
+            return False
         acked = self.loop.create_future()
         repl.when_replicated(target, lambda ok: acked.done() or acked.set_result(ok))
         try:

@@ -51,8 +51,9 @@ def _bodies(ch, queue: str) -> list[bytes]:
 
 
 def test_a_stopping_leaders_forwards_settle_with_the_followers_acks(node_factory, etcd, tmp_path):
-    # A 10 s lease: the fence watchdog calls shard 1's held sync a stalled disk after half of it.
-    cluster = Cluster(node_factory, etcd.endpoints, ttl=10)
+    # A 20 s lease: the fence watchdog calls shard 1's held sync a stalled disk after half of it (a
+    # graceful stop revokes the lease: the failover does not wait for it).
+    cluster = Cluster(node_factory, etcd.endpoints, ttl=20)
     stall = tmp_path / "stall"
     leader = cluster.add("n1", shards=2, env={"SHARDMQ_TEST_STALL_FSYNC_WHILE": str(stall)})
     wait_for(lambda: is_leader(leader), 30, "n1 to lead")
