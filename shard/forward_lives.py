@@ -21,6 +21,11 @@ the id after a restart, to find the record), so one rule for all three parts is 
 one place. A dropped answer costs nothing: what the earlier life forwarded is either still kept
 (delay record, outbox record: sent again after the restart, at least once) or was lost with that
 life's memory (a dedup publish: its publisher was nacked when the shard died).
+
+The batch seqs of the peer DEALERs, answered with PROCESSED and used only for a dedup owner's
+forward back-pressure (ShardWorker.forwards_behind), count from ``epoch << 32`` instead: an earlier
+life's PROCESSED is below them and ignored (``_connect_peers``), where it made the new life count
+batches as answered that it had not sent.
 """
 
 from __future__ import annotations

@@ -1055,7 +1055,9 @@ class ShardWorker:
         for i in range(int(self.settings.get("shards", 1))):
             if i == self.index or i in self.peers:
                 continue
-            self._peer_seq[i] = 0
+            # Batch seqs count from our epoch << 32: a late PROCESSED for a batch of our earlier life
+            # (whose seqs also started low) is below them and moves nothing (forwards_behind).
+            self._peer_seq[i] = self.peer_processed[i] = self.epoch << 32
             self.peers[i] = data_sockets.shard_connection(self.loop, self.run_dir, i, self.ident,
                                                           self.on_peer_answers(i), self._peer_header(i))
 
