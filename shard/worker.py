@@ -500,7 +500,7 @@ class ShardWorker:
     def _handle(self, fe: bytes, item: list) -> None:
         kind = item[0]
         if kind == contract.PUBLISH:
-            self._publish(fe, item)
+            self.publish(fe, item)
         elif kind == _PUBLISH_RUN:
             self._publish_run(fe, item)
         elif kind == contract.DEDUP_PUBLISH:
@@ -665,7 +665,7 @@ class ShardWorker:
             then = None if seq is None else self._confirm_after_sync(fe, conn_id, channel, seq)
             self.kv.sync_then(vhost, space, then)
             return
-        if not self._publish(fe, [*pub[:8], None, None, None]):  # no confirm of its own: ours below
+        if not self.publish(fe, [*pub[:8], None, None, None]):  # no confirm of its own: ours below
             if seq is not None:
                 self.data.put(fe, [contract.CONFIRM_NACK, conn_id, channel, [seq]])
             return
@@ -682,7 +682,7 @@ class ShardWorker:
             self._start_sync()
         return synced
 
-    def _publish(self, fe: bytes, item: list) -> bool:
+    def publish(self, fe: bytes, item: list) -> bool:
         """Store a PUBLISH; False when a queue refused it (the publisher gets a nack)."""
         (_, vhost, names, exchange, routing_key, props_raw, body, persistent,
          conn_id, channel, seq) = item
@@ -724,7 +724,7 @@ class ShardWorker:
                 continue
             q.n_published += 1
             self._dirty_queues.add(q)
-            if persistent and q.durable and self._fsync:
+            if persistent and q.durable and self.fsync:
                 needs_sync = True
                 self._sync_stores.add(q.store)
         if seq is not None:
@@ -756,7 +756,7 @@ class ShardWorker:
         found = [q for q in map(queues.get, [(vhost, name) for name in names]) if q is not None]
         self._stats_touched.update(found)  # once per run (its unstored deliveries skip the pass)
         dirty = self._dirty_queues
-        sync_durable = persistent and self._fsync
+        sync_durable = persistent and self.fsync
         confirmed: list[int] = []
         nacked: list[int] = []
         synced: list[int] = []
@@ -773,7 +773,7 @@ class ShardWorker:
                 if q.__class__ is Queue and not q.store.ready and q.consumers and q.groups is None:
                     n = q.deliver_unstored_run(self.data.put_many, exchange, routing_key, props_raw, bodies)
                     if n:
-                        q.n_published += n  # not dirty: nothing ready (see _publish)
+                        q.n_published += n  # not dirty: nothing ready (see publish)
                         if took is None:
                             took = [0] * len(found)
                         took[i] = n
@@ -800,7 +800,7 @@ class ShardWorker:
                         if q.__class__ is Queue:
                             if (not persistent and not q.store.ready and q.consumers and q.groups is None
                                     and q.deliver_unstored(self.data.put, exchange, routing_key, props_raw, body, ts)):
-                                q.n_published += 1  # not dirty: nothing ready (see _publish)
+                                q.n_published += 1  # not dirty: nothing ready (see publish)
                                 continue
                             if q.held:
                                 q.materialize()  # held ones first: they came before this message
@@ -1006,7 +1006,7 @@ class ShardWorker:
                                       bool(flags & 1), conn_to, chan_to, confirm_seq]
                 if send:
                     peer.put(None, item)
-        return needs_sync and self._fsync, sent
+        return needs_sync and self.fsync, sent
 
     def forward(self, shard: int, item: list) -> None:
         """Send a PUBLISH item built by route_to_queues to that shard again (it restarted)."""
@@ -1027,7 +1027,7 @@ class ShardWorker:
     def sync_first(self, store: QueueStore) -> None:
         """`store` is synced in the next group sync, before any other store of it (the dead-letter
         outbox: its record must be durable no later than the source queue's removal of the message)."""
-        if self._fsync:
+        if self.fsync:
             self._sync_stores.add(store)
             self._start_sync()
 
@@ -1154,7 +1154,7 @@ class ShardWorker:
         return header
 
     @property
-    def _fsync(self) -> bool:
+    def fsync(self) -> bool:
         return self.settings.get("sync", "fsync") == "fsync"
 
     def _consume(self, fe: bytes, item: list) -> None:
