@@ -5,7 +5,7 @@
     e.g. scripts/ab-colocate.py 4 -x 1 -y 1 -s 16 --rate 1000 -z 6
 
 Each run starts a fresh node from this tree (``--frontends F --shards S`` from AB_NODE_ARGS, default
-1 and 1), runs ``python -m loadtest.cli amqp throughput`` against it and prints one JSON line: the
+1 and 1; AB_NODE_CPUS pins it with taskset), runs ``python -m loadtest.cli amqp throughput`` against it and prints one JSON line: the
 setting, msg/s, latency p50/p99, and per message: voluntary context switches of every worker thread
 (``/proc/PID/task/*/status``) and of the perf client (``wait4``'s rusage), CPU µs of the workers
 and of the client; and the load average before the run. Runs alternate on, off, on, off...
@@ -25,6 +25,8 @@ RUNS = int(sys.argv[1]) if len(sys.argv) > 1 else 4
 PERF = sys.argv[2:] or ["-x", "1", "-y", "1", "-s", "16", "--rate", "1000", "-z", "6"]
 NODE_ARGS = shlex.split(os.environ.get("AB_NODE_ARGS", "--frontends 1 --shards 1"))
 SETTINGS = os.environ.get("AB_SETTINGS", "on,off").split(",")
+# AB_NODE_CPUS=0: the node (and so its workers) pinned to those cores with taskset, e.g. a 1-core node.
+TASKSET = ["taskset", "-c", os.environ["AB_NODE_CPUS"]] if os.environ.get("AB_NODE_CPUS") else []
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -76,7 +78,7 @@ def one(setting: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="ab-colo-") as d:
         port = free_port()
         node = subprocess.Popen(
-            [PY, "-m", "broker.cli", "--data-dir", d, "--port", str(port), "--http-port", "0",
+            [*TASKSET, PY, "-m", "broker.cli", "--data-dir", d, "--port", str(port), "--http-port", "0",
              "--prometheus-port", "0", "--mqtt-port", "0", "--colocate", setting, *NODE_ARGS],
             cwd=TREE, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
@@ -98,9 +100,9 @@ def one(setting: str) -> dict:
     n = max(1, res["consumed"])
     return {"colocate": setting, "load": [round(x, 2) for x in load], "msgs": res["consumed"],
             "rate": res["consume_rate"], "p50": res["latency_us"]["p50"], "p99": res["latency_us"]["p99"],
-            "worker_vcsw_per_msg": round((s1 - s0) / n, 2), "client_vcsw_per_msg": round(usage.ru_nvcsw / n, 2),
-            "worker_cpu_us_per_msg": round((c1 - c0) * 1e6 / n, 1),
-            "client_cpu_us_per_msg": round((usage.ru_utime + usage.ru_stime) * 1e6 / n, 1)}
+            "worker_vcsw_per_msg": round((s1 - s0) / n, 3), "client_vcsw_per_msg": round(usage.ru_nvcsw / n, 3),
+            "worker_cpu_us_per_msg": round((c1 - c0) * 1e6 / n, 2),
+            "client_cpu_us_per_msg": round((usage.ru_utime + usage.ru_stime) * 1e6 / n, 2)}
 
 
 def main() -> None:
