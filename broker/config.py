@@ -115,7 +115,7 @@ class Settings:
     # written and read by the workers' event loops (broker/unixio.py), or "zmq" (ZeroMQ ROUTER/DEALER,
     # broker/zmqio.py: two I/O-thread handoffs per hop). The control plane to the node is ZeroMQ either way.
     ipc_transport: str = "unix"
-    # Frontend K and shard K in one process, talking in-process (broker/pair_main.py,
+    # Frontend K and shard K in one process, talking in-process (shard/pair_main.py,
     # broker/local_link.py): "on", "off", or "auto" (broker/cpus.py colocated_pairs). Not with --cluster.
     # Default off until the whole suite has run paired (docs/architecture.md "Paired processes").
     colocate: str = "off"

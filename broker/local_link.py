@@ -1,6 +1,6 @@
 """The data plane between the frontend and the shard of one paired process (``--colocate``).
 
-A paired worker process (``broker/pair_main.py``) runs frontend K and shard K on one event loop.
+A paired worker process (``shard/pair_main.py``) runs frontend K and shard K on one event loop.
 Between those two, a batch needs no socket: the end that flushes it hands the packed batch to the
 other end's ``on_batch`` through ``loop.call_soon``, on the same loop: no ``write``, no ``read``,
 no wake-up of another process (each of those cost ~22 us on a halted vCPU plus ~8 us in the
@@ -16,7 +16,7 @@ forwards, the shard's own deduplicating-exchange socket) still goes through the 
 shard's listener is a ``PairedRouter`` that sends a batch in-process only when its destination is
 the paired frontend's publish or control lane.
 
-The registry is per process: ``enable(index)`` is called once by ``broker/pair_main.py`` before
+The registry is per process: ``enable(index)`` is called once by ``shard/pair_main.py`` before
 either worker starts; a process that did not call it (a single-role worker) never sees a link.
 """
 
@@ -36,7 +36,7 @@ _router: Any = None  # the paired shard's listener, once it is bound
 
 
 def enable(index: int) -> None:
-    """This process runs frontend ``index`` and shard ``index`` (broker/pair_main.py)."""
+    """This process runs frontend ``index`` and shard ``index`` (shard/pair_main.py)."""
     global _paired
     _paired = index
 

@@ -64,11 +64,11 @@ def run_worker(role: str, argv: list[str] | None, load_worker) -> int:
 
 def run_workers(prog: str, label: str, argv: list[str] | None, loaders: list, before=None) -> int:
     """One process running the workers ``loaders`` names, ``[(role, load_worker), ...]``, with the
-    same ``--index`` on one event loop (``run_worker``: one; broker/pair_main.py: a frontend and its
+    same ``--index`` on one event loop (``run_worker``: one; shard/pair_main.py: a frontend and its
     shard). They start in reverse order (a pair's shard binds its data socket first) and SIGTERM
     stops them in order, each after the one before it has stopped (a pair: frontend, then shard, as
     the node orders a stop). The process ends when every worker has stopped. ``before(index)`` runs
-    before any worker is built (broker/pair_main.py: the in-process link). Process-wide set-up
+    before any worker is built (shard/pair_main.py: the in-process link). Process-wide set-up
     (parent death signal, descriptor limit, uvloop, logging, signal handlers) is done once here.
     """
     import argparse

@@ -14,7 +14,7 @@ from typing import Any
 log = logging.getLogger("shardmq.supervisor")
 
 _MODULES = {"frontend": "frontend.main", "shard": "shard.main"}
-_PAIR_MODULE = "broker.pair_main"  # frontend K and shard K in one process (--colocate)
+_PAIR_MODULE = "shard.pair_main"  # frontend K and shard K in one process (--colocate)
 _MAX_BACKOFF_S = 5.0
 
 
@@ -54,7 +54,7 @@ class Supervisor:
         pairs: int = 0,
     ) -> None:
         self.run_dir = run_dir
-        # Frontend i and shard i run in one process (broker/pair_main.py) for i < pairs (--colocate).
+        # Frontend i and shard i run in one process (shard/pair_main.py) for i < pairs (--colocate).
         self.pairs = pairs
         self.log_level = log_level
         self.on_exit = on_exit

@@ -1,6 +1,6 @@
 """--colocate: frontend K and shard K in one process, talking through the in-process link.
 
-Real nodes, real clients (pika). A pair is one OS process (broker/pair_main.py) that the node treats
+Real nodes, real clients (pika). A pair is one OS process (shard/pair_main.py) that the node treats
 as both workers: one pid for both in pids.json, a kill -9 restarts both roles, memory counted once.
 Between the pair's frontend and shard no socket carries data (broker/local_link.py); links to the
 other pair's shard, shard-to-shard forwards and the control plane stay sockets.
@@ -61,7 +61,7 @@ def test_one_pair_serves_through_the_in_process_link(node_factory):
     node = node_factory(frontends=1, shards=1, extra_args=ON)
     pid = paired_pid(node, 0)
     with open(f"/proc/{pid}/cmdline", "rb") as fh:
-        assert b"broker.pair_main" in fh.read()
+        assert b"shard.pair_main" in fh.read()
     # The frontend's two lanes to its own shard are in-process: nothing connected to the shard's socket.
     assert connected_streams(str(node.data_dir / "run" / "shard-0.stream")) == 0
 

@@ -1,6 +1,6 @@
 """Entry point of a paired worker process (``--colocate``): frontend K and shard K on one event loop.
 
-`python -m broker.pair_main --index K --run-dir DIR`. The two talk through broker/local_link.py
+`python -m shard.pair_main --index K --run-dir DIR`. The two talk through broker/local_link.py
 (no socket between them); to the node they are two workers as before (a control-plane connection
 and a HELLO each), which share one pid (broker/supervisor.py ``Supervisor.partner``).
 """
