@@ -197,6 +197,9 @@ class Supervisor:
             other = self.partner(w)
             if other is None or other.proc is not w.proc or other.proc.returncode is not None:
                 return w.proc.wait()
+            # What closed before this call was an earlier connection (the node sends STOP and calls
+            # this without yielding in between): only a close from now on is this stop's.
+            w.left.clear()
             return _first(w.proc.wait(), w.left.wait())
 
         try:
