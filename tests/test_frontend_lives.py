@@ -26,6 +26,7 @@ from tests.helpers import WAIT, count, names_on_different_shards, uid, wait_coun
 from tests.raw_amqp import RawClient
 
 QUEUE_PLACEMENT = "hash"  # names picked per shard (tests/helpers.py)
+COLOCATE = "off"  # one role's process is killed (or stopped) while the other of its index lives on
 
 NEW_CONNECTIONS = 8  # at least the dead connection's id (2), whatever the node's own probes took
 

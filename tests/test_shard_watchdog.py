@@ -18,6 +18,7 @@ import pika
 from tests.helpers import WAIT, names_on_different_shards, uid
 
 QUEUE_PLACEMENT = "hash"  # names picked per shard (tests/helpers.py)
+COLOCATE = "off"  # one role's process is killed (or stopped) while the other of its index lives on
 
 HUNG = "has sent nothing for"  # broker/shard_watchdog.py's log line
 
