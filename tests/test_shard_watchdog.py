@@ -3,7 +3,8 @@
 Shard 1 is SIGSTOPped: its process lives on and holds its queue, so the supervisor, which restarts
 crashed workers, sees nothing. Its reports to the node (every --stats-interval) stop; after
 --shard-hang-timeout the node logs it and kills it, the supervisor restarts it, and the queue works
-again with what was confirmed before. Shard 0, healthy and idle all along, is left alone.
+again with what was confirmed before. Shard 0, healthy and idle all along, is left alone. (With
+--colocate shard 0 runs in one process with frontend 0; shard 1, on its own, is the one stopped.)
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import pika
 from tests.helpers import WAIT, names_on_different_shards, uid
 
 QUEUE_PLACEMENT = "hash"  # names picked per shard (tests/helpers.py)
-COLOCATE = "off"  # one role's process is killed (or stopped) while the other of its index lives on
 
 HUNG = "has sent nothing for"  # broker/shard_watchdog.py's log line
 
