@@ -23,12 +23,13 @@ from pamqp import header as pheader
 from pamqp.body import ContentBody
 
 from tests.helpers import WAIT, count, names_on_different_shards, uid, wait_count
+from tests.mgmt_api import Api
 from tests.raw_amqp import RawClient
 
 QUEUE_PLACEMENT = "hash"  # names picked per shard (tests/helpers.py)
 COLOCATE = "off"  # one role's process is killed (or stopped) while the other of its index lives on
 
-NEW_CONNECTIONS = 8  # at least the dead connection's id (2), whatever the node's own probes took
+_SERIAL = (1 << 24) - 1  # a connection id's count within its frontend life (frontend/worker.py)
 
 
 def _confirming(port: int) -> RawClient:
@@ -55,7 +56,8 @@ def _publish_persistent(c: RawClient, queue: str, body: bytes) -> None:
 
 def test_a_late_confirm_for_a_killed_frontends_connection_acks_nothing_in_its_next_life(node_factory, tmp_path):
     stall = tmp_path / "stall"
-    node = node_factory(frontends=1, shards=2, env={"SHARDMQ_TEST_STALL_FSYNC_WHILE": str(stall)})
+    node = node_factory(frontends=1, shards=2, env={"SHARDMQ_TEST_STALL_FSYNC_WHILE": str(stall)},
+                        extra_args=["--stats-interval", "100"])  # the connection list, for the dead one's id
     q0, q1 = names_on_different_shards(uid("q"))
     with node.connect() as conn:  # connection 1 of the frontend's first life
         ch = conn.channel()
@@ -65,14 +67,20 @@ def test_a_late_confirm_for_a_killed_frontends_connection_acks_nothing_in_its_ne
     held0.touch()
     held1.touch()
     try:
-        old = _confirming(node.port)  # connection 2
+        old = _confirming(node.port)
         _publish_persistent(old, q0, b"old")
+        port = old.sock.getsockname()[1]
+        rows = Api(node.http_port).wait_for("/api/connections", lambda rows: any(r["peer_port"] == port for r in rows))
+        serial = next(r["conn_id"] for r in rows if r["peer_port"] == port) & _SERIAL
+        assert serial < 50, serial
         with node.connect() as conn:
             wait_count(conn.channel(), q0, 1)  # stored; its confirm waits on shard 0's held sync
         node.wait_worker_restarted("frontend", 0, node.kill_worker("frontend", 0))
         old.close()
 
-        new = [_confirming(node.port) for _ in range(NEW_CONNECTIONS)]
+        # As many new connections as the dead one's count in its life, and some: ids that restarted at 1
+        # give one of them the dead connection's id.
+        new = [_confirming(node.port) for _ in range(serial + 2)]
         for i, c in enumerate(new):
             _publish_persistent(c, q1, b"new%d" % i)  # delivery tag 1 on each; shard 1 cannot confirm it
         held0.unlink()  # shard 0's sync ends: its confirm for the dead connection goes out
@@ -80,7 +88,7 @@ def test_a_late_confirm_for_a_killed_frontends_connection_acks_nothing_in_its_ne
             ch = conn.channel()
             ch.confirm_delivery()
             ch.basic_publish("", q0, b"probe", pika.BasicProperties(delivery_mode=2))
-            wait_count(ch, q1, NEW_CONNECTIONS)
+            wait_count(ch, q1, len(new))
         for i, c in enumerate(new):
             got = c.next_frame(timeout=0.05)
             assert got is None, f"new connection {i} got {got!r} while its message's shard cannot confirm it"
@@ -92,4 +100,4 @@ def test_a_late_confirm_for_a_killed_frontends_connection_acks_nothing_in_its_ne
         assert ack.delivery_tag == 1
         c.close()
     with node.connect() as conn:
-        assert count(conn.channel(), q1) == NEW_CONNECTIONS
+        assert count(conn.channel(), q1) == len(new)
