@@ -199,7 +199,7 @@ class Coordinator:
             except (etcd3.Etcd3Exception, grpc.RpcError) as exc:
                 last = exc
                 host, port = self.endpoints[self._current]
-                log.debug("etcd %s:%d: %s", host, port, exc)
+                log.debug("etcd %s:%d: %s", host, port, _describe(exc))
                 self._drop_client(keepalive)
                 self._current = (self._current + 1) % len(self.endpoints)
         raise CoordinationError(f"etcd unreachable ({_describe(last)})") from last
@@ -556,7 +556,11 @@ def boost_thread_priority(nice: int = -10) -> bool:
         return False
 
 
-def _describe(exc: Exception | None) -> str:
+def _describe(exc: BaseException | None) -> str:
     if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
         return f"{exc.code().name}: {exc.details()}"
+    # etcd3 raises its own exception (no text) inside the handler of the gRPC error that says why
+    cause = exc.__context__ if exc is not None else None
+    if isinstance(cause, grpc.RpcError) and hasattr(cause, "code"):
+        return f"{type(exc).__name__}, {cause.code().name}: {cause.details()}"
     return str(exc) or type(exc).__name__
