@@ -37,6 +37,14 @@ from typing import Any, TypeVar
 
 # etcd3 0.12's generated protobuf modules only load with the pure-Python protobuf runtime.
 os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
+# The node forks its workers (uvloop's spawn: fork + exec) while etcd calls run in other threads.
+# With gRPC's fork support on (its default), every fork runs gRPC's fork handlers, which skip
+# their work while a call is in flight: the child's gRPC restarted its poller on the parent's
+# state and could abort before its exec (a frontend died of SIGABRT), and the parent's connection
+# to etcd was left broken: every later call, on new channels too, failed with INTERNAL "Received
+# RST_STREAM with error code 1" until the leader fenced itself. A child that only execs needs none
+# of it. Read once, when grpc is first imported (below).
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import warnings  # noqa: E402
 
