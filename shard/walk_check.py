@@ -1,10 +1,11 @@
 """Test-mode checks of the indexes that spare the shard walks of every queue.
 
-A channel close visits only the queues its channels touched (shard/consumers.py ``ChannelRef.queues``)
-and the periodic sync only the stores that became dirty (shard/dirty_stores.py). Both are right only if
-the index misses nothing a walk of every queue would have found. With ``SHARDMQ_TEST_WALK_CHECK=1``
-(tests/harness.py sets it on every test node) the shard also does that walk at each such point and logs
-``WALK_CHECK_FAILED`` when the index missed something; tests/conftest.py fails the test on that line.
+A channel close (and the consumer-timeout scan) visits only the queues channels touched
+(shard/consumers.py ``ChannelRef.queues``), and the periodic sync only the stores that became dirty
+(shard/dirty_stores.py). Both are right only if the index misses nothing a walk of every queue would
+have found. With ``SHARDMQ_TEST_WALK_CHECK=1`` (tests/harness.py sets it on every test node) the
+shard also does that walk at each such point and logs ``WALK_CHECK_FAILED`` when the index missed
+something; tests/conftest.py fails the test on that line.
 """
 
 from __future__ import annotations
@@ -40,6 +41,15 @@ def owners_found(shard: CheckedShard, visited: Iterable[Queue], match: Callable)
         if consumers or owned:
             log.error(WALK_CHECK_FAILED + ": shard %d: a close left queue %r in vhost %r out: consumers %s, "
                       "%d unacked", shard.index, name, vhost, consumers, owned)
+
+
+def unacked_found(shard: CheckedShard, visited: Iterable[Queue]) -> None:
+    """The consumer-timeout scan visits ``visited``: no other queue may hold an unacked message."""
+    seen = {id(q) for q in visited}
+    for (vhost, name), q in shard.queues.items():
+        if id(q) not in seen and q.unacked and not q.deleted:
+            log.error(WALK_CHECK_FAILED + ": shard %d: queue %r in vhost %r holds %d unacked outside every "
+                      "channel's queues", shard.index, name, vhost, len(q.unacked))
 
 
 def dirty_found(shard: CheckedShard, visited: set, extra: Iterable = ()) -> None:

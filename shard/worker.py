@@ -1223,6 +1223,14 @@ class ShardWorker:
         found = [q for q in map(by_qid.get, sorted(qids)) if q is not None]  # None: deleted since
         return found
 
+    def owned_queues(self) -> list[Queue]:
+        """Every queue where a channel may hold unacked messages (the consumer-timeout scan's), in
+        the order of self.queues."""
+        queues = self._queues_of(list(self.channels.values()))
+        if self._walk_check:
+            walk_check.unacked_found(self, queues)
+        return queues
+
     def _release_channels(self, chans: tuple | list, match: Callable) -> None:
         """Channels gone (closed, their connection closed, their frontend dead): their consumers off
         and their unacked messages requeued, in the queues they touched only. ``match`` picks their
