@@ -70,14 +70,17 @@ def run(tree: str, queues: int, idle_s: float, connections: int) -> None:
                     raise SystemExit(f"{tree}: node did not listen") from None
                 time.sleep(0.1)
         uri = f"amqp://guest:guest@127.0.0.1:{port}/"
+        time.sleep(0.5)
+        children = subprocess.run(["pgrep", "-P", str(node.pid)], capture_output=True, text=True).stdout.split()
+        pids = [node.pid, *map(int, children)]
+        before = {p: _cpu(p) for p in pids}
         t0 = time.monotonic()
         subprocess.run([PY, "-m", "loadtest.cli", "amqp", "queue-count", "--uri", uri, "--count", str(queues),
                         "--durable", "--keep", "--queue", "w", "--time", "900", "--json"],
                        env=dict(os.environ, PYTHONPATH=HERE), capture_output=True, text=True, check=True)
         declared_s = time.monotonic() - t0
+        per_declare = {_name(p): (_cpu(p) - before[p]) * TICK_US / queues for p in pids}
         time.sleep(5)
-        children = subprocess.run(["pgrep", "-P", str(node.pid)], capture_output=True, text=True).stdout.split()
-        pids = [node.pid, *map(int, children)]
         shards = [p for p in pids if _name(p).startswith("sh")]
         load = open("/proc/loadavg").read().split()[0]
         before = {p: _cpu(p) for p in shards}
@@ -97,6 +100,8 @@ def run(tree: str, queues: int, idle_s: float, connections: int) -> None:
         per_conn = {_name(p): (_cpu(p) - before[p]) * TICK_US / connections for p in pids}
         load2 = open("/proc/loadavg").read().split()[0]
         print(f"{tree}: {queues} queues declared in {declared_s:.0f} s; load {load}/{load2}\n"
+              f"  declare CPU µs/queue: " + " ".join(f"{k}={v:.0f}" for k, v in sorted(per_declare.items()))
+              + f" (node total {sum(per_declare.values()):.0f})\n"
               f"  idle shard CPU ms/s: " + " ".join(f"{k}={v:.2f}" for k, v in sorted(idle.items()))
               + f" (sum {sum(idle.values()):.2f})\n"
               f"  churn: {connections} conns in {churn_s:.1f} s; CPU µs/conn: "
