@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 WALK_CHECK_ENV = "SHARDMQ_TEST_WALK_CHECK"
 WALK_CHECK_FAILED = "walk check failed"  # the log line's start (tests/conftest.py looks for it)
+MAX_QUEUES = 20_000  # beyond, no check (as shard/stats.py's): a test of 100,000 queues must not walk them all
 
 log = logging.getLogger("shardmq.shard")
 
@@ -32,6 +33,8 @@ class CheckedShard(Protocol):
 
 def owners_found(shard: CheckedShard, visited: Iterable[Queue], match: Callable) -> None:
     """A close visits ``visited``: no other queue may hold a consumer or an unacked message ``match`` picks."""
+    if len(shard.queues) > MAX_QUEUES:
+        return
     seen = {id(q) for q in visited}
     for (vhost, name), q in shard.queues.items():
         if id(q) in seen or q.deleted:
@@ -45,6 +48,8 @@ def owners_found(shard: CheckedShard, visited: Iterable[Queue], match: Callable)
 
 def unacked_found(shard: CheckedShard, visited: Iterable[Queue]) -> None:
     """The consumer-timeout scan visits ``visited``: no other queue may hold an unacked message."""
+    if len(shard.queues) > MAX_QUEUES:
+        return
     seen = {id(q) for q in visited}
     for (vhost, name), q in shard.queues.items():
         if id(q) not in seen and q.unacked and not q.deleted:
@@ -55,6 +60,8 @@ def unacked_found(shard: CheckedShard, visited: Iterable[Queue]) -> None:
 def dirty_found(shard: CheckedShard, visited: set, extra: Iterable = ()) -> None:
     """The periodic sync visited the stores in ``visited``: no other store of a queue (or in ``extra``)
     may be dirty (it would have waited for a sync that never came)."""
+    if len(shard.queues) > MAX_QUEUES:
+        return
     stores = [q.store for q in shard.queues.values() if not q.deleted]
     stores.extend(extra)
     for store in stores:
