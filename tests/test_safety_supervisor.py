@@ -9,6 +9,9 @@ import time
 from tests.harness import Node, pid_alive
 from tests.test_worker_crash import connect_retry, name_on_shard
 
+# Separate frontend and shard processes (--colocate off, tests/conftest.py): workers are found by their command line (shard.main) and killed one role at a time.
+COLOCATE = "off"
+
 
 def shard_children(node: Node, index: int) -> list[int]:
     """Live children of the node process running `shard.main --index <index>` (read from /proc)."""
