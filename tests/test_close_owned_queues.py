@@ -24,6 +24,8 @@ from tests.helpers import connections_on_two_frontends, names_on_different_shard
 
 # Queue names are picked per shard by their crc32 (tests/helpers.py): nodes place by name.
 QUEUE_PLACEMENT = "hash"
+# One case kills a frontend and expects the shards to live on (tests/conftest.py module_node_args).
+COLOCATE = "off"
 N = 10  # messages per queue
 
 
