@@ -11,15 +11,13 @@ on a miss), which the random sequences below exercise.
 
 from __future__ import annotations
 
-import time
-
 import pika
 import pika.exceptions
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.harness import wait_until
+from tests.harness import pumping, wait_until
 from tests.helpers import connections_on_two_frontends, names_on_different_shards, uid
 
 # Queue names are picked per shard by their crc32 (tests/helpers.py): nodes place by name.
@@ -51,10 +49,8 @@ def _consume(conn, queues: list[str], prefetch: int):
     got: dict[str, list] = {q: [] for q in queues}
     for q in queues:
         ch.basic_consume(q, lambda _c, m, _p, b, q=q: got[q].append((m.delivery_tag, b, m.redelivered)))
-    deadline = time.monotonic() + 10
-    while any(len(v) < prefetch for v in got.values()):
-        assert time.monotonic() < deadline, {q: len(v) for q, v in got.items()}
-        conn.process_data_events(0.05)
+    wait_until(lambda: all(len(v) >= prefetch for v in got.values()), 10, f"{prefetch} from each queue",
+               pause=pumping(conn), context=lambda: str({q: len(v) for q, v in got.items()}))
     return ch, got
 
 
@@ -85,10 +81,8 @@ def _check_alive(conn, ch, got: dict, queues: list[str], other) -> None:
             ch.basic_ack(tag)
         got[q].clear()
     _publish(other, queues, [b"fresh"])
-    deadline = time.monotonic() + 10
-    while any(not got[q] for q in queues):
-        assert time.monotonic() < deadline, got
-        conn.process_data_events(0.05)
+    wait_until(lambda: all(got[q] for q in queues), 10, "a fresh message from each queue", pause=pumping(conn),
+               context=lambda: str(got))
     for q in queues:
         assert [(b, r) for _t, b, r in got[q]] == [(q.encode() + b":fresh", False)]
         ch.basic_ack(got[q][0][0])

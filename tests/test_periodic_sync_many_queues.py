@@ -14,7 +14,7 @@ import time
 
 import pika
 
-from tests.harness import wait_until
+from tests.harness import pumping, wait_until
 from tests.helpers import control_lane_barrier, names_on_different_shards, uid
 from tests.test_worker_crash import connect_retry
 
@@ -67,10 +67,8 @@ def test_confirmed_and_acked_on_a_few_of_many_queues_survive_a_shard_kill(node_f
     cons.basic_qos(prefetch_count=15)
     got: dict[str, list] = {q: [] for q in acked}
     tags = [cons.basic_consume(q, lambda _c, m, _p, b, q=q: got[q].append((m.delivery_tag, b))) for q in acked]
-    deadline = time.monotonic() + 10
-    while any(len(v) < 15 for v in got.values()):
-        assert time.monotonic() < deadline, {q: len(v) for q, v in got.items()}
-        conn.process_data_events(0.05)
+    wait_until(lambda: all(len(v) >= 15 for v in got.values()), 10, "15 deliveries from each queue",
+               pause=pumping(conn), context=lambda: str({q: len(v) for q, v in got.items()}))
     for tag in tags:  # no more deliveries: the acks below free no prefetch for 15..19
         cons.basic_cancel(tag)
     for q in acked:
@@ -105,6 +103,6 @@ def test_confirmed_and_acked_on_a_few_of_many_queues_survive_a_shard_kill(node_f
     seen: list[bytes] = []
     sch.basic_consume(stream[0], lambda _c, m, _p, b: (seen.append(b), sch.basic_ack(m.delivery_tag)),
                       arguments={"x-stream-offset": "first"})
-    wait_until(lambda: (conn.process_data_events(0.05), len(seen) >= 20)[1], 15, "the stream's 20 messages")
+    wait_until(lambda: len(seen) >= 20, 15, "the stream's 20 messages", pause=pumping(conn))
     assert seen == [b"%d" % i for i in range(20)]
     conn.close()
