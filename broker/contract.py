@@ -89,7 +89,8 @@ import msgpack
 # 18: PEER_DONE (shard -> shard at a clean stop: nothing more follows from the sender).
 # 19: a replication handoff (pack_handoff) carries the follower's heartbeat interval from its HELLO.
 # 21: shard-to-shard forwards carry the sending shard's epoch as conn_id (was 0); the sender drops a
-# CONFIRM/CONFIRM_NACK whose conn_id is not its epoch (an answer meant for its earlier life).
+# CONFIRM/CONFIRM_NACK whose conn_id is not its epoch (an answer meant for its earlier life). PEER_DONE's
+# optional phase field ([PEER_DONE, 2]: a cluster leader's shard has its final state acked).
 VERSION = 21
 
 # --------------------------------------------------------------------------
@@ -292,6 +293,8 @@ MARKED_ACK = 39
 #   [PEER_DONE]  nothing more follows from it. A stopping shard keeps serving (storing, syncing,
 #   confirming) until every other shard said so (at most STOP_WAIT_S and a little), so a forward of a
 #   peer that got its STOP later never meets a closed socket (shard/forward_settle.py).
+#   [PEER_DONE, 2]  (a cluster leader's shard, later in its stop) its final sync reached the followers:
+#   the shards close their replication streams once each said so (shard/streams_close.py).
 PEER_DONE = 49
 
 # Channel numbers of the confirmed PUBLISH items a shard sends to another shard (conn_id 0): the

@@ -97,7 +97,12 @@ class FrontendWorker:
         self._ws_runner: Any = None
         self.tls: Any = None  # the TLS listeners' ssl.SSLContext (broker/tls.py), None without a certificate
         self.conns: dict[int, Session] = {}
-        self._next_conn = 0
+        # Connection ids count from this process's pid << 24 (the life token its data headers carry too):
+        # a shard's answer for a connection of the frontend's earlier life (a confirm its running group
+        # sync held when that life died, sent to our identity fe-N afterwards) names no connection of ours,
+        # where ids restarting at 1 acked another connection's publish (tests/test_frontend_lives.py).
+        # Under 2**53: ids stay exact as JSON numbers.
+        self._next_conn = os.getpid() << 24
         self._next_req = 0
         self._node_pending: dict[int, Callback | None] = {}
         # req_id -> (shard, connection, callback)

@@ -27,7 +27,7 @@ from broker.defs_fence import catch_up, control_delay_for_tests_s, open_fence
 from broker.fsync_beacon import FsyncBeacon, stall_for_tests
 from broker.policies import POLICY_OPS
 from broker.unixio import CONTROL_TURN_S, UnixDealer
-from shard import dirty_stores, peer_answer_hold, walk_check
+from shard import dirty_stores, peer_answer_hold, streams_close, walk_check
 from shard.ack_timeouts import AckTimeouts
 from shard.admin import admin_query
 from shard.consumers import ChannelRef, Consumer
@@ -177,6 +177,7 @@ class ShardWorker:
         # At a clean stop, after PEER_DONE: the other shards that have not said theirs yet.
         self.peers_done = PeersDone()
         self.peers_closed = False  # we said PEER_DONE: nothing more goes to another shard
+        self.streams_close = streams_close.StreamsClose()  # a cluster leader's shards close their streams together
         self.forward_settle = ForwardSettle(index, {"dead letters": self.dead_letters,
                                                     "due delayed messages": self.delayed,
                                                     "deduplicating-exchange forwards": self.exchange_dedup,
@@ -661,8 +662,8 @@ class ShardWorker:
                 self.kv.mark(vhost, space, key, mark, fe, req_id)  # same step as the ack: both or neither
             else:
                 self.data.put(fe, [contract.REPLY_DATA, req_id, True, {"acked": False}])
-        elif kind == contract.PEER_DONE:  # once per peer per stop: last in the chain
-            self._peer_done(fe)
+        elif kind == contract.PEER_DONE:  # once per peer per stop: last in the chain (and phase 2 after it)
+            self._peer_done(fe, item[1] if len(item) > 1 else 1)
         else:
             log.warning("shard %d: unknown item kind %r", self.index, kind)
 
@@ -1140,11 +1141,15 @@ class ShardWorker:
         for fe, seqs in held.items():
             put(fe, [contract.PROCESSED, seqs[-1]])
 
-    def _peer_done(self, fe: bytes) -> None:
-        """PEER_DONE from shard `fe` (sh-N): it is stopping and sends us nothing more."""
+    def _peer_done(self, fe: bytes, phase: int = 1) -> None:
+        """PEER_DONE from shard `fe` (sh-N): it is stopping and sends us nothing more (phase 2: and its
+        final state reached the followers, shard/streams_close.py)."""
         try:
             index = int(fe[3:])
         except ValueError:
+            return
+        if phase == streams_close.SYNCED:
+            self.streams_close.peer_synced(index)
             return
         self.peers_done.done.add(index)
         self.forward_settle.answered()
@@ -1424,17 +1429,19 @@ class ShardWorker:
                 + [s.path for s in self.dead_letters.all_stores()] + [st.path for st in self.kv.stores.values()])
 
     async def _followers_acked(self, repl: ShardReplication, target: int, deadline: float) -> bool:
-        """At a stop: wait (until `deadline`) for the in-sync followers to ack up to `target`. Not when
+        """At a stop: wait (until `deadline`) for the in-sync followers to ack up to `target`. Not while
         one of them is gone: the ISR does not change during a stop, so it would wait until the deadline."""
         if not repl.isr_attached():
             return False
         acked = self.loop.create_future()
         repl.when_replicated(target, lambda ok: acked.done() or acked.set_result(ok))
-        try:
-            async with asyncio.timeout(max(0.0, deadline - self.loop.time())):
-                return await acked
-        except TimeoutError:
-            return False
+        while (left := deadline - self.loop.time()) > 0:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(left, 0.05)):
+                    return await asyncio.shield(acked)
+            if not repl.isr_attached():
+                return False  # one went away meanwhile
+        return False
 
     def _replicated(self, waiting: list, ok: bool) -> None:
         if not ok and self._closing:
@@ -1591,6 +1598,15 @@ class ShardWorker:
                 break
         self._flush_confirms()
         if repl is not None:
+            # Our stream closes with the other shards' (shard/streams_close.py): the first one closed
+            # ends the followers' session.
+            for peer in self.peers.values():
+                peer.put(None, [contract.PEER_DONE, streams_close.SYNCED])
+            self.data.flush()
+            late = await self.streams_close.wait(set(self.peers), repl_deadline - self.loop.time())
+            if late:
+                log.warning("shard %d: closing its replication stream before shards %s had their final state "
+                            "acked by the followers", self.index, sorted(late))
             self.repl = None
             repl.close()  # a confirm still waiting is dropped, not nacked (_replicated): it was not refused
         for s in stores:

@@ -22,6 +22,7 @@ from broker.dedup import exchange_shard
 from tests.helpers import WAIT, count, names_on_different_shards, uid, wait_count
 
 QUEUE_PLACEMENT = "hash"  # names picked per shard (tests/helpers.py)
+COLOCATE = "off"  # one role's process is killed (or stopped) while the other of its index lives on
 
 
 def _wait_logged(node, text: str, n: int) -> None:

@@ -3,7 +3,8 @@
 Shard 1 is SIGSTOPped: its process lives on and holds its queue, so the supervisor, which restarts
 crashed workers, sees nothing. Its reports to the node (every --stats-interval) stop; after
 --shard-hang-timeout the node logs it and kills it, the supervisor restarts it, and the queue works
-again with what was confirmed before. Shard 0, healthy and idle all along, is left alone.
+again with what was confirmed before. Shard 0, healthy and idle all along, is left alone. (With
+--colocate shard 0 runs in one process with frontend 0; shard 1, on its own, is the one stopped.)
 """
 
 from __future__ import annotations
