@@ -16,6 +16,7 @@ import time
 import urllib.request
 
 import pika
+import pytest
 
 from broker.config import load_settings
 from broker.cpus import colocated_pairs
@@ -112,8 +113,10 @@ def test_one_pair_serves_through_the_in_process_link(node_factory):
                10, "both workers' state logged")
 
 
-def test_two_pairs_cross_to_the_other_pairs_shard(node_factory):
-    node = node_factory(frontends=2, shards=2, extra_args=ON)
+@pytest.mark.parametrize("transport", ["unix", "zmq"])
+def test_two_pairs_cross_to_the_other_pairs_shard(node_factory, transport):
+    """Within a pair the link is in-process; to the other pair's shard it is the --ipc-transport's socket."""
+    node = node_factory(frontends=2, shards=2, extra_args=[*ON, "--ipc-transport", transport])
     assert paired_pid(node, 0) != paired_pid(node, 1)
     on0, on1 = names_on_different_shards(uid("x"))
     a, b = sorted(connections_on_two_frontends(node), key=lambda c: c._impl.server_properties["shardmq_frontend"])
