@@ -201,3 +201,19 @@ def test_setting_from_flag_ini_env_and_bad_values(tmp_path, node_factory):
     node = node_factory(frontends=2, shards=1, env={"SHARDMQ_COLOCATE": "on"})
     pids = node.pids()
     assert pids["frontend"]["0"] == pids["shard"]["0"] != pids["frontend"]["1"]
+
+
+def test_sigterm_to_a_pair_stops_its_frontend_then_its_shard_and_both_come_back(node_factory):
+    node = node_factory(frontends=1, shards=1, extra_args=ON)
+    old = paired_pid(node, 0)
+    os.kill(old, signal.SIGTERM)
+    new = node.wait_worker_restarted("shard", 0, old)
+    wait_until(lambda: node.pids()["frontend"]["0"] == new, 15, "frontend 0 in the restarted pair")
+    log = node.log_text()
+    assert log.index("frontend 0 stopped") < log.index("shard 0 stopped") < log.index("exited with status 0"), log
+    node.wait_ready()
+    ch = node.connect().channel()
+    q = uid("after")
+    ch.queue_declare(q)
+    ch.basic_publish("", q, b"back")
+    assert [b for _m, _p, b in consume_bodies(ch, q, 1)] == [b"back"]
