@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -217,3 +218,47 @@ def test_sigterm_to_a_pair_stops_its_frontend_then_its_shard_and_both_come_back(
     ch.queue_declare(q)
     ch.basic_publish("", q, b"back")
     assert [b for _m, _p, b in consume_bodies(ch, q, 1)] == [b"back"]
+
+
+def test_kill_9_of_a_pair_under_confirmed_load_loses_no_confirmed_message(node_factory):
+    """A publisher on the pair's own frontend, confirming each persistent message into a queue of the
+    pair's shard (the in-process link both ways), when the pair is killed: every message it saw
+    confirmed is there after both roles came back (unconfirmed ones may be there too)."""
+    node = node_factory(frontends=1, shards=1, extra_args=ON)
+    q = uid("crash")
+    setup = node.connect()
+    setup.channel().queue_declare(q, durable=True)
+    setup.close()
+    confirmed: list[int] = []
+    errors: list[BaseException] = []
+
+    def publish() -> None:
+        try:
+            ch = node.connect().channel()
+            ch.confirm_delivery()
+            for i in range(10**6):
+                ch.basic_publish("", q, str(i).encode(), properties=PERSISTENT)  # returns once confirmed
+                confirmed.append(i)
+        except pika.exceptions.AMQPError as exc:
+            errors.append(exc)  # the connection went with the pair
+
+    publisher = threading.Thread(target=publish, daemon=True)
+    publisher.start()
+    wait_until(lambda: len(confirmed) >= 300, 30, "300 confirms before the kill")
+    old = node.kill_worker("shard", 0)
+    publisher.join(15)
+    assert not publisher.is_alive() and errors, "the publisher's connection did not end with the pair"
+    new = node.wait_worker_restarted("shard", 0, old)
+    wait_until(lambda: node.pids()["frontend"]["0"] == new, 15, "frontend 0 in the restarted pair")
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            ch = node.connect().channel()
+            count = ch.queue_declare(q, durable=True, passive=True).method.message_count
+            break
+        except pika.exceptions.AMQPError:
+            assert time.monotonic() < deadline, node.log_tail()
+            time.sleep(0.2)
+    assert count >= len(confirmed)
+    got = {int(b) for _m, _p, b in consume_bodies(ch, q, count)}
+    assert set(confirmed) <= got, sorted(set(confirmed) - got)[:10]
