@@ -121,8 +121,8 @@ class Settings:
     ipc_transport: str = "unix"
     # Frontend K and shard K in one process, talking in-process (shard/pair_main.py,
     # broker/local_link.py): "on", "off", or "auto" (broker/cpus.py colocated_pairs). Not with --cluster.
-    # Default off until the whole suite has run paired (docs/architecture.md "Paired processes").
-    colocate: str = "off"
+    # Default auto: paired on at most 2 cores (docs/benchmarks.md "Frontend and shard in one process").
+    colocate: str = "auto"
     # Where a new queue goes (broker/definitions/entities.py place_queue): "balanced" = the shard with
     # the fewest queues of its vhost, "hash" = crc32(vhost, name) % shards. Recorded in the queue's
     # definition either way: a queue keeps its shard across restarts and shard-count changes.

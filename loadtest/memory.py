@@ -40,13 +40,14 @@ def process_memory(pid: int) -> dict[str, int] | None:
 
 
 def role(pid: int, root: int) -> str:
-    """"node", "frontend-0", "shard-1" for a ShardMQ tree (from the command line), else the command."""
+    """"node", "frontend-0", "shard-1", "pair-0" (frontend 0 and shard 0 in one process, --colocate) for
+    a ShardMQ tree (from the command line), else the command."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             argv = f.read().decode(errors="replace").split("\0")
     except OSError:
         return "?"
-    for mod, name in (("frontend.main", "frontend"), ("shard.main", "shard")):
+    for mod, name in (("frontend.main", "frontend"), ("shard.main", "shard"), ("shard.pair_main", "pair")):
         if mod in argv and "--index" in argv:
             return f"{name}-{argv[argv.index('--index') + 1]}"
     return "node" if pid == root else " ".join(argv)[:40]

@@ -71,6 +71,8 @@ def waits(pid: int) -> tuple[float, int]:
 def role(pid: int) -> str:
     with open(f"/proc/{pid}/cmdline", "rb") as fh:
         cmd = fh.read()
+    if b"shard.pair_main" in cmd:  # frontend K + shard K in one process (--colocate)
+        return "pair"
     return "shard" if b"shard.main" in cmd else "frontend" if b"frontend.main" in cmd else "other"
 
 def machine_busy() -> tuple[int, int]:
@@ -112,17 +114,17 @@ def run(name: str, tree: str) -> tuple[float, float, dict]:
                    cwd=TREES["head"], capture_output=True, text=True, check=False)
     wall = time.time() - t
     busy_after = machine_busy()
-    extra = {"client": client_cpu() - client_before, "frontend": 0.0, "shard": 0.0,
+    extra = {"client": client_cpu() - client_before, "frontend": 0.0, "shard": 0.0, "pair": 0.0,
              "busy": (busy_after[0] - busy_before[0]) / max(1, busy_after[1] - busy_before[1]), "shard_loop": 0.0}
     for k in kids:
         r = role(k)
         if r in extra:
             extra[r] += cpu(k) - before[k]
-        if r in ("frontend", "shard"):  # loop threads: waiting for a core vs sleeping for input
+        if r in ("frontend", "shard", "pair"):  # loop threads: waiting for a core vs sleeping for input
             w = waits(k)
             extra[r + "_wait"] = extra.get(r + "_wait", 0.0) + w[0] - waits_before[k][0]
             extra[r + "_sleeps"] = extra.get(r + "_sleeps", 0) + w[1] - waits_before[k][1]
-        if r == "shard":  # the event loop's thread alone (not ZeroMQ's I/O thread, not helper threads)
+        if r in ("shard", "pair"):  # the event loop's thread alone (not ZeroMQ's I/O thread, not helper threads)
             extra["shard_loop"] += cpu(k, thread=True) - loop_before[k]
     try:
         result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -142,9 +144,12 @@ for r in range(int(sys.argv[4]) if len(sys.argv) > 4 else 3):
         load = open("/proc/loadavg").read().split()[0]
         print(f"{name} run{r+1}: workers' CPU {used:.2f} s for {n} msgs = {used / n * 1e6:.2f} us/msg"
               f" (frontends {extra['frontend'] / n * 1e6:.2f}, shards {extra['shard'] / n * 1e6:.2f}"
-              f" [loop thread {extra['shard_loop'] / n * 1e6:.2f}],"
+              + (f", frontend+shard pairs {extra['pair'] / n * 1e6:.2f}" if extra["pair"] else "")
+              + f" [loop thread {extra['shard_loop'] / n * 1e6:.2f}],"
               f" perf client {extra['client'] / n * 1e6:.2f}; loops runnable-waiting fe/sh"
-              f" {extra.get('frontend_wait', 0) / n * 1e6:.2f}/{extra.get('shard_wait', 0) / n * 1e6:.2f} us/msg,"
+              f" {extra.get('frontend_wait', 0) / n * 1e6:.2f}/{extra.get('shard_wait', 0) / n * 1e6:.2f}"
+              + (f" (pairs {extra.get('pair_wait', 0) / n * 1e6:.2f})" if extra["pair"] else "") + " us/msg,"
               f" sleeping {extra.get('frontend_sleeps', 0) / n * 1e3:.1f}/{extra.get('shard_sleeps', 0) / n * 1e3:.1f}"
+              + (f" (pairs {extra.get('pair_sleeps', 0) / n * 1e3:.1f})" if extra["pair"] else "") +
               f" per 1k msgs; {extra['rates']}; cores busy {extra['busy']:.0%}; wall {wall:.1f} s, load {load})",
               flush=True)

@@ -12,10 +12,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
 import pika
+import pytest
 
 from broker.config import load_settings
 from broker.cpus import colocated_pairs
@@ -112,8 +114,10 @@ def test_one_pair_serves_through_the_in_process_link(node_factory):
                10, "both workers' state logged")
 
 
-def test_two_pairs_cross_to_the_other_pairs_shard(node_factory):
-    node = node_factory(frontends=2, shards=2, extra_args=ON)
+@pytest.mark.parametrize("transport", ["unix", "zmq"])
+def test_two_pairs_cross_to_the_other_pairs_shard(node_factory, transport):
+    """Within a pair the link is in-process; to the other pair's shard it is the --ipc-transport's socket."""
+    node = node_factory(frontends=2, shards=2, extra_args=[*ON, "--ipc-transport", transport])
     assert paired_pid(node, 0) != paired_pid(node, 1)
     on0, on1 = names_on_different_shards(uid("x"))
     a, b = sorted(connections_on_two_frontends(node), key=lambda c: c._impl.server_properties["shardmq_frontend"])
@@ -198,3 +202,63 @@ def test_setting_from_flag_ini_env_and_bad_values(tmp_path, node_factory):
     node = node_factory(frontends=2, shards=1, env={"SHARDMQ_COLOCATE": "on"})
     pids = node.pids()
     assert pids["frontend"]["0"] == pids["shard"]["0"] != pids["frontend"]["1"]
+
+
+def test_sigterm_to_a_pair_stops_its_frontend_then_its_shard_and_both_come_back(node_factory):
+    node = node_factory(frontends=1, shards=1, extra_args=ON)
+    old = paired_pid(node, 0)
+    os.kill(old, signal.SIGTERM)
+    new = node.wait_worker_restarted("shard", 0, old)
+    wait_until(lambda: node.pids()["frontend"]["0"] == new, 15, "frontend 0 in the restarted pair")
+    log = node.log_text()
+    assert log.index("frontend 0 stopped") < log.index("shard 0 stopped") < log.index("exited with status 0"), log
+    node.wait_ready()
+    ch = node.connect().channel()
+    q = uid("after")
+    ch.queue_declare(q)
+    ch.basic_publish("", q, b"back")
+    assert [b for _m, _p, b in consume_bodies(ch, q, 1)] == [b"back"]
+
+
+def test_kill_9_of_a_pair_under_confirmed_load_loses_no_confirmed_message(node_factory):
+    """A publisher on the pair's own frontend, confirming each persistent message into a queue of the
+    pair's shard (the in-process link both ways), when the pair is killed: every message it saw
+    confirmed is there after both roles came back (unconfirmed ones may be there too)."""
+    node = node_factory(frontends=1, shards=1, extra_args=ON)
+    q = uid("crash")
+    setup = node.connect()
+    setup.channel().queue_declare(q, durable=True)
+    setup.close()
+    confirmed: list[int] = []
+    errors: list[BaseException] = []
+
+    def publish() -> None:
+        try:
+            ch = node.connect().channel()
+            ch.confirm_delivery()
+            for i in range(10**6):
+                ch.basic_publish("", q, str(i).encode(), properties=PERSISTENT)  # returns once confirmed
+                confirmed.append(i)
+        except pika.exceptions.AMQPError as exc:
+            errors.append(exc)  # the connection went with the pair
+
+    publisher = threading.Thread(target=publish, daemon=True)
+    publisher.start()
+    wait_until(lambda: len(confirmed) >= 300, 30, "300 confirms before the kill")
+    old = node.kill_worker("shard", 0)
+    publisher.join(15)
+    assert not publisher.is_alive() and errors, "the publisher's connection did not end with the pair"
+    new = node.wait_worker_restarted("shard", 0, old)
+    wait_until(lambda: node.pids()["frontend"]["0"] == new, 15, "frontend 0 in the restarted pair")
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            ch = node.connect().channel()
+            count = ch.queue_declare(q, durable=True, passive=True).method.message_count
+            break
+        except pika.exceptions.AMQPError:
+            assert time.monotonic() < deadline, node.log_tail()
+            time.sleep(0.2)
+    assert count >= len(confirmed)
+    got = {int(b) for _m, _p, b in consume_bodies(ch, q, count)}
+    assert set(confirmed) <= got, sorted(set(confirmed) - got)[:10]

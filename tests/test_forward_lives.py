@@ -50,6 +50,7 @@ def test_a_late_confirm_for_a_killed_shards_forward_does_not_settle_a_forward_of
     old = node.kill_worker("shard", 0)
     node.wait_worker_restarted("shard", 0, old)
     _wait_logged(node, "shard 0 (pid", 2)  # "shard 0 (pid N) ready": its new life has loaded
+    node.wait_ready()  # with --colocate frontend 0 came back with shard 0 (one process): listening again
 
     conn = node.connect()
     ch = conn.channel()

@@ -121,7 +121,9 @@ def test_trace_stages_follows_sampled_messages_through_every_hop(node_factory, t
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == EXIT_OK and r["consumed"] == n, r
     roles = {p.name.split("-")[0] for p in trace_dir.glob("*.trace")}
-    assert roles == {"frontend", "shard", "client"}, roles
+    pids = node.pids()  # a pair (--colocate) writes one trace: pair-PID.trace
+    paired = pids["frontend"]["0"] == pids["shard"]["0"]
+    assert roles == ({"pair", "client"} if paired else {"frontend", "shard", "client"}), roles
     paths = trace_stages.load(trace_dir)
     # The frontend and shard flush their trace lines as they go (line-buffered files).
     complete = [s for s in paths.values() if set(trace_stages.STAGES) <= set(s)]
@@ -198,7 +200,8 @@ def test_idle_connections_are_held_with_heartbeats_and_memory_counted(node_facto
     e = r["extra"]
     assert (e["connections"], e["connections_alive"], e["errors"]) == (200, 200, 0), e
     assert r["params"]["heartbeat"] is None  # the broker's proposal (1 s) was accepted
-    assert e["broker_processes"] == 5  # node, 2 frontends, 2 shards
+    pids = node.pids()  # node, 2 frontends, 2 shards: 5 processes, or 3 with 2 pairs (--colocate)
+    assert e["broker_processes"] == 1 + len({*pids["frontend"].values(), *pids["shard"].values()})
     # before/after are both real readings of the tree; their order is not the tool's to promise: the node
     # and the shards trim their heaps ~2 s after boot, which can give back more than 200 connections take
     assert e["rss_after_bytes"] == r["broker_rss_bytes"] > e["pss_after_bytes"] > 0
@@ -276,7 +279,11 @@ def test_memory_lists_every_process_of_a_node_and_sums_them(node, capsys):
     assert main(["memory", str(node.pid), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     roles = sorted(r["role"] for r in out["processes"])
-    assert roles == ["frontend-0", "frontend-1", "node", "shard-0", "shard-1"]
+    pids = node.pids()
+    if pids["frontend"]["0"] == pids["shard"]["0"]:  # 2 pairs (--colocate)
+        assert roles == ["node", "pair-0", "pair-1"]
+    else:
+        assert roles == ["frontend-0", "frontend-1", "node", "shard-0", "shard-1"]
     for key in ("rss", "pss", "uss"):
         assert out["total"][key] == sum(r[key] for r in out["processes"]) > 0
     assert all(r["rss"] >= r["pss"] >= r["uss"] > 0 for r in out["processes"])

@@ -68,7 +68,8 @@ def test_nacked_publish_fails_the_job(spark, shared_node):
 
 
 def test_missing_confirm_fails_the_task(spark, node_factory):
-    node = node_factory(name="stalled", frontends=1, shards=1)
+    # --colocate off: the shard is stopped (SIGSTOP) while the frontend must answer the writer.
+    node = node_factory(name="stalled", frontends=1, shards=1, extra_args=["--colocate", "off"])
     conn = node.connect()
     ch = conn.channel()
     ch.queue_declare("target", durable=True)
