@@ -87,7 +87,8 @@ import msgpack
 # declare/delete) carry ack False for every worker that has applied its SNAPSHOT (no APPLIED for them).
 # 18: PEER_DONE (shard -> shard at a clean stop: nothing more follows from the sender).
 # 19: a replication handoff (pack_handoff) carries the follower's heartbeat interval from its HELLO.
-VERSION = 19
+# 22: a shard's STATS report may come in parts: every part but the last has "more": true (see STATS).
+VERSION = 22
 
 # --------------------------------------------------------------------------
 # Control plane: node <-> every worker (node.sock)
@@ -128,7 +129,11 @@ FORWARD = 5
 #   changed since the shard's previous report, and "removed" the queues gone since then, unless "full":
 #   then "queues" is every row and "removed" is []. The first report after a shard starts is full; when
 #   the node sees a seq that does not follow the last one, it sends QUERY "stats_full" and the next
-#   report is full. (A payload without "seq" is read as full.) Rows now also carry deliver_no_ack, get,
+#   report is full. (A payload without "seq" is read as full.) A shard sends a report of many rows in
+#   parts, one per loop turn (shard/stats.py PART_ROWS queues each): every part but the last is
+#   {"seq": n, "full": bool, "more": true, "queues": [...], "removed": [...]} with the seq and full of the
+#   report it belongs to; the last part is the whole payload above with that seq and the last rows. The
+#   node merges a part's rows at once; a full report's rows replace the old ones at its last part. Rows now also carry deliver_no_ack, get,
 #   get_no_ack, redelivered after acked, and "totals" the same seven counters (broker/node_stats.py).
 STATS = 6
 # REPL_STATUS: [REPL_STATUS, {follower: [connected, in_sync, lag_bytes, lag_seconds, last_ack_monotonic,

@@ -62,6 +62,7 @@ def run_worker(role: str, argv: list[str] | None, load_worker) -> int:
     import argparse
     import asyncio
 
+    from broker import turn_probe
     from broker.logs import setup_logging
 
     parser = argparse.ArgumentParser(prog=f"shardmq-{role}")
@@ -77,6 +78,7 @@ def run_worker(role: str, argv: list[str] | None, load_worker) -> int:
     async def serve() -> int:
         loop = asyncio.get_running_loop()
         worker = load_worker()(args.index, args.run_dir, loop)
+        turn_probe.install(loop, f"{role}-{args.index}")  # debug aid, off unless SHARDMQ_TEST_TURN_PROBE
         # The node stops workers with STOP; SIGTERM from outside does the same. Ctrl-C in a
         # terminal reaches the whole process group: the node decides, not us.
         loop.add_signal_handler(signal.SIGTERM, lambda: loop.create_task(worker.stop()))
