@@ -107,6 +107,10 @@ class Settings:
     # ms between the periodic statistics each worker sends the node (RabbitMQ's
     # collect_statistics_interval): queue counts, connections, counters for the API and Prometheus.
     stats_interval: int = 5000
+    # Seconds a running shard may send the node nothing (it reports every stats_interval; at least 3
+    # intervals are waited) before the node calls it hung, kills it and lets the supervisor restart it
+    # (broker/shard_watchdog.py); 0 = off.
+    shard_hang_timeout: float = 30.0
     # Debug: a directory where frontends and shards write a per-stage latency trace of a sample of
     # messages (broker/stage_trace.py, python -m loadtest.trace_stages); None = off.
     trace_stages: str | None = None
@@ -267,6 +271,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("prometheus_tls_port", "int", "http",
            "Prometheus metrics over HTTPS, on when --tls-cert is set (0 = off)", 0, 65535),
     Option("stats_interval", "int", "http", "ms between the statistics reports of the workers", 100, 3600000),
+    Option("shard_hang_timeout", "float", "main",
+           "seconds a running shard may send the node nothing before it is killed and restarted (0 = off)",
+           0, 86400),
     Option("trace_stages", "path", "main",
            "debug: directory for a per-stage latency trace of sampled messages (python -m loadtest.trace_stages)"),
     Option("ipc_transport", "str", "main",

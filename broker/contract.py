@@ -23,10 +23,11 @@ Sockets (under the node's run directory; ``node.sock`` is a unix stream socket, 
   connects one to itself for those). Their header is ``[target_epoch, seq]``
   like a frontend's (epochs from SNAPSHOT and SHARD_UP); PROCESSED answers are
   ignored by the sending shard. Publishes a shard must see stored (due delayed
-  messages, forwarded deduplicating-exchange publishes) carry conn_id 0, the
+  messages, forwarded deduplicating-exchange publishes) carry conn_id = the sending shard's epoch, the
   channel PEER_CHANNEL_DELAYED or PEER_CHANNEL_DEDUP and the sending shard's own
   confirm_seq; shard N answers CONFIRM/CONFIRM_NACK to shard M exactly as to a
-  frontend, and the channel tells M which of its parts waits for the answer.
+  frontend, and the channel tells M which of its parts waits for the answer (M drops an answer
+  whose conn_id is not its own epoch: meant for an earlier life of M, shard/forward_lives.py).
   Dead letters carry them too (PEER_CHANNEL_DLX; PUBLISH, or DEDUP_PUBLISH to the owner of a
   deduplicating exchange, M itself included): M keeps each in its outbox until N confirmed it, sends
   it again to a restarted N and, after M's own restart, again to every N (at least once).
@@ -87,6 +88,8 @@ import msgpack
 # declare/delete) carry ack False for every worker that has applied its SNAPSHOT (no APPLIED for them).
 # 18: PEER_DONE (shard -> shard at a clean stop: nothing more follows from the sender).
 # 19: a replication handoff (pack_handoff) carries the follower's heartbeat interval from its HELLO.
+# 21: shard-to-shard forwards carry the sending shard's epoch as conn_id (was 0); the sender drops a
+# CONFIRM/CONFIRM_NACK whose conn_id is not its epoch (an answer meant for its earlier life).
 # 22: a shard's STATS report may come in parts: every part but the last has "more": true (see STATS).
 VERSION = 22
 
@@ -198,7 +201,7 @@ QUERY_OPS = (
 # Data plane: frontend -> shard (shard-N.sock)
 # --------------------------------------------------------------------------
 # PUBLISH: a message routed to one or more queues of this shard (from a frontend; or from another
-# shard: a dead letter or a due delayed message with conn_id 0, channel PEER_CHANNEL_DLX or
+# shard: a dead letter or a due delayed message with conn_id = its epoch, channel PEER_CHANNEL_DLX or
 # PEER_CHANNEL_DELAYED and that shard's confirm_seq).
 #   [PUBLISH, vhost, queues(list[str]), exchange, routing_key, props_raw(bytes), body(bytes),
 #    persistent(bool), conn_id|None, channel|None, confirm_seq|None]
@@ -249,7 +252,7 @@ DELAYED_PUBLISH = 33
 
 # DEDUP_PUBLISH: a publish to a deduplicating exchange (x-message-deduplication), sent by the
 # frontend to the exchange's owner shard (broker.dedup.exchange_shard) only, instead of PUBLISHes
-# (also by a shard dead-lettering to such an exchange, over its peer DEALER, with conn_id 0, channel
+# (also by a shard dead-lettering to such an exchange, over its peer DEALER, with conn_id = its epoch, channel
 # PEER_CHANNEL_DLX and its outbox record id as confirm_seq: the owner confirms it as a publisher's):
 #   [DEDUP_PUBLISH, vhost, exchange, routing_key, props_raw(bytes), body(bytes), persistent(bool),
 #    conn_id|None, channel|None, confirm_seq|None, key|None, ttl_ms|None, groups, return_to|None]

@@ -41,6 +41,7 @@ from broker.permissions import CONFIGURE, READ, WRITE, check, check_topic
 from broker.process import install_uvloop, raise_nofile_limit
 from broker.request_chains import RequestChains
 from broker.sdnotify import Notifier
+from broker.shard_watchdog import ShardWatchdog
 from broker.supervisor import Supervisor, WorkerProcess
 from broker.tls import reload_certificate, server_context
 from broker.unixio import UnixRouter
@@ -150,6 +151,10 @@ class Node:
                                      self.tls)
         # In a cluster (--cluster): the etcd-driven role of this node (replication/cluster.py).
         self.cluster: Any = None
+        # A shard alive but silent for --shard-hang-timeout is killed and restarted (broker/shard_watchdog.py).
+        self.shard_watchdog = ShardWatchdog(self.loop, float(settings.shard_hang_timeout),
+                                            settings.stats_interval / 1000, lambda: self.sup.workers,
+                                            lambda: self.sup.stopping)
 
     # ------------------------------------------------------------------ life
     async def start(self) -> None:
@@ -160,6 +165,7 @@ class Node:
         # declare's or bind's round trip crosses it twice per worker, and ZeroMQ added two I/O-thread
         # handoffs to each crossing (broker/unixio.py).
         self.ctl = UnixRouter(self.loop, contract.node_stream_path(self.datadir.run_dir), self._on_control)
+        self.shard_watchdog.start()
         if s.cluster and not s.follow and s.etcd_endpoints:
             # The role (leader, follower) is etcd's decision: replication/cluster.py drives
             # become_leader / become_follower / step_down. Health answers meanwhile.
@@ -379,23 +385,25 @@ class Node:
         if self.sup.stopping:
             return
         self.sup.stopping = True
+        self.shard_watchdog.stop()
         log.info("node stopping")
         self.bulk_changes.close()
         if self.cluster is not None:
             # From now on no ISR change reaches etcd: the in-sync followers stay electable.
             self.cluster.stopping = True
         if self.repl_leader is not None:
-            await self.repl_leader.stop()
-        if self.repl_follower is not None:
-            await self.repl_follower.stop()
+            self.repl_leader.keep_isr()  # nor reaches the shards: followers go away only because we stop
         self.serving = False
         await self.http.stop()
         await self.metrics.stop()
         if self.cluster is not None:
-            # Frontends first (no new confirms), then the lease goes: followers take over at once.
-            self.fence()
-            await self.cluster.stop()
-        # Frontends first so no new work reaches the shards, then shards sync and exit.
+            self.fence()  # no confirm reaches a client from here on (the frontends are killed)
+        # Frontends first so no new work reaches the shards, then shards sync and exit. A cluster
+        # leader's replication (and its lease) stays up until its shards have stopped: a stopping
+        # shard's forwards to other shards (due delayed messages, dead letters) are confirmed as soon
+        # as the in-sync followers acked them, as a confirm promises, and its final sync reaches the
+        # followers. Replication stopped first left those confirms to wait out the whole settle
+        # (shard/forward_settle.py STOP_WAIT_S) and kept them from the followers.
         for role, timeout in (("frontend", 5.0), ("shard", 15.0)):
             for ident, w in self.by_ident.items():
                 if w.role == role and w.connected:
@@ -404,6 +412,12 @@ class Node:
                 if w.role == role and w.proc and w.proc.returncode is None and not w.connected:
                     w.proc.send_signal(signal.SIGTERM)
             await self.sup.stop_role(role, timeout)
+        if self.repl_leader is not None:
+            await self.repl_leader.stop()
+        if self.repl_follower is not None:
+            await self.repl_follower.stop()
+        if self.cluster is not None:
+            await self.cluster.stop()  # the lease goes: a follower takes over at once
         if self.defs is not None:
             await self.loop.run_in_executor(None, self.defstore.sync)
         if self.ctl is not None:
@@ -504,6 +518,8 @@ class Node:
         if w is None:
             log.warning("control message from unknown worker %r", ident)
             return
+        if w.role == "shard":
+            self.shard_watchdog.heard_from(w.pid)
         for item in items:
             kind = item[0]
             if kind == contract.APPLIED:

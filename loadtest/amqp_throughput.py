@@ -121,6 +121,17 @@ class ThroughputOptions:
         q = self.queue_names()[idx % self.queues]
         return self.exchange, self.routing_key or q
 
+    def reaches_every_queue(self) -> bool:
+        """Whether each publish is routed to every queue of the run (a copy per queue) rather than to the
+        publisher's own queue: a fanout or headers exchange (the tool binds without arguments, which a
+        headers exchange matches for every message), or one --routing-key that every queue is bound with."""
+        if not self.exchange or self.queues == 1:
+            return False
+        kind = self.exchange_type
+        if self.exchange.startswith("amq."):  # the broker's own exchanges: the name says the type
+            kind = {"amq.fanout": "fanout", "amq.headers": "headers", "amq.match": "headers"}.get(self.exchange, "direct")
+        return kind in ("fanout", "headers") or bool(self.routing_key)
+
     def routing_keys(self, key: str) -> list[str]:
         """The keys a publisher whose routing key is ``key`` takes turns over (all of one length, told
         apart by a zero-padded number in front, so they end alike: per-device or RPC-style keys)."""
@@ -527,6 +538,9 @@ def _control_frame(client: AMQPClient, frame: bytes) -> None:
 
 @dataclass
 class VerifyReport:
+    """``published`` counts publishes; every one is expected ``copies`` times (once per consumer group:
+    per queue with a fanout exchange, per subscriber in MQTT), and the other counts are over all copies."""
+
     ok: bool
     published: int
     received_unique: int
@@ -534,6 +548,7 @@ class VerifyReport:
     duplicates: int
     unexpected: int
     per_publisher: dict[int, dict[str, int]]
+    copies: int = 1
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -572,9 +587,15 @@ def _verify(pub_results: list[dict[str, Any]], con_results: list[dict[str, Any]]
     return VerifyReport(ok, sum(published.values()), unique_total, missing_total, total_dups, unexpected, per)
 
 
-def _verify_fanout(pub_results: list[dict[str, Any]], con_results: list[dict[str, Any]]) -> VerifyReport:
-    """Every consumer must have received every message exactly once (e.g. MQTT subscribers)."""
-    reports = [_verify(pub_results, [r]) for r in con_results]
+def _verify_copies(pub_results: list[dict[str, Any]], con_results: list[dict[str, Any]],
+                   groups: list[list[int]]) -> VerifyReport:
+    """Every group of consumers (by index) must have received every message exactly once between them:
+    a group is the consumers of one queue a fanout exchange copies each message to, or one MQTT
+    subscriber. One group of every consumer is the plain case (each publish is delivered once)."""
+    by_idx = {r["idx"]: r for r in con_results}
+    reports = [_verify(pub_results, [by_idx[i] for i in group if i in by_idx]) for group in groups]
+    if len(reports) == 1:
+        return reports[0]
     per: dict[int, dict[str, int]] = {}
     for rep in reports:
         for p, d in rep.per_publisher.items():
@@ -583,7 +604,7 @@ def _verify_fanout(pub_results: list[dict[str, Any]], con_results: list[dict[str
                 acc[k] += d[k]
     return VerifyReport(all(r.ok for r in reports), sum(r["published"] for r in pub_results),
                         sum(r.received_unique for r in reports), sum(r.missing for r in reports),
-                        sum(r.duplicates for r in reports), sum(r.unexpected for r in reports), per)
+                        sum(r.duplicates for r in reports), sum(r.unexpected for r in reports), per, len(groups))
 
 
 def _merge_latency(con_results: list[dict[str, Any]]) -> tuple[dict[str, int | None], list[tuple[float, int]]]:
@@ -630,6 +651,21 @@ class ThroughputRun:
         self.consumer_fn: WorkerFn = _consumer
         self.fanout = False
         self.created_exchange = False
+
+    def copy_groups(self) -> list[list[int]]:
+        """The consumers (by index) that share one copy of each message between them: the run expects
+        every publish once in each group. Each consumer alone when every one gets every message (MQTT);
+        the consumers of each queue when each publish reaches every queue (fanout: consumer i reads
+        queue i mod --queues, and a queue nobody reads is not counted); else all consumers together."""
+        o = self.o
+        if self.fanout:
+            return [[i] for i in range(o.consumers)]
+        if o.reaches_every_queue():
+            by_queue: dict[int, list[int]] = {}
+            for i in range(o.consumers):
+                by_queue.setdefault(i % o.queues, []).append(i)
+            return list(by_queue.values())
+        return [list(range(o.consumers))]
 
     # topology -------------------------------------------------------------------------------
 
@@ -693,6 +729,7 @@ class ThroughputRun:
             return [c[s * _SLOTS + _STATE] for s in slots]
 
         results: list[dict[str, Any]] = []
+        copies = len(self.copy_groups())
 
         def collect(block_s: float) -> None:
             try:
@@ -777,7 +814,7 @@ class ThroughputRun:
                         drain_seen = (consumed, now_s)
                     if consumed != drain_seen[0]:
                         drain_seen = (consumed, now_s)
-                    expected = published * (o.consumers if self.fanout else 1)
+                    expected = published * copies
                     if (consumed >= expected or now_s > drain_deadline
                             or now_s - drain_seen[1] > o.drain_idle_s):
                         break
@@ -806,7 +843,7 @@ class ThroughputRun:
             rates.append((len(rates) + 1, published - last[0], consumed - last[1]))
         latency, samples = _merge_latency(con_r)
         if o.verify and not self.errors:
-            self.verify = _verify_fanout(pub_r, con_r) if self.fanout else _verify(pub_r, con_r)
+            self.verify = _verify_copies(pub_r, con_r, self.copy_groups())
         return RunResult(
             broker=self.broker, scenario=self.scenario, params=o.params(), started_at=started_at,
             duration_s=duration, published=sum(r["published"] for r in pub_r),
@@ -833,7 +870,8 @@ def print_human(result: RunResult, verify: VerifyReport | None, out: Any = sys.s
     if result.broker_rss_bytes is not None:
         print(f"broker RSS    {result.broker_rss_bytes / 1048576:.1f} MiB", file=out)
     if verify is not None:
-        print(f"verify        {'OK' if verify.ok else 'FAILED'}: published {verify.published}, "
+        copies = f" x {verify.copies} copies" if verify.copies != 1 else ""
+        print(f"verify        {'OK' if verify.ok else 'FAILED'}: published {verify.published}{copies}, "
               f"received {verify.received_unique}, missing {verify.missing}, "
               f"duplicates {verify.duplicates}, unexpected {verify.unexpected}", file=out)
 

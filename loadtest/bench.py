@@ -23,11 +23,16 @@ Each run directory the perf tool writes gets a ``bench.json`` (RUN_RECORD) namin
 as they were measured even after the checkout moved on or run directories were copied elsewhere. One
 invocation is reported at a time: a ``--results-dir`` holding another invocation's runs is refused
 unless ``--append``, and ``--from-results`` over several invocations wants ``--invocation ID``.
+
+A ShardMQ run ends when the node has also removed the directories of the queues it deleted (its shards'
+reapers do that after the delete-ok; ``ShardMQNode.settle``), so that work is counted in the run that
+caused it and never overlaps the next broker's run; ``bench.json`` says how long that took (``settle_s``).
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import platform
@@ -39,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -48,11 +54,13 @@ from loadtest import bench_doc
 from loadtest.ports import free_port
 from loadtest.rabbitmq import PrivateRabbitMQ, package_version
 from loadtest.results import list_runs
+from shard.segment_dir import TRASH_PREFIX
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DOC = ROOT / "docs" / "benchmarks.md"
 DURATION = "{duration}"  # placeholder in scenario argv, replaced by --duration
 LATENCY_RATES = (1_000, 10_000, 50_000)  # msg/s of the fixed-rate latency scenarios
+SETTLE_TIMEOUT_S = 300.0  # at most this long for a node to remove deleted queues' directories after a run
 
 
 # Why the brokers are started in their own process group but not their own session: with the
@@ -187,6 +195,7 @@ class ShardMQNode:
         # Every listener the defaults turn on runs (they are part of the node a user gets, and of its
         # RSS), each on a free port so the bench never collides with another node on this host.
         ports = [(flag, str(free_port())) for flag in ("--mqtt-port", "--ws-port", "--http-port", "--prometheus-port")]
+        self.http_port = int(dict(ports)["--http-port"])
         cmd = [sys.executable, "-m", "broker.cli", "--data-dir", str(self.dir / "data"), "--bind", "127.0.0.1",
                "--port", str(self.port), *(a for pair in ports for a in pair), *self.extra_args]
         log = open(self.dir / "node.log", "wb")
@@ -206,6 +215,53 @@ class ShardMQNode:
         except OSError:
             return ""
 
+    def queue_dirs(self) -> tuple[int, int]:
+        """(queue directories, trash directories) in the node's data dir: ``<data>/<sha1 vhost>/<sha1 queue>/``
+        per queue, and ``deleted-*`` beside them while a shard's reaper removes deleted queues' directories
+        (shard/segment_dir.py)."""
+        queues = trash = 0
+        try:
+            vhosts = [e for e in os.scandir(self.dir / "data") if e.is_dir() and _is_sha1(e.name)]
+        except FileNotFoundError:
+            return 0, 0
+        for vhost in vhosts:
+            try:
+                for e in os.scandir(vhost.path):
+                    if e.name.startswith(TRASH_PREFIX):
+                        trash += 1
+                    elif e.is_dir() and _is_sha1(e.name):
+                        queues += 1
+            except FileNotFoundError:  # a deleted vhost's directory, gone meanwhile
+                continue
+        return queues, trash
+
+    def queue_count(self) -> int:
+        """The node's queues (management API ``object_totals``)."""
+        req = urllib.request.Request(f"http://127.0.0.1:{self.http_port}/api/overview",
+                                     headers={"Authorization": "Basic " + base64.b64encode(b"guest:guest").decode()})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return int(json.loads(resp.read())["object_totals"]["queues"])
+
+    def settle(self, timeout: float = SETTLE_TIMEOUT_S) -> dict:
+        """Wait until the node has removed the directories of the queues the run deleted: its shards'
+        reapers do that after the delete-ok (a niced ``rm -rf``), and 20,000 of them take seconds, which
+        would otherwise overlap whatever the host does next (the next broker's boot and run, on the same
+        disk). Done = no trash directory left and no queue directory but the node's queues'. What it
+        found, and how long it waited, goes into the run's RUN_RECORD."""
+        started = time.monotonic()
+        deadline = started + timeout
+        while True:
+            queues, trash = self.queue_dirs()
+            try:
+                live = self.queue_count()
+            except (OSError, ValueError, KeyError):
+                live = None
+            done = trash == 0 and live is not None and queues <= live
+            if done or time.monotonic() >= deadline:
+                return {"reaped": done, "settle_s": round(time.monotonic() - started, 3),
+                        "queue_dirs": queues, "trash_dirs": trash, "queues": live}
+            time.sleep(0.1)
+
     def stop(self, timeout: float = 30.0) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)  # the node stops its workers, then exits
@@ -217,6 +273,10 @@ class ShardMQNode:
         _kill_group_leftovers(self.proc)
         self.proc = None
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _is_sha1(name: str) -> bool:
+    return len(name) == 40 and all(c in "0123456789abcdef" for c in name)
 
 
 def _kill_group_leftovers(proc: subprocess.Popen[bytes] | None) -> None:
@@ -320,13 +380,20 @@ def run_one(s: Scenario, broker, repeat: int, results_dir: Path, duration: float
     started = time.monotonic()
     load1 = os.getloadavg()[0]
     ok, detail = False, "interrupted"
+    settled: dict = {}
     try:
         ok, detail = _perf(s, broker, results_dir, duration, log)
+        settle = getattr(broker, "settle", None)  # ShardMQ: its reaper's work is part of the run, not the next one's
+        if settle is not None:
+            settled = settle()
+            if not settled["reaped"]:
+                print(f"  {s.name}: the node had not removed its deleted queues' directories after "
+                      f"{settled['settle_s']:.0f} s: {settled}", file=sys.stderr)
     finally:
         if invocation is not None:
             record = {**invocation, "broker": broker.name, "broker_version": broker.version, "repeat": repeat,
                       "started_at": started_at.isoformat(), "ended_at": datetime.now(UTC).isoformat(),
-                      "load1_start": round(load1, 2), "load1_end": round(os.getloadavg()[0], 2)}
+                      "load1_start": round(load1, 2), "load1_end": round(os.getloadavg()[0], 2), **settled}
             for run_dir in set(list_runs(results_dir)) - before:
                 (run_dir / RUN_RECORD).write_text(json.dumps(record, indent=2) + "\n")
     return RunOutcome(s.name, broker.name, repeat, ok, time.monotonic() - started, detail, load1)
@@ -414,7 +481,9 @@ def render_doc(machine: dict[str, str], command: str, table: str | None, when: s
         "ShardMQ, RabbitMQ, ShardMQ, ... Each run is one `python -m loadtest.cli amqp ...` invocation against",
         "a broker started for that run and stopped after it: only the measured broker runs. Brokers run in",
         "their own process group inside the bench's session (one autogroup with the perf tool; see",
-        "`BROKER_SPAWN` in loadtest/bench.py).",
+        "`BROKER_SPAWN` in loadtest/bench.py). A ShardMQ node is stopped only once it has removed the",
+        "directories of the queues the run deleted (`bench.json`'s `settle_s`), so that removal never overlaps",
+        "the next run.",
         "",
         "## Machine",
         "",

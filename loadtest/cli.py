@@ -57,7 +57,9 @@ def _throughput_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pmessages", type=int, default=0, help="each publisher stops after N messages")
     p.add_argument("--cmessages", type=int, default=0, help="each consumer stops after N messages")
     p.add_argument("--verify", action="store_true",
-                   help="number messages per publisher; fail (exit 1) on loss or duplicates")
+                   help="number messages per publisher; fail (exit 1) on loss or duplicates. When each publish "
+                        "reaches every queue (fanout or headers exchange, or one --routing-key binding them all) "
+                        "each queue's consumers must get every message once between them")
     p.add_argument("--keep", action="store_true", help="keep the queues/exchange the run declared")
     p.add_argument("--trace-stages", default="", metavar="DIR",
                    help="consumers write the receive time of the traced sample of messages to DIR (run the broker "

@@ -103,10 +103,14 @@ class ReplicationLeader:
         log.info("replication: leader %s listening on %s:%d (%d streams, min-isr %d)", self.name,
                  c.replication_bind, self.port, len(self.streams), self.min_isr)
 
-    async def stop(self) -> None:
-        # From here on followers only go away because we stop: that must not shrink the ISR (a
-        # graceful stop of the leader would otherwise leave no follower that may take over).
+    def keep_isr(self) -> None:
+        """A stop has begun: from here on followers only go away because we stop, which must not
+        shrink the ISR (a graceful stop of the leader would otherwise leave no follower that may take
+        over, and the shards still stopping would confirm without the followers)."""
         self._stopping = True
+
+    async def stop(self) -> None:
+        self.keep_isr()
         if self._accept_task is not None:
             self._accept_task.cancel()
             await asyncio.gather(self._accept_task, return_exceptions=True)

@@ -516,6 +516,10 @@ class StreamSender:
         self.min_isr = min_isr
         self._check_waiters()
 
+    def isr_attached(self) -> bool:
+        """Whether every ISR follower is attached and synced (else a wait for acks waits for the ISR to change)."""
+        return all((link := self.links.get(name)) is not None and link.synced for name in self.isr)
+
     def when_replicated(self, target: int, callback: Callable[[bool], None]) -> None:
         """Call ``callback(True)`` once every ISR follower acked past ``target``, ``callback(False)``
         when the ISR is smaller than min_isr (the caller nacks)."""

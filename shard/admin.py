@@ -29,7 +29,7 @@ class AdminShard(Protocol):
 
     queues: dict[tuple[str, str], Queue]
 
-    def _publish(self, fe: bytes, item: list) -> bool:
+    def publish(self, fe: bytes, item: list) -> bool:
         """The frontends' PUBLISH path: a management publish is stored as theirs are."""
 
     def mark_dirty(self, q: Queue) -> None: ...
@@ -39,7 +39,7 @@ class AdminShard(Protocol):
 
 def admin_query(worker: AdminShard, op: str, args: dict) -> tuple[bool, Any]:
     if op == "publish":
-        worker._publish(_NODE, [contract.PUBLISH, args["vhost"], list(args["queues"]), args.get("exchange", ""),
+        worker.publish(_NODE, [contract.PUBLISH, args["vhost"], list(args["queues"]), args.get("exchange", ""),
                                 args.get("routing_key", ""), bytes(args.get("props_raw") or b""),
                                 bytes(args.get("body") or b""), bool(args.get("persistent")), None, None, None])
         worker.schedule_deliver_all()

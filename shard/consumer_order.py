@@ -36,7 +36,7 @@ class OrderedQueue(Protocol):
     sac: bool
     store: Any  # deliver_ranked stops once its ``ready`` is 0
 
-    def _deliver_to(self, consumers: list[Consumer], i: int, send: Callable[[bytes, list], None], now: int) -> int:
+    def deliver_to(self, consumers: list[Consumer], i: int, send: Callable[[bytes, list], None], now: int) -> int:
         """The queue's round-robin over one group from index i; the next index."""
 
 
@@ -92,7 +92,7 @@ def regroup(q: OrderedQueue) -> None:
 
 def deliver_ranked(q: OrderedQueue, send: Callable[[bytes, list], None], now: int) -> None:
     store = q.store
-    deliver_to = q._deliver_to
+    deliver_to = q.deliver_to
     for group in q.groups:
         group[1] = deliver_to(group[0], group[1], send, now)
         if not store.ready:

@@ -2,14 +2,16 @@
 
 A dead letter for a queue on another shard (or for a deduplicating exchange, whose owner shard
 decides where it goes) travels over the peer DEALER as a PUBLISH (or DEDUP_PUBLISH) item with
-confirm fields: conn_id 0, channel contract.PEER_CHANNEL_DLX and a seq. The target answers CONFIRM
+confirm fields: conn_id this shard's epoch (shard/forward_lives.py), channel contract.PEER_CHANNEL_DLX
+and a seq. The target answers CONFIRM
 once it is stored (synced when persistent into a durable queue; a dedup owner once every shard it
 forwarded to has).
 
 Before it is sent, the dead letter is appended to this shard's *outbox*, a QueueStore under
 ``<data>/dead-letters/shard-N/`` whose record body is the packed list of [target shard, item]; the
-record's msg id is the items' confirm seq (unique across restarts, so a late CONFIRM meant for an
-earlier incarnation of this shard still names the right record). The source queue's removal of the
+record's msg id is the items' confirm seq (it names the record after a restart too; a CONFIRM meant
+for an earlier incarnation of this shard is dropped all the same, as its conn_id is that life's
+epoch: an emptied outbox numbers its records from 1 again, shard/forward_lives.py). The source queue's removal of the
 message is written after the outbox record (same loop turn, later; the group sync fsyncs the outbox
 first), so when this shard is killed the dead letter is in the outbox: a restarted shard reads every
 record still there and sends it again once its targets are ready. A record is removed when every
@@ -38,6 +40,7 @@ from typing import Protocol
 
 from broker import contract
 from broker.datadir import DEAD_LETTERS_DIR
+from shard.forward_lives import stamped
 from shard.store import QueueStore
 
 log = logging.getLogger("shardmq.shard")
@@ -48,9 +51,6 @@ log = logging.getLogger("shardmq.shard")
 MAX_PENDING = 100_000
 # A dead letter a target refused (CONFIRM_NACK) is sent again after this long.
 RETRY_S = 1.0
-
-# Where an item kind keeps its confirm seq (contract.PUBLISH / DEDUP_PUBLISH field lists).
-_SEQ_FIELD = {contract.PUBLISH: 10, contract.DEDUP_PUBLISH: 9}
 
 
 class ForwardsShard(Protocol):
@@ -91,7 +91,8 @@ class DeadLetterForwards:
             msg_id, body = msg[0], msg[7]
             try:
                 _version, targets = contract.unpack(body)
-                items = {int(shard): [-1, _with_seq(item, msg_id)] for shard, item in targets}
+                # Stamped with this life's epoch: answers meant for the earlier life are dropped.
+                items = {int(shard): [-1, stamped(item, msg_id, self.worker.epoch)] for shard, item in targets}
             except (ValueError, TypeError, KeyError, IndexError):
                 log.warning("shard %d: unreadable dead letter %#x in the outbox dropped", self.worker.index, msg_id)
                 store.ack(msg_id)
@@ -124,7 +125,7 @@ class DeadLetterForwards:
         epochs = w.epochs
         kept = self.pending[msg_id] = {}
         for shard, item in items.items():
-            item = _with_seq(item, msg_id)
+            item = stamped(item, msg_id, w.epoch)
             # Not sent (a clean stop told the peers we are done): epoch -1, sent after the restart.
             kept[shard] = [(w.epoch if shard == w.index else epochs.get(shard, 0))
                            if w.send_to_peer(shard, item) else -1, item]
@@ -216,7 +217,3 @@ class DeadLetterForwards:
             self.store = None
 
 
-def _with_seq(item: list, seq: int) -> list:
-    item = list(item)
-    item[_SEQ_FIELD[item[0]]] = seq
-    return item

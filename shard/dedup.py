@@ -197,9 +197,10 @@ class ExchangeDedup:
                 if token is not None:
                     self._settle(token, int(shard), False)
                 continue
-            # conn_id/channel 0 + seq = token: the shard answers CONFIRM [0, 0, [token]] to us.
+            # conn_id our epoch, channel PEER_CHANNEL_DEDUP, seq the token: the shard answers CONFIRM
+            # [epoch, 0, [token]] to us (an answer for an earlier life is dropped: shard/forward_lives.py).
             sock.put(None, [contract.PUBLISH, vhost, names, exchange, routing_key, props_raw, body, persistent,
-                            None if token is None else 0,
+                            None if token is None else self.worker.epoch,
                             None if token is None else contract.PEER_CHANNEL_DEDUP, token])
 
     def dead_letter(self, x: Any, vhost: str, routing_key: str, props_raw: bytes, body: bytes, persistent: bool,
@@ -216,8 +217,8 @@ class ExchangeDedup:
             if defn is not None:
                 groups.setdefault(defn.shard, []).append(name)
         key, ttl = dedup_key(props_raw, x.dedup)
-        # conn_id 0, channel PEER_CHANNEL_DLX; the seq (the outbox record's id) is set by the outbox.
-        item = [contract.DEDUP_PUBLISH, vhost, x.name, routing_key, props_raw, body, persistent, 0,
+        # conn_id (our epoch) and seq (the outbox record's id) are set by the outbox; channel PEER_CHANNEL_DLX.
+        item = [contract.DEDUP_PUBLISH, vhost, x.name, routing_key, props_raw, body, persistent, None,
                 contract.PEER_CHANNEL_DLX, None, key, ttl, [[shard, names] for shard, names in groups.items()], None]
         owner = exchange_shard(vhost, x.name, int(worker.settings.get("shards", 1)))
         worker.dead_letters.send({owner: item}, persistent)

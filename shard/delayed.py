@@ -100,7 +100,7 @@ class DelayShard(Protocol):
     timers: TimerHeap
     defs: Definitions | None
     stopping: bool
-    _fsync: bool  # settings "sync" is fsync
+    fsync: bool  # settings "sync" is fsync
 
     def fence_check(self) -> None: ...
 
@@ -211,7 +211,7 @@ class DelayedMessages:
         ds.pending += 1
         heapq.heappush(self._heap, due << _DUE_SHIFT | ds.no << _NO_SHIFT | msg_id)
         self._arm(due)
-        sync = store if persistent and ds.durable and worker._fsync else None
+        sync = store if persistent and ds.durable and worker.fsync else None
         worker.confirm_stored(fe, conn_id, channel, seq, sync)
 
     # ------------------------------------------------------------------ timer

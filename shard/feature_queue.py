@@ -219,14 +219,14 @@ class FeatureQueue(Queue):
         store = self.store
         if consumers and store.ready:
             if self.groups is None:
-                self._rr = self._deliver_to(consumers, self._rr, send, now)
+                self._rr = self.deliver_to(consumers, self._rr, send, now)
             else:
                 deliver_ranked(self, send, now)
         self._fresh_from = None
         head = self._expire_head(now)
         self._arm_next(now, head)
 
-    def _deliver_to(self, consumers: list[Consumer], i: int, send: Send, now: int) -> int:
+    def deliver_to(self, consumers: list[Consumer], i: int, send: Send, now: int) -> int:
         store = self.store
         n = len(consumers)
         unacked = self.unacked_map()

@@ -105,7 +105,7 @@ class Queue:
         if not consumers or not self.store.ready:
             return
         if self.groups is None:
-            self._rr = self._deliver_to(consumers, self._rr, send, 0)
+            self._rr = self.deliver_to(consumers, self._rr, send, 0)
         else:
             consumer_order.deliver_ranked(self, send, 0)
 
@@ -274,7 +274,7 @@ class Queue:
         else:
             self.store.ack(msg_id)
 
-    def _deliver_to(self, consumers: list[Consumer], i: int, send: Send, _now: int) -> int:
+    def deliver_to(self, consumers: list[Consumer], i: int, send: Send, _now: int) -> int:
         """Round-robin over `consumers` from index i while one can take; the next index."""
         store = self.store
         n = len(consumers)

@@ -58,6 +58,9 @@ class ShardReplication:
     def position(self) -> int:
         return self.sender.position()
 
+    def isr_attached(self) -> bool:
+        return self.sender.isr_attached()
+
     def when_replicated(self, target: int, callback: Callable[[bool], None]) -> None:
         self.sender.when_replicated(target, callback)
 

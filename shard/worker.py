@@ -27,6 +27,7 @@ from broker.defs_fence import catch_up, control_delay_for_tests_s, open_fence
 from broker.fsync_beacon import FsyncBeacon, stall_for_tests
 from broker.policies import POLICY_OPS
 from broker.unixio import CONTROL_TURN_S, UnixDealer
+from shard import peer_answer_hold
 from shard.ack_timeouts import AckTimeouts
 from shard.admin import admin_query
 from shard.consumers import ChannelRef, Consumer
@@ -35,6 +36,7 @@ from shard.deadletter import dead_letter_props, has_dlx_header, has_expiration, 
 from shard.dedup import ExchangeDedup
 from shard.delayed import DelayedMessages
 from shard.feature_queue import EXPIRING_MARK, FeatureQueue, needs_features
+from shard.forward_lives import for_this_life
 from shard.forward_settle import PEERS_DONE_SLACK_S, STOP_WAIT_S, ForwardSettle, PeersDone
 from shard.kvstore import KVStores
 from shard.priority_store import open_store
@@ -180,6 +182,7 @@ class ShardWorker:
     async def start(self) -> None:
         self.data = data_sockets.shard_listener(self.loop, self.run_dir, self.index, self._on_data)
         self.data.on_drained = self._data_drained
+        peer_answer_hold.install(self.data)  # SHARDMQ_TEST_HOLD_PEER_ANSWERS (tests only)
         trace = stage_trace.get("shard")  # --trace-stages (debug): None normally
         if trace is not None:
             self.data.set_trace(trace, "sh_publish_in", "sh_deliver_out")
@@ -519,7 +522,7 @@ class ShardWorker:
     def _handle(self, fe: bytes, item: list) -> None:
         kind = item[0]
         if kind == contract.PUBLISH:
-            self._publish(fe, item)
+            self.publish(fe, item)
         elif kind == _PUBLISH_RUN:
             self._publish_run(fe, item)
         elif kind == contract.DEDUP_PUBLISH:
@@ -684,7 +687,7 @@ class ShardWorker:
             then = None if seq is None else self._confirm_after_sync(fe, conn_id, channel, seq)
             self.kv.sync_then(vhost, space, then)
             return
-        if not self._publish(fe, [*pub[:8], None, None, None]):  # no confirm of its own: ours below
+        if not self.publish(fe, [*pub[:8], None, None, None]):  # no confirm of its own: ours below
             if seq is not None:
                 self.data.put(fe, [contract.CONFIRM_NACK, conn_id, channel, [seq]])
             return
@@ -701,7 +704,7 @@ class ShardWorker:
             self._start_sync()
         return synced
 
-    def _publish(self, fe: bytes, item: list) -> bool:
+    def publish(self, fe: bytes, item: list) -> bool:
         """Store a PUBLISH; False when a queue refused it (the publisher gets a nack)."""
         (_, vhost, names, exchange, routing_key, props_raw, body, persistent,
          conn_id, channel, seq) = item
@@ -743,7 +746,7 @@ class ShardWorker:
                 continue
             q.n_published += 1
             self._dirty_queues.add(q)
-            if persistent and q.durable and self._fsync:
+            if persistent and q.durable and self.fsync:
                 needs_sync = True
                 self._sync_stores.add(q.store)
         if seq is not None:
@@ -775,7 +778,7 @@ class ShardWorker:
         found = [q for q in map(queues.get, [(vhost, name) for name in names]) if q is not None]
         self._stats_touched.update(found)  # once per run (its unstored deliveries skip the pass)
         dirty = self._dirty_queues
-        sync_durable = persistent and self._fsync
+        sync_durable = persistent and self.fsync
         confirmed: list[int] = []
         nacked: list[int] = []
         synced: list[int] = []
@@ -792,7 +795,7 @@ class ShardWorker:
                 if q.__class__ is Queue and not q.store.ready and q.consumers and q.groups is None:
                     n = q.deliver_unstored_run(self.data.put_many, exchange, routing_key, props_raw, bodies)
                     if n:
-                        q.n_published += n  # not dirty: nothing ready (see _publish)
+                        q.n_published += n  # not dirty: nothing ready (see publish)
                         if took is None:
                             took = [0] * len(found)
                         took[i] = n
@@ -819,7 +822,7 @@ class ShardWorker:
                         if q.__class__ is Queue:
                             if (not persistent and not q.store.ready and q.consumers and q.groups is None
                                     and q.deliver_unstored(self.data.put, exchange, routing_key, props_raw, body, ts)):
-                                q.n_published += 1  # not dirty: nothing ready (see _publish)
+                                q.n_published += 1  # not dirty: nothing ready (see publish)
                                 continue
                             if q.held:
                                 q.materialize()  # held ones first: they came before this message
@@ -1016,7 +1019,8 @@ class ShardWorker:
                 self._sync_stores.add(target.store)
                 needs_sync = True
         sent: dict[int, list] = {}
-        conn_to, chan_to = (None, None) if confirm_seq is None else (0, peer_channel)
+        # conn_id: our epoch, echoed in the answer (one for an earlier life is dropped: shard/forward_lives.py).
+        conn_to, chan_to = (None, None) if confirm_seq is None else (self.epoch, peer_channel)
         for shard, names in remote.items():
             peer = self.peers.get(shard)
             if peer is not None:
@@ -1024,7 +1028,7 @@ class ShardWorker:
                                       bool(flags & 1), conn_to, chan_to, confirm_seq]
                 if send:
                     peer.put(None, item)
-        return needs_sync and self._fsync, sent
+        return needs_sync and self.fsync, sent
 
     def forward(self, shard: int, item: list) -> None:
         """Send a PUBLISH item built by route_to_queues to that shard again (it restarted)."""
@@ -1045,7 +1049,7 @@ class ShardWorker:
     def sync_first(self, store: QueueStore) -> None:
         """`store` is synced in the next group sync, before any other store of it (the dead-letter
         outbox: its record must be durable no later than the source queue's removal of the message)."""
-        if self._fsync:
+        if self.fsync:
             self._sync_stores.add(store)
             self._start_sync()
 
@@ -1073,7 +1077,9 @@ class ShardWorker:
         for i in range(int(self.settings.get("shards", 1))):
             if i == self.index or i in self.peers:
                 continue
-            self._peer_seq[i] = 0
+            # Batch seqs count from our epoch << 32: a late PROCESSED for a batch of our earlier life
+            # (whose seqs also started low) is below them and moves nothing (forwards_behind).
+            self._peer_seq[i] = self.peer_processed[i] = self.epoch << 32
             self.peers[i] = data_sockets.shard_connection(self.loop, self.run_dir, i, self.ident,
                                                           self.on_peer_answers(i), self._peer_header(i))
 
@@ -1092,6 +1098,8 @@ class ShardWorker:
                         if self._fwd_held:
                             self._release_forward_held()
                 elif kind == contract.CONFIRM or kind == contract.CONFIRM_NACK:
+                    if not for_this_life(item, self.epoch):
+                        continue  # for an earlier life of this shard: its seqs name other forwards now
                     if item[2] == contract.PEER_CHANNEL_DELAYED:
                         self.delayed.peer_confirmed(shard, item[3])
                     elif item[2] == contract.PEER_CHANNEL_DLX:
@@ -1168,7 +1176,7 @@ class ShardWorker:
         return header
 
     @property
-    def _fsync(self) -> bool:
+    def fsync(self) -> bool:
         return self.settings.get("sync", "fsync") == "fsync"
 
     def _consume(self, fe: bytes, item: list) -> None:
@@ -1380,7 +1388,23 @@ class ShardWorker:
         return ([q.store.path for q in self.queues.values()] + [s.path for s in self.delayed.all_stores()]
                 + [s.path for s in self.dead_letters.all_stores()] + [st.path for st in self.kv.stores.values()])
 
+    async def _followers_acked(self, repl: ShardReplication, target: int, deadline: float) -> bool:
+        """At a stop: wait (until `deadline`) for the in-sync followers to ack up to `target`. Not when
+        one of them is gone: the ISR does not change during a stop, so it would wait until the deadline."""
+        if not repl.isr_attached():
+            return False
+        acked = self.loop.create_future()
+        repl.when_replicated(target, lambda ok: acked.done() or acked.set_result(ok))
+        try:
+            async with asyncio.timeout(max(0.0, deadline - self.loop.time())):
+                return await acked
+        except TimeoutError:
+            return False
+
     def _replicated(self, waiting: list, ok: bool) -> None:
+        if not ok and self._closing:
+            return  # our stream closes at a stop: not a refusal (a nack would make a delayed forward's
+            # sender drop its copy); unconfirmed, the senders keep theirs
         kind = contract.CONFIRM if ok else contract.CONFIRM_NACK
         grouped: dict[tuple[bytes, int, int], list[int]] = {}
         for fe, conn_id, channel, seq in waiting:
@@ -1482,12 +1506,11 @@ class ShardWorker:
             # Its _sync_done (confirms, after-sync callbacks) runs before we resume; none starts after.
             with contextlib.suppress(Exception):
                 await fut
-        # In a cluster a confirm promises the in-sync followers have the record: the final sync below
-        # is local only, so what waits on it is not confirmed here (its sender sends it again).
-        gating = self.repl is not None and self.repl.gating
-        if self.repl is not None:
-            self.repl.close()
-            self.repl = None
+        # In a cluster a confirm promises the in-sync followers have the record: what waits on the
+        # final sync below is confirmed once they acked it too (the node stops replication after its
+        # shards), or not at all (its sender keeps it and sends it again).
+        repl = self.repl
+        repl_deadline = deadline + PEERS_DONE_SLACK_S + float(self.settings.get("replication_ack_timeout") or 3)
         self.data.flush()
         for q in self.queues.values():
             if isinstance(q, FeatureQueue) and q.count_returns:
@@ -1504,9 +1527,13 @@ class ShardWorker:
             waiting, self._sync_waiting = self._sync_waiting, []
             for store in stores:
                 store.flush_acks()
+            target = repl.position() if repl is not None and repl.gating else -1  # what the sync covers
             await self.loop.run_in_executor(None, _sync_all, stores, True, self._stall_as)
-            if not gating:
+            if target < 0 or await self._followers_acked(repl, target, repl_deadline):
                 self._replicated(waiting, True)
+            elif waiting:
+                log.warning("shard %d: stopping with %d confirms the in-sync followers have not acked "
+                            "(their senders keep the messages)", self.index, len(waiting))
             settled = False
             if not self._sync_waiting and self.forward_settle.in_flight() and self.loop.time() < deadline:
                 # A forward that came during it (a dead letter into a dedup exchange we own, sent on
@@ -1519,6 +1546,9 @@ class ShardWorker:
             if not self._sync_waiting and not settled:
                 break
         self._flush_confirms()
+        if repl is not None:
+            self.repl = None
+            repl.close()  # a confirm still waiting is dropped, not nacked (_replicated): it was not refused
         for s in stores:
             s.close()
         self.timers.close()

@@ -293,3 +293,52 @@ def test_each_run_records_its_invocation_and_a_results_dir_with_other_runs_needs
         assert old.info["when"] == f"{started:%Y-%m-%d %H:%M}–{ended:%H:%M} UTC" or started.date() != ended.date()
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_run_ends_once_the_node_has_removed_its_deleted_queues_directories(tmp_path: Path) -> None:
+    """The shard's reaper removes a deleted queue's directory after the delete-ok: a declare scenario's
+    run (declare, then delete) ends only when the node's data dir holds none of them any more, so that
+    removal does not overlap the next run; the run's record says how long that took."""
+    import shutil
+    import threading
+
+    from loadtest.results import list_runs
+
+    node = bench.ShardMQNode([]).start()
+    try:
+        s = bench.Scenario("declare-delete", ("queue-count", "--count", "1500", "--durable", "--time", "60"), "test")
+        outcome = bench.run_one(s, node, 1, tmp_path, 1.0, tmp_path / "bench.log", {"invocation": "t"})
+        assert outcome.ok, outcome.detail
+        assert node.queue_dirs() == (0, 0)  # right after the run: nothing of the 1,500 queues on disk
+        (run,) = list_runs(tmp_path)
+        record = json.loads((run / bench.RUN_RECORD).read_text())
+        assert record["reaped"] is True and record["queues"] == 0 and record["settle_s"] >= 0, record
+
+        # A queue the node still has keeps its directory: settled all the same.
+        import pika
+        with pika.BlockingConnection(pika.URLParameters(node.url)) as conn:
+            conn.channel().queue_declare("kept", durable=True)
+        assert node.queue_dirs() == (1, 0)
+        assert node.settle(timeout=30)["reaped"]
+        # A trash directory is waited for until it is gone; one that stays ends the wait at the timeout.
+        vhost_dir = next(p for p in (node.dir / "data").iterdir() if bench._is_sha1(p.name))
+        trash = vhost_dir / "deleted-test-0"
+        trash.mkdir()
+        (trash / "segment").write_bytes(b"x")
+        stuck = node.settle(timeout=0.3)
+        assert not stuck["reaped"] and (stuck["trash_dirs"], stuck["queue_dirs"]) == (1, 1) and stuck["settle_s"] >= 0.3
+        removed_at: list[float] = []
+
+        def remove() -> None:
+            time.sleep(0.5)
+            shutil.rmtree(trash)
+            removed_at.append(time.monotonic())
+
+        remover = threading.Thread(target=remove)
+        remover.start()
+        settled = node.settle(timeout=30)
+        returned_at = time.monotonic()
+        remover.join()
+        assert settled["reaped"] and settled["trash_dirs"] == 0 and removed_at[0] <= returned_at, settled
+    finally:
+        node.stop()

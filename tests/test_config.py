@@ -90,7 +90,7 @@ SAMPLES = {
     "frame_max": "8192", "channel_max": "16", "max_message_size": "1000", "default_user": "bob",
     "default_pass": "secret", "loopback_users": "none", "definitions": "/tmp/shardmq-defs.json",
     "set_timestamp": "1", "consumer_timeout": "60000", "http_port": "8080", "http_bind": "0.0.0.0", "https_port": "0",
-    "stats_interval": "250", "trace_stages": "/tmp/trace", "ipc_transport": "zmq", "queue_placement": "hash", "delete_rate": "500", "prometheus_port": "9999", "prometheus_tls_port": "9998",
+    "stats_interval": "250", "shard_hang_timeout": "12.5", "trace_stages": "/tmp/trace", "ipc_transport": "zmq", "queue_placement": "hash", "delete_rate": "500", "prometheus_port": "9999", "prometheus_tls_port": "9998",
     "disk_free_limit": "mem_relative:1.5",
     "vm_memory_high_watermark": "2GB",
     "mqtt_port": "0", "mqtt_max_packet_size": "4096",
@@ -252,6 +252,12 @@ def test_replication_heartbeat_takes_fractions_and_0_turns_it_off():
     assert load_settings(["--replication-heartbeat", "0", "--replication-heartbeat-timeout", "0.5"],
                          {}).replication_heartbeat == 0
     assert (Settings().replication_heartbeat, Settings().replication_heartbeat_timeout) == (2.0, 10.0)
+
+
+def test_shard_hang_timeout_defaults_to_30_s_takes_fractions_and_0_turns_it_off():
+    assert Settings().shard_hang_timeout == 30.0
+    assert load_settings(["--shard-hang-timeout", "1.5"], {}).shard_hang_timeout == 1.5
+    assert load_settings(["--shard-hang-timeout", "0"], {}).shard_hang_timeout == 0
 
 
 def test_consumer_timeout_defaults_to_rabbitmqs_30_minutes_and_0_turns_it_off():

@@ -58,6 +58,10 @@ def test_trimmer_waits_for_the_closes_to_stop():
         while time.monotonic() - start < 0.5:  # a wave: closes keep coming, no trim meanwhile
             trimmer.closed()
             await asyncio.sleep(0.01)
+            # A trim is only allowed once `quiet` passed without a close: a 2 s stall of this process
+            # (a loaded CI host) is one, and then there is nothing to check in this run.
+            if time.monotonic() - trimmer._last_close >= 2.0:
+                return
             assert trimmer.trims == 0
         last = trimmer._last_close
         deadline = time.monotonic() + 30

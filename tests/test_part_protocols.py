@@ -77,10 +77,16 @@ def test_the_check_sees_attributes_methods_and_what_is_missing():
     assert missing(channel.ChannelConnection, AMQPConnection) == set()
 
 
+SHARD_PROTOCOLS = (ack_timeouts.TimeoutsShard, admin.AdminShard, dead_letter_forwards.ForwardsShard,
+                   dedup.DedupShard, delayed.DelayShard, feature_queue.FeatureShard, kvstore.KVShard,
+                   stats.StatsShard, stream_queue.StreamShard)
+FRONTEND_PROTOCOLS = (frontend_stats.StatsFrontend, ws.WSFrontend, ws_listener.ListenerFrontend,
+                      channel.ChannelConnection, shard_loss.LosingConnection, dedup_publish.DedupConnection,
+                      dedup_publish.DedupChannel)
+
+
 def test_shard_parts_describe_shard_worker():
-    for protocol in (ack_timeouts.TimeoutsShard, admin.AdminShard, dead_letter_forwards.ForwardsShard,
-                     dedup.DedupShard, delayed.DelayShard, feature_queue.FeatureShard, kvstore.KVShard,
-                     stats.StatsShard, stream_queue.StreamShard):
+    for protocol in SHARD_PROTOCOLS:
         assert missing(protocol, ShardWorker) == set(), protocol.__name__
     for queue_class in (Queue, feature_queue.FeatureQueue):
         assert missing(consumer_order.OrderedQueue, queue_class) == set(), queue_class.__name__
@@ -92,3 +98,10 @@ def test_frontend_parts_describe_their_holders():
     for protocol in (channel.ChannelConnection, shard_loss.LosingConnection, dedup_publish.DedupConnection):
         assert missing(protocol, AMQPConnection) == set(), protocol.__name__
     assert missing(dedup_publish.DedupChannel, channel.Channel) == set()
+
+
+def test_protocols_name_only_public_members():
+    """A part uses its holder through what the holder offers: a Protocol naming a private member
+    (``_publish``) would make the holder's internals a contract no rename can see."""
+    for protocol in (*SHARD_PROTOCOLS, consumer_order.OrderedQueue, *FRONTEND_PROTOCOLS):
+        assert {name for name in members(protocol) if name.startswith("_")} == set(), protocol.__name__

@@ -18,7 +18,7 @@ import pytest
 from broker.amqp import encoder
 from loadtest import results
 from loadtest.amqp_client import AMQPClient, AMQPUri
-from loadtest.amqp_throughput import TRANSIENT_PROPS, ThroughputOptions, ThroughputRun
+from loadtest.amqp_throughput import TRANSIENT_PROPS, ThroughputOptions, ThroughputRun, _verify_copies
 from loadtest.cli import EXIT_ERROR, EXIT_OK, EXIT_VERIFY, main
 from loadtest.mqtt_throughput import (
     PUBACK,
@@ -206,6 +206,43 @@ def test_verify_fails_on_loss_or_duplicates(capsys, fault):
         assert v["missing"] == 10 and v["duplicates"] == 0
     else:
         assert v["duplicates"] == 10 and v["missing"] == 0
+
+
+@pytest.mark.parametrize(("flags", "groups"), [
+    ({"exchange": "x", "exchange_type": "fanout", "queues": 3, "consumers": 5}, [[0, 3], [1, 4], [2]]),
+    ({"exchange": "amq.fanout", "queues": 2, "consumers": 2}, [[0], [1]]),
+    ({"exchange": "x", "exchange_type": "headers", "queues": 2, "consumers": 2}, [[0], [1]]),
+    ({"exchange": "x", "routing_key": "k", "queues": 2, "consumers": 2}, [[0], [1]]),  # one key binds both
+    ({"exchange": "x", "exchange_type": "fanout", "queues": 3, "consumers": 1}, [[0]]),  # unread queues
+    ({"exchange": "x", "queues": 2, "consumers": 2}, [[0, 1]]),  # direct by queue name: one copy
+    ({"queues": 2, "consumers": 4}, [[0, 1, 2, 3]]),
+    ({"exchange": "x", "exchange_type": "fanout", "consumers": 2}, [[0, 1]]),  # one queue
+])
+def test_copy_groups_follow_where_the_exchange_routes_each_publish(flags, groups):
+    assert ThroughputRun(ThroughputOptions(**flags)).copy_groups() == groups
+
+
+def _consumer_result(idx: int, seqs: list[int], dups: int = 0) -> dict:
+    bits = bytearray(1 + max(seqs, default=0) // 8)
+    for seq in seqs:
+        bits[seq >> 3] |= 1 << (seq & 7)
+    return {"idx": idx, "seen": {0: bytes(bits)}, "dups": dups, "foreign": 0}
+
+
+def test_verify_counts_each_copy_in_its_own_group():
+    """A fanout run: each queue's consumers must get every publish once between them; a copy lost in one
+    queue is missing even though the other queue has it, and a copy in each queue is no duplicate."""
+    pubs = [{"idx": 0, "published": 4}]
+    groups = [[0, 2], [1]]
+    ok = _verify_copies(pubs, [_consumer_result(0, [0, 1]), _consumer_result(2, [2, 3]),
+                               _consumer_result(1, [0, 1, 2, 3])], groups)
+    assert ok.ok and (ok.published, ok.copies, ok.received_unique, ok.duplicates) == (4, 2, 8, 0), ok
+    lost = _verify_copies(pubs, [_consumer_result(0, [0, 1]), _consumer_result(2, [3]),
+                                 _consumer_result(1, [0, 1, 2, 3])], groups)
+    assert not lost.ok and (lost.missing, lost.duplicates) == (1, 0), lost
+    twice = _verify_copies(pubs, [_consumer_result(0, [0, 1, 2]), _consumer_result(2, [2, 3]),
+                                  _consumer_result(1, [0, 1, 2, 3])], groups)
+    assert not twice.ok and (twice.missing, twice.duplicates) == (0, 1), twice
 
 
 def test_cleans_up_only_what_it_created(sink, capsys):

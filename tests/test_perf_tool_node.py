@@ -40,6 +40,29 @@ def test_routing_key_count_publishes_round_robin_over_keys_bound_to_the_queue(no
         assert [c.queue_declare(f"spy-{i}", passive=True)[1] for i in range(4)] == [501, 501, 500, 500]
 
 
+def test_fanout_exchange_verifies_every_copy_per_queue(node, capsys):
+    """--exchange-type fanout: each publish reaches both queues, and each queue's two consumers share its
+    copies: 2 x 600 publishes arrive 2,400 times, none a duplicate."""
+    rc = main(["amqp", "throughput", "--uri", node.url, "-x", "2", "-y", "4", "--queues", "2", "--exchange",
+               "perf-fan", "--exchange-type", "fanout", "--pmessages", "600", "-c", "100", "--verify", "--json"])
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == EXIT_OK, r
+    assert (r["published"], r["confirmed"], r["consumed"]) == (1200, 1200, 2400), r
+    v = r["verify"]
+    assert v["ok"] and (v["copies"], v["received_unique"], v["duplicates"], v["missing"]) == (2, 2400, 0, 0), v
+
+
+def test_fanout_exchange_consumers_read_every_copy_up_to_cmessages(node, capsys):
+    """--cmessages with fanout: the run waits for each queue's copy of every publish (slow consumers,
+    1,000 msg/s each, so a run that stopped at one delivery per publish would end with a third of them)."""
+    rc = main(["amqp", "throughput", "--uri", node.url, "-x", "1", "-y", "3", "--queues", "3", "--exchange",
+               "perf-fan-c", "--exchange-type", "fanout", "--pmessages", "500", "-c", "100", "--cmessages", "500",
+               "--consume-rate", "1000", "--json"])
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == EXIT_OK, r
+    assert (r["published"], r["consumed"]) == (500, 1500), r
+
+
 def test_consume_only_drains_a_backlog_on_node(node, capsys):
     rc = main(["amqp", "throughput", "--uri", node.url, "-y", "0", "--pmessages", "3000", "-c", "500",
                "--queue", "drain", "--keep", "--json"])
