@@ -32,6 +32,7 @@ import inspect
 import os
 import sys
 import time
+from threading import get_ident as _get_ident
 from typing import IO, Any
 
 ENV = "SHARDMQ_TEST_TURN_PROBE"
@@ -60,9 +61,7 @@ class TurnProbe:
         self.unwrapped: list[str] = []  # SHARDMQ_TEST_TURN_PROBE_WRAP entries whose module is not imported yet
 
     def start(self) -> None:
-        import threading
-
-        self._thread = threading.get_ident()
+        self._thread = _get_ident()
         gc.callbacks.append(self._on_gc)
         self._handle = self.loop.call_later(TICK_S, self._tick)
 
@@ -80,9 +79,7 @@ class TurnProbe:
         self._handle = self.loop.call_later(TICK_S, self._tick)
 
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
-        import threading
-
-        if threading.get_ident() != self._thread:
+        if _get_ident() != self._thread:
             return
         if phase == "start":
             self._gc_start = (time.monotonic_ns(), time.thread_time_ns())
@@ -91,9 +88,7 @@ class TurnProbe:
         wall_us = (time.monotonic_ns() - start) // 1000
         if wall_us > PIECE_US:
             cpu_us = (time.thread_time_ns() - cpu0) // 1000
-            gen = info.get("generation")
-            self._lines.append(f"gc {start} {wall_us} {cpu_us} {gen} {info.get('collected')}"
-                               f" {len(gc.get_objects(gen)) if gen == 2 else 0} {gc.get_freeze_count()}\n")
+            self._lines.append(f"gc {start} {wall_us} {cpu_us} {info.get('generation')} {info.get('collected')}\n")
 
     def call(self, label: str, start: int, cpu0: int, args: tuple) -> None:
         wall_us = (time.monotonic_ns() - start) // 1000
