@@ -101,3 +101,22 @@ def test_another_connection_publishes_with_confirms_while_a_client_pipelines_del
         assert not errors and len(confirmed) == 200
         _, count, _ = c.queue_declare("dt-probe", passive=True)
         assert count == 200
+
+
+def test_a_big_first_write_split_across_parse_slices_keeps_frames_whole(deferring_node):
+    """A connection that has not published yet parses a big read 4 KiB a turn (PARSE_SLICE): a
+    publish whose 20 KB body straddles the slices arrives whole, between the methods around it."""
+    body = bytes(range(256)) * 80  # 20,480 bytes
+    with _connect(deferring_node) as c:
+        c.send(_encode(commands.Queue.Declare(queue="dt-big"))
+               + encoder.encode_publish(1, "", "dt-big", False, b"\x00\x00", body, c.frame_max)
+               + b"".join(_encode(commands.Queue.Declare(queue="dt-big", passive=True)) for _ in range(40))
+               + _encode(commands.Basic.Get(queue="dt-big", no_ack=True)))
+        got = _replies(c, 41)
+        assert [m.message_count for m in got] == [0] + [1] * 40
+        while True:
+            ev = c.next_event()
+            c._handle_close(ev)
+            if isinstance(ev, events.ContentMethod):
+                break
+        assert isinstance(ev.method, commands.Basic.GetOk) and ev.body == body
