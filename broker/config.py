@@ -25,6 +25,7 @@ PROG = "shardmq"
 ENV_PREFIX = "SHARDMQ_"
 SYNC_POLICIES = ("fsync", "none")
 IPC_TRANSPORTS = ("unix", "zmq")
+COLOCATE = ("auto", "on", "off")
 QUEUE_PLACEMENTS = ("balanced", "hash")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -118,6 +119,10 @@ class Settings:
     # written and read by the workers' event loops (broker/unixio.py), or "zmq" (ZeroMQ ROUTER/DEALER,
     # broker/zmqio.py: two I/O-thread handoffs per hop). The control plane to the node is ZeroMQ either way.
     ipc_transport: str = "unix"
+    # Frontend K and shard K in one process, talking in-process (shard/pair_main.py,
+    # broker/local_link.py): "on", "off", or "auto" (broker/cpus.py colocated_pairs). Not with --cluster.
+    # Default off until the whole suite has run paired (docs/architecture.md "Paired processes").
+    colocate: str = "off"
     # Where a new queue goes (broker/definitions/entities.py place_queue): "balanced" = the shard with
     # the fewest queues of its vhost, "hash" = crc32(vhost, name) % shards. Recorded in the queue's
     # definition either way: a queue keeps its shard across restarts and shard-count changes.
@@ -279,6 +284,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("ipc_transport", "str", "main",
            "frontend<->shard data plane: unix stream sockets on the event loops, or ZeroMQ",
            choices=IPC_TRANSPORTS),
+    Option("colocate", "str", "main",
+           "frontend K and shard K in one process with an in-process link (fewer process hops); "
+           "auto: on when the node may use at most 2 cores and is not a cluster member",
+           choices=COLOCATE),
     Option("queue_placement", "str", "main",
            "shard of a new queue: the one with the fewest queues of its vhost, or by a hash of its name",
            choices=QUEUE_PLACEMENTS),
@@ -531,6 +540,10 @@ def load_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] 
         values["data_dir"] = default_data_dir(environ)
     settings = Settings(**values)
     _check_cluster(parser, settings, environ)
+    if settings.cluster and settings.colocate == "on":
+        # A fenced leader's frontends are killed while its shards live on (broker/node.py fence).
+        parser.error("--colocate on cannot be used with --cluster (a fenced leader stops its frontends "
+                     "while its shards live on); use --colocate off or auto")
     return settings
 
 

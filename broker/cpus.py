@@ -85,3 +85,23 @@ def default_shards(cores: int) -> int:
     """Shard processes for ``cores``: one per two cores, at least 1, measured with
     ``default_frontends`` as pairs (see there). Beyond 2 cores: extrapolated, not measured."""
     return max(1, cores // 2)
+
+
+# --colocate auto pairs frontend K with shard K when the node may use at most this many cores
+# (docs/benchmarks.md, "Frontend and shard in one process").
+COLOCATE_AUTO_MAX_CORES = 2.0
+
+
+def colocated_pairs(colocate: str, frontends: int, shards: int, cluster: bool = False,
+                    cores: float | None = None) -> int:
+    """How many (frontend K, shard K) pairs run in one process each for ``--colocate``: ``off`` none,
+    ``on`` min(frontends, shards), ``auto`` as ``on`` on at most COLOCATE_AUTO_MAX_CORES cores and
+    none in a cluster (a fenced leader stops its frontends while its shards live on)."""
+    if colocate == "off" or cluster:
+        return 0
+    if colocate == "auto":
+        if cores is None:
+            cores = available_cpus()
+        if cores > COLOCATE_AUTO_MAX_CORES:
+            return 0
+    return min(frontends, shards)

@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from broker import contract, data_sockets, gc_pause, heap_trim, stage_trace, turn_probe
+from broker import contract, cpus, data_sockets, gc_pause, heap_trim, stage_trace, turn_probe
 from broker.alarms import CHECK_INTERVAL_S, ResourceMonitor, parse_disk_limit, parse_memory_watermark
 from broker.amqp.errors import AMQPConnectionError, AMQPError
 from broker.config import Settings, cluster_secret
@@ -95,7 +95,8 @@ class Node:
         # No full GC while definitions change in bulk (broker/gc_pause.py): ~1 s apart, 10-20 ms each.
         self.bulk_changes = gc_pause.BulkChanges(self.loop)
         self.epochs: dict[int, int] = {}
-        self.sup = Supervisor(self.datadir.run_dir, settings.log_level, self._on_worker_exit, self._on_spawn)
+        self.pairs = cpus.colocated_pairs(settings.colocate, settings.frontends, settings.shards, settings.cluster)
+        self.sup = self._supervisor()
         self.by_ident: dict[bytes, WorkerProcess] = {}
         self.ctl: UnixRouter | None = None
         # DEFS held back for the worker whose request they answer: sent in one batch with its REPLY,
@@ -165,6 +166,7 @@ class Node:
         # declare's or bind's round trip crosses it twice per worker, and ZeroMQ added two I/O-thread
         # handoffs to each crossing (broker/unixio.py).
         self.ctl = UnixRouter(self.loop, contract.node_stream_path(self.datadir.run_dir), self._on_control)
+        self.ctl.on_lost = self._ctl_lost
         self.shard_watchdog.start()
         if s.cluster and not s.follow and s.etcd_endpoints:
             # The role (leader, follower) is etcd's decision: replication/cluster.py drives
@@ -252,7 +254,7 @@ class Node:
         self.is_leader = self.serving = False
         await self.loop.run_in_executor(None, self.defstore.sync)
         self.defstore.close()
-        self.sup = Supervisor(self.datadir.run_dir, self.settings.log_level, self._on_worker_exit, self._on_spawn)
+        self.sup = self._supervisor()
         self.by_ident = {}
         self.epochs = {}
         self._shards_ready = asyncio.Event()
@@ -375,6 +377,16 @@ class Node:
         if self.cluster is not None and self.cluster.proxying:
             return True
         return self.serving and all(w.applied >= 0 for w in self.sup.workers if w.role == "frontend")
+
+    def _supervisor(self) -> Supervisor:
+        return Supervisor(self.datadir.run_dir, self.settings.log_level, self._on_worker_exit, self._on_spawn,
+                          pairs=self.pairs)
+
+    def _ctl_lost(self, ident: bytes) -> None:
+        """A worker's control-plane connection closed: in a paired process, its frontend part stopped."""
+        w = self.by_ident.get(ident)
+        if w is not None:
+            w.left.set()
 
     def _worker(self, role: str, index: int) -> WorkerProcess:
         w = WorkerProcess(role, index)

@@ -59,13 +59,25 @@ def run_worker(role: str, argv: list[str] | None, load_worker) -> int:
     and uvloop first); it is built as ``cls(index, run_dir, loop)`` and must provide ``start()``,
     ``stop()`` and a ``stopped`` event.
     """
+    return run_workers(f"shardmq-{role}", role, argv, [(role, load_worker)])
+
+
+def run_workers(prog: str, label: str, argv: list[str] | None, loaders: list, before=None) -> int:
+    """One process running the workers ``loaders`` names, ``[(role, load_worker), ...]``, with the
+    same ``--index`` on one event loop (``run_worker``: one; shard/pair_main.py: a frontend and its
+    shard). They start in reverse order (a pair's shard binds its data socket first) and SIGTERM
+    stops them in order, each after the one before it has stopped (a pair: frontend, then shard, as
+    the node orders a stop). The process ends when every worker has stopped. ``before(index)`` runs
+    before any worker is built (shard/pair_main.py: the in-process link). Process-wide set-up
+    (parent death signal, descriptor limit, uvloop, logging, signal handlers) is done once here.
+    """
     import argparse
     import asyncio
 
     from broker import turn_probe
     from broker.logs import setup_logging
 
-    parser = argparse.ArgumentParser(prog=f"shardmq-{role}")
+    parser = argparse.ArgumentParser(prog=prog)
     parser.add_argument("--index", type=int, required=True)
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--log-level", default="info")
@@ -73,26 +85,36 @@ def run_worker(role: str, argv: list[str] | None, load_worker) -> int:
     die_with_parent()
     raise_nofile_limit()
     install_uvloop()
-    setup_logging(args.log_level, f"{role}-{args.index}")
+    setup_logging(args.log_level, f"{label}-{args.index}")
+    if before is not None:
+        before(args.index)
 
     async def serve() -> int:
         loop = asyncio.get_running_loop()
-        worker = load_worker()(args.index, args.run_dir, loop)
-        turn_probe.install(loop, f"{role}-{args.index}")  # debug aid, off unless SHARDMQ_TEST_TURN_PROBE
+        workers = [(role, load()(args.index, args.run_dir, loop)) for role, load in loaders]
+        turn_probe.install(loop, f"{label}-{args.index}")  # debug aid, off unless SHARDMQ_TEST_TURN_PROBE
+
+        async def stop_in_order() -> None:
+            for _role, worker in workers:
+                await worker.stop()
+
         # The node stops workers with STOP; SIGTERM from outside does the same. Ctrl-C in a
         # terminal reaches the whole process group: the node decides, not us.
-        loop.add_signal_handler(signal.SIGTERM, lambda: loop.create_task(worker.stop()))
+        loop.add_signal_handler(signal.SIGTERM, lambda: loop.create_task(stop_in_order()))
         loop.add_signal_handler(signal.SIGINT, lambda: None)
-        # SIGUSR1 logs the worker's internal state (flow control, pending syncs) for diagnosis.
-        state = getattr(worker, "debug_state", None)
-        if state is not None:
-            log = logging.getLogger(f"shardmq.{role}")
-            loop.add_signal_handler(signal.SIGUSR1, lambda: log.warning("state: %s", state()))
-        # SIGHUP (sent on by the node when it gets one) re-reads what the worker can reload in place.
-        reload = getattr(worker, "reload", None)
-        loop.add_signal_handler(signal.SIGHUP, reload if reload is not None else (lambda: None))
-        await worker.start()
-        await worker.stopped.wait()
+        # SIGUSR1 logs the workers' internal state (flow control, pending syncs) for diagnosis.
+        states = [(logging.getLogger(f"shardmq.{role}"), w.debug_state) for role, w in workers
+                  if getattr(w, "debug_state", None) is not None]
+        if states:
+            loop.add_signal_handler(signal.SIGUSR1, lambda: [log.warning("state: %s", state())
+                                                             for log, state in states])
+        # SIGHUP (sent on by the node when it gets one) re-reads what a worker can reload in place
+        # (a frontend's TLS certificate).
+        reloads = [w.reload for _role, w in workers if getattr(w, "reload", None) is not None]
+        loop.add_signal_handler(signal.SIGHUP, lambda: [reload() for reload in reloads])
+        await asyncio.gather(*(w.start() for _role, w in reversed(workers)))
+        for _role, worker in workers:
+            await worker.stopped.wait()
         return 0
 
     return asyncio.run(serve())

@@ -9,10 +9,12 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger("shardmq.supervisor")
 
 _MODULES = {"frontend": "frontend.main", "shard": "shard.main"}
+_PAIR_MODULE = "shard.pair_main"  # frontend K and shard K in one process (--colocate)
 _MAX_BACKOFF_S = 5.0
 
 
@@ -27,6 +29,9 @@ class WorkerProcess:
         self.applied = -1  # highest definitions version it has applied
         self.restarts = 0
         self.last_start = 0.0
+        # Set (by the node) when this worker's control-plane connection closed: in a paired process
+        # the frontend part stops (node STOP) while the process, and its shard, go on.
+        self.left = asyncio.Event()
 
     @property
     def pid(self) -> int | None:
@@ -46,8 +51,11 @@ class Supervisor:
         log_level: str,
         on_exit: Callable[[WorkerProcess, int], None],
         on_spawn: Callable[[WorkerProcess], None],
+        pairs: int = 0,
     ) -> None:
         self.run_dir = run_dir
+        # Frontend i and shard i run in one process (shard/pair_main.py) for i < pairs (--colocate).
+        self.pairs = pairs
         self.log_level = log_level
         self.on_exit = on_exit
         self.on_spawn = on_spawn
@@ -58,16 +66,38 @@ class Supervisor:
         # Roles whose dead workers are not restarted (a fenced leader's frontends); any thread may add.
         self.held: set[str] = set()
 
+    def partner(self, worker: WorkerProcess) -> WorkerProcess | None:
+        """The other role of ``worker``'s pair, when it is paired and that role is supervised."""
+        if worker.index >= self.pairs:
+            return None
+        for w in self.workers:
+            if w.index == worker.index and w.role != worker.role:
+                return w
+        return None
+
     async def spawn(self, worker: WorkerProcess) -> None:
         if worker not in self.workers:
             self.workers.append(worker)
         worker.connected = False
         worker.applied = -1
         worker.last_start = time.monotonic()
+        worker.left = asyncio.Event()
+        paired = worker.index < self.pairs
+        if paired:
+            other = self.partner(worker)
+            if other is not None and other.proc is not None and other.proc.returncode is None:
+                # The pair's process is up (spawned for the other role): this role runs in it too.
+                worker.proc = other.proc
+                log.info("%s runs in %s's process (pid %d)", worker.name, other.name, worker.proc.pid)
+                try:
+                    self.on_spawn(worker)
+                except Exception:
+                    log.exception("after starting %s: on_spawn failed (supervision goes on)", worker.name)
+                return
         while True:
             try:
                 worker.proc = await asyncio.create_subprocess_exec(
-                    sys.executable, "-m", _MODULES[worker.role],
+                    sys.executable, "-m", _PAIR_MODULE if paired else _MODULES[worker.role],
                     "--index", str(worker.index), "--run-dir", self.run_dir, "--log-level", self.log_level,
                 )
                 break
@@ -92,11 +122,21 @@ class Supervisor:
         code = await proc.wait()
         if proc is not worker.proc or worker not in self.workers or worker.role in self.held:
             return
+        # A paired process is both its workers: both died, both are handled and restarted together.
+        other = self.partner(worker)
+        if other is not None and other.proc is proc:
+            other.connected = False
         worker.connected = False
         if self.stopping:
             return
         log.error("%s (pid %d) exited with %s; restarting", worker.name, proc.pid, _describe(code))
-        self.on_exit(worker, code)
+        if other is not None and other.proc is proc:
+            # The frontend's loss first (its connections are gone), then the shard's new epoch.
+            for w in sorted((worker, other), key=lambda w: w.role != "frontend"):
+                self.on_exit(w, code)
+        else:
+            other = None
+            self.on_exit(worker, code)
         # Crash loops back off; a worker that ran a while restarts at once.
         ran = time.monotonic() - worker.last_start
         worker.restarts = 0 if ran > 30 else worker.restarts + 1
@@ -105,6 +145,9 @@ class Supervisor:
             await asyncio.sleep(delay)
         if not self.stopping:
             await self.spawn(worker)
+            if other is not None and not self.stopping:
+                other.restarts, other.last_start = worker.restarts, worker.last_start
+                await self.spawn(other)  # into the process just started
 
     def pids(self) -> dict:
         out: dict = {"node": os.getpid(), "frontend": {}, "shard": {}}
@@ -143,18 +186,40 @@ class Supervisor:
         await asyncio.gather(*(p.wait() for p in killed), return_exceptions=True)
 
     async def stop_role(self, role: str, timeout: float) -> None:
-        procs = [w.proc for w in self.workers if w.role == role and w.proc and w.proc.returncode is None]
-        if not procs:
+        """Wait until every worker of ``role`` has stopped: its process has exited or, in a pair whose
+        other role still runs, its control-plane connection closed (``left``); kill what has not."""
+        live = [w for w in self.workers if w.role == role and w.proc and w.proc.returncode is None]
+        if not live:
             return
+        procs = [w.proc for w in live]
+
+        def stopped(w: WorkerProcess) -> Any:
+            other = self.partner(w)
+            if other is None or other.proc is not w.proc or other.proc.returncode is not None:
+                return w.proc.wait()
+            # What closed before this call was an earlier connection (the node sends STOP and calls
+            # this without yielding in between): only a close from now on is this stop's.
+            w.left.clear()
+            return _first(w.proc.wait(), w.left.wait())
+
         try:
             async with asyncio.timeout(timeout):
-                await asyncio.gather(*(p.wait() for p in procs))
+                await asyncio.gather(*(stopped(w) for w in live))
         except TimeoutError:
             for p in procs:
                 if p.returncode is None:
                     log.warning("pid %d did not stop in %.0f s; killing it", p.pid, timeout)
                     p.send_signal(signal.SIGKILL)
             await asyncio.gather(*(p.wait() for p in procs))
+
+
+async def _first(*aws: Any) -> None:
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 def _describe(code: int) -> str:

@@ -142,10 +142,11 @@ def install(loop: asyncio.AbstractEventLoop, role: str) -> TurnProbe | None:
     os.makedirs(out_dir, exist_ok=True)
     out = open(os.path.join(out_dir, f"{role}-{os.getpid()}.turns"), "a", buffering=1 << 16)  # noqa: SIM115
     probe = TurnProbe(loop, out)
-    package = "broker" if role == "node" else role.split("-")[0]
+    kind = role.split("-")[0]
+    packages = {"node": ("broker",), "pair": ("frontend", "shard")}.get(kind, (kind,))
     for spec in filter(None, os.environ.get(WRAP_ENV, "").split(",")):
         mod_name = spec.partition(":")[0].strip()
-        if mod_name.split(".")[0] == package:  # this process's own modules: imported now, wrapped from the start
+        if mod_name.split(".")[0] in packages:  # this process's own modules: imported now, wrapped from the start
             importlib.import_module(mod_name)
     probe.unwrapped = [spec for spec in filter(None, os.environ.get(WRAP_ENV, "").split(",")) if not _wrap(probe, spec)]
     probe.start()

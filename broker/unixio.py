@@ -334,6 +334,9 @@ class UnixRouter(_Base):
                  header_for: Callable[[bytes | None], Any] | None = None) -> None:
         super().__init__(loop, on_batch, header_for)
         self.path = path
+        # Called with a peer's identity when its connection closed (the node: a paired process's
+        # frontend part stopped while the process goes on, broker/supervisor.py stop_role).
+        self.on_lost: Callable[[bytes], None] | None = None
         self._peers: dict[bytes, _Stream] = {}
         self._streams: set[_Stream] = set()
         # Bound and listening before this returns, as ZeroMQ's bind: peers may connect (and queue
@@ -361,6 +364,8 @@ class UnixRouter(_Base):
         self._streams.discard(stream)
         if stream.identity is not None and self._peers.get(stream.identity) is stream:
             del self._peers[stream.identity]
+            if self.on_lost is not None:
+                self.on_lost(stream.identity)
 
     def _frame(self, stream: _Stream, payload: memoryview) -> int:
         if stream.identity is None:

@@ -37,6 +37,14 @@ from typing import Any, TypeVar
 
 # etcd3 0.12's generated protobuf modules only load with the pure-Python protobuf runtime.
 os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
+# The node forks its workers (uvloop's spawn: fork + exec) while etcd calls run in other threads.
+# With gRPC's fork support on (its default), every fork runs gRPC's fork handlers, which skip
+# their work while a call is in flight: the child's gRPC restarted its poller on the parent's
+# state and could abort before its exec (a frontend died of SIGABRT), and the parent's connection
+# to etcd was left broken: every later call, on new channels too, failed with INTERNAL "Received
+# RST_STREAM with error code 1" until the leader fenced itself. A child that only execs needs none
+# of it. Read once, when grpc is first imported (below).
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import warnings  # noqa: E402
 
@@ -199,7 +207,7 @@ class Coordinator:
             except (etcd3.Etcd3Exception, grpc.RpcError) as exc:
                 last = exc
                 host, port = self.endpoints[self._current]
-                log.debug("etcd %s:%d: %s", host, port, exc)
+                log.debug("etcd %s:%d: %s", host, port, _describe(exc))
                 self._drop_client(keepalive)
                 self._current = (self._current + 1) % len(self.endpoints)
         raise CoordinationError(f"etcd unreachable ({_describe(last)})") from last
@@ -556,7 +564,11 @@ def boost_thread_priority(nice: int = -10) -> bool:
         return False
 
 
-def _describe(exc: Exception | None) -> str:
+def _describe(exc: BaseException | None) -> str:
     if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
         return f"{exc.code().name}: {exc.details()}"
+    # etcd3 raises its own exception (no text) inside the handler of the gRPC error that says why
+    cause = exc.__context__ if exc is not None else None
+    if isinstance(cause, grpc.RpcError) and hasattr(cause, "code"):
+        return f"{type(exc).__name__}, {cause.code().name}: {cause.details()}"
     return str(exc) or type(exc).__name__

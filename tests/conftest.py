@@ -4,7 +4,8 @@
 - ``node_factory``: ``node_factory(frontends=1, shards=3, extra_args=[...], start=True)`` for custom nodes.
 - ``shared_node``: one node per test module for tests that need no isolation; use unique queue names.
 
-A module that sets ``QUEUE_PLACEMENT = "hash"`` gets nodes placing queues by name (``module_node_args``).
+A module that sets ``QUEUE_PLACEMENT = "hash"`` gets nodes placing queues by name, one that sets
+``COLOCATE = "off"`` nodes whose frontends and shards are separate processes (``module_node_args``).
 
 When a test fails, the tail of each of its nodes' logs is added to the report.
 
@@ -28,7 +29,11 @@ def module_node_args(module) -> list[str]:
     """Node arguments a test module asks for: ``QUEUE_PLACEMENT = "hash"`` in a module that picks
     queue names by their crc32 to put them on given shards (tests/helpers.py); others get the default."""
     placement = getattr(module, "QUEUE_PLACEMENT", None)
-    return ["--queue-placement", placement] if placement else []
+    args = ["--queue-placement", placement] if placement else []
+    # COLOCATE = "off": a module that kills or stops one role's process and expects the other role
+    # of that index to live on (a paired process, --colocate, is both).
+    colocate = getattr(module, "COLOCATE", None)
+    return [*args, "--colocate", colocate] if colocate else args
 
 
 def _stats_unreported(factory: NodeFactory) -> None:

@@ -178,14 +178,24 @@ def _wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
         time.sleep(interval)
 
 
-def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:
+def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.02, *,
+               pause: Callable[[float], Any] = time.sleep, context: Callable[[], str] | None = None) -> Any:
     """Poll ``predicate`` until it returns something truthy (returned); AssertionError naming ``what``
-    after ``timeout`` seconds. What a test waits for instead of sleeping and hoping."""
+    after ``timeout`` seconds. What a test waits for instead of sleeping and hoping.
+    ``pause(interval)`` runs between polls (``pumping(conn)``: a pika connection's I/O loop, so its
+    callbacks run); ``context()`` is added to the failure (a node's log tail, what was seen)."""
     deadline = time.monotonic() + timeout
     while not (value := predicate()):
-        assert time.monotonic() < deadline, f"timed out after {timeout:.1f}s waiting for {what}"
-        time.sleep(interval)
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:.1f}s waiting for {what}"
+                                 + (f"\n{context()}" if context is not None else ""))
+        pause(interval)
     return value
+
+
+def pumping(conn: pika.BlockingConnection) -> Callable[[float], None]:
+    """``wait_until``'s pause for a test whose predicate reads what pika callbacks gather."""
+    return lambda seconds: conn.process_data_events(time_limit=seconds)
 
 
 async def async_wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.005) -> Any:
@@ -271,7 +281,10 @@ class Node:
         if self.running():
             raise NodeError(f"node pid {self.pid} is already running")
         self.workdir.mkdir(parents=True, exist_ok=True)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDMQ_")}
+        # SHARDMQ_COLOCATE passes through, so the suite (or a module) can be run with paired workers;
+        # not to a cluster member, which refuses --colocate on (docs/architecture.md "Paired processes").
+        passed = () if "--cluster" in self.argv() else ("SHARDMQ_COLOCATE",)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDMQ_") or k in passed}
         # Every shard checks each STATS report against a read of all its queues and logs
         # shard.stats.STATS_CHECK_FAILED when a change went unreported (tests/conftest.py fails the test).
         env.update(PYTHONUNBUFFERED="1", SHARDMQ_TEST_STATS_CHECK="1", **self.env)

@@ -12,6 +12,8 @@ import zlib
 import pytest
 from pika.exceptions import ChannelClosedByBroker, UnroutableError
 
+from tests.harness import wait_until
+
 WAIT = 10.0
 
 
@@ -62,10 +64,8 @@ def count(ch, queue: str) -> int:
 
 
 def wait_count(ch, queue: str, want: int, timeout: float = WAIT) -> None:
-    deadline = time.monotonic() + timeout
-    while (n := count(ch, queue)) != want:
-        assert time.monotonic() < deadline, f"{queue} has {n} messages, expected {want}"
-        time.sleep(0.02)
+    wait_until(lambda: count(ch, queue) == want, timeout, f"{queue} to hold {want} messages",
+               context=lambda: f"it has {count(ch, queue)}")
 
 
 def wait_queue_gone(ch, queue: str, timeout: float = WAIT) -> None:

@@ -16,6 +16,7 @@ import pika
 import pytest
 from pika.exceptions import ChannelClosedByBroker
 
+from tests.harness import pumping, wait_until
 from tests.helpers import WAIT, connections_on_two_frontends, names_on_different_shards, uid
 
 # Queue names are picked per shard by their crc32 (tests/helpers.py): nodes place by name.
@@ -49,10 +50,7 @@ class Inbox:
 
 
 def wait_for(conn, predicate, what: str = "condition", timeout: float = WAIT) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        conn.process_data_events(0.02)
+    wait_until(predicate, timeout, what, pause=pumping(conn))
 
 
 def settle(conn, seconds: float = GRACE) -> None:

@@ -89,23 +89,31 @@ def test_cluster_status_cli_prints_leader_nodes_and_isr(node_factory, etcd):
     wait_isr(cluster, nodes)
     leader = cluster.leader()
     follower = next(n for n in nodes if n is not leader)
-    out = run_cli("status", "--etcd-endpoints", cluster.endpoints, "--etcd-prefix", cluster.prefix)
-    assert out.returncode == 0, out.stderr
+    # The lags the CLI prints are the leader's: its shards report theirs once a second, so a report from
+    # before the follower caught up may still be the latest. Idle, it is caught up once a report says so.
+    wait_for(lambda: http_get(leader.http_port, "/api/cluster/status")[1].get("followers", {})
+             .get(follower.workdir.name, {}).get("lag_bytes") == 0, 30, "the follower caught up, as the leader sees it")
+    # --timeout: the CLI's per-node HTTP deadline (default 2 s), not what this test is about on a loaded host.
+    cli = ("status", "--etcd-endpoints", cluster.endpoints, "--etcd-prefix", cluster.prefix, "--timeout", "10")
+    out = run_cli(*cli)
+    printed = f"exit {out.returncode}\nstdout:\n{out.stdout}\nstderr:\n{out.stderr}"  # every failure shows it
+    assert out.returncode == 0, printed
     lines = out.stdout.splitlines()
-    assert lines[0] == f"leader: {leader.workdir.name}"
-    assert lines[1] == "isr: " + ", ".join(sorted(n.workdir.name for n in nodes))
+    assert lines[0] == f"leader: {leader.workdir.name}", printed
+    assert lines[1] == "isr: " + ", ".join(sorted(n.workdir.name for n in nodes)), printed
     rows = {line.split()[0]: line.split() for line in lines[3:]}
     assert rows["node"] == ["node", "role", "address", "amqp", "repl", "http", "ready", "in", "ISR", "lag",
-                            "bytes", "lag", "s"]
+                            "bytes", "lag", "s"], printed
     for node in nodes:
         row = rows[node.workdir.name]
-        assert row[1] == ("leader" if node is leader else "follower")
+        assert row[1] == ("leader" if node is leader else "follower"), printed
         assert row[3] == str(node.port) and row[4] == str(node.replication_port) and row[5] == str(node.http_port)
-        assert row[6] == "yes" and row[7] == "yes"
+        assert row[6] == "yes" and row[7] == "yes", printed
     # The follower's lag, in bytes and seconds, as the leader sees it (idle: caught up).
-    assert rows[follower.workdir.name][8:] == ["0", "0.000"]
-    assert rows[leader.workdir.name][8:] == ["-", "-"]
-    as_json = run_cli("status", "--etcd-endpoints", cluster.endpoints, "--etcd-prefix", cluster.prefix, "--json")
+    assert rows[follower.workdir.name][8:] == ["0", "0.000"], printed
+    assert rows[leader.workdir.name][8:] == ["-", "-"], printed
+    as_json = run_cli(*cli, "--json")
+    assert as_json.returncode == 0, as_json.stderr
     state = json.loads(as_json.stdout)
     assert state["leader"] == leader.workdir.name
     assert {n["name"]: n["connected"] for n in state["nodes"]}[follower.workdir.name] is True

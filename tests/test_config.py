@@ -90,7 +90,7 @@ SAMPLES = {
     "frame_max": "8192", "channel_max": "16", "max_message_size": "1000", "default_user": "bob",
     "default_pass": "secret", "loopback_users": "none", "definitions": "/tmp/shardmq-defs.json",
     "set_timestamp": "1", "consumer_timeout": "60000", "http_port": "8080", "http_bind": "0.0.0.0", "https_port": "0",
-    "stats_interval": "250", "shard_hang_timeout": "12.5", "trace_stages": "/tmp/trace", "ipc_transport": "zmq", "queue_placement": "hash", "delete_rate": "500", "prometheus_port": "9999", "prometheus_tls_port": "9998",
+    "stats_interval": "250", "shard_hang_timeout": "12.5", "trace_stages": "/tmp/trace", "ipc_transport": "zmq", "colocate": "on", "queue_placement": "hash", "delete_rate": "500", "prometheus_port": "9999", "prometheus_tls_port": "9998",
     "disk_free_limit": "mem_relative:1.5",
     "vm_memory_high_watermark": "2GB",
     "mqtt_port": "0", "mqtt_max_packet_size": "4096",

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 
 import pytest
 
 from loadtest.etcd import EtcdCluster
 from replication.coordination import CoordinationError, Coordinator, NodeInfo, parse_endpoint
+from tests.harness import REPO_ROOT
 
 pytestmark = pytest.mark.integration
 
@@ -234,3 +238,51 @@ def test_watch_reports_leader_and_isr_changes_and_comes_back_after_an_etcd_resta
         asyncio.run(main())
     finally:
         own.stop()
+
+
+_FORKS_DURING_CALLS = r"""
+import asyncio, sys, threading
+from replication.coordination import Coordinator  # as in the node: before any other gRPC import
+
+coord = Coordinator(sys.argv[1].split(","), "forks", "n", 10)
+lease = coord._call(lambda c: c.lease(10))
+stop = threading.Event()
+
+def keep_alive():  # as the node's keep-alive calls, several in flight
+    while not stop.is_set():
+        coord._call(lambda c: list(c.refresh_lease(lease.id)), keepalive=True)
+
+threads = [threading.Thread(target=keep_alive, daemon=True) for _ in range(4)]
+for t in threads:
+    t.start()
+
+async def spawn(n):
+    codes = []
+    for _ in range(n):  # preexec_fn: a plain fork(), as uvloop spawns the node's workers
+        p = await asyncio.create_subprocess_exec(sys.executable, "-c", "pass", preexec_fn=lambda: None)
+        codes.append(await p.wait())
+    return codes
+
+codes = asyncio.run(spawn(60))
+stop.set()
+for t in threads:
+    t.join(10)
+coord._call(lambda c: c.get("after"))  # the process's gRPC still works
+print("codes", sorted(set(codes)))
+"""
+
+
+def test_workers_forked_while_etcd_calls_run_are_not_touched_by_grpc(etcd, tmp_path):
+    """The node forks its workers while its keep-alive calls etcd in other threads. gRPC's fork
+    handlers (its fork support, on by default) then ran on every fork: children aborted before their
+    exec and the node's connection to etcd broke for good (INTERNAL, RST_STREAM) until it fenced.
+    replication.coordination turns that support off: no fork handler runs, every child execs."""
+    script = tmp_path / "forks.py"
+    script.write_text(_FORKS_DURING_CALLS)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRPC_")}
+    env.update(PYTHONPATH=str(REPO_ROOT), GRPC_VERBOSITY="INFO")
+    out = subprocess.run([sys.executable, str(script), etcd.endpoints], capture_output=True, text=True,
+                         timeout=120, env=env, cwd=REPO_ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "codes [0]" in out.stdout, out.stdout + out.stderr[-3000:]  # no child died of a signal
+    assert "fork_posix" not in out.stderr, out.stderr[-3000:]  # gRPC ran no fork handler

@@ -10,12 +10,11 @@ restarted source sends the letter again and the target queue holds it twice.
 from __future__ import annotations
 
 import threading
-import time
 
 import pika
 
-from tests.harness import Node
-from tests.helpers import WAIT, names_on_different_shards, reject_all, uid
+from tests.harness import Node, wait_until
+from tests.helpers import WAIT, names_on_different_shards, reject_all, uid, wait_count
 from tests.test_feature_combinations import STREAM, read_stream
 
 QUEUE_PLACEMENT = "hash"  # names picked per shard (tests/helpers.py)
@@ -24,17 +23,11 @@ N = 40
 
 
 def _wait_log(node: Node, text: str, count: int = 1) -> None:
-    deadline = time.monotonic() + WAIT
-    while node.log_text().count(text) < count:
-        assert time.monotonic() < deadline, f"{text!r} not logged:\n{node.log_tail()}"
-        time.sleep(0.02)
+    wait_until(lambda: node.log_text().count(text) >= count, WAIT, f"{text!r} logged", context=node.log_tail)
 
 
 def _queue_count(ch, q: str, n: int) -> None:
-    deadline = time.monotonic() + WAIT
-    while (got := ch.queue_declare(q, passive=True).method.message_count) != n:
-        assert time.monotonic() < deadline, f"{q}: {got} messages, not {n}"
-        time.sleep(0.02)
+    wait_count(ch, q, n)
 
 
 def test_dead_letters_confirmed_late_are_not_sent_again_after_a_clean_stop(node_factory, tmp_path):

@@ -7,8 +7,6 @@ keep tags, redelivered flags, properties, split bodies and ack tracking as per-m
 
 from __future__ import annotations
 
-import time
-
 import pika
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -16,6 +14,7 @@ from hypothesis import strategies as st
 
 from broker.amqp.encoder import encode_deliver, encode_deliver_run
 from tests.codec_strategies import bodies, channels, exchange_names, properties, routing_keys, shortstr, tags
+from tests.harness import pumping, wait_until
 from tests.helpers import WAIT, uid
 
 DELIVER = 40
@@ -71,10 +70,7 @@ def test_run_refuses_what_encode_deliver_refuses():
 
 # ----------------------------------------------------------------------------- on a real node
 def _wait(conn, predicate, what: str) -> None:
-    deadline = time.monotonic() + WAIT
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        conn.process_data_events(0.02)
+    wait_until(predicate, WAIT, what, pause=pumping(conn))
 
 
 def _body(i: int) -> bytes:

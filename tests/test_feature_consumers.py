@@ -15,8 +15,8 @@ from tests.helpers import (
     channel_error,
     connections_on_two_frontends,
     control_lane_barrier,
-    count,
     uid,
+    wait_count,
     wait_queue_gone,
 )
 
@@ -272,13 +272,6 @@ def _held_until_closed(conn, queue: str, **consume_kwargs) -> tuple[int, str, fl
     return info.value.reply_code, info.value.reply_text, time.monotonic() - start
 
 
-def _wait_ready(ch, queue: str, want: int) -> None:
-    deadline = time.monotonic() + WAIT
-    while count(ch, queue) != want:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-
-
 def test_consumer_argument_timeout_closes_the_channel_with_406(conn, ch):
     q = uid()
     ch.queue_declare(q)
@@ -287,7 +280,7 @@ def test_consumer_argument_timeout_closes_the_channel_with_406(conn, ch):
     assert code == 406 and took >= 0.3
     assert text.startswith("PRECONDITION_FAILED - delivery acknowledgement on channel ")
     assert "Timeout value used: 300 ms." in text
-    _wait_ready(ch, q, 1)  # the unacked message went back with the channel
+    wait_count(ch, q, 1)  # the unacked message went back with the channel
 
 
 def test_consumer_argument_beats_the_queue_argument(conn, ch):
@@ -308,7 +301,7 @@ def test_node_default_consumer_timeout(node_factory):
     ch.basic_publish("", q, b"slow")
     code, text, took = _held_until_closed(conn, q)
     assert code == 406 and "Timeout value used: 400 ms." in text and took >= 0.4
-    _wait_ready(ch, q, 1)
+    wait_count(ch, q, 1)
     # basic.get deliveries are timed too.
     getter = conn.channel()
     method, _p, _b = getter.basic_get(q, auto_ack=False)
@@ -317,7 +310,7 @@ def test_node_default_consumer_timeout(node_factory):
     while getter.is_open:
         assert time.monotonic() < deadline, "basic.get delivery was never timed out"
         conn.process_data_events(time_limit=0.05)
-    _wait_ready(ch, q, 1)
+    wait_count(ch, q, 1)
     # A consumer that turns it off for itself (x-consumer-timeout 0) keeps its channel.
     keeper = conn.channel()
     inbox = Inbox()

@@ -200,9 +200,11 @@ def test_dead_lettered_message_survives_restart_with_x_death(node):
     conn.close()
 
 
-def test_dead_letters_to_a_restarting_shard_are_sent_again_until_confirmed(node):
+def test_dead_letters_to_a_restarting_shard_are_sent_again_until_confirmed(node_factory):
     """Cross-shard dead letters carry peer confirms: the ones sent while the target shard is
     down or restarting (dropped there by epoch) are sent again once it is ready; none is lost."""
+    # --colocate off: the test's connection stays open while shard 1 is killed, on whichever frontend.
+    node = node_factory(name="node", frontends=2, shards=2, extra_args=["--colocate", "off"])
     conn = node.connect()
     ch = conn.channel()
     ch.confirm_delivery()

@@ -21,6 +21,9 @@ from broker.dedup import exchange_shard
 from tests.helpers import WAIT, uid
 from tests.test_feature_dlx import get_one_unacked, uid_on
 
+# Separate frontend and shard processes (--colocate off, tests/conftest.py): a SIGSTOPped or killed shard's frontend keeps serving the test's connection.
+COLOCATE = "off"
+
 
 def exchange_owned_by(shard: int, shards: int = 2) -> str:
     while True:

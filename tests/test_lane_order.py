@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 from broker.definitions import queue_shard
+from tests.harness import pumping, wait_until
 from tests.helpers import WAIT, same_shard_name, uid, wait_count
 
 # Queue names are picked per shard by their crc32 (tests/helpers.py): nodes place by name.
@@ -55,10 +55,8 @@ def test_ack_then_publish_on_one_channel_is_handled_in_that_order(node):
     acker.basic_consume(busy, lambda _ch, method, _p, _b: busy_tags.append(method.delivery_tag))
 
     def wait_for(predicate, what: str) -> None:
-        deadline = time.monotonic() + WAIT
-        while not predicate():
-            assert time.monotonic() < deadline, f"{what}: {got[-5:]}, {len(busy_tags)} busy deliveries"
-            conn.process_data_events(time_limit=0.02)
+        wait_until(predicate, WAIT, what, pause=pumping(conn),
+                   context=lambda: f"{got[-5:]}, {len(busy_tags)} busy deliveries")
 
     wait_for(lambda: len(busy_tags) == BACKLOG, "backlog delivered")
     high.basic_publish("", q, b"first")

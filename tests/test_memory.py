@@ -9,11 +9,10 @@ numbers for 1M and 10M messages are in docs/storage.md.
 
 from __future__ import annotations
 
-import time
-
 from broker.amqp import encoder, events
 from broker.definitions import queue_shard
 from loadtest.amqp_client import AMQPClient
+from tests.harness import wait_until
 
 PERSISTENT_RAW = b"\x10\x00\x02"  # property flags: delivery-mode only; delivery-mode 2
 # 180k more messages; with any per-message object (>= 32 bytes each) the heap would grow >= 5.5 MB.
@@ -63,10 +62,8 @@ class WindowedPublisher:
 
 
 def wait_count(client: AMQPClient, queue: str, n: int, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while (count := client.queue_declare(queue, passive=True)[1]) != n:
-        assert time.monotonic() < deadline, f"queue has {count} messages, expected {n}"
-        time.sleep(0.1)
+    wait_until(lambda: client.queue_declare(queue, passive=True)[1] == n, timeout, f"{queue} to hold {n} messages",
+               0.1, context=lambda: f"it has {client.queue_declare(queue, passive=True)[1]}")
 
 
 def test_shard_heap_does_not_grow_with_queue_length(node_factory):

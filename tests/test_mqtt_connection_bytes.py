@@ -14,7 +14,7 @@ import pika
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.harness import free_port
+from tests.harness import free_port, wait_until
 from tests.mgmt_api import Api
 
 pytestmark = pytest.mark.integration
@@ -55,11 +55,7 @@ def _prometheus_bytes(node) -> tuple[float, float]:
 
 
 def _wait(check, what: str):
-    deadline = time.monotonic() + WAIT
-    while not (got := check()):
-        assert time.monotonic() < deadline, f"never: {what}"
-        time.sleep(0.05)
-    return got
+    return wait_until(check, WAIT, what, 0.05)
 
 
 @pytest.mark.parametrize("transport", ["tcp", "websockets"])

@@ -15,6 +15,9 @@ from shard.synced_mark import NAME as SYNCED_MARK
 from tests.harness import wait_until
 from tests.helpers import uid, wait_count
 
+# Separate frontend and shard processes (--colocate off, tests/conftest.py): the frontend keeps listening while its shard is killed and restarted.
+COLOCATE = "off"
+
 PERSISTENT = pika.BasicProperties(delivery_mode=2)
 
 

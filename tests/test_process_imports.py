@@ -13,6 +13,9 @@ from pathlib import Path
 
 from tests.harness import free_port
 
+# Separate frontend and shard processes (--colocate off, tests/conftest.py): a frontend's imports (aiohttp with its first WebSocket) are checked apart from a shard's.
+COLOCATE = "off"
+
 # Directory names of packages a frontend or shard must not load at start (their compiled parts).
 HEAVY = ("/aiohttp/", "/multidict/", "/yarl/", "/frozenlist/", "/grpc/", "/google/protobuf/", "/prometheus_client/")
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from broker.mqtt import codec as M
 from broker.proxy_protocol import ProxyHeader, ProxyHeaderParser, ProxyProtocolError, encode_v1, encode_v2
-from tests.harness import free_port
+from tests.harness import free_port, wait_until
 from tests.raw_mqtt import RawMQTT
 
 
@@ -96,10 +96,7 @@ listen mqtt_v2
 
 
 def _wait_log(node, text: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while text not in node.log_text():
-        assert time.monotonic() < deadline, f"{text!r} not in the node log"
-        time.sleep(0.05)
+    wait_until(lambda: text in node.log_text(), timeout, f"{text!r} in the node log", 0.05)
 
 
 @pytest.mark.parametrize("listen", ["amqp_v1", "amqp_v2"])

@@ -19,6 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.helpers import uid
 from tests.raw_amqp import FrameClient
 
+# Separate frontend and shard processes (--colocate off, tests/conftest.py): the frontend keeps listening while its shard is killed and restarted.
+COLOCATE = "off"
+
 pytestmark = pytest.mark.integration
 
 PROPS = [C.Basic.Properties(), C.Basic.Properties(delivery_mode=2), C.Basic.Properties(headers={"a": 1}),

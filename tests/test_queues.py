@@ -17,6 +17,7 @@ from pamqp import frame as pframe
 from pamqp import header as pheader
 from pika.exceptions import ChannelClosedByBroker
 
+from tests.harness import wait_until
 from tests.helpers import WAIT, channel_error, uid
 from tests.raw_amqp import FrameClient
 
@@ -33,10 +34,7 @@ def exists(conn, name: str) -> bool:
 
 
 def wait_gone(conn, name: str) -> None:
-    deadline = time.monotonic() + WAIT
-    while exists(conn, name):
-        assert time.monotonic() < deadline, f"queue {name} still exists after {WAIT}s"
-        time.sleep(0.05)
+    wait_until(lambda: not exists(conn, name), WAIT, f"queue {name} to go", 0.05)
 
 
 def publish(ch, queue: str, n: int, persistent: bool = False) -> None:

@@ -13,13 +13,12 @@ import hashlib
 import os
 import struct
 import subprocess
-import time
 
 import pika
 import pika.exceptions
 import pytest
 
-from tests.harness import Node
+from tests.harness import Node, pumping, wait_until
 
 PERSISTENT = pika.BasicProperties(delivery_mode=2)
 TRANSIENT = pika.BasicProperties(delivery_mode=1)
@@ -84,10 +83,7 @@ def drain(node: Node, queue: str, limit: int = 100_000) -> list[bytes]:
 
 def wait_for(conn, predicate, timeout: float = 10.0) -> None:
     """Run pika's I/O loop until ``predicate()`` holds; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        conn.process_data_events(time_limit=0.05)
+    wait_until(predicate, timeout, "the condition", 0.05, pause=pumping(conn))
 
 
 def publish_confirmed(ch, exchange: str, key: str, bodies, props=PERSISTENT) -> None:

@@ -22,6 +22,9 @@ from pamqp.body import ContentBody
 from tests.raw_amqp import RawClient
 from tests.test_worker_crash import name_on_shard
 
+# Separate frontend and shard processes (--colocate off, tests/conftest.py): the connections on a crashed shard's frontend stay open.
+COLOCATE = "off"
+
 PERSISTENT = pika.BasicProperties(delivery_mode=2)
 
 

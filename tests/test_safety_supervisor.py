@@ -6,8 +6,11 @@ import os
 import signal
 import time
 
-from tests.harness import Node, pid_alive
+from tests.harness import Node, pid_alive, wait_until
 from tests.test_worker_crash import connect_retry, name_on_shard
+
+# Separate frontend and shard processes (--colocate off, tests/conftest.py): workers are found by their command line (shard.main) and killed one role at a time.
+COLOCATE = "off"
 
 
 def shard_children(node: Node, index: int) -> list[int]:
@@ -32,13 +35,9 @@ def shard_children(node: Node, index: int) -> list[int]:
 
 
 def wait_new_shard(node: Node, index: int, old: int, timeout: float = 20.0) -> int:
-    deadline = time.monotonic() + timeout
-    while True:
-        pids = [p for p in shard_children(node, index) if p != old and pid_alive(p)]
-        if pids:
-            return pids[0]
-        assert time.monotonic() < deadline, f"shard {index} not restarted after killing pid {old}\n{node.log_tail()}"
-        time.sleep(0.05)
+    pids = wait_until(lambda: [p for p in shard_children(node, index) if p != old and pid_alive(p)], timeout,
+                      f"shard {index} restarted after killing pid {old}", 0.05, context=node.log_tail)
+    return pids[0]
 
 
 def test_shard_restarted_even_when_pids_json_cannot_be_written(node_factory):

@@ -19,6 +19,7 @@ import pika
 import pytest
 
 from shard.queue import HELD_BUDGET, HELD_OVERHEAD
+from tests.harness import pumping, wait_until
 from tests.helpers import WAIT, uid
 from tests.mgmt_api import Api
 
@@ -29,10 +30,7 @@ def _segments(node, name: str) -> list[str]:
 
 
 def _wait(conn, predicate, what: str, timeout: float = WAIT) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        conn.process_data_events(time_limit=0.02)
+    wait_until(predicate, timeout, what, pause=pumping(conn))
 
 
 class Held:

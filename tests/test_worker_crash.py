@@ -19,6 +19,9 @@ from broker.definitions import queue_shard
 from loadtest.amqp_client import AMQPClient, AMQPClosed
 from tests.harness import Node, wait_until
 
+# Separate frontend and shard processes (--colocate off, tests/conftest.py): a killed shard's frontend keeps its connections (and a killed frontend's shard its queues).
+COLOCATE = "off"
+
 # Queue names are picked per shard by their crc32 (tests/helpers.py): nodes place by name.
 QUEUE_PLACEMENT = "hash"
 

@@ -63,11 +63,17 @@ def rss_bytes(pid: int) -> int:
 
 
 def node_processes(node: Any) -> list[tuple[str, int]]:
-    """(label, pid) of the node and its live workers."""
+    """(label, pid) of the node and its live worker processes (a pair's: "shard 0+frontend 0")."""
     procs = [("node", os.getpid())]
+    seen: dict[int, int] = {}
     for w in node.sup.workers:
         if w.proc is not None and w.proc.returncode is None:
-            procs.append((w.name, w.proc.pid))
+            at = seen.get(w.proc.pid)
+            if at is None:
+                seen[w.proc.pid] = len(procs)
+                procs.append((w.name, w.proc.pid))
+            else:  # a paired process (--colocate) runs two workers: one row, its memory counted once
+                procs[at] = (f"{procs[at][0]}+{w.name}", w.proc.pid)
     return procs
 
 
