@@ -4,7 +4,8 @@ the node-wide default (``--consumer-timeout``, RabbitMQ's ``consumer_timeout``).
 Why a scan and not a delivery time per message: the node default applies to
 every queue, and stamping each delivery would put every queue on the
 FeatureQueue path (a dict write per delivery and a dict delete per ack).
-Instead, every tick the shard walks the unacked maps it already has and
+Instead, every tick the shard walks the unacked maps it already has (of the queues its channels
+touched: ``ShardWorker.owned_queues``) and
 remembers, per message, the first tick that saw it unacked. A message is
 late once that stamp is older than its timeout. The plain deliver and ack
 loops do not change at all; the cost is O(unacked) per tick, and the tick
@@ -61,6 +62,9 @@ class TimeoutsShard(Protocol):
 
     def fence_check(self) -> None: ...
 
+    def owned_queues(self) -> list[Queue]:
+        """The queues where a channel may hold unacked messages, in the order of ``queues``."""
+
 
 class AckTimeouts:
     def __init__(self, shard: TimeoutsShard, default_ms: int) -> None:
@@ -110,7 +114,7 @@ class AckTimeouts:
         old_ages = self.ages
         ages: dict[int, dict[int, int]] = {}
         closed: set[tuple[bytes, int, int]] = set()
-        for q in shard.queues.values():
+        for q in shard.owned_queues():  # not every queue: 100,000 idle ones cost nothing here
             unacked = q.unacked
             if not unacked or q.deleted or q.__class__ is StreamQueue:
                 continue  # stream deliveries are never requeued; RabbitMQ has no consumer timeout there

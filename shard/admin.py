@@ -34,15 +34,17 @@ class AdminShard(Protocol):
 
     def mark_dirty(self, q: Queue) -> None: ...
 
-    def schedule_deliver_all(self) -> None: ...
-
 
 def admin_query(worker: AdminShard, op: str, args: dict) -> tuple[bool, Any]:
     if op == "publish":
         worker.publish(_NODE, [contract.PUBLISH, args["vhost"], list(args["queues"]), args.get("exchange", ""),
                                 args.get("routing_key", ""), bytes(args.get("props_raw") or b""),
                                 bytes(args.get("body") or b""), bool(args.get("persistent")), None, None, None])
-        worker.schedule_deliver_all()
+        # A delivery pass over the queues it went to, not over every queue of the shard.
+        for name in args["queues"]:
+            q = worker.queues.get((args["vhost"], name))
+            if q is not None:
+                worker.mark_dirty(q)
         return True, {}
     vhost, name = args["vhost"], args["queue"]
     q = worker.queues.get((vhost, name))
@@ -68,6 +70,5 @@ def admin_query(worker: AdminShard, op: str, args: dict) -> tuple[bool, Any]:
             held.append(msg_id)
     for msg_id in held:
         q.nack(msg_id, _NODE, 0, 0, True)
-    worker.mark_dirty(q)
-    worker.schedule_deliver_all()
+    worker.mark_dirty(q)  # what it put back goes to the queue's consumers (only this queue changed)
     return True, {"messages": got}

@@ -5,7 +5,11 @@ shard: it carries the channel-wide (``global``) prefetch and how many messages
 from this shard are unacked on it. A ``Consumer`` adds the per-consumer
 prefetch and the credit the frontend has granted (see contract.CREDIT_WINDOW).
 Unacked messages point at their owner (consumer or channel) so a channel
-close can find and requeue them without a per-message index elsewhere.
+close can find and requeue them without a per-message index elsewhere. Which
+queues to look in is the channel's ``queues``: every queue it consumed from or
+took a message from with basic.get (manual ack) since it opened, so a close,
+basic.recover or a frontend's death visits those queues only, not every queue
+of the shard (docs/architecture.md "Channel close").
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from broker import contract
 
 
 class ChannelRef:
-    __slots__ = ("fe", "conn_id", "channel", "global_prefetch", "unacked")
+    __slots__ = ("fe", "conn_id", "channel", "global_prefetch", "unacked", "queues")
 
     # basic.get deliveries have no consumer argument: the queue's or the node's timeout applies.
     timeout: int | None = None
@@ -25,6 +29,11 @@ class ChannelRef:
         self.channel = channel
         self.global_prefetch = 0
         self.unacked = 0
+        # qid -> None of every queue where this channel may have consumers or unacked messages: a
+        # superset (a cancelled consumer's queue stays until the close), never missing one. Added to
+        # on basic.consume and a manual-ack basic.get, not per delivery: a consumer's deliveries are
+        # all from its own queue, so the hot path keeps nothing here.
+        self.queues: dict[int, None] = {}
 
     @property
     def chan(self) -> ChannelRef:

@@ -93,6 +93,8 @@ class FeatureShard(Protocol):
 
     def mark_dirty(self, q: Queue) -> None: ...
 
+    def returns_changed(self, q: FeatureQueue) -> None: ...
+
     def request_node(self, op: str, args: dict) -> None: ...
 
     def dead_letter(self, q: FeatureQueue, reason: str, flags: int, exchange: str, routing_key: str,
@@ -119,6 +121,8 @@ class FeatureQueue(Queue):
                                         if store.holds(mid)}
         # What was last written: only compared and replaced, never changed in place, so shared when empty.
         self._returns_saved = dict(self.returns) if self.returns else _NO_RETURNS
+        if self.returns:
+            shard.returns_changed(self)  # a later ack changes them: the periodic sync looks at this queue
         self.delivered_at: dict[int, int] = {}  # msg_id -> delivery time (ms), oldest first
         self.last_used = now_ms()
         self._expire_requested = False
@@ -341,11 +345,14 @@ class FeatureQueue(Queue):
         self.returns = {k: v for k, v in self.returns.items() if k in unacked}
         return super().purge()
 
-    def save_returns(self) -> None:
-        """Write the delivery counts if they changed since the last write (periodic sync, stop)."""
+    def save_returns(self) -> bool:
+        """Write the delivery counts if they changed since the last write (periodic sync, stop).
+        Whether any are left, written or not (a later ack may change them: the periodic sync keeps
+        looking at this queue until none are)."""
         if self.returns != self._returns_saved and not self.deleted:
             delivery_counts.save(self.store.path, self.returns)
             self._returns_saved = dict(self.returns) if self.returns else _NO_RETURNS
+        return bool(self.returns or self._returns_saved)
 
     def _return(self, msg_id: int) -> None:
         if self.count_returns:
@@ -356,6 +363,7 @@ class FeatureQueue(Queue):
                 self._dead_by_id(msg_id, DELIVERY_LIMIT)
                 return
             self.returns[msg_id] = count
+            self.shard.returns_changed(self)  # for the periodic sync (save_returns)
         self.store.requeue(msg_id)
 
     # ----------------------------------------------------------------- consumers

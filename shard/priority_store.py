@@ -123,6 +123,11 @@ class PriorityStore(MarkerFiles):
         return False
 
     @property
+    def parts(self) -> tuple[QueueStore, ...]:
+        """The level stores (each notes itself for the periodic sync: shard/dirty_stores.py)."""
+        return self._all
+
+    @property
     def levels(self) -> list[int]:
         """Levels with a store, highest first."""
         return [p for p, _ in self._order]

@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from broker import write_observer
+from shard import dirty_stores
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +184,25 @@ class MarkerFiles:
 
     __slots__ = ()  # QueueStore has slots (100,000 queues): no instance dict from a base class
     path: str
-    _dir_dirty: bool
+    _dir_dirty_v: bool  # what _dir_dirty reads and writes (a slot in QueueStore)
+    _closed: bool
+
+    @property
+    def _dir_dirty(self) -> bool:
+        """Files created or removed since the last sync (the next one fsyncs the directory). Set in
+        many places, rarely: a property, so that each False -> True notes the store for the periodic
+        sync (shard/dirty_stores.py) wherever it is set."""
+        return self._dir_dirty_v
+
+    @_dir_dirty.setter
+    def _dir_dirty(self, value: bool) -> None:
+        if value and not self._dir_dirty_v:
+            dirty_stores.note(self)
+        self._dir_dirty_v = value
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def has_marker(self, name: str) -> bool:
         """Whether the empty marker file `name` exists in the directory."""
@@ -207,7 +226,6 @@ class SegmentDir(MarkerFiles):
     __slots__ = ()
     SEGMENT_KINDS: tuple[str, ...] = ()
     path: str
-    _dir_dirty: bool
     _syncing: int
     _deferred_close: list[int] | tuple[()]
     _dir_fd: int

@@ -21,7 +21,7 @@ import struct
 import threading
 
 from broker import write_observer
-from shard import record, synced_mark
+from shard import dirty_stores, record, synced_mark
 from shard.segment import (
     ACKS_MAGIC,
     DATA_START,
@@ -148,7 +148,7 @@ class QueueStore(SegmentDir):
     __slots__ = (
         "path", "fsync", "_segment_size", "_keep_transient", "_segs", "_requeued", "requeue_watch",
         "_ready", "_ready_bytes", "n_redelivered", "_closed", "_lock", "_wdirty", "_acks_dirty",
-        "_dir_dirty", "_sync_fds", "_ack_fds", "_ack_pending", "_syncing", "_deferred_close", "_synced",
+        "_dir_dirty_v", "_sync_fds", "_ack_fds", "_ack_pending", "_syncing", "_deferred_close", "_synced",
         "damaged_records", "damaged_acks", "_dir_fd", "_wseg", "_rseg", "_rpos", "_mark_fd", "_mark",
         "_redeliver_below", "_parents_synced",
     )
@@ -216,6 +216,8 @@ class QueueStore(SegmentDir):
             self._mark = self._redeliver_below = end
         else:
             self._mark = self._redeliver_below = min(self._read_mark(), end)  # the mark never moves back
+        if self.dirty:  # recovery repaired or rewrote something: the periodic sync makes it durable
+            dirty_stores.note(self)
 
     # ------------------------------------------------------------ counters
     @property
@@ -261,7 +263,9 @@ class QueueStore(SegmentDir):
             seg.transient += 1
         self._ready += 1
         self._ready_bytes += n
-        self._wdirty = True
+        if not self._wdirty:
+            self._wdirty = True
+            dirty_stores.note(self)  # once per sync, not per append (shard/dirty_stores.py)
         return seg.no << 32 | pos
 
     def shift(self) -> Message | None:
@@ -334,6 +338,7 @@ class QueueStore(SegmentDir):
             if pending is _NO_ACKS:
                 pending = self._ack_pending = {}
             pending[seg] = [pos]
+            dirty_stores.note(self)  # the first ack of this segment since flush_acks
         else:
             pend.append(pos)
         seg.live -= 1
@@ -600,7 +605,7 @@ class QueueStore(SegmentDir):
             self._segs[new.no] = new
             self._wseg = new
             self._wdirty = True
-            self._dir_dirty = True
+            self._dir_dirty = True  # notes the store (shard/segment_dir.py)
         if old.live == 0:
             self._drop(old)
         elif old is not self._rseg:
@@ -657,7 +662,9 @@ class QueueStore(SegmentDir):
                 if self._ack_pending is _NO_ACKS:
                     self._ack_pending = {}
                 self._ack_pending.setdefault(seg, []).extend(positions)
-        self._acks_dirty = True
+        if not self._acks_dirty:
+            self._acks_dirty = True
+            dirty_stores.note(self)
 
     def _read_mark(self) -> int:
         try:
@@ -694,7 +701,9 @@ class QueueStore(SegmentDir):
         if fd < 0:
             fd = self._open_acks(seg)
         _write_acks(seg, fd, encode_acks(positions))
-        self._acks_dirty = True
+        if not self._acks_dirty:
+            self._acks_dirty = True
+            dirty_stores.note(self)
         seg.live -= len(positions)
         if seg.live == 0 and seg.sealed:
             self._drop(seg)

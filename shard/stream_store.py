@@ -27,7 +27,7 @@ import time
 import zlib
 
 from broker import write_observer
-from shard import record, synced_mark
+from shard import dirty_stores, record, synced_mark
 from shard.segment import DATA_START, FORMAT_VERSION, VERSION_HEADER, Segment, open_write_segments
 from shard.segment_dir import SegmentDir
 
@@ -163,6 +163,8 @@ class StreamStore(SegmentDir):
         self._recover()
         self._load_tracked()
         self.enforce_retention()
+        if self.dirty:  # recovery repaired or rewrote something: the periodic sync makes it durable
+            dirty_stores.note(self)
 
     # ------------------------------------------------------------ counters
     @property
@@ -213,7 +215,9 @@ class StreamStore(SegmentDir):
         seg.body_bytes += len(body)
         self.count += 1
         self.bytes += total
-        self._wdirty = True
+        if not self._wdirty:
+            self._wdirty = True
+            dirty_stores.note(self)  # once per sync, not per append (shard/dirty_stores.py)
         return seg.first + seg.count - 1
 
     def _roll(self, total: int) -> StreamSegment:
@@ -445,7 +449,9 @@ class StreamStore(SegmentDir):
     def track(self, tag: str, next_offset: int) -> None:
         if self.tracked.get(tag) != next_offset:
             self.tracked[tag] = next_offset
-            self._tracked_changed = True
+            if not self._tracked_changed:
+                self._tracked_changed = True
+                dirty_stores.note(self)
 
     def flush_acks(self) -> None:
         """Snapshot changed tracked offsets for the next sync (loop thread; the worker calls this per turn).

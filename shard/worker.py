@@ -27,7 +27,7 @@ from broker.defs_fence import catch_up, control_delay_for_tests_s, open_fence
 from broker.fsync_beacon import FsyncBeacon, stall_for_tests
 from broker.policies import POLICY_OPS
 from broker.unixio import CONTROL_TURN_S, UnixDealer
-from shard import peer_answer_hold
+from shard import dirty_stores, peer_answer_hold, walk_check
 from shard.ack_timeouts import AckTimeouts
 from shard.admin import admin_query
 from shard.consumers import ChannelRef, Consumer
@@ -55,7 +55,6 @@ _TRIM_AFTER_LOAD_S = 2.0  # after the snapshot's queues are open: malloc_trim (s
 _CONTROL_LANE_SUFFIX = contract.CONTROL_LANE_SUFFIX
 
 _PERIODIC_SYNC_S = 1.0
-_SYNC_WALK_CHUNK = 2000  # queues looked at per loop turn by the periodic sync (~0.5 ms)
 _FLOW_BACKLOG = 8000  # ready messages before publishers are paced (4x the credit window of old)
 _FLOW_MAX_HOLD_S = 0.5
 _PACED_KINDS = frozenset((contract.PUBLISH, contract.DELAYED_PUBLISH, contract.DEDUP_PUBLISH,
@@ -108,12 +107,17 @@ class ShardWorker:
         # STATS as deltas: rows changed since the last report, read from the queues named in
         # _stats_touched (and those of each delivery pass): shard/stats.py.
         self.stats_reporter = StatsReporter(check=os.environ.get(STATS_CHECK_ENV) == "1")
+        dirty_stores.enable()  # before any store opens: the periodic sync visits the stores noted there
         self._stats_touched = self.stats_reporter.touched
         # Since when the running group sync runs, for the cluster leader's disk-stall check.
         self.fsync_beacon = FsyncBeacon(run_dir, index)
         self.by_qid: dict[int, Queue] = {}
         self._next_qid = 1
         self.channels: dict[tuple[bytes, int, int], ChannelRef] = {}
+        # (fe, conn_id) -> its channels here (keys of self.channels): a connection's close finds them
+        # without a walk of every channel. Each ChannelRef's .queues names the queues it touched.
+        self._conn_channels: dict[tuple[bytes, int], dict[int, None]] = {}
+        self._walk_check = os.environ.get(walk_check.WALK_CHECK_ENV) == "1"  # tests: shard/walk_check.py
         # (fe, conn_id, channel, tag) -> (queue, consumer): credit and cancel are frequent.
         self.consumers: dict[tuple[bytes, int, int, str], tuple[Queue, Consumer]] = {}
         self._dirty_queues: set[Queue] = set()
@@ -128,6 +132,9 @@ class ShardWorker:
         # The next group sync also fsyncs ack files and delivered marks (set by the periodic pass):
         # the rounds confirms wait for fsync only records, so a confirm never waits on acks.
         self._sync_acks = False
+        # Feature queues with delivery counts (x-delivery-limit, quorum) written or to write: the
+        # periodic sync saves their changes (FeatureQueue.save_returns).
+        self._returns_queues: set[FeatureQueue] = set()
         self._confirms: dict[tuple[bytes, int, int], list[int]] = {}
         self.stopped = asyncio.Event()
         self.stopping = False
@@ -587,7 +594,8 @@ class ShardWorker:
                     540, f"NOT_IMPLEMENTED - basic.get not supported by stream queues queue '{name}' in vhost "
                     f"'{vhost}'", 60, 70]])
                 return
-            msg = q.get(self._channel(fe, conn_id, channel), bool(no_ack))
+            chan = self._channel(fe, conn_id, channel)
+            msg = q.get(chan, bool(no_ack))
             q.store.flush_acks()  # the delivered mark, before get-ok leaves (a slow path anyway)
             self._stats_touched.add(q)
             if msg is not None:
@@ -596,19 +604,32 @@ class ShardWorker:
                     q.n_get_no_ack += 1
                 else:
                     q.n_get += 1
+                    chan.queues[q.qid] = None  # the channel's close requeues it from here
             self.data.put(fe, [contract.REPLY_DATA, req_id, True, {"message": msg}])
         elif kind == contract.QOS:
             _, conn_id, channel, prefetch = item
-            self._channel(fe, conn_id, channel).global_prefetch = int(prefetch)
-            self.schedule_deliver_all()
+            chan = self._channel(fe, conn_id, channel)
+            chan.global_prefetch = int(prefetch)
+            # Only this channel's consumers take more (or less) now: a pass over its queues, not every queue.
+            self._dirty_queues.update(self._queues_of((chan,)))
+            self._schedule_deliver()
         elif kind == contract.RECOVER:
             _, conn_id, channel = item
-            self._requeue_where(lambda o: o.fe == fe and o.conn_id == conn_id and o.channel == channel)
+            chan = self.channels.get((fe, conn_id, channel))
+            self._requeue_where(self._queues_of((chan,) if chan is not None else ()),
+                                lambda o: o.fe == fe and o.conn_id == conn_id and o.channel == channel)
         elif kind == contract.CHANNEL_CLOSED:
             _, conn_id, channel, req_id = item
-            self._drop_consumers(lambda c: c.fe == fe and c.conn_id == conn_id and c.channel == channel)
-            self._requeue_where(lambda o: o.fe == fe and o.conn_id == conn_id and o.channel == channel)
-            self.channels.pop((fe, conn_id, channel), None)
+            chan = self.channels.pop((fe, conn_id, channel), None)
+            chans = ()
+            if chan is not None:
+                chans = (chan,)
+                conn = self._conn_channels.get((fe, conn_id))
+                if conn is not None:
+                    conn.pop(channel, None)
+                    if not conn:
+                        del self._conn_channels[(fe, conn_id)]
+            self._release_channels(chans, lambda o: o.fe == fe and o.conn_id == conn_id and o.channel == channel)
             if req_id is not None:
                 # The client's channel.close waits for this. Answered on the lane it came from:
                 # that DEALER is connected for sure, while after a shard restart the publish lane's
@@ -616,10 +637,9 @@ class ShardWorker:
                 self.data.put(self._lane, [contract.REPLY_DATA, req_id, True, {}])
         elif kind == contract.CONNECTION_CLOSED:
             conn_id = item[1]
-            self._drop_consumers(lambda c: c.fe == fe and c.conn_id == conn_id)
-            self._requeue_where(lambda o: o.fe == fe and o.conn_id == conn_id)
-            for key in [k for k in self.channels if k[0] == fe and k[1] == conn_id]:
-                del self.channels[key]
+            channels = self.channels
+            chans = [channels.pop((fe, conn_id, ch)) for ch in self._conn_channels.pop((fe, conn_id), ())]
+            self._release_channels(chans, lambda o: o.fe == fe and o.conn_id == conn_id)
         elif kind == contract.QUEUE_INFO:
             _, req_id, vhost, name = item
             q = self.queues.get((vhost, name))
@@ -1200,6 +1220,7 @@ class ShardWorker:
         chan = self._channel(fe, conn_id, channel)
         consumer = Consumer(chan, tag, bool(no_ack), bool(exclusive), int(prefetch or 0), arguments or {})
         q.add_consumer(consumer)
+        chan.queues[q.qid] = None  # the channel's close looks here for it and its unacked messages
         self.consumers[(fe, conn_id, channel, tag)] = (q, consumer)
         if consumer.timeout:
             self.ack_timeouts.schedule()  # a shorter timeout than any before: scan more often
@@ -1212,10 +1233,45 @@ class ShardWorker:
         chan = self.channels.get(key)
         if chan is None:
             chan = self.channels[key] = ChannelRef(fe, conn_id, channel)
+            conn = self._conn_channels.get((fe, conn_id))
+            if conn is None:
+                self._conn_channels[(fe, conn_id)] = {channel: None}
+            else:
+                conn[channel] = None
         return chan
 
-    def _drop_consumers(self, match: Callable[[Consumer], bool]) -> None:
-        for q in list(self.queues.values()):
+    def _queues_of(self, chans: tuple | list) -> list[Queue]:
+        """The queues where these channels may have consumers or unacked messages (their ``queues``),
+        in the order of self.queues (ascending qid: a queue is added there when its qid is given out,
+        and a replaced one keeps both), so what a close does across queues (requeues, dead letters at a
+        delivery limit, auto-delete requests) comes in the order the walk of every queue had."""
+        by_qid = self.by_qid
+        qids: set[int] = set()
+        for chan in chans:
+            qids.update(chan.queues)
+        found = [q for q in map(by_qid.get, sorted(qids)) if q is not None]  # None: deleted since
+        return found
+
+    def owned_queues(self) -> list[Queue]:
+        """Every queue where a channel may hold unacked messages (the consumer-timeout scan's), in
+        the order of self.queues."""
+        queues = self._queues_of(list(self.channels.values()))
+        if self._walk_check:
+            walk_check.unacked_found(self, queues)
+        return queues
+
+    def _release_channels(self, chans: tuple | list, match: Callable) -> None:
+        """Channels gone (closed, their connection closed, their frontend dead): their consumers off
+        and their unacked messages requeued, in the queues they touched only. ``match`` picks their
+        consumers and owners (a channel's, a connection's or a frontend's)."""
+        queues = self._queues_of(chans)
+        if self._walk_check:
+            walk_check.owners_found(self, queues, match)
+        self._drop_consumers(queues, match)
+        self._requeue_where(queues, match)
+
+    def _drop_consumers(self, queues: list[Queue], match: Callable[[Consumer], bool]) -> None:
+        for q in queues:
             gone = [c for c in q.consumers if match(c)]
             for c in gone:
                 q.remove_consumer(c)
@@ -1224,8 +1280,8 @@ class ShardWorker:
                 self._dirty_queues.add(q)  # single active consumer: the next one may take over
                 self._maybe_auto_delete(q)
 
-    def _requeue_where(self, match: Callable) -> None:
-        for q in self.queues.values():
+    def _requeue_where(self, queues: list[Queue], match: Callable) -> None:
+        for q in queues:
             if q.unacked and q.requeue_owned(match):
                 self._dirty_queues.add(q)
         self._schedule_deliver()
@@ -1235,10 +1291,11 @@ class ShardWorker:
             self._request_node("queue.auto_delete", {"vhost": q.vhost, "queue": q.name})
 
     def _frontend_gone(self, fe: bytes) -> None:
-        self._drop_consumers(lambda c: c.fe == fe)
-        self._requeue_where(lambda o: o.fe == fe)
-        for key in [k for k in self.channels if k[0] == fe]:
-            del self.channels[key]
+        channels = self.channels
+        chans = [channels.pop(key) for key in [k for k in channels if k[0] == fe]]  # rare: a walk of channels
+        for key in [k for k in self._conn_channels if k[0] == fe]:
+            del self._conn_channels[key]
+        self._release_channels(chans, lambda o: o.fe == fe)
         self._confirms = {k: v for k, v in self._confirms.items() if k[0] != fe}
         self._fwd_held.pop(fe, None)
         for key in [k for k in self._ctl_seen if k[0] == fe]:
@@ -1377,7 +1434,7 @@ class ShardWorker:
         ordered = sorted(stores, key=self._sync_order)
         acks, self._sync_acks = self._sync_acks, False
         fut = self._sync_fut = self.loop.run_in_executor(None, _sync_all, ordered, acks, self._stall_as)
-        fut.add_done_callback(lambda f: self._sync_done(f, waiting, after, target, started))
+        fut.add_done_callback(lambda f: self._sync_done(f, waiting, after, target, started, ordered))
 
     def _sync_order(self, store: QueueStore) -> int:
         return 0 if store is self.dead_letters.store else 1  # the outbox first (sync_first)
@@ -1413,7 +1470,7 @@ class ShardWorker:
             self.data.put(fe, [kind, conn_id, channel, seqs])
 
     def _sync_done(self, fut: asyncio.Future, waiting: list, after: list, target: int = -1,
-                   started: float | None = None) -> None:
+                   started: float | None = None, stores: list | None = None) -> None:
         self._sync_running = False
         self.fsync_beacon.done()
         if started is not None:
@@ -1421,6 +1478,9 @@ class ShardWorker:
         exc = fut.exception()
         if exc is not None:
             log.error("shard %d: sync failed: %s", self.index, exc)
+            # The sync thread put the dirty flags back, out of sight of shard/dirty_stores.py.
+            for store in stores or ():
+                dirty_stores.note(store)
             for fe, conn_id, channel, seq in waiting:
                 self.data.put(fe, [contract.CONFIRM_NACK, conn_id, channel, [seq]])
         else:
@@ -1444,44 +1504,50 @@ class ShardWorker:
         self._start_sync()
 
     def _periodic_sync(self) -> None:
-        if not self.stopping:
-            # Acks and non-confirmed appends reach the disk within a second even when idle.
-            # The walk over every queue goes _SYNC_WALK_CHUNK queues per loop turn: with 30,000
-            # queues one walk took ~10 ms of the loop in one piece, once a second, and a publish on
-            # any queue of this shard waited behind it (docs/benchmarks.md "Paced deletes").
-            self._periodic_walk(list(self.queues.values()), 0)
+        """Acks and appends no confirm waits for reach the disk within a second, even when idle.
 
-    def _periodic_walk(self, queues: list, start: int) -> None:
+        Only the stores that became dirty since the last pass are visited (shard/dirty_stores.py),
+        and the queues with delivery counts to save: 100,000 idle queues cost nothing here, where
+        asking every store took ~14 ms of shard CPU per second (and a walk of 30,000 in one piece
+        stalled publishes on the shard: it went 2,000 queues per loop turn)."""
         if self.stopping:
             return
-        end = start + _SYNC_WALK_CHUNK
-        for q in queues[start:end]:
-            if q.deleted:  # deleted since the walk began: its store is closed
-                continue
-            store = q.store
+        visited = dirty_stores.take()
+        sync_stores = self._sync_stores
+        for store in visited:
+            if store.closed or not store.dirty:
+                continue  # deleted, or made durable since (a confirm's sync): leaves the set
+            if store.fsync:
+                sync_stores.add(store)
+            else:
+                # A non-durable queue: nothing to fsync (it is gone after a restart), only acks to
+                # write and sealed segments' fds to close, here on the loop.
+                store.flush_acks()
+                store.sync()
             if store.dirty:
-                if store.fsync:
-                    self._sync_stores.add(store)
-                else:
-                    # A non-durable queue: nothing to fsync (it is gone after a restart), only
-                    # acks to write and sealed segments' fds to close, here on the loop.
-                    store.flush_acks()
-                    store.sync()
-            if isinstance(q, FeatureQueue) and q.count_returns:
-                q.save_returns()
-        if end < len(queues):
-            self.loop.call_soon(self._periodic_walk, queues, end)
-            return
+                dirty_stores.note(store)  # until its sync has run: looked at again next time
+        returns = self._returns_queues
+        if returns:
+            for q in list(returns):
+                if q.deleted or not (q.save_returns() if q.count_returns else q.returns):
+                    returns.discard(q)
+        # Delayed-message and dead-letter stores note themselves too; these few are asked as well.
         for store in self.delayed.dirty_stores():
             if store.fsync:
-                self._sync_stores.add(store)
+                sync_stores.add(store)
             else:  # a non-durable delayed-message exchange's, as a non-durable queue's
                 store.flush_acks()
                 store.sync()
-        self._sync_stores.update(s for s in self.dead_letters.all_stores() if s.dirty)
+        sync_stores.update(s for s in self.dead_letters.all_stores() if s.dirty)
+        if self._walk_check and not self._sync_running:  # (a running sync changes dirty flags)
+            walk_check.dirty_found(self, {*visited, *sync_stores})
         self._sync_acks = True
         self._start_sync()
         self.loop.call_later(_PERIODIC_SYNC_S, self._periodic_sync)
+
+    def returns_changed(self, q: FeatureQueue) -> None:
+        """A queue's delivery counts changed (or were loaded): the periodic sync saves them."""
+        self._returns_queues.add(q)
 
     # ----------------------------------------------------------------- stop
     async def stop(self) -> None:
@@ -1560,6 +1626,7 @@ class ShardWorker:
         self.kv.close()
         self.data.close()
         self.node.close()
+        dirty_stores.disable()
         log.info("shard %d stopped", self.index)
         self.stopped.set()
 

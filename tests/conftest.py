@@ -38,13 +38,18 @@ def module_node_args(module) -> list[str]:
 
 def _stats_unreported(factory: NodeFactory) -> None:
     """Fail the test when a shard of one of its nodes logged a queue change its STATS reports missed
-    (shard/stats.py: the harness turns the check on in every node)."""
+    (shard/stats.py), or a queue its channel-close or periodic-sync index missed (shard/walk_check.py):
+    the harness turns both checks on in every node."""
     from shard.stats import STATS_CHECK_FAILED
+    from shard.walk_check import WALK_CHECK_FAILED
 
     for n in factory.nodes:
         lines = [line for line in n.log_text().splitlines() if STATS_CHECK_FAILED in line]
         if lines:
             pytest.fail(f"{n.log_path}: a shard's STATS missed a change:\n" + "\n".join(lines[:3]))
+        lines = [line for line in n.log_text().splitlines() if WALK_CHECK_FAILED in line]
+        if lines:
+            pytest.fail(f"{n.log_path}: a shard's index missed a queue:\n" + "\n".join(lines[:3]))
 
 
 @pytest.fixture

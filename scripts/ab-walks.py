@@ -1,0 +1,134 @@
+#!/usr/bin/env python3
+"""Shard CPU with many idle queues, and connection churn with a consumer, against source trees, alternating.
+
+    scripts/ab-walks.py TREE[,TREE...] [RUNS] [QUEUES] [IDLE_SECONDS] [CONNECTIONS]
+
+Each run starts a fresh node from a tree (its defaults), declares QUEUES durable queues
+(default 100,000; `shardmq-perf amqp queue-count --keep`), waits 5 s, then measures:
+
+- idle: every shard's CPU (user+system, /proc/PID/stat) over IDLE_SECONDS (default 30), in ms per
+  second: what the shard does with nothing to do (the periodic sync, timers);
+- churn: CONNECTIONS times (default 300) open a connection, a channel, basic.consume on one of the
+  queues (a different one each time), close the connection; the node's and each worker's CPU per
+  connection in µs. With many queues a channel's close used to walk every queue of its shard.
+
+The perf client runs from this script's tree. AB_NODE_ARGS: extra node arguments for every run.
+Quote `uptime` with the numbers: the machine is shared.
+"""
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import pika
+
+PY = sys.executable
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TICK_US = 1e6 / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu(pid: int) -> int:
+    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return int(f[11]) + int(f[12])
+
+
+def _name(pid: int) -> str:
+    argv = open(f"/proc/{pid}/cmdline").read().split("\0")
+    if "broker.cli" in argv:
+        return "node"
+    return argv[argv.index("-m") + 1].split(".")[0][:2] + argv[argv.index("--index") + 1]
+
+
+def _free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def run(tree: str, queues: int, idle_s: float, connections: int) -> None:
+    data = tempfile.mkdtemp(prefix="ab-walks-")
+    port = _free_port()
+    node = subprocess.Popen(
+        [PY, "-m", "broker.cli", "--data-dir", data, "--port", str(port), "--http-port", "0",
+         "--prometheus-port", "0", "--mqtt-port", "0", "--ws-port", "0",
+         *shlex.split(os.environ.get("AB_NODE_ARGS", ""))],
+        cwd=tree, env=dict(os.environ, PYTHONPATH=tree), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port)).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"{tree}: node did not listen") from None
+                time.sleep(0.1)
+        uri = f"amqp://guest:guest@127.0.0.1:{port}/"
+        time.sleep(0.5)
+        children = subprocess.run(["pgrep", "-P", str(node.pid)], capture_output=True, text=True).stdout.split()
+        pids = [node.pid, *map(int, children)]
+        before = {p: _cpu(p) for p in pids}
+        t0 = time.monotonic()
+        subprocess.run([PY, "-m", "loadtest.cli", "amqp", "queue-count", "--uri", uri, "--count", str(queues),
+                        "--durable", "--keep", "--queue", "w", "--time", "900", "--json"],
+                       env=dict(os.environ, PYTHONPATH=HERE), capture_output=True, text=True, check=True)
+        declared_s = time.monotonic() - t0
+        per_declare = {_name(p): (_cpu(p) - before[p]) * TICK_US / queues for p in pids}
+        time.sleep(5)
+        shards = [p for p in pids if _name(p).startswith("sh")]
+        load = open("/proc/loadavg").read().split()[0]
+        before = {p: _cpu(p) for p in shards}
+        t0 = time.monotonic()
+        time.sleep(idle_s)
+        took = time.monotonic() - t0
+        idle = {_name(p): (_cpu(p) - before[p]) * TICK_US / 1000 / took for p in shards}
+        params = pika.URLParameters(uri)
+        before = {p: _cpu(p) for p in pids}
+        t0 = time.monotonic()
+        for i in range(connections):
+            conn = pika.BlockingConnection(params)
+            ch = conn.channel()
+            ch.basic_consume(f"w-{(i * 7919) % queues}", lambda *_a: None)
+            conn.close()
+        churn_s = time.monotonic() - t0
+        per_conn = {_name(p): (_cpu(p) - before[p]) * TICK_US / connections for p in pids}
+        load2 = open("/proc/loadavg").read().split()[0]
+        print(f"{tree}: {queues} queues declared in {declared_s:.0f} s; load {load}/{load2}\n"
+              f"  declare CPU µs/queue: " + " ".join(f"{k}={v:.0f}" for k, v in sorted(per_declare.items()))
+              + f" (node total {sum(per_declare.values()):.0f})\n"
+              f"  idle shard CPU ms/s: " + " ".join(f"{k}={v:.2f}" for k, v in sorted(idle.items()))
+              + f" (sum {sum(idle.values()):.2f})\n"
+              f"  churn: {connections} conns in {churn_s:.1f} s; CPU µs/conn: "
+              + " ".join(f"{k}={v:.0f}" for k, v in sorted(per_conn.items()))
+              + f" (node total {sum(per_conn.values()):.0f})", flush=True)
+    finally:
+        node.terminate()
+        try:
+            node.wait(60)
+        except subprocess.TimeoutExpired:
+            node.kill()
+            node.wait()
+        shutil.rmtree(data, ignore_errors=True)
+
+
+def main() -> None:
+    if len(sys.argv) < 2:
+        raise SystemExit(__doc__)
+    trees = sys.argv[1].split(",")
+    runs = int(sys.argv[2]) if len(sys.argv) > 2 else 2
+    queues = int(sys.argv[3]) if len(sys.argv) > 3 else 100_000
+    idle_s = float(sys.argv[4]) if len(sys.argv) > 4 else 30.0
+    connections = int(sys.argv[5]) if len(sys.argv) > 5 else 300
+    for _ in range(runs):
+        for tree in trees:
+            run(tree, queues, idle_s, connections)
+
+
+if __name__ == "__main__":
+    main()
