@@ -91,7 +91,8 @@ import msgpack
 # 21: shard-to-shard forwards carry the sending shard's epoch as conn_id (was 0); the sender drops a
 # CONFIRM/CONFIRM_NACK whose conn_id is not its epoch (an answer meant for its earlier life). PEER_DONE's
 # optional phase field ([PEER_DONE, 2]: a cluster leader's shard has its final state acked).
-VERSION = 21
+# 22: a shard's STATS report may come in parts: every part but the last has "more": true (see STATS).
+VERSION = 22
 
 # --------------------------------------------------------------------------
 # Control plane: node <-> every worker (node.sock)
@@ -132,7 +133,11 @@ FORWARD = 5
 #   changed since the shard's previous report, and "removed" the queues gone since then, unless "full":
 #   then "queues" is every row and "removed" is []. The first report after a shard starts is full; when
 #   the node sees a seq that does not follow the last one, it sends QUERY "stats_full" and the next
-#   report is full. (A payload without "seq" is read as full.) Rows now also carry deliver_no_ack, get,
+#   report is full. (A payload without "seq" is read as full.) A shard sends a report of many rows in
+#   parts, one per loop turn (shard/stats.py PART_ROWS queues each): every part but the last is
+#   {"seq": n, "full": bool, "more": true, "queues": [...], "removed": [...]} with the seq and full of the
+#   report it belongs to; the last part is the whole payload above with that seq and the last rows. The
+#   node merges a part's rows at once; a full report's rows replace the old ones at its last part. Rows now also carry deliver_no_ack, get,
 #   get_no_ack, redelivered after acked, and "totals" the same seven counters (broker/node_stats.py).
 STATS = 6
 # REPL_STATUS: [REPL_STATUS, {follower: [connected, in_sync, lag_bytes, lag_seconds, last_ack_monotonic,

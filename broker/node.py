@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from broker import contract, cpus, data_sockets, gc_pause, heap_trim, stage_trace
+from broker import contract, cpus, data_sockets, gc_pause, heap_trim, stage_trace, turn_probe
 from broker.alarms import CHECK_INTERVAL_S, ResourceMonitor, parse_disk_limit, parse_memory_watermark
 from broker.amqp.errors import AMQPConnectionError, AMQPError
 from broker.config import Settings, cluster_secret
@@ -92,6 +92,8 @@ class Node:
         self.defs: Definitions | None = None
         # Queue deletions go at --delete-rate per second beyond a small burst (broker/delete_pacer.py).
         self.delete_pacer = DeletePacer(self.loop, settings.delete_rate)
+        # No full GC while definitions change in bulk (broker/gc_pause.py): ~1 s apart, 10-20 ms each.
+        self.bulk_changes = gc_pause.BulkChanges(self.loop)
         self.epochs: dict[int, int] = {}
         self.pairs = cpus.colocated_pairs(settings.colocate, settings.frontends, settings.shards, settings.cluster)
         self.sup = self._supervisor()
@@ -397,6 +399,7 @@ class Node:
         self.sup.stopping = True
         self.shard_watchdog.stop()
         log.info("node stopping")
+        self.bulk_changes.close()
         if self.cluster is not None:
             # From now on no ISR change reaches etcd: the in-sync followers stay electable.
             self.cluster.stopping = True
@@ -486,6 +489,7 @@ class Node:
         the origin would otherwise wait for them on its next input, until the REPLY), ``ack`` False
         for those that applied their snapshot; nobody waits for their APPLIED. Returns the workers
         still starting (SNAPSHOT sent, not applied): they answer APPLIED and are waited for."""
+        self.bulk_changes.note(len(ops))  # no full GC during a bulk (broker/gc_pause.py)
         if fenced:
             self.fence_word.raise_to(version)
             self._fence_flush = True
@@ -1151,6 +1155,7 @@ async def _main(settings: Settings) -> int:
     os.environ[data_sockets.ENV] = settings.ipc_transport
     node = Node(settings)
     loop = asyncio.get_running_loop()
+    turn_probe.install(loop, "node")  # debug aid, off unless SHARDMQ_TEST_TURN_PROBE
     # systemd Type=notify (deploy/systemd/): READY=1 when node.ready, STOPPING=1, WATCHDOG=1.
     sd = Notifier.from_env()
 

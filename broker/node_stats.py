@@ -89,6 +89,9 @@ class NodeStats:
         self._props = Interner()  # connections' client properties: one copy per distinct table
         self.received_at: dict[tuple[str, int], float] = {}
         self._queues: dict[tuple[str, str], list] = {}  # every shard's rows, merged
+        # Per shard, the report whose parts came and whose last part has not ("more", shard/stats.py):
+        # its seq, the rows before its parts changed them, and a full report's rows so far (else None).
+        self._parts: dict[int, tuple[Any, dict, dict | None]] = {}
 
     def update(self, role: str, index: int, payload: Any) -> bool:
         """Take a worker's report; True when a shard's deltas do not follow on from what we hold
@@ -98,6 +101,11 @@ class NodeStats:
         now = time.time()
         need_full = False
         if role == "shard":
+            if payload.get("more"):
+                # A part of a report the shard reads over several loop turns: its rows now, the
+                # report (totals, rates, seq) with its last part.
+                self._merge_part(index, payload)
+                return False
             if index in self.shards:
                 self.previous[index] = (self.received_at[(role, index)], self.shards[index])
             need_full = self._merge(index, payload)
@@ -112,6 +120,36 @@ class NodeStats:
         self.received_at[(role, index)] = now
         return need_full
 
+    def _merge_part(self, index: int, payload: dict) -> None:
+        """Apply a part of a shard's report (``"more"``: more parts of the same seq follow): a delta's
+        rows and removals go into the tables now; a full report's rows are gathered until its last
+        part, which drops every row none of its parts carried."""
+        seq = payload.get("seq")
+        part = self._parts.get(index)
+        if part is None or part[0] != seq:  # the report's first part (or a restarted shard's)
+            part = self._parts[index] = (seq, {}, {} if payload.get("full") else None)
+        before, fresh = part[1], part[2]
+        table = self.rows.setdefault(index, {})
+        merged = self._queues
+        n = 0
+        for row in payload.get("queues", ()):
+            key = (row[Q_VHOST], row[Q_NAME])
+            old = table.get(key)
+            if old is not None and key not in before and old != row:
+                before[key] = old
+            if fresh is not None:
+                fresh[key] = row
+            else:
+                table[key] = row
+            merged[key] = row
+            n += 1
+        if fresh is None:
+            for key in payload.get("removed", ()):
+                key = (key[0], key[1])
+                table.pop(key, None)
+                merged.pop(key, None)
+        self.rows_received[index] = self.rows_received.get(index, 0) + n
+
     def _merge(self, index: int, payload: dict) -> bool:
         """Apply a shard's rows: O(rows in the report), so idle queues cost nothing here."""
         merged = self._queues
@@ -120,8 +158,13 @@ class NodeStats:
         seq = payload.get("seq")
         full = bool(payload.get("full", True)) or seq is None  # no seq: an older shard, always full
         last = self.seq.get(index)
+        part = self._parts.pop(index, None)
+        if part is not None and part[0] != seq:
+            part = None  # parts of a report whose last part never came (the shard restarted)
+        if part is not None:
+            before = part[1]
         if full:
-            fresh: dict[tuple[str, str], list] = {}
+            fresh = part[2] if part is not None and part[2] is not None else {}
             for row in payload.get("queues", ()):
                 key = (row[Q_VHOST], row[Q_NAME])
                 fresh[key] = row
@@ -132,13 +175,13 @@ class NodeStats:
                 merged.pop(key, None)
             merged.update(fresh)
             self.rows[index] = fresh
-            self.rows_received[index] = self.rows_received.get(index, 0) + len(fresh)
+            self.rows_received[index] = self.rows_received.get(index, 0) + len(payload.get("queues", ()))
         else:
             n = 0
             for row in payload.get("queues", ()):
                 key = (row[Q_VHOST], row[Q_NAME])
                 old = table.get(key)
-                if old is not None:
+                if old is not None and key not in before:
                     before[key] = old
                 table[key] = row
                 merged[key] = row
@@ -209,6 +252,7 @@ class NodeStats:
             self.fe_rates.pop(index, None)
         if role == "shard":
             self.previous.pop(index, None)
+            self._parts.pop(index, None)
             for key in self.rows.pop(index, {}):
                 self._queues.pop(key, None)
             self.changed_prev.pop(index, None)

@@ -74,6 +74,7 @@ def run_workers(prog: str, label: str, argv: list[str] | None, loaders: list, be
     import argparse
     import asyncio
 
+    from broker import turn_probe
     from broker.logs import setup_logging
 
     parser = argparse.ArgumentParser(prog=prog)
@@ -91,6 +92,7 @@ def run_workers(prog: str, label: str, argv: list[str] | None, loaders: list, be
     async def serve() -> int:
         loop = asyncio.get_running_loop()
         workers = [(role, load()(args.index, args.run_dir, loop)) for role, load in loaders]
+        turn_probe.install(loop, f"{label}-{args.index}")  # debug aid, off unless SHARDMQ_TEST_TURN_PROBE
 
         async def stop_in_order() -> None:
             for _role, worker in workers:

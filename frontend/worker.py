@@ -54,6 +54,7 @@ class FrontendWorker:
         self.index = index
         self.run_dir = run_dir
         self.loop = loop
+        self.bulk_changes = gc_pause.BulkChanges(loop)
         self.ctx = ctx or zmq.Context.instance()
         self.ident = contract.worker_id("frontend", index)
         self.defs = Definitions()
@@ -298,6 +299,7 @@ class FrontendWorker:
                     # The version first: an op that fails to apply must not leave the fence waiting.
                     applied = self.defs_version = item[1]
                     defs = self.defs
+                    self.bulk_changes.note(len(item[2]))  # no full GC during a bulk (broker/gc_pause.py)
                     for op in item[2]:
                         defs.apply(op)
                     ack = ack or len(item) < 4 or item[3]

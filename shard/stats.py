@@ -69,6 +69,11 @@ _NO_DAMAGE = (0, 0)
 STATS_CHECK_ENV = "SHARDMQ_TEST_STATS_CHECK"
 STATS_CHECK_FAILED = "stats check failed"  # the log line's start (tests/conftest.py looks for it)
 _CHECK_MAX = 20_000
+# Queues read per part of a report: a part is one loop turn's work in the shard and one STATS item for
+# the node. 30,000 queues declared (or deleted) since the last report made one report 10-29 ms of the
+# shard's loop in one piece (docs/benchmarks.md "Worst gap while 30,000 queues are deleted"); a queue
+# costs 0.5-1.5 µs to read, so a part is under ~1 ms.
+PART_ROWS = 500
 
 
 def _row(q: Queue) -> tuple[tuple, tuple[int, int]]:
@@ -109,10 +114,15 @@ class StatsReporter:
     asks (QUERY "stats_full": it lost track, a seq gap), reads every queue and carries every row
     with "full": true. ``SHARDMQ_TEST_STATS_CHECK=1`` (tests) makes every report also read every
     queue and log an error naming any queue whose change was not reported (a change the shard did
-    not name)."""
+    not name).
+
+    The shard reads a report in parts (``begin``, then ``part`` once per loop turn until ``busy`` is
+    False), ``PART_ROWS`` queues each, and sends each part as its own STATS item: all but the last
+    marked ``"more"`` (broker/contract.py), so the node merges their rows at once and takes the
+    report's totals, and its rates, from the last part only."""
 
     __slots__ = ("sent", "seq", "full_next", "rows_sent", "touched", "_gone", "_totals", "_segments",
-                 "_segment_total", "_damaged", "check")
+                 "_segment_total", "_damaged", "check", "_work", "_work_gone", "_at", "_full", "_parts")
 
     def __init__(self, check: bool = False) -> None:
         self.sent: dict[tuple[str, str], tuple] = {}  # what the node holds, as of our last report
@@ -128,56 +138,107 @@ class StatsReporter:
         self._segment_total = 0
         self._damaged: dict[tuple[str, str], tuple[int, int]] = {}  # only queues with damage
         self.check = check
+        # The report being read in parts (begin, part): its queues, deleted keys, how far, full or not.
+        self._work: list[Queue] | None = None
+        self._work_gone: list[tuple[str, str]] = []
+        self._at = 0
+        self._full = False
+        self._parts = 0  # parts sent of it so far
 
     def gone(self, key: tuple[str, str]) -> None:
         """The queue ``key`` was deleted (a queue declared again under it is touched anew)."""
         self._gone.add(key)
 
     def report(self, worker: StatsShard, pending: set | frozenset = frozenset()) -> dict:
-        """The next STATS payload. ``pending``: queues marked for the next delivery pass (changed too)."""
-        queues = worker.queues
-        sent = self.sent
-        full = self.full_next
-        if full:
+        """The next STATS payload in one piece (the shard itself sends it in parts: ``begin``, ``part``)."""
+        self.begin(worker, pending)
+        return self.part(worker, budget=None)
+
+    @property
+    def busy(self) -> bool:
+        """A report begun and not all sent (``part`` has more to give)."""
+        return self._work is not None
+
+    def begin(self, worker: StatsShard, pending: set | frozenset = frozenset()) -> None:
+        """Start the next report: take the queues it reads (every queue for a full one; else those
+        touched, ``pending``: marked for the next delivery pass, and the deleted ones). ``part`` then
+        reads them a slice at a time; what changes meanwhile goes to the report after this one."""
+        self._full = self.full_next
+        if self._full:
             self._reset()
-            sent = self.sent
-            changed = []
-            for key, q in queues.items():
-                row, damage = _row(q)
-                changed.append((*key, *row))
-                self._put(key, row, damage, q)
-            removed: list = []
+            self._work = list(worker.queues.values())
+            self._work_gone = []
         else:
-            changed = []
-            removed = []
-            for key in self._gone:
-                if key not in queues and key in sent:
-                    self._drop(key)
-                    removed.append(list(key))
-            touched = self.touched
-            if pending:
-                touched = touched | pending
-            get = queues.get
-            for q in touched:
-                key = (q.vhost, q.name)
-                if get(key) is not q:
-                    continue  # deleted, or replaced by the object that is touched instead
-                row, damage = _row(q)
-                old = sent.get(key)
-                if old != row:
-                    changed.append((*key, *row))
-                    if old is not None:
-                        self._drop(key)
-                    self._put(key, row, damage, q)
-                else:  # its segments may have been written or removed all the same
-                    self._put_extras(key, damage, q)
+            self._work_gone = list(self._gone)
+            self._work = list(self.touched | pending if pending else self.touched)
         self.touched.clear()
         self._gone.clear()
         self.full_next = False
         self.seq += 1
+        self._at = 0
+
+    def abandon(self) -> None:
+        """Drop the report begun (a part failed): the caller sets ``full_next``."""
+        self._work = None
+        self._work_gone = []
+        self._parts = 0
+
+    def part(self, worker: StatsShard, budget: int | None = PART_ROWS,
+             pending: set | frozenset = frozenset()) -> dict:
+        """The next part of the report begun: at most ``budget`` queues read (None: all the rest).
+        All but the last part carry ``"more": True`` and only rows (broker/contract.py STATS);
+        the last one also the totals, after which ``busy`` is False. ``pending``: as for ``begin``,
+        now (the self-check leaves the queues changed since their part was read to the next report)."""
+        queues = worker.queues
+        sent = self.sent
+        changed: list = []
+        removed: list = []
+        n = 0
+        gone = self._work_gone
+        while gone and (budget is None or n < budget):
+            key = gone.pop()
+            n += 1
+            if key not in queues and key in sent:
+                self._drop(key)
+                removed.append(list(key))
+        work = self._work
+        assert work is not None, "part() without begin()"
+        at = self._at
+        end = len(work) if budget is None else min(len(work), at + max(0, budget - n))
+        get = queues.get
+        full = self._full
+        for i in range(at, end):
+            q = work[i]
+            key = (q.vhost, q.name)
+            if get(key) is not q:
+                continue  # deleted, or replaced by the object that is touched instead
+            row, damage = _row(q)
+            if full:
+                changed.append((*key, *row))
+                self._put(key, row, damage, q)
+                continue
+            old = sent.get(key)
+            if old != row:
+                changed.append((*key, *row))
+                if old is not None:
+                    self._drop(key)
+                self._put(key, row, damage, q)
+            else:  # its segments may have been written or removed all the same
+                self._put_extras(key, damage, q)
+        self._at = end
         self.rows_sent += len(changed)
+        if gone or end < len(work):
+            self._parts += 1
+            return {"seq": self.seq, "full": full, "more": True, "queues": changed, "removed": removed}
+        several = self._parts > 0
+        self._work = None
+        self._work_gone = []
+        self._parts = 0
         if self.check:
-            self._check(worker)
+            # A report read in several turns: what changed after its part was read is the next
+            # report's (touched again, pending or deleted), so the check takes those as sent.
+            later = {(q.vhost, q.name) for q in (self.touched | pending)} | self._gone if several else set()
+            self._check(worker, later)
         return {"seq": self.seq, "full": full, "queues": changed, "removed": removed, "rows_sent": self.rows_sent,
                 "totals": list(self._totals), "fsync": worker.sync_histogram.report(),
                 "segment_bytes": self._segment_total,
@@ -221,7 +282,7 @@ class StatsReporter:
         self._damaged.pop(key, None)
         self._segment_total -= self._segments.pop(key, 0)
 
-    def _check(self, worker: StatsShard) -> None:
+    def _check(self, worker: StatsShard, later: set | frozenset = frozenset()) -> None:
         """Tests: what a report of every queue would say against what the node was told (up to
         _CHECK_MAX queues: a test of 100,000 would spend the shard's time here)."""
         if len(worker.queues) > _CHECK_MAX:
@@ -230,13 +291,23 @@ class StatsReporter:
         totals = [0] * 7
         segments = 0
         for key, q in worker.queues.items():
-            row, _damage = _row(q)
-            if self.sent.get(key) != row:
-                wrong.append((key, self.sent.get(key), row))
+            if key in later:
+                row = self.sent.get(key, _IDLE)
+                segments += self._segments.get(key, 0)
+            else:
+                row, _damage = _row(q)
+                if self.sent.get(key) != row:
+                    wrong.append((key, self.sent.get(key), row))
+                segments += _segment_bytes(q.store)
             for i in range(7):
                 totals[i] += row[4 + i]
-            segments += _segment_bytes(q.store)
-        extra = [key for key in self.sent if key not in worker.queues]
+        for key in later:  # deleted after its part was read: still in what was sent
+            if key not in worker.queues and key in self.sent:
+                row = self.sent[key]
+                for i in range(7):
+                    totals[i] += row[4 + i]
+                segments += self._segments.get(key, 0)
+        extra = [key for key in self.sent if key not in worker.queues and key not in later]
         if wrong or extra or totals != self._totals or segments != self._segment_total:
             log.error(STATS_CHECK_FAILED + ": a change the shard did not report: rows %s, not removed %s, "
                       "totals %s (should be %s), segment bytes %d (should be %d)", wrong[:5], extra[:5],

@@ -252,3 +252,93 @@ def test_reporter_reads_only_the_touched_queues_and_its_check_names_a_missed_cha
     rep.touched.add(q5)
     rep.report(worker)
     assert reads == ["q5"]
+
+
+def _send_in_parts(rep, worker, st: NodeStats, index: int = 0, budget: int = 1000, between=None) -> list[dict]:
+    """One report as the shard sends it (begin, then a part per loop turn), each part given to the node."""
+    rep.begin(worker)
+    parts = []
+    while rep.busy:
+        parts.append(rep.part(worker, budget=budget))
+        assert st.update("shard", index, parts[-1]) is False
+        if between is not None and rep.busy:
+            between(parts)
+    return parts
+
+
+def test_a_report_of_many_queues_goes_in_parts_and_the_node_merges_them(caplog):
+    from shard.stats import StatsReporter
+
+    caplog.set_level("ERROR", logger="shardmq.shard")
+    worker = _worker(*(f"q{i:04d}" for i in range(2500)))
+    rep = StatsReporter(check=True)
+    st = NodeStats()
+    parts = _send_in_parts(rep, worker, st)
+    # 2,500 queues, 1,000 a part (the test asks for 1,000): three parts of one seq, only the last with totals and no "more"
+    assert [len(p["queues"]) for p in parts] == [1000, 1000, 500]
+    assert [p.get("more", False) for p in parts] == [True, True, False]
+    assert {p["seq"] for p in parts} == {1} and all(p["full"] for p in parts)
+    assert "totals" not in parts[0] and parts[-1]["rows_sent"] == 2500
+    assert len(st.queues()) == 2500 and st.seq[0] == 1
+    # Deltas in parts: 1,500 deleted, 1,000 published to; while the parts go out, a queue whose part was
+    # read changes again and another is deleted: the next report carries both, the check finds nothing.
+    for i in range(1500):
+        key = ("/", f"q{i:04d}")
+        del worker.queues[key]
+        rep.gone(key)
+    for i in range(1500, 2500):
+        q_ = worker.queues[("/", f"q{i:04d}")]
+        q_.messages, q_.n_published = 1, 1
+        rep.touched.add(q_)
+    late: list[str] = []
+
+    def meanwhile(parts: list[dict]) -> None:
+        if len(parts) == 2:  # parts 1 and 2 were read: one of their queues changes, another goes
+            name, gone_name = parts[1]["queues"][0][1], parts[1]["queues"][1][1]
+            late.append(name)
+            q_ = worker.queues[("/", name)]
+            q_.messages, q_.n_published = 7, 7
+            rep.touched.add(q_)
+            del worker.queues[("/", gone_name)]
+            rep.gone(("/", gone_name))
+            late.append(gone_name)
+
+    parts = _send_in_parts(rep, worker, st, between=meanwhile)
+    assert len(parts) == 3 and all(p["seq"] == 2 and not p["full"] for p in parts)
+    assert sum(len(p["removed"]) for p in parts) == 1500
+    assert sum(len(p["queues"]) for p in parts) == 1000
+    assert parts[-1]["totals"][0] == 1000
+    rows = st.queues()
+    assert len(rows) == 1000 and rows[("/", "q2000")][2] == 1
+    assert st.message_stats(rows[("/", late[0])])["publish"] == 1
+    last = rep.report(worker)  # small: one part, as before
+    assert "more" not in last and [r[1] for r in last["queues"]] == [late[0]]
+    assert last["removed"] == [["/", late[1]]] and last["totals"][0] == 1000 - 1 + 6
+    assert st.update("shard", 0, last) is False
+    assert len(st.queues()) == 999 and st.queues()[("/", late[0])][2] == 7
+    assert "stats check failed" not in caplog.text
+
+
+def test_a_full_report_in_parts_replaces_the_table_at_its_last_part_and_a_lost_last_part_asks_again():
+    from shard.stats import StatsReporter
+
+    worker = _worker(*(f"q{i:04d}" for i in range(2200)))
+    rep = StatsReporter()
+    st = NodeStats()
+    st.update("shard", 0, {"seq": 1, "full": True, "queues": [["/", "old", *([0] * 11)]], "removed": []})
+    rep.seq = 1
+    rep.full_next = True
+    seen = []
+    _send_in_parts(rep, worker, st, between=lambda parts: seen.append(("/", "old") in st.queues()))
+    assert seen == [True, True]  # a full report drops the rows it does not carry only at its end
+    assert ("/", "old") not in st.queues() and len(st.queues()) == 2200
+    # A shard that restarts in the middle of a report: its parts are dropped with it, its next report
+    # (full, seq 1) replaces the table.
+    rep2 = StatsReporter()
+    rep2.seq = 9
+    rep2.begin(worker)
+    st.update("shard", 0, rep2.part(worker, budget=1000))
+    fresh = StatsReporter()
+    del worker.queues[("/", "q0000")]
+    assert st.update("shard", 0, fresh.report(worker)) is False
+    assert len(st.queues()) == 2199 and ("/", "q0000") not in st.queues()

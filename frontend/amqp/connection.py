@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import platform
 import time
 from typing import TYPE_CHECKING, Any
@@ -82,6 +83,18 @@ DRAIN_TIMEOUT = 30.0
 # (frontend/mqtt/direct.py TURN_PACKETS). A few thousand small publishes a turn keep the batches
 # to the shards as large as they need to be.
 TURN_READ_BYTES = 256 << 10
+# A read's events are handled for about this long in one loop turn; the rest wait for the next turn,
+# in order, with the socket paused ("dispatch"). A client pipelining 500 queue.delete (or declares)
+# in one write made one turn of 4-8 ms in the frontend, in front of every other connection's
+# publishes and deliveries (docs/benchmarks.md "Worst gap while 30,000 queues are deleted"). Checked
+# every DISPATCH_CHECK events other than publishes and acks (the data path's turns stay as they were),
+# and only for reads of more events than that.
+DISPATCH_TURN_S = int(os.environ.get("SHARDMQ_TEST_DISPATCH_TURN_US") or 1000) / 1e6  # tests: 0 = defer always
+DISPATCH_CHECK = 8
+# A connection that has not published parses a big read this much at a time, a slice per loop turn
+# (the rest waits with the deferred events): parsing 500 pipelined queue.delete (15 KB) took 2-3 ms
+# of one turn. Publishers and consumers parse what they read at once (TURN_READ_BYTES bounds their turns).
+PARSE_SLICE = 4096
 
 _PUBLISH = E.Publish
 _PUBLISH_RUN = E.PublishRun
@@ -145,7 +158,7 @@ class AMQPConnection(asyncio.Protocol):
         "channels", "had_exclusive", "registered", "confirm_shards", "_out", "_dirty", "_confirm_channels", "_credit",
         "_taken", "_credit_seen", "_write_paused", "_read_pause", "publisher", "_close_after_flush", "_linger_after_flush", "_released",
         "wheel_tick", "_wheel", "_close_timer", "_received", "_wrote", "_missed", "_close_requested", "_open_pending",
-        "_generation", "_turn_read",
+        "_generation", "_turn_read", "_deferred", "_unparsed",
     )
 
     def __init__(self, worker: FrontendWorker) -> None:
@@ -200,6 +213,10 @@ class AMQPConnection(asyncio.Protocol):
         self._open_pending: list | None = None  # events that arrived while connection.open awaits the node
         self._generation = 0  # channel openings so far: the generation part of Channel.key
         self._turn_read = 0  # bytes read in this loop turn (TURN_READ_BYTES)
+        # Input read and not handled yet, in order: events (DISPATCH_TURN_S), then bytes not parsed yet
+        # (PARSE_SLICE). _deferred is not None whenever either waits; _dispatch_deferred is scheduled.
+        self._deferred: list | None = None
+        self._unparsed = b""
 
     # ------------------------------------------------------------- transport
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -233,17 +250,44 @@ class AMQPConnection(asyncio.Protocol):
             if self.state == CLOSING and _CLOSE_OK_FRAME in data:
                 self._close_transport()
             return
+        if self._deferred is not None:  # input read before still waits for its turn: this goes behind
+            self._unparsed += data
+            return
+        if len(data) > PARSE_SLICE and not self._data_path():
+            self._unparsed = data[PARSE_SLICE:]
+            data = data[:PARSE_SLICE]
+        self._feed(data)
+        if self._unparsed and self._deferred is None:
+            self._defer([])
+        if self.worker._early:
+            self.worker.send_early()
+
+    def _data_path(self) -> bool:
+        """A publisher's or a consumer's connection: what it sends (publishes, acks) is parsed at once."""
+        return self.publisher or any(ch.consumers for ch in self.channels.values())
+
+    def _feed(self, data: bytes) -> None:
         try:
             events = self.parser.feed(data)
         except Exception as exc:  # the parser is fuzzed never to raise; still never a crash
             self.internal_error(exc)
             return
         self._dispatch_all(events)
-        if self.worker._early:
-            self.worker.send_early()
+
+    def _defer(self, rest: list) -> None:
+        """Leave events (and any bytes not parsed) to the next loop turn, reading paused meanwhile."""
+        if self._deferred is None:
+            self._deferred = rest
+            self.pause_reading("dispatch")
+            self.worker.loop.call_soon(self._dispatch_deferred)
+        else:  # events older than those already waiting (connection.open's): first
+            self._deferred = rest + self._deferred
 
     def _dispatch_all(self, events: list) -> None:
         """Handle events in order; a connection error closes us, a bug is a 541, never a crash."""
+        if len(events) > DISPATCH_CHECK:
+            self._dispatch_budgeted(events)
+            return
         try:
             for ev in events:
                 try:
@@ -254,6 +298,65 @@ class AMQPConnection(asyncio.Protocol):
                     return
         except Exception as exc:
             self.internal_error(exc)
+
+    def _dispatch_budgeted(self, events: list) -> None:
+        """_dispatch_all for many events: those left after DISPATCH_TURN_S go to the next loop turn."""
+        deadline = time.perf_counter() + DISPATCH_TURN_S
+        n = len(events)
+        i = 0
+        counted = 0
+        try:
+            while i < n:
+                ev = events[i]
+                i += 1
+                try:
+                    self._dispatch(ev)
+                except AMQPConnectionError as exc:
+                    self.fail(exc.code, exc.text, exc.class_id, exc.method_id)
+                if self.state == CLOSED_STATE:
+                    return
+                cls = ev.__class__
+                if cls is _PUBLISH or cls is _PUBLISH_RUN or cls is _ACK:
+                    continue  # the data path keeps its turns (TURN_READ_BYTES bounds them)
+                counted += 1
+                if not counted % DISPATCH_CHECK and i < n and time.perf_counter() > deadline:
+                    self._defer(events[i:])
+                    return
+        except Exception as exc:
+            self.internal_error(exc)
+
+    def _dispatch_deferred(self) -> None:
+        """The next turn's share of the input read earlier: events (DISPATCH_TURN_S), then a slice of
+        the bytes not parsed yet (PARSE_SLICE)."""
+        events = self._deferred
+        self._deferred = None
+        if events is None or self.state == CLOSED_STATE:
+            return
+        worker = self.worker
+        if worker.fence[0] > worker.defs_version:  # as for any input (broker/defs_fence.py)
+            worker.catch_up_defs()
+        if not self._dirty:
+            self._dirty = True
+            worker.mark_dirty(self)
+        if events:
+            self._dispatch_all(events)
+        if self._deferred is None and self._unparsed and self.state != CLOSED_STATE:
+            data = self._unparsed
+            cut = len(data) if self._data_path() else PARSE_SLICE
+            self._unparsed = data[cut:]
+            data = data[:cut]
+            if self.parser.dead:  # as in data_received
+                self._unparsed = b""
+                if self.state == CLOSING and _CLOSE_OK_FRAME in data:
+                    self._close_transport()
+            else:
+                self._feed(data)
+            if self._unparsed and self._deferred is None:
+                self._defer([])
+        if self._deferred is None:
+            self.resume_reading("dispatch")
+        if worker._early:
+            worker.send_early()
 
     def eof_received(self) -> bool:
         return False  # close our side too
