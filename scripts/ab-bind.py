@@ -12,15 +12,12 @@ run (e.g. "--frontends 1 --shards 1").
 """
 import json
 import os
-import shlex
-import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 
-PY = sys.executable
+from ab_node import PY, process_name, start_node, stop_node
+
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -30,39 +27,13 @@ def _stat(pid: int) -> tuple[int, int, int]:
     return int(f[11]), int(f[12]), vol
 
 
-def _name(pid: int) -> str:
-    argv = open(f"/proc/{pid}/cmdline").read().split("\0")
-    if "broker.cli" in argv:
-        return "node"
-    return argv[argv.index("-m") + 1].split(".")[0][:2] + argv[argv.index("--index") + 1]
 
 
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def run(tree: str, seconds: float) -> None:
-    data = tempfile.mkdtemp(prefix="ab-bind-")
-    port = _free_port()
-    node = subprocess.Popen(
-        [PY, "-m", "broker.cli", "--data-dir", data, "--port", str(port), "--http-port", "0",
-         "--prometheus-port", "0", "--mqtt-port", "0", "--ws-port", "0",
-         *shlex.split(os.environ.get("AB_NODE_ARGS", ""))],
-        cwd=tree, env=dict(os.environ, PYTHONPATH=tree), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    node, port, data = start_node(tree, "ab-bind-")
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port)).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise SystemExit(f"{tree}: node did not listen") from None
-                time.sleep(0.1)
         time.sleep(0.5)
         children = subprocess.run(["pgrep", "-P", str(node.pid)], capture_output=True, text=True).stdout.split()
         pids = [node.pid, *map(int, children)]
@@ -81,13 +52,11 @@ def run(tree: str, seconds: float) -> None:
             user = (after[p][0] - before[p][0]) * tick_us / ops
             system = (after[p][1] - before[p][1]) * tick_us / ops
             total += user + system
-            roles.append(f"{_name(p)} {user:.0f}+{system:.0f}us {(after[p][2] - before[p][2]) / ops:.2f}w")
+            roles.append(f"{process_name(p)} {user:.0f}+{system:.0f}us {(after[p][2] - before[p][2]) / ops:.2f}w")
         print(f"{tree}  pairs/s {pairs / seconds:6.0f}  cpu/op {total:4.0f}us  load {load} | "
               + " | ".join(roles), flush=True)
     finally:
-        node.terminate()
-        node.wait()
-        shutil.rmtree(data, ignore_errors=True)
+        stop_node(node, data)
 
 
 def main() -> None:

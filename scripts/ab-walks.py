@@ -16,17 +16,13 @@ The perf client runs from this script's tree. AB_NODE_ARGS: extra node arguments
 Quote `uptime` with the numbers: the machine is shared.
 """
 import os
-import shlex
-import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 
 import pika
+from ab_node import PY, process_name, start_node, stop_node
 
-PY = sys.executable
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TICK_US = 1e6 / os.sysconf("SC_CLK_TCK")
 
@@ -36,39 +32,13 @@ def _cpu(pid: int) -> int:
     return int(f[11]) + int(f[12])
 
 
-def _name(pid: int) -> str:
-    argv = open(f"/proc/{pid}/cmdline").read().split("\0")
-    if "broker.cli" in argv:
-        return "node"
-    return argv[argv.index("-m") + 1].split(".")[0][:2] + argv[argv.index("--index") + 1]
 
 
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def run(tree: str, queues: int, idle_s: float, connections: int) -> None:
-    data = tempfile.mkdtemp(prefix="ab-walks-")
-    port = _free_port()
-    node = subprocess.Popen(
-        [PY, "-m", "broker.cli", "--data-dir", data, "--port", str(port), "--http-port", "0",
-         "--prometheus-port", "0", "--mqtt-port", "0", "--ws-port", "0",
-         *shlex.split(os.environ.get("AB_NODE_ARGS", ""))],
-        cwd=tree, env=dict(os.environ, PYTHONPATH=tree), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    node, port, data = start_node(tree, "ab-walks-")
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port)).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise SystemExit(f"{tree}: node did not listen") from None
-                time.sleep(0.1)
         uri = f"amqp://guest:guest@127.0.0.1:{port}/"
         time.sleep(0.5)
         children = subprocess.run(["pgrep", "-P", str(node.pid)], capture_output=True, text=True).stdout.split()
@@ -79,15 +49,15 @@ def run(tree: str, queues: int, idle_s: float, connections: int) -> None:
                         "--durable", "--keep", "--queue", "w", "--time", "900", "--json"],
                        env=dict(os.environ, PYTHONPATH=HERE), capture_output=True, text=True, check=True)
         declared_s = time.monotonic() - t0
-        per_declare = {_name(p): (_cpu(p) - before[p]) * TICK_US / queues for p in pids}
+        per_declare = {process_name(p): (_cpu(p) - before[p]) * TICK_US / queues for p in pids}
         time.sleep(5)
-        shards = [p for p in pids if _name(p).startswith("sh")]
+        shards = [p for p in pids if process_name(p).startswith("sh")]
         load = open("/proc/loadavg").read().split()[0]
         before = {p: _cpu(p) for p in shards}
         t0 = time.monotonic()
         time.sleep(idle_s)
         took = time.monotonic() - t0
-        idle = {_name(p): (_cpu(p) - before[p]) * TICK_US / 1000 / took for p in shards}
+        idle = {process_name(p): (_cpu(p) - before[p]) * TICK_US / 1000 / took for p in shards}
         params = pika.URLParameters(uri)
         before = {p: _cpu(p) for p in pids}
         t0 = time.monotonic()
@@ -97,7 +67,7 @@ def run(tree: str, queues: int, idle_s: float, connections: int) -> None:
             ch.basic_consume(f"w-{(i * 7919) % queues}", lambda *_a: None)
             conn.close()
         churn_s = time.monotonic() - t0
-        per_conn = {_name(p): (_cpu(p) - before[p]) * TICK_US / connections for p in pids}
+        per_conn = {process_name(p): (_cpu(p) - before[p]) * TICK_US / connections for p in pids}
         load2 = open("/proc/loadavg").read().split()[0]
         print(f"{tree}: {queues} queues declared in {declared_s:.0f} s; load {load}/{load2}\n"
               f"  declare CPU µs/queue: " + " ".join(f"{k}={v:.0f}" for k, v in sorted(per_declare.items()))
@@ -108,13 +78,7 @@ def run(tree: str, queues: int, idle_s: float, connections: int) -> None:
               + " ".join(f"{k}={v:.0f}" for k, v in sorted(per_conn.items()))
               + f" (node total {sum(per_conn.values()):.0f})", flush=True)
     finally:
-        node.terminate()
-        try:
-            node.wait(60)
-        except subprocess.TimeoutExpired:
-            node.kill()
-            node.wait()
-        shutil.rmtree(data, ignore_errors=True)
+        stop_node(node, data)
 
 
 def main() -> None:
