@@ -1250,12 +1250,12 @@ class ShardWorker:
         in the order of self.queues (ascending qid: a queue is added there when its qid is given out,
         and a replaced one keeps both), so what a close does across queues (requeues, dead letters at a
         delivery limit, auto-delete requests) comes in the order the walk of every queue had."""
-        by_qid = self.by_qid
-        qids: set[int] = set()
-        for chan in chans:
-            qids.update(chan.queues)
-        found = [q for q in map(by_qid.get, sorted(qids)) if q is not None]  # None: deleted since
-        return found
+        # Every live queue, as before the index: the full suite's test_fuzz (many garbage
+        # connections) once left an unacked message on a queue missing from a closed channel's
+        # index (the walk check logged it), and a close that misses a queue leaves its message stuck.
+        # Until that path is found, correctness wins over the close's cost with many queues.
+        del chans
+        return list(self.queues.values())
 
     def owned_queues(self) -> list[Queue]:
         """Every queue where a channel may hold unacked messages (the consumer-timeout scan's), in
