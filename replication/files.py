@@ -229,6 +229,20 @@ class FileWriter:
             os.pwrite(fd, data, offset)
         self._dirty_fds.add(rel)
 
+    def write_chunk(self, rel: str, offset: int, data: bytes, total: int) -> None:
+        """A chunk of a whole file sent by a full sync: written over what is there, the file cut to
+        ``total`` at its last chunk. Not truncated at its first: the follower's copy (a write segment
+        that grew, an acks file) is a prefix of the leader's but for an unacked tail, so until the
+        last chunk it holds the old bytes past the new ones, confirmed records among them. Emptied at
+        the first chunk, it lost them until the transfer ended, and for good if this follower was
+        promoted meanwhile (the leader gone while the ISR in etcd still listed it)."""
+        fd = self._fd(rel)
+        if data:
+            os.pwrite(fd, data, offset)
+        if offset + len(data) >= total:
+            os.ftruncate(fd, total)
+        self._dirty_fds.add(rel)
+
     def replace(self, rel: str, data: bytes) -> None:
         self.close_fd(rel)
         full = os.path.join(self.root, rel)

@@ -356,7 +356,7 @@ class StreamReceiver:
             if ev.total < 0:
                 w.delete(ev.path)
             else:
-                w.write_at(ev.path, ev.offset, ev.data, truncate=ev.offset == 0)
+                w.write_chunk(ev.path, ev.offset, ev.data, ev.total)
         elif isinstance(ev, p.SyncDone):
             self.sync_done = True
         elif isinstance(ev, p.Heartbeat):
