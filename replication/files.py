@@ -32,6 +32,16 @@ def is_store_dir(rel: str) -> bool:
     return False
 
 
+def store_dir_of(rel: str) -> str | None:
+    """The store directory ``rel`` (a relative, '/'-separated path) is in or is, or None."""
+    parts = rel.split("/")
+    n = 3 if parts[0] == "delayed" else 2
+    if len(parts) < n:
+        return None
+    d = "/".join(parts[:n])
+    return d if is_store_dir(d) else None
+
+
 def store_dirs(root: str) -> list[str]:
     """Queue and delay store directories present under ``root`` (relative paths)."""
     found = []
@@ -179,6 +189,8 @@ class FileWriter:
 
     def __init__(self, root: str) -> None:
         self.root = root
+        # Called with the path of every file opened for writing or replaced (not per write).
+        self.on_new_path: Callable[[str], None] | None = None
         self._fds: dict[str, int] = {}
         self._dirty_fds: set[str] = set()
         self._dirty_dirs: set[str] = set()
@@ -202,6 +214,8 @@ class FileWriter:
         if len(self._fds) >= self.MAX_FDS:
             self._evict()
         self._fds[rel] = fd
+        if self.on_new_path is not None:
+            self.on_new_path(rel)
         return fd
 
     def _evict(self) -> None:
@@ -215,6 +229,20 @@ class FileWriter:
             os.pwrite(fd, data, offset)
         self._dirty_fds.add(rel)
 
+    def write_chunk(self, rel: str, offset: int, data: bytes, total: int) -> None:
+        """A chunk of a whole file sent by a full sync: written over what is there, the file cut to
+        ``total`` at its last chunk. Not truncated at its first: the follower's copy (a write segment
+        that grew, an acks file) is a prefix of the leader's but for an unacked tail, so until the
+        last chunk it holds the old bytes past the new ones, confirmed records among them. Emptied at
+        the first chunk, it lost them until the transfer ended, and for good if this follower was
+        promoted meanwhile (the leader gone while the ISR in etcd still listed it)."""
+        fd = self._fd(rel)
+        if data:
+            os.pwrite(fd, data, offset)
+        if offset + len(data) >= total:
+            os.ftruncate(fd, total)
+        self._dirty_fds.add(rel)
+
     def replace(self, rel: str, data: bytes) -> None:
         self.close_fd(rel)
         full = os.path.join(self.root, rel)
@@ -226,6 +254,8 @@ class FileWriter:
             os.fdatasync(f.fileno())
         os.replace(tmp, full)
         self._dirty_dirs.add(os.path.dirname(full))
+        if self.on_new_path is not None:
+            self.on_new_path(rel)
 
     def delete(self, rel: str) -> None:
         full = os.path.join(self.root, rel)

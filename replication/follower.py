@@ -1,12 +1,20 @@
 """ReplicationFollower: keeps this node's data dir a copy of the leader's (see docs/cluster.md).
 
 One session = one connection per stream: the node stream first (its full sync decides which
-queue directories exist at all), then one per leader shard (``Welcome.streams``). If any stream
-ends (leader gone, CRC32 mismatch, ack timeout on the leader, nothing from the leader for the
-heartbeat timeout: a hung, stopped or unreachable leader), the whole session is dropped and
-started again after a short pause: the next full sync sends only the files whose size or CRC32
-differ and deletes what the leader no longer has, so a corrupted file is replaced rather than
-patched and acked messages never come back.
+queue directories exist at all), then one per leader shard (``Welcome.streams``). If the node
+stream ends (leader gone, CRC32 mismatch, ack timeout on the leader, nothing from the leader for
+the heartbeat timeout: a hung, stopped or unreachable leader), or the leader turns out to be
+another one, the whole session is dropped and started again after a short pause: the next full
+sync sends only the files whose size or CRC32 differ and deletes what the leader no longer has,
+so a corrupted file is replaced rather than patched and acked messages never come back.
+
+A shard stream that ends alone (that leader shard was killed and restarts, a CRC32 mismatch on
+it, its own ack or heartbeat timeout) is reconnected alone: the other streams go on, and only that
+stream's full sync runs again (its file list covers every directory the restarted shard has; a
+store directory this follower got from that stream and the leader no longer lists is deleted, see
+:class:`StoreDirOwners`). Until it is in sync again the leader counts this follower out of sync
+(a follower is in sync when every stream is), so it leaves the ISR as before: a confirm on that
+shard never counts on a copy it did not get.
 """
 
 from __future__ import annotations
@@ -17,12 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from replication import protocol as p
-from replication.files import CrcCache
+from replication.files import CrcCache, store_dir_of
 from replication.receiver import (
     FILE_LIST_TIMEOUT_S,
     AuthFailed,
     FileListTimeout,
     HeartbeatTimeout,
+    LeaderChanged,
     StreamReceiver,
 )
 
@@ -30,6 +39,49 @@ log = logging.getLogger("shardmq.replication")
 
 RETRY_S = 0.5
 AUTH_RETRY_S = 5.0
+
+
+class StoreDirOwners:
+    """Which shard stream each store directory of this data dir came from.
+
+    A shard stream that reconnects alone gets a file list of the directories that shard has now; its
+    full sync deletes the files of those it does not list, but a directory the shard deleted while
+    its stream was down (a queue deleted as the restarted shard came up) is in no list at all. The
+    whole-session resync found those through the node stream's list of every store directory; a
+    stream resyncing alone finds them here: a directory it owned that its new list leaves out is
+    deleted, unless another stream wrote to it since (a queue deleted and declared again on another
+    shard: that stream's files are the current ones).
+
+    Updated on the event loop only: at a file list, when a stream's writer opens or replaces a file
+    (not per write: an open file is written without a look-up) and when a stream deletes a directory.
+    """
+
+    def __init__(self) -> None:
+        self._owner: dict[str, str] = {}
+
+    def listed(self, stream: str, dirs: list[str]) -> list[str]:
+        """``stream``'s new file list names ``dirs``: the directories it owned and no longer lists
+        (to delete); from now on it owns the listed ones."""
+        listed = set(dirs)
+        stale = [d for d, s in self._owner.items() if s == stream and d not in listed]
+        for d in stale:
+            del self._owner[d]
+        for d in dirs:
+            if store_dir_of(d) == d:
+                self._owner[d] = stream
+        return stale
+
+    def wrote(self, stream: str, rel: str) -> None:
+        d = store_dir_of(rel)
+        if d is not None:
+            self._owner[d] = stream
+
+    def deleted(self, stream: str, rel: str) -> None:
+        if self._owner.get(rel) == stream:
+            del self._owner[rel]
+
+    def owner(self, rel: str) -> str | None:
+        return self._owner.get(rel)
 
 
 class ReplicationFollower:
@@ -45,11 +97,15 @@ class ReplicationFollower:
         self.heartbeat = float(getattr(config, "replication_heartbeat", 0) or 0)
         self.heartbeat_timeout = float(getattr(config, "replication_heartbeat_timeout", 0) or 0)
         self._task: asyncio.Task | None = None
-        self._receivers: list[StreamReceiver] = []
+        # The current receiver of each stream of the session, the node's first.
+        self._receivers: dict[str, StreamReceiver] = {}
         # One per stream (their full syncs hash in parallel threads); they survive sessions, so
         # unchanged files are not hashed again.
         self._crcs: dict[str, CrcCache] = {}
+        self.owners = StoreDirOwners()
         self.sessions = 0
+        self.connections: dict[str, int] = {}  # per stream: connections opened (every session)
+        self.stream_restarts = 0  # shard streams reconnected alone, the session going on
         self.file_list_timeouts = 0
         self.heartbeat_timeouts = 0
         self.last_error = ""
@@ -59,8 +115,7 @@ class ReplicationFollower:
 
     async def stop(self) -> None:
         """Stop replicating. Everything applied is made durable; the data dir is what the leader had
-        at some point (plus at most a torn tail that the normal recovery cuts), so a promotion can
-        start from it."""
+        at some point (plus at most a torn tail that recovery cuts), so a promotion can start from it."""
         if self._task is not None:
             self._task.cancel()
             try:
@@ -68,20 +123,24 @@ class ReplicationFollower:
             except (asyncio.CancelledError, Exception):
                 pass
             self._task = None
-        self._receivers = []
+        self._receivers = {}
 
     def status(self) -> dict:
         recs = self._receivers
-        connected = bool(recs) and recs[0].streams != []
-        in_sync = connected and len(recs) == len(recs[0].streams) and all(r.synced for r in recs)
+        node = recs.get("node")
+        connected = node is not None and node.streams != []
+        in_sync = (connected and all(s in recs for s in node.streams)
+                   and all(r.synced for r in recs.values()))
         return {
             "connected": connected,
             "in_sync": in_sync,
-            "lag_bytes": sum(r.position - r.acked for r in recs),  # received but not yet durable
+            "lag_bytes": sum(r.position - r.acked for r in recs.values()),  # received but not yet durable
             "leader": f"{self.leader_host}:{self.leader_port}",
             "streams": {r.stream: {"synced": r.synced, "position": r.position, "acked": r.acked,
-                                   "heartbeats": r.heartbeats} for r in recs},
+                                   "heartbeats": r.heartbeats, "connections": self.connections.get(r.stream, 0)}
+                        for r in recs.values()},
             "sessions": self.sessions,
+            "stream_restarts": self.stream_restarts,
             "file_list_timeouts": self.file_list_timeouts,
             "heartbeat_timeouts": self.heartbeat_timeouts,
             "last_error": self.last_error,
@@ -102,33 +161,57 @@ class ReplicationFollower:
                 log.error("replication: authentication with %s:%d failed: %s", self.leader_host,
                           self.leader_port, exc)
                 delay = AUTH_RETRY_S
-            except FileListTimeout as exc:
-                self.last_error = str(exc)
-                self.file_list_timeouts += 1
-                log.warning("replication: %s; dropping the session and reconnecting", exc)
-            except HeartbeatTimeout as exc:
-                self.last_error = str(exc)
-                self.heartbeat_timeouts += 1
-                log.warning("replication: %s; dropping the session and reconnecting", exc)
-            except (OSError, p.ProtocolError) as exc:
-                self.last_error = f"{type(exc).__name__}: {exc}"
-                log.warning("replication: session with %s:%d ended: %s; resyncing", self.leader_host,
-                            self.leader_port, self.last_error)
             except Exception as exc:
-                self.last_error = f"{type(exc).__name__}: {exc}"
-                log.exception("replication: session with %s:%d failed; resyncing", self.leader_host,
-                              self.leader_port)
-            self._receivers = []
+                if not self._note_end(exc, "session", "dropping the session and reconnecting"):
+                    log.exception("replication: session with %s:%d failed; resyncing", self.leader_host,
+                                  self.leader_port)
+            self._receivers = {}
             await asyncio.sleep(delay)
 
-    def _receiver(self, stream: str) -> StreamReceiver:
-        return StreamReceiver(self.data_dir, self.secret, self.node_name, stream, self._crc_cache(stream),
-                              self.file_list_timeout, self.heartbeat, self.heartbeat_timeout)
+    def _note_end(self, exc: BaseException, what: str, then: str) -> bool:
+        """Count and log why a stream (or the session: ``what``) ended; False for an unexpected error
+        (the caller logs it with its traceback)."""
+        self.last_error = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, FileListTimeout):
+            self.last_error = str(exc)
+            self.file_list_timeouts += 1
+            log.warning("replication: %s; %s", exc, then)
+        elif isinstance(exc, HeartbeatTimeout):
+            self.last_error = str(exc)
+            self.heartbeat_timeouts += 1
+            log.warning("replication: %s; %s", exc, then)
+        elif isinstance(exc, (OSError, p.ProtocolError, LeaderChanged)):
+            log.warning("replication: %s with %s:%d ended: %s; %s", what, self.leader_host,
+                        self.leader_port, self.last_error, then)
+        else:
+            return False
+        return True
+
+    def _receiver(self, stream: str, expect_leader: str = "", expect_streams: list[str] | None = None,
+                  ) -> StreamReceiver:
+        self.connections[stream] = self.connections.get(stream, 0) + 1
+        owners = self.owners
+        rec = StreamReceiver(self.data_dir, self.secret, self.node_name, stream, self._crc_cache(stream),
+                             self.file_list_timeout, self.heartbeat, self.heartbeat_timeout,
+                             expect_leader=expect_leader, expect_streams=expect_streams,
+                             on_file_list=None if stream == "node" else self._on_file_list)
+        if stream != "node":
+            rec.writer.on_new_path = lambda rel: owners.wrote(stream, rel)
+            rec.on_delete = lambda rel: owners.deleted(stream, rel)
+        self._receivers[stream] = rec
+        return rec
+
+    def _on_file_list(self, rec: StreamReceiver, listing: p.FileList) -> None:
+        """A shard stream's file list (on the loop, before its comparison runs in a thread): delete
+        the store directories that stream gave us and the leader's shard no longer has."""
+        for d in self.owners.listed(rec.stream, listing.dirs):
+            log.info("replication %s: deleting %s: no longer on the leader", rec.stream, d)
+            rec.writer.delete(d)
 
     async def _session(self) -> None:
         self.sessions += 1
+        self._receivers = {}
         node = self._receiver("node")
-        self._receivers = [node]
         tasks: list[asyncio.Task] = []
         loop = asyncio.get_running_loop()
         try:
@@ -140,16 +223,34 @@ class ReplicationFollower:
                 tasks[0].result()  # raises why it ended
                 raise ConnectionError("node stream ended")
             for stream in node.streams:
-                if stream == "node":
-                    continue
-                rec = self._receiver(stream)
-                self._receivers.append(rec)
-                tasks.append(loop.create_task(rec.run(self.leader_host, self.leader_port)))
+                if stream != "node":
+                    tasks.append(loop.create_task(self._shard_stream(stream, node.leader, node.streams)))
+            # Ends when the node stream ends or a shard stream meets another leader (or its secret
+            # is refused); a shard stream that just ends is reconnected by _shard_stream.
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for t in done:
                 t.result()
-            raise ConnectionError("a stream ended")
+            raise ConnectionError("the node stream ended")
         finally:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _shard_stream(self, stream: str, leader: str, streams: list[str]) -> None:
+        """Run one shard stream for the session, reconnecting it alone whenever it ends. Raises (ending
+        the session) when the leader refuses us or is not the one the node stream follows."""
+        first = True
+        while True:
+            if not first:
+                self.stream_restarts += 1
+            first = False
+            rec = self._receiver(stream, leader, streams)
+            try:
+                await rec.run(self.leader_host, self.leader_port)
+            except (asyncio.CancelledError, AuthFailed, LeaderChanged):
+                raise
+            except Exception as exc:
+                if not self._note_end(exc, f"stream {stream}", "reconnecting that stream alone"):
+                    self.last_error = f"{type(exc).__name__}: {exc}"
+                    log.exception("replication %s: stream failed; reconnecting it alone", stream)
+            await asyncio.sleep(RETRY_S)

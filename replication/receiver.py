@@ -46,6 +46,11 @@ class FileListTimeout(TimeoutError):
     shard): the follower drops the session and reconnects."""
 
 
+class LeaderChanged(Exception):
+    """A shard stream reconnected alone reached another leader (or one with other streams) than the
+    session's node stream: the follower drops the whole session."""
+
+
 class HeartbeatTimeout(TimeoutError):
     """Nothing arrived from the leader on a stream for the heartbeat timeout (a hung, stopped or
     unreachable leader): the follower drops the session and reconnects."""
@@ -82,8 +87,15 @@ class _Conn(asyncio.BufferedProtocol):
 class StreamReceiver:
     def __init__(self, root: str, secret: bytes, name: str, stream: str, crcs: CrcCache,
                  file_list_timeout: float = FILE_LIST_TIMEOUT_S, heartbeat: float = 0.0,
-                 heartbeat_timeout: float = 0.0) -> None:
+                 heartbeat_timeout: float = 0.0, *, expect_leader: str = "",
+                 expect_streams: list[str] | None = None,
+                 on_file_list: Callable[[StreamReceiver, p.FileList], None] | None = None) -> None:
         self.root = os.path.abspath(root)
+        # A shard stream of a running session: the leader and streams its node stream welcomed.
+        self.expect_leader = expect_leader
+        self.expect_streams = expect_streams
+        self.on_file_list = on_file_list  # on the loop, before the list is compared
+        self.on_delete: Callable[[str], None] | None = None  # a DELETE action applied (its path)
         self.file_list_timeout = file_list_timeout
         self.heartbeat = heartbeat  # ours, announced in HELLO (0: off)
         self.heartbeat_timeout = heartbeat_timeout
@@ -215,6 +227,9 @@ class StreamReceiver:
             raise AuthFailed(f"leader refused: {ev.reason}")
         if not isinstance(ev, p.Welcome):
             raise AuthFailed(f"unexpected handshake answer {type(ev).__name__}")
+        if self.expect_leader and (ev.leader != self.expect_leader or ev.streams != self.expect_streams):
+            raise LeaderChanged(f"stream {self.stream} reached leader {ev.leader} (streams {ev.streams}), "
+                                f"the session follows {self.expect_leader} (streams {self.expect_streams})")
         self.streams = ev.streams
         self.leader = ev.leader
 
@@ -252,6 +267,8 @@ class StreamReceiver:
         if self.heartbeat > 0 and self.leader_heartbeat > 0:
             self._last_sent = self._last_heard = self._last_tick = loop.time()
             self._tick = loop.call_later(self.heartbeat / 2, self._on_tick)
+        if self.on_file_list is not None:
+            self.on_file_list(self, ev)
         wanted = await loop.run_in_executor(None, self._compare, ev)
         self._writer_w.write(p.encode_file_request(wanted))
         self._sent = True
@@ -333,11 +350,13 @@ class StreamReceiver:
         elif isinstance(ev, p.Delete):
             w.delete(ev.path)
             self.position += ev.size
+            if self.on_delete is not None:
+                self.on_delete(ev.path)
         elif isinstance(ev, p.FileData):
             if ev.total < 0:
                 w.delete(ev.path)
             else:
-                w.write_at(ev.path, ev.offset, ev.data, truncate=ev.offset == 0)
+                w.write_chunk(ev.path, ev.offset, ev.data, ev.total)
         elif isinstance(ev, p.SyncDone):
             self.sync_done = True
         elif isinstance(ev, p.Heartbeat):

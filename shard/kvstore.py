@@ -45,23 +45,27 @@ class KVStore:
         self.items: dict[str, Any] = {}
         self.records = 0
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        existed = os.path.exists(path)
-        good = self._load()
+        good, data = self._load()
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        if not existed and write_observer.current is not None:
-            # A store opened only to read (is_marked, an UNMARK of nothing) creates an empty log:
-            # followers must have it too, or the data dirs differ (nothing is appended to announce it).
-            write_observer.current.replace(path, b"")
+        if write_observer.current is not None:
+            # The followers get the log as it is now: a store opened only to read (is_marked, an
+            # UNMARK of nothing) creates an empty log, which nothing appended would announce; and a
+            # shard restarted after a crash may open a log whose last records its dead predecessor
+            # wrote and never got acked: a follower that has a shorter copy would get the next
+            # appends after a hole (read back as a torn record: the records after it lost). Once
+            # per store and shard life; the stream's file list covers the stores open when it starts.
+            write_observer.current.replace(path, data[:good])
         if os.fstat(self.fd).st_size != good:
             os.ftruncate(self.fd, good)  # a torn tail from a crash
         os.lseek(self.fd, good, os.SEEK_SET)
 
-    def _load(self) -> int:
+    def _load(self) -> tuple[int, bytes]:
+        """The size of the valid records (what follows is a torn tail) and the file's bytes."""
         try:
             with open(self.path, "rb") as fh:
                 data = fh.read()
         except FileNotFoundError:
-            return 0
+            return 0, b""
         pos = 0
         n = len(data)
         while pos + 8 <= n:
@@ -80,7 +84,7 @@ class KVStore:
                 self.items[key] = value
             self.records += 1
             pos += 8 + length
-        return pos
+        return pos, data
 
     def put(self, key: str, value: Any) -> None:
         if value is None:

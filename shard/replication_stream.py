@@ -39,6 +39,9 @@ class ShardReplication:
                                    logical_size=_logical_size)
         self.handoff = HandoffReceiver(loop, run_dir, index, self.sender.attach_socket)
         self._timer = loop.call_later(_REPORT_S, self._periodic)
+        # No follower yet: said at once, so the node never goes on counting on what a killed
+        # predecessor last reported (its followers' streams died with it).
+        self.report()
 
     def _owned_dirs(self) -> list[str]:
         return [os.path.relpath(path, self.data_dir).replace(os.sep, "/") for path in self._owned_paths()]

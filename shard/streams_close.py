@@ -1,8 +1,9 @@
 """A cluster leader's stopping shards close their replication streams together, once each has its final state acked.
 
-A follower runs one session of streams with the leader (the node's and one per shard) and ends the
-whole session when any of them closes; it then reconnects, and a stream of a shard still stopping is
-detached meanwhile. Every shard of a node stops at once, but not in step: a shard that finished its
+A follower runs one session of streams with the leader (the node's and one per shard); one of an
+older version ends the whole session when any of them closes (a follower of this version reconnects
+a shard stream alone); it then reconnects, and a stream of a shard still stopping is detached
+meanwhile. Every shard of a node stops at once, but not in step: a shard that finished its
 final sync first and closed its stream cut the followers off from the others, which then waited in
 vain for the acks of their final syncs (the confirms that waited on them, and the removals of delay
 and outbox records whose forwards were confirmed: without them the node taking over routes those

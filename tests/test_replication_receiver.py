@@ -175,3 +175,35 @@ def test_a_silent_leader_that_announced_heartbeats_times_out_and_an_older_one_ne
     assert isinstance(error, asyncio.CancelledError), error  # still running after 4 timeouts
     assert isinstance(received[1], p.FileRequest)
     assert not any(isinstance(ev, p.Heartbeat) for ev in received), received
+
+
+def test_a_full_sync_rewrites_a_file_over_the_old_copy_never_shorter_until_its_last_chunk(tmp_path) -> None:
+    """A follower's copy of a grown write segment is a prefix of the leader's (confirmed records):
+    while the whole file comes again in chunks it must keep them. Emptied at the first chunk (as it
+    was), a follower promoted in the middle (the leader gone while etcd still had it in the ISR) lost
+    them."""
+    mib = 1 << 20
+    old = bytes(range(256)) * (3 * mib // 256)  # acked on an earlier connection
+    new = old + b"n" * mib
+    (tmp_path / "q").mkdir()
+    (tmp_path / "q" / "msgs").write_bytes(old + b"torn")  # and an unacked tail the leader cut
+    rec = rmod.StreamReceiver(str(tmp_path), b"s", "f", "shard-0", CrcCache())
+
+    def chunk(offset: int, total: int, data: bytes) -> None:
+        (ev,) = p.Decoder().feed(p.encode_file_data("q/msgs", offset, total, data))
+        rec._apply(ev)
+
+    for off in range(0, len(new), mib):
+        chunk(off, len(new), new[off:off + mib])
+        on_disk = (tmp_path / "q" / "msgs").read_bytes()
+        if off + mib < len(new):
+            assert on_disk[:len(old)] == old  # every confirmed record still there
+    assert (tmp_path / "q" / "msgs").read_bytes() == new
+    # Shorter on the leader (its recovery cut a torn tail): cut at the last chunk.
+    chunk(0, 2 * mib, new[:mib])
+    assert len((tmp_path / "q" / "msgs").read_bytes()) == len(new)
+    chunk(mib, 2 * mib, new[mib:2 * mib])
+    assert (tmp_path / "q" / "msgs").read_bytes() == new[:2 * mib]
+    chunk(0, 0, b"")  # an empty file
+    assert (tmp_path / "q" / "msgs").read_bytes() == b""
+    rec.writer.close()
