@@ -178,6 +178,13 @@ def claim_path(path: str) -> None:
         _submit(trash, True)
 
 
+def set_aside(path: str) -> None:
+    """Rename a directory no store of this process owns aside now; the reaper removes it."""
+    trash = _rename_aside(path)
+    if trash is not None:
+        _submit(trash, True)
+
+
 class MarkerFiles:
     """Empty marker files in a store's directory (e.g. feature_queue.EXPIRING_MARK); needs ``path``
     and ``_dir_dirty`` (the next sync then fsyncs the directory, which makes a new marker durable)."""
