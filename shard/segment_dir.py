@@ -135,7 +135,9 @@ def _lower_priority() -> None:
     call would nice the whole shard. The risk weighed: a niced thread preempted while it holds the
     GIL holds the loop up longer; it holds the GIL only for a few bytecodes between its syscalls,
     and an A/B of a main thread's gaps beside a renaming thread niced or not showed no difference
-    (scripts/nice-gil.py; docs/benchmarks.md, "The reaper thread niced"). The name ("store-reaper"
+    (scripts/nice-gil.py; docs/benchmarks.md, "The reaper thread niced"). The other wait on it,
+    claim_path's for the one rename of that very path the reaper may be doing, can last longer
+    under CPU contention (the thread is runnable, not starved). The name ("store-reaper"
     in /proc, top, perf) is what tests and profiles find it by."""
     if not sys.platform.startswith("linux"):
         return
