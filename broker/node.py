@@ -39,6 +39,7 @@ from broker.http.server import HttpServer
 from broker.node_stats import NodeStats
 from broker.permissions import CONFIGURE, READ, WRITE, check, check_topic
 from broker.process import install_uvloop, raise_nofile_limit
+from broker.queue_leftovers import QueueLeftovers
 from broker.request_chains import RequestChains
 from broker.sdnotify import Notifier
 from broker.shard_watchdog import ShardWatchdog
@@ -64,6 +65,9 @@ _PLANNED_AT_ONCE = frozenset(("exchange.declare", "exchange.delete", "queue.bind
 _STARTUP_TIMEOUT_S = 60.0
 # After every worker applied its boot snapshot: malloc_trim once the read buffers shrank (broker/unixio.py).
 _TRIM_AFTER_BOOT_S = 2.0
+# Deleted queues' leftover entries checked per resource tick (0.25 s; one lstat each, see
+# broker/queue_leftovers.py): those left after a burst of deletes go within seconds.
+_LEFTOVERS_PER_TICK = 128
 # Queue deletions per slice of a paced commit (a vhost delete): a shard deletes 8 queues in ~0.3 ms.
 _PACED_SLICE_DELETES = 8
 
@@ -90,6 +94,9 @@ class Node:
         self.loop = asyncio.get_running_loop()
         self.defstore = DefStore(self.datadir.path)
         self.defs: Definitions | None = None
+        # Deleted queues whose directory may still be on their shard: a queue of the same name
+        # declared meanwhile goes to that shard (broker/queue_leftovers.py); set at each load.
+        self.leftovers: QueueLeftovers | None = None
         # Queue deletions go at --delete-rate per second beyond a small burst (broker/delete_pacer.py).
         self.delete_pacer = DeletePacer(self.loop, settings.delete_rate)
         # No full GC while definitions change in bulk (broker/gc_pause.py): ~1 s apart, 10-20 ms each.
@@ -295,6 +302,7 @@ class Node:
             {(v.name, q) for v in self.defs.vhosts.values() for q in v.queues})
         self.datadir.remove_stale_delay_stores(
             {(v.name, x) for v in self.defs.vhosts.values() for x in v.exchanges})
+        self.leftovers = self.defs.leftovers = QueueLeftovers(self.datadir.path, self._shard_applied)
         gc_pause.settle()
         self._loading = False
         waiting, self._loading_hellos = self._loading_hellos, []
@@ -347,6 +355,11 @@ class Node:
         self._queries.clear()
         self.role = "fenced"
 
+    def _shard_applied(self, index: int) -> int:
+        """The definitions version shard `index` has applied; -1 while it is not connected."""
+        w = self.by_ident.get(contract.worker_id("shard", index))
+        return w.applied if w is not None and w.connected else -1
+
     def _start_alarms(self) -> None:
         s = self.settings
         from broker.http.metrics import node_processes, rss_bytes
@@ -362,6 +375,8 @@ class Node:
                 self.monitor.check()
             except Exception:
                 log.exception("resource check failed")
+            if self.leftovers is not None:
+                self.leftovers.prune(_LEFTOVERS_PER_TICK)
             self.loop.call_later(CHECK_INTERVAL_S, tick)
 
         tick()

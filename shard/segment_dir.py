@@ -13,6 +13,7 @@ import os
 import queue
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -56,13 +57,16 @@ _RM_ARGS = 1000  # trash directories per `rm -rf`
 # `rm`) each; resting lets a round gather ~100 ms of deletions instead.
 _ROUND_PAUSE_S = 0.1
 TRASH_PREFIX = "deleted-"
+REAPER_NAME = "store-reaper"  # the thread's name, in Python and (Linux) in /proc/<pid>/task/<tid>/comm
+REAPER_NICE = 10  # the reaper thread runs this much nicer than the shard on Linux (see _lower_priority)
+_niced = False  # it does (its `rm` children inherit that)
 
 
 def _submit(path: str, aside: bool) -> None:
     global _reaper
     _work.put((path, aside))
     if _reaper is None:
-        _reaper = threading.Thread(target=_reap_forever, name="store-reaper", daemon=True)
+        _reaper = threading.Thread(target=_reap_forever, name=REAPER_NAME, daemon=True)
         _reaper.start()
 
 
@@ -110,7 +114,9 @@ def _remove_trees(paths: list[str]) -> None:
     for i in range(0, len(paths), _RM_ARGS):
         chunk = paths[i : i + _RM_ARGS]
         try:
-            subprocess.run(["nice", "-n", "10", "rm", "-rf", "--", *chunk], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            # A child inherits the niced reaper thread's nice value: `nice` only where that failed.
+            rm = ["rm"] if _niced else ["nice", "-n", str(REAPER_NICE), "rm"]
+            subprocess.run([*rm, "-rf", "--", *chunk], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL, check=False)
         except OSError:
             pass
@@ -119,10 +125,41 @@ def _remove_trees(paths: list[str]) -> None:
                 shutil.rmtree(p, True)
 
 
+def _lower_priority() -> None:
+    """Nice the calling thread by REAPER_NICE (as `nice -n 10`, at most 19) and name it (Linux;
+    nothing elsewhere).
+
+    On Linux a thread's nice value is its own (setpriority with its thread id), so the shard's event
+    loop keeps its priority while the reaper's renames, ~1 ms of kernel CPU at a time, yield the core
+    to it and to the other workers, as its `rm` children already do. Not elsewhere: there the same
+    call would nice the whole shard. The risk weighed: a niced thread preempted while it holds the
+    GIL holds the loop up longer; it holds the GIL only for a few bytecodes between its syscalls,
+    and an A/B of a main thread's gaps beside a renaming thread niced or not showed no difference
+    (scripts/nice-gil.py; docs/benchmarks.md, "The reaper thread niced"). The other wait on it,
+    claim_path's for the one rename of that very path the reaper may be doing, can last longer
+    under CPU contention (the thread is runnable, not starved). The name ("store-reaper"
+    in /proc, top, perf) is what tests and profiles find it by."""
+    if not sys.platform.startswith("linux"):
+        return
+    global _niced
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + REAPER_NICE))
+        _niced = True
+    except OSError:  # never fatal: the reaper works at the shard's priority
+        log.debug("could not nice the reaper thread", exc_info=True)
+    try:
+        with open(f"/proc/self/task/{tid}/comm", "w") as f:
+            f.write(REAPER_NAME)
+    except OSError:
+        pass
+
+
 def _reap_forever() -> None:
     """Reaper thread: take everything queued at once, move each queued directory (unless claimed
     meanwhile) into a trash directory and remove those, and again."""
     global _moving
+    _lower_priority()
     while True:
         items = [_work.get()]
         while True:
@@ -174,6 +211,13 @@ def claim_path(path: str) -> None:
             return
         trash = _rename_aside(path)
         _pending.discard(path)
+    if trash is not None:
+        _submit(trash, True)
+
+
+def set_aside(path: str) -> None:
+    """Rename a directory no store of this process owns aside now; the reaper removes it."""
+    trash = _rename_aside(path)
     if trash is not None:
         _submit(trash, True)
 

@@ -34,7 +34,7 @@ from shard.segment import (
     parse_name,
     read_ack_entries,
 )
-from shard.segment_dir import SegmentDir, claim_path
+from shard.segment_dir import SegmentDir, claim_path, set_aside
 
 log = logging.getLogger(__name__)
 
@@ -103,9 +103,14 @@ def queue_dir(data_dir: str, vhost: str, name: str) -> str:
     return make_queue_dir(data_dir, vhost, name)[0]
 
 
-def make_queue_dir(data_dir: str, vhost: str, name: str, exists: bool = False) -> tuple[str, bool]:
+def make_queue_dir(data_dir: str, vhost: str, name: str, exists: bool = False,
+                   new: bool = False) -> tuple[str, bool]:
     """queue_dir(), and whether the directory was made now (then it is empty: nothing to recover).
-    exists: the caller has just seen the directory (a shard's boot lists each vhost dir once)."""
+    exists: the caller has just seen the directory (a shard's boot lists each vhost dir once).
+    new: a queue declared now, which starts empty: a directory already there was left by a deleted
+    queue of that name whose removal never came (its shard died first) and is set aside, never
+    taken over (its messages would come back). The node places such a declare on the deleted
+    queue's shard while that shard may still use the directory (broker/queue_leftovers.py)."""
     vdir = os.path.join(data_dir, _sha1(vhost))
     qdir = os.path.join(vdir, _sha1(name))
     if vdir not in _vhost_dirs:
@@ -119,10 +124,14 @@ def make_queue_dir(data_dir: str, vhost: str, name: str, exists: bool = False) -
             os.mkdir(qdir)
             made = True
         except FileExistsError:
-            pass
+            if new:
+                log.warning("queue %r of vhost %r: set aside the directory a deleted queue of that name "
+                            "left behind (%s)", name, vhost, qdir)
+                set_aside(qdir)
+                return make_queue_dir(data_dir, vhost, name, new=new)
         except FileNotFoundError:  # the vhost dir went away (vhost deleted) since we made sure of it
             _vhost_dirs.discard(vdir)
-            return make_queue_dir(data_dir, vhost, name)
+            return make_queue_dir(data_dir, vhost, name, new=new)
     _write_name_file(os.path.join(qdir, ".queue"), name, new=made)
     return qdir, made
 

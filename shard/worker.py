@@ -358,7 +358,7 @@ class ShardWorker:
                 vhost, name = op[1], op[2]
                 q = defs.queue(vhost, name)
                 if q is not None and q.shard == self.index and (vhost, name) not in self.queues:
-                    self._open_queue(vhost, name)
+                    self._open_queue(vhost, name, new=True)
             elif kind == "queue.delete":
                 self._delete_queue(op[1], op[2])
             elif kind == "exchange.delete":
@@ -372,9 +372,11 @@ class ShardWorker:
             elif kind in POLICY_OPS:
                 self._apply_policies(op[1])
 
-    def _open_queue(self, vhost: str, name: str, exists: bool = False) -> None:
+    def _open_queue(self, vhost: str, name: str, exists: bool = False, new: bool = False) -> None:
+        """exists: its directory was just listed (a boot); new: declared now (starts empty, see
+        shard/store.py make_queue_dir)."""
         defn = self.defs.queue(vhost, name)
-        path, made = make_queue_dir(self.settings["data_dir"], vhost, name, exists)
+        path, made = make_queue_dir(self.settings["data_dir"], vhost, name, exists, new)
         args = self.defs.effective_arguments(vhost, "queue", name)
         if args.get("x-queue-type") == "stream":
             seg_size = segment_size(args, int(self.settings.get("segment_size", 8 << 20)))

@@ -5,12 +5,16 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 import threading
 
-from shard import record
+import pytest
+
+from shard import record, segment_dir
 from shard.segment import DATA_START, Meta, file_name
-from shard.segment_dir import TRASH_PREFIX
-from shard.store import QueueStore, queue_dir
+from shard.segment_dir import REAPER_NAME, REAPER_NICE, TRASH_PREFIX
+from shard.store import QueueStore, make_queue_dir, queue_dir
+from tests.harness import wait_until
 
 PROPS = b"\x80\x00\x02"  # delivery-mode present, = 2
 
@@ -437,6 +441,50 @@ def test_delete_later_of_many_while_some_names_come_back(tmp_path):
     for n, s in again.items():
         assert s.ready == 1 and drain(s) == [2], n
         s.close()
+
+
+def _task_stat(tid: int) -> tuple[str, int]:
+    """(comm, nice) of a thread of this process, from /proc/self/task/<tid>/stat."""
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        text = f.read()
+    comm = text[text.index("(") + 1:text.rindex(")")]
+    return comm, int(text[text.rindex(")") + 1:].split()[16])  # field 19 of stat(5): nice
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice value is Linux's")
+def test_the_reaper_thread_runs_niced_and_named(tmp_path):
+    """Its renames yield the core to the loop (shard/segment_dir.py _lower_priority): the reaper
+    thread, and only it, runs 10 nicer than the process, under its own name in /proc."""
+    main_nice = _task_stat(threading.get_native_id())[1]
+    s = QueueStore(queue_dir(str(tmp_path), "/", "nice"))
+    add(s, 1)
+    s.delete(later=True)  # starts the reaper on first use
+    reaper = segment_dir._reaper
+    assert reaper is not None and reaper.is_alive()
+    want = (REAPER_NAME, min(19, main_nice + REAPER_NICE))
+    wait_until(lambda: _task_stat(reaper.native_id) == want, 10, f"the reaper as {want}: {_task_stat(reaper.native_id)}")
+    assert _task_stat(threading.get_native_id())[1] == main_nice  # the calling thread keeps its own
+
+
+def test_a_new_queue_sets_a_leftover_directory_aside_and_starts_empty(tmp_path):
+    """make_queue_dir(new=True) over a directory no store of this process owns (a deleted queue's,
+    left by a shard that died before removing it): set aside and removed, never taken over."""
+    path = queue_dir(str(tmp_path), "/", "left")
+    old = QueueStore(path)
+    add(old, 1)
+    old.sync()
+    old.close()  # the shard died: nobody removes it
+    again, made = make_queue_dir(str(tmp_path), "/", "left", new=True)
+    assert again == path and made
+    s = QueueStore(again, empty_dir=made)
+    assert s.ready == 0 and sorted(os.listdir(path)) == [".queue"]
+    wait_until(lambda: not any(n.startswith(TRASH_PREFIX) for n in os.listdir(os.path.dirname(path))), 10,
+               "the leftover removed")
+    add(s, 2)
+    assert drain(s) == [2]
+    s.close()
+    # Not new (a boot's open of a durable queue): the directory is the queue's, taken as it is.
+    assert make_queue_dir(str(tmp_path), "/", "left") == (path, False)
 
 
 def test_empty_store_has_no_segment_file_until_the_first_message(tmp_path):

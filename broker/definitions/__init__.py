@@ -52,6 +52,7 @@ last binding as source) are emitted by the planner as explicit
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 from broker.definitions.entities import (  # noqa: F401  (re-exported: the package's public names)
     _PREDECLARED_NAMES,
@@ -91,6 +92,14 @@ from broker.definitions.validation import (  # noqa: F401  (re-exported)
 from broker.policies import POLICY_OPS
 
 
+class DeletedQueues(Protocol):
+    """What Definitions tells of deleted queues and asks at placement (broker/queue_leftovers.py)."""
+
+    def deleted(self, vhost: str, name: str, shard: int, version: int) -> None: ...
+
+    def shard_of(self, vhost: str, name: str) -> int | None: ...
+
+
 class Definitions(RoutingMixin, PolicyMixin, PlanMixin):
     """The definitions state of one process, plus the node's validation.
 
@@ -110,6 +119,9 @@ class Definitions(RoutingMixin, PolicyMixin, PlanMixin):
         # Where new queues go (config --queue-placement, set by the node): "balanced" or "hash".
         self.placement = "balanced"
         self.shard_queues: dict[int, int] = {}  # shard -> queues on it, all vhosts (placement)
+        # The node's only (broker/queue_leftovers.py): where a deleted queue's directory may still be,
+        # so that a queue of the same name declared meanwhile goes to that shard (place_queue).
+        self.leftovers: DeletedQueues | None = None
 
     # ------------------------------------------------------------------ lookups
     def exchange(self, vhost: str, name: str) -> Exchange | None:
@@ -151,6 +163,9 @@ class Definitions(RoutingMixin, PolicyMixin, PlanMixin):
     def _apply_vhost_delete(self, op: Sequence) -> None:
         v = self.vhosts.pop(op[1], None)
         if v is not None:
+            if self.leftovers is not None:  # queues declared while its queues were deleted go with it
+                for q in v.queues.values():
+                    self.leftovers.deleted(v.name, q.name, q.shard, self.version + 1)
             for shard, n in v.shard_queues.items():
                 self.shard_queues[shard] -= n
         for perms in self.permissions.values():
@@ -240,7 +255,10 @@ class Definitions(RoutingMixin, PolicyMixin, PlanMixin):
             return
         for key in list(v.by_dest.get(("queue", op[2]), ())):
             self._remove_binding(v, key)
-        self._count_queue(v, v.queues.pop(op[2]).shard, -1)
+        q = v.queues.pop(op[2])
+        self._count_queue(v, q.shard, -1)
+        if self.leftovers is not None:
+            self.leftovers.deleted(v.name, q.name, q.shard, self.version + 1)  # this op's version
 
     def _apply_queue_shard(self, op: Sequence) -> None:
         v = self.vhosts.get(op[1])
@@ -255,7 +273,12 @@ class Definitions(RoutingMixin, PolicyMixin, PlanMixin):
         self.shard_queues[shard] = self.shard_queues.get(shard, 0) + n
 
     def place_queue(self, vhost: str, name: str, shard_count: int) -> int:
-        """The shard a queue declared now goes to (see --queue-placement)."""
+        """The shard a queue declared now goes to (see --queue-placement); the shard of a deleted
+        queue of that name whose directory may still be there, whatever the placement."""
+        if self.leftovers is not None:
+            shard = self.leftovers.shard_of(vhost, name)
+            if shard is not None and 0 <= shard < shard_count:
+                return shard
         home = queue_shard(vhost, name, shard_count)
         v = self.vhosts.get(vhost)
         if self.placement == "hash" or v is None:

@@ -74,6 +74,8 @@ def plan_import(defs: Definitions, data: dict, shard_count: int, vhost: str | No
         raise ValueError("definitions must be a JSON object")
     scratch = Definitions.from_dict(defs.to_dict())
     scratch.placement = defs.placement  # imported queues spread like declared ones
+    # ... and follow a deleted queue's leftover directory as they do (read only: an import deletes nothing).
+    scratch.leftovers = defs.leftovers
     ops: list[list] = []
 
     def add(new: list[list]) -> None:
