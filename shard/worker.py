@@ -596,8 +596,21 @@ class ShardWorker:
                     f"'{vhost}'", 60, 70]])
                 return
             chan = self._channel(fe, conn_id, channel)
-            msg = q.get(chan, bool(no_ack))
-            q.store.flush_acks()  # the delivered mark, before get-ok leaves (a slow path anyway)
+            if not no_ack:
+                # Indexed before anything that can raise: the channel's close requeues the message
+                # from here, also when the get fails after it took it (a store error below).
+                chan.queues[q.qid] = None
+            try:
+                msg = q.get(chan, bool(no_ack))
+                q.store.flush_acks()  # the delivered mark, before get-ok leaves (a slow path anyway)
+            except Exception as exc:
+                # Answered, or the client's channel waits for get-ok forever. A connection error: its
+                # close requeues what this get may have taken (a manual-ack one's, indexed above).
+                log.exception("shard %d: basic.get on queue %r in vhost %r failed", self.index, name, vhost)
+                self._stats_touched.add(q)
+                self.data.put(fe, [contract.REPLY_DATA, req_id, False, [
+                    541, f"INTERNAL_ERROR - basic.get on queue '{name}' in vhost '{vhost}' failed: {exc}", 60, 70]])
+                return
             self._stats_touched.add(q)
             if msg is not None:
                 q.n_delivered += 1
@@ -605,7 +618,6 @@ class ShardWorker:
                     q.n_get_no_ack += 1
                 else:
                     q.n_get += 1
-                    chan.queues[q.qid] = None  # the channel's close requeues it from here
             self.data.put(fe, [contract.REPLY_DATA, req_id, True, {"message": msg}])
         elif kind == contract.QOS:
             _, conn_id, channel, prefetch = item
@@ -1224,8 +1236,10 @@ class ShardWorker:
                 return
         chan = self._channel(fe, conn_id, channel)
         consumer = Consumer(chan, tag, bool(no_ack), bool(exclusive), int(prefetch or 0), arguments or {})
+        # Indexed first: the channel's close looks here for the consumer and its unacked messages,
+        # whatever raises after.
+        chan.queues[q.qid] = None
         q.add_consumer(consumer)
-        chan.queues[q.qid] = None  # the channel's close looks here for it and its unacked messages
         self.consumers[(fe, conn_id, channel, tag)] = (q, consumer)
         if consumer.timeout:
             self.ack_timeouts.schedule()  # a shorter timeout than any before: scan more often
@@ -1250,12 +1264,18 @@ class ShardWorker:
         in the order of self.queues (ascending qid: a queue is added there when its qid is given out,
         and a replaced one keeps both), so what a close does across queues (requeues, dead letters at a
         delivery limit, auto-delete requests) comes in the order the walk of every queue had."""
-        # Every live queue, as before the index: the full suite's test_fuzz (many garbage
-        # connections) once left an unacked message on a queue missing from a closed channel's
-        # index (the walk check logged it), and a close that misses a queue leaves its message stuck.
-        # Until that path is found, correctness wins over the close's cost with many queues.
-        del chans
-        return list(self.queues.values())
+        by_qid = self.by_qid
+        qids: set[int] = set()
+        for chan in chans:
+            mine = chan.queues
+            gone = [qid for qid in mine if qid not in by_qid]
+            if gone:
+                # Deleted since (a qid is never given out again): off the index, or a long-lived
+                # channel's consumes of short-lived queues would be walked at every scan.
+                for qid in gone:
+                    del mine[qid]
+            qids.update(mine)
+        return [by_qid[qid] for qid in sorted(qids)]
 
     def owned_queues(self) -> list[Queue]:
         """Every queue where a channel may hold unacked messages (the consumer-timeout scan's), in
