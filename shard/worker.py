@@ -75,6 +75,12 @@ def _publishes(items: list) -> int:
     return n
 
 
+def _dead_lettered_refusal(q: Queue) -> bool:
+    """A queue that refused a publish dead-lettered it instead (x-overflow reject-publish-dlx): it was
+    handled there (as RabbitMQ's), not to be sent to that queue again."""
+    return getattr(q, "overflow", None) == "reject-publish-dlx"
+
+
 def _consumer_waiting(consumers: list) -> bool:
     """An active consumer that cannot take more now: out of credit, or at its prefetch limit (its
     acks then have to get through while publishes flood the same processes)."""
@@ -746,6 +752,7 @@ class ShardWorker:
         queues = self.queues
         needs_sync = False
         rejected = False
+        refused: list[str] = []  # queues that did not store it and may later (the NACK names them)
         if len(props_raw) > 1 and props_raw[0] & 1:  # per-message TTL: the queues need FeatureQueue
             self._upgrade_queues(vhost, names)
         for name in names:
@@ -770,12 +777,15 @@ class ShardWorker:
                     q.store.append(ts, flags, exchange, routing_key, props_raw, body)
                 elif not q.publish(ts, flags, exchange, routing_key, props_raw, body):
                     rejected = True  # x-overflow reject-publish: the publisher gets basic.nack
+                    if not _dead_lettered_refusal(q):
+                        refused.append(name)
                     continue
             except OSError as exc:
                 # No space for a new segment (it is allocated before it is mapped, so a full disk
                 # is this error, never a SIGBUS): not stored, so the publisher gets basic.nack.
                 self._store_failed(q, exc)
                 rejected = True
+                refused.append(name)
                 continue
             q.n_published += 1
             self._dirty_queues.add(q)
@@ -785,7 +795,9 @@ class ShardWorker:
         if seq is not None:
             if rejected:
                 # One queue refused it (x-overflow reject-publish): the publisher gets basic.nack.
-                self.data.put(fe, [contract.CONFIRM_NACK, conn_id, channel, [seq]])
+                # The names of those that did not store it (a reject-publish-dlx queue dead-lettered
+                # it) let a shard that forwarded it (a due delayed message) send it to those again.
+                self.data.put(fe, [contract.CONFIRM_NACK, conn_id, channel, [seq], refused])
             elif needs_sync:
                 self._sync_waiting.append((fe, conn_id, channel, seq))
                 self._start_sync()
@@ -1016,7 +1028,7 @@ class ShardWorker:
     def route_to_queues(self, vhost: str, names: list[str] | tuple, flags: int, exchange: str, routing_key: str,
                         props: bytes, body: bytes, confirm_seq: int | None = None,
                         peer_channel: int = contract.PEER_CHANNEL_DELAYED,
-                        send: bool = True) -> tuple[bool, dict[int, list]]:
+                        send: bool = True, refused: list[str] | None = None) -> tuple[bool, dict[int, list]]:
         """Append a message the shard republishes itself (a dead letter, a due delayed message).
 
         Queues here get it appended, queues of other shards a PUBLISH over the peer DEALERs.
@@ -1024,7 +1036,10 @@ class ShardWorker:
         next group sync, the PUBLISH item sent to each other shard). With ``confirm_seq`` the
         other shards answer CONFIRM for it (see ``on_peer_answers``); without, a copy in flight to a
         shard that is restarting is lost. With ``send=False`` the items are only built (the caller
-        sends them, with their seq, through ``send_to_peer``).
+        sends them, with their seq, through ``send_to_peer``). With ``refused``, the names of the
+        queues here that did not store it (full with x-overflow reject-publish, a failed append) are
+        added to it, for the caller to try again; without, those are skipped (a dead letter is
+        dropped there, as RabbitMQ's at-most-once dead-lettering drops it).
         """
         if len(props) > 1 and props[0] & 1:  # per-message TTL: plain queues here need FeatureQueue
             self._upgrade_queues(vhost, list(names))
@@ -1041,11 +1056,20 @@ class ShardWorker:
             target = self.queues.get((vhost, name))
             if target is None or target.deleted:
                 continue
-            if target.__class__ is Queue:
-                if target.held:
-                    target.materialize()  # held ones first: they came before this message
-                target.store.append(ts, flags, exchange, routing_key, props, body)
-            elif not target.publish(ts, flags, exchange, routing_key, props, body):
+            try:
+                if target.__class__ is Queue:
+                    if target.held:
+                        target.materialize()  # held ones first: they came before this message
+                    target.store.append(ts, flags, exchange, routing_key, props, body)
+                elif not target.publish(ts, flags, exchange, routing_key, props, body):
+                    if refused is not None and not _dead_lettered_refusal(target):
+                        refused.append(name)
+                    continue
+            except OSError as exc:
+                if refused is None:
+                    raise
+                self._store_failed(target, exc)  # a full disk: tried again later
+                refused.append(name)
                 continue
             self.mark_dirty(target)
             if flags & 1 and target.durable:
@@ -1134,7 +1158,8 @@ class ShardWorker:
                     if not for_this_life(item, self.epoch):
                         continue  # for an earlier life of this shard: its seqs name other forwards now
                     if item[2] == contract.PEER_CHANNEL_DELAYED:
-                        self.delayed.peer_confirmed(shard, item[3])
+                        self.delayed.peer_confirmed(shard, item[3], kind == contract.CONFIRM,
+                                                    item[4] if len(item) > 4 else None)
                     elif item[2] == contract.PEER_CHANNEL_DLX:
                         self.dead_letters.confirmed(shard, item[3], kind == contract.CONFIRM)
                     else:
