@@ -35,7 +35,9 @@ target). A
 ``reject-publish-dlx`` queue dead-letters it, as RabbitMQ's: done. A CONFIRM_NACK that names no
 queue says the copy was stored but not made durable as asked (the group sync failed, or fewer
 in-sync followers than --min-isr): the target holds it, a resend would only add copies while
-the ISR stays short, so the record is removed as after a confirm (logged).
+the ISR stays short, so the record is removed as after a confirm (logged). A clean stop does not
+wait for a refusing queue: the record is routed again after the restart, to every queue bound then
+(those that took it get it a second time: at least once).
 
 The store's read cursor is moved past every record as soon as it is appended
 (``shift``), so any record can be removed (``ack``) in due order rather than
