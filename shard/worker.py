@@ -606,17 +606,22 @@ class ShardWorker:
                 # Indexed before anything that can raise: the channel's close requeues the message
                 # from here, also when the get fails after it took it (a store error below).
                 chan.queues[q.qid] = None
+            msg = None
             try:
                 msg = q.get(chan, bool(no_ack))
                 q.store.flush_acks()  # the delivered mark, before get-ok leaves (a slow path anyway)
             except Exception as exc:
-                # Answered, or the client's channel waits for get-ok forever. A connection error: its
-                # close requeues what this get may have taken (a manual-ack one's, indexed above).
                 log.exception("shard %d: basic.get on queue %r in vhost %r failed", self.index, name, vhost)
-                self._stats_touched.add(q)
-                self.data.put(fe, [contract.REPLY_DATA, req_id, False, [
-                    541, f"INTERNAL_ERROR - basic.get on queue '{name}' in vhost '{vhost}' failed: {exc}", 60, 70]])
-                return
+                if msg is None or not no_ack:
+                    # Answered, or the client's channel waits for get-ok forever. A connection error:
+                    # its close requeues what this get may have taken (a manual-ack one's, indexed above).
+                    self._stats_touched.add(q)
+                    self.data.put(fe, [contract.REPLY_DATA, req_id, False, [
+                        541, f"INTERNAL_ERROR - basic.get on queue '{name}' in vhost '{vhost}' failed: {exc}",
+                        60, 70]])
+                    return
+                # A no-ack get took its message (removed here, its ack written by a later flush): it
+                # goes out rather than be lost, as a delivery pass's would.
             self._stats_touched.add(q)
             if msg is not None:
                 q.n_delivered += 1

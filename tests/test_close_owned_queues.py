@@ -177,6 +177,31 @@ def test_a_get_that_fails_after_taking_its_message_leaves_it_to_the_close(shared
                 c.close()
 
 
+def test_a_no_ack_get_whose_mark_write_fails_still_gets_its_message(shared_node):
+    """The same fault under a no-ack basic.get: the message was taken (removed, no close requeues it),
+    so it is answered with get-ok rather than lost behind a 541."""
+    q = uid("getfail-noack")
+    conn = shared_node.connect()
+    try:
+        ch = conn.channel()
+        ch.queue_declare(q)
+        _publish(conn, [q], [b"m", b"n"])
+        mark = os.path.join(queue_dir(str(shared_node.data_dir), "/", q), DELIVERED_MARK)
+        os.mkdir(mark)
+        try:
+            method, _p, body = ch.basic_get(q, auto_ack=True)
+        finally:
+            os.rmdir(mark)
+        assert (body, method.redelivered) == (q.encode() + b":m", False)
+        method, _p, body = ch.basic_get(q, auto_ack=True)
+        assert body == q.encode() + b":n"
+        assert ch.queue_declare(q, passive=True).method.message_count == 0
+        ch.queue_delete(q)
+    finally:
+        if conn.is_open:
+            conn.close()
+
+
 # ---------------------------------------------------------------- random sequences
 _OPS = st.one_of(
     st.tuples(st.just("consume"), st.integers(0, 3), st.integers(0, 3)),  # channel slot, queue
