@@ -93,7 +93,7 @@ import msgpack
 # optional phase field ([PEER_DONE, 2]: a cluster leader's shard has its final state acked).
 # 22: a shard's STATS report may come in parts: every part but the last has "more": true (see STATS).
 # 26: CONFIRM_NACK's optional 5th field refused: the queues of a PUBLISH that did not store it (a shard
-# that forwarded a due delayed message routes it to those again).
+# that forwarded a due delayed message or a dead letter sends it to those again, only).
 VERSION = 26
 
 # --------------------------------------------------------------------------

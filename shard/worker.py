@@ -1166,7 +1166,8 @@ class ShardWorker:
                         self.delayed.peer_confirmed(shard, item[3], kind == contract.CONFIRM,
                                                     item[4] if len(item) > 4 else None)
                     elif item[2] == contract.PEER_CHANNEL_DLX:
-                        self.dead_letters.confirmed(shard, item[3], kind == contract.CONFIRM)
+                        self.dead_letters.confirmed(shard, item[3], kind == contract.CONFIRM,
+                                                    item[4] if len(item) > 4 else None)
                     else:
                         self.exchange_dedup.peer_confirmed(shard, item[3], kind == contract.CONFIRM)
             self.forward_settle.answered()
