@@ -92,7 +92,9 @@ import msgpack
 # CONFIRM/CONFIRM_NACK whose conn_id is not its epoch (an answer meant for its earlier life). PEER_DONE's
 # optional phase field ([PEER_DONE, 2]: a cluster leader's shard has its final state acked).
 # 22: a shard's STATS report may come in parts: every part but the last has "more": true (see STATS).
-VERSION = 22
+# 26: CONFIRM_NACK's optional 5th field refused: the queues of a PUBLISH that did not store it (a shard
+# that forwarded a due delayed message or a dead letter sends it to those again, only).
+VERSION = 26
 
 # --------------------------------------------------------------------------
 # Control plane: node <-> every worker (node.sock)
@@ -315,7 +317,11 @@ PEER_CHANNEL_DLX = 2  # dead letters for queues of another shard (shard/dead_let
 #           exchange, routing_key, props_raw, body]
 DELIVER = 40
 CONFIRM = 41  # [CONFIRM, conn_id, channel, seqs(list[int])]
-CONFIRM_NACK = 42  # [CONFIRM_NACK, conn_id, channel, seqs(list[int])]
+# CONFIRM_NACK: [CONFIRM_NACK, conn_id, channel, seqs(list[int]), refused(list[str])?]  refused (26), only in
+#   the answer to one PUBLISH that a queue refused: the names of its queues that did not store it (full with
+#   x-overflow reject-publish, a failed append; a reject-publish-dlx queue dead-lettered it and is not named),
+#   the others did. Without it: not stored or not durable as asked (sync failed, ISR below --min-isr).
+CONFIRM_NACK = 42
 # REPLY_DATA: [REPLY_DATA, req_id, ok(bool), result]  same shape as REPLY
 #   GET result: {"message": [queue_id, msg_id, redelivered, exchange, routing_key, props_raw, body,
 #                            remaining_count] or None}

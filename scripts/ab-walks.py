@@ -15,9 +15,9 @@ Each run starts a fresh node from a tree (its defaults), declares QUEUES durable
 The perf client runs from this script's tree. AB_NODE_ARGS: extra node arguments for every run.
 Quote `uptime` with the numbers: the machine is shared.
 """
+import argparse
 import os
 import subprocess
-import sys
 import time
 
 import pika
@@ -82,13 +82,24 @@ def run(tree: str, queues: int, idle_s: float, connections: int) -> None:
 
 
 def main() -> None:
-    if len(sys.argv) < 2:
-        raise SystemExit(__doc__)
-    trees = sys.argv[1].split(",")
-    runs = int(sys.argv[2]) if len(sys.argv) > 2 else 2
-    queues = int(sys.argv[3]) if len(sys.argv) > 3 else 100_000
-    idle_s = float(sys.argv[4]) if len(sys.argv) > 4 else 30.0
-    connections = int(sys.argv[5]) if len(sys.argv) > 5 else 300
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("trees", metavar="TREE[,TREE...]", help="source trees, comma-separated")
+    parser.add_argument("runs", metavar="RUNS", type=int, nargs="?", default=2, help="rounds over the trees (2)")
+    parser.add_argument("queues", metavar="QUEUES", type=int, nargs="?", default=100_000,
+                        help="durable queues declared (100000)")
+    parser.add_argument("idle_s", metavar="IDLE_SECONDS", type=float, nargs="?", default=30.0,
+                        help="idle CPU measured over (30)")
+    parser.add_argument("connections", metavar="CONNECTIONS", type=int, nargs="?", default=300,
+                        help="connections churned (300)")
+    args = parser.parse_args()
+    trees = args.trees.split(",")
+    for tree in trees:
+        if not os.path.isfile(os.path.join(tree, "broker", "cli.py")):
+            parser.error(f"TREE {tree!r} is not a ShardMQ source tree (no broker/cli.py)")
+    for name in ("runs", "queues", "connections"):
+        if getattr(args, name) < 1:
+            parser.error(f"{name.upper()} must be at least 1")
+    runs, queues, idle_s, connections = args.runs, args.queues, args.idle_s, args.connections
     for _ in range(runs):
         for tree in trees:
             run(tree, queues, idle_s, connections)

@@ -60,15 +60,21 @@ def admin_query(worker: AdminShard, op: str, args: dict) -> tuple[bool, Any]:
     chan = ChannelRef(_NODE, 0, 0)
     got: list[list] = []
     held: list[int] = []
-    for _ in range(max(0, int(args.get("count", 1)))):
-        msg = q.get(chan, not requeue)
-        if msg is None:
-            break
-        _qid, msg_id, redelivered, exchange, routing_key, props_raw, body, remaining = msg
-        got.append([bool(redelivered), exchange, routing_key, props_raw, body, remaining])
-        if requeue:
-            held.append(msg_id)
-    for msg_id in held:
-        q.nack(msg_id, _NODE, 0, 0, True)
-    worker.mark_dirty(q)  # what it put back goes to the queue's consumers (only this queue changed)
+    try:
+        for _ in range(max(0, int(args.get("count", 1)))):
+            msg = q.get(chan, not requeue)
+            if msg is None:
+                break
+            _qid, msg_id, redelivered, exchange, routing_key, props_raw, body, remaining = msg
+            got.append([bool(redelivered), exchange, routing_key, props_raw, body, remaining])
+            if requeue:
+                held.append(msg_id)
+    finally:
+        # Put back, also when a get raised: this channel is no client's, so no close would ever
+        # requeue what it holds (nor is it in any channel's queues for the consumer-timeout scan).
+        for msg_id in held:
+            q.nack(msg_id, _NODE, 0, 0, True)
+        if chan.unacked:  # a get that raised after it took its message
+            q.requeue_owned(lambda owner: owner is chan)
+        worker.mark_dirty(q)  # what it put back goes to the queue's consumers (only this queue changed)
     return True, {"messages": got}

@@ -7,7 +7,7 @@ prefetch and the credit the frontend has granted (see contract.CREDIT_WINDOW).
 Unacked messages point at their owner (consumer or channel) so a channel
 close can find and requeue them without a per-message index elsewhere. Which
 queues to look in is the channel's ``queues``: every queue it consumed from or
-took a message from with basic.get (manual ack) since it opened, so a close,
+did a manual-ack basic.get on since it opened, so a close,
 basic.recover or a frontend's death visits those queues only, not every queue
 of the shard (docs/architecture.md "Channel close").
 """
@@ -31,8 +31,10 @@ class ChannelRef:
         self.unacked = 0
         # qid -> None of every queue where this channel may have consumers or unacked messages: a
         # superset (a cancelled consumer's queue stays until the close), never missing one. Added to
-        # on basic.consume and a manual-ack basic.get, not per delivery: a consumer's deliveries are
-        # all from its own queue, so the hot path keeps nothing here.
+        # on basic.consume and a manual-ack basic.get, before the queue or its store is touched (what
+        # raises after must not leave an unacked message outside it), not per delivery: a consumer's
+        # deliveries are all from its own queue, so the hot path keeps nothing here. A deleted
+        # queue's qid is dropped at the next look (ShardWorker._queues_of).
         self.queues: dict[int, None] = {}
 
     @property

@@ -146,12 +146,25 @@ class DeadLetterForwards:
             self.worker.sync_first(store)
         return msg_id
 
-    def confirmed(self, shard: int, seqs: list[int], ok: bool = True) -> None:
+    def confirmed(self, shard: int, seqs: list[int], ok: bool = True, refused: list[str] | None = None) -> None:
         """CONFIRM from `shard`; CONFIRM_NACK (a full target queue with x-overflow reject-publish, a
         full disk, a dedup owner whose forward went to a shard that restarted) is retried later, as
-        RabbitMQ's at-least-once dead-letter worker retries what was not confirmed."""
+        RabbitMQ's at-least-once dead-letter worker retries what was not confirmed. A NACK of a PUBLISH
+        that names the queues that refused it (``refused``, contract VERSION 26) is retried to those
+        only: the others stored it (a retry of all of them put a copy in each, once a second); one
+        naming none was stored, or dead-lettered by a reject-publish-dlx queue (a retry dead-lettered
+        it again, once a second), and counts as confirmed."""
         pending = self.pending
         store = self.store
+        if not ok and refused is not None:
+            if not refused:
+                ok = True
+            else:
+                for seq in seqs:
+                    sent = pending.get(seq, {}).get(shard)
+                    if sent is not None and sent[1][0] == contract.PUBLISH:
+                        item = sent[1] = list(sent[1])
+                        item[2] = [name for name in item[2] if name in refused]
         if not ok:
             for seq in seqs:
                 sent = pending.get(seq, {}).get(shard)

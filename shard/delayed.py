@@ -25,6 +25,20 @@ A copy routed to a queue of another shard keeps its record until that shard conf
 stop waits for those confirms (``in_flight``, shard/forward_settle.py), or the restarted shard would
 route the message again. A stopping shard routes nothing that falls due.
 
+A queue that does not take a due message (full with ``x-overflow: reject-publish``, or its append
+failed: a full disk), here or on another shard (whose CONFIRM_NACK names it), gets it again later:
+the record stays, and only the queues that refused it are tried again, after 1 s, then 2, 4 ... up
+to 30 s, until they take it or are deleted. RabbitMQ's plugin makes one attempt at publishing
+each due message (its README's limitations), so such a queue drops it there; here a due message is
+not lost to a full queue (as RabbitMQ's at-least-once dead-lettering retries a reject-publish
+target). A
+``reject-publish-dlx`` queue dead-letters it, as RabbitMQ's: done. A CONFIRM_NACK that names no
+queue says the copy was stored but not made durable as asked (the group sync failed, or fewer
+in-sync followers than --min-isr): the target holds it, a resend would only add copies while
+the ISR stays short, so the record is removed as after a confirm (logged). A clean stop does not
+wait for a refusing queue: the record is routed again after the restart, to every queue bound then
+(those that took it get it a second time: at least once).
+
 The store's read cursor is moved past every record as soon as it is appended
 (``shift``), so any record can be removed (``ack``) in due order rather than
 append order.
@@ -56,11 +70,26 @@ log = logging.getLogger("shardmq.shard")
 # acks and publishes instead of holding the loop (2,000 routings take a few ms).
 _ROUTE_PER_TURN = 2000
 
+# A queue that refused a due message (full, reject-publish) gets it again after this long, doubling
+# per attempt up to _RETRY_MAX_MS.
+_RETRY_MS = 1000
+_RETRY_MAX_MS = 30_000
+
 # Heap keys: due_ms << 96 | store number << 64 | msg_id (segment << 32 | position).
 _DUE_SHIFT = 96
 _NO_SHIFT = 64
 _NO_MASK = (1 << 32) - 1
 _ID_MASK = (1 << 64) - 1
+
+
+def _sender_routes(props: bytes) -> tuple[bytes, list[str]]:
+    """The properties a due message is routed with (BCC removed) and its CC/BCC routing keys."""
+    if not may_have_cc(props):
+        return props, []
+    try:
+        return sender_routes(props)
+    except ValueError:
+        return props, []
 
 
 class DelayStore:
@@ -79,16 +108,21 @@ class DelayStore:
 
 
 class Forward:
-    """A due message routed to queues of other shards, kept until each of them confirmed it."""
+    """A due message routed to queues of other shards, kept until each of them confirmed it, or one
+    that a queue refused, kept until that queue took it."""
 
-    __slots__ = ("seq", "ds", "msg_id", "items", "sync_pending")
+    __slots__ = ("seq", "ds", "msg_id", "items", "sync_pending", "refused", "attempts", "retry_armed")
 
-    def __init__(self, seq: int, ds: DelayStore, msg_id: int, items: dict[int, list], sync_pending: bool) -> None:
+    def __init__(self, seq: int, ds: DelayStore, msg_id: int, items: dict[int, list], sync_pending: bool,
+                 refused: list[str]) -> None:
         self.seq = seq
         self.ds = ds
         self.msg_id = msg_id
         self.items = items  # shard -> PUBLISH item not yet confirmed by it (sent again if it restarts)
         self.sync_pending = sync_pending  # local appends wait for the group sync
+        self.refused = refused  # queue names (here or on other shards) to route it to again
+        self.attempts = 0
+        self.retry_armed = False
 
 
 class DelayShard(Protocol):
@@ -113,7 +147,8 @@ class DelayShard(Protocol):
 
     def route_to_queues(self, vhost: str, names: list[str] | tuple, flags: int, exchange: str, routing_key: str,
                         props: bytes, body: bytes, confirm_seq: int | None = None,
-                        peer_channel: int = ..., send: bool = True) -> tuple[bool, dict[int, list]]: ...
+                        peer_channel: int = ..., send: bool = True,
+                        refused: list[str] | None = None) -> tuple[bool, dict[int, list]]: ...
 
     def forward(self, shard: int, item: list) -> None: ...
 
@@ -251,11 +286,14 @@ class DelayedMessages:
             except KeyError:
                 continue
             seq = next(self._forward_seq)
-            synced, sent = self._route(ds.vhost, flags, exchange, routing_key, props, body, seq)
-            if sent:
-                fwd = self._forwards[seq] = Forward(seq, ds, msg_id, sent, synced)
+            refused: list[str] = []
+            synced, sent = self._route(ds.vhost, flags, exchange, routing_key, props, body, seq, refused)
+            if sent or refused:
+                fwd = self._forwards[seq] = Forward(seq, ds, msg_id, sent, synced, refused)
                 if synced:
                     worker.after_sync(lambda fwd=fwd: self._settle(fwd, None))
+                if refused:
+                    self._retry_later(fwd)
             else:
                 (after_sync if synced else done).setdefault(ds, []).append(msg_id)
         for ds, ids in done.items():
@@ -270,16 +308,11 @@ class DelayedMessages:
             self._arm(heap[0] >> _DUE_SHIFT)
 
     def _route(self, vhost: str, flags: int, exchange: str, routing_key: str, props: bytes, body: bytes,
-               seq: int) -> tuple[bool, dict[int, list]]:
+               seq: int, refused: list[str]) -> tuple[bool, dict[int, list]]:
         worker = self.worker
         route = worker.defs.route
-        keys = [routing_key]
-        if may_have_cc(props):
-            try:
-                props, extra = sender_routes(props)
-            except ValueError:
-                extra = []
-            keys.extend(extra)
+        props, extra = _sender_routes(props)
+        keys = [routing_key, *extra]
         if len(keys) == 1:
             names = route(vhost, exchange, routing_key, props)
         else:
@@ -289,14 +322,68 @@ class DelayedMessages:
             names = list(found)
         if not names:
             return False, {}  # unroutable when due: dropped (mandatory was not honoured at publish)
-        return worker.route_to_queues(vhost, names, flags, exchange, routing_key, props, body, seq)
+        return worker.route_to_queues(vhost, names, flags, exchange, routing_key, props, body, seq,
+                                      refused=refused)
 
-    def peer_confirmed(self, shard: int, seqs: list[int]) -> None:
-        """Another shard has stored (and synced, if it had to) forwarded due messages."""
+    def peer_confirmed(self, shard: int, seqs: list[int], ok: bool = True, refused: list[str] | None = None) -> None:
+        """Another shard has stored (and synced, if it had to) forwarded due messages (ok), or answered
+        CONFIRM_NACK: ``refused`` names its queues that did not take the message (the others did), to
+        be tried again; a NACK naming none (stored, but not synced or not replicated to --min-isr
+        followers; or dead-lettered by a reject-publish-dlx queue) settles it as a confirm would."""
         for seq in seqs:
             fwd = self._forwards.get(seq)
-            if fwd is not None:
-                self._settle(fwd, shard)
+            if fwd is None:
+                continue
+            if refused:
+                fwd.items.pop(shard, None)
+                fwd.refused.extend(name for name in refused if name not in fwd.refused)
+                self._retry_later(fwd)
+                continue
+            if not ok:
+                log.warning("shard %d: a due delayed message of exchange %r in vhost %r was stored on shard %d "
+                            "but not made durable there (sync failed or too few in-sync followers); not sent "
+                            "again", self.worker.index, fwd.ds.exchange, fwd.ds.vhost, shard)
+            self._settle(fwd, shard)
+
+    def _retry_later(self, fwd: Forward) -> None:
+        if fwd.retry_armed:
+            return
+        fwd.retry_armed = True
+        delay = min(_RETRY_MS << min(fwd.attempts, 16), _RETRY_MAX_MS)
+        fwd.attempts += 1
+        self.worker.timers.schedule(now_ms() + delay, lambda: self._retry(fwd))
+
+    def _retry(self, fwd: Forward) -> None:
+        """Route a due message again to the queues that refused it (only those: the others have it)."""
+        fwd.retry_armed = False
+        worker = self.worker
+        ds = fwd.ds
+        if self._forwards.get(fwd.seq) is not fwd or worker.stopping:
+            return  # settled, or stopping: the record stays, routed again after the restart
+        if ds.deleted:
+            del self._forwards[fwd.seq]
+            return
+        if not self._peers_ready:
+            self._retry_later(fwd)
+            return
+        worker.fence_check()  # routed as of now (broker/defs_fence.py)
+        try:
+            _ts, flags, exchange, routing_key, props, body = ds.store.read(fwd.msg_id)
+        except KeyError:
+            del self._forwards[fwd.seq]
+            return
+        props, _extra = _sender_routes(props)  # the props its first routing sent (BCC removed)
+        names, fwd.refused = fwd.refused, []
+        synced, sent = worker.route_to_queues(ds.vhost, names, flags, exchange, routing_key, props, body, fwd.seq,
+                                              refused=fwd.refused)
+        fwd.items.update(sent)
+        if synced:
+            fwd.sync_pending = True
+            worker.after_sync(lambda: self._settle(fwd, None))
+        if fwd.refused:
+            self._retry_later(fwd)
+        else:
+            self._finish(fwd)  # taken here (or its queues deleted): done once the answers are in
 
     def in_flight(self) -> int:
         """Forwarded due messages not confirmed yet, counted per target shard (a clean stop waits for
@@ -310,7 +397,12 @@ class DelayedMessages:
             fwd.sync_pending = False
         else:
             fwd.items.pop(shard, None)
-        if not fwd.items and not fwd.sync_pending and self._forwards.pop(fwd.seq, None) is not None:
+        self._finish(fwd)
+
+    def _finish(self, fwd: Forward) -> None:
+        """The record goes once every target has the message: answered, synced, none refusing it."""
+        if (not fwd.items and not fwd.sync_pending and not fwd.refused
+                and self._forwards.pop(fwd.seq, None) is not None):
             self._remove(fwd.ds, [fwd.msg_id])
 
     def _remove(self, ds: DelayStore, ids: list[int]) -> None:

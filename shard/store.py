@@ -145,6 +145,9 @@ _STORE_LOCK = threading.Lock()
 # dict/list/set on first use (see ack, requeue, _track_fd, _sync_later).
 _NO_ACKS: dict = {}
 _NO_SEGS: dict = {}  # the segments of a store that never held a message (its write segment: a placeholder)
+# A purge replaces the write segment by a fresh one (rather than ack its ready records one by one)
+# from this many on: below it, the walk costs less than making a segment file and deleting one.
+_PURGE_WHOLE_MIN = 256
 _FIRST_END = PLACEHOLDER.no << 32 | PLACEHOLDER.used  # an empty store's mark: one int for all of them
 
 
@@ -425,7 +428,15 @@ class QueueStore(SegmentDir):
         return _read_record(seg.mm, pos)[:6]
 
     def purge(self) -> int:
-        """Remove every ready message (outstanding ones stay); returns how many were removed."""
+        """Remove every ready message (outstanding ones stay); returns how many were removed.
+
+        A segment that holds ready messages only goes whole (its files deleted; the write segment
+        is replaced by a fresh one first, when it holds at least _PURGE_WHOLE_MIN): no ack per
+        record, no walk over its records. The bench's delete-stall probe purges 10,000 ready messages
+        of its write segment: 6-19 ms of the shard's loop CPU in one piece (a walk, 10,000 ack
+        positions written), now 1.5-1.7 ms (a file made, one deleted; docs/storage.md). Only a
+        segment that also holds outstanding (delivered, unacked) messages is walked, from the read
+        cursor on, as before."""
         removed = 0
         by_seg: dict[int, list[int]] = {}
         for msg_id in self._requeued:
@@ -433,34 +444,64 @@ class QueueStore(SegmentDir):
         self._requeued = ()
         for no, positions in by_seg.items():
             removed += self._remove_many(self._segs[no], positions)
-        wseg = self._wseg
-        first = seg = self._rseg
+        first = self._rseg
         pos = self._rpos
-        while True:
-            if seg is not wseg and seg is not first:
-                # Wholly after the cursor and sealed: every live record is ready.
+        segs = self._segs
+        nos = sorted(no for no in segs if no >= first.no)
+        for no in nos:
+            if segs[no].unverified:
+                self._map(segs[no])  # CRC-checked first: damage found corrects its count before it is read
+        # Ready records from the cursor on: those of `first` after it, and every live one of the later
+        # segments. When they are all of first's live records, nothing outstanding is in it.
+        later = sum(segs[no].live for no in nos if no > first.no)
+        first_whole = first.live == self._ready - removed - later
+        for no in nos:
+            seg = segs.get(no)
+            if seg is None:
+                continue
+            whole = seg is not first or first_whole
+            if whole and seg is self._wseg:
+                whole = seg.live >= _PURGE_WHOLE_MIN and self._replace_write_segment()
+            if whole:
                 removed += seg.live
                 seg.live = 0
                 self._drop(seg)
-            else:
-                positions = []
-                acked = seg.acked
-                mm = seg.mm
-                used = seg.used
-                while pos < used:
-                    if acked is None or pos not in acked:
-                        positions.append(pos)
-                    pos = record.skip(mm, pos)
-                removed += self._remove_many(seg, positions)
-            if seg is wseg:
-                break
-            seg = self._next_seg(seg)
-            pos = DATA_START
+                continue
+            positions = []
+            acked = seg.acked
+            if seg.mm is None:
+                self._map(seg)
+            mm = seg.mm
+            used = seg.used
+            p = pos if seg is first else DATA_START
+            while p < used:
+                if acked is None or p not in acked:
+                    positions.append(p)
+                p = record.skip(mm, p)
+            removed += self._remove_many(seg, positions)
+        wseg = self._wseg
         self._rseg = wseg
         self._rpos = wseg.used
         self._ready = 0
         self._ready_bytes = 0
         return removed
+
+    def _replace_write_segment(self) -> bool:
+        """A fresh write segment in place of the current one, whose records all go (purge). False
+        when it cannot be made (no space): the caller removes them one by one instead."""
+        old = self._wseg
+        if old.fd < 0:
+            return False  # the placeholder: nothing stored
+        try:
+            new = Segment.create(self.path, old.no + 1, self._segment_size)
+        except OSError:
+            return False
+        with self._lock:
+            self._segs[new.no] = new
+            self._wseg = new
+            self._wdirty = True
+            self._dir_dirty = True  # notes the store (shard/segment_dir.py)
+        return True
 
     # ------------------------------------------------------------ durability
     def sync(self, acks: bool = True) -> None:

@@ -75,6 +75,12 @@ def _publishes(items: list) -> int:
     return n
 
 
+def _dead_lettered_refusal(q: Queue) -> bool:
+    """A queue that refused a publish dead-lettered it instead (x-overflow reject-publish-dlx): it was
+    handled there (as RabbitMQ's), not to be sent to that queue again."""
+    return getattr(q, "overflow", None) == "reject-publish-dlx"
+
+
 def _consumer_waiting(consumers: list) -> bool:
     """An active consumer that cannot take more now: out of credit, or at its prefetch limit (its
     acks then have to get through while publishes flood the same processes)."""
@@ -598,8 +604,26 @@ class ShardWorker:
                     f"'{vhost}'", 60, 70]])
                 return
             chan = self._channel(fe, conn_id, channel)
-            msg = q.get(chan, bool(no_ack))
-            q.store.flush_acks()  # the delivered mark, before get-ok leaves (a slow path anyway)
+            if not no_ack:
+                # Indexed before anything that can raise: the channel's close requeues the message
+                # from here, also when the get fails after it took it (a store error below).
+                chan.queues[q.qid] = None
+            msg = None
+            try:
+                msg = q.get(chan, bool(no_ack))
+                q.store.flush_acks()  # the delivered mark, before get-ok leaves (a slow path anyway)
+            except Exception as exc:
+                log.exception("shard %d: basic.get on queue %r in vhost %r failed", self.index, name, vhost)
+                if msg is None or not no_ack:
+                    # Answered, or the client's channel waits for get-ok forever. A connection error:
+                    # its close requeues what this get may have taken (a manual-ack one's, indexed above).
+                    self._stats_touched.add(q)
+                    self.data.put(fe, [contract.REPLY_DATA, req_id, False, [
+                        541, f"INTERNAL_ERROR - basic.get on queue '{name}' in vhost '{vhost}' failed: {exc}",
+                        60, 70]])
+                    return
+                # A no-ack get took its message (removed here, its ack written by a later flush): it
+                # goes out rather than be lost, as a delivery pass's would.
             self._stats_touched.add(q)
             if msg is not None:
                 q.n_delivered += 1
@@ -607,7 +631,6 @@ class ShardWorker:
                     q.n_get_no_ack += 1
                 else:
                     q.n_get += 1
-                    chan.queues[q.qid] = None  # the channel's close requeues it from here
             self.data.put(fe, [contract.REPLY_DATA, req_id, True, {"message": msg}])
         elif kind == contract.QOS:
             _, conn_id, channel, prefetch = item
@@ -736,6 +759,7 @@ class ShardWorker:
         queues = self.queues
         needs_sync = False
         rejected = False
+        refused: list[str] = []  # queues that did not store it and may later (the NACK names them)
         if len(props_raw) > 1 and props_raw[0] & 1:  # per-message TTL: the queues need FeatureQueue
             self._upgrade_queues(vhost, names)
         for name in names:
@@ -760,12 +784,15 @@ class ShardWorker:
                     q.store.append(ts, flags, exchange, routing_key, props_raw, body)
                 elif not q.publish(ts, flags, exchange, routing_key, props_raw, body):
                     rejected = True  # x-overflow reject-publish: the publisher gets basic.nack
+                    if not _dead_lettered_refusal(q):
+                        refused.append(name)
                     continue
             except OSError as exc:
                 # No space for a new segment (it is allocated before it is mapped, so a full disk
                 # is this error, never a SIGBUS): not stored, so the publisher gets basic.nack.
                 self._store_failed(q, exc)
                 rejected = True
+                refused.append(name)
                 continue
             q.n_published += 1
             self._dirty_queues.add(q)
@@ -775,7 +802,9 @@ class ShardWorker:
         if seq is not None:
             if rejected:
                 # One queue refused it (x-overflow reject-publish): the publisher gets basic.nack.
-                self.data.put(fe, [contract.CONFIRM_NACK, conn_id, channel, [seq]])
+                # The names of those that did not store it (a reject-publish-dlx queue dead-lettered
+                # it) let a shard that forwarded it (a due delayed message) send it to those again.
+                self.data.put(fe, [contract.CONFIRM_NACK, conn_id, channel, [seq], refused])
             elif needs_sync:
                 self._sync_waiting.append((fe, conn_id, channel, seq))
                 self._start_sync()
@@ -1006,7 +1035,7 @@ class ShardWorker:
     def route_to_queues(self, vhost: str, names: list[str] | tuple, flags: int, exchange: str, routing_key: str,
                         props: bytes, body: bytes, confirm_seq: int | None = None,
                         peer_channel: int = contract.PEER_CHANNEL_DELAYED,
-                        send: bool = True) -> tuple[bool, dict[int, list]]:
+                        send: bool = True, refused: list[str] | None = None) -> tuple[bool, dict[int, list]]:
         """Append a message the shard republishes itself (a dead letter, a due delayed message).
 
         Queues here get it appended, queues of other shards a PUBLISH over the peer DEALERs.
@@ -1014,7 +1043,10 @@ class ShardWorker:
         next group sync, the PUBLISH item sent to each other shard). With ``confirm_seq`` the
         other shards answer CONFIRM for it (see ``on_peer_answers``); without, a copy in flight to a
         shard that is restarting is lost. With ``send=False`` the items are only built (the caller
-        sends them, with their seq, through ``send_to_peer``).
+        sends them, with their seq, through ``send_to_peer``). With ``refused``, the names of the
+        queues here that did not store it (full with x-overflow reject-publish, a failed append) are
+        added to it, for the caller to try again; without, those are skipped (a dead letter is
+        dropped there, as RabbitMQ's at-most-once dead-lettering drops it).
         """
         if len(props) > 1 and props[0] & 1:  # per-message TTL: plain queues here need FeatureQueue
             self._upgrade_queues(vhost, list(names))
@@ -1031,11 +1063,20 @@ class ShardWorker:
             target = self.queues.get((vhost, name))
             if target is None or target.deleted:
                 continue
-            if target.__class__ is Queue:
-                if target.held:
-                    target.materialize()  # held ones first: they came before this message
-                target.store.append(ts, flags, exchange, routing_key, props, body)
-            elif not target.publish(ts, flags, exchange, routing_key, props, body):
+            try:
+                if target.__class__ is Queue:
+                    if target.held:
+                        target.materialize()  # held ones first: they came before this message
+                    target.store.append(ts, flags, exchange, routing_key, props, body)
+                elif not target.publish(ts, flags, exchange, routing_key, props, body):
+                    if refused is not None and not _dead_lettered_refusal(target):
+                        refused.append(name)
+                    continue
+            except OSError as exc:
+                if refused is None:
+                    raise
+                self._store_failed(target, exc)  # a full disk: tried again later
+                refused.append(name)
                 continue
             self.mark_dirty(target)
             if flags & 1 and target.durable:
@@ -1124,9 +1165,11 @@ class ShardWorker:
                     if not for_this_life(item, self.epoch):
                         continue  # for an earlier life of this shard: its seqs name other forwards now
                     if item[2] == contract.PEER_CHANNEL_DELAYED:
-                        self.delayed.peer_confirmed(shard, item[3])
+                        self.delayed.peer_confirmed(shard, item[3], kind == contract.CONFIRM,
+                                                    item[4] if len(item) > 4 else None)
                     elif item[2] == contract.PEER_CHANNEL_DLX:
-                        self.dead_letters.confirmed(shard, item[3], kind == contract.CONFIRM)
+                        self.dead_letters.confirmed(shard, item[3], kind == contract.CONFIRM,
+                                                    item[4] if len(item) > 4 else None)
                     else:
                         self.exchange_dedup.peer_confirmed(shard, item[3], kind == contract.CONFIRM)
             self.forward_settle.answered()
@@ -1226,8 +1269,10 @@ class ShardWorker:
                 return
         chan = self._channel(fe, conn_id, channel)
         consumer = Consumer(chan, tag, bool(no_ack), bool(exclusive), int(prefetch or 0), arguments or {})
+        # Indexed first: the channel's close looks here for the consumer and its unacked messages,
+        # whatever raises after.
+        chan.queues[q.qid] = None
         q.add_consumer(consumer)
-        chan.queues[q.qid] = None  # the channel's close looks here for it and its unacked messages
         self.consumers[(fe, conn_id, channel, tag)] = (q, consumer)
         if consumer.timeout:
             self.ack_timeouts.schedule()  # a shorter timeout than any before: scan more often
@@ -1252,12 +1297,18 @@ class ShardWorker:
         in the order of self.queues (ascending qid: a queue is added there when its qid is given out,
         and a replaced one keeps both), so what a close does across queues (requeues, dead letters at a
         delivery limit, auto-delete requests) comes in the order the walk of every queue had."""
-        # Every live queue, as before the index: the full suite's test_fuzz (many garbage
-        # connections) once left an unacked message on a queue missing from a closed channel's
-        # index (the walk check logged it), and a close that misses a queue leaves its message stuck.
-        # Until that path is found, correctness wins over the close's cost with many queues.
-        del chans
-        return list(self.queues.values())
+        by_qid = self.by_qid
+        qids: set[int] = set()
+        for chan in chans:
+            mine = chan.queues
+            gone = [qid for qid in mine if qid not in by_qid]
+            if gone:
+                # Deleted since (a qid is never given out again): off the index, or a long-lived
+                # channel's consumes of short-lived queues would be walked at every scan.
+                for qid in gone:
+                    del mine[qid]
+            qids.update(mine)
+        return [by_qid[qid] for qid in sorted(qids)]
 
     def owned_queues(self) -> list[Queue]:
         """Every queue where a channel may hold unacked messages (the consumer-timeout scan's), in

@@ -11,12 +11,15 @@ on a miss), which the random sequences below exercise.
 
 from __future__ import annotations
 
+import os
+
 import pika
 import pika.exceptions
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from shard.store import DELIVERED_MARK, queue_dir
 from tests.harness import pumping, wait_until
 from tests.helpers import connections_on_two_frontends, names_on_different_shards, uid
 
@@ -137,6 +140,66 @@ def test_a_close_requeues_exactly_its_unacked_in_order_and_leaves_the_others(nod
                     conn.close()
                 except (pika.exceptions.AMQPError, OSError):
                     pass
+
+
+def test_a_get_that_fails_after_taking_its_message_leaves_it_to_the_close(shared_node):
+    """A manual-ack basic.get whose store write fails after the message was taken (here the queue's
+    delivered-mark file cannot be opened: a directory stands in its place; in a full-suite run it was
+    the queue's directory gone) is answered with 541 INTERNAL_ERROR, not left waiting, and the
+    connection's close puts the message back, redelivered: the shard indexed the queue in the
+    channel's queues before it touched the store (the walk check compares the close with a walk)."""
+    q = uid("getfail")
+    conn = shared_node.connect()
+    other = shared_node.connect()
+    try:
+        ch = conn.channel()
+        ch.queue_declare(q)
+        _publish(conn, [q], [b"m"])
+        # The mark is opened at the queue's first delivery: none so far.
+        mark = os.path.join(queue_dir(str(shared_node.data_dir), "/", q), DELIVERED_MARK)
+        os.mkdir(mark)
+        try:
+            with pytest.raises(pika.exceptions.ConnectionClosedByBroker) as err:
+                ch.basic_get(q, auto_ack=False)
+            assert err.value.reply_code == 541, err.value
+            assert "basic.get" in err.value.reply_text
+        finally:
+            os.rmdir(mark)
+        och = other.channel()
+        wait_until(lambda: och.queue_declare(q, passive=True).method.message_count == 1, 10,
+                   "the taken message back in the queue")
+        method, _p, body = och.basic_get(q, auto_ack=True)
+        assert (body, method.redelivered) == (q.encode() + b":m", True)
+        och.queue_delete(q)
+    finally:
+        for c in (conn, other):
+            if c.is_open:
+                c.close()
+
+
+def test_a_no_ack_get_whose_mark_write_fails_still_gets_its_message(shared_node):
+    """The same fault under a no-ack basic.get: the message was taken (removed, no close requeues it),
+    so it is answered with get-ok rather than lost behind a 541."""
+    q = uid("getfail-noack")
+    conn = shared_node.connect()
+    try:
+        ch = conn.channel()
+        ch.queue_declare(q)
+        _publish(conn, [q], [b"m", b"n"])
+        mark = os.path.join(queue_dir(str(shared_node.data_dir), "/", q), DELIVERED_MARK)
+        os.mkdir(mark)
+        try:
+            method, _p, body = ch.basic_get(q, auto_ack=True)
+        finally:
+            os.rmdir(mark)
+        assert (body, method.redelivered) == (q.encode() + b":m", False)
+        method, _p, body = ch.basic_get(q, auto_ack=True)
+        assert body == q.encode() + b":n"
+        assert ch.queue_declare(q, passive=True).method.message_count == 0
+        ch.queue_delete(q)
+    finally:
+        if conn.is_open:
+            conn.close()
 
 
 # ---------------------------------------------------------------- random sequences

@@ -158,6 +158,37 @@ def test_delayed_types_route_when_due_to_queues_on_both_shards(shared_node, ch):
     assert count(ch, tq_other) == 0 and count(ch, dq_none) == 0
 
 
+def _store_on(shard: int, prefix: str) -> str:
+    """A delayed exchange name whose delay store lives on `shard` (of 2)."""
+    while True:
+        x = uid(prefix)
+        if delay_store_shard("/", x, 2) == shard:
+            return x
+
+
+@pytest.mark.parametrize("where", ["other shard", "same shard"])
+def test_a_due_message_a_full_queue_refused_reaches_it_once_it_has_room(shared_node, ch, where):
+    """A due message routed to a full queue (x-max-length 1, x-overflow reject-publish) on another
+    shard than the exchange's delay store (its CONFIRM_NACK names the queue), or on the same one, is
+    not dropped: once the queue has room it arrives there. A queue beside it on the same shard, which
+    took the message when it fell due, does not get it a second time."""
+    x = delayed_exchange(ch, "fanout", name=_store_on(0, "rx"))
+    shard = 1 if where == "other shard" else 0
+    full = name_on(shard, "full")
+    ch.queue_declare(full, arguments={"x-max-length": 1, "x-overflow": "reject-publish"})
+    ch.queue_bind(full, x, "")
+    side = bound_queue(ch, x, "", name=name_on(shard, "side"))
+    ch.basic_publish("", full, b"filler")
+    assert count(ch, full) == 1
+    ch.basic_publish(x, "", b"due", delay_props(200))
+    wait_count(ch, side, 1)  # fell due and was routed: the full queue refused it
+    assert count(ch, full) == 1
+    assert get_one(ch, full)[2] == b"filler"
+    assert get_one(ch, full)[2] == b"due"  # tried again while it waited, taken now
+    assert count(ch, side) == 1  # only the refusing queue was tried again
+    assert get_one(ch, side)[2] == b"due"
+
+
 def test_unroutable_delayed_message_is_dropped_without_return(shared_node, conn):
     ch = conn.channel()
     ch.confirm_delivery()

@@ -13,7 +13,7 @@ import pika
 import pytest
 
 from broker.definitions import queue_shard
-from tests.helpers import WAIT, count, get_one, uid
+from tests.helpers import WAIT, count, get_one, uid, wait_count
 
 # Queue names are picked per shard by their crc32 (tests/helpers.py): nodes place by name.
 QUEUE_PLACEMENT = "hash"
@@ -120,6 +120,31 @@ def test_dead_letters_cross_shards(ch, placement):
         ch.basic_reject(method.delivery_tag, requeue=False)
     bodies = [get_one(ch, dlq)[2] for _ in range(20)]
     assert bodies == [f"m{i}".encode() for i in range(20)]
+
+
+def test_a_dead_letter_a_full_queue_refused_goes_again_to_it_alone(ch):
+    """A dead letter forwarded to two queues of another shard, one of them full (x-max-length 1,
+    x-overflow reject-publish): the refusing queue gets it once it has room, the other holds one
+    copy only (a retry of the whole forward put another in it each time)."""
+    dlx = uid("dlx")
+    ch.exchange_declare(dlx, "fanout", auto_delete=False)
+    full = uid_on(1, "full")
+    ch.queue_declare(full, arguments={"x-max-length": 1, "x-overflow": "reject-publish"})
+    ch.queue_bind(full, dlx)
+    side = uid_on(1, "side")
+    ch.queue_declare(side)
+    ch.queue_bind(side, dlx)
+    src = uid_on(0, "src")
+    ch.queue_declare(src, arguments={"x-dead-letter-exchange": dlx})
+    ch.basic_publish("", full, b"filler")
+    ch.basic_publish("", src, b"m")
+    method, _p, _b = get_one_unacked(ch, src)
+    ch.basic_reject(method.delivery_tag, requeue=False)
+    wait_count(ch, side, 1)  # forwarded: the full queue refused it
+    assert count(ch, full) == 1
+    assert get_one(ch, full)[2] == b"filler"
+    assert get_one(ch, full)[2] == b"m"  # sent again while it waited, taken now
+    assert count(ch, side) == 1
 
 
 def test_missing_dlx_drops_the_message(ch):

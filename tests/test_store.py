@@ -11,6 +11,7 @@ import threading
 import pytest
 
 from shard import record, segment_dir
+from shard import store as store_module
 from shard.segment import DATA_START, Meta, file_name
 from shard.segment_dir import REAPER_NAME, REAPER_NICE, TRASH_PREFIX
 from shard.store import QueueStore, make_queue_dir, queue_dir
@@ -103,6 +104,53 @@ def test_purge_keeps_outstanding(tmp_path):
     assert drain(s) == [1000]
     s.close()
     s = QueueStore(str(tmp_path), segment_size=4096)
+    assert s.ready == 0
+    s.close()
+
+
+def test_purge_deletes_segments_of_ready_messages_whole(tmp_path):
+    """Segments holding ready messages only go whole, the write segment too (a fresh one takes its
+    place): no ack per record. The count is exact, later appends are read in order, and neither a
+    clean reopen nor one after a crash brings a purged message back."""
+    path = str(tmp_path)
+    s = QueueStore(path, segment_size=32768)
+    ids = [add(s, i) for i in range(2000)]
+    segs = sorted({i >> 32 for i in ids})
+    assert len(segs) >= 3
+    assert sum(1 for i in ids if i >> 32 == segs[-1]) >= store_module._PURGE_WHOLE_MIN
+    assert s.purge() == 2000
+    assert s.ready == 0 and s.ready_bytes == 0 and s.shift() is None
+    assert files(path, "msgs") == [file_name("msgs", segs[-1] + 1)]
+    assert files(path, "acks") == []
+    add(s, 5001)
+    del s  # a crash: no close, no sync
+    s = QueueStore(path, segment_size=32768)
+    assert s.ready == 1
+    add(s, 5002)
+    assert drain(s) == [5001, 5002]
+    s.close()
+    s = QueueStore(path, segment_size=32768)
+    assert s.ready == 0
+    s.close()
+
+
+def test_purge_walks_a_segment_that_holds_an_outstanding_message(tmp_path):
+    """Many ready messages beside an outstanding (delivered, unacked) one in the write segment, and
+    a requeued one: the ready ones go one by one, the outstanding one stays to be acked or requeued."""
+    path = str(tmp_path)
+    s = QueueStore(path, segment_size=1 << 20)
+    ids = [add(s, i) for i in range(1000)]
+    a = s.shift()
+    b = s.shift()
+    s.requeue(a[0])
+    assert s.purge() == 999
+    assert files(path, "msgs") == [file_name("msgs", ids[0] >> 32)]
+    assert s.requeue(b[0]) and s.shift()[0] == ids[1]
+    assert s.ack(ids[1])
+    add(s, 5001)
+    assert drain(s) == [5001]
+    s.close()
+    s = QueueStore(path, segment_size=1 << 20)
     assert s.ready == 0
     s.close()
 

@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from shard import store as store_module
 from shard.store import QueueStore
 
 SEGMENT = 512  # tiny, so sequences cross many segment boundaries and big records get their own
@@ -90,9 +91,16 @@ class StoreModel(RuleBasedStateMachine):
         expect = self.requeued[0] if self.requeued else self.cursor[0] if self.cursor else None
         assert (msg[0] if msg else None) == expect
 
-    @rule()
-    def purge(self):
-        removed = self.store.purge()
+    @rule(whole=st.booleans())
+    def purge(self, whole):
+        # whole: segments of ready messages go whole from one message on (the write segment replaced),
+        # not from store._PURGE_WHOLE_MIN, which these small sequences seldom reach.
+        saved = store_module._PURGE_WHOLE_MIN
+        store_module._PURGE_WHOLE_MIN = 1 if whole else saved
+        try:
+            removed = self.store.purge()
+        finally:
+            store_module._PURGE_WHOLE_MIN = saved
         gone = self.requeued + self.cursor
         assert removed == len(gone)
         for msg_id in gone:
