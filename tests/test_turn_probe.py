@@ -50,3 +50,28 @@ def test_the_probe_records_a_long_turn_a_long_call_and_a_collection(tmp_path, mo
     assert int(calls[0][2]) >= started
     assert any(x[0] == "tick" and int(x[3]) >= 5000 for x in lines)  # that turn's CPU
     assert any(x[0] == "gc" and x[4] == "2" for x in lines)
+
+
+def test_the_report_names_the_longest_turn_collections_and_calls(tmp_path, capsys):
+    from loadtest import turn_report
+
+    (tmp_path / "shard-7.turns").write_text(
+        "tick 1 4000 2500\ntick 2 9000 6100\ngc 3 900 800 2 10\ngc 4 300 250 1 5\n"
+        "call ShardWorker._handle[20] 5 7000 6900\ncall ShardWorker._handle[20] 6 300 300\n"
+        "call ShardWorker._on_control[4] 7 900 850\ncall cut\n")
+    assert turn_report.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "shard-7: longest turn 6.1 ms CPU (9.0 ms wall)"
+    assert "  gc gen 2: 1 over 200 us, longest 0.8 ms CPU" in out
+    assert out[-2] == "  ShardWorker._handle[20]: 2 calls over 200 us, longest 6.9 ms, total 7.2 ms CPU"
+    assert out[-1].startswith("  ShardWorker._on_control[4]: 1 calls")
+
+
+def test_the_report_of_a_dir_without_turns_files_is_an_error_naming_it(tmp_path, capsys):
+    import pytest
+
+    from loadtest import turn_report
+
+    with pytest.raises(SystemExit) as e:
+        turn_report.main([str(tmp_path)])
+    assert e.value.code == 2 and f"no *.turns files in {tmp_path}" in capsys.readouterr().err
