@@ -275,7 +275,8 @@ class FileWriter:
     def fence(self, store_dir: str) -> None:
         """Drop this writer's actions on ``store_dir`` until its DELETE of it (see ``fenced``)."""
         self.fenced.add(store_dir)
-        for key in [r for r in self._fds if r.startswith(store_dir + "/")]:
+        # list(): copied in one step (this may run while the stream's full sync deletes in a thread).
+        for key in [r for r in list(self._fds) if r.startswith(store_dir + "/")]:
             self.close_fd(key)
 
     def remove(self, rel: str) -> None:
