@@ -189,8 +189,14 @@ class FileWriter:
 
     def __init__(self, root: str) -> None:
         self.root = root
-        # Called with the path of every file opened for writing or replaced (not per write).
-        self.on_new_path: Callable[[str], None] | None = None
+        # Asked before a file is opened for writing (not per write: an open fd is written without a
+        # look-up), replaced or deleted, with the path and whether it is a delete: False drops the
+        # action (replication/follower.py: a store directory another stream has taken over).
+        self.admit: Callable[[str, bool], bool] | None = None
+        # Store directories whose actions this stream's writer drops until its DELETE of the
+        # directory itself (see ReplicationFollower._admit); their fds are closed when fenced, so
+        # every write to them passes admit().
+        self.fenced: set[str] = set()
         self._fds: dict[str, int] = {}
         self._dirty_fds: set[str] = set()
         self._dirty_dirs: set[str] = set()
@@ -202,6 +208,8 @@ class FileWriter:
         if fd is not None:
             os.ftruncate(fd, 0)
             return fd
+        if self.admit is not None and not self.admit(rel, False):
+            return -1
         full = os.path.join(self.root, rel)
         flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | (os.O_TRUNC if truncate else 0)
         try:
@@ -214,8 +222,6 @@ class FileWriter:
         if len(self._fds) >= self.MAX_FDS:
             self._evict()
         self._fds[rel] = fd
-        if self.on_new_path is not None:
-            self.on_new_path(rel)
         return fd
 
     def _evict(self) -> None:
@@ -225,6 +231,8 @@ class FileWriter:
 
     def write_at(self, rel: str, offset: int, data: bytes, truncate: bool = False) -> None:
         fd = self._fd(rel, truncate)
+        if fd < 0:
+            return  # not admitted
         if data:
             os.pwrite(fd, data, offset)
         self._dirty_fds.add(rel)
@@ -237,6 +245,8 @@ class FileWriter:
         the first chunk, it lost them until the transfer ended, and for good if this follower was
         promoted meanwhile (the leader gone while the ISR in etcd still listed it)."""
         fd = self._fd(rel)
+        if fd < 0:
+            return  # not admitted
         if data:
             os.pwrite(fd, data, offset)
         if offset + len(data) >= total:
@@ -244,6 +254,8 @@ class FileWriter:
         self._dirty_fds.add(rel)
 
     def replace(self, rel: str, data: bytes) -> None:
+        if self.admit is not None and not self.admit(rel, False):
+            return
         self.close_fd(rel)
         full = os.path.join(self.root, rel)
         tmp = full + ".tmp"
@@ -254,10 +266,21 @@ class FileWriter:
             os.fdatasync(f.fileno())
         os.replace(tmp, full)
         self._dirty_dirs.add(os.path.dirname(full))
-        if self.on_new_path is not None:
-            self.on_new_path(rel)
 
     def delete(self, rel: str) -> None:
+        if self.admit is not None and not self.admit(rel, True):
+            return
+        self.remove(rel)
+
+    def fence(self, store_dir: str) -> None:
+        """Drop this writer's actions on ``store_dir`` until its DELETE of it (see ``fenced``)."""
+        self.fenced.add(store_dir)
+        # list(): copied in one step (this may run while the stream's full sync deletes in a thread).
+        for key in [r for r in list(self._fds) if r.startswith(store_dir + "/")]:
+            self.close_fd(key)
+
+    def remove(self, rel: str) -> None:
+        """Delete a file or directory tree, not asking admit()."""
         full = os.path.join(self.root, rel)
         for key in [r for r in self._fds if r == rel or r.startswith(rel + "/")]:
             self.close_fd(key)

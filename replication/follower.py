@@ -196,14 +196,54 @@ class ReplicationFollower:
                              expect_leader=expect_leader, expect_streams=expect_streams,
                              on_file_list=None if stream == "node" else self._on_file_list)
         if stream != "node":
-            rec.writer.on_new_path = lambda rel: owners.wrote(stream, rel)
+            rec.writer.admit = lambda rel, deleting: self._admit(rec, rel, deleting)
             rec.on_delete = lambda rel: owners.deleted(stream, rel)
         self._receivers[stream] = rec
         return rec
 
+    def _admit(self, rec: StreamReceiver, rel: str, deleting: bool) -> bool:
+        """Whether shard stream ``rec`` may open, replace or delete ``rel`` (see FileWriter.admit).
+
+        Streams are not ordered with each other. A queue (or delay store) deleted on shard A and
+        declared again on shard B has the same directory, and B's first writes to it can arrive here
+        before A's last actions on the old one (its DELETE above all, which removed the new queue's
+        files with the old ones). On the leader the directory B writes to is a new one: so B's first
+        write to a directory another stream owns here removes what that stream left in it (what its
+        own DELETE would have removed), and that stream's actions on it are dropped until its DELETE
+        of it, the last one it sends about the old queue (or until its next file list: a stream that
+        reconnects starts from the leader shard's present). Open files of the old owner's under it
+        are closed, so its writes pass here too. Called on a cache miss, not per write.
+        """
+        d = store_dir_of(rel)
+        if d is None:
+            return True
+        writer = rec.writer
+        if d in writer.fenced:
+            if deleting and rel == d:
+                writer.fenced.discard(d)
+                log.info("replication %s: its late delete of %s dropped: another stream has it since",
+                         rec.stream, d)
+            return False
+        if deleting:
+            return True
+        stream = rec.stream
+        prev = self.owners.owner(d)
+        if prev is not None and prev != stream:
+            old = self._receivers.get(prev)
+            if old is not None:
+                old.writer.fence(d)
+            log.info("replication %s: %s is declared again here after %s had it: the old files go, "
+                     "%s's late actions on it are dropped", stream, d, prev, prev)
+            writer.remove(d)
+        self.owners.wrote(stream, rel)
+        return True
+
     def _on_file_list(self, rec: StreamReceiver, listing: p.FileList) -> None:
         """A shard stream's file list (on the loop, before its comparison runs in a thread): delete
         the store directories that stream gave us and the leader's shard no longer has."""
+        # A connection's writer may have been fenced before its list came (_admit): the list is the
+        # leader shard's present, no late action of an older connection's can follow it.
+        rec.writer.fenced.clear()
         for d in self.owners.listed(rec.stream, listing.dirs):
             log.info("replication %s: deleting %s: no longer on the leader", rec.stream, d)
             rec.writer.delete(d)
