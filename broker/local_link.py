@@ -7,14 +7,29 @@ no wake-up of another process (each of those cost ~22 us on a halted vCPU plus ~
 sender's ``send``: docs/benchmarks.md, "What would close the gap").
 
 What stays as with sockets (the workers cannot tell): the per-turn batching of ``TurnBatcher``
-(one batch per destination per loop turn, a full one at once), the contract's batches packed and
-unpacked as the sockets do (so a body handed over is a fresh ``bytes``, never a view of a buffer
-the sender reuses), ``on_sent`` (the frontend's bytes in flight), ``on_drained`` after each batch
-handed over (a worker sends what it produced then, as after a read), the stage trace, and FIFO
-order per direction (``call_soon`` keeps it). Every other peer (other frontends, other shards'
-forwards, the shard's own deduplicating-exchange socket) still goes through the real socket: the
-shard's listener is a ``PairedRouter`` that sends a batch in-process only when its destination is
-the paired frontend's publish or control lane.
+(one batch per destination per loop turn, a full one at once), ``on_sent`` (the frontend's bytes
+in flight, from the items' sizes: ``_size``), ``on_drained`` after each batch handed over (a
+worker sends what it produced then, as after a read), the stage trace, and FIFO order per
+direction (``call_soon`` keeps it). Every other peer (other frontends, other shards' forwards, the
+shard's own deduplicating-exchange socket) still goes through the real socket: the shard's listener
+is a ``PairedRouter`` that sends a batch in-process only when its destination is the paired
+frontend's publish or control lane.
+
+What differs: the batch's item lists are handed over as they are, not packed and unpacked (that
+cost ~9 us of a message's CPU at 1,000 msg/s, issue #15), for the kinds of the hot path only
+(``DIRECT_KINDS``). That is safe because of what their senders and receivers do, checked kind by
+kind (docs/architecture.md "Paired processes"): every such item is a fresh list, built for that
+put and never touched by its sender again; its leaves are what unpacking would give (lists, never
+tuples; ``bytes`` bodies and properties, never a ``bytearray`` or a ``memoryview`` of a read
+buffer: the AMQP parser slices ``bytes``, the MQTT one copies, the shard's store slices its mmap);
+the lists inside (a PUBLISH's queue names, which MQTT's routing plan shares between publishes;
+an ACK's refs, a CONFIRM's seqs) are only read by the receivers. Every other kind (replies holding
+a shard's KV values, GET results, definitions-sized answers: rare, and not audited) gets a copy
+packed and unpacked per item, exactly as before. With ``SHARDMQ_TEST_LINK_CHECK=1``
+(tests/harness.py sets it on every test node) each batch is also packed: what is handed over must
+equal its unpacking, type for type, at the put's flush, at the handover and a while after the
+receiver handled it (nothing mutated it); a difference logs ``LINK_CHECK_FAILED`` and
+tests/conftest.py fails the test.
 
 The registry is per process: ``enable(index)`` is called once by ``shard/pair_main.py`` before
 either worker starts; a process that did not call it (a single-role worker) never sees a link.
@@ -23,13 +38,31 @@ either worker starts; a process that did not call it (a single-role worker) neve
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 from collections.abc import Callable
 from typing import Any
+
+import msgpack
 
 from broker import contract, gc_pause
 from broker.turn_batch import OnBatch, TurnBatcher
 
 _BULK_BATCH = 1 << 20  # as broker/unixio.py: a batch this big is decoded with the cyclic GC paused
+
+# Handed over as they are (module docstring): frontend -> shard, then shard -> frontend.
+DIRECT_KINDS = frozenset((contract.PUBLISH, contract.PUBLISH_RUN, contract.ACK, contract.CREDIT,
+                          contract.DELIVER, contract.CONFIRM, contract.CONFIRM_NACK, contract.PROCESSED))
+_PUBLISH = contract.PUBLISH
+_PUBLISH_RUN = contract.PUBLISH_RUN
+_ITEM_OVERHEAD = 48  # on_sent's bytes of an item beyond its bodies and properties (~ its packed fields)
+
+LINK_CHECK_ENV = "SHARDMQ_TEST_LINK_CHECK"
+LINK_CHECK_FAILED = "link check failed"  # the log line's start (tests/conftest.py looks for it)
+_CHECK = os.environ.get(LINK_CHECK_ENV) == "1"
+_RECHECK_S = 0.2  # the check's last look: this long after the receiver handled the batch
+
+log = logging.getLogger("shardmq.link")
 
 _paired: int | None = None  # the index of this process's pair, if it is one
 _router: Any = None  # the paired shard's listener, once it is bound
@@ -49,6 +82,112 @@ def local_identities(index: int) -> tuple[bytes, bytes]:
     """The identities the paired frontend's two lanes to shard ``index`` connect with."""
     fe = contract.worker_id("frontend", index)
     return fe, fe + contract.CONTROL_LANE_SUFFIX
+
+
+def _copy(item: list) -> tuple[list, int]:
+    """An item of a kind not handed over as is: packed and unpacked, as a socket would; its size."""
+    data = msgpack.packb(item, use_bin_type=True)
+    if len(data) >= _BULK_BATCH:
+        with gc_pause.paused():
+            return msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True), len(data)
+    return msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True), len(data)
+
+
+def _own(items: list) -> int:
+    """Make ``items`` the receiver's (copies of the kinds not in DIRECT_KINDS, in place); the batch's
+    size as on_sent counts it: bodies and properties plus a little per item (the packed size of a copy)."""
+    size = 0
+    direct = DIRECT_KINDS
+    for i, item in enumerate(items):
+        kind = item[0]
+        if kind in direct:
+            if kind == _PUBLISH:
+                size += len(item[5]) + len(item[6]) + _ITEM_OVERHEAD
+            elif kind == _PUBLISH_RUN:
+                bodies = item[6]
+                size += sum(map(len, bodies)) + len(item[5]) + _ITEM_OVERHEAD + 6 * len(bodies)
+            else:
+                size += _ITEM_OVERHEAD
+        else:
+            items[i], n = _copy(item)
+            size += n
+    return size
+
+
+def _hand_over(sender: TurnBatcher, target: TurnBatcher, ident: bytes | None, header: Any, items: list) -> None:
+    """Send one batch to ``target`` in-process (the sender's ``_send_items``)."""
+    size = _own(items)
+    if sender.on_sent is not None:
+        sender.on_sent(size)
+    if _CHECK:
+        sender.loop.call_soon(_receive_checked, target, ident, header, items, _packed_same(header, items))
+    else:
+        sender.loop.call_soon(_receive_items, target, ident, header, items)
+
+
+def _receive_items(target: TurnBatcher, ident: bytes | None, header: Any, items: list) -> None:
+    """Hand one batch's items to ``target``'s on_batch, as a socket's read would (runs from call_soon)."""
+    if target._closed:
+        return  # the end stopped (a pair's stop: frontend first): what was in flight is dropped
+    if target._trace is not None:
+        target._trace.batch(target._trace_in, items, target._trace_keep)
+    target.on_batch(ident, header, items)
+    on_drained = target.on_drained
+    if on_drained is not None and not target._closed:
+        on_drained()
+
+
+# ----------------------------------------------------------------------------- test-mode check
+def _same(a: Any, b: Any) -> bool:
+    """Equal and of the same types all the way down (a tuple is not a list, a bytearray not bytes)."""
+    if a.__class__ is not b.__class__:
+        return False
+    if a.__class__ is list:
+        return len(a) == len(b) and all(map(_same, a, b))
+    if a.__class__ is dict:  # msgpack keeps a map's order
+        return len(a) == len(b) and all(_same(k, k2) and _same(v, b[k2])
+                                        for (k, v), k2 in zip(a.items(), b, strict=True))
+    return a == b or (a != a and b != b)  # NaN
+
+
+def _packed_same(header: Any, items: list) -> bytes | None:
+    """The batch packed, after checking that unpacking it gives back what is handed over."""
+    try:
+        payload = contract.pack(header, items)
+    except Exception as exc:  # a leaf msgpack cannot pack: a socket could not have carried it
+        log.error(LINK_CHECK_FAILED + ": a batch does not pack: %r", exc)
+        return None
+    got_header, got = contract.unpack(payload)
+    if not _same(header, got_header):
+        log.error(LINK_CHECK_FAILED + ": header %r unpacks as %r", header, got_header)
+    for item, unpacked in zip(items, got, strict=True):
+        if not _same(item, unpacked):
+            log.error(LINK_CHECK_FAILED + ": item %r unpacks as %r", _short(item), _short(unpacked))
+    return payload
+
+
+def _short(item: Any) -> str:
+    text = repr(item)
+    return text if len(text) < 400 else text[:400] + "..."
+
+
+def _receive_checked(target: TurnBatcher, ident: bytes | None, header: Any, items: list,
+                     payload: bytes | None) -> None:
+    if payload is not None and contract.pack(header, items) != payload:
+        log.error(LINK_CHECK_FAILED + ": a batch changed between its flush and its handover: %s", _short(items))
+        payload = None
+    # The items handed over as they are (the copies are the receiver's alone, to change as it likes).
+    direct = [item for item in items if item[0] in DIRECT_KINDS]
+    before = contract.pack(0, direct) if payload is not None and direct else None
+    _receive_items(target, ident, header, items)
+    if before is not None:
+        target.loop.call_later(_RECHECK_S, _recheck, direct, before)
+
+
+def _recheck(direct: list, packed: bytes) -> None:
+    if contract.pack(0, direct) != packed:
+        log.error(LINK_CHECK_FAILED + ": an item changed after it was handed over (its sender kept and changed "
+                  "it, or its receiver changed something its sender keeps): %s", _short(direct))
 
 
 def _receive(target: TurnBatcher, ident: bytes | None, payload: bytes) -> None:
@@ -79,6 +218,13 @@ class PairedRouterMixin:
 
     def _init_local(self) -> None:
         self._local: dict[bytes, LocalDealer] = {}
+
+    def _send_items(self, dest: bytes | None, header: Any, items: list) -> None:
+        link = self._local.get(dest)  # type: ignore[arg-type]
+        if link is None:
+            super()._send_items(dest, header, items)  # type: ignore[misc]
+        elif not self._closed:  # type: ignore[attr-defined]
+            _hand_over(self, link, None, header, items)  # type: ignore[arg-type]
 
     def _send(self, dest: bytes | None, payload: bytes) -> None:
         link = self._local.get(dest)  # type: ignore[arg-type]
@@ -124,7 +270,12 @@ class LocalDealer(TurnBatcher):
     def connected(self) -> bool:
         return not self._closed and not self.router._closed
 
+    def _send_items(self, dest: bytes | None, header: Any, items: list) -> None:
+        if not self._closed:
+            _hand_over(self, self.router, self.identity, header, items)
+
     def _send(self, dest: bytes | None, payload: bytes) -> None:
+        """A batch already packed (``send_packed``): unpacked on the other end, as a socket's."""
         if self._closed:
             return
         if self.on_sent is not None:

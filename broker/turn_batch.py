@@ -120,11 +120,11 @@ class TurnBatcher:
         self._extra.pop(dest, None)
         if self._trace is not None:
             self._trace.batch(self._trace_out, items)
-        self._send(dest, contract.pack(self.header_for(dest), items))
+        self._send_items(dest, self.header_for(dest), items)
 
     def send_now(self, dest: bytes | None, items: list, header: Any = 0) -> None:
         """Send one batch immediately (control messages outside the per-turn batch)."""
-        self._send(dest, contract.pack(header, items))
+        self._send_items(dest, header, items)
 
     def send_packed(self, dest: bytes | None, payload: bytes) -> None:
         """Send one batch already packed (contract.pack) immediately: the same bytes to many peers."""
@@ -151,7 +151,12 @@ class TurnBatcher:
         for dest, items in pending.items():
             if trace is not None:
                 trace.batch(self._trace_out, items)
-            self._send(dest, contract.pack(self.header_for(dest), items))
+            self._send_items(dest, self.header_for(dest), items)
+
+    def _send_items(self, dest: bytes | None, header: Any, items: list) -> None:
+        """Send one batch: packed, to ``_send``. The in-process link (broker/local_link.py) hands the
+        items over instead; ``items`` is the sender's no more either way (never put to again)."""
+        self._send(dest, contract.pack(header, items))
 
     def _send(self, dest: bytes | None, payload: bytes) -> None:
         raise NotImplementedError

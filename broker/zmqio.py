@@ -64,7 +64,7 @@ class BatchSocket(TurnBatcher):
 
     def send_now(self, dest: bytes | None, items: list, header: Any = 0) -> None:
         """Send one batch immediately (control messages outside the per-turn batch)."""
-        self._send(dest, contract.pack(header, items))
+        self._send_items(dest, header, items)
         if not self._scheduled:  # re-check for input after the send (see flush)
             self._scheduled = True
             self.loop.call_soon(self.flush)

@@ -25,9 +25,11 @@ RUN_MAX = MAX_BATCH_ITEMS  # bodies per PUBLISH_RUN item at most
 
 
 def queues_by_shard(defs: Definitions, vhost: str, queues: Sequence[str]) -> dict[int, list]:
-    """Queue names grouped by the shard that owns them (routed queues exist in defs)."""
+    """Queue names grouped by the shard that owns them (routed queues exist in defs). Lists, never the
+    routing's cached tuple: a PUBLISH carries them to a paired shard as they are (broker/local_link.py)."""
     if len(queues) == 1:
-        return {defs.queue(vhost, queues[0]).shard: queues}
+        name = queues[0]
+        return {defs.queue(vhost, name).shard: [name]}
     groups: dict[int, list] = {}
     for name in queues:
         shard = defs.queue(vhost, name).shard

@@ -38,8 +38,10 @@ def module_node_args(module) -> list[str]:
 
 def _stats_unreported(factory: NodeFactory) -> None:
     """Fail the test when a shard of one of its nodes logged a queue change its STATS reports missed
-    (shard/stats.py), or a queue its channel-close or periodic-sync index missed (shard/walk_check.py):
-    the harness turns both checks on in every node."""
+    (shard/stats.py), or a queue its channel-close or periodic-sync index missed (shard/walk_check.py),
+    or a pair's link handed over an item that differs from its packing or changed after
+    (broker/local_link.py): the harness turns these checks on in every node."""
+    from broker.local_link import LINK_CHECK_FAILED
     from shard.stats import STATS_CHECK_FAILED
     from shard.walk_check import WALK_CHECK_FAILED
 
@@ -50,6 +52,9 @@ def _stats_unreported(factory: NodeFactory) -> None:
         lines = [line for line in n.log_text().splitlines() if WALK_CHECK_FAILED in line]
         if lines:
             pytest.fail(f"{n.log_path}: a shard's index missed a queue:\n" + "\n".join(lines[:3]))
+        lines = [line for line in n.log_text().splitlines() if LINK_CHECK_FAILED in line]
+        if lines:
+            pytest.fail(f"{n.log_path}: a pair's link handed over what a socket would not:\n" + "\n".join(lines[:3]))
 
 
 @pytest.fixture

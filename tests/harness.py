@@ -288,8 +288,10 @@ class Node:
         # Every shard checks each STATS report against a read of all its queues and logs
         # shard.stats.STATS_CHECK_FAILED when a change went unreported (tests/conftest.py fails the test).
         # Likewise shard/walk_check.py: a channel close and the periodic sync check their indexes
-        # against a walk of every queue.
-        env.update(PYTHONUNBUFFERED="1", SHARDMQ_TEST_STATS_CHECK="1", SHARDMQ_TEST_WALK_CHECK="1", **self.env)
+        # against a walk of every queue. And broker/local_link.py: what a pair's link hands over as is
+        # must equal its packing and unpacking, and nothing may change it after.
+        env.update(PYTHONUNBUFFERED="1", SHARDMQ_TEST_STATS_CHECK="1", SHARDMQ_TEST_WALK_CHECK="1",
+                   SHARDMQ_TEST_LINK_CHECK="1", **self.env)
         self.starts += 1
         self._note(f"start #{self.starts}: {' '.join(self.argv())}")
         with open(self.log_path, "ab") as log:
