@@ -818,19 +818,25 @@ class Node:
         # _request_at_once) sees it in flight.
         key = (ident, tuple(args.get("owner") or ()), chain)
         prev, mine = self._chains.link(key)
+        if op == "queue.delete":
+            # Its task starts once the pacer grants the deletion (paced before its counts are asked
+            # for: 500 pipelined deletes are 500 shard queries too). Hundreds of waiting tasks were
+            # what the node's young garbage collections walked (broker/delete_pacer.py when_granted).
+            self.delete_pacer.when_granted(1, lambda: self._spawn_task(
+                self._answer_chained(ident, req_id, op, args, key, prev, mine, paced=True)))
+            return
         self._spawn_task(self._answer_chained(ident, req_id, op, args, key, prev, mine))
 
     async def _answer(self, ident: bytes, req_id: int, op: str, args: dict) -> None:
         self._put(ident, await self._reply_to(req_id, op, args, None, ident))
 
     async def _answer_chained(self, ident: bytes, req_id: int, op: str, args: dict, key: tuple,
-                              prev: asyncio.Future | None, mine: asyncio.Future) -> None:
+                              prev: asyncio.Future | None, mine: asyncio.Future, paced: bool = False) -> None:
+        """paced: a queue.delete whose deletion the pacer has granted already (_handle_request)."""
         ok = False
         early = None
-        paced = False
         try:
-            if op == "queue.delete":
-                # Paced before its counts are asked for: 500 pipelined deletes are 500 shard queries too.
+            if op == "queue.delete" and not paced:
                 await self.delete_pacer.take(1)
                 paced = True
             if prev is not None and op == "queue.delete" and not self._chains.failed(key):
