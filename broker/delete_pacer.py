@@ -21,11 +21,33 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
 
 # The bucket refills between grants at least this long: waiters are woken a few at a time (at 2,000/s,
 # ~8 deletions per wake-up), so each worker gets one small DEFS batch per wake-up instead of one
 # process wake-up per queue in every worker.
 MIN_WAKE_S = 0.004
+
+
+class _Grant:
+    """A waiter that runs a function when granted (DeletePacer.when_granted): what the waiting deque
+    asks of a future (done, set_result, cancelled), without a future, a task and a coroutine frame."""
+
+    __slots__ = ("fn", "_done")
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn = fn
+        self._done = False
+
+    def done(self) -> bool:
+        return self._done
+
+    def cancelled(self) -> bool:
+        return False
+
+    def set_result(self, _result: None) -> None:
+        self._done = True
+        self.fn()
 
 
 class DeletePacer:
@@ -39,7 +61,7 @@ class DeletePacer:
         self.burst = max(1, int(burst))
         self._tokens = float(self.burst)
         self._stamp = time.monotonic()
-        self._waiters: deque[tuple[int, asyncio.Future]] = deque()
+        self._waiters: deque[tuple[int, asyncio.Future | _Grant]] = deque()
         self._timer: asyncio.TimerHandle | None = None
 
     def _refill(self) -> None:
@@ -79,6 +101,17 @@ class DeletePacer:
                     pass
                 self._arm()
             raise
+
+    def when_granted(self, n: int, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` once n deletions may go: now if they may (before this returns), else from the
+        pacer's timer, in the same FIFO order as ``take``. 500 pipelined queue.delete waiting for
+        their turn were 500 tasks (each a coroutine frame and futures) that every young garbage
+        collection of the node walked: 2-3 ms per generation-1 collection."""
+        if self.try_take(n):
+            fn()
+            return
+        self._waiters.append((n, _Grant(fn)))
+        self._arm()
 
     def waiting(self) -> int:
         """Deletions waiting for their turn (tests, stats)."""

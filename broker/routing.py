@@ -196,6 +196,10 @@ class TopicTable:
                 self._walk(hash_child, words, j, found)
 
 
+# _norm of an empty table (or of no arguments): what most bindings carry, without the sort and generator.
+EMPTY_TABLE_KEY = ("table", ())
+
+
 def _norm(value: Any) -> Any:
     """A comparison key giving Erlang '==' semantics to decoded AMQP values."""
     if isinstance(value, bool):
@@ -266,7 +270,7 @@ class HeadersTable:
 
     @staticmethod
     def _key(dest: Dest, routing_key: str, arguments: dict | None) -> Any:
-        return (dest, routing_key, _norm(arguments or {}))
+        return (dest, routing_key, _norm(arguments) if arguments else EMPTY_TABLE_KEY)
 
     def add(self, dest: Dest, routing_key: str, arguments: dict | None) -> None:
         key = self._key(dest, routing_key, arguments)

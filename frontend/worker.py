@@ -128,6 +128,7 @@ class FrontendWorker:
         # publishes to other queues go on between its slices (broker/node.py _commit).
         self.node.turn_s = CONTROL_TURN_S
         self.node.read_delay_s = control_delay_for_tests_s("frontend", self.ident.decode())
+        self.node.on_drained = self._node_drained
         self.node.send_now(None, [[contract.HELLO, contract.VERSION, "frontend", self.index, os.getpid()]])
         version, epochs, settings = await self._snapshot
         self.settings = settings
@@ -571,6 +572,14 @@ class FrontendWorker:
         confirms are written to the clients now, not after the rest of the loop turn (its other
         callbacks, other sockets). At a steady rate that read is all the turn carries, and what runs
         after it would only delay the client; a flood still writes once per read."""
+        if self._dirty:
+            self._end_of_turn()
+
+    def _node_drained(self) -> None:
+        """The batches of one read from the node are handled: the replies they carried (a bind-ok)
+        are written to the clients now. In a paired process the shard part's copy of the same DEFS
+        is read from its own socket in this loop turn too; it need not delay the client (on two
+        cores the client runs while the shard applies them)."""
         if self._dirty:
             self._end_of_turn()
 

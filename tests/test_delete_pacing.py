@@ -49,6 +49,38 @@ def test_pacer_grants_a_burst_at_once_then_every_waiter_in_order():
     assert asyncio.run(run()) == list(range(12))
 
 
+def test_callback_waiters_share_the_fifo_with_awaiting_ones():
+    """when_granted (a pipelined queue.delete waiting without a task) keeps its place among take()s."""
+    async def run() -> list[int]:
+        loop = asyncio.get_running_loop()
+        # A bucket of one: each timer grants one waiter, so a take()'s task has appended (it resumes in
+        # the next loop turn) before the next grant, ~4 ms later (MIN_WAKE_S).
+        pacer = DeletePacer(loop, rate=2000, burst=1)
+        order: list[int] = []
+        pacer.when_granted(1, lambda: order.append(0))  # the burst: called before when_granted returns
+        assert order == [0]
+        pacer.when_granted(1, lambda: order.append(1))
+
+        async def one(i: int) -> None:
+            await pacer.take(1)
+            order.append(i)
+
+        tasks = []
+        for i in range(2, 14):
+            if i % 3:
+                pacer.when_granted(1, lambda i=i: order.append(i))
+            else:
+                tasks.append(asyncio.create_task(one(i)))
+                await asyncio.sleep(0)  # its take() joins the queue now, in this order
+        assert len(order) == 1  # the bucket is empty: the rest wait
+        await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        while pacer.waiting():
+            await asyncio.sleep(0.01)
+        return order
+
+    assert asyncio.run(run()) == list(range(14))
+
+
 def test_a_cancelled_waiter_does_not_hold_the_others_and_rate_zero_never_waits():
     async def run() -> None:
         loop = asyncio.get_running_loop()

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from broker.dedup import dedup_settings
 from broker.policies import Policy, effective_exchange_arguments
-from broker.routing import DELAYED_TYPE, _norm, new_table, routing_type
+from broker.routing import DELAYED_TYPE, EMPTY_TABLE_KEY, _norm, new_table, routing_type
 
 ACCESS_REFUSED = 403
 NOT_FOUND = 404
@@ -130,7 +130,7 @@ class VHost:
 
 
 def binding_key(source: str, dest_kind: str, dest: str, routing_key: str, arguments: dict | None) -> BindingKey:
-    return (source, dest_kind, dest, routing_key, _norm(arguments or {}))
+    return (source, dest_kind, dest, routing_key, _norm(arguments) if arguments else EMPTY_TABLE_KEY)
 
 
 def queue_shard(vhost: str, name: str, shard_count: int) -> int:

@@ -42,8 +42,14 @@ def error_from_reply(result: Any, class_id: int, method_id: int) -> AMQPError:
     return AMQPChannelError(code, text, class_id, method_id)
 
 
+# Values plain() returns as they are, tested first: a request's fields are mostly these.
+_SCALARS = frozenset((str, int, bool, float, bytes, type(None)))
+
+
 def plain(value: Any) -> Any:
     """Field-table values msgpack can carry (Decimal -> str, datetime -> epoch seconds)."""
+    if value.__class__ in _SCALARS:
+        return value
     if isinstance(value, dict):
         return {str(k): plain(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
