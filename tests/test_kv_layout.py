@@ -101,3 +101,25 @@ def test_a_swap_cut_by_a_crash_is_finished_or_dropped(tmp_path):
     assert _place(tmp_path, 2) == 0
     assert _items(vdir, SPACE, 0) == {"c-0": "moved"}
     assert sorted(os.listdir(os.path.dirname(vdir))) == [name_hash(VHOST)]
+
+
+def test_verify_reads_the_kv_logs(tmp_path, capsys):
+    from shard.verify import main
+
+    vdir = _vdir(tmp_path)
+    path = os.path.join(vdir, log_name(SPACE, 0))
+    _write(path, [("c-0", "a"), ("c-2", "b")])
+    assert main([str(tmp_path)]) == 0
+    assert "checked 2 records in 1 KV logs" in capsys.readouterr().out
+    with open(path, "ab") as fh:
+        fh.write(encode("c-4", "c")[:-2])  # a put torn by a crash: not damage
+    assert main([str(tmp_path)]) == 0
+    assert "torn-tail" in capsys.readouterr().out
+    with open(path, "r+b") as fh:  # another writer's record over the first one: damage
+        fh.write(encode("c-9", "zz")[:7])
+    assert main([str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "damaged:" in out and "a valid record follows" in out
+    _write(os.path.join(vdir, name_hash(SPACE) + ".log"), [("c-1", "old")])
+    main([str(tmp_path)])
+    assert "old-layout" in capsys.readouterr().out

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import queue
+import subprocess
+import sys
 
 import pytest
 
@@ -95,6 +97,11 @@ def test_persistent_sessions_on_every_shard_survive_a_restart(node_factory, colo
     _make_sessions(node, ids)
     if how == "stop":
         node.stop()
+        # shardmq verify reads the KV logs too: on the shared log of before it found the damage.
+        done = subprocess.run([sys.executable, "-m", "broker.cli", "verify", str(node.data_dir)],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "KV logs" in done.stdout and "damaged:" not in done.stdout, done.stdout
     else:
         node.kill9()
     node.restart()
