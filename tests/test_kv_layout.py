@@ -100,7 +100,7 @@ def test_a_swap_cut_by_a_crash_is_finished_or_dropped(tmp_path):
     os.replace(vdir, vdir + ".old")
     assert _place(tmp_path, 2) == 0
     assert _items(vdir, SPACE, 0) == {"c-0": "moved"}
-    assert sorted(os.listdir(os.path.dirname(vdir))) == [name_hash(VHOST)]
+    assert sorted(os.listdir(os.path.dirname(vdir))) == [name_hash(VHOST), "placed-for"]
 
 
 def test_verify_reads_the_kv_logs(tmp_path, capsys):
