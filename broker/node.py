@@ -37,6 +37,9 @@ from broker.delete_pacer import DeletePacer
 from broker.heap_trim import HeapTrimmer
 from broker.http.metrics import MetricsServer
 from broker.http.server import HttpServer
+from broker.kv_layout import place_logs
+from broker.mqtt.placement import SPACES as MQTT_KV_SPACES
+from broker.mqtt.placement import kv_owner
 from broker.node_stats import NodeStats
 from broker.permissions import CONFIGURE, READ, WRITE, check, check_topic
 from broker.process import install_uvloop, raise_nofile_limit
@@ -314,6 +317,9 @@ class Node:
         self.datadir.remove_stale_delay_stores(
             {(v.name, x) for v in self.defs.vhosts.values() for x in v.exchanges})
         self.leftovers = self.defs.leftovers = QueueLeftovers(self.datadir.path, self._shard_applied)
+        # Before any shard opens a KV log (on a frontend's request, after _hello): every key in the log
+        # of the shard that owns it for this shard count, the old shared logs read once.
+        self._place_kv_logs(s.shards)
         gc_pause.settle()
         self._loading = False
         waiting, self._loading_hellos = self._loading_hellos, []
@@ -413,6 +419,18 @@ class Node:
         w = self.by_ident.get(ident)
         if w is not None:
             w.left.set()
+
+    def _place_kv_logs(self, shards: int) -> None:
+        """broker/kv_layout.py: the MQTT KV logs placed for ``shards`` shards, as the queues were."""
+        vhosts = self.defs.vhosts
+
+        def queue_shard(vhost: str, name: str) -> int | None:
+            v = vhosts.get(vhost)
+            q = v.queues.get(name) if v is not None else None
+            return None if q is None else q.shard
+
+        place_logs(self.datadir.path, shards, list(vhosts), MQTT_KV_SPACES,
+                   lambda vhost, space, key: kv_owner(vhost, space, key, shards, queue_shard))
 
     def _worker(self, role: str, index: int) -> WorkerProcess:
         w = WorkerProcess(role, index)

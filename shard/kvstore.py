@@ -1,13 +1,15 @@
 """Small durable key-value stores on a shard: MQTT retained messages and persistent-session state.
 
-One store per (vhost, space) in ``<data>/kv/<sha1(vhost)>/<sha1(space)>.log``: an
-append-only log of ``[u32 length][u32 crc32][msgpack [key, value]]`` records (value
-None deletes the key). Loading replays the log and stops at the first torn or corrupt
+One store per (vhost, space) and shard, in ``<data>/kv/<sha1(vhost)>/<sha1(space)>.shard-N.log``
+(broker/kv_log.py): an append-only log of ``[u32 length][u32 crc32][msgpack [key, value]]``
+records (value None deletes the key), written by shard N alone: the shards that keep keys
+of one store (session records are placed per client id) each have their own log. Loading replays the log and stops at the first torn or corrupt
 record (and cuts the file there), as the queue segments do. The log is rewritten
 (tmp, fsync, rename) once it holds three times more records than live keys.
 
-Which shard keeps a store is the frontend's choice (frontend/mqtt/placement.py); the
-layout does not depend on the shard count. A put is answered (REPLY_DATA) once it is
+Which shard keeps a key is the frontend's choice (frontend/mqtt/messages.py); when the shard
+count changes, the node moves the keys to the logs of their new shards at boot, before any
+shard opens a log (broker/kv_layout.py). A put is answered (REPLY_DATA) once it is
 fsynced; puts arriving while a sync runs go with the next one (one fsync per store
 per round, never per put). Rates are those of retained messages and QoS 2 handshakes,
 not the publish path, so values are kept in memory.
@@ -18,25 +20,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import struct
-import zlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-import msgpack
-
 from broker import contract, write_observer
-from broker.datadir import name_hash
 from broker.fsync_beacon import stall_for_tests
+from broker.kv_log import encode, log_path, read_log, replay
 
 if TYPE_CHECKING:
     from broker.fsync_beacon import FsyncBeacon
     from shard.replication_stream import ShardReplication
 
 log = logging.getLogger("shardmq.shard")
-
-KV_DIR = "kv"
-_HEAD = struct.Struct("<II")
 
 
 class KVStore:
@@ -61,30 +56,12 @@ class KVStore:
 
     def _load(self) -> tuple[int, bytes]:
         """The size of the valid records (what follows is a torn tail) and the file's bytes."""
-        try:
-            with open(self.path, "rb") as fh:
-                data = fh.read()
-        except FileNotFoundError:
-            return 0, b""
-        pos = 0
-        n = len(data)
-        while pos + 8 <= n:
-            length, crc = _HEAD.unpack_from(data, pos)
-            body = data[pos + 8:pos + 8 + length]
-            if len(body) != length or zlib.crc32(body) != crc:
-                log.warning("kv store %s: stopping at a torn or corrupt record at offset %d", self.path, pos)
-                break
-            try:
-                key, value = msgpack.unpackb(body, raw=False)
-            except Exception:
-                break
-            if value is None:
-                self.items.pop(key, None)
-            else:
-                self.items[key] = value
-            self.records += 1
-            pos += 8 + length
-        return pos, data
+        records, good, data = read_log(self.path)
+        if good != len(data):
+            log.warning("kv store %s: stopping at a torn or corrupt record at offset %d", self.path, good)
+        replay(records, self.items)
+        self.records = len(records)
+        return good, data
 
     def put(self, key: str, value: Any) -> None:
         if value is None:
@@ -93,8 +70,7 @@ class KVStore:
             self.items.pop(key, None)
         else:
             self.items[key] = value
-        body = msgpack.packb([key, value], use_bin_type=True)
-        data = _HEAD.pack(len(body), zlib.crc32(body)) + body
+        data = encode(key, value)
         os.write(self.fd, data)
         self.records += 1
         if write_observer.current is not None:
@@ -107,11 +83,7 @@ class KVStore:
     def compact(self) -> None:
         """Rewrite the log with the live keys only. Not while a sync of this fd runs (KVStores sees to it)."""
         tmp = self.path + ".tmp"
-        parts = []
-        for key, value in self.items.items():
-            body = msgpack.packb([key, value], use_bin_type=True)
-            parts.append(_HEAD.pack(len(body), zlib.crc32(body)) + body)
-        data = b"".join(parts)
+        data = b"".join(encode(key, value) for key, value in self.items.items())
         with open(tmp, "wb") as fh:
             fh.write(data)
             fh.flush()
@@ -131,6 +103,7 @@ class KVStore:
 class KVShard(Protocol):
     """What the stores use of the shard that opened them (shard/worker.py ShardWorker)."""
 
+    index: int
     settings: dict
     loop: asyncio.AbstractEventLoop
     data: Any  # its data socket: put(identity, item)
@@ -151,8 +124,9 @@ class KVStores:
     def store(self, vhost: str, space: str) -> KVStore:
         st = self.stores.get((vhost, space))
         if st is None:
-            root = os.path.join(self.worker.settings["data_dir"], KV_DIR, name_hash(vhost))
-            st = self.stores[(vhost, space)] = KVStore(os.path.join(root, name_hash(space) + ".log"))
+            # This shard's own log of the store: no other process writes it (broker/kv_log.py).
+            path = log_path(self.worker.settings["data_dir"], vhost, space, self.worker.index)
+            st = self.stores[(vhost, space)] = KVStore(path)
         return st
 
     def handle_put(self, fe: bytes, item: list) -> None:

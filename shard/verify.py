@@ -1,7 +1,7 @@
 """`shardmq verify DATA_DIR`: check every stored record offline, change nothing.
 
 Walks every directory under the data dir that holds segment files (queues, priority levels,
-streams, delay stores) and checks each record's length, field lengths and CRC32, each meta file,
+streams, delay stores) and the MQTT key-value logs (``kv/``), and checks each record's length, field lengths and CRC32, each meta file,
 and that each ack entry names a record. Prints one line per finding and a summary; exits 0 when
 everything is intact (a torn tail of a write segment, which recovery cuts and which was never
 confirmed, is reported but is not damage; a bad record or an end of data before the store's
@@ -18,6 +18,8 @@ import struct
 import sys
 import zlib
 
+from broker.kv_log import HEAD as _KV_HEAD
+from broker.kv_log import KV_DIR, parse, parse_name
 from shard import record, synced_mark
 from shard.segment import DATA_START, FORMAT_VERSION, META_SIZE, VERSION_HEADER, Meta, read_ack_entries
 
@@ -34,6 +36,8 @@ class Report:
         self.tails = 0
         self.records = 0
         self.segments = 0
+        self.kv_records = 0
+        self.kv_logs = 0
 
     def say(self, kind: str, path: str, text: str) -> None:
         if kind == "damaged":
@@ -171,6 +175,40 @@ def _verify_acks(path: str, starts: set[int], report: Report) -> None:
         report.say("damaged", path, f"{len(stray)} ack entries name no record, e.g. position {stray[0]}")
 
 
+def verify_kv_log(path: str, report: Report) -> None:
+    """Check one MQTT key-value log (broker/kv_log.py): its records up to the end of the file.
+
+    A bad record with a valid one after it is damage (overwritten: each log has one writer, which
+    only appends); a bad end with nothing valid after it is a torn tail (a put that was never
+    answered). A log of the shared layout before 2026-11-26 is reported: the node reads it once.
+    """
+    parsed = parse_name(os.path.basename(path))
+    if parsed is None:
+        return
+    with open(path, "rb") as fh:
+        data = fh.read()
+    records, good = parse(data)
+    report.kv_logs += 1
+    report.kv_records += len(records)
+    if parsed[1] is None:
+        report.say("old-layout", path, f"a KV log shared by every shard (layout before 2026-11-26): the node "
+                                       f"reads it once at its next boot, {len(records)} records up to offset {good}")
+    if good == len(data):
+        return
+    later = next((pos for pos in range(good + 1, len(data) - 8) if _kv_record_at(data, pos)), None)
+    if later is None:
+        report.say("torn-tail", path, f"{len(data) - good} bytes after offset {good} hold no valid record")
+    else:
+        report.say("damaged", path, f"bad record at offset {good}, a valid record follows at {later}: "
+                                    f"the records after offset {good} are lost at the next start")
+
+
+def _kv_record_at(data: bytes, pos: int) -> bool:
+    length, crc = _KV_HEAD.unpack_from(data, pos)
+    body = data[pos + 8:pos + 8 + length]
+    return 0 < length == len(body) and zlib.crc32(body) == crc
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="shardmq verify", description=__doc__.splitlines()[0])
     parser.add_argument("data_dir", metavar="DATA_DIR", help="the node's data directory (node stopped)")
@@ -189,6 +227,15 @@ def main(argv: list[str]) -> int:
                 verify_dir(dirpath, report)
             except OSError as exc:
                 report.say("damaged", dirpath, f"unreadable: {exc}")
+    kv_root = os.path.join(root, KV_DIR)
+    for dirpath, _dirnames, filenames in sorted(os.walk(kv_root)):
+        for name in sorted(filenames):
+            try:
+                verify_kv_log(os.path.join(dirpath, name), report)
+            except OSError as exc:
+                report.say("damaged", os.path.join(dirpath, name), f"unreadable: {exc}")
+    if report.kv_logs:
+        print(f"checked {report.kv_records} records in {report.kv_logs} KV logs", file=sys.stdout)
     print(f"checked {report.records} records in {report.segments} segments: "
           f"{report.damage} damaged, {report.tails} torn tails", file=sys.stdout)
     return 1 if report.damage else 0

@@ -9,11 +9,20 @@ else 0.
 
 from __future__ import annotations
 
-import zlib
-
 from pamqp import commands
 
 from broker.amqp.properties import decode_headers, delivery_mode
+
+# The KV spaces and the shard of each key (the node places the logs at boot with the same functions).
+from broker.mqtt.placement import (  # noqa: F401
+    INBOUND2,
+    OUTBOUND2,
+    RETAINED,
+    SESSIONS,
+    retained_shard,
+    session_queue,
+    session_shard,
+)
 
 EXCHANGE = "amq.topic"
 QOS_HEADER = "x-mqtt-publish-qos"
@@ -22,17 +31,6 @@ PROPS = tuple(
     for qos in range(3)
 )
 _QOS_MARK = QOS_HEADER.encode()
-
-# KV spaces (shard/kvstore.py)
-RETAINED = "mqtt.retained"
-SESSIONS = "mqtt.session"
-# Marks of the QoS 2 publishes of persistent sessions (key: client id; marks: packet ids received and
-# not yet released), kept by every shard that stored such a message (contract MARKED_PUBLISH).
-INBOUND2 = "mqtt.in2"
-# Marks of the QoS 2 deliveries a persistent session's client has PUBREC'd and not yet PUBCOMP'd (key: client
-# id; marks: packet ids), on the shard of the session queue, written with the message's ack (MARKED_ACK).
-OUTBOUND2 = "mqtt.out2"
-
 
 def qos_of(props_raw: bytes) -> int:
     """The QoS a stored message was published with."""
@@ -50,20 +48,6 @@ def qos_of(props_raw: bytes) -> int:
         return 1 if delivery_mode(props_raw) == 2 else 0
     except ValueError:
         return 0
-
-
-def retained_shard(vhost: str, shard_count: int) -> int:
-    """The shard keeping a vhost's retained messages (all in one store: a SUBSCRIBE scans it)."""
-    return zlib.crc32(f"{vhost}\0{RETAINED}".encode()) % max(1, shard_count)
-
-
-def session_shard(vhost: str, client_id: str, shard_count: int) -> int:
-    return zlib.crc32(f"{vhost}\0{SESSIONS}\0{client_id}".encode()) % max(1, shard_count)
-
-
-def session_queue(client_id: str) -> str:
-    """The durable queue of a persistent session (clean session 0), RabbitMQ's name for it."""
-    return f"mqtt-subscription-{client_id}qos1"
 
 
 def transient_queue(client_id: str, frontend: int, conn_id: int) -> str:
