@@ -172,22 +172,27 @@ class Supervisor:
                 except ProcessLookupError:
                     pass
 
-    def stop_frontends_now(self) -> None:
+    def stop_frontends_now(self) -> tuple[list[int], list[int]]:
         """From any thread (the fence watchdog's, or the loop): every frontend stops at once and is not
         restarted. A frontend process of its own is SIGKILLed; a paired process (--colocate) gets
         ``contract.FRONTEND_STOP_SIGNAL``: its frontend part closes its listeners and every client
         connection as the process's death would, and its shard part lives on (a fence: the shards
         stream what they have to the followers until the node stops them). Touches no list but
-        ``held`` (another thread may run this while the loop changes ``workers``)."""
+        ``held`` (another thread may run this while the loop changes ``workers``). Returns the pids
+        killed and the paired pids told to stop their frontend part (for the log)."""
         self.held.add("frontend")  # before the signals: the supervisor must not restart them
+        killed: list[int] = []
+        paired: list[int] = []
         for w in list(self.workers):
             proc = w.proc
             if w.role == "frontend" and proc is not None and proc.returncode is None:
-                sig = contract.FRONTEND_STOP_SIGNAL if w.index < self.pairs else signal.SIGKILL
+                pair = w.index < self.pairs
                 try:
-                    os.kill(proc.pid, sig)
+                    os.kill(proc.pid, contract.FRONTEND_STOP_SIGNAL if pair else signal.SIGKILL)
                 except ProcessLookupError:
-                    pass
+                    continue
+                (paired if pair else killed).append(proc.pid)
+        return killed, paired
 
     def kill_role(self, role: str) -> None:
         """SIGKILL every worker of ``role`` now and forget them, without restarting them (a leader's

@@ -354,8 +354,9 @@ class ClusterRole:
         self.node.is_leader = False
         self.node.serving = False
         # SIGKILL of each frontend process; a paired one (--colocate) stops its frontend part only.
-        self.node.sup.stop_frontends_now()
-        log.error("fenced: %s; client connections closed", reason)
+        killed, paired = self.node.sup.stop_frontends_now()
+        log.error("fenced: %s; client connections closed (frontend pids killed: %s; paired pids told to stop "
+                  "their frontend part: %s)", reason, killed or "none", paired or "none")
         with contextlib.suppress(RuntimeError):  # the loop may be closing
             self.node.loop.call_soon_threadsafe(self._fenced.set)
 
