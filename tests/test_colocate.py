@@ -367,21 +367,34 @@ def test_frontend_stop_signal_cuts_clients_as_a_killed_frontend_does_and_the_pai
     (``lone-frontend-kill``, --colocate off: what the fence does to a frontend of its own) shows them:
     the connection is cut, no connection.close from the broker. Sent from outside, the node sees the
     frontend part leave while the pair runs on, stops the pair (the shard part cleanly) and restarts it."""
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    from broker.mqtt import codec as M
+    from tests.harness import free_port
+
     paired = how == "pair-frontend-stop"
-    node = node_factory(frontends=1, shards=1, extra_args=ON if paired else ["--colocate", "off"])
+    node = node_factory(frontends=1, shards=1, extra_args=ON if paired else ["--colocate", "off"],
+                        ws_port=free_port())
     q = uid("cut")
     conn = node.connect(heartbeat=0)
     ch = conn.channel()
     ch.confirm_delivery()
     ch.queue_declare(q, durable=True)
     ch.basic_publish("", q, b"kept", properties=PERSISTENT)
-    old = node.worker_pid("frontend", 0)
-    if paired:
-        os.kill(old, FRONTEND_STOP_SIGNAL)
-    else:
-        node.kill_worker("frontend", 0)
-    lost = wait_connection_lost(conn)
-    assert isinstance(lost, pika.exceptions.StreamLostError), repr(lost)  # not ConnectionClosedByBroker
+    with connect(f"ws://127.0.0.1:{node.ws_port}/ws", subprotocols=["mqtt"], open_timeout=10) as ws:  # MQTT/WS
+        ws.send(M.encode_connect(uid("ws"), username="guest", password=b"guest"))
+        assert M.MQTTParser(server=False).feed(ws.recv(timeout=10)) == [M.ConnAck(False, 0)]
+        old = node.worker_pid("frontend", 0)
+        if paired:
+            os.kill(old, FRONTEND_STOP_SIGNAL)
+        else:
+            node.kill_worker("frontend", 0)
+        lost = wait_connection_lost(conn)
+        assert isinstance(lost, pika.exceptions.StreamLostError), repr(lost)  # not ConnectionClosedByBroker
+        with pytest.raises(ConnectionClosed) as closed:
+            ws.recv(timeout=15)
+        assert closed.value.rcvd is None, closed.value  # the TCP connection cut under it: no close frame
     new = node.wait_worker_restarted("frontend", 0, old)
     if paired:
         assert paired_pid(node, 0) == new
