@@ -448,17 +448,23 @@ class Node:
         sup = self.sup
         if (w.role == "frontend" and w.index < sup.pairs and w in sup.workers and not sup.stopping
                 and "frontend" not in sup.held and w.proc is not None and w.proc.returncode is None):
-            # A paired frontend part that stopped without the node asking (FRONTEND_STOP_SIGNAL or
-            # SIGTERM from outside): the process would go on with its shard alone. SIGTERM stops the
-            # shard part cleanly too (a second one to a stopping pair changes nothing) and the
-            # supervisor restarts both, as after any exit of the pair.
+            # A paired frontend part that stopped without the node asking (FRONTEND_STOP_SIGNAL from
+            # outside; or the process's SIGTERM, which stops the shard part next anyway): the process
+            # would go on with its shard alone. A STOP to the shard part stops it cleanly (one to a
+            # stopping shard changes nothing, where a second SIGTERM to a process already past its
+            # loop killed it), the process ends, and the supervisor restarts both.
+            shard_id = contract.worker_id("shard", w.index)
+            shard = self.by_ident.get(shard_id)
             log.warning("frontend %d left while its pair (pid %d) runs on: stopping the pair to restart it",
                         w.index, w.proc.pid)
             w.connected = False
-            try:
-                w.proc.send_signal(signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+            if shard is not None and shard.connected and self.ctl.has_peer(shard_id):
+                self.ctl.send_now(shard_id, [[contract.STOP]])
+            else:
+                try:
+                    w.proc.send_signal(signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
 
     def _place_kv_logs(self, shards: int) -> None:
         """broker/kv_layout.py: the MQTT KV logs placed for ``shards`` shards, as the queues were."""

@@ -401,7 +401,7 @@ def test_frontend_stop_signal_cuts_clients_as_a_killed_frontend_does_and_the_pai
         log = node.log_text()
         assert f"frontend 0 (pid {old}) stopped at the node's request" in log, node.log_tail()
         assert "frontend 0 left while its pair" in log, node.log_tail()
-        # The shard part stopped cleanly (SIGTERM from the node), after the frontend part.
+        # The shard part stopped cleanly (STOP from the node), after the frontend part.
         assert log.index("stopped at the node's request") < log.index("shard 0 stopped") < log.index(
             "exited with status 0"), node.log_tail()
     node.wait_ready()
