@@ -72,6 +72,9 @@ _TRIM_AFTER_BOOT_S = 2.0
 # Deleted queues' leftover entries checked per resource tick (0.25 s; one lstat each, see
 # broker/queue_leftovers.py): those left after a burst of deletes go within seconds.
 _LEFTOVERS_PER_TICK = 128
+# After a paired frontend part's control connection closed: when to check whether its process runs on
+# (Node._frontend_part_left). A killed pair's connections close before it is reaped.
+_PAIR_LEFT_CHECK_S = 0.5
 # Queue deletions per slice of a paced commit (a vhost delete): a shard deletes 8 queues in ~0.3 ms.
 _PACED_SLICE_DELETES = 8
 # A worker's control batch is handled for about this long in one loop turn; the rest of it (and what
@@ -446,25 +449,33 @@ class Node:
             return
         w.left.set()
         sup = self.sup
-        if (w.role == "frontend" and w.index < sup.pairs and w in sup.workers and not sup.stopping
-                and "frontend" not in sup.held and w.proc is not None and w.proc.returncode is None):
-            # A paired frontend part that stopped without the node asking (FRONTEND_STOP_SIGNAL from
-            # outside; or the process's SIGTERM, which stops the shard part next anyway): the process
-            # would go on with its shard alone. A STOP to the shard part stops it cleanly (one to a
-            # stopping shard changes nothing, where a second SIGTERM to a process already past its
-            # loop killed it), the process ends, and the supervisor restarts both.
-            shard_id = contract.worker_id("shard", w.index)
-            shard = self.by_ident.get(shard_id)
-            log.warning("frontend %d left while its pair (pid %d) runs on: stopping the pair to restart it",
-                        w.index, w.proc.pid)
-            w.connected = False
-            if shard is not None and shard.connected and self.ctl.has_peer(shard_id):
-                self.ctl.send_now(shard_id, [[contract.STOP]])
-            else:
-                try:
-                    w.proc.send_signal(signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+        if w.role == "frontend" and w.index < sup.pairs and w.connected and w.proc is not None:
+            # Whether the pair runs on without its frontend part is decided a moment later: a killed
+            # pair's connections close before the supervisor has reaped it (nothing to do then, its
+            # restart is under way), and a restarted one is another process.
+            self.loop.call_later(_PAIR_LEFT_CHECK_S, self._frontend_part_left, ident, w, w.proc)
+
+    def _frontend_part_left(self, ident: bytes, w: WorkerProcess, proc: Any) -> None:
+        sup = self.sup
+        if (w.proc is not proc or proc.returncode is not None or w not in sup.workers or sup.stopping
+                or "frontend" in sup.held or self.ctl is None or self.ctl.has_peer(ident)):
+            return
+        # A paired frontend part that stopped without the node asking (FRONTEND_STOP_SIGNAL from
+        # outside): the process would go on with its shard alone. A STOP to the shard part stops it
+        # cleanly (a stopping shard ignores it; a SIGTERM reaching a process already past its loop
+        # killed it instead), the process ends, and the supervisor restarts both.
+        shard_id = contract.worker_id("shard", w.index)
+        shard = self.by_ident.get(shard_id)
+        log.warning("frontend %d left while its pair (pid %d) runs on: stopping the pair to restart it",
+                    w.index, proc.pid)
+        w.connected = False
+        if shard is not None and shard.connected and shard.proc is proc and self.ctl.has_peer(shard_id):
+            self.ctl.send_now(shard_id, [[contract.STOP]])
+        else:
+            try:
+                proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
 
     def _place_kv_logs(self, shards: int) -> None:
         """broker/kv_layout.py: the MQTT KV logs placed for ``shards`` shards, as the queues were."""

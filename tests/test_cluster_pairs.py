@@ -220,7 +220,7 @@ def test_followers_proxy_to_a_leader_with_pairs_and_a_kill9_of_its_pair_loses_no
     finally:
         publisher.stop_event.set()
         publisher.join(10)
-    assert is_leader(leader)
+    assert cluster.leader() is leader  # the pair restarted in place: no failover
     wait_isr(cluster, nodes)  # the followers' streams of the restarted shard are in sync again
     confirmed = set(publisher.confirmed)
     got = drain(followers[1], "pp", confirmed)
