@@ -120,7 +120,8 @@ class Settings:
     # broker/zmqio.py: two I/O-thread handoffs per hop). The control plane to the node is ZeroMQ either way.
     ipc_transport: str = "unix"
     # Frontend K and shard K in one process, talking in-process (shard/pair_main.py,
-    # broker/local_link.py): "on", "off", or "auto" (broker/cpus.py colocated_pairs). Not with --cluster.
+    # broker/local_link.py): "on", "off", or "auto" (broker/cpus.py colocated_pairs); cluster members too
+    # (a fenced leader stops a pair's frontend part alone: broker/supervisor.py stop_frontends_now).
     # Default auto: paired on at most 2 cores (docs/benchmarks.md "Frontend and shard in one process").
     colocate: str = "auto"
     # Where a new queue goes (broker/definitions/entities.py place_queue): "balanced" = the shard with
@@ -286,7 +287,7 @@ OPTIONS: tuple[Option, ...] = (
            choices=IPC_TRANSPORTS),
     Option("colocate", "str", "main",
            "frontend K and shard K in one process with an in-process link (fewer process hops); "
-           "auto: on when the node may use at most 2 cores and is not a cluster member",
+           "auto: on when the node may use at most 2 cores",
            choices=COLOCATE),
     Option("queue_placement", "str", "main",
            "shard of a new queue: the one with the fewest queues of its vhost, or by a hash of its name",
@@ -540,10 +541,6 @@ def load_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] 
         values["data_dir"] = default_data_dir(environ)
     settings = Settings(**values)
     _check_cluster(parser, settings, environ)
-    if settings.cluster and settings.colocate == "on":
-        # A fenced leader's frontends are killed while its shards live on (broker/node.py fence).
-        parser.error("--colocate on cannot be used with --cluster (a fenced leader stops its frontends "
-                     "while its shards live on); use --colocate off or auto")
     return settings
 
 

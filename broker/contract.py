@@ -61,6 +61,7 @@ meaning; HELLO carries it and the node refuses a worker of another version.
 from __future__ import annotations
 
 import os
+import signal
 import struct
 from typing import Any
 
@@ -92,6 +93,8 @@ import msgpack
 # CONFIRM/CONFIRM_NACK whose conn_id is not its epoch (an answer meant for its earlier life). PEER_DONE's
 # optional phase field ([PEER_DONE, 2]: a cluster leader's shard has its final state acked).
 # 22: a shard's STATS report may come in parts: every part but the last has "more": true (see STATS).
+# 23: FRONTEND_STOP_SIGNAL (SIGUSR2 to a paired worker process: its frontend part stops as if its process had
+# died, its shard part lives on; a fenced cluster leader's pairs).
 # 26: CONFIRM_NACK's optional 5th field refused: the queues of a PUBLISH that did not store it (a shard
 # that forwarded a due delayed message or a dead letter sends it to those again, only).
 VERSION = 26
@@ -158,6 +161,12 @@ SHARD_UP = 13  # [SHARD_UP, index, epoch]      a shard (re)started; frontends an
 WORKER_DOWN = 14  # [WORKER_DOWN, role, index]  a worker died; shards drop a dead frontend's consumers
 QUERY = 15  # [QUERY, query_id, op(str), args(dict)]  node asks a shard (queue_info, ...)
 STOP = 16  # [STOP]  graceful shutdown: finish the current turn, sync, exit 0
+# Not an item but a signal, the node -> a paired worker process (frontend K and shard K in one process,
+# --colocate): stop the frontend part only, as its process's death would (listeners and every client
+# connection closed at once, without a close handshake; nothing more to clients, shards or the node); the
+# shard part keeps running. A signal, not a control item: the fence sends it from a watchdog thread that
+# must not depend on the node's event loop (replication/cluster.py), as SIGKILL of a lone frontend does.
+FRONTEND_STOP_SIGNAL = signal.SIGUSR2
 # [CLOSE_CONNECTIONS, vhost or None, reply_code, text, user or None, conn_id or None]  frontends close the
 # connections that match every field that is not None (conn_id: sent only to the frontend that has it)
 CLOSE_CONNECTIONS = 17

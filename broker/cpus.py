@@ -92,12 +92,12 @@ def default_shards(cores: int) -> int:
 COLOCATE_AUTO_MAX_CORES = 2.0
 
 
-def colocated_pairs(colocate: str, frontends: int, shards: int, cluster: bool = False,
-                    cores: float | None = None) -> int:
+def colocated_pairs(colocate: str, frontends: int, shards: int, cores: float | None = None) -> int:
     """How many (frontend K, shard K) pairs run in one process each for ``--colocate``: ``off`` none,
-    ``on`` min(frontends, shards), ``auto`` as ``on`` on at most COLOCATE_AUTO_MAX_CORES cores and
-    none in a cluster (a fenced leader stops its frontends while its shards live on)."""
-    if colocate == "off" or cluster:
+    ``on`` min(frontends, shards), ``auto`` as ``on`` on at most COLOCATE_AUTO_MAX_CORES cores. A
+    cluster member too: a fenced leader stops a pair's frontend part alone and its shard part lives on
+    (broker/supervisor.py stop_frontends_now)."""
+    if colocate == "off":
         return 0
     if colocate == "auto":
         if cores is None:

@@ -72,6 +72,9 @@ _TRIM_AFTER_BOOT_S = 2.0
 # Deleted queues' leftover entries checked per resource tick (0.25 s; one lstat each, see
 # broker/queue_leftovers.py): those left after a burst of deletes go within seconds.
 _LEFTOVERS_PER_TICK = 128
+# After a paired frontend part's control connection closed: when to check whether its process runs on
+# (Node._frontend_part_left). A killed pair's connections close before it is reaped.
+_PAIR_LEFT_CHECK_S = 0.5
 # Queue deletions per slice of a paced commit (a vhost delete): a shard deletes 8 queues in ~0.3 ms.
 _PACED_SLICE_DELETES = 8
 # A worker's control batch is handled for about this long in one loop turn; the rest of it (and what
@@ -112,7 +115,7 @@ class Node:
         # No full GC while definitions change in bulk (broker/gc_pause.py): ~1 s apart, 10-20 ms each.
         self.bulk_changes = gc_pause.BulkChanges(self.loop)
         self.epochs: dict[int, int] = {}
-        self.pairs = cpus.colocated_pairs(settings.colocate, settings.frontends, settings.shards, settings.cluster)
+        self.pairs = cpus.colocated_pairs(settings.colocate, settings.frontends, settings.shards)
         self.sup = self._supervisor()
         self.by_ident: dict[bytes, WorkerProcess] = {}
         self.ctl: UnixRouter | None = None
@@ -348,11 +351,36 @@ class Node:
         """Stop confirming NOW: SIGKILL the frontends, which closes every client connection.
 
         Synchronous and without I/O so it works however stuck etcd or the disk are. The kernel
-        closes the sockets; no confirm can reach a client after this returns.
+        closes the sockets; no confirm can reach a client after this returns. A paired process
+        (--colocate) gets contract.FRONTEND_STOP_SIGNAL instead: its frontend part closes every
+        client connection as its death would at the pair's next loop turn, and its shard part lives
+        on (broker/supervisor.py stop_frontends_now).
         """
         self.serving = False
         self.is_leader = False
         self.sup.kill_role("frontend")
+
+    async def _paired_frontends_left(self, timeout: float) -> None:
+        """After fence(): wait until each paired frontend part has stopped (its control connection
+        closed, or its process ended). It stops at its process's next loop turn, where a SIGKILLed
+        frontend is gone at once: a STOP to its shard part sent meanwhile would be handled first,
+        and the shard would stop while its frontend still serves (Node.stop)."""
+        async def gone(w: WorkerProcess) -> None:
+            waits = {asyncio.ensure_future(w.left.wait()), asyncio.ensure_future(w.proc.wait())}
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in waits:
+                    task.cancel()
+
+        paired = [w for ident, w in self.by_ident.items()
+                  if w.role == "frontend" and w.index < self.sup.pairs and w.proc is not None
+                  and w.proc.returncode is None and self.ctl is not None and self.ctl.has_peer(ident)]
+        try:
+            async with asyncio.timeout(timeout):
+                await asyncio.gather(*(gone(w) for w in paired))
+        except TimeoutError:
+            log.warning("a paired frontend did not stop within %.0f s of the fence", timeout)
 
     async def step_down(self) -> None:
         """Leader -> nothing: fence, stop replicating, kill the shards (their data is crash-safe)."""
@@ -417,8 +445,37 @@ class Node:
     def _ctl_lost(self, ident: bytes) -> None:
         """A worker's control-plane connection closed: in a paired process, its frontend part stopped."""
         w = self.by_ident.get(ident)
-        if w is not None:
-            w.left.set()
+        if w is None:
+            return
+        w.left.set()
+        sup = self.sup
+        if w.role == "frontend" and w.index < sup.pairs and w.connected and w.proc is not None:
+            # Whether the pair runs on without its frontend part is decided a moment later: a killed
+            # pair's connections close before the supervisor has reaped it (nothing to do then, its
+            # restart is under way), and a restarted one is another process.
+            self.loop.call_later(_PAIR_LEFT_CHECK_S, self._frontend_part_left, ident, w, w.proc)
+
+    def _frontend_part_left(self, ident: bytes, w: WorkerProcess, proc: Any) -> None:
+        sup = self.sup
+        if (w.proc is not proc or proc.returncode is not None or w not in sup.workers or sup.stopping
+                or "frontend" in sup.held or self.ctl is None or self.ctl.has_peer(ident)):
+            return
+        # A paired frontend part that stopped without the node asking (FRONTEND_STOP_SIGNAL from
+        # outside): the process would go on with its shard alone. A STOP to the shard part stops it
+        # cleanly (a stopping shard ignores it; a SIGTERM reaching a process already past its loop
+        # killed it instead), the process ends, and the supervisor restarts both.
+        shard_id = contract.worker_id("shard", w.index)
+        shard = self.by_ident.get(shard_id)
+        log.warning("frontend %d left while its pair (pid %d) runs on: stopping the pair to restart it",
+                    w.index, proc.pid)
+        w.connected = False
+        if shard is not None and shard.connected and shard.proc is proc and self.ctl.has_peer(shard_id):
+            self.ctl.send_now(shard_id, [[contract.STOP]])
+        else:
+            try:
+                proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
 
     def _place_kv_logs(self, shards: int) -> None:
         """broker/kv_layout.py: the MQTT KV logs placed for ``shards`` shards, as the queues were."""
@@ -454,6 +511,7 @@ class Node:
         await self.metrics.stop()
         if self.cluster is not None:
             self.fence()  # no confirm reaches a client from here on (the frontends are killed)
+            await self._paired_frontends_left(5.0)
         # Frontends first so no new work reaches the shards, then shards sync and exit. A cluster
         # leader's replication (and its lease) stays up until its shards have stopped: a stopping
         # shard's forwards to other shards (due delayed messages, dead letters) are confirmed as soon

@@ -112,6 +112,14 @@ def run_workers(prog: str, label: str, argv: list[str] | None, loaders: list, be
         # (a frontend's TLS certificate).
         reloads = [w.reload for _role, w in workers if getattr(w, "reload", None) is not None]
         loop.add_signal_handler(signal.SIGHUP, lambda: [reload() for reload in reloads])
+        if len(workers) > 1:
+            # A pair (shard/pair_main.py): the node stops its frontend part alone (a fenced cluster
+            # leader, broker/supervisor.py stop_frontends_now); the other workers go on. A process of
+            # one worker keeps the signal's default (it dies, and is restarted as after a crash).
+            from broker.contract import FRONTEND_STOP_SIGNAL
+
+            aborts = [w.abort for role, w in workers if role == "frontend"]
+            loop.add_signal_handler(FRONTEND_STOP_SIGNAL, lambda: [abort() for abort in aborts])
         await asyncio.gather(*(w.start() for _role, w in reversed(workers)))
         for _role, worker in workers:
             await worker.stopped.wait()

@@ -11,6 +11,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from broker import contract
+
 log = logging.getLogger("shardmq.supervisor")
 
 _MODULES = {"frontend": "frontend.main", "shard": "shard.main"}
@@ -129,6 +131,11 @@ class Supervisor:
         worker.connected = False
         if self.stopping:
             return
+        if worker.index < self.pairs and "frontend" in self.held:
+            # A fenced leader's paired shard: its restart would bring the frontend part back with it.
+            log.error("%s (pid %d) exited with %s; not restarted (its pair's frontend is stopped)", worker.name,
+                      proc.pid, _describe(code))
+            return
         log.error("%s (pid %d) exited with %s; restarting", worker.name, proc.pid, _describe(code))
         if other is not None and other.proc is proc:
             # The frontend's loss first (its connections are gone), then the shard's new epoch.
@@ -164,16 +171,46 @@ class Supervisor:
                     w.proc.send_signal(sig)
                 except ProcessLookupError:
                     pass
+
+    def stop_frontends_now(self) -> tuple[list[int], list[int]]:
+        """From any thread (the fence watchdog's, or the loop): every frontend stops at once and is not
+        restarted. A frontend process of its own is SIGKILLed; a paired process (--colocate) gets
+        ``contract.FRONTEND_STOP_SIGNAL``: its frontend part closes its listeners and every client
+        connection as the process's death would, and its shard part lives on (a fence: the shards
+        stream what they have to the followers until the node stops them). Touches no list but
+        ``held`` (another thread may run this while the loop changes ``workers``). Returns the pids
+        killed and the paired pids told to stop their frontend part (for the log)."""
+        self.held.add("frontend")  # before the signals: the supervisor must not restart them
+        killed: list[int] = []
+        paired: list[int] = []
+        for w in list(self.workers):
+            proc = w.proc
+            if w.role == "frontend" and proc is not None and proc.returncode is None:
+                pair = w.index < self.pairs
+                try:
+                    os.kill(proc.pid, contract.FRONTEND_STOP_SIGNAL if pair else signal.SIGKILL)
+                except ProcessLookupError:
+                    continue
+                (paired if pair else killed).append(proc.pid)
+        return killed, paired
+
     def kill_role(self, role: str) -> None:
-        """SIGKILL every worker of ``role`` now, without restarting them (a leader's fence)."""
+        """SIGKILL every worker of ``role`` now and forget them, without restarting them (a leader's
+        fence, a step down). Frontends: ``stop_frontends_now`` (a pair's frontend part only)."""
+        if role == "frontend":
+            self.stop_frontends_now()
         self.held.add(role)
         for w in self.workers:
             if w.role == role and w.proc is not None and w.proc.returncode is None:
                 w.connected = False
-                try:
-                    w.proc.send_signal(signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                if role == "frontend":
+                    if w.index < self.pairs:
+                        continue  # the process goes on with its shard part: killed with the shards, if at all
+                else:
+                    try:
+                        w.proc.send_signal(signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
                 self._killed.append(w.proc)
         # Forgotten workers are not restarted (_watch checks membership).
         self.workers = [w for w in self.workers if w.role != role]

@@ -383,6 +383,10 @@ class UnixRouter(_Base):
             return 1
         return self._deliver(stream.identity, payload)
 
+    def has_peer(self, ident: bytes) -> bool:
+        """A connection named ``ident`` is open."""
+        return ident in self._peers
+
     def _write(self, dest: bytes | None, payload: bytes) -> None:
         stream = self._peers.get(dest)  # type: ignore[arg-type]
         if stream is not None:

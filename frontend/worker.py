@@ -119,10 +119,13 @@ class FrontendWorker:
         self._snapshot: asyncio.Future = loop.create_future()
         self.stopped = asyncio.Event()
         self._stopping = False
+        self._aborted = False  # stopped by abort(): as the process's death would (a fenced paired frontend)
         self._trace = stage_trace.get("frontend")  # --trace-stages (debug): None normally
 
     # ----------------------------------------------------------------- startup
     async def start(self) -> None:
+        if self._aborted:
+            return
         self.node = UnixDealer(self.loop, contract.node_stream_path(self.run_dir), self.ident, self._on_node)
         # A sliced commit (a vhost of 10,000 queues) is applied a few ms per loop turn at most, so
         # publishes to other queues go on between its slices (broker/node.py _commit).
@@ -130,7 +133,10 @@ class FrontendWorker:
         self.node.read_delay_s = control_delay_for_tests_s("frontend", self.ident.decode())
         self.node.on_drained = self._node_drained
         self.node.send_now(None, [[contract.HELLO, contract.VERSION, "frontend", self.index, os.getpid()]])
-        version, epochs, settings = await self._snapshot
+        snapshot = await self._snapshot
+        if self._aborted:  # stopped while it waited (a fence during a promotion): no lane, no listener
+            return
+        version, epochs, settings = snapshot
         self.settings = settings
         self.shard_count = int(settings.get("shards", 1))
         self.epochs = [_epoch_of(epochs, i) for i in range(self.shard_count)]
@@ -167,6 +173,9 @@ class FrontendWorker:
             factory = self._protocol_factory(load(listener.session), proxied, ctx)
             server = await self.loop.create_server(  # with PROXY, TLS goes on after the header
                 factory, host=bind, port=port, reuse_port=True, backlog=1024, ssl=None if proxied else ctx)
+            if self._aborted:
+                server.close()
+                return
             self.servers.append(server)
             log.info("frontend %d (pid %d) listening for %s on %s:%d", self.index, os.getpid(),
                      listener.protocol, bind, port)
@@ -177,6 +186,9 @@ class FrontendWorker:
 
             self._ws_runner = LazyWebSocket(self)
             await self._ws_runner.listen(bind, ws_port, wss_port, tls)
+            if self._aborted:
+                await self._ws_runner.cleanup()
+                return
             log.info("frontend %d (pid %d) listening for websocket on %s:%d%s", self.index, os.getpid(), bind,
                      ws_port, f" and over TLS on {wss_port}" if wss_port else "")
 
@@ -609,7 +621,9 @@ class FrontendWorker:
     def add_connection(self, conn: Session) -> None:
         self.conns[conn.conn_id] = conn
         self.counters["connections_opened"] += 1
-        if self._stopping:
+        if self._aborted:  # accepted before abort() (a PROXY header or TLS handshake was under way)
+            _drop(conn)
+        elif self._stopping:
             conn.fail(CONNECTION_FORCED, "broker shutdown")
 
     def remove_connection(self, conn: Session) -> None:
@@ -636,6 +650,38 @@ class FrontendWorker:
                 conn.internal_error(exc)
 
     # ------------------------------------------------------------------ stop
+    def abort(self) -> None:
+        """Stop now, as this process's death would, while the process lives on: a paired frontend
+        (--colocate) that a fenced cluster leader stops (contract.FRONTEND_STOP_SIGNAL) while the
+        shard part of its process goes on streaming to the followers.
+
+        What clients see is what a SIGKILLed frontend process shows them: the listeners close and
+        every connection is cut at once (no connection.close, no wait for close-ok; the kernel sends
+        FIN, or RST with unread input), so a client reconnects elsewhere. From this call on nothing
+        reaches a client: the sessions' transports are closed (late writes go nowhere), and the lanes
+        to the shards and the connection to the node close too (a batch put in this turn still goes,
+        as one already in a socket would after a kill), so no confirm or delivery is read any more.
+        """
+        if self._aborted:
+            return
+        self._aborted = True
+        self._stopping = True
+        for server in self.servers:
+            server.close()
+        for conn in list(self.conns.values()):
+            _drop(conn)
+        for sock in (*self.shards, *self.control):
+            sock.close()
+        if self.node is not None:
+            self.node.close()
+        if not self._snapshot.done():
+            self._snapshot.set_result(None)  # start() waits for it: it returns now, listening on nothing
+        if self._ws_runner is not None:
+            self.loop.create_task(self._ws_runner.cleanup())  # its listeners (its sessions are cut above)
+        log.warning("frontend %d (pid %d) stopped at the node's request: listeners and client connections "
+                    "closed; the process goes on", self.index, os.getpid())
+        self.stopped.set()
+
     async def stop(self) -> None:
         if self._stopping:
             return
@@ -662,6 +708,14 @@ class FrontendWorker:
             self.node.close()
         log.info("frontend %d stopped", self.index)
         self.stopped.set()
+
+
+def _drop(conn: Session) -> None:
+    """Cut a client connection without a word, as the process's death would (FrontendWorker.abort)."""
+    transport = conn.transport
+    if transport is not None:
+        drop = getattr(transport, "drop", None)  # a WebSocket's: the TCP connection under it
+        (drop or transport.abort)()
 
 
 def _epoch_of(epochs: Any, index: int) -> int:

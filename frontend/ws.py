@@ -117,6 +117,17 @@ class WSTransport:
         self._buffered = 0
         self._loop.create_task(self._ws.close())
 
+    def drop(self) -> None:
+        """Cut the TCP connection under the WebSocket at once, without a close frame: what the
+        frontend process's death does (frontend/worker.py FrontendWorker.abort)."""
+        self._closing = True
+        self._pending.clear()
+        self._buffered = 0
+        if self._socket is not None:
+            self._socket.abort()
+        else:
+            self.abort()
+
     def can_write_eof(self) -> bool:
         return False  # a WebSocket has no half-close: a lingering session closes on its timer or the client's close
 

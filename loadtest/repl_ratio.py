@@ -57,7 +57,8 @@ def _stat(pid: int) -> list[str] | None:
 
 def tree_cpu(root: int) -> dict[str, float]:
     """CPU seconds (user + system) of ``root`` and each descendant, summed by role: the process
-    itself is ``node``, its children are named by the module they run (frontend, shard, ...)."""
+    itself is ``node``, its children are named by the module they run (frontend, shard, ...; a
+    paired process, --colocate, is ``pair``)."""
     parent: dict[int, int] = {}
     for d in os.listdir("/proc"):
         if d.isdigit():
@@ -86,6 +87,8 @@ def _role(pid: int) -> str:
         return "other"
     if b"-m" in argv:
         mod = argv[argv.index(b"-m") + 1].decode()
+        if mod == "shard.pair_main":
+            return "pair"  # frontend K and shard K in one process (--colocate)
         return mod.split(".")[0]
     return "other"
 
@@ -208,6 +211,8 @@ def _measure(label: str, uri: str, trees: dict[str, int], perf_args: list[str]) 
     return {
         "setup": label, "publish_rate": result.get("publish_rate"), "consume_rate": result.get("consume_rate"),
         "p50_ms": (result.get("latency_us") or {}).get("p50", 0) / 1000 if result.get("latency_us", {}).get("p50")
+        else None,
+        "p99_ms": (result.get("latency_us") or {}).get("p99", 0) / 1000 if result.get("latency_us", {}).get("p99")
         else None,
         "published": result.get("published"), "confirmed": result.get("confirmed"), "consumed": result.get("consumed"),
         "cpu_us_per_msg": {k: round(v / msgs * 1e6, 2) for k, v in sorted(cpu.items())},

@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import threading
 import time
 from typing import Any
@@ -349,19 +348,15 @@ class ClusterRole:
             self.coord.lease_id = None  # _run takes a new lease and registers again
 
     def _fence_now(self, reason: str) -> None:
-        """From any thread: SIGKILL the frontends (no confirm leaves after this), then tell the loop."""
+        """From any thread: stop the frontends (no confirm leaves after this), then tell the loop."""
         if self._fence_reason is None:
             self._fence_reason = reason
         self.node.is_leader = False
         self.node.serving = False
-        sup = self.node.sup
-        sup.held.add("frontend")  # before the kill: the supervisor must not restart them
-        for w in list(sup.workers):
-            proc = w.proc
-            if w.role == "frontend" and proc is not None and proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGKILL)
-        log.error("fenced: %s; client connections closed", reason)
+        # SIGKILL of each frontend process; a paired one (--colocate) stops its frontend part only.
+        killed, paired = self.node.sup.stop_frontends_now()
+        log.error("fenced: %s; client connections closed (frontend pids killed: %s; paired pids told to stop "
+                  "their frontend part: %s)", reason, killed or "none", paired or "none")
         with contextlib.suppress(RuntimeError):  # the loop may be closing
             self.node.loop.call_soon_threadsafe(self._fenced.set)
 

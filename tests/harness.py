@@ -281,9 +281,9 @@ class Node:
         if self.running():
             raise NodeError(f"node pid {self.pid} is already running")
         self.workdir.mkdir(parents=True, exist_ok=True)
-        # SHARDMQ_COLOCATE passes through, so the suite (or a module) can be run with paired workers;
-        # not to a cluster member, which refuses --colocate on (docs/architecture.md "Paired processes").
-        passed = () if "--cluster" in self.argv() else ("SHARDMQ_COLOCATE",)
+        # SHARDMQ_COLOCATE passes through, so the suite (or a module) can be run with paired workers
+        # or without (docs/architecture.md "Paired processes"), cluster members included.
+        passed = ("SHARDMQ_COLOCATE",)
         env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDMQ_") or k in passed}
         # Every shard checks each STATS report against a read of all its queues and logs
         # shard.stats.STATS_CHECK_FAILED when a change went unreported (tests/conftest.py fails the test).

@@ -10,7 +10,8 @@ pytestmark = pytest.mark.integration
 
 
 def test_cluster_idle_cpu_reports_every_node_and_etcd(tmp_path, capsys):
-    r = cluster_idle_cpu.measure(tmp_path / "idle", nodes_n=2, seconds=1.0, ttl=10, node_args=[])
+    # --colocate off: the frontend and the shard are processes of their own (with pairs, one "pair").
+    r = cluster_idle_cpu.measure(tmp_path / "idle", nodes_n=2, seconds=1.0, ttl=10, node_args=["--colocate", "off"])
     assert set(r["per_s_ms"]) == {"n1", "n2", "etcd"}
     assert {"node", "shard", "frontend"} <= set(r["per_s_ms"]["n1"])  # the leader runs the workers
     assert set(r["per_s_ms"]["n2"]) == {"node"}  # a follower runs none

@@ -20,6 +20,7 @@ import pika
 import pytest
 
 from broker.config import load_settings
+from broker.contract import FRONTEND_STOP_SIGNAL
 from broker.cpus import colocated_pairs
 from tests.harness import REPO_ROOT, pid_alive, wait_until
 from tests.helpers import connections_on_two_frontends, names_on_different_shards, uid
@@ -190,14 +191,15 @@ def test_setting_from_flag_ini_env_and_bad_values(tmp_path, node_factory):
     assert load_settings(["--colocate", "off"], {"SHARDMQ_COLOCATE": "on"}).colocate == "off"
     assert colocated_pairs("on", 2, 3) == 2 and colocated_pairs("off", 2, 2) == 0
     assert colocated_pairs("auto", 2, 2, cores=2) == 2 and colocated_pairs("auto", 2, 2, cores=4) == 0
-    assert colocated_pairs("auto", 2, 2, cluster=True, cores=1) == 0
+    # A cluster member pairs too (a fenced leader stops a pair's frontend part alone: tests/test_cluster_pairs.py).
+    cluster_env = {"SHARDMQ_CLUSTER_SECRET": "s"}
+    assert load_settings(["--colocate", "on", "--cluster"], cluster_env).colocate == "on"
+    assert load_settings(["--cluster"], {**cluster_env, "SHARDMQ_COLOCATE": "on"}).colocate == "on"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDMQ_")}
-    for argv, needle in ((["--colocate", "sometimes"], "--colocate"),
-                         (["--colocate", "on", "--cluster"], "--colocate on cannot be used with --cluster")):
-        run = subprocess.run([sys.executable, "-m", "broker.cli", "--data-dir", str(tmp_path / "d"), *argv],
-                             cwd=REPO_ROOT, env={**env, "SHARDMQ_CLUSTER_SECRET": "s"}, capture_output=True,
-                             text=True, timeout=30)
-        assert run.returncode == 2 and needle in run.stderr, run.stderr
+    run = subprocess.run([sys.executable, "-m", "broker.cli", "--data-dir", str(tmp_path / "d"), "--colocate",
+                          "sometimes"], cwd=REPO_ROOT, env={**env, **cluster_env}, capture_output=True, text=True,
+                         timeout=30)
+    assert run.returncode == 2 and "--colocate" in run.stderr, run.stderr
     # The variable reaches a real node: frontends 2, shards 1 -> one pair, frontend 1 alone.
     node = node_factory(frontends=2, shards=1, env={"SHARDMQ_COLOCATE": "on"})
     pids = node.pids()
@@ -345,3 +347,63 @@ def test_bodies_cross_the_link_as_the_clients_sent_them(node_factory):
     pub.disconnect()
     sub.disconnect()
     conn.close()
+
+
+def wait_connection_lost(conn: pika.BlockingConnection, timeout: float = 15.0) -> BaseException:
+    """Serve ``conn`` until it breaks; returns what pika raised."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            conn.process_data_events(time_limit=0.2)
+        except pika.exceptions.AMQPError as exc:
+            return exc
+    raise AssertionError(f"the connection stayed open for {timeout} s")
+
+
+@pytest.mark.parametrize("how", ["pair-frontend-stop", "lone-frontend-kill"])
+def test_frontend_stop_signal_cuts_clients_as_a_killed_frontend_does_and_the_pair_restarts(node_factory, how):
+    """contract.FRONTEND_STOP_SIGNAL stops a pair's frontend part alone (what a fenced cluster leader
+    sends its pairs: tests/test_cluster_pairs.py). Its clients see what a SIGKILLed frontend process
+    (``lone-frontend-kill``, --colocate off: what the fence does to a frontend of its own) shows them:
+    the connection is cut, no connection.close from the broker. Sent from outside, the node sees the
+    frontend part leave while the pair runs on, stops the pair (the shard part cleanly) and restarts it."""
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    from broker.mqtt import codec as M
+    from tests.harness import free_port
+
+    paired = how == "pair-frontend-stop"
+    node = node_factory(frontends=1, shards=1, extra_args=ON if paired else ["--colocate", "off"],
+                        ws_port=free_port())
+    q = uid("cut")
+    conn = node.connect(heartbeat=0)
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.queue_declare(q, durable=True)
+    ch.basic_publish("", q, b"kept", properties=PERSISTENT)
+    with connect(f"ws://127.0.0.1:{node.ws_port}/ws", subprotocols=["mqtt"], open_timeout=10) as ws:  # MQTT/WS
+        ws.send(M.encode_connect(uid("ws"), username="guest", password=b"guest"))
+        assert M.MQTTParser(server=False).feed(ws.recv(timeout=10)) == [M.ConnAck(False, 0)]
+        old = node.worker_pid("frontend", 0)
+        if paired:
+            os.kill(old, FRONTEND_STOP_SIGNAL)
+        else:
+            node.kill_worker("frontend", 0)
+        lost = wait_connection_lost(conn)
+        assert isinstance(lost, pika.exceptions.StreamLostError), repr(lost)  # not ConnectionClosedByBroker
+        with pytest.raises(ConnectionClosed) as closed:
+            ws.recv(timeout=15)
+        assert closed.value.rcvd is None, closed.value  # the TCP connection cut under it: no close frame
+    new = node.wait_worker_restarted("frontend", 0, old)
+    if paired:
+        assert paired_pid(node, 0) == new
+        log = node.log_text()
+        assert f"frontend 0 (pid {old}) stopped at the node's request" in log, node.log_tail()
+        assert "frontend 0 left while its pair" in log, node.log_tail()
+        # The shard part stopped cleanly (STOP from the node), after the frontend part.
+        assert log.index("stopped at the node's request") < log.index("shard 0 stopped") < log.index(
+            "exited with status 0"), node.log_tail()
+    node.wait_ready()
+    with node.connect() as conn:
+        assert conn.channel().queue_declare(q, durable=True, passive=True).method.message_count == 1

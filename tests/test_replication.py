@@ -25,12 +25,6 @@ SECRET = {"SHARDMQ_CLUSTER_SECRET": "test-secret"}
 WAIT = 30.0
 
 
-def _cluster_env() -> dict[str, str]:
-    """The environment for an in-process cluster member's settings: without SHARDMQ_COLOCATE, which a
-    cluster member refuses as 'on' (tests/harness.py leaves it out for --cluster nodes the same way)."""
-    return {k: v for k, v in os.environ.items() if k != "SHARDMQ_COLOCATE"}
-
-
 def leader_node(node_factory, name="n1", shards=2, extra=(), env=SECRET, **kwargs):
     rport = free_port()
     node = node_factory(name=name, frontends=1, shards=shards, env=env, **kwargs,
@@ -430,7 +424,7 @@ def test_role_api_follower_promoted_by_become_leader_then_replicates_to_a_new_fo
          # Listeners with fixed default ports off: another node on the machine may hold them.
          "--prometheus-port", "0", "--mqtt-port", "0", "--ws-port", "0",
          "--frontends", "1", "--cluster", "--node-name", "n2", "--replication-port", str(rport),
-         "--follow", f"127.0.0.1:{leader.rport}"], _cluster_env())
+         "--follow", f"127.0.0.1:{leader.rport}"], dict(os.environ))
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
 
@@ -521,7 +515,7 @@ def test_role_api_leader_becomes_follower_and_resyncs_to_the_new_leader(node_fac
         ["--data-dir", str(data), "--port", str(amqp_port), "--http-port", "0", "--shards", "2", "--frontends", "1",
          "--prometheus-port", "0", "--mqtt-port", "0", "--ws-port", "0",  # fixed default ports: off
          "--cluster", "--etcd-endpoints", "none", "--node-name", "n2", "--replication-port", str(free_port())],
-        _cluster_env())
+        dict(os.environ))
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
 
