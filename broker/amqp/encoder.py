@@ -12,7 +12,10 @@ from typing import Any
 
 from pamqp import frame as pamqp_frame
 
-from broker.amqp import pamqp_types  # noqa: F401  (pamqp's amqp_type without a string per call)
+from broker.amqp import (
+    pamqp_names,  # noqa: F401  (replies echo any UTF-8 name, as RabbitMQ's do)
+    pamqp_types,  # noqa: F401  (pamqp's amqp_type without a string per call)
+)
 from broker.amqp.constants import DEFAULT_FRAME_MAX, PROTOCOL_HEADER
 
 # method frame header (type, channel, size, class, method) + first shortstr length
