@@ -189,6 +189,9 @@ def test_leader_cut_off_from_etcd_stops_confirming_and_closes_clients_then_rejoi
     assert confirmed > 0
     # Fenced at half the TTL after the last renewal, i.e. before the lease could expire: the node's
     # own measure of the lease's age when it fenced (from the last renewal it knows was sent) ...
+    # The line is written right after the frontends are stopped, so the client may see its
+    # connection cut before the line is in the log: wait for it.
+    wait_for(lambda: "fenced: etcd lease not renewed" in node.log_text(), 10, "the node's fence line")
     fenced = re.search(r"fenced: etcd lease not renewed for ([\d.]+) s", node.log_text())
     assert fenced, node.log_tail()
     assert ttl / 2 <= float(fenced[1]) < ttl, fenced[0]

@@ -130,6 +130,8 @@ def test_fenced_leader_with_pairs_cuts_its_clients_and_a_follower_takes_over_wit
         # follows within milliseconds kills it with the shards, as it kills lone shards: whether the
         # frontend part logs its stop first is a race, checked where it is not, below and in
         # tests/test_colocate.py).
+        # The node logs the fence right after signalling: a client may see its cut first.
+        wait_for(lambda: "fenced: etcd lease not renewed" in n1.log_text(), 10, "the node's fence line")
         fenced = re.search(r"fenced: etcd lease not renewed .*client connections closed \(frontend pids killed: "
                            r"(.*); paired pids told to stop their frontend part: (.*)\)", n1.log_text())
         assert fenced, n1.log_tail()
