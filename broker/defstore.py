@@ -7,8 +7,10 @@ Two files, both JSON:
   permissions. Written tmp + fsync + rename (+ fsync of the directory), so it
   is always either the old or the new one.
 * ``definitions.log`` - ops applied since that snapshot, one JSON array per
-  line, appended by :meth:`DefStore.record` and made durable by
-  :meth:`DefStore.sync` (the node calls it from a worker thread, batched).
+  line, appended by :meth:`DefStore.record` (written to the file at once,
+  unbuffered: a replication follower's full sync reads the file) and made
+  durable by :meth:`DefStore.sync` (the node calls it from a worker thread,
+  batched).
 
 ``load()`` reads the snapshot, replays the log (a torn last line, left by a
 crash mid-append, is ignored), adds the default user when there is no user,
@@ -192,18 +194,24 @@ class DefStore:
         data = "".join(lines).encode()
         with self._lock:
             if self._log is None:
-                self._log = open(self.log_path, "ab")
+                # Unbuffered: the bytes are in the file (the OS's page cache) before the write
+                # observer hears of them. Replication relies on that: a follower's full sync lists
+                # and reads the file itself, and the appends reported before it attached went to the
+                # other followers only; bytes still in a Python buffer (written by the next sync, in
+                # a thread) were missing from both, and the next append left a hole of zeros in the
+                # follower's copy (a line _read_log refuses once it is promoted).
+                self._log = open(self.log_path, "ab", buffering=0)
             offset = self._log.tell()
-            self._log.write(data)
+            view = memoryview(data)
+            while view:
+                view = view[self._log.write(view):]
         if write_observer.current is not None:
             write_observer.current.append(os.path.abspath(self.log_path), offset, data)
         return len(lines)
 
     def flush(self) -> None:
-        """Hand what was recorded to the OS (survives this process being killed; not yet synced)."""
-        with self._lock:
-            if self._log is not None:
-                self._log.flush()
+        """Hand what was recorded to the OS (survives this process being killed; not yet synced).
+        record() does so already (see there); kept for the callers that say what they rely on."""
 
     def sync(self) -> None:
         """Make everything recorded so far durable."""
@@ -211,7 +219,6 @@ class DefStore:
             f = self._log
             if f is None:
                 return
-            f.flush()
             # fsync a duplicate outside the lock: record() on the loop must not wait for the disk,
             # and a concurrent close() must not pull the descriptor from under us.
             fd = os.dup(f.fileno())
@@ -223,7 +230,6 @@ class DefStore:
     def close(self) -> None:
         with self._lock:
             if self._log is not None:
-                self._log.flush()
                 os.fsync(self._log.fileno())
                 self._log.close()
                 self._log = None

@@ -200,6 +200,9 @@ class FileWriter:
         self._fds: dict[str, int] = {}
         self._dirty_fds: set[str] = set()
         self._dirty_dirs: set[str] = set()
+        # Files a full sync is sending whole whose copy here is not a prefix of the leader's (see
+        # write_chunk): path -> fd of ``<path>.tmp``, renamed over the path at the last chunk.
+        self._rewrites: dict[str, int] = {}
 
     def _fd(self, rel: str, truncate: bool = False) -> int:
         fd = self._fds.get(rel)
@@ -211,7 +214,8 @@ class FileWriter:
         if self.admit is not None and not self.admit(rel, False):
             return -1
         full = os.path.join(self.root, rel)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | (os.O_TRUNC if truncate else 0)
+        # Read too: write_chunk compares a full sync's chunks with the copy.
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | (os.O_TRUNC if truncate else 0)
         try:
             fd = os.open(full, flags, 0o644)
         except FileNotFoundError:
@@ -230,6 +234,8 @@ class FileWriter:
             os.close(self._fds.pop(rel))
 
     def write_at(self, rel: str, offset: int, data: bytes, truncate: bool = False) -> None:
+        if self._rewrites:
+            self._drop_rewrite(rel)
         fd = self._fd(rel, truncate)
         if fd < 0:
             return  # not admitted
@@ -238,24 +244,92 @@ class FileWriter:
         self._dirty_fds.add(rel)
 
     def write_chunk(self, rel: str, offset: int, data: bytes, total: int) -> None:
-        """A chunk of a whole file sent by a full sync: written over what is there, the file cut to
-        ``total`` at its last chunk. Not truncated at its first: the follower's copy (a write segment
-        that grew, an acks file) is a prefix of the leader's but for an unacked tail, so until the
-        last chunk it holds the old bytes past the new ones, confirmed records among them. Emptied at
-        the first chunk, it lost them until the transfer ended, and for good if this follower was
-        promoted meanwhile (the leader gone while the ISR in etcd still listed it)."""
-        fd = self._fd(rel)
-        if fd < 0:
-            return  # not admitted
+        """A chunk of a whole file sent by a full sync (the chunks of one file come in order, with no
+        other frame between them), the file cut to ``total`` at its last chunk.
+
+        While the chunks only repeat or extend the follower's copy, they are written over it in
+        place: a copy that is a prefix of the leader's (a write segment that grew, an acks file)
+        keeps its confirmed records all along. Emptied at the first chunk (as it once was), it lost
+        them until the transfer ended, and for good if this follower was promoted meanwhile (the
+        leader gone while the ISR in etcd still listed it). At the first chunk that differs from
+        the copy (a file the leader rewrote: definitions.json, a meta or smeta file, a compacted
+        acks file or KV log, a segment whose unacked tail the leader cut), the rest goes to
+        ``<path>.tmp``, begun with the copy's first ``offset`` bytes (equal to the leader's so far),
+        and is renamed over the path at the last chunk: a follower promoted or restarted in
+        between finds the old copy whole, never half old and half new. The renamed file is made
+        durable with the batch, as an in-place write is."""
+        tmp_fd = self._rewrites.get(rel)
+        if tmp_fd is None:
+            fd = self._fd(rel)
+            if fd < 0:
+                return  # not admitted
+            if data and not data.startswith(os.pread(fd, len(data), offset)):
+                tmp_fd = self._start_rewrite(rel, fd, offset)
+            else:
+                if data:
+                    os.pwrite(fd, data, offset)
+                if offset + len(data) >= total:
+                    os.ftruncate(fd, total)
+                self._dirty_fds.add(rel)
+                return
         if data:
-            os.pwrite(fd, data, offset)
+            os.pwrite(tmp_fd, data, offset)
         if offset + len(data) >= total:
-            os.ftruncate(fd, total)
+            self._finish_rewrite(rel, tmp_fd, total)
+
+    def _start_rewrite(self, rel: str, fd: int, offset: int) -> int:
+        """Begin ``<rel>.tmp`` with the first ``offset`` bytes of the copy (see write_chunk)."""
+        tmp_fd = os.open(os.path.join(self.root, rel) + ".tmp",
+                         os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            done = 0
+            while done < offset:
+                try:
+                    n = os.copy_file_range(fd, tmp_fd, offset - done, done, done)
+                except OSError:  # a file system without it: read and write
+                    piece = os.pread(fd, min(_READ, offset - done), done)
+                    n = os.pwrite(tmp_fd, piece, done) if piece else 0
+                if n == 0:
+                    break  # the copy is shorter (cannot be: the earlier chunks extended it)
+                done += n
+        except OSError:
+            os.close(tmp_fd)
+            raise
+        self._rewrites[rel] = tmp_fd
+        return tmp_fd
+
+    def _finish_rewrite(self, rel: str, tmp_fd: int, total: int) -> None:
+        """Cut ``<rel>.tmp`` to ``total`` and rename it over ``rel``; its fd becomes the path's (made
+        durable with the batch, with the directory: the rename)."""
+        del self._rewrites[rel]
+        os.ftruncate(tmp_fd, total)
+        full = os.path.join(self.root, rel)
+        try:
+            os.replace(full + ".tmp", full)
+        except OSError:
+            os.close(tmp_fd)
+            raise
+        self.close_fd(rel)  # the old copy's fd: appends after this go to the new file
+        if len(self._fds) >= self.MAX_FDS:
+            self._evict()
+        self._fds[rel] = tmp_fd
         self._dirty_fds.add(rel)
+        self._dirty_dirs.add(os.path.dirname(full))
+
+    def _drop_rewrite(self, rel: str) -> None:
+        """Abandon an unfinished rewrite of ``rel`` (or of the files under it): the copy stays as it was."""
+        for key in [r for r in self._rewrites if r == rel or r.startswith(rel + "/")]:
+            os.close(self._rewrites.pop(key))
+            try:
+                os.unlink(os.path.join(self.root, key) + ".tmp")
+            except FileNotFoundError:
+                pass
 
     def replace(self, rel: str, data: bytes) -> None:
         if self.admit is not None and not self.admit(rel, False):
             return
+        if self._rewrites:
+            self._drop_rewrite(rel)
         self.close_fd(rel)
         full = os.path.join(self.root, rel)
         tmp = full + ".tmp"
@@ -278,10 +352,14 @@ class FileWriter:
         # list(): copied in one step (this may run while the stream's full sync deletes in a thread).
         for key in [r for r in list(self._fds) if r.startswith(store_dir + "/")]:
             self.close_fd(key)
+        if self._rewrites:
+            self._drop_rewrite(store_dir)
 
     def remove(self, rel: str) -> None:
         """Delete a file or directory tree, not asking admit()."""
         full = os.path.join(self.root, rel)
+        if self._rewrites:
+            self._drop_rewrite(rel)
         for key in [r for r in self._fds if r == rel or r.startswith(rel + "/")]:
             self.close_fd(key)
         if os.path.isdir(full):
@@ -308,6 +386,8 @@ class FileWriter:
         return fds, dirs
 
     def close(self) -> None:
+        for rel in list(self._rewrites):
+            self._drop_rewrite(rel)  # a transfer cut short: the old copy stays whole
         for fd in self._fds.values():
             os.close(fd)
         self._fds = {}

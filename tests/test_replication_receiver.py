@@ -207,3 +207,41 @@ def test_a_full_sync_rewrites_a_file_over_the_old_copy_never_shorter_until_its_l
     chunk(0, 0, b"")  # an empty file
     assert (tmp_path / "q" / "msgs").read_bytes() == b""
     rec.writer.close()
+
+
+def test_a_full_sync_of_a_rewritten_file_leaves_the_old_copy_whole_until_its_last_chunk(tmp_path) -> None:
+    """A file the leader rewrote (definitions.json, a meta file, a compacted acks file or KV log):
+    the chunks that differ from the follower's copy go to a temporary file renamed over it at the
+    last chunk. Written over the copy in place, a follower promoted or restarted in between read
+    a file half new and half old (a snapshot that does not parse, ack positions of two files)."""
+    mib = 1 << 20
+    old = b"o" * (3 * mib)
+    new = b"o" * mib + b"N" * mib + b"n" * (mib // 2)  # the same first chunk, then different, shorter
+    path = tmp_path / "definitions.json"
+    path.write_bytes(old)
+    rec = rmod.StreamReceiver(str(tmp_path), b"s", "f", "node", CrcCache())
+
+    def chunk(offset: int, data: bytes) -> None:
+        (ev,) = p.Decoder().feed(p.encode_file_data("definitions.json", offset, len(new), data))
+        rec._apply(ev)
+
+    chunk(0, new[:mib])
+    assert path.read_bytes() == old
+    chunk(mib, new[mib:2 * mib])
+    assert path.read_bytes() == old  # the old copy whole (a promotion now reads it, not a mix)
+    chunk(2 * mib, new[2 * mib:])
+    assert path.read_bytes() == new
+    assert not (tmp_path / "definitions.json.tmp").exists()
+    # The writer's fd is the new file's: an append after the full sync lands in it.
+    rec.writer.write_at("definitions.json", len(new), b"+")
+    assert path.read_bytes() == new + b"+"
+    fds, dirs = rec.writer.take_dirty()
+    assert str(tmp_path) in dirs  # the rename is made durable with the batch
+    make_durable(fds, dirs)
+
+    # A transfer cut short (the connection ends): the copy stays as it was, no temporary file left.
+    chunk(0, b"x" * mib)
+    chunk(mib, b"y" * mib)
+    rec.writer.close()
+    assert path.read_bytes() == new + b"+"
+    assert not (tmp_path / "definitions.json.tmp").exists()
