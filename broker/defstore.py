@@ -35,6 +35,7 @@ from typing import Any
 
 from broker import write_observer
 from broker.definitions import Definitions
+from broker.dirsync import fsync_dir
 
 SNAPSHOT = "definitions.json"
 LOG = "definitions.log"
@@ -116,17 +117,9 @@ def write_json_atomic(path: str, value: Any) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
+    fsync_dir(os.path.dirname(path) or ".")
     if write_observer.current is not None:
         write_observer.current.replace(os.path.abspath(path), data)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class DefStore:
@@ -162,7 +155,7 @@ class DefStore:
         with open(self.log_path, "w", encoding="utf-8") as f:
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(self.data_dir)
+        fsync_dir(self.data_dir)
         if write_observer.current is not None:
             write_observer.current.replace(os.path.abspath(self.log_path), b"")
         # What the other processes get is the durable state: transient entities died with the old node.

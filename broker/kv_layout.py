@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from broker.datadir import name_hash
+from broker.dirsync import fsync_dir
 from broker.kv_log import KV_DIR, encode, parse_name, read_log, replay
 
 log = logging.getLogger("shardmq.kv")
@@ -89,7 +90,7 @@ def _write_placed_for(root: str, shard_count: int) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, os.path.join(root, PLACED_FOR))
-    _fsync_dir(root)
+    fsync_dir(root)
 
 
 def _finish_swaps(root: str) -> None:
@@ -190,18 +191,10 @@ def _rewrite(vdir: str, logs: dict, vhost: str, spaces: dict[str, str], count: i
                 fh.write(b"".join(encode(k, v) for k, v in items.items()))
                 fh.flush()
                 os.fsync(fh.fileno())
-    _fsync_dir(new)
+    fsync_dir(new)
     old = vdir + ".old"
     os.replace(vdir, old)
     os.replace(new, vdir)
-    _fsync_dir(os.path.dirname(vdir))
+    fsync_dir(os.path.dirname(vdir))
     shutil.rmtree(old)
     log.info("kv stores of vhost %r placed for %d shards", vhost, count)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
