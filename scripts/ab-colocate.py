@@ -19,6 +19,8 @@ import sys
 import tempfile
 import time
 
+from ab_node import free_port
+
 PY = sys.executable
 TREE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = int(sys.argv[1]) if len(sys.argv) > 1 else 4
@@ -28,14 +30,6 @@ SETTINGS = os.environ.get("AB_SETTINGS", "on,off").split(",")
 # AB_NODE_CPUS=0: the node (and so its workers) pinned to those cores with taskset, e.g. a 1-core node.
 TASKSET = ["taskset", "-c", os.environ["AB_NODE_CPUS"]] if os.environ.get("AB_NODE_CPUS") else []
 TICK = os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def worker_pids(node_pid: int, run_dir: str) -> set[int]:

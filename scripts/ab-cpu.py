@@ -26,6 +26,8 @@ import sys
 import tempfile
 import time
 
+from ab_node import free_port
+
 PY = sys.executable
 TREES = {"base": os.path.abspath(sys.argv[1]), "head": os.path.abspath(sys.argv[2])}
 N = int(sys.argv[3]) if len(sys.argv) > 3 else 200000
@@ -33,13 +35,6 @@ PERF_ARGS = shlex.split(os.environ.get("AB_PERF_ARGS", "-x 1 -y 1 -s 16"))
 PUBLISHERS = int(PERF_ARGS[PERF_ARGS.index("-x") + 1]) if "-x" in PERF_ARGS else 1
 NODE_ARGS = {"base": shlex.split(os.environ.get("AB_BASE_ARGS", "")),
              "head": shlex.split(os.environ.get("AB_HEAD_ARGS", ""))}
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 def children(pid: int) -> list[int]:
     out = []
