@@ -95,24 +95,20 @@ def _write_placed_for(root: str, shard_count: int) -> None:
 
 def _finish_swaps(root: str) -> None:
     """Complete or drop a swap a crash interrupted (see the module doc)."""
-    for name in sorted(os.listdir(root)):
-        base, dot, suffix = name.rpartition(".")
-        if not dot or suffix != "new":
-            continue
-        path, live = os.path.join(root, name), os.path.join(root, base)
-        if os.path.exists(live):
-            shutil.rmtree(path)  # the live directory was not renamed yet: it is the whole truth
-        else:
-            os.replace(path, live)  # renamed away: the new logs were complete, only their rename was left
-    for name in sorted(os.listdir(root)):
-        base, dot, suffix = name.rpartition(".")
-        if not dot or suffix != "old":
-            continue
-        path, live = os.path.join(root, name), os.path.join(root, base)
-        if os.path.exists(live):
-            shutil.rmtree(path)
-        else:
-            os.replace(path, live)  # (not reached by the swap's order; keep the data rather than guess)
+    # .new first: a live directory it finds means the swap never began, else it completes the swap;
+    # an .old left after that goes if its live directory is there.
+    for wanted in ("new", "old"):
+        for name in sorted(os.listdir(root)):
+            base, dot, suffix = name.rpartition(".")
+            if not dot or suffix != wanted:
+                continue
+            path, live = os.path.join(root, name), os.path.join(root, base)
+            if os.path.exists(live):
+                shutil.rmtree(path)  # .new: the live directory was not renamed yet, it is the whole truth
+            else:
+                # .new: renamed away, the new logs were complete, only their rename was left;
+                # .old: not reached by the swap's order; keep the data rather than guess
+                os.replace(path, live)
 
 
 def _logs_of(vdir: str) -> dict[str, dict[int | None, str]]:
