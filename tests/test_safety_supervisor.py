@@ -52,7 +52,8 @@ def test_shard_restarted_even_when_pids_json_cannot_be_written(node_factory):
     first = node.worker_pid("shard", 0)
     os.kill(first, signal.SIGKILL)
     second = wait_new_shard(node, 0, first)
-    assert "cannot write" in node.log_text()
+    # The supervisor logs the failed write after it started the new process: wait for the line, not for the pid.
+    wait_until(lambda: "cannot write" in node.log_text(), 20, "the failed pids.json write logged", context=node.log_tail)
     # The second incarnation was started while pids.json failed: it must be watched all the same.
     os.kill(second, signal.SIGKILL)
     wait_new_shard(node, 0, second)
