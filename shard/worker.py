@@ -1032,10 +1032,16 @@ class ShardWorker:
                 continue
             names.append(name)
         # Other shards' copies are kept in the outbox until confirmed (shard/dead_letter_forwards.py);
-        # the seq is the outbox record's id, filled in there.
+        # the seq is the outbox record's id, filled in there. A queue here that refused it (full with
+        # x-overflow reject-publish, a failed append) gets it the same way, through our own ROUTER
+        # after the retry delay, as another shard's refusing queue does (it used to be dropped here).
+        refused: list[str] = []
         _sync, remote = self.route_to_queues(vhost, names, flags, dlx, rk, props, body, 0,
-                                             contract.PEER_CHANNEL_DLX, send=False)
-        self.dead_letters.send(remote, bool(flags & 1))
+                                             contract.PEER_CHANNEL_DLX, send=False, refused=refused)
+        if refused:
+            remote[self.index] = [contract.PUBLISH, vhost, refused, dlx, rk, props, body, bool(flags & 1),
+                                  self.epoch, contract.PEER_CHANNEL_DLX, 0]
+        self.dead_letters.send(remote, bool(flags & 1), later=self.index if refused else None)
 
     def route_to_queues(self, vhost: str, names: list[str] | tuple, flags: int, exchange: str, routing_key: str,
                         props: bytes, body: bytes, confirm_seq: int | None = None,

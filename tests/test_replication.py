@@ -16,6 +16,7 @@ import pika.exceptions
 import pytest
 
 from replication import protocol as p
+from tests import helpers
 from tests.harness import free_port
 from tests.tcp_relay import Relay
 
@@ -256,6 +257,41 @@ def test_min_isr_nacks_publishes_and_refuses_durable_declares_until_a_follower_i
     with pytest.raises(pika.exceptions.ChannelClosedByBroker) as err:
         ch.queue_bind("m", "amq.direct", "k")
     assert err.value.reply_code == 406 and "PRECONDITION_FAILED" in err.value.reply_text
+    conn.close()
+
+
+def test_a_dead_letter_under_min_isr_is_stored_once_not_once_a_second(node_factory):
+    """A dead letter into a durable queue of another shard while the ISR is short of --min-isr: the
+    target stores it and answers CONFIRM_NACK naming no queue (not replicated as asked). That copy
+    is in the target; the source settles the dead letter with a warning, as a due delayed message
+    is settled, where it used to send it again each second (one more copy per second of outage)."""
+    leader = leader_node(node_factory, extra=["--min-isr", "1", "--queue-placement", "hash"])
+    follower = follower_node(node_factory, leader)
+    wait_in_sync(leader)
+    wait_isr(leader, "n2")
+    names = helpers.names_on_different_shards("dlisr")
+    source, target = names[0], names[1]
+    conn = leader.connect()
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.queue_declare(target, durable=True)
+    ch.queue_declare(source, durable=True, arguments={"x-dead-letter-exchange": "",
+                                                      "x-dead-letter-routing-key": target})
+    ch.basic_publish("", source, b"dead", pika.BasicProperties(delivery_mode=2))
+    method, _p, _b = ch.basic_get(source, auto_ack=False)
+    follower.stop()
+    wait_for(lambda: "follower n2 is out of sync" in leader.log_text(), "n2 out of sync", node=leader)
+    wait_isr(leader, "")
+    ch.basic_reject(method.delivery_tag, requeue=False)
+    wait_for(lambda: "dead letter(s) stored on shard 1 but not made durable there" in leader.log_text(),
+             "the dead letter settled with a warning", node=leader)
+    assert ch.queue_declare(target, passive=True).method.message_count == 1
+    # The ISR back: still the one copy (a resend would have added one per second meanwhile).
+    follower.start(wait=False)
+    wait_isr(leader, "n2")
+    ch.basic_publish("", target, b"after", pika.BasicProperties(delivery_mode=2))
+    assert ch.queue_declare(target, passive=True).method.message_count == 2
+    assert [ch.basic_get(target, auto_ack=True)[2] for _ in range(2)] == [b"dead", b"after"]
     conn.close()
 
 
