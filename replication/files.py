@@ -98,6 +98,40 @@ def walk(root: str, rel_dirs: Iterable[str] | None) -> list[str]:
     return out
 
 
+def remove_temps(root: str) -> list[str]:
+    """Delete every ``*.tmp`` file under ``root`` but ``run/`` and ``.lock``; their relative paths.
+
+    A follower writes a file the full sync rewrites to ``<path>.tmp`` and renames it over the path
+    at its last chunk (``FileWriter.write_chunk``), and a replaced file likewise (``replace``); the
+    node writes ``definitions.json`` and its kin the same way (broker/defstore.py). Every end of a
+    stream drops its unfinished ones (``FileWriter.close``), but a process killed in between
+    leaves its ``.tmp``, and nothing else would remove it: listings skip ``*.tmp`` (never
+    replicated, never compared), and when the leader has since deleted the path no full sync
+    rewrites it. Only where nothing writes to the data dir: a follower's start, before its first
+    session (its node runs no workers then; replication/follower.py)."""
+    removed: list[str] = []
+    stack = [""]
+    while stack:
+        rel = stack.pop()
+        try:
+            entries = list(os.scandir(os.path.join(root, rel)))
+        except OSError:
+            continue
+        for entry in entries:
+            if not rel and entry.name in NODE_SKIP:
+                continue
+            child = f"{rel}/{entry.name}" if rel else entry.name
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(child)
+                elif _is_temp(entry.name):
+                    os.unlink(entry.path)
+                    removed.append(child)
+            except OSError:
+                continue  # gone meanwhile, or not ours to remove: left as it was
+    return removed
+
+
 def crc_file(path: str, size: int) -> int:
     """CRC32 of the first ``size`` bytes of ``path`` (zero-padded if the file is shorter)."""
     crc = 0

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from replication import protocol as p
-from replication.files import CrcCache, store_dir_of
+from replication.files import CrcCache, remove_temps, store_dir_of
 from replication.receiver import (
     FILE_LIST_TIMEOUT_S,
     AuthFailed,
@@ -150,6 +150,11 @@ class ReplicationFollower:
         return self._crcs.setdefault(stream, CrcCache())
 
     async def _run(self) -> None:
+        # What a killed follower (or node) left half written: no writer runs in the data dir yet.
+        removed = await asyncio.get_running_loop().run_in_executor(None, remove_temps, self.data_dir)
+        if removed:
+            log.info("replication: removed %d temporary file(s) a killed process left in the data dir: %s",
+                     len(removed), ", ".join(removed[:5]) + (" ..." if len(removed) > 5 else ""))
         while True:
             delay = RETRY_S
             try:

@@ -1,11 +1,12 @@
 """Dead letters sent to other shards, kept on disk until those shards confirm them.
 
 A dead letter for a queue on another shard (or for a deduplicating exchange, whose owner shard
-decides where it goes) travels over the peer DEALER as a PUBLISH (or DEDUP_PUBLISH) item with
-confirm fields: conn_id this shard's epoch (shard/forward_lives.py), channel contract.PEER_CHANNEL_DLX
-and a seq. The target answers CONFIRM
-once it is stored (synced when persistent into a durable queue; a dedup owner once every shard it
-forwarded to has).
+decides where it goes; or for a queue of this shard that refused it, full with reject-publish,
+which gets it again through this shard's own ROUTER after RETRY_S, as another shard's would)
+travels over the peer DEALER as a PUBLISH (or DEDUP_PUBLISH) item with confirm fields: conn_id
+this shard's epoch (shard/forward_lives.py), channel contract.PEER_CHANNEL_DLX and a seq. The
+target answers CONFIRM once it is stored (synced when persistent into a durable queue; a dedup
+owner once every shard it forwarded to has).
 
 Before it is sent, the dead letter is appended to this shard's *outbox*, a QueueStore under
 ``<data>/dead-letters/shard-N/`` whose record body is the packed list of [target shard, item]; the
@@ -36,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from typing import Protocol
 
 from broker import contract
@@ -75,6 +77,8 @@ class DeadLetterForwards:
         # outbox msg id (= confirm seq) -> {target shard: [epoch it was sent to, item]}
         self.pending: dict[int, dict[int, list]] = {}
         self._retry_armed = False
+        self._unsynced = 0  # dead letters settled by a NACK naming no queue, since the last warning
+        self._unsynced_logged = 0.0
 
     def path(self) -> str:
         w = self.worker
@@ -108,15 +112,18 @@ class DeadLetterForwards:
         if n:
             log.info("shard %d: %d dead letters unconfirmed before the restart are sent again", self.worker.index, n)
 
-    def send(self, items: dict[int, list], persistent: bool) -> None:
-        """Keep `items` (target shard -> PUBLISH/DEDUP_PUBLISH with seq None) in the outbox, then send them."""
+    def send(self, items: dict[int, list], persistent: bool, later: int | None = None) -> None:
+        """Keep `items` (target shard -> PUBLISH/DEDUP_PUBLISH with seq None) in the outbox, then send
+        them; the one for shard `later` (this shard's own queues that just refused it) only after
+        RETRY_S, as a refused one is sent again."""
         if not items:
             return
         w = self.worker
         msg_id = self._keep(items, persistent)
         if msg_id is None:  # not kept (a full disk): sent all the same, unconfirmed, as before the outbox
             for shard, item in items.items():
-                w.send_to_peer(shard, item)
+                if shard != later:  # (refused here a moment ago: dropped, as before the retry)
+                    w.send_to_peer(shard, item)
             return
         if len(self.pending) >= MAX_PENDING:
             del self.pending[next(iter(self.pending))]
@@ -126,6 +133,12 @@ class DeadLetterForwards:
         kept = self.pending[msg_id] = {}
         for shard, item in items.items():
             item = stamped(item, msg_id, w.epoch)
+            if shard == later:
+                kept[shard] = [-1, item]  # sent by _retry
+                if not self._retry_armed:
+                    self._retry_armed = True
+                    w.loop.call_later(RETRY_S, self._retry)
+                continue
             # Not sent (a clean stop told the peers we are done): epoch -1, sent after the restart.
             kept[shard] = [(w.epoch if shard == w.index else epochs.get(shard, 0))
                            if w.send_to_peer(shard, item) else -1, item]
@@ -147,33 +160,46 @@ class DeadLetterForwards:
         return msg_id
 
     def confirmed(self, shard: int, seqs: list[int], ok: bool = True, refused: list[str] | None = None) -> None:
-        """CONFIRM from `shard`; CONFIRM_NACK (a full target queue with x-overflow reject-publish, a
-        full disk, a dedup owner whose forward went to a shard that restarted) is retried later, as
-        RabbitMQ's at-least-once dead-letter worker retries what was not confirmed. A NACK of a PUBLISH
-        that names the queues that refused it (``refused``, contract VERSION 26) is retried to those
-        only: the others stored it (a retry of all of them put a copy in each, once a second); one
-        naming none was stored, or dead-lettered by a reject-publish-dlx queue (a retry dead-lettered
-        it again, once a second), and counts as confirmed."""
+        """CONFIRM from `shard`, or CONFIRM_NACK. A NACK of a PUBLISH that names the queues that refused
+        it (``refused``, contract VERSION 26: full with x-overflow reject-publish, a full disk) is
+        retried to those only, after RETRY_S, as RabbitMQ's at-least-once dead-letter worker retries
+        what a target rejected: the others stored it (a retry of all of them put a copy in each, once
+        a second). A NACK naming no queue says the target holds the copy: ``refused`` empty, it was
+        stored or dead-lettered by a reject-publish-dlx queue (a retry dead-lettered it again, once a
+        second); no ``refused`` at all, it was stored but not made durable as asked (the target's
+        group sync failed, or fewer in-sync followers than --min-isr acked it), and a resend would
+        only add a copy per second while the ISR stays short. Both count as confirmed (the second
+        logged), as a due delayed message's NACK does (shard/delayed.py). A DEDUP_PUBLISH's NACK (its
+        owner's forward went to a shard that restarted: maybe not stored) is retried whole."""
         pending = self.pending
         store = self.store
-        if not ok and refused is not None:
-            if not refused:
-                ok = True
-            else:
-                for seq in seqs:
-                    sent = pending.get(seq, {}).get(shard)
-                    if sent is not None and sent[1][0] == contract.PUBLISH:
-                        item = sent[1] = list(sent[1])
-                        item[2] = [name for name in item[2] if name in refused]
         if not ok:
+            settle: list[int] = []
+            unsynced = 0
+            again = False
             for seq in seqs:
                 sent = pending.get(seq, {}).get(shard)
-                if sent is not None:
-                    sent[0] = -1  # not held by the target: sent again by _retry
-            if not self._retry_armed:
+                if sent is None:
+                    if refused is not None and not refused:
+                        settle.append(seq)  # dropped from memory (MAX_PENDING): its record goes
+                    continue
+                is_publish = sent[1][0] == contract.PUBLISH
+                if refused:
+                    if is_publish:
+                        item = sent[1] = list(sent[1])
+                        item[2] = [name for name in item[2] if name in refused]
+                elif refused is not None or is_publish:
+                    settle.append(seq)
+                    unsynced += refused is None
+                    continue
+                sent[0] = -1  # not held by the target: sent again by _retry
+                again = True
+            if unsynced:
+                self._log_unsynced(shard, unsynced)
+            if again and not self._retry_armed:
                 self._retry_armed = True
                 self.worker.loop.call_later(RETRY_S, self._retry)
-            return
+            seqs = settle
         for seq in seqs:
             items = pending.get(seq)
             if items is not None:
@@ -184,8 +210,19 @@ class DeadLetterForwards:
                         store.ack(seq)
             elif store is not None and store.holds(seq):
                 store.ack(seq)  # dropped from memory (MAX_PENDING) and confirmed after all
-        if store is not None:
+        if store is not None and seqs:
             store.flush_acks()
+
+    def _log_unsynced(self, shard: int, n: int) -> None:
+        """At most once a second (an ISR outage NACKs every dead letter), with the count since."""
+        self._unsynced += n
+        now = time.monotonic()
+        if now - self._unsynced_logged >= 1.0:
+            self._unsynced_logged = now
+            log.warning("shard %d: %d dead letter(s) stored on shard %d but not made durable there (its sync "
+                        "failed, or fewer in-sync followers than --min-isr); settled, not sent again",
+                        self.worker.index, self._unsynced, shard)
+            self._unsynced = 0
 
     def in_flight(self) -> int:
         """Dead letters sent to the running incarnation of a shard (or to ourselves) and not confirmed

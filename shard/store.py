@@ -162,7 +162,7 @@ class QueueStore(SegmentDir):
         "_ready", "_ready_bytes", "n_redelivered", "_closed", "_lock", "_wdirty", "_acks_dirty",
         "_dir_dirty_v", "_sync_fds", "_ack_fds", "_ack_pending", "_syncing", "_deferred_close", "_synced",
         "damaged_records", "damaged_acks", "_dir_fd", "_wseg", "_rseg", "_rpos", "_mark_fd", "_mark",
-        "_redeliver_below", "_parents_synced",
+        "_redeliver_below", "_parents_synced", "_mark_failed",
     )
 
     def __init__(self, path: str, *, segment_size: int = 8 << 20, keep_transient: bool = False,
@@ -219,6 +219,7 @@ class QueueStore(SegmentDir):
         # with redelivered=true, as RabbitMQ's queue index marks delivered messages. Clamped to the
         # end of the data: ids of messages appended from now on are never below it.
         self._mark_fd = -1
+        self._mark_failed = False  # the last mark write failed: the store stays dirty until one succeeds
         end = self._wseg.no << 32 | self._wseg.used
         if end == _FIRST_END:
             end = _FIRST_END
@@ -243,7 +244,7 @@ class QueueStore(SegmentDir):
     @property
     def dirty(self) -> bool:
         return (self._wdirty or self._acks_dirty or self._dir_dirty or bool(self._sync_fds)
-                or bool(self._ack_pending))
+                or bool(self._ack_pending) or self._mark_failed)
 
     # ------------------------------------------------------------ hot path
     def append(
@@ -725,16 +726,33 @@ class QueueStore(SegmentDir):
         return struct.unpack("<Q", data)[0] if len(data) == 8 else 0
 
     def _write_mark(self, cursor: int) -> None:
-        """One pwrite to the page cache (it survives a killed shard); fsynced with the ack files."""
-        fd = self._mark_fd
-        if fd < 0:
-            fd = self._mark_fd = os.open(os.path.join(self.path, DELIVERED_MARK),
-                                         os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            with self._lock:
-                self._track_fd(fd)  # closed by close() with the ack files
-            self._dir_dirty = True
+        """One pwrite to the page cache (it survives a killed shard); fsynced with the ack files.
+
+        A failing write (the file cannot be opened, EIO) is not fatal, as an ack write's is not: the
+        deliveries stand, the mark stays where it was and the store stays dirty, so the periodic sync
+        (its flush_acks) tries again each second if no delivery pass does first. Until then a crash
+        brings those deliveries back without redelivered set, the one thing the mark is for. It used
+        to raise: out of the delivery pass (ending it), out of a basic.get (541), and out of the
+        shard's group sync start, which then never ran again (no confirm on the shard any more)."""
         data = struct.pack("<Q", cursor)
-        os.pwrite(fd, data, 0)
+        try:
+            fd = self._mark_fd
+            if fd < 0:
+                fd = os.open(os.path.join(self.path, DELIVERED_MARK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                self._mark_fd = fd
+                with self._lock:
+                    self._track_fd(fd)  # closed by close() with the ack files
+                self._dir_dirty = True
+            os.pwrite(fd, data, 0)
+        except OSError as exc:
+            if not self._mark_failed:  # once until a write succeeds: every turn would log it again
+                self._mark_failed = True
+                log.warning("queue %s: cannot write the delivered mark (%s); retried each second", self.path, exc)
+                dirty_stores.note(self)
+            return
+        if self._mark_failed:
+            self._mark_failed = False
+            log.warning("queue %s: delivered mark written again", self.path)
         self._mark = cursor
         if write_observer.current is not None:
             write_observer.current.append(os.path.join(self.path, DELIVERED_MARK), 0, data)

@@ -35,6 +35,7 @@ from shard.dead_letter_forwards import DeadLetterForwards
 from shard.deadletter import dead_letter_props, has_dlx_header, has_expiration, is_cycle
 from shard.dedup import ExchangeDedup
 from shard.delayed import DelayedMessages
+from shard.delivery_faults import DeliveryFaults
 from shard.feature_queue import EXPIRING_MARK, FeatureQueue, needs_features
 from shard.forward_lives import for_this_life
 from shard.forward_settle import PEERS_DONE_SLACK_S, STOP_WAIT_S, ForwardSettle, PeersDone
@@ -128,6 +129,8 @@ class ShardWorker:
         self.consumers: dict[tuple[bytes, int, int, str], tuple[Queue, Consumer]] = {}
         self._dirty_queues: set[Queue] = set()
         self._deliver_scheduled = False
+        # Queues whose delivery pass raised, woken again after a back-off (shard/delivery_faults.py).
+        self.delivery_faults = DeliveryFaults(loop, index, self.mark_dirty)
         # Confirms waiting for the next group sync: (fe, conn_id, channel, seq).
         self._sync_waiting: list[tuple[bytes, int, int, int]] = []
         self._sync_stores: set[QueueStore] = set()
@@ -426,6 +429,7 @@ class ShardWorker:
         if q.consumers:
             q.consumers.clear()
         self._dirty_queues.discard(q)
+        self.delivery_faults.forget(q)
         self._sync_stores.discard(q.store)
         if q.store.__class__ is QueueStore:
             q.store.delete(later=True)  # off the loop: deleting 100,000 queues must not stall the others
@@ -967,6 +971,7 @@ class ShardWorker:
         if old in self._dirty_queues:
             self._dirty_queues.discard(old)
             self._dirty_queues.add(new)
+        self.delivery_faults.replace(old, new)
         old.deleted = True  # a pending timer or delivery of the old object does nothing
 
     def _apply_policies(self, vhost: str) -> None:
@@ -1027,10 +1032,16 @@ class ShardWorker:
                 continue
             names.append(name)
         # Other shards' copies are kept in the outbox until confirmed (shard/dead_letter_forwards.py);
-        # the seq is the outbox record's id, filled in there.
+        # the seq is the outbox record's id, filled in there. A queue here that refused it (full with
+        # x-overflow reject-publish, a failed append) gets it the same way, through our own ROUTER
+        # after the retry delay, as another shard's refusing queue does (it used to be dropped here).
+        refused: list[str] = []
         _sync, remote = self.route_to_queues(vhost, names, flags, dlx, rk, props, body, 0,
-                                             contract.PEER_CHANNEL_DLX, send=False)
-        self.dead_letters.send(remote, bool(flags & 1))
+                                             contract.PEER_CHANNEL_DLX, send=False, refused=refused)
+        if refused:
+            remote[self.index] = [contract.PUBLISH, vhost, refused, dlx, rk, props, body, bool(flags & 1),
+                                  self.epoch, contract.PEER_CHANNEL_DLX, 0]
+        self.dead_letters.send(remote, bool(flags & 1), later=self.index if refused else None)
 
     def route_to_queues(self, vhost: str, names: list[str] | tuple, flags: int, exchange: str, routing_key: str,
                         props: bytes, body: bytes, confirm_seq: int | None = None,
@@ -1384,12 +1395,23 @@ class ShardWorker:
         put = self.data.put
         delivered = 0
         behind = False
+        faults = self.delivery_faults
+        failing = faults.failing
         for q in dirty:
             if not q.deleted:
                 store = q.store
                 ready = store.ready
                 unacked = len(q.unacked)
-                q.deliver(put)
+                # One queue's store failing (a segment it cannot map, an I/O error) is that queue's
+                # trouble: the pass goes on with the others, and it is retried after a back-off
+                # (shard/delivery_faults.py). What it sent before the failure is counted and its
+                # delivered mark written as for any other.
+                failed = False
+                try:
+                    q.deliver(put)
+                except Exception as exc:
+                    faults.failed(q, exc)
+                    failed = True
                 n = ready - store.ready
                 if n:
                     q.n_delivered += n  # per queue per turn, not per message (message_stats)
@@ -1398,7 +1420,13 @@ class ShardWorker:
                     if no_ack > 0 and q.__class__ is not StreamQueue:
                         q.n_deliver_no_ack += no_ack
                 delivered += n
-                store.flush_acks()
+                try:
+                    store.flush_acks()
+                except Exception as exc:
+                    faults.failed(q, exc)
+                    failed = True
+                if failing and not failed and q in failing and (n or not store.ready):
+                    faults.recovered(q)
                 if store.ready > _FLOW_BACKLOG and q.consumers and _consumer_waiting(q.consumers):
                     behind = True
                 elif q.__class__ is StreamQueue and q.consumers and q.tail_consumer_waiting(_FLOW_BACKLOG):
@@ -1687,6 +1715,7 @@ class ShardWorker:
         for s in stores:
             s.close()
         self.timers.close()
+        self.delivery_faults.close()
         if self.ack_timeouts is not None:
             self.ack_timeouts.close()
         for peer in self.peers.values():

@@ -122,16 +122,19 @@ def test_dead_letters_cross_shards(ch, placement):
     assert bodies == [f"m{i}".encode() for i in range(20)]
 
 
-def test_a_dead_letter_a_full_queue_refused_goes_again_to_it_alone(ch):
-    """A dead letter forwarded to two queues of another shard, one of them full (x-max-length 1,
-    x-overflow reject-publish): the refusing queue gets it once it has room, the other holds one
-    copy only (a retry of the whole forward put another in it each time)."""
+@pytest.mark.parametrize("target_shard", [1, 0], ids=["other-shard", "same-shard"])
+def test_a_dead_letter_a_full_queue_refused_goes_again_to_it_alone(ch, target_shard):
+    """A dead letter to two queues of another shard (or of its own), one of them full (x-max-length
+    1, x-overflow reject-publish): the refusing queue gets it once it has room, the other holds one
+    copy only (a retry of the whole forward put another in it each time). On its own shard the full
+    queue used to drop it (at most once) where another shard's was retried (at least once, as
+    RabbitMQ's at-least-once dead-lettering retries a target that rejects): now both retry."""
     dlx = uid("dlx")
     ch.exchange_declare(dlx, "fanout", auto_delete=False)
-    full = uid_on(1, "full")
+    full = uid_on(target_shard, "full")
     ch.queue_declare(full, arguments={"x-max-length": 1, "x-overflow": "reject-publish"})
     ch.queue_bind(full, dlx)
-    side = uid_on(1, "side")
+    side = uid_on(target_shard, "side")
     ch.queue_declare(side)
     ch.queue_bind(side, dlx)
     src = uid_on(0, "src")

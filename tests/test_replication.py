@@ -16,6 +16,7 @@ import pika.exceptions
 import pytest
 
 from replication import protocol as p
+from tests import helpers
 from tests.harness import free_port
 from tests.tcp_relay import Relay
 
@@ -259,6 +260,41 @@ def test_min_isr_nacks_publishes_and_refuses_durable_declares_until_a_follower_i
     conn.close()
 
 
+def test_a_dead_letter_under_min_isr_is_stored_once_not_once_a_second(node_factory):
+    """A dead letter into a durable queue of another shard while the ISR is short of --min-isr: the
+    target stores it and answers CONFIRM_NACK naming no queue (not replicated as asked). That copy
+    is in the target; the source settles the dead letter with a warning, as a due delayed message
+    is settled, where it used to send it again each second (one more copy per second of outage)."""
+    leader = leader_node(node_factory, extra=["--min-isr", "1", "--queue-placement", "hash"])
+    follower = follower_node(node_factory, leader)
+    wait_in_sync(leader)
+    wait_isr(leader, "n2")
+    names = helpers.names_on_different_shards("dlisr")
+    source, target = names[0], names[1]
+    conn = leader.connect()
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.queue_declare(target, durable=True)
+    ch.queue_declare(source, durable=True, arguments={"x-dead-letter-exchange": "",
+                                                      "x-dead-letter-routing-key": target})
+    ch.basic_publish("", source, b"dead", pika.BasicProperties(delivery_mode=2))
+    method, _p, _b = ch.basic_get(source, auto_ack=False)
+    follower.stop()
+    wait_for(lambda: "follower n2 is out of sync" in leader.log_text(), "n2 out of sync", node=leader)
+    wait_isr(leader, "")
+    ch.basic_reject(method.delivery_tag, requeue=False)
+    wait_for(lambda: "dead letter(s) stored on shard 1 but not made durable there" in leader.log_text(),
+             "the dead letter settled with a warning", node=leader)
+    assert ch.queue_declare(target, passive=True).method.message_count == 1
+    # The ISR back: still the one copy (a resend would have added one per second meanwhile).
+    follower.start(wait=False)
+    wait_isr(leader, "n2")
+    ch.basic_publish("", target, b"after", pika.BasicProperties(delivery_mode=2))
+    assert ch.queue_declare(target, passive=True).method.message_count == 2
+    assert [ch.basic_get(target, auto_ack=True)[2] for _ in range(2)] == [b"dead", b"after"]
+    conn.close()
+
+
 def test_a_follower_that_stops_acking_is_dropped_and_confirms_go_on(node_factory):
     leader = leader_node(node_factory, extra=["--replication-ack-timeout", "1"])
     follower = follower_node(node_factory, leader)
@@ -348,6 +384,76 @@ def test_an_action_corrupted_in_transit_is_never_applied_and_the_file_is_resynce
         wait_identical(leader, follower)
     finally:
         relay.close()
+
+
+class HoldingRelay(Relay):
+    """A TCP relay that passes the first ``limit`` bytes the leader sends on each connection and
+    swallows the rest, as a link that stalls in the middle of a full sync."""
+
+    def __init__(self, target_port: int, limit: int) -> None:
+        self.limit = limit
+        self.passed: dict[int, int] = {}
+        self._tags = 0
+        super().__init__(target_port)
+
+    def connection_tag(self) -> int:
+        self._tags += 1
+        return self._tags
+
+    def forward(self, data: bytes, from_leader: bool, tag: int) -> bytes | None:
+        if not from_leader:
+            return data
+        passed = self.passed.get(tag, 0)
+        self.passed[tag] = passed + len(data)
+        return data[:max(0, self.limit - passed)] or None
+
+
+def _temps(root) -> list[str]:
+    return sorted(str(path.relative_to(root)) for path in Path(root).rglob("*.tmp")
+                  if path.relative_to(root).parts[0] != "run")
+
+
+def test_a_rewrite_a_killed_follower_left_half_done_leaves_no_tmp_file_behind(node_factory):
+    """A follower killed while a full sync rewrote one of its files (its copy differed from the
+    leader's: here a byte flipped) leaves ``<path>.tmp`` with the first chunk in it. The leader
+    deletes that file meanwhile (the queue purged: its sealed segments go), so no later full sync
+    rewrites the path, and the stale ``.tmp`` (never listed, never replicated) used to stay for good.
+    A follower's start removes what a killed one left."""
+    leader = leader_node(node_factory, extra=["--segment-size", str(2 << 20)])
+    publish(leader, {"big": 50}, size=100_000)  # segments 1 and 2 sealed (2 MiB each), 3 written to
+    follower = follower_node(node_factory, leader)
+    wait_in_sync(leader)
+    wait_identical(leader, follower)
+    follower.stop()
+    seg = next(Path(follower.data_dir).rglob("msgs.0000000001"))
+    data = bytearray(seg.read_bytes())
+    data[100] ^= 0xFF
+    seg.write_bytes(bytes(data))
+    # Through a link that stalls after 1.5 MiB of a connection: the segment's first 1 MiB chunk
+    # differs from the copy, so it goes to msgs.0000000001.tmp, and the rest never comes.
+    relay = HoldingRelay(leader.rport, 3 << 19)
+    try:
+        follow = follower.extra_args.index("--follow") + 1
+        follower.extra_args[follow] = f"127.0.0.1:{relay.port}"
+        follower.start(wait=False)
+        tmp = str(seg.relative_to(follower.data_dir)) + ".tmp"
+        wait_for(lambda: tmp in _temps(follower.data_dir) and os.path.getsize(seg) > 0
+                 and (Path(follower.data_dir) / tmp).stat().st_size >= 1 << 20,
+                 "the rewrite's first chunk in its .tmp", node=follower)
+        follower.kill9()
+    finally:
+        relay.close()
+    assert _temps(follower.data_dir) == [tmp]
+    conn = leader.connect()
+    conn.channel().queue_purge("big")  # its sealed segments' files are deleted
+    conn.close()
+    follower.extra_args[follow] = f"127.0.0.1:{leader.rport}"
+    follower.restart(wait=False)
+    wait_in_sync(leader, times=2)
+    wait_identical(leader, follower)
+    assert not seg.exists()
+    assert _temps(follower.data_dir) == []
+    assert "removed 1 temporary file(s) a killed process left" in follower.log_text()
 
 
 def test_a_leader_shard_that_dies_is_resynced_and_confirms_go_on(node_factory):
