@@ -997,24 +997,8 @@ class Node:
                                          owner, info["consumers"], info["messages"])
             await self._commit(ops, op=op, on_applied=on_applied, origin=origin, paced=paced)
             return {"messages": info["messages"] if ops else 0}
-        if op == "queue.auto_delete":
-            q = defs.queue(vhost, a["queue"])
-            if q is not None and q.auto_delete:
-                info = await self._queue_info(vhost, a["queue"])
-                if info is not None and info["consumers"] == 0:
-                    await self._commit(defs.plan_queue_delete(vhost, a["queue"], False, False, None, 0, 0),
-                                       gate=False)
-            return {}
-        if op == "queue.expire":
-            # x-expires ran out on the shard; a consumer may have come meanwhile.
-            q = defs.queue(vhost, a["queue"])
-            # The effective arguments: an `expires` policy counts as much as the x-expires argument.
-            if q is not None and defs.effective_arguments(vhost, "queue", a["queue"]).get("x-expires"):
-                info = await self._queue_info(vhost, a["queue"])
-                # "expired" is False when a redeclare renewed the lease after the shard asked.
-                if info is not None and info["consumers"] == 0 and info.get("expired", True):
-                    await self._commit(defs.plan_queue_delete(vhost, a["queue"], False, False, None, 0, 0),
-                                       gate=False)
+        if op in ("queue.auto_delete", "queue.expire"):
+            await self._delete_unused(op, vhost, a)
             return {}
         if op in _PLANNED_AT_ONCE:
             ops = self._plan_at_once(op, a)
@@ -1032,6 +1016,52 @@ class Node:
         await self._commit(ops, op=op, gate=op != "connection.closed", on_applied=on_applied, origin=origin,
                            fenced=op in _PLANNED_AT_ONCE)
         return {}
+
+    async def _delete_unused(self, op: str, vhost: str, a: dict) -> None:
+        """A shard's queue.auto_delete (the queue's last consumer went away) or queue.expire (x-expires
+        ran out): delete the queue if it is still the life the shard named, and still unused.
+
+        A queue's life is (shard, epoch, qid): its shard's process and that process's number for it
+        (never given out twice). The name is not enough: the request may come after the queue was
+        deleted and declared again (a client whose connection died declares its exclusive auto-delete
+        queue again while the shard has not yet read that the old frontend is gone,
+        tests/test_queue_lives.py), and the new queue, which never had a consumer, went with its
+        messages. RabbitMQ deletes an auto-delete queue in the queue's own process when its last
+        consumer goes; a queue declared again is another process, untouched. The checks are made
+        again after every await (a request of a client may change the definitions meanwhile), and
+        nothing is awaited between the shard's answer and the delete."""
+        name = a.get("queue", "")
+        try:
+            shard, epoch, qid = int(a["shard"]), int(a["epoch"]), int(a["qid"])
+        except (KeyError, TypeError, ValueError):
+            # Contract 28 names the life; a worker of another version is refused at HELLO already.
+            log.warning("%s of queue %r in vhost %r without its shard, epoch and qid: refused", op, name, vhost)
+            raise AMQPError(503, f"COMMAND_INVALID - {op} without the queue's shard, epoch and qid", 0, 0) from None
+        q = self.defs.queue(vhost, name)
+        if q is None or q.shard != shard:
+            return
+
+        def same() -> bool:
+            defs = self.defs
+            if defs.queue(vhost, name) is not q or self.epochs.get(shard) != epoch:
+                return False
+            if op == "queue.auto_delete":
+                return q.auto_delete
+            # The effective arguments: an `expires` policy counts as much as the x-expires argument.
+            return bool(defs.effective_arguments(vhost, "queue", name).get("x-expires"))
+
+        if not same():
+            return
+        await self.delete_pacer.take(1)  # before the shard is asked: its answer is acted on at once
+        if not same():
+            return
+        info = await self._queue_info(vhost, name)
+        # A consumer may have come meanwhile; "expired" is False when a redeclare renewed the lease.
+        if not same() or info is None or info.get("qid") != qid or info["consumers"] \
+                or (op == "queue.expire" and not info.get("expired", True)):
+            return
+        await self._commit(self.defs.plan_queue_delete(vhost, name, False, False, None, 0, 0), gate=False,
+                           paced=True)
 
     def _plan_at_once(self, op: str, a: dict) -> list:
         """The ops of a request in _PLANNED_AT_ONCE (checked, planned, not applied): no await needed."""
