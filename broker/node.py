@@ -1029,7 +1029,8 @@ class Node:
         messages. RabbitMQ deletes an auto-delete queue in the queue's own process when its last
         consumer goes; a queue declared again is another process, untouched. The checks are made
         again after every await (a request of a client may change the definitions meanwhile), and
-        nothing is awaited between the shard's answer and the delete."""
+        nothing is awaited between the shard's answer and the delete: when the delete pacer makes it
+        wait, the shard is asked again after (a token is taken only for a delete that goes)."""
         name = a.get("queue", "")
         try:
             shard, epoch, qid = int(a["shard"]), int(a["epoch"]), int(a["qid"])
@@ -1050,18 +1051,21 @@ class Node:
             # The effective arguments: an `expires` policy counts as much as the x-expires argument.
             return bool(defs.effective_arguments(vhost, "queue", name).get("x-expires"))
 
-        if not same():
-            return
-        await self.delete_pacer.take(1)  # before the shard is asked: its answer is acted on at once
-        if not same():
-            return
-        info = await self._queue_info(vhost, name)
-        # A consumer may have come meanwhile; "expired" is False when a redeclare renewed the lease.
-        if not same() or info is None or info.get("qid") != qid or info["consumers"] \
-                or (op == "queue.expire" and not info.get("expired", True)):
-            return
-        await self._commit(self.defs.plan_queue_delete(vhost, name, False, False, None, 0, 0), gate=False,
-                           paced=True)
+        pacer = self.delete_pacer
+        paced = False
+        while same():
+            info = await self._queue_info(vhost, name)
+            # A consumer may have come meanwhile; "expired" is False when a redeclare renewed the lease.
+            if not same() or info is None or info.get("qid") != qid or info["consumers"] \
+                    or (op == "queue.expire" and not info.get("expired", True)):
+                return
+            if paced or pacer.try_take(1):
+                # Planned and applied now: no await between the shard's answer and the delete.
+                await self._commit(self.defs.plan_queue_delete(vhost, name, False, False, None, 0, 0),
+                                   gate=False, paced=True)
+                return
+            await pacer.take(1)  # deletions wait their turn; then the shard is asked again
+            paced = True
 
     def _plan_at_once(self, op: str, a: dict) -> list:
         """The ops of a request in _PLANNED_AT_ONCE (checked, planned, not applied): no await needed."""
