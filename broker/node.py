@@ -992,6 +992,15 @@ class Node:
                 info = await early[1]
             else:
                 info = await self._queue_info(vhost, name)
+            if info is None and (a.get("if_unused") or a.get("if_empty")):
+                q = defs.queue(vhost, name)
+                if q is not None:
+                    # Its shard did not answer (stalled past _QUERY_TIMEOUT_S, restarting): counts of 0 made
+                    # an if-empty delete of a full queue go through. Kept, and said so (as RabbitMQ's
+                    # NOT_FOUND for a queue whose node is down); another connection's exclusive queue first.
+                    defs.plan_queue_delete(vhost, name, False, False, owner, 0, 0)
+                    raise AMQPError(404, f"NOT_FOUND - shard {q.shard} of queue '{name}' in vhost '{vhost}' did not "
+                                         "answer: if-empty/if-unused not checked, the queue is kept", 50, 40)
             info = info or {"messages": 0, "consumers": 0}
             ops = defs.plan_queue_delete(vhost, name, bool(a.get("if_unused")), bool(a.get("if_empty")),
                                          owner, info["consumers"], info["messages"])
