@@ -97,7 +97,9 @@ import msgpack
 # died, its shard part lives on; a fenced cluster leader's pairs).
 # 26: CONFIRM_NACK's optional 5th field refused: the queues of a PUBLISH that did not store it (a shard
 # that forwarded a due delayed message or a dead letter sends it to those again, only).
-VERSION = 26
+# 28: queue.auto_delete and queue.expire name the queue's life: "shard", "epoch", "qid" (the node deletes
+# that life only, never a queue declared again under the name since); a shard's queue_info answer carries "qid".
+VERSION = 28
 
 # --------------------------------------------------------------------------
 # Control plane: node <-> every worker (node.sock)
@@ -196,13 +198,18 @@ REQUEST_OPS = (
     "queue.delete",
     "connection.closed",  # {"owner": [fe, conn], "exclusive"?: bool}: uncount it, delete its exclusive queues
     #                       (none to look for when "exclusive" is false; absent = look)
-    "queue.auto_delete",  # shard -> node: last consumer of an auto-delete queue went away
-    "queue.expire",  # shard -> node: an x-expires queue was unused that long; delete it if still unused
+    # shard -> node, {"vhost", "queue", "shard", "epoch", "qid"}: the queue's life (the shard's index and
+    # epoch, its qid there). The node deletes the queue only if it is still that life and still unused (a
+    # request without them is refused: COMMAND_INVALID).
+    "queue.auto_delete",  # the last consumer of an auto-delete queue went away
+    "queue.expire",  # an x-expires queue was unused that long; delete it if still unused
 )
 
 # Queries the node sends to a shard (QUERY op names).
 QUERY_OPS = (
-    "queue_info",  # {"vhost", "queue"} -> {"messages": int, "consumers": int}
+    # {"vhost", "queue"} -> {"messages": int, "consumers": int, "qid": int, "expired": bool (x-expires only),
+    #                        "damaged_records": int, "damaged_acks": int}
+    "queue_info",
     "purge",  # management API, see shard/admin.py for these three
     "get",
     "publish",

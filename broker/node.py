@@ -992,29 +992,22 @@ class Node:
                 info = await early[1]
             else:
                 info = await self._queue_info(vhost, name)
+            if info is None and (a.get("if_unused") or a.get("if_empty")):
+                q = defs.queue(vhost, name)
+                if q is not None:
+                    # Its shard did not answer (stalled past _QUERY_TIMEOUT_S, restarting): counts of 0 made
+                    # an if-empty delete of a full queue go through. Kept, and said so (as RabbitMQ's
+                    # NOT_FOUND for a queue whose node is down); another connection's exclusive queue first.
+                    defs.plan_queue_delete(vhost, name, False, False, owner, 0, 0)
+                    raise AMQPError(404, f"NOT_FOUND - shard {q.shard} of queue '{name}' in vhost '{vhost}' did not "
+                                         "answer: if-empty/if-unused not checked, the queue is kept", 50, 40)
             info = info or {"messages": 0, "consumers": 0}
             ops = defs.plan_queue_delete(vhost, name, bool(a.get("if_unused")), bool(a.get("if_empty")),
                                          owner, info["consumers"], info["messages"])
             await self._commit(ops, op=op, on_applied=on_applied, origin=origin, paced=paced)
             return {"messages": info["messages"] if ops else 0}
-        if op == "queue.auto_delete":
-            q = defs.queue(vhost, a["queue"])
-            if q is not None and q.auto_delete:
-                info = await self._queue_info(vhost, a["queue"])
-                if info is not None and info["consumers"] == 0:
-                    await self._commit(defs.plan_queue_delete(vhost, a["queue"], False, False, None, 0, 0),
-                                       gate=False)
-            return {}
-        if op == "queue.expire":
-            # x-expires ran out on the shard; a consumer may have come meanwhile.
-            q = defs.queue(vhost, a["queue"])
-            # The effective arguments: an `expires` policy counts as much as the x-expires argument.
-            if q is not None and defs.effective_arguments(vhost, "queue", a["queue"]).get("x-expires"):
-                info = await self._queue_info(vhost, a["queue"])
-                # "expired" is False when a redeclare renewed the lease after the shard asked.
-                if info is not None and info["consumers"] == 0 and info.get("expired", True):
-                    await self._commit(defs.plan_queue_delete(vhost, a["queue"], False, False, None, 0, 0),
-                                       gate=False)
+        if op in ("queue.auto_delete", "queue.expire"):
+            await self._delete_unused(op, vhost, a)
             return {}
         if op in _PLANNED_AT_ONCE:
             ops = self._plan_at_once(op, a)
@@ -1032,6 +1025,56 @@ class Node:
         await self._commit(ops, op=op, gate=op != "connection.closed", on_applied=on_applied, origin=origin,
                            fenced=op in _PLANNED_AT_ONCE)
         return {}
+
+    async def _delete_unused(self, op: str, vhost: str, a: dict) -> None:
+        """A shard's queue.auto_delete (the queue's last consumer went away) or queue.expire (x-expires
+        ran out): delete the queue if it is still the life the shard named, and still unused.
+
+        A queue's life is (shard, epoch, qid): its shard's process and that process's number for it
+        (never given out twice). The name is not enough: the request may come after the queue was
+        deleted and declared again (a client whose connection died declares its exclusive auto-delete
+        queue again while the shard has not yet read that the old frontend is gone,
+        tests/test_queue_lives.py), and the new queue, which never had a consumer, went with its
+        messages. RabbitMQ deletes an auto-delete queue in the queue's own process when its last
+        consumer goes; a queue declared again is another process, untouched. The checks are made
+        again after every await (a request of a client may change the definitions meanwhile), and
+        nothing is awaited between the shard's answer and the delete: when the delete pacer makes it
+        wait, the shard is asked again after (a token is taken only for a delete that goes)."""
+        name = a.get("queue", "")
+        try:
+            shard, epoch, qid = int(a["shard"]), int(a["epoch"]), int(a["qid"])
+        except (KeyError, TypeError, ValueError):
+            # Contract 28 names the life; a worker of another version is refused at HELLO already.
+            log.warning("%s of queue %r in vhost %r without its shard, epoch and qid: refused", op, name, vhost)
+            raise AMQPError(503, f"COMMAND_INVALID - {op} without the queue's shard, epoch and qid", 0, 0) from None
+        q = self.defs.queue(vhost, name)
+        if q is None or q.shard != shard:
+            return
+
+        def same() -> bool:
+            defs = self.defs
+            if defs.queue(vhost, name) is not q or self.epochs.get(shard) != epoch:
+                return False
+            if op == "queue.auto_delete":
+                return q.auto_delete
+            # The effective arguments: an `expires` policy counts as much as the x-expires argument.
+            return bool(defs.effective_arguments(vhost, "queue", name).get("x-expires"))
+
+        pacer = self.delete_pacer
+        paced = False
+        while same():
+            info = await self._queue_info(vhost, name)
+            # A consumer may have come meanwhile; "expired" is False when a redeclare renewed the lease.
+            if not same() or info is None or info.get("qid") != qid or info["consumers"] \
+                    or (op == "queue.expire" and not info.get("expired", True)):
+                return
+            if paced or pacer.try_take(1):
+                # Planned and applied now: no await between the shard's answer and the delete.
+                await self._commit(self.defs.plan_queue_delete(vhost, name, False, False, None, 0, 0),
+                                   gate=False, paced=True)
+                return
+            await pacer.take(1)  # deletions wait their turn; then the shard is asked again
+            paced = True
 
     def _plan_at_once(self, op: str, a: dict) -> list:
         """The ops of a request in _PLANNED_AT_ONCE (checked, planned, not applied): no await needed."""

@@ -95,7 +95,7 @@ class FeatureShard(Protocol):
 
     def returns_changed(self, q: FeatureQueue) -> None: ...
 
-    def request_node(self, op: str, args: dict) -> None: ...
+    def request_delete_unused(self, op: str, q: Queue) -> None: ...
 
     def dead_letter(self, q: FeatureQueue, reason: str, flags: int, exchange: str, routing_key: str,
                     props_raw: bytes, body: bytes) -> None: ...
@@ -459,7 +459,7 @@ class FeatureQueue(Queue):
         if self.expires and not self.consumers and not self._expire_requested \
                 and now >= self.last_used + self.expires:
             self._expire_requested = True
-            self.shard.request_node("queue.expire", {"vhost": self.vhost, "queue": self.name})
+            self.shard.request_delete_unused("queue.expire", self)
         self.shard.mark_dirty(self)  # deliver() expires the head and arms the next wake-up
 
     def _check_consumer_timeout(self, now: int) -> None:

@@ -442,7 +442,9 @@ class ShardWorker:
             if q is None:
                 self.node.put(None, [contract.QUERY_REPLY, query_id, False, None])
             else:
-                self.node.put(None, [contract.QUERY_REPLY, query_id, True, q.info()])
+                info = q.info()
+                info["qid"] = q.qid  # the node deletes an unused queue only if it is the life asked about
+                self.node.put(None, [contract.QUERY_REPLY, query_id, True, info])
         elif op == "stats_full":
             # The node lost track of our rows (a seq gap): the next report carries all of them.
             self.stats_reporter.full_next = True
@@ -991,8 +993,11 @@ class ShardWorker:
         self._dirty_queues.add(q)
         self._schedule_deliver()
 
-    def request_node(self, op: str, args: dict) -> None:
-        self._request_node(op, args)
+    def request_delete_unused(self, op: str, q: Queue) -> None:
+        """Ask the node to delete ``q``, unused (op "queue.auto_delete" or "queue.expire"): it deletes
+        this life of the queue only, (shard, epoch, qid), never one declared again under its name since."""
+        self._request_node(op, {"vhost": q.vhost, "queue": q.name, "shard": self.index, "epoch": self.epoch,
+                                "qid": q.qid})
 
     def dead_letter(self, q: FeatureQueue, reason: str, flags: int, exchange: str, routing_key: str,
                     props_raw: bytes, body: bytes) -> None:
@@ -1357,7 +1362,7 @@ class ShardWorker:
 
     def _maybe_auto_delete(self, q: Queue) -> None:
         if q.auto_delete and q.had_consumers and not q.consumers and not q.deleted:
-            self._request_node("queue.auto_delete", {"vhost": q.vhost, "queue": q.name})
+            self.request_delete_unused("queue.auto_delete", q)
 
     def _frontend_gone(self, fe: bytes) -> None:
         channels = self.channels
