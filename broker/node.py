@@ -35,8 +35,6 @@ from broker.defs_fence import FenceWord
 from broker.defstore import DefStore, durable_ops, is_durable_relevant
 from broker.delete_pacer import DeletePacer
 from broker.heap_trim import HeapTrimmer
-from broker.http.metrics import MetricsServer
-from broker.http.server import HttpServer
 from broker.kv_layout import hold_for_tests, place_logs
 from broker.mqtt.placement import SESSION_QUEUE_PREFIX, kv_owner
 from broker.mqtt.placement import SPACES as MQTT_KV_SPACES
@@ -52,7 +50,11 @@ from broker.tls import reload_certificate, server_context
 from broker.unixio import UnixRouter
 from replication import definition_gate
 
-if TYPE_CHECKING:  # imported where a cluster role starts: a standalone node never loads them (~1.6 MB)
+# Imported where used: the HTTP servers once the shards are spawned (_start_node_services), the
+# replication roles where a cluster role starts (a standalone node never loads them, ~1.6 MB).
+if TYPE_CHECKING:
+    from broker.http.metrics import MetricsServer
+    from broker.http.server import HttpServer
     from replication.follower import ReplicationFollower
     from replication.leader import ReplicationLeader
 
@@ -174,9 +176,10 @@ class Node:
         self.is_leader = False
         self.alarms: list[str] = []
         self.tls = server_context(dataclasses.asdict(settings))  # HTTPS; the frontends build their own
-        self.http = HttpServer(self, settings.http_bind, settings.http_port, settings.https_port, self.tls)
-        self.metrics = MetricsServer(self, settings.http_bind, settings.prometheus_port, settings.prometheus_tls_port,
-                                     self.tls)
+        # Made by _start_node_services: aiohttp and prometheus_client take ~0.3 s of CPU to import (more on
+        # a loaded box), which a boot does while the shards recover, not before it spawns them.
+        self.http: HttpServer | None = None
+        self.metrics: MetricsServer | None = None
         # In a cluster (--cluster): the etcd-driven role of this node (replication/cluster.py).
         self.cluster: Any = None
         # A shard alive but silent for --shard-hang-timeout is killed and restarted (broker/shard_watchdog.py).
@@ -223,6 +226,12 @@ class Node:
         if self._services_started:
             return
         self._services_started = True
+        from broker.http.metrics import MetricsServer
+        from broker.http.server import HttpServer
+
+        s = self.settings
+        self.http = HttpServer(self, s.http_bind, s.http_port, s.https_port, self.tls)
+        self.metrics = MetricsServer(self, s.http_bind, s.prometheus_port, s.prometheus_tls_port, self.tls)
         await self.http.start()
         await self.metrics.start()
         self._start_alarms()
@@ -341,14 +350,15 @@ class Node:
         for ident, w, item in waiting:
             if w.proc is not None and w.proc.returncode is None:
                 self._hello(ident, w, item)
+        # The frontends' interpreter start overlaps the shards' recovery (a boot of 100,000 queues,
+        # a promotion's failover time); their snapshot (and so their listeners) waits until every
+        # shard is up and the KV logs are placed (_hello). Known to the node before anything else is
+        # awaited: a pair's frontend part says HELLO as soon as its shard part has its snapshot.
+        for i in range(s.frontends):
+            await self.sup.spawn(self._worker("frontend", i))
         # The health checks (and the management API) answer from here on, 503 until ready; in a
         # cluster they run already (ClusterRole).
         await self._start_node_services()
-        # The frontends' interpreter start overlaps the shards' recovery (a boot of 100,000 queues,
-        # a promotion's failover time); their snapshot (and so their listeners) waits until every
-        # shard is up and the KV logs are placed (_hello).
-        for i in range(s.frontends):
-            await self.sup.spawn(self._worker("frontend", i))
         try:
             async with asyncio.timeout(_STARTUP_TIMEOUT_S):
                 await self._shards_ready.wait()
@@ -565,8 +575,10 @@ class Node:
         if self.repl_leader is not None:
             self.repl_leader.keep_isr()  # nor reaches the shards: followers go away only because we stop
         self.serving = False
-        await self.http.stop()
-        await self.metrics.stop()
+        if self.http is not None:
+            await self.http.stop()
+        if self.metrics is not None:
+            await self.metrics.stop()
         if self.cluster is not None:
             self.fence()  # no confirm reaches a client from here on (the frontends are killed)
             await self._paired_frontends_left(5.0)

@@ -268,7 +268,9 @@ def test_boot_time_declares_then_times_boots(tmp_path, capsys):
     assert boot_time.main(["--queues", "300", "--data-dir", str(tmp_path / "data"), "--boots", "1"]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
     assert lines[0]["declared"] == 300
-    assert lines[1]["boot"] == 1 and lines[1]["queues"] == 300 and lines[1]["ready_s"] > 0
+    assert lines[1]["boot"] == 1 and lines[1]["queues"] == 300 and lines[1]["ready_s"] >= lines[1]["amqp_s"] > 0
+    assert "node" in lines[1]["cpu"] and len(lines[1]["cpu"]) >= 2  # the node and its workers, by name
+    assert lines[1]["cpu_s"] == round(sum(lines[1]["cpu"].values()), 2)
     # A second run finds the queues and only measures.
     assert boot_time.main(["--queues", "300", "--data-dir", str(tmp_path / "data"), "--boots", "1"]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
