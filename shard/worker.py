@@ -322,9 +322,11 @@ class ShardWorker:
                     present = set(os.listdir(os.path.join(data_dir, name_hash(v.name))))
                 except FileNotFoundError:
                     present = set()
+                index = self.index
                 for name, q in v.queues.items():
-                    if q.shard == self.index:
-                        self._open_queue(v.name, name, name_hash(name) in present)
+                    if q.shard == index:
+                        h = name_hash(name)
+                        self._open_queue(v.name, name, h in present, name_sha1=h)
             self._stats_touched.clear()  # the first report reads every queue anyway
         gc_pause.settle()
         self.delayed.load()
@@ -378,11 +380,12 @@ class ShardWorker:
             elif kind in POLICY_OPS:
                 self._apply_policies(op[1])
 
-    def _open_queue(self, vhost: str, name: str, exists: bool = False, new: bool = False) -> None:
-        """exists: its directory was just listed (a boot); new: declared now (starts empty, see
-        shard/store.py make_queue_dir)."""
+    def _open_queue(self, vhost: str, name: str, exists: bool = False, new: bool = False,
+                    name_sha1: str | None = None) -> None:
+        """exists: its directory was just listed (a boot; name_sha1: its name there); new: declared
+        now (starts empty, see shard/store.py make_queue_dir)."""
         defn = self.defs.queue(vhost, name)
-        path, made = make_queue_dir(self.settings["data_dir"], vhost, name, exists, new)
+        path, made = make_queue_dir(self.settings["data_dir"], vhost, name, exists, new, name_sha1)
         args = self.defs.effective_arguments(vhost, "queue", name)
         if args.get("x-queue-type") == "stream":
             seg_size = segment_size(args, int(self.settings.get("segment_size", 8 << 20)))
