@@ -36,6 +36,7 @@ from broker.defstore import DefStore, durable_ops, is_durable_relevant
 from broker.delete_pacer import DeletePacer
 from broker.heap_trim import HeapTrimmer
 from broker.kv_layout import hold_for_tests, place_logs
+from broker.kv_log import KV_DIR
 from broker.mqtt.placement import SESSION_QUEUE_PREFIX, kv_owner
 from broker.mqtt.placement import SPACES as MQTT_KV_SPACES
 from broker.node_stats import NodeStats
@@ -343,7 +344,9 @@ class Node:
         # shards recover their queues and the loop answers (health, the shards' HELLO, a cluster's
         # lease). No shard opens a KV log before a frontend asks, and the frontends get their
         # snapshot (so listen) only once it is done (_frontends_held).
-        self._kv_placing = self.loop.run_in_executor(None, self._place_kv_logs, s.shards, self._session_queue_shards())
+        if os.path.isdir(os.path.join(self.datadir.path, KV_DIR)):  # else nothing to place (no MQTT state yet)
+            self._kv_placing = self.loop.run_in_executor(None, self._place_kv_logs, s.shards,
+                                                         self._session_queue_shards())
         gc_pause.settle()
         self._loading = False
         waiting, self._loading_hellos = self._loading_hellos, []

@@ -10,6 +10,10 @@ queues) and a passive declare of the last queue is answered (``ready_s``), and s
 Prints one JSON line per boot: those wall seconds, the CPU seconds the node and its workers used
 to get there (``cpu_s``, and per process in ``cpu``: node, shard-N, frontend-N, pair-N) and the
 load average.
+
+``--mqtt-sessions N`` writes, before each timed boot, N MQTT session records in the old shared KV
+log of the default vhost (as before the per-shard logs, broker/kv_layout.py): each boot then reads
+and places them all, as the first boot after an upgrade (or a shard-count change) does.
 """
 
 from __future__ import annotations
@@ -100,6 +104,24 @@ def _ready(uri: str, last_queue: str, deadline: float) -> float:
     raise SystemExit("the node did not become ready")
 
 
+def _old_shared_session_log(data_dir: Path, sessions: int) -> None:
+    """kv/ holding only an old shared log of `sessions` session records of vhost "/" (see the module doc)."""
+    import shutil
+
+    from broker.datadir import name_hash
+    from broker.kv_log import KV_DIR, encode
+    from broker.mqtt.placement import SESSIONS
+
+    root = data_dir / KV_DIR
+    shutil.rmtree(root, ignore_errors=True)
+    vdir = root / name_hash("/")
+    vdir.mkdir(parents=True, mode=0o700)
+    with open(vdir / f"{name_hash(SESSIONS)}.log", "wb") as f:
+        for start in range(0, sessions, 10_000):
+            f.write(b"".join(encode(f"boot-session-{i}", {"subs": {f"boot/{i}/#": 1}, "out2": [], "pub2": []})
+                             for i in range(start, min(sessions, start + 10_000))))
+
+
 def _declare(uri: str, names: list[str]) -> None:
     from broker.amqp import encoder
 
@@ -118,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", required=True, help="the node's data dir (kept: later runs reuse the queues)")
     p.add_argument("--boots", type=int, default=1, help="boots to time (default 1)")
     p.add_argument("--prefix", default="boot-q", help="queue name prefix (default boot-q)")
+    p.add_argument("--mqtt-sessions", type=int, default=0,
+                   help="MQTT session records to place at each boot (old shared KV log, see above; default 0)")
     p.add_argument("--checkout", default=str(ROOT),
                    help="the checkout whose node is timed (default: this one; another for an A/B)")
     p.add_argument("node_args", nargs=argparse.REMAINDER, help="after --: more node arguments")
@@ -140,13 +164,16 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         _stop(proc)
     for i in range(args.boots):
+        if args.mqtt_sessions:
+            _old_shared_session_log(data_dir, args.mqtt_sessions)
         t0 = time.monotonic()
         proc = _start(data_dir, port, extra, root)
         try:
             handshake = _ready(uri, names[-1], t0 + 600)
             wall = time.monotonic() - t0
             cpu = _cpu_by_process(proc.pid)
-            print(json.dumps({"boot": i + 1, "queues": len(names), "amqp_s": round(handshake - t0, 2),
+            print(json.dumps({"boot": i + 1, "queues": len(names), "mqtt_sessions": args.mqtt_sessions,
+                              "amqp_s": round(handshake - t0, 2),
                               "ready_s": round(wall, 2), "cpu_s": round(sum(cpu.values()), 2), "cpu": cpu,
                               "load": os.getloadavg()[0]}), flush=True)
         finally:
