@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -45,6 +46,18 @@ PLACED_FOR = "placed-for"
 
 # (vhost, space, key) -> the owning shard, or None: the key stays in the log it is in.
 Owner = Callable[[str, str, str], "int | None"]
+
+
+# Tests only: while the file this names exists, hold_for_tests() blocks (the node's placement thread
+# calls it first), so a test can see what the node does while a placement is under way.
+HOLD_ENV = "SHARDMQ_TEST_HOLD_KV_PLACEMENT_WHILE"
+
+
+def hold_for_tests() -> None:
+    """Block while the file $SHARDMQ_TEST_HOLD_KV_PLACEMENT_WHILE exists (tests only; unset: nothing)."""
+    path = os.environ.get(HOLD_ENV)
+    while path and os.path.exists(path):
+        time.sleep(0.02)
 
 
 def place_logs(data_dir: str, shard_count: int, vhosts: Iterable[str], spaces: Iterable[str],

@@ -35,11 +35,10 @@ from broker.defs_fence import FenceWord
 from broker.defstore import DefStore, durable_ops, is_durable_relevant
 from broker.delete_pacer import DeletePacer
 from broker.heap_trim import HeapTrimmer
-from broker.http.metrics import MetricsServer
-from broker.http.server import HttpServer
-from broker.kv_layout import place_logs
+from broker.kv_layout import hold_for_tests, place_logs
+from broker.kv_log import KV_DIR
+from broker.mqtt.placement import SESSION_QUEUE_PREFIX, kv_owner
 from broker.mqtt.placement import SPACES as MQTT_KV_SPACES
-from broker.mqtt.placement import kv_owner
 from broker.node_stats import NodeStats
 from broker.permissions import CONFIGURE, READ, WRITE, check, check_topic
 from broker.process import install_uvloop, raise_nofile_limit
@@ -52,7 +51,11 @@ from broker.tls import reload_certificate, server_context
 from broker.unixio import UnixRouter
 from replication import definition_gate
 
-if TYPE_CHECKING:  # imported where a cluster role starts: a standalone node never loads them (~1.6 MB)
+# Imported where used: the HTTP servers once the shards are spawned (_start_node_services), the
+# replication roles where a cluster role starts (a standalone node never loads them, ~1.6 MB).
+if TYPE_CHECKING:
+    from broker.http.metrics import MetricsServer
+    from broker.http.server import HttpServer
     from replication.follower import ReplicationFollower
     from replication.leader import ReplicationLeader
 
@@ -153,6 +156,9 @@ class Node:
         self._deferred_hellos: list[tuple] = []
         # Shards' HELLOs while _serve loads the definitions (the shards start before that load).
         self._loading = False
+        # The MQTT KV logs' placement running in a thread at a boot or promotion (_serve), until done.
+        self._kv_placing: asyncio.Future | None = None
+        self._services_started = False  # HTTP, Prometheus, alarms (_start_node_services)
         self._loading_hellos: list[tuple] = []
         # Open connections per vhost, counted against max-connections: vhost -> {(frontend, conn_id)}.
         self.vhost_conns: dict[str, set[tuple]] = {}
@@ -171,9 +177,10 @@ class Node:
         self.is_leader = False
         self.alarms: list[str] = []
         self.tls = server_context(dataclasses.asdict(settings))  # HTTPS; the frontends build their own
-        self.http = HttpServer(self, settings.http_bind, settings.http_port, settings.https_port, self.tls)
-        self.metrics = MetricsServer(self, settings.http_bind, settings.prometheus_port, settings.prometheus_tls_port,
-                                     self.tls)
+        # Made by _start_node_services: aiohttp and prometheus_client take ~0.3 s of CPU to import (more on
+        # a loaded box), which a boot does while the shards recover, not before it spawns them.
+        self.http: HttpServer | None = None
+        self.metrics: MetricsServer | None = None
         # In a cluster (--cluster): the etcd-driven role of this node (replication/cluster.py).
         self.cluster: Any = None
         # A shard alive but silent for --shard-hang-timeout is killed and restarted (broker/shard_watchdog.py).
@@ -215,7 +222,17 @@ class Node:
         await self._start_node_services()
 
     async def _start_node_services(self) -> None:
-        """What the node runs whatever its role: HTTP (management, health), Prometheus, resource alarms."""
+        """What the node runs whatever its role: HTTP (management, health), Prometheus, resource alarms.
+        Once: a standalone node starts them in _serve, a cluster member before its role is known."""
+        if self._services_started:
+            return
+        self._services_started = True
+        from broker.http.metrics import MetricsServer
+        from broker.http.server import HttpServer
+
+        s = self.settings
+        self.http = HttpServer(self, s.http_bind, s.http_port, s.https_port, self.tls)
+        self.metrics = MetricsServer(self, s.http_bind, s.prometheus_port, s.prometheus_tls_port, self.tls)
         await self.http.start()
         await self.metrics.start()
         self._start_alarms()
@@ -276,6 +293,7 @@ class Node:
                     w.proc.send_signal(signal.SIGTERM)
             await self.sup.stop_role(role, timeout)
         self.is_leader = self.serving = False
+        await self._kv_placement_ended()
         await self.loop.run_in_executor(None, self.defstore.sync)
         self.defstore.close()
         self.sup = self._supervisor()
@@ -320,9 +338,15 @@ class Node:
         self.datadir.remove_stale_delay_stores(
             {(v.name, x) for v in self.defs.vhosts.values() for x in v.exchanges})
         self.leftovers = self.defs.leftovers = QueueLeftovers(self.datadir.path, self._shard_applied)
-        # Before any shard opens a KV log (on a frontend's request, after _hello): every key in the log
-        # of the shard that owns it for this shard count, the old shared logs read once.
-        self._place_kv_logs(s.shards)
+        # Every key of the MQTT KV logs in the log of the shard that owns it for this shard count, the
+        # old shared logs read once (broker/kv_layout.py): in a thread, as it reads and rewrites every
+        # log after an upgrade or a shard-count change (3-4.5 s per 100,000 sessions), while the
+        # shards recover their queues and the loop answers (health, the shards' HELLO, a cluster's
+        # lease). No shard opens a KV log before a frontend asks, and the frontends get their
+        # snapshot (so listen) only once it is done (_frontends_held).
+        if os.path.isdir(os.path.join(self.datadir.path, KV_DIR)):  # else nothing to place (no MQTT state yet)
+            self._kv_placing = self.loop.run_in_executor(None, self._place_kv_logs, s.shards,
+                                                         self._session_queue_shards())
         gc_pause.settle()
         self._loading = False
         waiting, self._loading_hellos = self._loading_hellos, []
@@ -331,14 +355,19 @@ class Node:
                 self._hello(ident, w, item)
         # The frontends' interpreter start overlaps the shards' recovery (a boot of 100,000 queues,
         # a promotion's failover time); their snapshot (and so their listeners) waits until every
-        # shard is up (_hello).
+        # shard is up and the KV logs are placed (_hello). Known to the node before anything else is
+        # awaited: a pair's frontend part says HELLO as soon as its shard part has its snapshot.
         for i in range(s.frontends):
             await self.sup.spawn(self._worker("frontend", i))
+        # The health checks (and the management API) answer from here on, 503 until ready; in a
+        # cluster they run already (ClusterRole).
+        await self._start_node_services()
         try:
             async with asyncio.timeout(_STARTUP_TIMEOUT_S):
                 await self._shards_ready.wait()
         except TimeoutError:
             raise RuntimeError(f"shards did not start within {_STARTUP_TIMEOUT_S:.0f} s") from None
+        await self._kv_placed()
         # A standalone node serves clients itself: it is its own leader.
         self.is_leader = True
         self.serving = True
@@ -477,17 +506,59 @@ class Node:
             except ProcessLookupError:
                 pass
 
-    def _place_kv_logs(self, shards: int) -> None:
-        """broker/kv_layout.py: the MQTT KV logs placed for ``shards`` shards, as the queues were."""
-        vhosts = self.defs.vhosts
+    def _session_queue_shards(self) -> dict[str, dict[str, int]]:
+        """vhost -> {MQTT session queue: its shard}, as loaded: what _place_kv_logs reads in its thread
+        while the loop may change the definitions (a declare through the management API)."""
+        return {v.name: {name: q.shard for name, q in v.queues.items() if name.startswith(SESSION_QUEUE_PREFIX)}
+                for v in self.defs.vhosts.values()}
+
+    def _place_kv_logs(self, shards: int, session_queues: dict[str, dict[str, int]]) -> None:
+        """broker/kv_layout.py: the MQTT KV logs placed for ``shards`` shards, as the queues were (in a
+        thread: it reads only its arguments and the data dir's kv/, which nothing else touches meanwhile)."""
+        hold_for_tests()
 
         def queue_shard(vhost: str, name: str) -> int | None:
-            v = vhosts.get(vhost)
-            q = v.queues.get(name) if v is not None else None
-            return None if q is None else q.shard
+            return session_queues.get(vhost, {}).get(name)
 
-        place_logs(self.datadir.path, shards, list(vhosts), MQTT_KV_SPACES,
+        place_logs(self.datadir.path, shards, list(session_queues), MQTT_KV_SPACES,
                    lambda vhost, space, key: kv_owner(vhost, space, key, shards, queue_shard))
+
+    async def _kv_placed(self) -> None:
+        """Wait for the KV placement of this boot or promotion (its error is the boot's), then let the
+        frontends held for it have their snapshot."""
+        placing = self._kv_placing
+        if placing is None:
+            return
+        try:
+            await asyncio.shield(placing)  # a cancelled waiter must not leave the thread's end unseen
+        finally:
+            if self._kv_placing is placing:
+                self._kv_placing = None
+        self._release_frontends()
+
+    async def _kv_placement_ended(self) -> None:
+        """Wait for a KV placement thread still running (a stop or step-down in the middle of a boot or
+        promotion): nothing else may write kv/ (a follower's replication, the data dir's next owner)
+        before it ends. Its error, if any, was the boot's to report (logged here when the boot is gone)."""
+        placing, self._kv_placing = self._kv_placing, None
+        if placing is None:
+            return
+        await asyncio.wait([placing])
+        if not placing.cancelled() and placing.exception() is not None:
+            log.error("placing the MQTT KV logs failed: %s", placing.exception())
+
+    def _frontends_held(self) -> bool:
+        """A frontend's snapshot waits until every shard is up (nothing reaches a shard early) and
+        the KV logs are placed (a frontend's first MQTT request may open one)."""
+        return not self._shards_ready.is_set() or self._kv_placing is not None
+
+    def _release_frontends(self) -> None:
+        if self._frontends_held():
+            return
+        deferred, self._deferred_hellos = self._deferred_hellos, []
+        for ident, frontend, item in deferred:
+            if frontend.proc is not None and frontend.proc.returncode is None:
+                self._hello(ident, frontend, item)
 
     def _worker(self, role: str, index: int) -> WorkerProcess:
         w = WorkerProcess(role, index)
@@ -507,8 +578,10 @@ class Node:
         if self.repl_leader is not None:
             self.repl_leader.keep_isr()  # nor reaches the shards: followers go away only because we stop
         self.serving = False
-        await self.http.stop()
-        await self.metrics.stop()
+        if self.http is not None:
+            await self.http.stop()
+        if self.metrics is not None:
+            await self.metrics.stop()
         if self.cluster is not None:
             self.fence()  # no confirm reaches a client from here on (the frontends are killed)
             await self._paired_frontends_left(5.0)
@@ -534,6 +607,7 @@ class Node:
             await self.cluster.stop()  # the lease goes: a follower takes over at once
         if self.defs is not None:
             await self.loop.run_in_executor(None, self.defstore.sync)
+        await self._kv_placement_ended()
         if self.ctl is not None:
             self.ctl.close()
         self.datadir.unlock()
@@ -745,9 +819,9 @@ class Node:
             # _serve is still loading the definitions this worker's SNAPSHOT is made of.
             self._loading_hellos.append((ident, w, item))
             return
-        if w.role == "frontend" and not self._shards_ready.is_set():
-            # A promotion starts the frontends while the shards recover; a frontend listens once it
-            # has its snapshot, so it gets it when every shard is up (nothing reaches a shard early).
+        if w.role == "frontend" and self._frontends_held():
+            # A boot or promotion starts the frontends while the shards recover; a frontend listens
+            # once it has its snapshot, so it gets it when every shard is up and the KV logs placed.
             self._deferred_hellos.append((ident, w, item))
             return
         # Every worker says HELLO at boot: one serialization (to_dict and msgpack, 7 MB for 100,000
@@ -784,10 +858,7 @@ class Node:
             self.repl_leader.shard_up(w.index)
         if all(x.connected and x.applied >= 0 for x in self.sup.workers if x.role == "shard"):
             self._shards_ready.set()
-            deferred, self._deferred_hellos = self._deferred_hellos, []
-            for ident, frontend, item in deferred:
-                if frontend.proc is not None and frontend.proc.returncode is None:
-                    self._hello(ident, frontend, item)
+            self._release_frontends()
 
     def _check_apply_waiters(self) -> None:
         # A worker that has not said HELLO yet gets a snapshot with the newest version, so only

@@ -5,9 +5,15 @@
 Starts this checkout's node on free loopback ports with DATA_DIR, declares durable queues until
 there are --queues of them (pipelined on one channel; kept across runs, so a second run only
 measures), stops it (SIGTERM), then --boots times: starts it, measures the wall time until an AMQP
-handshake succeeds and a passive declare of the last queue is answered (the node is ready and its
-queues are open), and stops it again. Prints one JSON line per boot: wall seconds and the CPU
-seconds the node and its workers used to get there.
+handshake succeeds (``amqp_s``: a frontend listens, which it does once every shard has loaded its
+queues) and a passive declare of the last queue is answered (``ready_s``), and stops it again.
+Prints one JSON line per boot: those wall seconds, the CPU seconds the node and its workers used
+to get there (``cpu_s``, and per process in ``cpu``: node, shard-N, frontend-N, pair-N) and the
+load average.
+
+``--mqtt-sessions N`` writes, before each timed boot, N MQTT session records in the old shared KV
+log of the default vhost (as before the per-shard logs, broker/kv_layout.py): each boot then reads
+and places them all, as the first boot after an upgrade (or a shard-count change) does.
 """
 
 from __future__ import annotations
@@ -30,24 +36,42 @@ from loadtest.ports import free_port
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _cpu_seconds(pid: int) -> float:
-    """utime + stime of pid and its live children, in seconds."""
+_ROLES = {"shard.main": "shard", "frontend.main": "frontend", "shard.pair_main": "pair"}
+
+
+def _process_name(pid: int) -> str:
+    """node, or the worker's role and index from its command line (broker/supervisor.py)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return str(pid)
+    role = next((_ROLES[a] for a in argv if a in _ROLES), None)
+    if role is None:
+        return "node"
+    index = argv[argv.index("--index") + 1] if "--index" in argv[:-1] else "?"
+    return f"{role}-{index}"
+
+
+def _cpu_by_process(pid: int) -> dict[str, float]:
+    """utime + stime of pid and of its live children, in seconds, by process name."""
     ticks = os.sysconf("SC_CLK_TCK")
-    total = 0
     pids = [pid]
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as f:
             pids += [int(p) for p in f.read().split()]
     except OSError:
         pass
+    out: dict[str, float] = {}
     for p in pids:
         try:
             with open(f"/proc/{p}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])
         except OSError:
-            pass
-    return total / ticks
+            continue
+        name = "node" if p == pid else _process_name(p)
+        out[name] = round(out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks, 2)
+    return out
 
 
 def _start(data_dir: Path, port: int, extra: list[str], root: Path = ROOT) -> subprocess.Popen:
@@ -65,15 +89,37 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def _ready(uri: str, last_queue: str, deadline: float) -> None:
+def _ready(uri: str, last_queue: str, deadline: float) -> float:
+    """Wait until a passive declare of last_queue is answered; the time the first handshake succeeded."""
+    handshake = None
     while time.monotonic() < deadline:
         try:
             with AMQPClient(uri, timeout=5).connect() as c:
+                if handshake is None:
+                    handshake = time.monotonic()
                 c.queue_declare(last_queue, passive=True, durable=True)
-                return
+                return handshake
         except (OSError, AMQPClosed):
             time.sleep(0.05)
     raise SystemExit("the node did not become ready")
+
+
+def _old_shared_session_log(data_dir: Path, sessions: int) -> None:
+    """kv/ holding only an old shared log of `sessions` session records of vhost "/" (see the module doc)."""
+    import shutil
+
+    from broker.datadir import name_hash
+    from broker.kv_log import KV_DIR, encode
+    from broker.mqtt.placement import SESSIONS
+
+    root = data_dir / KV_DIR
+    shutil.rmtree(root, ignore_errors=True)
+    vdir = root / name_hash("/")
+    vdir.mkdir(parents=True, mode=0o700)
+    with open(vdir / f"{name_hash(SESSIONS)}.log", "wb") as f:
+        for start in range(0, sessions, 10_000):
+            f.write(b"".join(encode(f"boot-session-{i}", {"subs": {f"boot/{i}/#": 1}, "out2": [], "pub2": []})
+                             for i in range(start, min(sessions, start + 10_000))))
 
 
 def _declare(uri: str, names: list[str]) -> None:
@@ -94,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", required=True, help="the node's data dir (kept: later runs reuse the queues)")
     p.add_argument("--boots", type=int, default=1, help="boots to time (default 1)")
     p.add_argument("--prefix", default="boot-q", help="queue name prefix (default boot-q)")
+    p.add_argument("--mqtt-sessions", type=int, default=0,
+                   help="MQTT session records to place at each boot (old shared KV log, see above; default 0)")
     p.add_argument("--checkout", default=str(ROOT),
                    help="the checkout whose node is timed (default: this one; another for an A/B)")
     p.add_argument("node_args", nargs=argparse.REMAINDER, help="after --: more node arguments")
@@ -116,14 +164,18 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         _stop(proc)
     for i in range(args.boots):
+        if args.mqtt_sessions:
+            _old_shared_session_log(data_dir, args.mqtt_sessions)
         t0 = time.monotonic()
         proc = _start(data_dir, port, extra, root)
         try:
-            _ready(uri, names[-1], t0 + 600)
+            handshake = _ready(uri, names[-1], t0 + 600)
             wall = time.monotonic() - t0
-            cpu = _cpu_seconds(proc.pid)
-            print(json.dumps({"boot": i + 1, "queues": len(names), "ready_s": round(wall, 2),
-                              "cpu_s": round(cpu, 2), "load": os.getloadavg()[0]}), flush=True)
+            cpu = _cpu_by_process(proc.pid)
+            print(json.dumps({"boot": i + 1, "queues": len(names), "mqtt_sessions": args.mqtt_sessions,
+                              "amqp_s": round(handshake - t0, 2),
+                              "ready_s": round(wall, 2), "cpu_s": round(sum(cpu.values()), 2), "cpu": cpu,
+                              "load": os.getloadavg()[0]}), flush=True)
         finally:
             _stop(proc)
     return 0

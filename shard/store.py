@@ -96,6 +96,8 @@ def _all_zero(path: str) -> bool:
 # Vhost dirs this process has made sure of (with their .vhost file): opening 100,000 queues of a
 # vhost at boot checks the vhost dir once, not per queue.
 _vhost_dirs: set[str] = set()
+# (data dir, vhost) -> the vhost's directory: one sha1 and join per vhost, not per queue opened.
+_vhost_paths: dict[tuple[str, str], str] = {}
 
 
 def queue_dir(data_dir: str, vhost: str, name: str) -> str:
@@ -104,15 +106,20 @@ def queue_dir(data_dir: str, vhost: str, name: str) -> str:
 
 
 def make_queue_dir(data_dir: str, vhost: str, name: str, exists: bool = False,
-                   new: bool = False) -> tuple[str, bool]:
+                   new: bool = False, name_sha1: str | None = None, idle: bool = False) -> tuple[str, bool]:
     """queue_dir(), and whether the directory was made now (then it is empty: nothing to recover).
     exists: the caller has just seen the directory (a shard's boot lists each vhost dir once).
     new: a queue declared now, which starts empty: a directory already there was left by a deleted
     queue of that name whose removal never came (its shard died first) and is set aside, never
     taken over (its messages would come back). The node places such a declare on the deleted
-    queue's shard while that shard may still use the directory (broker/queue_leftovers.py)."""
-    vdir = os.path.join(data_dir, _sha1(vhost))
-    qdir = os.path.join(vdir, _sha1(name))
+    queue's shard while that shard may still use the directory (broker/queue_leftovers.py).
+    name_sha1: sha1(name) when the caller has it (a boot: it looked the queue up in the listing).
+    idle: the directory is unchanged since a clean stop found its name file in it (shard/idle_index.py):
+    not checked again."""
+    vdir = _vhost_paths.get((data_dir, vhost))
+    if vdir is None:
+        vdir = _vhost_paths[(data_dir, vhost)] = os.path.join(data_dir, _sha1(vhost))
+    qdir = f"{vdir}/{name_sha1 or _sha1(name)}"  # os.path.join costs more, 100,000 times at a boot
     if vdir not in _vhost_dirs:
         os.makedirs(vdir, exist_ok=True)
         _write_name_file(os.path.join(vdir, ".vhost"), vhost)
@@ -132,7 +139,8 @@ def make_queue_dir(data_dir: str, vhost: str, name: str, exists: bool = False,
         except FileNotFoundError:  # the vhost dir went away (vhost deleted) since we made sure of it
             _vhost_dirs.discard(vdir)
             return make_queue_dir(data_dir, vhost, name, new=new)
-    _write_name_file(os.path.join(qdir, ".queue"), name, new=made)
+    if not idle:
+        _write_name_file(f"{qdir}/.queue", name, new=made)
     return qdir, made
 
 
@@ -231,6 +239,12 @@ class QueueStore(SegmentDir):
             self._mark = self._redeliver_below = min(self._read_mark(), end)  # the mark never moves back
         if self.dirty:  # recovery repaired or rewrote something: the periodic sync makes it durable
             dirty_stores.note(self)
+
+    @property
+    def never_written(self) -> bool:
+        """Empty and without a file of its own: opened empty (its placeholder write segment) and
+        nothing appended since (shard/idle_index.py)."""
+        return self._wseg is PLACEHOLDER and self._segs is _NO_SEGS
 
     # ------------------------------------------------------------ counters
     @property

@@ -15,7 +15,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import zmq
@@ -27,7 +27,7 @@ from broker.defs_fence import catch_up, control_delay_for_tests_s, open_fence
 from broker.fsync_beacon import FsyncBeacon, stall_for_tests
 from broker.policies import POLICY_OPS
 from broker.unixio import CONTROL_TURN_S, UnixDealer
-from shard import dirty_stores, peer_answer_hold, streams_close, walk_check
+from shard import dirty_stores, idle_index, peer_answer_hold, streams_close, walk_check
 from shard.ack_timeouts import AckTimeouts
 from shard.admin import admin_query
 from shard.consumers import ChannelRef, Consumer
@@ -183,6 +183,8 @@ class ShardWorker:
         self.delayed = DelayedMessages(self)  # delay stores of delayed exchanges owned here
         self.dead_letters = DeadLetterForwards(self)  # cross-shard dead letters until confirmed
         self.kv = KVStores(self)  # MQTT retained messages and session state placed here
+        # When the first snapshot's queues were listed (or checked idle): shard/idle_index.py.
+        self._listed_ns: int | None = None
         # What a clean stop waits for: the forwards to peers (and to our own ROUTER) not confirmed yet.
         # At a clean stop, after PEER_DONE: the other shards that have not said theirs yet.
         self.peers_done = PeersDone()
@@ -319,15 +321,32 @@ class ShardWorker:
                 self.ack_timeouts = AckTimeouts(self, int(settings.get("consumer_timeout") or 0))
             # A restarted shard opens (and recovers) every queue placed on it; each vhost dir is
             # listed once, so opening a queue whose dir exists costs no mkdir.
+            # A queue whose directory is as the last clean stop left it, holding only its name file,
+            # opens empty without listing it (shard/idle_index.py): one stat instead of a listing and
+            # the name file's stat.
             data_dir = self.settings["data_dir"]
+            if self._listed_ns is None:
+                self._listed_ns = time.time_ns()
+            index = self.index
+            unlisted = 0
             for v in self.defs.vhosts.values():
+                vdir = os.path.join(data_dir, name_hash(v.name))
                 try:
-                    present = set(os.listdir(os.path.join(data_dir, name_hash(v.name))))
+                    present = set(os.listdir(vdir))
                 except FileNotFoundError:
                     present = set()
+                idle = idle_index.take(vdir, index) if present else {}
                 for name, q in v.queues.items():
-                    if q.shard == self.index:
-                        self._open_queue(v.name, name, name_hash(name) in present)
+                    if q.shard == index:
+                        h = name_hash(name)
+                        seen = idle.get(h) if h in present else None
+                        if seen is not None:
+                            try:
+                                seen = seen == idle_index.stamp(f"{vdir}/{h}")
+                            except OSError:
+                                seen = False
+                        self._open_queue(v.name, name, h in present, name_sha1=h, idle=bool(seen))
+                        unlisted += bool(seen)
             self._stats_touched.clear()  # the first report reads every queue anyway
         gc_pause.settle()
         self.delayed.load()
@@ -339,8 +358,8 @@ class ShardWorker:
                 heartbeat=float(settings.get("replication_heartbeat") or 0),
                 heartbeat_timeout=float(settings.get("replication_heartbeat_timeout") or 0))
         self.node.put(None, [contract.APPLIED, version])
-        log.info("shard %d (pid %d) ready: %d queues, epoch %d", self.index, os.getpid(),
-                 len(self.queues), self.epoch)
+        log.info("shard %d (pid %d) ready: %d queues (%d idle at the last stop, not listed), epoch %d", self.index,
+                 os.getpid(), len(self.queues), unlisted, self.epoch)
         self._ready.set()
         # The snapshot's decode, the first full STATS report and the grown read buffer (which
         # shrinks after 1 s, broker/unixio.py) leave free pages inside glibc's heap: give them back.
@@ -381,11 +400,13 @@ class ShardWorker:
             elif kind in POLICY_OPS:
                 self._apply_policies(op[1])
 
-    def _open_queue(self, vhost: str, name: str, exists: bool = False, new: bool = False) -> None:
-        """exists: its directory was just listed (a boot); new: declared now (starts empty, see
-        shard/store.py make_queue_dir)."""
+    def _open_queue(self, vhost: str, name: str, exists: bool = False, new: bool = False,
+                    name_sha1: str | None = None, idle: bool = False) -> None:
+        """exists: its directory was just listed (a boot; name_sha1: its name there); new: declared
+        now (starts empty, see shard/store.py make_queue_dir); idle: its directory holds only its name
+        file, as the last clean stop left it (shard/idle_index.py)."""
         defn = self.defs.queue(vhost, name)
-        path, made = make_queue_dir(self.settings["data_dir"], vhost, name, exists, new)
+        path, made = make_queue_dir(self.settings["data_dir"], vhost, name, exists, new, name_sha1, idle)
         args = self.defs.effective_arguments(vhost, "queue", name)
         if args.get("x-queue-type") == "stream":
             seg_size = segment_size(args, int(self.settings.get("segment_size", 8 << 20)))
@@ -397,7 +418,7 @@ class ShardWorker:
             self.by_qid[sq.qid] = sq
             self._stats_touched.add(sq)
             return
-        store = open_store(path, args, int(self.settings.get("segment_size", 8 << 20)), empty_dir=made,
+        store = open_store(path, args, int(self.settings.get("segment_size", 8 << 20)), empty_dir=made or idle,
                            fsync=bool(defn.durable))
         if needs_features(args):
             q = FeatureQueue(self._next_qid, vhost, name, defn, store, self, args)
@@ -1643,6 +1664,18 @@ class ShardWorker:
         self._returns_queues.add(q)
 
     # ----------------------------------------------------------------- stop
+    def _write_idle_index(self) -> None:
+        """At a clean stop, after the last sync: the idle queue directories the next boot need not list."""
+        if self._listed_ns is None:
+            return
+        kept = 0
+        for vdir, dirs in _idle_dirs(self.queues.values()).items():
+            try:
+                kept += idle_index.write(vdir, self.index, dirs, self._listed_ns)
+            except OSError as exc:  # the next boot lists them: slower, not wrong
+                log.warning("shard %d: idle queue index of %s not written: %s", self.index, vdir, exc)
+        log.info("shard %d: %d idle queue directories noted for the next boot", self.index, kept)
+
     async def stop(self) -> None:
         if self.stopping:
             return
@@ -1719,6 +1752,7 @@ class ShardWorker:
             repl.close()  # a confirm still waiting is dropped, not nacked (_replicated): it was not refused
         for s in stores:
             s.close()
+        self._write_idle_index()
         self.timers.close()
         self.delivery_faults.close()
         if self.ack_timeouts is not None:
@@ -1732,6 +1766,16 @@ class ShardWorker:
         dirty_stores.disable()
         log.info("shard %d stopped", self.index)
         self.stopped.set()
+
+
+def _idle_dirs(queues: Iterable) -> dict[str, list[str]]:
+    """vhost dir -> the directories of the queues whose stores never wrote a file (shard/idle_index.py)."""
+    out: dict[str, list[str]] = {}
+    for q in queues:
+        store = getattr(q, "store", None)
+        if type(store) is QueueStore and store.never_written:
+            out.setdefault(store.path.rpartition("/")[0], []).append(store.path)
+    return out
 
 
 def _sync_all(stores: list[QueueStore], acks: bool = True, stall_as: str = "") -> None:

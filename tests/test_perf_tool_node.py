@@ -268,11 +268,21 @@ def test_boot_time_declares_then_times_boots(tmp_path, capsys):
     assert boot_time.main(["--queues", "300", "--data-dir", str(tmp_path / "data"), "--boots", "1"]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
     assert lines[0]["declared"] == 300
-    assert lines[1]["boot"] == 1 and lines[1]["queues"] == 300 and lines[1]["ready_s"] > 0
+    assert lines[1]["boot"] == 1 and lines[1]["queues"] == 300 and lines[1]["ready_s"] >= lines[1]["amqp_s"] > 0
+    assert "node" in lines[1]["cpu"] and len(lines[1]["cpu"]) >= 2  # the node and its workers, by name
+    assert lines[1]["cpu_s"] == round(sum(lines[1]["cpu"].values()), 2)
     # A second run finds the queues and only measures.
     assert boot_time.main(["--queues", "300", "--data-dir", str(tmp_path / "data"), "--boots", "1"]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
     assert [list(x) for x in lines][0][0] == "boot"
+    # --mqtt-sessions: an old shared KV log the boot places (per shard logs after it, nothing left shared).
+    assert boot_time.main(["--queues", "300", "--data-dir", str(tmp_path / "data"), "--boots", "1",
+                           "--mqtt-sessions", "100"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["mqtt_sessions"] == 100
+    kv = tmp_path / "data" / "kv"
+    logs = [p.name for p in kv.rglob("*.log")]
+    assert logs and all(".shard-" in name for name in logs), logs
+    assert (kv / "placed-for").exists()
 
 
 def test_memory_lists_every_process_of_a_node_and_sums_them(node, capsys):

@@ -30,9 +30,12 @@ def session_shard(vhost: str, client_id: str, shard_count: int) -> int:
     return zlib.crc32(f"{vhost}\0{SESSIONS}\0{client_id}".encode()) % max(1, shard_count)
 
 
+SESSION_QUEUE_PREFIX = "mqtt-subscription-"
+
+
 def session_queue(client_id: str) -> str:
     """The durable queue of a persistent session (clean session 0), RabbitMQ's name for it."""
-    return f"mqtt-subscription-{client_id}qos1"
+    return f"{SESSION_QUEUE_PREFIX}{client_id}qos1"
 
 
 def kv_owner(vhost: str, space: str, key: str, shard_count: int,
