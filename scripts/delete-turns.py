@@ -28,9 +28,10 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ab_node import free_port  # noqa: E402  (scripts/ on the path: run as scripts/delete-turns.py)
+from pamqp import commands  # noqa: E402
+
 from loadtest.amqp_client import AMQPClient  # noqa: E402
 from loadtest.scenarios_amqp import _ConfirmProbe, _declare_many, _encode  # noqa: E402
-from pamqp import commands  # noqa: E402
 
 WRAP = ",".join([
     "shard.worker:ShardWorker._on_control", "shard.worker:ShardWorker._on_data",
@@ -138,7 +139,6 @@ def main() -> int:
             except (ValueError, IndexError):
                 continue
         ticks.sort(reverse=True)
-        role = f.stem.rsplit("-", 1)[0]
         summary["procs"][f.stem] = {
             "top_ticks_ms": [round(t / 1000, 1) for t in ticks[: a.top]],
             "ticks_over_5ms": sum(t > 5000 for t in ticks), "ticks_over_2ms": sum(t > 2000 for t in ticks),
@@ -146,8 +146,6 @@ def main() -> int:
             "calls": {k: [len(v), round(max(v) / 1000, 1), round(sum(v) / 1000, 1)]
                       for k, v in sorted(calls.items(), key=lambda kv: -max(kv[1]))[: a.top]},
         }
-        if role not in ("node", "pair"):
-            continue
     for name, d in summary["procs"].items():
         print(name, "longest", d["top_ticks_ms"], ">5ms", d["ticks_over_5ms"], ">2ms", d["ticks_over_2ms"],
               "gc>1ms", d["gc_over_1ms"])
