@@ -138,16 +138,21 @@ def _no_fault_readahead(mm: mmap.mmap) -> None:
     few us each; measured on this host's ext4, kernel 6.18): a purge or a roll that makes a segment
     paid it inside one loop turn (docs/benchmarks.md, "The pair's turns during a 30,000-queue
     delete"). With MADV_RANDOM that first fault costs ~20 us and the others about what they did.
-    Only for segments made here: a segment opened at recovery is read from disk, where read-ahead
-    helps."""
-    if _MADV_RANDOM is not None:
+    Only while a segment is written: ``seal`` puts the default back (a sealed segment is read, and
+    once its pages are evicted read-ahead helps), and a segment opened at recovery keeps it."""
+    _advise(mm, _MADV_RANDOM)
+
+
+def _advise(mm: mmap.mmap, advice: int | None) -> None:
+    if advice is not None:
         try:
-            mm.madvise(_MADV_RANDOM)
-        except OSError:  # advice only
+            mm.madvise(advice)
+        except (OSError, ValueError):  # advice only (ValueError: a closed or empty map)
             pass
 
 
 _MADV_RANDOM = getattr(mmap, "MADV_RANDOM", None)
+_MADV_NORMAL = getattr(mmap, "MADV_NORMAL", None)
 
 
 # Ack files (docs/storage.md): version 2 starts with this header and holds (u32 position, u32
@@ -318,6 +323,8 @@ class Segment:
         os.ftruncate(self.fd, self.used)
         self.sealed = True
         self.forget_write()
+        if self.mm is not None:
+            _advise(self.mm, _MADV_NORMAL)  # read from now on: read-ahead helps once its pages are evicted
         return self.write_meta()
 
     def forget_write(self) -> None:
