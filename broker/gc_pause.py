@@ -41,6 +41,13 @@ def settle() -> None:
 # declares or deletes of many queues. An application declaring its few queues stays far below.
 BULK_OPS = 200
 BULK_WINDOW_S = 1.0
+# Windows in a row below BULK_OPS that end a bulk. Bulks closer than this are one: a benchmark or an
+# application that declares 30,000 queues and deletes them a second later had the collection that was
+# due after the declares (30-57 ms of a pair's loop in one piece, over the 30,000 queues' objects)
+# land at the start of the deletes whenever a window boundary fell in the gap; with two quiet
+# windows it runs after the deletes, over the smaller heap (docs/benchmarks.md, "The pair's turns
+# during a 30,000-queue delete").
+QUIET_WINDOWS = 2
 # The generation-2 threshold while a bulk lasts: full collections about never (one per this many
 # generation-1 collections, i.e. minutes even under heavy traffic) instead of every second or so.
 DEFERRED_FULL_THRESHOLD = 10_000
@@ -56,17 +63,18 @@ class BulkChanges:
     alive for the ~250 ms it waits, they outlive the young collections, and once those survivors
     pass a quarter of the old generation CPython collects it all again (about every second in
     the node). While ``note``d ops reach ``BULK_OPS`` per ``BULK_WINDOW_S`` the third threshold is
-    raised to ``DEFERRED_FULL_THRESHOLD``; one window below it puts the process's own threshold
-    back, so the collection that was due runs once, after the bulk (after a delete over a smaller
+    raised to ``DEFERRED_FULL_THRESHOLD``; ``QUIET_WINDOWS`` windows in a row below it put the
+    process's own threshold back, so the collection that was due runs once, after the bulk (after a delete over a smaller
     heap). Young collections go on as usual; nothing is frozen, so no garbage is kept for good:
     cyclic garbage of the bulk's time waits for that one collection.
     """
 
-    __slots__ = ("_loop", "_ops", "_saved", "_timer")
+    __slots__ = ("_loop", "_ops", "_quiet", "_saved", "_timer")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._ops = 0
+        self._quiet = 0  # windows in a row below BULK_OPS while deferring
         self._saved: tuple[int, ...] | None = None  # the thresholds to restore, while deferring
         self._timer: asyncio.TimerHandle | None = None
 
@@ -89,9 +97,11 @@ class BulkChanges:
         ops, self._ops = self._ops, 0
         if self._saved is None:
             return
-        if ops >= BULK_OPS:
+        self._quiet = 0 if ops >= BULK_OPS else self._quiet + 1
+        if self._quiet < QUIET_WINDOWS:
             self._timer = self._loop.call_later(BULK_WINDOW_S, self._window)
             return
+        self._quiet = 0
         if gc.get_threshold()[2] == max(self._saved[2], DEFERRED_FULL_THRESHOLD):
             gc.set_threshold(*self._saved)  # else someone else set them meanwhile: theirs stand
         self._saved = None
@@ -103,3 +113,4 @@ class BulkChanges:
         if self._saved is not None:
             gc.set_threshold(*self._saved)
             self._saved = None
+        self._quiet = 0

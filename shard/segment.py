@@ -130,6 +130,31 @@ def fallocate(fd: int, start: int, end: int, size: int) -> int:
     return end
 
 
+def _no_fault_readahead(mm: mmap.mmap) -> None:
+    """A new file's mapping: page faults bring in their own page only (MADV_RANDOM).
+
+    A fresh segment has nothing to read ahead, yet with the default advice the first write fault on
+    a new file's shared mapping cost 1-2.8 ms of the thread's CPU in one piece (its later faults a
+    few us each; measured on this host's ext4, kernel 6.18): a purge or a roll that makes a segment
+    paid it inside one loop turn (docs/benchmarks.md, "The pair's turns during a 30,000-queue
+    delete"). With MADV_RANDOM that first fault costs ~20 us and the others about what they did.
+    Only while a segment is written: ``seal`` puts the default back (a sealed segment is read, and
+    once its pages are evicted read-ahead helps), and a segment opened at recovery keeps it."""
+    _advise(mm, _MADV_RANDOM)
+
+
+def _advise(mm: mmap.mmap, advice: int | None) -> None:
+    if advice is not None:
+        try:
+            mm.madvise(advice)
+        except (OSError, ValueError):  # advice only (ValueError: a closed or empty map)
+            pass
+
+
+_MADV_RANDOM = getattr(mmap, "MADV_RANDOM", None)
+_MADV_NORMAL = getattr(mmap, "MADV_NORMAL", None)
+
+
 # Ack files (docs/storage.md): version 2 starts with this header and holds (u32 position, u32
 # CRC32 of the position's 4 bytes) entries, so a damaged entry is detected instead of silently
 # naming another record (or none). Version 1 files (bare u32 positions) are read and rewritten
@@ -234,6 +259,7 @@ class Segment:
         try:
             seg.alloc_end = allocate(seg.fd, size)
             seg.mm = mmap.mmap(seg.fd, size)
+            _no_fault_readahead(seg.mm)
         except BaseException:
             os.close(seg.fd)
             seg.fd = -1
@@ -297,6 +323,8 @@ class Segment:
         os.ftruncate(self.fd, self.used)
         self.sealed = True
         self.forget_write()
+        if self.mm is not None:
+            _advise(self.mm, _MADV_NORMAL)  # read from now on: read-ahead helps once its pages are evicted
         return self.write_meta()
 
     def forget_write(self) -> None:

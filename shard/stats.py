@@ -74,6 +74,12 @@ _CHECK_MAX = 20_000
 # shard's loop in one piece (docs/benchmarks.md "Worst gap while 30,000 queues are deleted"); a queue
 # costs 0.5-1.5 µs to read, so a part is under ~1 ms.
 PART_ROWS = 500
+# ... and fewer when a part costs more than PART_S of the shard's CPU (ShardWorker._send_stats_part sizes
+# the next part from the last full one): in a pair at load 8-10 a part of 500 deleted queues took
+# 1.0-3.5 ms (0.2 ms at the median alone on the machine; docs/benchmarks.md "The pair's turns during a
+# 30,000-queue delete"). Never under PART_MIN_ROWS, so a report of 30,000 queues stays a few hundred parts.
+PART_S = 0.0005
+PART_MIN_ROWS = 100
 
 
 def _row(q: Queue) -> tuple[tuple, tuple[int, int]]:

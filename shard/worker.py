@@ -44,7 +44,7 @@ from shard.priority_store import open_store
 from shard.queue import VIRTUAL as _VIRTUAL
 from shard.queue import Queue
 from shard.replication_stream import ShardReplication
-from shard.stats import STATS_CHECK_ENV, StatsReporter, SyncHistogram
+from shard.stats import PART_MIN_ROWS, PART_ROWS, PART_S, STATS_CHECK_ENV, StatsReporter, SyncHistogram
 from shard.store import QueueStore, make_queue_dir
 from shard.stream_queue import StreamQueue, consume_error, retention_args, segment_size
 from shard.stream_store import StreamStore
@@ -114,6 +114,7 @@ class ShardWorker:
         # STATS as deltas: rows changed since the last report, read from the queues named in
         # _stats_touched (and those of each delivery pass): shard/stats.py.
         self.stats_reporter = StatsReporter(check=os.environ.get(STATS_CHECK_ENV) == "1")
+        self._stats_part_rows = PART_ROWS  # the next part's size, from the last full part's CPU (PART_S)
         dirty_stores.enable()  # before any store opens: the periodic sync visits the stores noted there
         self._stats_touched = self.stats_reporter.touched
         # Since when the running group sync runs, for the cluster leader's disk-stall check.
@@ -230,14 +231,22 @@ class ShardWorker:
         self.loop.call_later(interval, self._send_stats)
 
     def _send_stats_part(self) -> None:
-        """One part of the report begun (shard/stats.py PART_ROWS queues), then the next part in the
-        next loop turn: 30,000 queues declared or deleted since the last report were 10-29 ms of
-        this loop in one piece, in front of every publish waiting for it."""
+        """One part of the report begun (shard/stats.py PART_ROWS queues at most, fewer when a part
+        took over PART_S of CPU), then the next part in the next loop turn: 30,000 queues declared or
+        deleted since the last report were 10-29 ms of this loop in one piece, in front of every
+        publish waiting for it."""
         if self.stopping:
             return
         reporter = self.stats_reporter
+        rows = self._stats_part_rows
         try:
-            self.node.put(None, [contract.STATS, reporter.part(self, pending=self._dirty_queues)])
+            cpu = time.thread_time()
+            part = reporter.part(self, budget=rows, pending=self._dirty_queues)
+            if part.get("more"):  # a full part: the next one's size for about PART_S of this thread's CPU
+                took = time.thread_time() - cpu
+                self._stats_part_rows = max(PART_MIN_ROWS, min(PART_ROWS, int(rows * PART_S / took))) \
+                    if took > 0 else PART_ROWS
+            self.node.put(None, [contract.STATS, part])
         except Exception:
             log.exception("shard %d: stats report failed", self.index)
             reporter.full_next = True  # the next report starts over with every row
