@@ -23,9 +23,9 @@ Stages, in the order a message meets them:
 The hooks are per batch (``BatchSocket``), per client read and per frontend loop turn, so with the
 trace off the cost is one ``is None`` test per batch and per read.
 
-The lines are kept in memory and written every ``FLUSH_S`` from a loop timer (and at exit), not as
-they are made: a write on the path of the message being traced would be measured as one of its
-hops. In a paired process (``--colocate``) the frontend's ``fe_publish_out`` and the shard's
+The stages are kept in memory as (stage, key, time) and formatted and written every ``FLUSH_S``
+from a loop timer (and at exit), not as they are made: a write (or formatting) on the path of the
+message being traced would be measured as one of its hops. In a paired process (``--colocate``) the frontend's ``fe_publish_out`` and the shard's
 ``sh_publish_in`` are one in-process hand-over apart (~2 us), and a line-buffered write between the
 two showed as a 40 us hop (docs/benchmarks.md, "Where a lone message's time goes in a pair").
 """
@@ -66,7 +66,7 @@ class StageTrace:
     def __init__(self, out: IO[str]) -> None:
         self.out = out
         self._pending: list[bytes] = []  # keys received in DELIVERs this turn, for fe_write
-        self._lines: list[str] = []  # made, not written yet (``_write``)
+        self._lines: list[tuple[str, bytes, int]] = []  # (stage, key, t_ns) made, not written yet (``_write``)
         self._timer = False
         # monotonic ns when the frontend's last client read started (``read``), 0 = none yet
         self.read_ns = 0
@@ -75,7 +75,7 @@ class StageTrace:
         """A frontend starts handling a read from a client (``data_received``): fe_read's time."""
         self.read_ns = time.monotonic_ns()
 
-    def _add(self, lines: list[str]) -> None:
+    def _add(self, lines: list[tuple[str, bytes, int]]) -> None:
         self._lines.extend(lines)
         if self._timer:
             return
@@ -92,13 +92,13 @@ class StageTrace:
         if self._lines:
             lines = self._lines
             self._lines = []
-            self.out.write("".join(lines))
+            self.out.write("".join(f"{stage} {key.hex()} {t}\n" for stage, key, t in lines))
             self.out.flush()
 
     def batch(self, stage: str, items: list, keep: bool = False) -> None:
         """Record ``stage`` for the sampled PUBLISH/DELIVER bodies of one batch."""
         now = time.monotonic_ns()
-        lines: list[str] = []
+        lines: list[tuple[str, bytes, int]] = []
         for item in items:
             if item and item[0] == _PUBLISH_RUN:  # every body of a run is a message
                 for body in item[6]:
@@ -115,18 +115,18 @@ class StageTrace:
         if lines:
             self._add(lines)
 
-    def _line(self, lines: list[str], stage: str, key: bytes, now: int, keep: bool) -> None:
-        lines.append(f"{stage} {key.hex()} {now}\n")
+    def _line(self, lines: list[tuple[str, bytes, int]], stage: str, key: bytes, now: int, keep: bool) -> None:
+        lines.append((stage, key, now))
         if keep:
             self._pending.append(key)
         if stage == _READ_WITH and self.read_ns:
-            lines.append(f"{READ_STAGE} {key.hex()} {self.read_ns}\n")
+            lines.append((READ_STAGE, key, self.read_ns))
 
     def mark_pending(self, stage: str) -> None:
         """Record ``stage`` for the keys kept since the last call (the frontend's end of turn)."""
         if self._pending:
             now = time.monotonic_ns()
-            self._add([f"{stage} {key.hex()} {now}\n" for key in self._pending])
+            self._add([(stage, key, now) for key in self._pending])
             self._pending = []
 
 
