@@ -15,14 +15,17 @@ control lane's items they need by itself, as it must with sockets).
 
 When a batch is handed over (issue #15, a lone message's latency): at once, the receiver's
 ``on_batch`` and ``on_drained`` running inside the sender's send, when the sender sends from a point
-where it is done with what it was doing (``send_pending`` or the turn's ``flush``: a frontend at the
-end of a client read, a shard when a read's batches are handled), no batch of that link is still
-queued (FIFO), and fewer than ``MAX_DEPTH`` such hand-overs are under way (a publish goes to the
-shard at once, its DELIVER comes back at once, and what the frontend sends while handling that
-waits). Otherwise, as before, from ``loop.call_soon``: a full batch cut in the middle of a ``put``
-(the sender is inside its own work), ``send_now``, packed batches. An exception in the receiver is
+where it is done with what it was doing (the shard's ``send_pending`` when a read's batches are
+handled, either end's turn ``flush``), no batch of that link is still queued (FIFO), and fewer than
+``MAX_DEPTH`` such hand-overs are under way (a DELIVER goes to the frontend and its client at once;
+what the frontend sends while handling it waits). Otherwise, as before, from ``loop.call_soon``: a
+full batch cut in the middle of a ``put`` (the sender is inside its own work), ``send_now``, packed
+batches, and the frontend's ``send_pending`` at the end of one client read (``send_early``): were
+that at once, the shard would never look busy to the next reads of the same loop iteration, and
+their publishes would go a batch per read instead of one per turn (4 publishers: +13 % CPU per
+message). An exception in the receiver is
 reported to the loop's exception handler, as from a callback, and does not reach the sender. What
-it saves is two loop iterations on a lone message's path (docs/benchmarks.md, "A lone message in
+it saves is a loop iteration on a lone message's path (docs/benchmarks.md, "A lone message in
 a pair"). Every other peer (other frontends, other shards' forwards, the
 shard's own deduplicating-exchange socket) still goes through the real socket: the shard's listener
 is a ``PairedRouter`` that sends a batch in-process only when its destination is the paired
@@ -334,8 +337,11 @@ class LocalDealer(TurnBatcher):
         if not self._closed:
             _hand_over(self, self.router, self.identity, header, items, self.queued, _TO_SHARD)
 
-    def _send_pending(self) -> None:
-        _send_pending_safe(self, super()._send_pending)
+    def flush(self) -> None:
+        # The frontend's turn's end only: its send_pending (send_early, at the end of one client read)
+        # stays queued, so the reads of one loop iteration still find the shard busy and batch
+        # together (4 publishers at once were a batch per read, +13 % CPU per message).
+        _send_pending_safe(self, super().flush)
 
     def _send(self, dest: bytes | None, payload: bytes) -> None:
         """A batch already packed (``send_packed``): unpacked on the other end, as a socket's."""

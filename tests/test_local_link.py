@@ -84,10 +84,10 @@ def loop():
     loop.close()
 
 
-def test_a_send_at_rest_is_handled_at_once_and_so_is_its_answer_but_no_deeper(loop):
-    """A frontend at the end of a read (send_pending) hands its publish to the shard at once; the
-    shard's answer, sent when that batch is handled, comes back at once; what the frontend sends
-    while handling the answer waits for the loop (MAX_DEPTH)."""
+def test_the_frontends_turn_end_hands_over_at_once_and_so_does_the_shards_answer_but_no_deeper(loop):
+    """The frontend's end of turn (its lane's flush) hands a publish to the shard at once; the
+    shard's answer, sent when that batch is handled (its send_pending), comes back at once; what the
+    frontend sends while handling the answer waits for the loop (MAX_DEPTH)."""
     log: list = []
     lane: local_link.LocalDealer
     router: _Router
@@ -98,13 +98,13 @@ def test_a_send_at_rest_is_handled_at_once_and_so_is_its_answer_but_no_deeper(lo
     def reply(items):  # noqa: ANN001, ANN202
         if items[0][1] < 200:
             lane.put(None, _item(200 + items[0][1]))
-            lane.send_pending()
+            lane.flush()
 
     lane, router = _pair(loop, log, on_shard=answer, on_frontend=reply)
 
     async def go() -> list:
         lane.put(None, _item(1))
-        lane.send_pending()
+        lane.flush()
         at_once = list(log)
         for _ in range(20):  # the rest from call_soon
             await asyncio.sleep(0)
@@ -115,6 +115,24 @@ def test_a_send_at_rest_is_handled_at_once_and_so_is_its_answer_but_no_deeper(lo
     assert log[len(at_once):] == [("shard", [301]), ("frontend", [401]), ("frontend drained", None)]
 
 
+def test_a_frontends_send_at_the_end_of_one_read_waits_for_the_loop(loop):
+    """send_pending (send_early: the end of one client read) stays queued, so the other reads of the
+    loop iteration find the shard busy and their publishes batch at the turn's end."""
+    log: list = []
+    lane, _router = _pair(loop, log)
+
+    async def go() -> list:
+        lane.put(None, _item(1))
+        lane.send_pending()
+        at_once = list(log)
+        for _ in range(20):
+            await asyncio.sleep(0)
+        return at_once
+
+    assert loop.run_until_complete(go()) == []
+    assert log == [("shard", [1])]
+
+
 def test_a_full_batch_cut_inside_a_put_waits_for_the_loop_and_what_follows_keeps_its_order(loop):
     log: list = []
     lane, _router = _pair(loop, log)
@@ -123,7 +141,7 @@ def test_a_full_batch_cut_inside_a_put_waits_for_the_loop_and_what_follows_keeps
         for n in range(MAX_BATCH_ITEMS + 1):  # the 512th put sends a full batch from inside put()
             lane.put(None, _item(n))
         after_put = list(log)
-        lane.send_pending()  # at rest, but the full batch is still queued: this one goes behind it
+        lane.flush()  # at rest, but the full batch is still queued: this one goes behind it
         at_rest = list(log)
         for _ in range(20):
             await asyncio.sleep(0)
@@ -158,9 +176,9 @@ def test_a_receiver_that_raises_does_not_fail_its_sender(loop):
 
     async def go() -> None:
         lane.put(None, _item(1))
-        lane.send_pending()  # returns: the receiver's error is the loop's to report
+        lane.flush()  # returns: the receiver's error is the loop's to report
         lane.put(None, _item(2))
-        lane.send_pending()
+        lane.flush()
 
     loop.run_until_complete(go())
     assert log == [("shard", [1]), ("shard", [2])]
