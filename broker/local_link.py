@@ -23,10 +23,11 @@ full batch cut in the middle of a ``put`` (the sender is inside its own work), `
 batches, and the frontend's ``send_pending`` at the end of one client read (``send_early``): were
 that at once, the shard would never look busy to the next reads of the same loop iteration, and
 their publishes would go a batch per read instead of one per turn (4 publishers: +13 % CPU per
-message). An exception in the receiver is
-reported to the loop's exception handler, as from a callback, and does not reach the sender. What
-it saves is a loop iteration on a lone message's path (docs/benchmarks.md, "A lone message in
-a pair"). Every other peer (other frontends, other shards' forwards, the
+message). An exception in the receiver is reported to the loop's exception handler, as from a
+callback, and does not reach the sender. What it saves is a loop iteration on a lone message's path
+(docs/benchmarks.md, "A lone message in a pair").
+
+Every other peer (other frontends, other shards' forwards, the
 shard's own deduplicating-exchange socket) still goes through the real socket: the shard's listener
 is a ``PairedRouter`` that sends a batch in-process only when its destination is the paired
 frontend's publish or control lane.
