@@ -1,16 +1,33 @@
 """The data plane between the frontend and the shard of one paired process (``--colocate``).
 
 A paired worker process (``shard/pair_main.py``) runs frontend K and shard K on one event loop.
-Between those two, a batch needs no socket: the end that flushes it hands the packed batch to the
-other end's ``on_batch`` through ``loop.call_soon``, on the same loop: no ``write``, no ``read``,
-no wake-up of another process (each of those cost ~22 us on a halted vCPU plus ~8 us in the
+Between those two, a batch needs no socket: the end that flushes it hands the batch to the other
+end's ``on_batch`` on the same loop, at once or through ``loop.call_soon`` (below): no ``write``,
+no ``read``, no wake-up of another process (each of those cost ~22 us on a halted vCPU plus ~8 us in the
 sender's ``send``: docs/benchmarks.md, "What would close the gap").
 
 What stays as with sockets (the workers cannot tell): the per-turn batching of ``TurnBatcher``
 (one batch per destination per loop turn, a full one at once), ``on_sent`` (the frontend's bytes
 in flight, from the items' sizes: ``_size``), ``on_drained`` after each batch handed over (a
-worker sends what it produced then, as after a read), the stage trace, and FIFO order per
-direction (``call_soon`` keeps it). Every other peer (other frontends, other shards' forwards, the
+worker sends what it produced then, as after a read), the stage trace, and FIFO order per link
+(one lane, one direction: what a socket keeps; the shard orders a publish lane's batches after the
+control lane's items they need by itself, as it must with sockets).
+
+When a batch is handed over (issue #15, a lone message's latency): at once, the receiver's
+``on_batch`` and ``on_drained`` running inside the sender's send, when the sender sends from a point
+where it is done with what it was doing (the shard's ``send_pending`` when a read's batches are
+handled, either end's turn ``flush``), no batch of that link is still queued (FIFO), and fewer than
+``MAX_DEPTH`` such hand-overs are under way (a DELIVER goes to the frontend and its client at once;
+what the frontend sends while handling it waits). Otherwise, as before, from ``loop.call_soon``: a
+full batch cut in the middle of a ``put`` (the sender is inside its own work), ``send_now``, packed
+batches, and the frontend's ``send_pending`` at the end of one client read (``send_early``): were
+that at once, the shard would never look busy to the next reads of the same loop iteration, and
+their publishes would go a batch per read instead of one per turn (4 publishers: +13 % CPU per
+message). An exception in the receiver is reported to the loop's exception handler, as from a
+callback, and does not reach the sender. What it saves is a loop iteration on a lone message's path
+(docs/benchmarks.md, "A lone message in a pair").
+
+Every other peer (other frontends, other shards' forwards, the
 shard's own deduplicating-exchange socket) still goes through the real socket: the shard's listener
 is a ``PairedRouter`` that sends a batch in-process only when its destination is the paired
 frontend's publish or control lane.
@@ -55,17 +72,21 @@ DIRECT_KINDS = frozenset((contract.PUBLISH, contract.PUBLISH_RUN, contract.ACK, 
                           contract.DELIVER, contract.CONFIRM, contract.CONFIRM_NACK, contract.PROCESSED))
 _PUBLISH = contract.PUBLISH
 _PUBLISH_RUN = contract.PUBLISH_RUN
+_TO_SHARD, _TO_FRONTEND = 0, 1  # a link's two ways (LocalDealer.queued)
 _ITEM_OVERHEAD = 48  # on_sent's bytes of an item beyond its bodies and properties (~ its packed fields)
 
 LINK_CHECK_ENV = "SHARDMQ_TEST_LINK_CHECK"
 LINK_CHECK_FAILED = "link check failed"  # the log line's start (tests/conftest.py looks for it)
 _CHECK = os.environ.get(LINK_CHECK_ENV) == "1"
 _RECHECK_S = 0.2  # the check's last look: this long after the receiver handled the batch
+MAX_DEPTH = 2  # hand-overs at once nested at most this deep (module docstring)
 
 log = logging.getLogger("shardmq.link")
 
 _paired: int | None = None  # the index of this process's pair, if it is one
 _router: Any = None  # the paired shard's listener, once it is bound
+_safe: Any = None  # the batcher inside its _send_pending: what it sends may be handed over at once
+_depth = 0  # hand-overs at once under way (nested)
 
 
 def enable(index: int) -> None:
@@ -114,19 +135,55 @@ def _own(items: list) -> int:
     return size
 
 
-def _hand_over(sender: TurnBatcher, target: TurnBatcher, ident: bytes | None, header: Any, items: list) -> None:
-    """Send one batch to ``target`` in-process (the sender's ``_send_items``)."""
+def _hand_over(sender: TurnBatcher, target: TurnBatcher, ident: bytes | None, header: Any, items: list,
+               queued: list[int], way: int) -> None:
+    """Send one batch to ``target`` in-process (the sender's ``_send_items``): at once or from
+    call_soon (module docstring). ``queued[way]`` counts this link's batches waiting in call_soon."""
+    global _safe, _depth
     size = _own(items)
     if sender.on_sent is not None:
         sender.on_sent(size)
+    if _safe is sender and _depth < MAX_DEPTH and not queued[way]:
+        _safe = None  # the receiver's own sends are at once only from its own send_pending/flush
+        _depth += 1
+        try:
+            if _CHECK:
+                _receive_checked(target, ident, header, items, _packed_same(header, items), None, way)
+            else:
+                _receive_items(target, ident, header, items, None, way)
+        except Exception as exc:  # as the loop would report a callback's: the sender goes on
+            sender.loop.call_exception_handler({"message": "paired link: receiving a batch failed",
+                                                "exception": exc})
+        finally:
+            _depth -= 1
+            _safe = sender
+        return
+    queued[way] += 1
     if _CHECK:
-        sender.loop.call_soon(_receive_checked, target, ident, header, items, _packed_same(header, items))
+        sender.loop.call_soon(_receive_checked, target, ident, header, items, _packed_same(header, items),
+                              queued, way)
     else:
-        sender.loop.call_soon(_receive_items, target, ident, header, items)
+        sender.loop.call_soon(_receive_items, target, ident, header, items, queued, way)
 
 
-def _receive_items(target: TurnBatcher, ident: bytes | None, header: Any, items: list) -> None:
-    """Hand one batch's items to ``target``'s on_batch, as a socket's read would (runs from call_soon)."""
+def _send_pending_safe(batcher: TurnBatcher, send_pending: Callable[[], None]) -> None:
+    """``batcher``'s ``_send_pending`` (its send_pending and its turn's flush) with its hand-overs
+    allowed at once: the worker that calls either is done with what it was doing."""
+    global _safe
+    outer = _safe
+    _safe = batcher
+    try:
+        send_pending()
+    finally:
+        _safe = outer
+
+
+def _receive_items(target: TurnBatcher, ident: bytes | None, header: Any, items: list,
+                   queued: list[int] | None = None, way: int = 0) -> None:
+    """Hand one batch's items to ``target``'s on_batch, as a socket's read would (at once, or from
+    call_soon: then ``queued[way]`` counted it)."""
+    if queued is not None:
+        queued[way] -= 1
     if target._closed:
         return  # the end stopped (a pair's stop: frontend first): what was in flight is dropped
     if target._trace is not None:
@@ -172,14 +229,14 @@ def _short(item: Any) -> str:
 
 
 def _receive_checked(target: TurnBatcher, ident: bytes | None, header: Any, items: list,
-                     payload: bytes | None) -> None:
+                     payload: bytes | None, queued: list[int] | None = None, way: int = 0) -> None:
     if payload is not None and contract.pack(header, items) != payload:
         log.error(LINK_CHECK_FAILED + ": a batch changed between its flush and its handover: %s", _short(items))
         payload = None
     # The items handed over as they are (the copies are the receiver's alone, to change as it likes).
     direct = [item for item in items if item[0] in DIRECT_KINDS]
     before = contract.pack(0, direct) if payload is not None and direct else None
-    _receive_items(target, ident, header, items)
+    _receive_items(target, ident, header, items, queued, way)
     if before is not None:
         target.loop.call_later(_RECHECK_S, _recheck, direct, before)
 
@@ -190,8 +247,9 @@ def _recheck(direct: list, packed: bytes) -> None:
                   "it, or its receiver changed something its sender keeps): %s", _short(direct))
 
 
-def _receive(target: TurnBatcher, ident: bytes | None, payload: bytes) -> None:
-    """Hand one batch to ``target``'s on_batch, as a socket's read would (runs from call_soon)."""
+def _receive(target: TurnBatcher, ident: bytes | None, payload: bytes, queued: list[int], way: int) -> None:
+    """Hand one packed batch to ``target``'s on_batch, as a socket's read would (runs from call_soon)."""
+    queued[way] -= 1
     if target._closed:
         return  # the end stopped (a pair's stop: frontend first): what was in flight is dropped
     try:
@@ -224,7 +282,10 @@ class PairedRouterMixin:
         if link is None:
             super()._send_items(dest, header, items)  # type: ignore[misc]
         elif not self._closed:  # type: ignore[attr-defined]
-            _hand_over(self, link, None, header, items)  # type: ignore[arg-type]
+            _hand_over(self, link, None, header, items, link.queued, _TO_FRONTEND)  # type: ignore[arg-type]
+
+    def _send_pending(self) -> None:
+        _send_pending_safe(self, super()._send_pending)  # type: ignore[arg-type, misc]
 
     def _send(self, dest: bytes | None, payload: bytes) -> None:
         link = self._local.get(dest)  # type: ignore[arg-type]
@@ -235,7 +296,8 @@ class PairedRouterMixin:
             return
         if self.on_sent is not None:  # type: ignore[attr-defined]
             self.on_sent(len(payload))  # type: ignore[attr-defined]
-        self.loop.call_soon(_receive, link, None, payload)  # type: ignore[attr-defined]
+        link.queued[_TO_FRONTEND] += 1
+        self.loop.call_soon(_receive, link, None, payload, link.queued, _TO_FRONTEND)  # type: ignore[attr-defined]
 
 
 def register_router(router: Any) -> None:
@@ -255,7 +317,7 @@ def router_for(index: int, identity: bytes) -> Any:
 class LocalDealer(TurnBatcher):
     """The paired frontend's connection to its own shard: the BatchSocket interface, no socket."""
 
-    __slots__ = ("router", "identity")
+    __slots__ = ("router", "identity", "queued")
 
     is_router = False
 
@@ -264,6 +326,8 @@ class LocalDealer(TurnBatcher):
         super().__init__(loop, on_batch, header_for)
         self.router = router
         self.identity = identity
+        # This link's batches waiting in call_soon: [to the shard, to the frontend] (FIFO per link).
+        self.queued = [0, 0]
         router._local[identity] = self
 
     @property
@@ -272,7 +336,13 @@ class LocalDealer(TurnBatcher):
 
     def _send_items(self, dest: bytes | None, header: Any, items: list) -> None:
         if not self._closed:
-            _hand_over(self, self.router, self.identity, header, items)
+            _hand_over(self, self.router, self.identity, header, items, self.queued, _TO_SHARD)
+
+    def flush(self) -> None:
+        # The frontend's turn's end only: its send_pending (send_early, at the end of one client read)
+        # stays queued, so the reads of one loop iteration still find the shard busy and batch
+        # together (4 publishers at once were a batch per read, +13 % CPU per message).
+        _send_pending_safe(self, super().flush)
 
     def _send(self, dest: bytes | None, payload: bytes) -> None:
         """A batch already packed (``send_packed``): unpacked on the other end, as a socket's."""
@@ -280,7 +350,8 @@ class LocalDealer(TurnBatcher):
             return
         if self.on_sent is not None:
             self.on_sent(len(payload))
-        self.loop.call_soon(_receive, self.router, self.identity, payload)
+        self.queued[_TO_SHARD] += 1
+        self.loop.call_soon(_receive, self.router, self.identity, payload, self.queued, _TO_SHARD)
 
     def close(self) -> None:
         if self._closed:

@@ -5,7 +5,7 @@
 DIR holds the ``*.trace`` files that a node run with ``--trace-stages DIR`` (its frontends and
 shards, broker/stage_trace.py) and ``shardmq-perf amqp throughput --trace-stages DIR`` (its
 consumers) wrote. A message's key starts with the publisher's send time, so its path is
-client send -> fe_publish_out -> sh_publish_in -> sh_deliver_out -> fe_deliver_in -> fe_write ->
+client send -> fe_read -> fe_publish_out -> sh_publish_in -> sh_deliver_out -> fe_deliver_in -> fe_write ->
 client_recv; each hop's percentiles (µs) over the messages seen at both of its ends are printed.
 """
 
@@ -16,10 +16,11 @@ import json
 import sys
 from pathlib import Path
 
-STAGES = ("client_send", "fe_publish_out", "sh_publish_in", "sh_deliver_out", "fe_deliver_in", "fe_write",
+STAGES = ("client_send", "fe_read", "fe_publish_out", "sh_publish_in", "sh_deliver_out", "fe_deliver_in", "fe_write",
           "client_recv")
 HOPS = {
-    "client_send -> fe_publish_out": "client write, kernel, frontend read + parse + route, wait for the turn's end",
+    "client_send -> fe_read": "client write, kernel, frontend wake-up, its read starts",
+    "fe_read -> fe_publish_out": "frontend: parse + route, the PUBLISH batch leaves (end of the read or of the turn)",
     "fe_publish_out -> sh_publish_in": "data plane frontend -> shard (unix: socket write, shard wake-up; zmq: also both I/O threads)",
     "sh_publish_in -> sh_deliver_out": "shard: append, deliver, wait for the turn's end",
     "sh_deliver_out -> fe_deliver_in": "data plane shard -> frontend",

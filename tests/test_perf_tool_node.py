@@ -7,6 +7,7 @@ import json
 from loadtest.amqp_client import AMQPClient
 from loadtest.amqp_throughput import ThroughputOptions
 from loadtest.cli import EXIT_OK, main
+from tests.harness import wait_until
 
 
 def test_throughput_verified_against_node(node, capsys):
@@ -124,14 +125,18 @@ def test_trace_stages_follows_sampled_messages_through_every_hop(node_factory, t
     pids = node.pids()  # a pair (--colocate) writes one trace: pair-PID.trace
     paired = pids["frontend"]["0"] == pids["shard"]["0"]
     assert roles == ({"pair", "client"} if paired else {"frontend", "shard", "client"}), roles
-    paths = trace_stages.load(trace_dir)
-    # The frontend and shard flush their trace lines as they go (line-buffered files).
-    complete = [s for s in paths.values() if set(trace_stages.STAGES) <= set(s)]
-    assert len(complete) >= 10, len(complete)
+    # The node's processes write their lines from a timer (broker/stage_trace.py FLUSH_S), while they
+    # run: every message the client traced gets all its stages without stopping the node.
+    def complete() -> list[dict[str, int]]:
+        paths = trace_stages.load(trace_dir)
+        got = [s for s in paths.values() if "client_recv" in s]
+        return got if len(got) >= 10 and all(set(trace_stages.STAGES) <= set(s) for s in got) else []
+
+    complete = wait_until(complete, 30, "every traced message's stages in the trace files")
     for s in complete:
         times = [s[stage] for stage in trace_stages.STAGES]
         assert times == sorted(times), s
-    assert set(trace_stages.breakdown(paths)) == set(trace_stages.HOPS)
+    assert set(trace_stages.breakdown(trace_stages.load(trace_dir))) == set(trace_stages.HOPS)
     assert trace_stages.main([str(trace_dir)]) == 0
 
 

@@ -227,6 +227,8 @@ class AMQPConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         worker = self.worker
+        if worker._trace is not None:  # --trace-stages (debug): the fe_read stage
+            worker._trace.read()
         if worker.fence[0] > worker.defs_version:  # definitions fence: broker/defs_fence.py
             worker.catch_up_defs()
         self._received = True
