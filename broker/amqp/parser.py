@@ -402,7 +402,7 @@ class FrameParser:
                         method = direct(data, start + 4, fend)
                         if method is None:
                             return self._syntax(events, index)
-                        emit(MethodFrame(ch, method))
+                        emit(_new_tuple(MethodFrame, (ch, method)))
                         continue
                     entry = _METHOD_FIELDS.get(index)
                     if entry is None:
