@@ -60,7 +60,7 @@ def register_shard(receiver: HandedDefs) -> None:
 
 def catch_up_frontend() -> None:
     """The shard part's fence catch-up: the frontend part's first (it hands over what it reads)."""
-    if _frontend is not None:
+    if _frontend is not None and _frontend.defs_version >= 0:  # not before its SNAPSHOT: nothing handed yet
         _frontend.catch_up_defs()
 
 
@@ -108,7 +108,9 @@ class HandedDefs:
         if self._version() >= base:
             return
         fe = _frontend
-        if fe is not None and fe.node is not None:
+        # Not from inside the frontend part's own batch (nothing calls this there): its later frames
+        # would be handled before the rest of that batch.
+        if fe is not None and fe.node is not None and not fe._in_control:
             fe.node.read_until(lambda: self._version() >= base, CATCH_UP_TIMEOUT_S)
         if self._version() < base:
             log.warning("%s: definitions version %d not handed over within %.1f s (at %d); going on",
