@@ -15,8 +15,9 @@ Order. The shard part now gets DEFS from two streams: its own (every other DEFS,
 its ops, one per op, so a DEFS's ops start at ``version - len(ops)`` (its base), and every DEFS the
 shard part gets starts where the one before it ended. ``HandedDefs`` applies them in that order:
 
-* a handed DEFS whose base is the shard part's version is applied at once; one further ahead waits
-  (the shard part has not yet read the DEFS before it on its own stream);
+* a handed DEFS whose base is the shard part's version is applied in a callback of its own, right
+  after the frontend part's batch (its bind-ok leaves first), or sooner when something needs it;
+  one further ahead waits (the shard part has not yet read the DEFS before it on its own stream);
 * an own-stream DEFS whose base is ahead of the shard part's version waits for the handed ones
   before it (``before``): those are applied when they are handed, and when they have not been yet
   (the node's writes to the two sockets leave in the order their batches were started, not in
@@ -76,16 +77,31 @@ class HandedDefs:
     """The shard part's side: handed DEFS applied in version order with those of its own stream.
 
     ``apply(version, ops)`` applies one DEFS (the version first, as for an own DEFS); ``version()``
-    is the shard part's definitions version."""
+    is the shard part's definitions version; ``schedule(fn)`` runs fn soon (``loop.call_soon``).
 
-    def __init__(self, apply: Callable[[int, list], None], version: Callable[[], int], who: str) -> None:
+    A handed DEFS is applied in a callback of its own, not inside the frontend part's batch: the
+    bind-ok that batch answers leaves first (``FrontendWorker._node_drained``), and the client can
+    run while the shard part applies (as when it read its own copy after the frontend part's batch).
+    Whatever needs it sooner gets it: the shard part's fence catch-up and its own-stream DEFS apply
+    what is pending first (``apply_ready``)."""
+
+    def __init__(self, apply: Callable[[int, list], None], version: Callable[[], int], who: str,
+                 schedule: Callable[[Callable[[], None]], Any]) -> None:
         self._apply = apply
         self._version = version
         self._who = who
+        self._schedule = schedule
+        self._scheduled = False
         self.pending: deque[tuple[int, list]] = deque()
 
     def add(self, version: int, ops: list) -> None:
         self.pending.append((version, ops))
+        if not self._scheduled:
+            self._scheduled = True
+            self._schedule(self._soon)
+
+    def _soon(self) -> None:
+        self._scheduled = False
         self.apply_ready()
 
     def apply_ready(self) -> None:
@@ -111,7 +127,11 @@ class HandedDefs:
         # Not from inside the frontend part's own batch (nothing calls this there): its later frames
         # would be handled before the rest of that batch.
         if fe is not None and fe.node is not None and not fe._in_control:
-            fe.node.read_until(lambda: self._version() >= base, CATCH_UP_TIMEOUT_S)
+            def done() -> bool:
+                self.apply_ready()  # what the frontend part handed over while it read
+                return self._version() >= base
+
+            fe.node.read_until(done, CATCH_UP_TIMEOUT_S)
         if self._version() < base:
             log.warning("%s: definitions version %d not handed over within %.1f s (at %d); going on",
                         self._who, base, CATCH_UP_TIMEOUT_S, self._version())

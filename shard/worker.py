@@ -110,7 +110,8 @@ class ShardWorker:
         # A pair's shard part gets fenced DEFS from its frontend part (broker/pair_defs.py, contract 27).
         self.handed: pair_defs.HandedDefs | None = None
         if local_link.paired_index() == index:
-            self.handed = pair_defs.HandedDefs(self._apply_handed, lambda: self.defs_version, f"shard {index}")
+            self.handed = pair_defs.HandedDefs(self._apply_handed, lambda: self.defs_version, f"shard {index}",
+                                               loop.call_soon)
             pair_defs.register_shard(self.handed)
         self.settings: dict = {}
         self.queues: dict[tuple[str, str], Queue] = {}
@@ -257,8 +258,10 @@ class ShardWorker:
         caller routes anything (broker/defs_fence.py)."""
         if self._in_control or self.node is None:
             return  # inside _on_control (a policy's dead letters): that batch goes first
-        if self.handed is not None:
+        if self.handed is not None:  # what our frontend part handed over, then what it has still to read
+            self.handed.apply_ready()
             pair_defs.catch_up_frontend()  # it hands over the fenced DEFS it reads (broker/pair_defs.py)
+            self.handed.apply_ready()
         self._fence_gave_up = catch_up(self.node, self.fence, lambda: self.defs_version, self._fence_gave_up,
                                        f"shard {self.index}")
 

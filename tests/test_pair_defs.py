@@ -153,7 +153,7 @@ class _Part:
 
 def test_handed_defs_ahead_of_the_own_stream_wait_for_it():
     part = _Part()
-    handed = HandedDefs(part.apply, lambda: part.version, "test")
+    handed = HandedDefs(part.apply, lambda: part.version, "test", lambda fn: fn())
     v = part.version
     # The node applied a declare (v + 1) before this bind (v + 2); the shard part has not read it yet.
     handed.add(v + 2, [_bind("c")])
@@ -167,9 +167,24 @@ def test_handed_defs_ahead_of_the_own_stream_wait_for_it():
 
 def test_handed_defs_in_order_apply_at_once():
     part = _Part()
-    handed = HandedDefs(part.apply, lambda: part.version, "test")
+    handed = HandedDefs(part.apply, lambda: part.version, "test", lambda fn: fn())
     v = part.version
     handed.add(v + 1, [_bind("a")])
     assert part.bound() == {"a"}
     handed.add(v + 3, [_bind("b"), ["unbind", "/", "x", "queue", "a", "k", {}]])
     assert part.version == v + 3 and not handed.pending and part.bound() == {"b"}
+
+
+def test_handed_defs_apply_in_a_callback_of_their_own_or_when_needed():
+    part = _Part()
+    soon: list = []
+    handed = HandedDefs(part.apply, lambda: part.version, "test", soon.append)
+    v = part.version
+    handed.add(v + 1, [_bind("a")])
+    handed.add(v + 2, [_bind("b")])
+    assert part.version == v and len(soon) == 1  # one callback for both, not run yet
+    soon.pop()()
+    assert part.version == v + 2 and part.bound() == {"a", "b"}
+    handed.add(v + 3, [["unbind", "/", "x", "queue", "a", "k", {}]])
+    handed.before(v + 3)  # an own-stream DEFS after it is next: it is applied first
+    assert part.version == v + 3 and part.bound() == {"b"} and not handed.pending
