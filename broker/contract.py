@@ -97,6 +97,10 @@ import msgpack
 # died, its shard part lives on; a fenced cluster leader's pairs).
 # 26: CONFIRM_NACK's optional 5th field refused: the queues of a PUBLISH that did not store it (a shard
 # that forwarded a due delayed message or a dead letter sends it to those again, only).
+# 27: DEFS' optional 5th field partner (default False): a fenced change's copy to a paired frontend part is
+# its shard part's too; the node sends that shard part none, the frontend part hands it over in-process
+# (broker/pair_defs.py), and the shard part applies DEFS in version order (a DEFS's ops start at
+# defs_version - len(ops)).
 # 28: queue.auto_delete and queue.expire name the queue's life: "shard", "epoch", "qid" (the node deletes
 # that life only, never a queue declared again under the name since); a shard's queue_info answer carries "qid".
 VERSION = 28
@@ -156,8 +160,14 @@ REPL_STATUS = 7  # (6 and 19 are STATS and ALARMS on branch mgmt)
 
 # node -> worker
 SNAPSHOT = 10  # [SNAPSHOT, defs_version, definitions(dict), shard_epochs({index: epoch}), settings(dict)]
-DEFS = 11  # [DEFS, defs_version, ops(list), ack(bool, optional)]   ops are applied in order with Definitions.apply;
-#          APPLIED answers every batch with a DEFS whose ack is not False
+DEFS = 11  # [DEFS, defs_version, ops(list), ack(bool, optional), partner(bool, optional)]   ops are applied in
+#          order with Definitions.apply; APPLIED answers every batch with a DEFS whose ack is not False.
+#          defs_version is the version after the ops (one per op): the ops start at defs_version - len(ops),
+#          where the worker's previous SNAPSHOT or DEFS ended. partner True (only with ack False, on a
+#          fenced change, outside a cluster): to a paired frontend part (--colocate) whose shard part has
+#          applied its SNAPSHOT; that shard part gets no copy from the node, its frontend part hands this
+#          one over (broker/pair_defs.py). A paired shard part so gets DEFS from two streams and applies
+#          them in version order.
 REPLY = 12  # [REPLY, req_id, ok(bool), result]  result is a dict when ok, [reply_code, text, class_id, method_id] when not
 SHARD_UP = 13  # [SHARD_UP, index, epoch]      a shard (re)started; frontends and shards use the new epoch
 WORKER_DOWN = 14  # [WORKER_DOWN, role, index]  a worker died; shards drop a dead frontend's consumers

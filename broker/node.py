@@ -67,6 +67,7 @@ _QUERY_TIMEOUT_S = 5.0
 _COMMIT_SLICE = 32
 # Requests planned without waiting for anything (no shard query): Node._request_at_once may handle them
 # in the turn their REQUEST arrives.
+_NO_PAIRS: dict = {}  # _pairs_handing_over's answer when no pair gets a single copy (never written to)
 _PLANNED_AT_ONCE = frozenset(("exchange.declare", "exchange.delete", "queue.bind", "queue.unbind",
                               "exchange.bind", "exchange.unbind"))
 _STARTUP_TIMEOUT_S = 60.0
@@ -671,16 +672,23 @@ class Node:
             self.fence_word.raise_to(version)
             self._fence_flush = True
             quiet = [contract.DEFS, version, ops, False]
+            # A pair gets one copy, through its frontend part (broker/pair_defs.py).
+            via = self._pairs_handing_over(origin) if self.sup.pairs else _NO_PAIRS
+            partner = [contract.DEFS, version, ops, False, True] if via else quiet
             # The origin's batch first (batches leave in the order they were started, TurnBatcher):
             # its REPLY is the round trip; the other workers' wake-ups are off its path.
             if origin is not None and origin in self.by_ident and self.by_ident[origin].connected:
-                self._put(origin, quiet)
+                self._put(origin, partner if via.get(origin) else quiet)
             starting = []
             for ident, w in self.by_ident.items():
                 if w.connected and ident != origin:
                     if w.applied < 0:
                         starting.append(ident)
                         self._put(ident, [contract.DEFS, version, ops])
+                    elif ident in via:
+                        if via[ident]:  # a frontend part: its copy is its shard part's too
+                            self._put(ident, partner)
+                        # a shard part: nothing, its frontend part hands them over
                     else:
                         self._put(ident, quiet)
             return frozenset(starting)
@@ -692,6 +700,26 @@ class Node:
                 else:
                     self._put(ident, item)
         return frozenset()
+
+    def _pairs_handing_over(self, origin: bytes | None) -> dict:
+        """The pairs that get a fenced DEFS once (contract 27, broker/pair_defs.py): {frontend part's
+        ident: True, shard part's ident: False} for each pair whose parts are both connected and past their
+        SNAPSHOT (a part still starting answers APPLIED for its own copy) and whose shard part did not
+        ask for the change (its copy comes with its REPLY). Not in a cluster: a fenced leader stops a
+        pair's frontend part alone, and what that part had not read would be lost to the shard part."""
+        if self.cluster is not None:
+            return _NO_PAIRS
+        via: dict = {}
+        by_ident = self.by_ident
+        for i in range(self.sup.pairs):
+            fe = by_ident.get(contract.worker_id("frontend", i))
+            sh_ident = contract.worker_id("shard", i)
+            sh = by_ident.get(sh_ident)
+            if (fe is not None and sh is not None and fe.connected and sh.connected and fe.applied >= 0
+                    and sh.applied >= 0 and sh_ident != origin):
+                via[contract.worker_id("frontend", i)] = True
+                via[sh_ident] = False
+        return via
 
     def _put(self, ident: bytes, item: list) -> None:
         """Every item for a worker goes through here: DEFS held for it (_commit) go out first, in order."""

@@ -18,7 +18,7 @@ from typing import Any
 
 import zmq
 
-from broker import contract, data_sockets, gc_pause, stage_trace
+from broker import contract, data_sockets, gc_pause, local_link, pair_defs, stage_trace
 from broker.definitions import Definitions
 from broker.defs_fence import catch_up, control_delay_for_tests_s, open_fence
 from broker.heap_trim import HeapTrimmer
@@ -64,6 +64,8 @@ class FrontendWorker:
         self.fence = open_fence(run_dir)
         self._in_control = False  # handling a control-plane batch: no catch-up from inside it
         self._fence_gave_up = -1  # a version waited for in vain (node stuck or gone): not waited for again
+        if local_link.paired_index() == index:  # our shard part may read our control stream (pair_defs.py)
+            pair_defs.register_frontend(self)
         self.settings: dict = {}
         self.shard_count = 0
         self.epochs: list[int] = []
@@ -309,6 +311,10 @@ class FrontendWorker:
                     if cb is not None:
                         cb(item[2], item[3])
                 elif kind == contract.DEFS:
+                    if len(item) > 4 and item[4]:
+                        # Our shard part's copy too (broker/pair_defs.py): handed over first, so an op
+                        # that fails to apply here does not keep it from the shard part.
+                        pair_defs.hand_over(item[1], item[2])
                     # The version first: an op that fails to apply must not leave the fence waiting.
                     applied = self.defs_version = item[1]
                     defs = self.defs

@@ -20,7 +20,7 @@ from typing import Any
 
 import zmq
 
-from broker import contract, data_sockets, gc_pause, heap_trim, stage_trace
+from broker import contract, data_sockets, gc_pause, heap_trim, local_link, pair_defs, stage_trace
 from broker.datadir import name_hash
 from broker.definitions import Definitions
 from broker.defs_fence import catch_up, control_delay_for_tests_s, open_fence
@@ -108,6 +108,12 @@ class ShardWorker:
         self.fence = open_fence(run_dir)
         self._in_control = False  # handling a control-plane batch: no catch-up from inside it
         self._fence_gave_up = -1  # a version waited for in vain (node stuck or gone): not waited for again
+        # A pair's shard part gets fenced DEFS from its frontend part (broker/pair_defs.py, contract 27).
+        self.handed: pair_defs.HandedDefs | None = None
+        if local_link.paired_index() == index:
+            self.handed = pair_defs.HandedDefs(self._apply_handed, lambda: self.defs_version, f"shard {index}",
+                                               loop.call_soon)
+            pair_defs.register_shard(self.handed)
         self.settings: dict = {}
         self.queues: dict[tuple[str, str], Queue] = {}
         self.sync_histogram = SyncHistogram()  # group sync durations, reported in STATS
@@ -266,6 +272,10 @@ class ShardWorker:
         caller routes anything (broker/defs_fence.py)."""
         if self._in_control or self.node is None:
             return  # inside _on_control (a policy's dead letters): that batch goes first
+        if self.handed is not None:  # what our frontend part handed over, then what it has still to read
+            self.handed.apply_ready()
+            pair_defs.catch_up_frontend()  # it hands over the fenced DEFS it reads (broker/pair_defs.py)
+            self.handed.apply_ready()
         self._fence_gave_up = catch_up(self.node, self.fence, lambda: self.defs_version, self._fence_gave_up,
                                        f"shard {self.index}")
 
@@ -285,11 +295,16 @@ class ShardWorker:
             if kind == contract.SNAPSHOT:
                 self._load_snapshot(item)
             elif kind == contract.DEFS:
+                handed = self.handed
+                if handed is not None and item[1] - len(item[2]) > self.defs_version:
+                    handed.before(item[1] - len(item[2]))  # DEFS handed by our frontend part come first
                 # The version first: an op that fails to apply must not leave the fence waiting.
                 applied = self.defs_version = item[1]
                 self._apply_defs(item[2])
                 ack = ack or len(item) < 4 or item[3]
                 weight += len(item[2])
+                if handed is not None and handed.pending:
+                    handed.apply_ready()
             elif kind == contract.QUERY:
                 self._answer_query(item[1], item[2], item[3])
             elif kind == contract.WORKER_DOWN:
@@ -384,6 +399,11 @@ class ShardWorker:
         early, self._early = self._early, []
         for batch in early:
             self._on_data(*batch)
+
+    def _apply_handed(self, version: int, ops: list) -> None:
+        """A fenced DEFS our frontend part handed over (broker/pair_defs.py): as one of our own stream."""
+        self.defs_version = version
+        self._apply_defs(ops)
 
     def _apply_defs(self, ops: list) -> None:
         self.bulk_changes.note(len(ops))  # no full GC in the middle of a bulk (broker/gc_pause.py)

@@ -26,6 +26,7 @@ _BITS_END_HEADER = struct.Struct(">BBBHIHHQ")  # bits, frame-end, type 2, channe
 _END_HEADER = struct.Struct(">BBHIHHQ")  # frame-end, type 2, channel, size, class, weight, body size
 _END_BODY = struct.Struct(">BBHI")  # frame-end, type 3, channel, size
 _ACK = struct.Struct(">BHIHHQBB")  # 13-byte payload: class, method, tag, bits; frame-end
+_EMPTY_METHOD = struct.Struct(">BHIIB")  # a method frame without arguments: header, class+method, frame-end
 
 _LEN1 = [bytes((i,)) for i in range(256)]
 _END = b"\xce"
@@ -41,7 +42,10 @@ def encode_heartbeat() -> bytes:
 
 
 def encode_method(channel: int, method: Any) -> bytes:
-    """Any method frame via pamqp (which validates the method's fields)."""
+    """Any method frame via pamqp (which validates the method's fields); one without arguments
+    (queue.bind-ok, unbind-ok, ...: nothing to validate) is packed at once."""
+    if not method.__slots__:
+        return _EMPTY_METHOD.pack(1, channel, 4, method.index, 0xCE)
     return pamqp_frame.marshal(method, channel)
 
 

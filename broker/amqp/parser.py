@@ -1,7 +1,9 @@
 """Sans-IO AMQP 0-9-1 frame parser: bytes in, events out (broker/amqp/events.py).
 
 The per-message methods (basic.publish, basic.deliver, basic.ack/nack/reject) and the content
-frames are parsed by hand with precompiled structs; every other method is decoded by pamqp.
+frames are parsed by hand with precompiled structs, queue.bind and queue.unbind by
+broker/amqp/bind_methods.py (into the pamqp objects pamqp would make); every other method is
+decoded by pamqp.
 Content is assembled per channel, so a whole message comes out as one Publish / Deliver /
 ContentMethod event.
 
@@ -48,6 +50,7 @@ import struct
 from pamqp import commands
 
 from broker.amqp import pamqp_types  # noqa: F401  (pamqp's amqp_type without a string per call)
+from broker.amqp.bind_methods import DECODERS as _DIRECT
 from broker.amqp.constants import (
     CHANNEL_ERROR,
     DEFAULT_FRAME_MAX,
@@ -394,6 +397,13 @@ class FrameParser:
                         return self._syntax(events, index)
                     kind = Deliver
                 else:
+                    direct = _DIRECT.get(index)
+                    if direct is not None:  # queue.bind / unbind: no pamqp unmarshal (bind_methods.py)
+                        method = direct(data, start + 4, fend)
+                        if method is None:
+                            return self._syntax(events, index)
+                        emit(_new_tuple(MethodFrame, (ch, method)))
+                        continue
                     entry = _METHOD_FIELDS.get(index)
                     if entry is None:
                         return self._fail(events, NOT_IMPLEMENTED,

@@ -49,7 +49,7 @@ from frontend.amqp.publish_extras import (
     with_reply_to,
     with_timestamp,
 )
-from frontend.amqp.replies import consume_arguments, error_from_reply, plain
+from frontend.amqp.replies import consume_arguments, error_from_reply, method_args
 from frontend.confirms import ConfirmTracker
 from frontend.publish import put_publish, put_publish_run, queues_by_shard
 
@@ -331,8 +331,7 @@ class Channel:
     # ------------------------------------------------------------- requests
     def _request_args(self, method: Any) -> dict:
         conn = self.conn
-        args = plain(dict(method))
-        args.pop("ticket", None)
+        args = method_args(method)
         args["vhost"] = conn.vhost
         args["owner"] = [conn.worker.index, conn.conn_id]
         args["user"] = conn.user  # the node checks the user's configure/write/read permissions

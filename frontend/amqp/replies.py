@@ -61,6 +61,18 @@ def plain(value: Any) -> Any:
     return value
 
 
+def method_args(method: Any) -> dict:
+    """A pamqp method's fields but its ticket, msgpack-safe: plain(dict(method)) without pamqp's
+    __iter__ generator and a plain() call per scalar field (a request's fields are mostly scalars;
+    this is on every declare/bind round trip, docs/benchmarks.md "Bind round trip in a pair")."""
+    args = {}
+    for name in method.__slots__:
+        value = getattr(method, name)
+        args[name] = value if value.__class__ in _SCALARS else plain(value)
+    args.pop("ticket", None)
+    return args
+
+
 def consume_arguments(arguments: dict) -> dict:
     """basic.consume arguments for the shard: plain(), but an `x-stream-offset` timestamp is tagged.
 
