@@ -5,4 +5,5 @@ source "$(dirname "$0")/_common.sh"
 
 ensure_venv
 ensure_project
+compile_sources
 exec "$VENV/bin/shardmq" "$@"

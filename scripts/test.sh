@@ -37,6 +37,7 @@ if [ "${SHARDMQ_SHARED_VENV:-0}" = 1 ]; then
 else
     ensure_project "test,spark"
 fi
+compile_sources
 # The chart tests (tests/test_helm_chart.py) run the pinned helm.
 ensure_helm
 
