@@ -552,11 +552,7 @@ class FrontendWorker:
                         run = items[i - 1:j]
                         i = j
                         on_run(shard, run)
-                elif kind == _CONFIRM or kind == _CONFIRM_NACK:
-                    conn = conns.get(item[1])
-                    if conn is not None:
-                        conn.on_confirm(item[2], item[3], kind == _CONFIRM)
-                elif kind == _PROCESSED:
+                elif kind == _PROCESSED:  # in every batch a shard sends: tested before the rarer kinds
                     if item[1] > self._processed[shard]:
                         self._processed[shard] = item[1]
                         self._answered(shard, item[1])
@@ -564,6 +560,10 @@ class FrontendWorker:
                             self._release_requests()
                         if self.pressure:
                             self._update_pressure()
+                elif kind == _CONFIRM or kind == _CONFIRM_NACK:
+                    conn = conns.get(item[1])
+                    if conn is not None:
+                        conn.on_confirm(item[2], item[3], kind == _CONFIRM)
                 elif kind == _REPLY_DATA:
                     pending = self._shard_pending.pop(item[1], None)
                     if pending is not None:
