@@ -284,7 +284,14 @@ class PairedRouterMixin:
             _hand_over(self, link, None, header, items, link.queued, _TO_FRONTEND)  # type: ignore[arg-type]
 
     def _send_pending(self) -> None:
-        _send_pending_safe(self, super()._send_pending)  # type: ignore[arg-type, misc]
+        # _send_pending_safe, inline: this runs for every batch the shard sends to its frontend.
+        global _safe
+        outer = _safe
+        _safe = self
+        try:
+            super()._send_pending()  # type: ignore[misc]
+        finally:
+            _safe = outer
 
     def _send(self, dest: bytes | None, payload: bytes) -> None:
         link = self._local.get(dest)  # type: ignore[arg-type]

@@ -152,13 +152,19 @@ class TurnBatcher:
         self._send_pending()
 
     def _send_pending(self) -> None:
-        if not self._pending:
-            return
         pending = self._pending
-        self._pending = {}
+        if not pending:
+            return
         if self._extra:
             self._extra.clear()
         trace = self._trace
+        if len(pending) == 1:  # one destination (a frontend's lane, a lone message's reply): no new dict
+            dest, items = pending.popitem()  # what the send puts to this batcher again is pending anew
+            if trace is not None:
+                trace.batch(self._trace_out, items)
+            self._send_items(dest, self.header_for(dest), items)
+            return
+        self._pending = {}
         for dest, items in pending.items():
             if trace is not None:
                 trace.batch(self._trace_out, items)
