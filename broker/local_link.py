@@ -117,21 +117,20 @@ def _copy(item: list) -> tuple[list, int]:
 def _own(items: list) -> int:
     """Make ``items`` the receiver's (copies of the kinds not in DIRECT_KINDS, in place); the batch's
     size as on_sent counts it: bodies and properties plus a little per item (the packed size of a copy)."""
-    size = 0
+    size = _ITEM_OVERHEAD * len(items)  # each direct item's; a copy's is its packed size instead
     direct = DIRECT_KINDS
-    for i, item in enumerate(items):
+    i = 0
+    for item in items:  # no enumerate: a copy (the rare case) is the only one that needs the index
         kind = item[0]
-        if kind in direct:
-            if kind == _PUBLISH:
-                size += len(item[5]) + len(item[6]) + _ITEM_OVERHEAD
-            elif kind == _PUBLISH_RUN:
-                bodies = item[6]
-                size += sum(map(len, bodies)) + len(item[5]) + _ITEM_OVERHEAD + 6 * len(bodies)
-            else:
-                size += _ITEM_OVERHEAD
-        else:
+        if kind == _PUBLISH:
+            size += len(item[5]) + len(item[6])
+        elif kind not in direct:
             items[i], n = _copy(item)
-            size += n
+            size += n - _ITEM_OVERHEAD
+        elif kind == _PUBLISH_RUN:
+            bodies = item[6]
+            size += sum(map(len, bodies)) + len(item[5]) + 6 * len(bodies)
+        i += 1
     return size
 
 
@@ -285,7 +284,14 @@ class PairedRouterMixin:
             _hand_over(self, link, None, header, items, link.queued, _TO_FRONTEND)  # type: ignore[arg-type]
 
     def _send_pending(self) -> None:
-        _send_pending_safe(self, super()._send_pending)  # type: ignore[arg-type, misc]
+        # _send_pending_safe, inline: this runs for every batch the shard sends to its frontend.
+        global _safe
+        outer = _safe
+        _safe = self
+        try:
+            super()._send_pending()  # type: ignore[misc]
+        finally:
+            _safe = outer
 
     def _send(self, dest: bytes | None, payload: bytes) -> None:
         link = self._local.get(dest)  # type: ignore[arg-type]

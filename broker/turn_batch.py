@@ -24,10 +24,15 @@ MAX_BATCH_ITEMS = 512
 class TurnBatcher:
     """Items put during a loop turn, one packed batch per destination at its end; trace hooks."""
 
-    __slots__ = ("loop", "on_batch", "header_for", "_pending", "_extra", "_scheduled", "_closed",
+    __slots__ = ("loop", "on_batch", "header_for", "_pending", "_extra", "_scheduled", "_flush_handle", "_closed",
                  "_trace", "_trace_in", "_trace_out", "_trace_keep", "on_sent", "on_drained")
 
     is_router = False
+    # False: the turn's flush only sends what is pending, so ``send_pending`` that leaves nothing
+    # pending cancels it (at a steady rate every batch leaves from send_pending, and the flush's
+    # callback was a fixed cost of every message: docs/benchmarks.md "A lone message's instructions").
+    # True where the flush does more (broker/zmqio.py: it re-checks the socket after any send).
+    flush_always = False
 
     def __init__(self, loop: asyncio.AbstractEventLoop, on_batch: OnBatch,
                  header_for: Callable[[bytes | None], Any] | None) -> None:
@@ -39,6 +44,7 @@ class TurnBatcher:
         # several (put_weighted); empty unless some do, so put() pays one truth test for it.
         self._extra: dict[bytes | None, int] = {}
         self._scheduled = False
+        self._flush_handle: asyncio.Handle | None = None  # the scheduled flush, while _scheduled
         self._closed = False
         self._trace: Any = None  # broker.stage_trace.StageTrace under --trace-stages
         self._trace_in = self._trace_out = ""
@@ -64,7 +70,7 @@ class TurnBatcher:
                 self._send_batch(dest)
         if not self._scheduled:
             self._scheduled = True
-            self.loop.call_soon(self.flush)
+            self._flush_handle = self.loop.call_soon(self.flush)
 
     def put_many(self, dest: bytes | None, new: list) -> None:
         """``put`` of each of ``new``'s items in order, in one call (a shard's delivery run): batches
@@ -89,7 +95,7 @@ class TurnBatcher:
             items = pending[dest] = []
         if not self._scheduled:
             self._scheduled = True
-            self.loop.call_soon(self.flush)
+            self._flush_handle = self.loop.call_soon(self.flush)
 
     def put_weighted(self, dest: bytes | None, item: list, weight: int) -> None:
         """An item that stands for ``weight`` items (a PUBLISH_RUN of that many messages): a batch
@@ -112,7 +118,7 @@ class TurnBatcher:
             extra[dest] = extra.get(dest, 0) + weight - 1
         if not self._scheduled:
             self._scheduled = True
-            self.loop.call_soon(self.flush)
+            self._flush_handle = self.loop.call_soon(self.flush)
 
     def _send_batch(self, dest: bytes | None) -> None:
         """Send the pending batch of one destination now."""
@@ -131,9 +137,13 @@ class TurnBatcher:
         self._send(dest, payload)
 
     def send_pending(self) -> None:
-        """Send what was put this turn now, before the turn ends (the end-of-turn flush still runs)."""
+        """Send what was put this turn now, before the turn ends (the end-of-turn flush still runs,
+        unless it would find nothing to do: ``flush_always``)."""
         if not self._closed:
             self._send_pending()
+            if self._scheduled and not self._pending and not self.flush_always:
+                self._scheduled = False
+                self._flush_handle.cancel()  # type: ignore[union-attr]
 
     def flush(self) -> None:
         self._scheduled = False
@@ -142,12 +152,19 @@ class TurnBatcher:
         self._send_pending()
 
     def _send_pending(self) -> None:
-        if not self._pending:
-            return
         pending = self._pending
-        self._pending = {}
-        self._extra.clear()
+        if not pending:
+            return
+        if self._extra:
+            self._extra.clear()
         trace = self._trace
+        if len(pending) == 1:  # one destination (a frontend's lane, a lone message's reply): no new dict
+            dest, items = pending.popitem()  # what the send puts to this batcher again is pending anew
+            if trace is not None:
+                trace.batch(self._trace_out, items)
+            self._send_items(dest, self.header_for(dest), items)
+            return
+        self._pending = {}
         for dest, items in pending.items():
             if trace is not None:
                 trace.batch(self._trace_out, items)

@@ -47,6 +47,8 @@ class BatchSocket(TurnBatcher):
 
     __slots__ = ("sock", "is_router", "_resume_scheduled")
 
+    flush_always = True  # the flush re-checks the socket's FD after any send (see flush)
+
     def __init__(
         self,
         loop: asyncio.AbstractEventLoop,

@@ -115,6 +115,7 @@ class FrontendWorker:
         # node_request (a queue.delete behind a publish still in flight to the queue's shard).
         self._held_requests: deque[tuple[int | None, int, list]] = deque()
         self._turn_scheduled = False
+        self._turn_handle: asyncio.Handle | None = None  # the scheduled _end_of_turn, while _turn_scheduled
         self._early: list[int] = []  # shards idle when this read put a publish for them (send_early)
         # Restarted shards whose publish lane has not answered yet: their control-lane items wait here.
         self._control_held: dict[int, list] = {}
@@ -533,8 +534,9 @@ class FrontendWorker:
                     # A run of deliveries for one consumer (a shard's delivery pass) goes to the
                     # session whole, to be encoded in one pass (issue #15); sessions without
                     # on_deliver_run (MQTT) get them one by one, as before.
-                    on_run = getattr(conn, "on_deliver_run", None)
                     j = i
+                    # A run needs a DELIVER next (a lone message's batch is DELIVER, PROCESSED).
+                    on_run = getattr(conn, "on_deliver_run", None) if i < n and items[i][0] == _DELIVER else None
                     if on_run is not None:
                         conn_id = item[1]
                         lane = item[2]
@@ -550,11 +552,7 @@ class FrontendWorker:
                         run = items[i - 1:j]
                         i = j
                         on_run(shard, run)
-                elif kind == _CONFIRM or kind == _CONFIRM_NACK:
-                    conn = conns.get(item[1])
-                    if conn is not None:
-                        conn.on_confirm(item[2], item[3], kind == _CONFIRM)
-                elif kind == _PROCESSED:
+                elif kind == _PROCESSED:  # in every batch a shard sends: tested before the rarer kinds
                     if item[1] > self._processed[shard]:
                         self._processed[shard] = item[1]
                         self._answered(shard, item[1])
@@ -562,6 +560,10 @@ class FrontendWorker:
                             self._release_requests()
                         if self.pressure:
                             self._update_pressure()
+                elif kind == _CONFIRM or kind == _CONFIRM_NACK:
+                    conn = conns.get(item[1])
+                    if conn is not None:
+                        conn.on_confirm(item[2], item[3], kind == _CONFIRM)
                 elif kind == _REPLY_DATA:
                     pending = self._shard_pending.pop(item[1], None)
                     if pending is not None:
@@ -591,7 +593,7 @@ class FrontendWorker:
         callbacks, other sockets). At a steady rate that read is all the turn carries, and what runs
         after it would only delay the client; a flood still writes once per read."""
         if self._dirty:
-            self._end_of_turn()
+            self._end_turn_now()
 
     def _node_drained(self) -> None:
         """The batches of one read from the node are handled: the replies they carried (a bind-ok)
@@ -599,7 +601,7 @@ class FrontendWorker:
         is read from its own socket in this loop turn too; it need not delay the client (on two
         cores the client runs while the shard applies them)."""
         if self._dirty:
-            self._end_of_turn()
+            self._end_turn_now()
 
     # ---------------------------------------------------------- back-pressure
     def _set_pressure(self, on: bool) -> None:
@@ -641,7 +643,15 @@ class FrontendWorker:
         self._dirty.append(conn)
         if not self._turn_scheduled:
             self._turn_scheduled = True
-            self.loop.call_soon(self._end_of_turn)
+            self._turn_handle = self.loop.call_soon(self._end_of_turn)
+
+    def _end_turn_now(self) -> None:
+        """``_end_of_turn`` before its callback: the callback, which would find nothing dirty, is
+        cancelled (at a steady rate that empty callback was a fixed cost of every delivery); what is
+        marked dirty later in the turn schedules its own."""
+        if self._turn_scheduled:
+            self._turn_handle.cancel()  # type: ignore[union-attr]
+        self._end_of_turn()
 
     def _end_of_turn(self) -> None:
         self._turn_scheduled = False

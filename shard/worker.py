@@ -565,7 +565,8 @@ class ShardWorker:
         # Deliver before the socket's flush is scheduled (call_soon runs in order): the DELIVERs of
         # this turn then leave with its PROCESSED in the same flush, instead of waiting for the next
         # loop iteration and a second ZeroMQ send.
-        self._schedule_deliver()
+        if self._dirty_queues:  # _schedule_deliver's test, without its call when nothing is ready
+            self._schedule_deliver()
         if batch_seq is not None:
             if self._fwd_held and fe in self._fwd_held:
                 self._fwd_held[fe].append(batch_seq)  # after one held, the later ones (PROCESSED is a max)

@@ -155,7 +155,7 @@ class AMQPConnection(asyncio.Protocol):
     __slots__ = (
         "worker", "conn_id", "frame_max", "channel_max", "heartbeat", "parser", "transport", "state", "vhost",
         "user", "access", "peer", "client_properties", "connected_at", "recv_oct", "send_oct", "_sent_blocked",
-        "channels", "had_exclusive", "registered", "confirm_shards", "_out", "_dirty", "_confirm_channels", "_credit",
+        "channels", "had_exclusive", "registered", "confirm_shards", "_out", "_dirty", "_confirm_channels", "_credit", "_credit_due",
         "_taken", "_credit_seen", "_write_paused", "_read_pause", "publisher", "_close_after_flush", "_linger_after_flush", "_released",
         "wheel_tick", "_wheel", "_close_timer", "_received", "_wrote", "_missed", "_close_requested", "_open_pending",
         "_generation", "_turn_read", "_deferred", "_unparsed",
@@ -191,6 +191,7 @@ class AMQPConnection(asyncio.Protocol):
         # Empty and shared until used (an idle connection has neither): a set each is 216 bytes.
         self._confirm_channels: set[Channel] | frozenset = _NO_REASONS
         self._credit: dict[tuple[int, int, str], int] = {}
+        self._credit_due = False  # some _credit entry reached CREDIT_RETURN_AT since the last return
         self._taken: dict[tuple[int, int, str], int] | None = None  # credit taken back while paused
         self._credit_seen: dict[tuple[int, int, str], int] = _NO_CREDIT  # _credit after the last turn, while _taken
         self._write_paused = False
@@ -246,7 +247,8 @@ class AMQPConnection(asyncio.Protocol):
             self.pause_reading("turn")
         if self.state == CLOSED_STATE:
             return
-        if self.parser.dead:
+        parser = self.parser
+        if parser._dead:  # FrameParser.dead, without the property's call on every read
             # After a framing/syntax error the parser reads nothing more, but the client's
             # close-ok is still a well-formed frame: close as soon as it shows up, not at the timeout.
             if self.state == CLOSING and _CLOSE_OK_FRAME in data:
@@ -258,7 +260,12 @@ class AMQPConnection(asyncio.Protocol):
         if len(data) > PARSE_SLICE and not self._data_path():
             self._unparsed = data[PARSE_SLICE:]
             data = data[:PARSE_SLICE]
-        self._feed(data)
+        try:  # _feed, inline: every client read comes through here
+            events = parser.feed(data)
+        except Exception as exc:  # the parser is fuzzed never to raise; still never a crash
+            self.internal_error(exc)
+        else:
+            self._dispatch_all(events)
         if self._unparsed and self._deferred is None:
             self._defer([])
         if self.worker._early:
@@ -494,7 +501,9 @@ class AMQPConnection(asyncio.Protocol):
     def add_credit(self, shard: int, channel: int, tag: str, n: int = 1) -> None:
         key = (shard, channel, tag)
         credit = self._credit
-        credit[key] = credit.get(key, 0) + n
+        held = credit[key] = credit.get(key, 0) + n
+        if held >= CREDIT_RETURN_AT:
+            self._credit_due = True  # flush_turn looks for lumps to return only then
 
     def drop_credit(self, channel: int, tag: str | None = None) -> None:
         """Forget the credit held back for a consumer (``tag``) or a whole channel that is gone: the
@@ -538,7 +547,8 @@ class AMQPConnection(asyncio.Protocol):
                 moved = {key for key, n in credit.items() if n != seen.get(key, 0)}  # deliveries this turn
                 return_lumps(put, conn_id, credit, self._taken, CREDIT_RETURN_AT)
                 self._credit_seen = dict(credit)
-            else:
+            elif self._credit_due:  # some key reached a lump (add_credit): not a scan of every turn
+                self._credit_due = False
                 due = [key for key, n in credit.items() if n >= CREDIT_RETURN_AT]
                 for key in due:
                     put(key[0], [_CREDIT, conn_id, key[1], key[2], credit.pop(key)])
