@@ -115,7 +115,9 @@ class Node:
         # declared meanwhile goes to that shard (broker/queue_leftovers.py); set at each load.
         self.leftovers: QueueLeftovers | None = None
         # Queue deletions go at --delete-rate per second beyond a small burst (broker/delete_pacer.py).
-        self.delete_pacer = DeletePacer(self.loop, settings.delete_rate)
+        # Adaptive below it unless SHARDMQ_TEST_DELETE_PACE_FIXED (A/B runs of the fixed pace).
+        self.delete_pacer = DeletePacer(self.loop, settings.delete_rate,
+                                        adaptive=not os.environ.get("SHARDMQ_TEST_DELETE_PACE_FIXED"))
         # No full GC while definitions change in bulk (broker/gc_pause.py): ~1 s apart, 10-20 ms each.
         self.bulk_changes = gc_pause.BulkChanges(self.loop)
         self.epochs: dict[int, int] = {}
@@ -1040,7 +1042,15 @@ class Node:
         q = self.defs.queue(a.get("vhost", "/"), a.get("queue", ""))
         if q is None:
             return None
-        return q, self._queue_info_future(a.get("vhost", "/"), a.get("queue", ""))
+        fut = self._queue_info_future(a.get("vhost", "/"), a.get("queue", ""))
+        if self.delete_pacer.adaptive and self.delete_pacer.max_rate > 0 and not fut.done():
+            # Its round trip to the shard's process, as long as a publisher's to that process: the
+            # delete pacer slows while they grow (broker/delete_pacer.py).
+            sent = time.monotonic()
+            pacer = self.delete_pacer
+            fut.add_done_callback(lambda f: f.cancelled() or f.result() is None
+                                  or pacer.adapt(time.monotonic() - sent, time.monotonic()))
+        return q, fut
 
     async def _reply_to(self, req_id: int, op: str, args: dict, on_applied: Callable[[], None] | None,
                         origin: bytes, early: tuple[Any, asyncio.Future] | None = None, paced: bool = False) -> list:
@@ -1461,7 +1471,9 @@ async def _main(settings: Settings) -> int:
     os.environ[data_sockets.ENV] = settings.ipc_transport
     node = Node(settings)
     loop = asyncio.get_running_loop()
-    turn_probe.install(loop, "node")  # debug aid, off unless SHARDMQ_TEST_TURN_PROBE
+    probe = turn_probe.install(loop, "node")  # debug aid, off unless SHARDMQ_TEST_TURN_PROBE
+    if probe is not None:  # the delete pacer's rate changes too (broker/delete_pacer.py adapt)
+        node.delete_pacer.on_adapt = probe.pace
     # systemd Type=notify (deploy/systemd/): READY=1 when node.ready, STOPPING=1, WATCHDOG=1.
     sd = Notifier.from_env()
 

@@ -16,14 +16,8 @@ tool's probe uses too, so its worst round trips line up with these lines):
   ``SHARDMQ_TEST_TURN_PROBE_WRAP`` (``module:Class.method,...``; wrapped once the process has
   imported the module: at start, else looked for again every second), each call over 200 µs; when its last argument is a list whose first
   element is an int or a str (a contract item), LABEL ends with ``[that element]``.
-
 - ``pace NS RATE LATE_US``: the node's delete pacer's rate (broker/delete_pacer.py) after a window
   whose wake-ups came LATE_US late on average (one line per window while deletes wait).
-- ``sample NS STACK``: with ``SHARDMQ_TEST_TURN_PROBE_SAMPLE=US`` as well, a thread samples the loop
-  thread's Python stack every US microseconds (``sys._current_frames``; it takes the GIL to do it,
-  so it perturbs what it measures a little): STACK is the innermost 6 frames, ``file:function``
-  joined by ``<``, innermost first. What fills a long tick made of many short pieces that no
-  wrapped call catches.
 
 ``python -m loadtest.turn_report DIR`` summarizes them. A debug aid only: nothing here runs
 unless the variable is set, and nothing crosses a process boundary.
@@ -45,7 +39,6 @@ from typing import IO, Any
 
 ENV = "SHARDMQ_TEST_TURN_PROBE"
 WRAP_ENV = "SHARDMQ_TEST_TURN_PROBE_WRAP"
-SAMPLE_ENV = "SHARDMQ_TEST_TURN_PROBE_SAMPLE"
 TICK_S = 0.001
 TICK_CPU_US = 500  # a tick line when the loop thread ran more than this between two ticks
 TICK_WALL_US = 3000  # ... or when the ticks were this far apart
@@ -87,19 +80,6 @@ class TurnProbe:
         self._wall, self._cpu = time.monotonic_ns(), time.thread_time_ns()
         self._handle = self.loop.call_later(TICK_S, self._tick)
 
-    def sample_forever(self, every_s: float) -> None:
-        """The sampling thread's body (SAMPLE_ENV): list.append is atomic, the loop flushes."""
-        frames, lines, mono = sys._current_frames, self._lines, time.monotonic_ns
-        while True:
-            time.sleep(every_s)
-            f = frames().get(self._thread)
-            stack = []
-            while f is not None and len(stack) < 6:
-                code = f.f_code
-                stack.append(f"{os.path.basename(code.co_filename)}:{code.co_name}")
-                f = f.f_back
-            lines.append(f"sample {mono()} {'<'.join(stack)}\n")
-
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
         if _get_ident() != self._thread:
             return
@@ -125,10 +105,9 @@ class TurnProbe:
 
     def flush(self) -> None:
         self._last_flush = time.monotonic_ns()
-        n = len(self._lines)  # the sampler thread may append meanwhile: keep what came after
-        if n:
-            self.out.write("".join(self._lines[:n]))
-            del self._lines[:n]
+        if self._lines:
+            self.out.write("".join(self._lines))
+            self._lines.clear()
             self.out.flush()
 
 
@@ -176,12 +155,6 @@ def install(loop: asyncio.AbstractEventLoop, role: str) -> TurnProbe | None:
             importlib.import_module(mod_name)
     probe.unwrapped = [spec for spec in filter(None, os.environ.get(WRAP_ENV, "").split(",")) if not _wrap(probe, spec)]
     probe.start()
-    sample_us = int(os.environ.get(SAMPLE_ENV) or 0)
-    if sample_us > 0:
-        import threading
-
-        threading.Thread(target=probe.sample_forever, args=(sample_us / 1e6,), daemon=True,
-                         name="turn-probe-sampler").start()
     if loop.get_debug():  # PYTHONASYNCIODEBUG=1 as well: the loop logs every callback over 2 ms
         loop.slow_callback_duration = 0.002
     _installed.append(probe)
