@@ -200,6 +200,11 @@ class Node:
         # declare's or bind's round trip crosses it twice per worker, and ZeroMQ added two I/O-thread
         # handoffs to each crossing (broker/unixio.py).
         self.ctl = UnixRouter(self.loop, contract.node_stream_path(self.datadir.run_dir), self._on_control)
+        # A worker's frames for about _CONTROL_TURN_S per loop turn, then its socket waits for the next
+        # turn (broker/unixio.py _drain_frames): each frame's batch had its own budget in _on_control,
+        # but one read of a busy worker's 15-30 batches ran them all in one turn, 14-18 ms of the
+        # node's CPU during 30,000 pipelined deletes (docs/benchmarks.md "Deletes paced by the round trips").
+        self.ctl.turn_s = _CONTROL_TURN_S
         self.ctl.on_lost = self._ctl_lost
         self.shard_watchdog.start()
         if s.cluster and not s.follow and s.etcd_endpoints:
