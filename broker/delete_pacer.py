@@ -23,7 +23,8 @@ feeds the pacer delays that should be near zero: the lateness of the pacer's own
 loop waited for a core, or behind its own long turns) and the round trip of each pipelined delete's
 count query to the queue's shard process (a publisher's round trip to that process waits for the
 same things: its turns and its cores). Over each ``ADAPT_WINDOW_S`` their mean above ``LATE_S``
-halves the rate (not below ``MIN_SHARE`` of the rate given); below half of it the rate climbs back by
+halves the rate (not below ``MIN_SHARE`` of the rate given, nor ``MIN_RATE`` unless the rate given is
+lower: a low rate does not adapt); below half of it the rate climbs back by
 ``STEP_SHARE`` of it per window. A run of deletes after a pause starts at the full rate.
 """
 
@@ -42,7 +43,10 @@ MIN_WAKE_S = 0.004
 ADAPT_WINDOW_S = 0.25
 # ... from their mean lateness: above this the rate halves, below half of it the rate climbs.
 LATE_S = 0.002
-MIN_SHARE = 0.125  # the slowest pace, a share of the rate given (2,000/s: 250/s)
+MIN_SHARE = 0.125  # the slowest pace, a share of the rate given (2,000/s: 250/s) ...
+# ... and never below this (nor the rate given, when lower): a node given a low rate is gentle already,
+# and the rate's floor bounds how long a big delete may take (100,000 queues: 400 s at 250/s).
+MIN_RATE = 250.0
 STEP_SHARE = 0.125  # the climb per quiet window, a share of the rate given
 IDLE_RESET_S = 1.0  # no wake-up for this long after a window's end: the next deletes start at the full rate
 
@@ -159,7 +163,8 @@ class DeletePacer:
         self._window_end = now + ADAPT_WINDOW_S
         rate = self.rate
         if mean > LATE_S:
-            rate = max(self.max_rate * MIN_SHARE, rate * 0.5)
+            floor = min(self.max_rate, max(MIN_RATE, self.max_rate * MIN_SHARE))
+            rate = max(floor, rate * 0.5)
         elif mean < LATE_S / 2:
             rate = min(self.max_rate, rate + self.max_rate * STEP_SHARE)
         if rate != self.rate:

@@ -16,7 +16,7 @@ import pika
 from pamqp import commands as C
 from pamqp import frame as pframe
 
-from broker.delete_pacer import ADAPT_WINDOW_S, IDLE_RESET_S, LATE_S, MIN_SHARE, DeletePacer
+from broker.delete_pacer import ADAPT_WINDOW_S, IDLE_RESET_S, LATE_S, MIN_RATE, MIN_SHARE, DeletePacer
 from tests.helpers import uid
 from tests.mgmt_api import Api
 from tests.raw_amqp import FrameClient
@@ -127,6 +127,12 @@ def test_the_pace_halves_while_wake_ups_come_late_and_climbs_back_to_the_rate_gi
         # No deletes for a while: the next run of them starts at the full rate.
         pacer.adapt(10 * LATE_S, now + ADAPT_WINDOW_S + 2 * IDLE_RESET_S)
         assert pacer.rate == 2000
+        # A rate given below MIN_RATE is the floor too: such a pacer keeps it.
+        low = DeletePacer(loop, rate=MIN_RATE / 2)
+        low.adapt(0.0, now)
+        for i in range(1, 5):
+            low.adapt(10 * LATE_S, now + i * ADAPT_WINDOW_S)
+        assert low.rate == MIN_RATE / 2
         fixed = DeletePacer(loop, rate=2000, adaptive=False)
         assert fixed.try_take(32)
         waiters = [asyncio.ensure_future(fixed.take(1)) for _ in range(40)]
