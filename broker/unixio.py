@@ -47,7 +47,7 @@ from broker.turn_batch import OnBatch, TurnBatcher
 log = logging.getLogger("shardmq.unixio")
 
 TURN_ITEMS = 1024  # items handled per connection per loop turn before reading pauses
-CONTROL_TURN_S = int(os.environ.get("SHARDMQ_TEST_CONTROL_TURN_US") or 2000) / 1e6  # the workers' control link: _Base.turn_s
+CONTROL_TURN_S = 0.002  # the control plane's _Base.turn_s in the workers
 _FRAME = contract.STREAM_FRAME
 _FRAME_SIZE = _FRAME.size
 _FRAME_MAX = (1 << (8 * _FRAME_SIZE)) - 1

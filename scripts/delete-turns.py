@@ -1,14 +1,15 @@
 """One `delete-stall` run against a fresh node from a source tree, with the turn probe on, and the
 probe's long turns during the delete (a debug aid for issue #15; see docs/benchmarks.md).
 
-    scripts/delete-turns.py TREE OUT_DIR [--count 30000] [--wrap SPEC,...]
+    scripts/delete-turns.py TREE OUT_DIR [--count 30000] [--wrap SPEC,...] [--node-arg=--delete-rate=700 ...]
 
 Starts `python -m broker.cli` from TREE (its code first on the path) with SHARDMQ_TEST_TURN_PROBE=OUT_DIR
 and the default wrap list below, declares --count transient queues, runs the confirming probe 1 s,
 deletes the queues (pipelined queue.delete, 500 in flight, as `loadtest.cli amqp delete-stall`), then
 keeps only the probe lines from 0.5 s before the delete to 0.5 s after it. Prints, per process
 (node, pair-N), the longest turns (loop CPU between two 1 ms ticks), turns over 5 / 2 ms, GCs over
-1 ms and the wrapped calls by CPU, plus the probe's p99 and worst round trip. One JSON line at the end.
+1 ms and the wrapped calls by CPU (and the node's delete pacer's rates), plus the probe's p99 and worst
+round trip during the deletes and its p99 in the second before them. One JSON line at the end.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ WRAP = ",".join([
     "frontend.worker:FrontendWorker._on_node", "frontend.worker:FrontendWorker._on_shard",
     "frontend.worker:FrontendWorker._end_of_turn", "frontend.worker:FrontendWorker._send_stats",
     "broker.node:Node._on_control", "shard.worker:ShardWorker._handle",
+    # The deleting connection's reads and deferred dispatch (where the pair's 3-4 ms turns were).
+    "frontend.amqp.connection:AMQPConnection.data_received",
+    "frontend.amqp.connection:AMQPConnection._dispatch_deferred",
 ])
 
 
