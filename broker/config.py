@@ -130,7 +130,8 @@ class Settings:
     queue_placement: str = "balanced"
     # Queue deletions per second beyond a burst of 32 (broker/delete_pacer.py): a vhost of 100,000
     # queues, or 100,000 pipelined queue.delete, is deleted at this pace so that publishing on the
-    # other queues keeps its cores (docs/benchmarks.md "Paced deletes"); 0 = as fast as possible.
+    # other queues keeps its cores (docs/benchmarks.md "Paced deletes"); a ceiling: the pacer slows
+    # below it while its shard round trips or its own wake-ups are delayed; 0 = as fast as possible.
     delete_rate: int = 2000
     # Resource alarms (broker/alarms.py): publishers are blocked while free disk space of the data dir is
     # below disk_free_limit or the node's memory is above vm_memory_high_watermark (RabbitMQ's syntax).
@@ -293,8 +294,8 @@ OPTIONS: tuple[Option, ...] = (
            "shard of a new queue: the one with the fewest queues of its vhost, or by a hash of its name",
            choices=QUEUE_PLACEMENTS),
     Option("delete_rate", "int", "main",
-           "queue deletions per second beyond a burst of 32 (a vhost delete, pipelined queue.delete); "
-           "0 = unpaced", 0, 10**9),
+           "the most queue deletions per second beyond a burst of 32 (a vhost delete, pipelined "
+           "queue.delete; fewer while the cores are busy); 0 = unpaced", 0, 10**9),
     Option("cluster", "bool", "clustering", "run as a cluster member (etcd election, replication)",
            key="enabled"),
     Option("etcd_endpoints", "list", "clustering", "etcd endpoints HOST:PORT, comma separated"),

@@ -14,6 +14,18 @@ A burst of ``burst`` deletions goes at once (an application deleting its few que
 beyond it deletions are granted at ``rate`` per second, in the order asked (FIFO), so one big
 delete and a pipelined stream share the rate fairly and none is left unfinished. ``rate`` 0 turns
 pacing off.
+
+The rate given is the most the pacer allows; it adapts below it (``adapt``). What a delete costs the
+other queues is the cores it takes, and how much that hurts depends on what else runs on them: with
+the fixed 2,000/s a confirming publisher's p99 during 30,000 deletes was 1.5-3.4 ms at load 3.5-5.6
+on 2 cores, 0.8-0.9 ms at 700/s (docs/benchmarks.md, "Deletes paced by the round trips"). The node
+feeds the pacer delays that should be near zero: the lateness of the pacer's own timer wake-ups (this
+loop waited for a core, or behind its own long turns) and the round trip of each pipelined delete's
+count query to the queue's shard process (a publisher's round trip to that process waits for the
+same things: its turns and its cores). Over each ``ADAPT_WINDOW_S`` their mean above ``LATE_S``
+halves the rate (not below ``MIN_SHARE`` of the rate given, nor ``MIN_RATE`` unless the rate given is
+lower: a low rate does not adapt); below half of it the rate climbs back by
+``STEP_SHARE`` of it per window. A run of deletes after a pause starts at the full rate.
 """
 
 from __future__ import annotations
@@ -27,6 +39,16 @@ from collections.abc import Callable
 # ~8 deletions per wake-up), so each worker gets one small DEFS batch per wake-up instead of one
 # process wake-up per queue in every worker.
 MIN_WAKE_S = 0.004
+# Adaptive rate (see the module docstring): one decision per window of delays ...
+ADAPT_WINDOW_S = 0.25
+# ... from their mean lateness: above this the rate halves, below half of it the rate climbs.
+LATE_S = 0.002
+MIN_SHARE = 0.125  # the slowest pace, a share of the rate given (2,000/s: 250/s) ...
+# ... and never below this (nor the rate given, when lower): a node given a low rate is gentle already,
+# and the rate's floor bounds how long a big delete may take (100,000 queues: 400 s at 250/s).
+MIN_RATE = 250.0
+STEP_SHARE = 0.125  # the climb per quiet window, a share of the rate given
+IDLE_RESET_S = 1.0  # no wake-up for this long after a window's end: the next deletes start at the full rate
 
 
 class _Grant:
@@ -53,11 +75,20 @@ class _Grant:
 class DeletePacer:
     """Token bucket of queue deletions (see the module docstring)."""
 
-    __slots__ = ("rate", "burst", "_tokens", "_stamp", "_waiters", "_timer", "_loop")
+    __slots__ = ("rate", "max_rate", "adaptive", "burst", "_tokens", "_stamp", "_waiters", "_timer", "_loop",
+                 "_due", "_late_sum", "_late_n", "_window_end", "on_adapt")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, rate: float, burst: int = 32) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, rate: float, burst: int = 32, adaptive: bool = True) -> None:
         self._loop = loop
-        self.rate = float(rate)
+        self.rate = float(rate)  # the pace now: max_rate, or less while the cores are busy (adapt)
+        self.max_rate = float(rate)
+        self.adaptive = adaptive
+        self._due = 0.0  # when the armed timer should fire (time.monotonic)
+        self._late_sum = 0.0
+        self._late_n = 0
+        self._window_end = 0.0
+        # Called with (rate, mean lateness) after each window's decision (the turn probe's lines, tests).
+        self.on_adapt: Callable[[float, float], None] | None = None
         self.burst = max(1, int(burst))
         self._tokens = float(self.burst)
         self._stamp = time.monotonic()
@@ -113,6 +144,35 @@ class DeletePacer:
         self._waiters.append((n, _Grant(fn)))
         self._arm()
 
+    def adapt(self, late: float, now: float) -> None:
+        """A delay that should be near zero was ``late`` seconds (seen at ``now``, time.monotonic): a
+        wake-up's lateness or a delete's shard round trip. The rate changes once per ADAPT_WINDOW_S,
+        from the window's mean delay (the module docstring)."""
+        self._late_sum += max(0.0, late)
+        self._late_n += 1
+        if now < self._window_end:
+            return
+        if now > self._window_end + IDLE_RESET_S:
+            # The first wake-up of a run of deletes (none for a while): a new window, at the full rate.
+            self._late_sum, self._late_n = 0.0, 0
+            self._window_end = now + ADAPT_WINDOW_S
+            self.rate = self.max_rate
+            return
+        mean = self._late_sum / self._late_n
+        self._late_sum, self._late_n = 0.0, 0
+        self._window_end = now + ADAPT_WINDOW_S
+        rate = self.rate
+        if mean > LATE_S:
+            floor = min(self.max_rate, max(MIN_RATE, self.max_rate * MIN_SHARE))
+            rate = max(floor, rate * 0.5)
+        elif mean < LATE_S / 2:
+            rate = min(self.max_rate, rate + self.max_rate * STEP_SHARE)
+        if rate != self.rate:
+            self._refill()  # the tokens earned so far at the old pace
+            self.rate = rate
+        if self.on_adapt is not None:
+            self.on_adapt(rate, mean)
+
     def waiting(self) -> int:
         """Deletions waiting for their turn (tests, stats)."""
         return sum(n for n, _ in self._waiters)
@@ -127,11 +187,14 @@ class DeletePacer:
         n = self._waiters[0][0]
         missing = min(n, self.burst) - self._tokens
         delay = max(MIN_WAKE_S, missing / self.rate) if self.rate > 0 else 0.0
+        self._due = self._stamp + delay
         self._timer = self._loop.call_later(delay, self._wake)
 
     def _wake(self) -> None:
         self._timer = None
         self._refill()
+        if self.adaptive and self.max_rate > 0:
+            self.adapt(self._stamp - self._due, self._stamp)
         waiters = self._waiters
         while waiters:
             n, fut = waiters[0]

@@ -115,7 +115,9 @@ class Node:
         # declared meanwhile goes to that shard (broker/queue_leftovers.py); set at each load.
         self.leftovers: QueueLeftovers | None = None
         # Queue deletions go at --delete-rate per second beyond a small burst (broker/delete_pacer.py).
-        self.delete_pacer = DeletePacer(self.loop, settings.delete_rate)
+        # Adaptive below it unless SHARDMQ_TEST_DELETE_PACE_FIXED (A/B runs of the fixed pace).
+        self.delete_pacer = DeletePacer(self.loop, settings.delete_rate,
+                                        adaptive=not os.environ.get("SHARDMQ_TEST_DELETE_PACE_FIXED"))
         # No full GC while definitions change in bulk (broker/gc_pause.py): ~1 s apart, 10-20 ms each.
         self.bulk_changes = gc_pause.BulkChanges(self.loop)
         self.epochs: dict[int, int] = {}
@@ -198,6 +200,11 @@ class Node:
         # declare's or bind's round trip crosses it twice per worker, and ZeroMQ added two I/O-thread
         # handoffs to each crossing (broker/unixio.py).
         self.ctl = UnixRouter(self.loop, contract.node_stream_path(self.datadir.run_dir), self._on_control)
+        # A worker's frames for about _CONTROL_TURN_S per loop turn, then its socket waits for the next
+        # turn (broker/unixio.py _drain_frames): each frame's batch had its own budget in _on_control,
+        # but one read of a busy worker's 15-30 batches ran them all in one turn, 14-18 ms of the
+        # node's CPU during 30,000 pipelined deletes (docs/benchmarks.md "Deletes paced by the round trips").
+        self.ctl.turn_s = _CONTROL_TURN_S
         self.ctl.on_lost = self._ctl_lost
         self.shard_watchdog.start()
         if s.cluster and not s.follow and s.etcd_endpoints:
@@ -1040,7 +1047,15 @@ class Node:
         q = self.defs.queue(a.get("vhost", "/"), a.get("queue", ""))
         if q is None:
             return None
-        return q, self._queue_info_future(a.get("vhost", "/"), a.get("queue", ""))
+        fut = self._queue_info_future(a.get("vhost", "/"), a.get("queue", ""))
+        if self.delete_pacer.adaptive and self.delete_pacer.max_rate > 0 and not fut.done():
+            # Its round trip to the shard's process, as long as a publisher's to that process: the
+            # delete pacer slows while they grow (broker/delete_pacer.py).
+            sent = time.monotonic()
+            pacer = self.delete_pacer
+            fut.add_done_callback(lambda f: f.cancelled() or f.result() is None
+                                  or pacer.adapt(time.monotonic() - sent, time.monotonic()))
+        return q, fut
 
     async def _reply_to(self, req_id: int, op: str, args: dict, on_applied: Callable[[], None] | None,
                         origin: bytes, early: tuple[Any, asyncio.Future] | None = None, paced: bool = False) -> list:
@@ -1461,7 +1476,9 @@ async def _main(settings: Settings) -> int:
     os.environ[data_sockets.ENV] = settings.ipc_transport
     node = Node(settings)
     loop = asyncio.get_running_loop()
-    turn_probe.install(loop, "node")  # debug aid, off unless SHARDMQ_TEST_TURN_PROBE
+    probe = turn_probe.install(loop, "node")  # debug aid, off unless SHARDMQ_TEST_TURN_PROBE
+    if probe is not None:  # the delete pacer's rate changes too (broker/delete_pacer.py adapt)
+        node.delete_pacer.on_adapt = probe.pace
     # systemd Type=notify (deploy/systemd/): READY=1 when node.ready, STOPPING=1, WATCHDOG=1.
     sd = Notifier.from_env()
 

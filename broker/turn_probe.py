@@ -16,6 +16,8 @@ tool's probe uses too, so its worst round trips line up with these lines):
   ``SHARDMQ_TEST_TURN_PROBE_WRAP`` (``module:Class.method,...``; wrapped once the process has
   imported the module: at start, else looked for again every second), each call over 200 µs; when its last argument is a list whose first
   element is an int or a str (a contract item), LABEL ends with ``[that element]``.
+- ``pace NS RATE LATE_US``: the node's delete pacer's rate (broker/delete_pacer.py) after a window
+  whose wake-ups came LATE_US late on average (one line per window while deletes wait).
 
 ``python -m loadtest.turn_report DIR`` summarizes them. A debug aid only: nothing here runs
 unless the variable is set, and nothing crosses a process boundary.
@@ -97,6 +99,9 @@ class TurnProbe:
             if isinstance(last, list) and last and isinstance(last[0], (int, str)):
                 label = f"{label}[{last[0]}]"  # an item's kind (a contract item is [kind, ...])
             self._lines.append(f"call {label} {start} {wall_us} {(time.thread_time_ns() - cpu0) // 1000}\n")
+
+    def pace(self, rate: float, late_s: float) -> None:
+        self._lines.append(f"pace {time.monotonic_ns()} {rate:.0f} {late_s * 1e6:.0f}\n")
 
     def flush(self) -> None:
         self._last_flush = time.monotonic_ns()

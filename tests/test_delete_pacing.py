@@ -16,7 +16,7 @@ import pika
 from pamqp import commands as C
 from pamqp import frame as pframe
 
-from broker.delete_pacer import DeletePacer
+from broker.delete_pacer import ADAPT_WINDOW_S, IDLE_RESET_S, LATE_S, MIN_RATE, MIN_SHARE, DeletePacer
 from tests.helpers import uid
 from tests.mgmt_api import Api
 from tests.raw_amqp import FrameClient
@@ -97,6 +97,73 @@ def test_a_cancelled_waiter_does_not_hold_the_others_and_rate_zero_never_waits()
         await asyncio.wait_for(off.take(10**6), 1)
 
     asyncio.run(run())
+
+
+def test_the_pace_halves_while_wake_ups_come_late_and_climbs_back_to_the_rate_given():
+    """The adaptive pace (DeletePacer.adapt), fed wake-ups with made-up times: late windows halve the
+    rate down to its floor, quiet ones bring it back to the rate given, never above; a fixed pacer
+    (adaptive=False) ignores its wake-ups' lateness."""
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        pacer = DeletePacer(loop, rate=2000)
+        seen: list[tuple[float, float]] = []
+        pacer.on_adapt = lambda rate, late: seen.append((rate, late))
+        now = 1000.0
+        pacer.adapt(0.0, now)  # opens a window
+        rates = []
+        for _ in range(6):  # one late wake-up per window: 10x LATE_S
+            now += ADAPT_WINDOW_S
+            pacer.adapt(10 * LATE_S, now)
+            rates.append(pacer.rate)
+        assert rates == [1000, 500, 250, 250, 250, 250]  # halved down to MIN_SHARE of the rate
+        assert [r for r, _ in seen] == rates and all(late == 10 * LATE_S for _, late in seen)
+        for _ in range(20):  # punctual wake-ups: back up in steps, not beyond the rate given
+            now += ADAPT_WINDOW_S
+            pacer.adapt(0.0, now)
+            rates.append(pacer.rate)
+        assert rates[6:14] == [500, 750, 1000, 1250, 1500, 1750, 2000, 2000] and max(rates) == 2000
+        pacer.adapt(10 * LATE_S, now + ADAPT_WINDOW_S)
+        assert pacer.rate == 1000
+        # No deletes for a while: the next run of them starts at the full rate.
+        pacer.adapt(10 * LATE_S, now + ADAPT_WINDOW_S + 2 * IDLE_RESET_S)
+        assert pacer.rate == 2000
+        # A rate given below MIN_RATE is the floor too: such a pacer keeps it.
+        low = DeletePacer(loop, rate=MIN_RATE / 2)
+        low.adapt(0.0, now)
+        for i in range(1, 5):
+            low.adapt(10 * LATE_S, now + i * ADAPT_WINDOW_S)
+        assert low.rate == MIN_RATE / 2
+        fixed = DeletePacer(loop, rate=2000, adaptive=False)
+        assert fixed.try_take(32)
+        waiters = [asyncio.ensure_future(fixed.take(1)) for _ in range(40)]
+        await asyncio.wait_for(asyncio.gather(*waiters), 30)
+        assert fixed.rate == 2000
+
+    asyncio.run(run())
+
+
+def test_a_slowed_pace_still_grants_every_waiter_in_order():
+    """While the pace is at its floor (busy cores), deletes still all go, first asked first granted."""
+    async def run() -> list[int]:
+        pacer = DeletePacer(asyncio.get_running_loop(), rate=4000, burst=1)
+        now = time.monotonic()  # the windows its own wake-ups (below) fall in: no idle reset
+        pacer.adapt(0.0, now)
+        for i in range(1, 5):
+            pacer.adapt(10 * LATE_S, now + i * ADAPT_WINDOW_S)
+        assert pacer.rate == 4000 * MIN_SHARE
+        order: list[int] = []
+        for i in range(30):
+            pacer.when_granted(1, lambda i=i: order.append(i))
+        await asyncio.wait_for(_until(lambda: len(order) == 30), 30)
+        assert pacer.waiting() == 0 and pacer.rate < 4000
+        return order
+
+    assert asyncio.run(run()) == list(range(30))
+
+
+async def _until(cond) -> None:
+    while not cond():
+        await asyncio.sleep(0.005)
 
 
 # ----------------------------------------------------------------- a node pacing its deletes

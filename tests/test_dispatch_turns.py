@@ -104,7 +104,7 @@ def test_another_connection_publishes_with_confirms_while_a_client_pipelines_del
 
 
 def test_a_big_first_write_split_across_parse_slices_keeps_frames_whole(deferring_node):
-    """A connection that has not published yet parses a big read 4 KiB a turn (PARSE_SLICE): a
+    """A connection that has not published yet parses a big read a slice a turn (PARSE_SLICE, 1 KiB): a
     publish whose 20 KB body straddles the slices arrives whole, between the methods around it."""
     body = bytes(range(256)) * 80  # 20,480 bytes
     with _connect(deferring_node) as c:

@@ -2,7 +2,7 @@
 what that worker sends meanwhile, in order for the next turns (broker/node.py _on_control,
 _CONTROL_TURN_S): 500 pipelined queue.delete in one batch no longer make one long node turn. The
 test-only SHARDMQ_TEST_NODE_TURN_US=0 makes every batch of more than 8 requests go over several
-turns, so these tests fail if the requests left for later are lost, reordered, handled before
+turns, and the node read one frame (batch) of a worker per turn (its control socket's turn_s), so these tests fail if the requests left for later are lost, reordered, handled before
 those read first, or their definitions lost across a kill -9 of the node."""
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ def test_the_probe_records_a_long_turn_a_long_call_and_a_collection(tmp_path, mo
             started = time.monotonic_ns()
             Busy().work([20, "payload"])  # one turn of ~6 ms of CPU
             await asyncio.sleep(0.01)
+            probe.pace(1000.0, 0.0031)  # the node's delete pacer after one of its windows
             keep = [[] for _ in range(200_000)]  # a full collection walks them: well over 200 µs
             gc.collect()
             del keep
@@ -50,6 +51,7 @@ def test_the_probe_records_a_long_turn_a_long_call_and_a_collection(tmp_path, mo
     assert int(calls[0][2]) >= started
     assert any(x[0] == "tick" and int(x[3]) >= 5000 for x in lines)  # that turn's CPU
     assert any(x[0] == "gc" and x[4] == "2" for x in lines)
+    assert [x[2:] for x in lines if x[0] == "pace"] == [["1000", "3100"]]
 
 
 def test_the_report_names_the_longest_turn_collections_and_calls(tmp_path, capsys):

@@ -93,8 +93,13 @@ DISPATCH_TURN_S = int(os.environ.get("SHARDMQ_TEST_DISPATCH_TURN_US") or 1000) /
 DISPATCH_CHECK = 8
 # A connection that has not published parses a big read this much at a time, a slice per loop turn
 # (the rest waits with the deferred events): parsing 500 pipelined queue.delete (15 KB) took 2-3 ms
-# of one turn. Publishers and consumers parse what they read at once (TURN_READ_BYTES bounds their turns).
-PARSE_SLICE = 4096
+# of one turn, a 4 KiB slice ~0.8 ms. The slice's parse counts against the turn's DISPATCH_TURN_S
+# (one deadline for the parse and the dispatch of its events), and a turn that dispatched events left
+# from before parses no slice once that deadline passed: a 4 KiB slice parsed after a full turn of
+# dispatch, then dispatched for DISPATCH_TURN_S more, made turns of 3-4 ms of the pair's CPU during
+# 30,000 pipelined deletes (docs/benchmarks.md "Deletes paced by the round trips"). Publishers and
+# consumers parse what they read at once (TURN_READ_BYTES bounds their turns).
+PARSE_SLICE = 1024
 
 _PUBLISH = E.Publish
 _PUBLISH_RUN = E.PublishRun
@@ -257,15 +262,17 @@ class AMQPConnection(asyncio.Protocol):
         if self._deferred is not None:  # input read before still waits for its turn: this goes behind
             self._unparsed += data
             return
+        deadline = None
         if len(data) > PARSE_SLICE and not self._data_path():
             self._unparsed = data[PARSE_SLICE:]
             data = data[:PARSE_SLICE]
+            deadline = time.perf_counter() + DISPATCH_TURN_S  # the slice's parse counts too
         try:  # _feed, inline: every client read comes through here
             events = parser.feed(data)
         except Exception as exc:  # the parser is fuzzed never to raise; still never a crash
             self.internal_error(exc)
         else:
-            self._dispatch_all(events)
+            self._dispatch_all(events, deadline)
         if self._unparsed and self._deferred is None:
             self._defer([])
         if self.worker._early:
@@ -275,13 +282,13 @@ class AMQPConnection(asyncio.Protocol):
         """A publisher's or a consumer's connection: what it sends (publishes, acks) is parsed at once."""
         return self.publisher or any(ch.consumers for ch in self.channels.values())
 
-    def _feed(self, data: bytes) -> None:
+    def _feed(self, data: bytes, deadline: float | None = None) -> None:
         try:
             events = self.parser.feed(data)
         except Exception as exc:  # the parser is fuzzed never to raise; still never a crash
             self.internal_error(exc)
             return
-        self._dispatch_all(events)
+        self._dispatch_all(events, deadline)
 
     def _defer(self, rest: list) -> None:
         """Leave events (and any bytes not parsed) to the next loop turn, reading paused meanwhile."""
@@ -292,10 +299,11 @@ class AMQPConnection(asyncio.Protocol):
         else:  # events older than those already waiting (connection.open's): first
             self._deferred = rest + self._deferred
 
-    def _dispatch_all(self, events: list) -> None:
-        """Handle events in order; a connection error closes us, a bug is a 541, never a crash."""
+    def _dispatch_all(self, events: list, deadline: float | None = None) -> None:
+        """Handle events in order; a connection error closes us, a bug is a 541, never a crash.
+        deadline: the turn's (perf_counter), when it began before these events (a parse)."""
         if len(events) > DISPATCH_CHECK:
-            self._dispatch_budgeted(events)
+            self._dispatch_budgeted(events, deadline)
             return
         try:
             for ev in events:
@@ -308,9 +316,11 @@ class AMQPConnection(asyncio.Protocol):
         except Exception as exc:
             self.internal_error(exc)
 
-    def _dispatch_budgeted(self, events: list) -> None:
-        """_dispatch_all for many events: those left after DISPATCH_TURN_S go to the next loop turn."""
-        deadline = time.perf_counter() + DISPATCH_TURN_S
+    def _dispatch_budgeted(self, events: list, deadline: float | None = None) -> None:
+        """_dispatch_all for many events: those left after DISPATCH_TURN_S (or ``deadline``) go to the
+        next loop turn."""
+        if deadline is None:
+            deadline = time.perf_counter() + DISPATCH_TURN_S
         n = len(events)
         i = 0
         counted = 0
@@ -347,21 +357,27 @@ class AMQPConnection(asyncio.Protocol):
         if not self._dirty:
             self._dirty = True
             worker.mark_dirty(self)
+        deadline = time.perf_counter() + DISPATCH_TURN_S  # this turn's, for the events and a slice
         if events:
-            self._dispatch_all(events)
+            self._dispatch_all(events, deadline)
         if self._deferred is None and self._unparsed and self.state != CLOSED_STATE:
             data = self._unparsed
-            cut = len(data) if self._data_path() else PARSE_SLICE
-            self._unparsed = data[cut:]
-            data = data[:cut]
-            if self.parser.dead:  # as in data_received
-                self._unparsed = b""
-                if self.state == CLOSING and _CLOSE_OK_FRAME in data:
-                    self._close_transport()
-            else:
-                self._feed(data)
-            if self._unparsed and self._deferred is None:
+            data_path = self._data_path()
+            if events and not data_path and time.perf_counter() > deadline:
+                # This turn went to the events left from before: the next slice in the next turn.
                 self._defer([])
+            else:
+                cut = len(data) if data_path else PARSE_SLICE
+                self._unparsed = data[cut:]
+                data = data[:cut]
+                if self.parser.dead:  # as in data_received
+                    self._unparsed = b""
+                    if self.state == CLOSING and _CLOSE_OK_FRAME in data:
+                        self._close_transport()
+                else:
+                    self._feed(data, None if data_path else deadline)
+                if self._unparsed and self._deferred is None:
+                    self._defer([])
         if self._deferred is None:
             self.resume_reading("dispatch")
         if worker._early:
