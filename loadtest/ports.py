@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import atexit
+import fcntl
 import os
 import socket
+import tempfile
 from pathlib import Path
 
 _HANDED_OUT: set[int] = set()
+# Ports handed out by every live process of this machine, one file each (its owner's pid and start
+# time): test processes running side by side (pytest-xdist's workers, two checkouts' suites) never
+# get the same port. Probing with bind() alone is not enough: a test that stops a node and starts it
+# again on the same port leaves the port unbound in between, and another process could take it then.
+RESERVED_DIR = Path(tempfile.gettempdir()) / "shardmq-ports"
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -39,26 +47,78 @@ _CANDIDATES: list[int] | None = None
 _NEXT = 0
 
 
+def _start_time(pid: int) -> str | None:
+    """The process's start time (clock ticks since boot, /proc/PID/stat field 22); None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2:].split()[19]
+
+
+_ME = ""  # "pid start" of this process, once it reserved a port
+
+
+def _reserve(port: int) -> bool:
+    """Claim ``port`` for this process unless a live process holds it (the caller holds the lock)."""
+    global _ME
+    path = RESERVED_DIR / str(port)
+    try:
+        pid, start = path.read_text().split()
+        if _start_time(int(pid)) == start:
+            return False  # a live process's (a pid reused since has another start time)
+    except (OSError, ValueError):
+        pass  # none, or unreadable: free to take
+    if not _ME:
+        _ME = f"{os.getpid()} {_start_time(os.getpid())}"
+        atexit.register(_release_all)
+    tmp = RESERVED_DIR / f".{port}.{os.getpid()}"
+    tmp.write_text(_ME)
+    os.replace(tmp, path)
+    return True
+
+
+def _release_all() -> None:
+    if not _ME.startswith(f"{os.getpid()} "):
+        return  # a forked child's exit: the ports are its parent's
+    for port in _HANDED_OUT:
+        path = RESERVED_DIR / str(port)
+        try:
+            if path.read_text() == _ME:
+                path.unlink()
+        except OSError:
+            pass
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False  # somebody else's listener (or a lingering socket)
+    return True
+
+
 def free_port() -> int:
-    """A free loopback port outside the ephemeral range, never handed out before in this process.
+    """A free loopback port outside the ephemeral range, never handed out before in this process
+    nor held by another live process that took it here (RESERVED_DIR).
 
     Remembering the ports handed out rules out two listeners of one run getting the same port.
     """
     global _CANDIDATES, _NEXT
     if _CANDIDATES is None:
         _CANDIDATES = _port_candidates()
-    while _NEXT < len(_CANDIDATES):
-        port = _CANDIDATES[_NEXT]
-        _NEXT += 1
-        if port in _HANDED_OUT:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue  # somebody else's listener (or a lingering socket): try the next one
-        _HANDED_OUT.add(port)
-        return port
+    RESERVED_DIR.mkdir(exist_ok=True)
+    with open(RESERVED_DIR / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        while _NEXT < len(_CANDIDATES):
+            port = _CANDIDATES[_NEXT]
+            _NEXT += 1
+            if port in _HANDED_OUT or not _bindable(port) or not _reserve(port):
+                continue
+            _HANDED_OUT.add(port)
+            return port
     while True:  # candidates exhausted (or none): the kernel's pick, deduplicated
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind(("127.0.0.1", 0))
