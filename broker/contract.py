@@ -5,7 +5,8 @@ the socket addresses, the message kinds and their fields, and the codec
 (msgpack over ZeroMQ, and over length-prefixed unix stream frames for the data plane with
 ``--ipc-transport unix``). No other module invents a wire format.
 
-Sockets (under the node's run directory; ``node.sock`` is a unix stream socket, the data plane's
+Sockets (under the node's run directory, each named so that it fits ``sun_path`` however deep the
+data dir is: ``broker/sun_path.py``; ``node.sock`` is a unix stream socket, the data plane's
 ``shard-N.sock`` is ZeroMQ ``ipc://``, or with ``--ipc-transport unix`` a unix stream socket
 ``shard-N.stream`` instead, same batches, see ``shard_stream_path``):
 
@@ -66,6 +67,8 @@ import struct
 from typing import Any
 
 import msgpack
+
+from broker.sun_path import fit
 
 # 2: DELAYED_PUBLISH; shards confirm forwarded delayed messages. 3: QUEUE_INFO, DEDUP_PUBLISH,
 # CHANNEL_CLOSED's and CANCEL's req_id, channel fields carry the channel key (number + 65536 * generation).
@@ -422,7 +425,7 @@ def unpack(data: bytes) -> tuple[Any, list]:
 def node_stream_path(run_dir: str) -> str:
     """The control plane's unix stream socket (node <-> every worker, ``broker/unixio.py``): frames
     and hello as ``shard_stream_path`` describes, the worker's identity ``fe-K`` / ``sh-N``."""
-    return os.path.join(run_dir, "node.sock")  # as long as when it was a ZeroMQ ipc:// path (AF_UNIX: 107 bytes)
+    return fit(os.path.join(run_dir, "node.sock"))
 
 
 def defs_fence_path(run_dir: str) -> str:
@@ -432,7 +435,7 @@ def defs_fence_path(run_dir: str) -> str:
 
 
 def shard_address(run_dir: str, index: int) -> str:
-    return "ipc://" + os.path.join(run_dir, f"shard-{index}.sock")
+    return "ipc://" + fit(os.path.join(run_dir, f"shard-{index}.sock"))
 
 
 def shard_stream_path(run_dir: str, index: int) -> str:
@@ -440,7 +443,7 @@ def shard_stream_path(run_dir: str, index: int) -> str:
     (``broker/unixio.py``): frames of ``STREAM_FRAME`` (the payload's length) + payload; a connecting
     peer's first frame is ``STREAM_HELLO`` + its identity (``fe-K``, ``fe-K+``, ``sh-M``), every
     later frame in either direction one batch exactly as over ZeroMQ."""
-    return os.path.join(run_dir, f"shard-{index}.stream")
+    return fit(os.path.join(run_dir, f"shard-{index}.stream"))
 
 
 STREAM_FRAME = struct.Struct("<I")
@@ -457,7 +460,7 @@ def repl_handoff_path(run_dir: str, index: int) -> str:
     """Unix datagram socket where shard ``index`` receives replication connections from the node
     (``replication/handoff.py``): one datagram per connection, the socket as SCM_RIGHTS ancillary
     data, the payload ``pack_handoff(follower_name, heartbeat)``."""
-    return os.path.join(run_dir, f"repl-shard-{index}.sock")
+    return fit(os.path.join(run_dir, f"repl-shard-{index}.sock"))
 
 
 def pack_handoff(follower: str, heartbeat: float = 0.0) -> bytes:
