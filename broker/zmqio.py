@@ -58,7 +58,7 @@ class BatchSocket(TurnBatcher):
     ) -> None:
         super().__init__(loop, on_batch, header_for)
         self.sock = sock
-        self.is_router = sock.socket_type == zmq.ROUTER
+        self.is_router = sock.type == zmq.ROUTER
         self._resume_scheduled = False
         loop.add_reader(sock.getsockopt(zmq.FD), self._on_readable)
         # Messages may already be waiting (the FD only signals edges).
