@@ -164,7 +164,7 @@ class FrontendWorker:
             self.control.append(data_sockets.shard_connection(
                 self.loop, self.run_dir, i, self.ident + contract.CONTROL_LANE_SUFFIX, self._shard_handler(i),
                 self._control_header_for(i)))
-        self.node.put(None, [contract.APPLIED, version])
+        await _held_for_tests()
         bind = settings.get("bind") or "0.0.0.0"
         tls = self.tls = server_context(settings)
         proxied = bool(settings.get("proxy_protocol"))
@@ -194,7 +194,10 @@ class FrontendWorker:
                 return
             log.info("frontend %d (pid %d) listening for websocket on %s:%d%s", self.index, os.getpid(), bind,
                      ws_port, f" and over TLS on {wss_port}" if wss_port else "")
-
+        # The snapshot's APPLIED only once every listener is bound: the node's health checks
+        # (/api/health/checks/ready and /leader) turn 200 on it, and a load balancer or a client that
+        # goes by them found the port refusing connections while the listeners were still being made.
+        self.node.put(None, [contract.APPLIED, version])
         self._send_stats()
 
     def _send_stats(self) -> None:
@@ -732,6 +735,19 @@ def _drop(conn: Session) -> None:
     if transport is not None:
         drop = getattr(transport, "drop", None)  # a WebSocket's: the TCP connection under it
         (drop or transport.abort)()
+
+
+_HOLD_LISTEN_PATH = os.environ.get("SHARDMQ_TEST_HOLD_LISTEN_WHILE") or None
+
+
+async def _held_for_tests() -> None:
+    """Fault injection for tests only: while SHARDMQ_TEST_HOLD_LISTEN_WHILE's path exists, a frontend
+    that has its snapshot waits before it binds its listeners (tests/test_ready_listening.py)."""
+    if _HOLD_LISTEN_PATH is None or not os.path.exists(_HOLD_LISTEN_PATH):
+        return
+    log.warning("frontend: listeners held while %s exists (SHARDMQ_TEST_HOLD_LISTEN_WHILE)", _HOLD_LISTEN_PATH)
+    while os.path.exists(_HOLD_LISTEN_PATH):
+        await asyncio.sleep(0.02)
 
 
 def _epoch_of(epochs: Any, index: int) -> int:
