@@ -312,19 +312,6 @@ def register_router(router: Any) -> None:
     _router = router
 
 
-def batches_queued() -> bool:
-    """Some batch of this process's link waits in call_soon (a publish on its way to the shard part, a
-    confirm or a delivery on its way back): the data plane has work queued behind what runs now."""
-    router = _router
-    if router is None:
-        return False
-    for link in router._local.values():
-        queued = link.queued
-        if queued[0] or queued[1]:
-            return True
-    return False
-
-
 def router_for(index: int, identity: bytes) -> Any:
     """The paired shard's listener when ``identity`` (connecting to shard ``index``) is one of the
     paired frontend's lanes in this process; None: use a socket."""

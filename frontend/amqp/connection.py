@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from pamqp import commands as C
 
-from broker import contract, local_link
+from broker import contract
 from broker.alarms import REASONS
 from broker.amqp import events as E
 from broker.amqp.constants import (
@@ -163,7 +163,7 @@ class AMQPConnection(asyncio.Protocol):
         "channels", "had_exclusive", "registered", "confirm_shards", "_out", "_dirty", "_confirm_channels", "_credit", "_credit_due",
         "_taken", "_credit_seen", "_write_paused", "_read_pause", "publisher", "_close_after_flush", "_linger_after_flush", "_released",
         "wheel_tick", "_wheel", "_close_timer", "_received", "_wrote", "_missed", "_close_requested", "_open_pending",
-        "_generation", "_turn_read", "_deferred", "_unparsed", "_yielded",
+        "_generation", "_turn_read", "_deferred", "_unparsed",
     )
 
     def __init__(self, worker: FrontendWorker) -> None:
@@ -223,7 +223,6 @@ class AMQPConnection(asyncio.Protocol):
         # (PARSE_SLICE). _deferred is not None whenever either waits; _dispatch_deferred is scheduled.
         self._deferred: list | None = None
         self._unparsed = b""
-        self._yielded = False  # _dispatch_deferred gave its turn to the paired link's data once (below)
 
     # ------------------------------------------------------------- transport
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -348,22 +347,10 @@ class AMQPConnection(asyncio.Protocol):
     def _dispatch_deferred(self) -> None:
         """The next turn's share of the input read earlier: events (DISPATCH_TURN_S), then a slice of
         the bytes not parsed yet (PARSE_SLICE)."""
-        if self._deferred is None or self.state == CLOSED_STATE:
-            self._deferred = None
-            return
-        if self._yielded:
-            self._yielded = False
-        elif local_link.batches_queued():
-            # In a paired process a publish on its way to the shard part (or its confirm on its way
-            # back) waits in call_soon, behind this callback: this slice (~0.5 ms of queue.delete,
-            # say) goes behind it instead, once. Its round trip then waits for at most the slice
-            # that was running when it was read, not for one more per hop (docs/benchmarks.md "A
-            # deleting connection's slices behind the pair's data").
-            self._yielded = True
-            self.worker.loop.call_soon(self._dispatch_deferred)
-            return
         events = self._deferred
         self._deferred = None
+        if events is None or self.state == CLOSED_STATE:
+            return
         worker = self.worker
         if worker.fence[0] > worker.defs_version:  # as for any input (broker/defs_fence.py)
             worker.catch_up_defs()
