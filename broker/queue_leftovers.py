@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections import OrderedDict
 from collections.abc import Callable
 
 from broker.datadir import name_hash
@@ -36,7 +37,12 @@ class QueueLeftovers:
         or not connected)."""
         self._data_dir = data_dir
         self._applied = applied
-        self._where: dict[tuple[str, str], tuple[int, int]] = {}  # insertion order: oldest first
+        # Oldest first. An OrderedDict, not a dict: prune takes the oldest entry and puts it back at the
+        # end, and a dict's first entry after many such pops is found by skipping the freed slots
+        # before it (next(iter(d)) scans them): with 30,000 deleted queues waiting for their directories'
+        # removal that was 12-17 us per delete, 17 % of the node's CPU while deleting (docs/benchmarks.md
+        # "A deleting connection's slices behind the pair's data").
+        self._where: OrderedDict[tuple[str, str], tuple[int, int]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._where)
@@ -44,8 +50,10 @@ class QueueLeftovers:
     def deleted(self, vhost: str, name: str, shard: int, version: int) -> None:
         """The delete of queue (vhost, name), on `shard`, is definitions version `version`."""
         key = (vhost, name)
-        self._where.pop(key, None)  # to the end: the newest
-        self._where[key] = (shard, version)
+        where = self._where
+        if key in where:
+            del where[key]  # to the end: the newest
+        where[key] = (shard, version)
         self.prune(_CHECK_PER_DELETE)
 
     def shard_of(self, vhost: str, name: str) -> int | None:
@@ -63,8 +71,7 @@ class QueueLeftovers:
         """Check up to `budget` of the oldest entries: drop those done, move the others to the end."""
         where = self._where
         for _ in range(min(budget, len(where))):
-            key = next(iter(where))
-            entry = where.pop(key)
+            key, entry = where.popitem(last=False)
             if self._held(key, entry):
                 where[key] = entry
 
