@@ -29,10 +29,9 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ab_node import free_port  # noqa: E402  (scripts/ on the path: run as scripts/delete-turns.py)
-from pamqp import commands  # noqa: E402
 
 from loadtest.amqp_client import AMQPClient  # noqa: E402
-from loadtest.scenarios_amqp import _ConfirmProbe, _declare_many, _encode  # noqa: E402
+from loadtest.scenarios_amqp import _ConfirmProbe, _declare_many, delete_many  # noqa: E402
 
 WRAP = ",".join([
     "shard.worker:ShardWorker._on_control", "shard.worker:ShardWorker._on_data",
@@ -99,11 +98,7 @@ def main() -> int:
             probe.ready.wait(30)
             time.sleep(1.0)
             t0 = time.monotonic()
-            for start in range(0, len(names), 500):
-                chunk = names[start : start + 500]
-                c.send(b"".join(_encode(commands.Queue.Delete(queue=q)) for q in chunk))
-                for _ in chunk:
-                    c._wait_method(1, commands.Queue.DeleteOk)
+            delete_many(c, names)
             t1 = time.monotonic()
         time.sleep(0.5)
         probe.stop.set()

@@ -5,6 +5,7 @@ The ``conn`` and ``ch`` fixtures that go with them live in tests/conftest.py.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 import zlib
@@ -170,3 +171,28 @@ def ack_deliveries(con, want: int, timeout: float, published: list, errors: list
         if isinstance(ev, events.Deliver):
             got += 1
             con.send(encoder.encode_ack(1, ev.delivery_tag, False))
+
+
+def in_thread(fn) -> tuple[threading.Thread, list]:
+    """Run ``fn`` in a daemon thread (a blocking client request the test must not wait on yet); its
+    result, or the exception it raised, lands in the list (``thread_result``)."""
+    out: list = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except Exception as exc:  # re-raised by thread_result
+            out.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def thread_result(t: threading.Thread, out: list, timeout: float = 30.0):
+    """What ``in_thread``'s ``fn`` returned (its exception raised here); fails if it got no answer in time."""
+    t.join(timeout)
+    assert not t.is_alive() and out, "a client request got no answer"
+    if isinstance(out[0], Exception):
+        raise out[0]
+    return out[0]

@@ -17,40 +17,16 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 
 import pika
 
 from tests.harness import wait_until
-from tests.helpers import connections_on_two_frontends, uid
+from tests.helpers import connections_on_two_frontends, in_thread, thread_result, uid
 from tests.mgmt_api import Api
 
 COLOCATE = "off"  # a frontend is killed and a shard stopped: each must be its own process
 WAIT = 30.0
 N = 5
-
-
-def _in_thread(fn) -> tuple[threading.Thread, list]:
-    """Run fn in a thread; its result (or exception) lands in the list."""
-    out: list = []
-
-    def run() -> None:
-        try:
-            out.append(fn())
-        except Exception as exc:  # re-raised by the test
-            out.append(exc)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, out
-
-
-def _result(t: threading.Thread, out: list):
-    t.join(WAIT)
-    assert not t.is_alive() and out, "a client request got no answer"
-    if isinstance(out[0], Exception):
-        raise out[0]
-    return out[0]
 
 
 def _declared(api: Api, name: str) -> bool:
@@ -82,11 +58,11 @@ def test_a_late_auto_delete_of_a_dead_connections_queue_spares_its_redeclared_su
         # The connection's exclusive queue goes with it (no shard asked for that): the node's part.
         wait_until(lambda: not _declared(api, name), WAIT, "the dead connection's queue deleted by the node")
         # The client declares it again on its other connection; declare-ok waits for the shard.
-        declaring = _in_thread(lambda: client.channel().queue_declare(name, exclusive=True, auto_delete=True))
+        declaring = in_thread(lambda: client.channel().queue_declare(name, exclusive=True, auto_delete=True))
         wait_until(lambda: _declared(api, name), WAIT, "the new declare applied by the node")
     finally:
         os.kill(shard, signal.SIGCONT)
-    assert _result(*declaring).method.message_count == 0
+    assert thread_result(*declaring).method.message_count == 0
     node.wait_worker_restarted("frontend", frontend, killed)
 
     ch = client.channel()

@@ -17,7 +17,6 @@ import hashlib
 import itertools
 import os
 import signal
-import threading
 
 import pika
 import pytest
@@ -26,6 +25,7 @@ from broker.definitions import Definitions
 from broker.definitions.entities import queue_shard
 from broker.queue_leftovers import QueueLeftovers
 from tests.harness import wait_until
+from tests.helpers import in_thread, thread_result
 from tests.mgmt_api import Api
 
 COLOCATE = "off"  # a shard is stopped: its frontend (a paired process) must go on serving
@@ -40,29 +40,6 @@ def _name_with_home(prefix: str, home: int) -> str:
 def _qdir(node, name: str) -> str:
     sha = lambda s: hashlib.sha1(s.encode()).hexdigest()  # noqa: E731
     return os.path.join(str(node.data_dir), sha("/"), sha(name))
-
-
-def _in_thread(fn) -> tuple[threading.Thread, list]:
-    """Run fn in a thread; its result (or exception) lands in the list."""
-    out: list = []
-
-    def run() -> None:
-        try:
-            out.append(fn())
-        except Exception as exc:  # re-raised by the test
-            out.append(exc)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, out
-
-
-def _result(t: threading.Thread, out: list):
-    t.join(WAIT)
-    assert not t.is_alive() and out, "a client request got no answer"
-    if isinstance(out[0], Exception):
-        raise out[0]
-    return out[0]
 
 
 def _layout(node) -> tuple[str, str, int]:
@@ -101,9 +78,9 @@ def test_a_redeclared_queue_never_takes_over_the_deleted_ones_directory(node_fac
     deleter, declarer = node.connect(), node.connect()
     stopped = _stop(node, held)
     try:
-        deleting = _in_thread(lambda: deleter.channel().queue_delete(gone))
+        deleting = in_thread(lambda: deleter.channel().queue_delete(gone))
         wait_until(lambda: api.call("GET", f"/api/queues/%2F/{gone}")[0] == 404, WAIT, "the delete applied by the node")
-        declaring = _in_thread(lambda: declarer.channel().queue_declare(gone, durable=True))
+        declaring = in_thread(lambda: declarer.channel().queue_declare(gone, durable=True))
         wait_until(lambda: api.call("GET", f"/api/queues/%2F/{gone}")[0] == 200, WAIT, "the declare applied by the node")
         # Shard 0 answers this only after the definitions sent to it before (the new declare among
         # them): whichever shard the node placed the new queue on, it has opened it by now.
@@ -112,8 +89,8 @@ def test_a_redeclared_queue_never_takes_over_the_deleted_ones_directory(node_fac
         assert status == 200
     finally:
         os.kill(stopped, signal.SIGCONT)
-    _result(*deleting)
-    assert _result(*declaring).method.message_count == 0
+    thread_result(*deleting)
+    assert thread_result(*declaring).method.message_count == 0
     deleter.close()
     declarer.close()
 
@@ -121,10 +98,10 @@ def test_a_redeclared_queue_never_takes_over_the_deleted_ones_directory(node_fac
     ch = conn.channel()
     ch.confirm_delivery()
     # In a thread: a get that fails on the shard (its directory removed under it) is never answered.
-    method, _props, body = _result(*_in_thread(lambda: ch.basic_get(gone)))
+    method, _props, body = thread_result(*in_thread(lambda: ch.basic_get(gone)))
     assert method is None, f"the new queue holds the deleted one's message {body!r}"
     ch.basic_publish("", gone, b"new-1", pika.BasicProperties(delivery_mode=2))
-    method, _props, body = _result(*_in_thread(lambda: ch.basic_get(gone)))
+    method, _props, body = thread_result(*in_thread(lambda: ch.basic_get(gone)))
     assert body == b"new-1"
     ch.basic_ack(method.delivery_tag)
     # Every leftover of the old queue removed (no trash directory left): the new one's is still there.
@@ -148,7 +125,7 @@ def test_a_queue_declared_over_a_dead_shards_leftover_starts_empty(node_factory)
     deleter = node.connect()
     stopped = _stop(node, held)
     try:
-        deleting = _in_thread(lambda: deleter.channel().queue_delete(gone))
+        deleting = in_thread(lambda: deleter.channel().queue_delete(gone))
         wait_until(lambda: api.call("GET", f"/api/queues/%2F/{gone}")[0] == 404, WAIT, "the delete applied by the node")
         node.kill_worker("shard", held)
     finally:
@@ -160,7 +137,7 @@ def test_a_queue_declared_over_a_dead_shards_leftover_starts_empty(node_factory)
     # Its snapshot (without the queue) applied: the declare below reaches it as a new queue. (One
     # declared before that comes in its snapshot, like a durable queue to recover: not covered.)
     wait_until(lambda: f"shard {held} (pid {pid}) ready" in node.log_text(), WAIT, "the restarted shard ready")
-    _result(*deleting)
+    thread_result(*deleting)
     deleter.close()
     assert os.path.isdir(_qdir(node, gone)), "the dead shard's leftover is the case under test"
 
