@@ -152,6 +152,13 @@ SCENARIOS: tuple[Scenario, ...] = (
              "--delete-rate, 2,000/s by default: ~50 s; RabbitMQ ~2 min; ~6 min a repeat with the declares, "
              "so it runs only when named)",
              timeout_s=1800.0, by_default=False),
+    Scenario("confirm-rtt-transient",
+             ("confirm-rtt", "--time", DURATION),
+             "one publisher with confirms and one 16 B transient message in flight (a synchronous publisher, "
+             "as pika's BlockingConnection with confirm_delivery): confirm round trip p50/p99, confirms/s"),
+    Scenario("confirm-rtt-persistent",
+             ("confirm-rtt", "--durable", "--time", DURATION),
+             "the same with persistent messages to a durable queue: each confirm waits for the disk"),
     Scenario("bindings-per-second",
              ("bind-churn", "--time", DURATION),
              "queue.bind + queue.unbind round trips on one channel: bindings/s"),

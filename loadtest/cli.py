@@ -1,7 +1,7 @@
 """``shardmq-perf``: load generator for ShardMQ (and any AMQP 0-9-1 / MQTT 3.1.1 broker).
 
     shardmq-perf amqp throughput [-x N] [-y N] [-s BYTES] [-c WINDOW] [-a N] [-z S] ...
-    shardmq-perf amqp queue-count | connection-count | bind-churn | connection-churn | delete-stall
+    shardmq-perf amqp queue-count | connection-count | bind-churn | connection-churn | delete-stall | confirm-rtt
     shardmq-perf amqp sink-ceiling      (the tool's own ceiling against a built-in fake broker)
     shardmq-perf mqtt throughput
     shardmq-perf bench ... | report RESULTS_DIR   (loadtest/bench.py, loadtest/report.py)
@@ -109,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--probe-durable", action="store_true",
                    help="the probe publishes persistent messages to a durable queue (its confirms then wait "
                         "for an fsync) instead of transient ones")
+
+    p = amqp.add_parser("confirm-rtt",
+                        help="one publisher with confirms, one message in flight: its confirm round trips")
+    _common(p, amqp_uri)
+    p.add_argument("--queue", default="perf-rtt", help="queue the probe declares, then deletes (default perf-rtt)")
+    p.add_argument("--durable", action="store_true",
+                   help="persistent messages to a durable queue (each confirm then waits for an fsync)")
 
     p = amqp.add_parser("connection-count", help="open N idle connections; report broker RSS")
     _common(p, amqp_uri)
@@ -246,7 +253,7 @@ def cmd_scenario(args: argparse.Namespace) -> int:
 
     fn = {"queue-count": scenarios_amqp.queue_count, "connection-count": scenarios_amqp.connection_count,
           "bind-churn": scenarios_amqp.bind_churn, "connection-churn": scenarios_amqp.connection_churn,
-          "delete-stall": scenarios_amqp.delete_stall}[args.command]
+          "delete-stall": scenarios_amqp.delete_stall, "confirm-rtt": scenarios_amqp.confirm_rtt}[args.command]
     result = fn(args, broker=args.broker_name, scenario=args.scenario or f"amqp-{args.command}",
                 broker_rss=lambda: broker_rss_bytes(args.broker_pid))
 

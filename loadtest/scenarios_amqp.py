@@ -391,6 +391,32 @@ def _percentile(values: list[float], q: float) -> float | None:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
+def confirm_rtt(args: argparse.Namespace, *, broker: str, scenario: str, broker_rss: RssFn) -> RunResult:
+    """One publisher with confirms and one message in flight (a synchronous publisher: pika's
+    BlockingConnection with confirm_delivery publishes so) for --time seconds: its confirm round trips.
+    What a publisher that waits for each confirm gets per second is 1 / the mean round trip."""
+    started_at = now_iso()
+    probe = _ConfirmProbe(args.uri, args.queue, args.durable)
+    probe.start()
+    if not probe.ready.wait(30):
+        raise RuntimeError("confirm-rtt: the probe did not connect within 30 s")
+    t0 = time.monotonic()
+    probe.stop.wait(args.time_s or 10.0)
+    probe.stop.set()
+    probe.join(30)
+    t1 = time.monotonic()
+    if probe.error is not None:
+        raise probe.error
+    rtts = [rtt for _ts, rtt in probe.samples]
+    us = 1e6
+    extra = {"durable": args.durable, "confirms": len(rtts),
+             "confirms_per_s": round(len(rtts) / (t1 - t0), 1) if t1 > t0 else None,
+             "rtt_p50_us": round(_percentile(rtts, 0.5) * us, 1) if rtts else None,
+             "rtt_p99_us": round(_percentile(rtts, 0.99) * us, 1) if rtts else None,
+             "rtt_max_us": round(max(rtts) * us, 1) if rtts else None}
+    return _result(args, broker, scenario, started_at, t1 - t0, extra, broker_rss())
+
+
 def delete_stall(args: argparse.Namespace, *, broker: str, scenario: str, broker_rss: RssFn) -> RunResult:
     """Delete --count queues (pipelined queue.delete, or with --vhost the vhost holding them, through the
     management API --api) while a confirming publisher (one message in flight) publishes to a queue of

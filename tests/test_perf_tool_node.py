@@ -267,6 +267,25 @@ def test_delete_stall_deletes_queues_and_a_vhost_while_probing(node, capsys):
     assert Api(node.http_port).call("GET", "/api/vhosts/stall-v")[0] == 404
 
 
+def test_confirm_rtt_counts_every_confirmed_publish(node, capsys):
+    from tests.harness import wait_until
+    from tests.mgmt_api import Api
+
+    rc = main(["amqp", "confirm-rtt", "--uri", node.url, "--time", "1", "--json"])
+    e = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["extra"]
+    assert rc == EXIT_OK, e
+    assert e["confirms"] > 0 and e["rtt_max_us"] >= e["rtt_p99_us"] >= e["rtt_p50_us"] > 0
+    assert e["confirms_per_s"] > 0 and e["durable"] is False
+    rc = main(["amqp", "confirm-rtt", "--uri", node.url, "--time", "0.5", "--durable", "--queue", "rtt-d", "--json"])
+    d = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["extra"]
+    assert rc == EXIT_OK and d["durable"] is True and d["confirms"] > 0, d
+    # Every round trip counted is one publish the node counted (a fresh node: nothing else published).
+    api = Api(node.http_port)
+    wait_until(lambda: api.call("GET", "/api/overview")[1].get("message_stats", {}).get("publish")
+               == e["confirms"] + d["confirms"], 15, "the node's publish count to equal the confirms counted",
+               context=lambda: str(api.call("GET", "/api/overview")[1].get("message_stats")))
+
+
 def test_boot_time_declares_then_times_boots(tmp_path, capsys):
     from loadtest import boot_time
 
