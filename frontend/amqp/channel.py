@@ -28,7 +28,13 @@ from broker.amqp.constants import (
     RESOURCE_LOCKED,
     SYNTAX_ERROR,
 )
-from broker.amqp.encoder import encode_content, encode_deliver, encode_deliver_run, encode_method
+from broker.amqp.encoder import (
+    encode_ack,
+    encode_content,
+    encode_deliver,
+    encode_deliver_run,
+    encode_nack,
+)
 from broker.amqp.errors import AMQPChannelError, AMQPConnectionError, AMQPError
 from broker.amqp.properties import decode_properties, delivery_mode
 from broker.consumer_args import check_consume_arguments
@@ -690,11 +696,14 @@ class Channel:
         acked = confirm.n_acked
         frames = confirm.drain()
         self.conn.worker.n_confirmed += confirm.n_acked - acked  # once per batch of confirms
+        # Packed with one struct (tests/test_codec.py: equal to pamqp's bytes): a synchronous
+        # confirming publisher waits for this frame, and pamqp's generic marshal of it was ~7 % of a
+        # pair's CPU per confirm round trip (py-spy, confirm-rtt).
         for tag, multiple, is_ack in frames:
             if is_ack:
-                write(encode_method(ch, C.Basic.Ack(tag, multiple)))
+                write(encode_ack(ch, tag, multiple))
             else:
-                write(encode_method(ch, C.Basic.Nack(tag, multiple, False)))
+                write(encode_nack(ch, tag, multiple, False))
 
     # ----------------------------------------------------------- deliveries
     def deliver(self, shard: int, item: list) -> None:
