@@ -48,11 +48,12 @@ log "ruff check ."
 # --tb=native: pytest's own traceback formatting parses source with ast, and CPython 3.11's ast
 # can raise "SystemError: AST constructor recursion depth mismatch" there (gh-106905), which turns
 # one failing test into an INTERNALERROR that ends the whole run without its summary.
-# Two pytest-xdist workers, each given whole modules (--dist loadgroup with the groups
-# tests/conftest.py sets: a module's shared node and etcd stay one, the Spark tests share one JVM):
-# most tests wait on nodes, clients and timers more than they compute, so on the 2-core CI machine
-# one process left a core idle much of the run. SHARDMQ_TEST_WORKERS=0 runs in one.
-WORKERS=(-n "${SHARDMQ_TEST_WORKERS:-2}" --dist loadgroup)
+# Two pytest-xdist workers, each given whole modules (--dist loadfile: a module's shared node and
+# etcd stay one): most tests wait on nodes, clients and timers more than they compute, so on the
+# 2-core CI machine one process left a core idle much of the run. SHARDMQ_TEST_WORKERS=0 runs in one.
+# Not --dist loadgroup: pytest-xdist 3.8 groups by a suffix it writes to item._nodeid, which
+# pytest 9 no longer reads (Node.nodeid is _id), so every test went alone and modules were split.
+WORKERS=(-n "${SHARDMQ_TEST_WORKERS:-2}" --dist loadfile)
 log "pytest -q -p no:cacheprovider --tb=native ${WORKERS[*]} $*"
 "$VENV/bin/pytest" -q -p no:cacheprovider --tb=native "${WORKERS[@]}" "$@" || status=$?
 exit "$status"

@@ -156,11 +156,6 @@ def pytest_collection_modifyitems(config, items):
                     break
         if integration:
             item.add_marker(pytest.mark.integration)
-        # pytest-xdist (scripts/test.sh, --dist loadgroup): a module's tests stay on one worker (its
-        # module-scoped nodes and etcd are started once), and every test that uses the session's
-        # Spark goes to the same worker, so the run starts one JVM (20-40 s of CPU) and not one per worker.
-        group = "spark" if "spark" in names else item.nodeid.partition("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.hookimpl(hookwrapper=True)
