@@ -52,7 +52,8 @@ log "ruff check ."
 # etcd stay one): most tests wait on nodes, clients and timers more than they compute, so on the
 # 2-core CI machine one process left a core idle much of the run. SHARDMQ_TEST_WORKERS=0 runs in one.
 # Not --dist loadgroup: pytest-xdist 3.8 groups by a suffix it writes to item._nodeid, which
-# pytest 9 no longer reads (Node.nodeid is _id), so every test went alone and modules were split.
+# pytest 9.2 no longer reads (Node.nodeid is _id), so every test went alone and modules were split
+# (pytest-dev/pytest-xdist#1386, fix proposed in #1388).
 WORKERS=(-n "${SHARDMQ_TEST_WORKERS:-2}" --dist loadfile)
 log "pytest -q -p no:cacheprovider --tb=native ${WORKERS[*]} $*"
 "$VENV/bin/pytest" -q -p no:cacheprovider --tb=native "${WORKERS[@]}" "$@" || status=$?
