@@ -47,14 +47,19 @@ _CANDIDATES: list[int] | None = None
 _NEXT = 0
 
 
-def _start_time(pid: int) -> str | None:
-    """The process's start time (clock ticks since boot, /proc/PID/stat field 22); None if it is gone."""
+def start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/pid/stat field 22), None if gone.
+
+    A pid plus its start time names one process: a reused pid has another start time. The test
+    harness names its node groups' owners so too (tests/harness.py).
+    """
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
             stat = fh.read()
     except OSError:
         return None
-    return stat[stat.rindex(")") + 2:].split()[19]
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return None if fields[0] == "Z" else int(fields[19])
 
 
 _ME = ""  # "pid start" of this process, once it reserved a port
@@ -66,12 +71,12 @@ def _reserve(port: int) -> bool:
     path = RESERVED_DIR / str(port)
     try:
         pid, start = path.read_text().split()
-        if _start_time(int(pid)) == start:
+        if str(start_time(int(pid))) == start:
             return False  # a live process's (a pid reused since has another start time)
     except (OSError, ValueError):
         pass  # none, or unreadable: free to take
     if not _ME:
-        _ME = f"{os.getpid()} {_start_time(os.getpid())}"
+        _ME = f"{os.getpid()} {start_time(os.getpid())}"
         atexit.register(_release_all)
     tmp = RESERVED_DIR / f".{port}.{os.getpid()}"
     tmp.write_text(_ME)

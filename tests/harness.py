@@ -31,7 +31,7 @@ from typing import Any
 
 import pika
 
-from loadtest.ports import free_port, listening_sockets  # noqa: F401  (tests import free_port from here)
+from loadtest.ports import free_port, listening_sockets, start_time  # noqa: F401  (tests import free_port from here)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT = 30.0  # generous: only a node that never comes up pays it
@@ -76,20 +76,6 @@ def group_members(pgid: int) -> list[int]:
 
 
 REGISTRY = Path(os.environ.get("SHARDMQ_TEST_REGISTRY") or Path(tempfile.gettempdir()) / "shardmq-test-nodes")
-
-
-def start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (/proc/pid/stat field 22), None if gone.
-
-    A pid plus its start time names one process: a reused pid has another start time.
-    """
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
-            stat = fh.read()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return None if fields[0] == "Z" else int(fields[19])
 
 
 def record_group(pgid: int, workdir: Path, registry: Path = REGISTRY) -> None:
