@@ -6,6 +6,7 @@ Exactly-once into a file sink is checked by reading the sink with Spark (which h
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -85,31 +86,48 @@ def _kill_group(proc: subprocess.Popen) -> None:
     wait_for(lambda: not group_members(proc.pid), 15, what="the killed query's JVM to exit")
 
 
+def _committed_offset(checkpoint: str) -> int:
+    """The source offset of the query's last committed batch, read from its checkpoint files.
+
+    Spark writes a batch's offsets to `offsets/N`, then the sink's files and its `_spark_metadata`
+    entry, and `commits/N` last; the third line of `offsets/N` is this source's {"offset": next}.
+    Read from disk, not by a Spark job on the sink: polling the sink ran a job every poll.
+    """
+    try:
+        done = [int(n) for n in os.listdir(os.path.join(checkpoint, "commits")) if n.isdigit()]
+    except FileNotFoundError:
+        return 0
+    if not done:
+        return 0
+    with open(os.path.join(checkpoint, "offsets", str(max(done)))) as f:
+        return json.loads(f.read().splitlines()[2])["offset"]
+
+
 def test_query_process_killed_and_restarted_keeps_exactly_once(spark, shared_node, tmp_path):
     q = uid("killed")
     declare_stream(shared_node.url, q)
     publish(shared_node.url, q, ((b"m%d" % i, None) for i in range(3000)))
     out, ck = str(tmp_path / "out"), str(tmp_path / "ck")
-    argv = [sys.executable, "-m", "tests.pipeline_query", shared_node.url, q, out, ck, "500"]
+    # 100 per batch: 30 batches, so the kill after the first commit lands mid-stream.
+    argv = [sys.executable, "-m", "tests.pipeline_query", shared_node.url, q, out, ck, "100"]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    log = open(tmp_path / "query.log", "ab")
-    proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    try:
-        # A new Spark JVM per query process: on a loaded 2-core machine its first batch took over 120 s once.
-        wait_for(lambda: len(_sink(spark, out)) >= 500, 300, interval=1.0, what="the query to commit a batch")
-        _kill_group(proc)  # mid-stream: 3000 messages at 500 per batch
-        first_run = len(_sink(spark, out))
-        assert first_run < 3000
-        publish(shared_node.url, q, ((b"m%d" % i, None) for i in range(3000, 4000)))
+    with open(tmp_path / "query.log", "ab") as log:
         proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-        wait_for(lambda: len(_sink(spark, out)) >= 4000, 300, interval=1.0, what="the restarted query to catch up")
-        _kill_group(proc)
+        try:
+            # A new Spark JVM per query process: on a loaded 2-core machine its first batch took over 120 s once.
+            wait_for(lambda: _committed_offset(ck) >= 100, 300, interval=0.05, what="the query to commit a batch")
+        finally:
+            _kill_group(proc)  # kill -9 of the query's python and JVM, mid-stream
+    first_run = _committed_offset(ck)
+    assert 100 <= first_run < 3000
+    publish(shared_node.url, q, ((b"m%d" % i, None) for i in range(3000, 4000)))
+    # Restarted in another process (this session's JVM) on the killed query's checkpoint.
+    query = _start(_stream(spark, shared_node, q, startingOffset="first", maxRecordsPerTrigger=1000), out, ck)
+    try:
+        query.processAllAvailable()
     finally:
-        if proc.poll() is None:
-            _kill_group(proc)
-        log.close()
+        query.stop()
     got = _sink(spark, out)
     assert len(got) == 4000 and sorted(got) == list(range(4000))
 
