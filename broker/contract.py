@@ -106,7 +106,12 @@ from broker.sun_path import fit
 # defs_version - len(ops)).
 # 28: queue.auto_delete and queue.expire name the queue's life: "shard", "epoch", "qid" (the node deletes
 # that life only, never a queue declared again under the name since); a shard's queue_info answer carries "qid".
-VERSION = 28
+# 29: a deduplicating exchange's owner answers a DEDUP_PUBLISH's CONFIRM_NACK to a dead letter's source
+# (PEER_CHANNEL_DLX) as a shard answers a PUBLISH: refused names the routed queues that may not hold it
+# (those its targets refused, all of a target that restarted or was never reached), [] none; without it
+# every routed queue holds it, not durable as asked. The source no longer sends such a dead letter again
+# whole (a copy more per second of an ISR outage), only to the queues named.
+VERSION = 29
 
 # --------------------------------------------------------------------------
 # Control plane: node <-> every worker (node.sock)
@@ -350,6 +355,8 @@ CONFIRM = 41  # [CONFIRM, conn_id, channel, seqs(list[int])]
 #   the answer to one PUBLISH that a queue refused: the names of its queues that did not store it (full with
 #   x-overflow reject-publish, a failed append; a reject-publish-dlx queue dead-lettered it and is not named),
 #   the others did. Without it: not stored or not durable as asked (sync failed, ISR below --min-isr).
+#   A deduplicating exchange's owner answers a dead letter's DEDUP_PUBLISH the same way (29): refused names
+#   the routed queues that may not hold it; without it, every routed queue holds it (not durable as asked).
 CONFIRM_NACK = 42
 # REPLY_DATA: [REPLY_DATA, req_id, ok(bool), result]  same shape as REPLY
 #   GET result: {"message": [queue_id, msg_id, redelivered, exchange, routing_key, props_raw, body,

@@ -10,6 +10,8 @@ import os
 import shutil
 import stat
 
+from broker import temp_files
+
 log = logging.getLogger("shardmq.datadir")
 
 # Delay stores of delayed exchanges: <data>/delayed/<sha1(vhost)>/<sha1(exchange)>/ (shard/delayed.py).
@@ -118,7 +120,16 @@ def _remove_unkept(root: str, keep: set[tuple[str, str]], is_vhost_dir) -> int:
             continue
         kept = wanted.get(entry.name, set())
         for sub in os.scandir(entry.path):
-            if sub.is_dir() and sub.name not in kept:
-                shutil.rmtree(sub.path, ignore_errors=True)
-                removed += 1
+            if sub.is_dir():
+                if sub.name not in kept:
+                    shutil.rmtree(sub.path, ignore_errors=True)
+                    removed += 1
+            elif temp_files.is_temp(sub.name):
+                # A name file (.vhost) or idle index a killed shard left half written: the node's
+                # boot lists every vhost dir here anyway, before any shard writes to one.
+                try:
+                    os.unlink(sub.path)
+                    log.info("removed %s, a temporary file a killed shard left", sub.path)
+                except OSError:
+                    pass
     return removed

@@ -33,7 +33,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from broker import write_observer
+from broker import temp_files, write_observer
 from broker.definitions import Definitions
 from broker.dirsync import fsync_dir
 
@@ -136,6 +136,9 @@ class DefStore:
         """Read snapshot + log, add the default user if there is none, compact."""
         os.makedirs(self.data_dir, exist_ok=True)
         self.close()
+        # A snapshot's temp file a process killed before its rename left (write_json_atomic): nothing
+        # else writes it now (the node loads before anything records, a follower's stream is over).
+        temp_files.remove(self.snapshot_path + ".tmp")
         had_snapshot = os.path.exists(self.snapshot_path)
         if had_snapshot:
             with open(self.snapshot_path, encoding="utf-8") as f:

@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from broker import temp_files
 from broker.datadir import name_hash
 from broker.dirsync import fsync_dir
 from broker.kv_log import KV_DIR, encode, parse_name, read_log, replay
@@ -110,6 +111,8 @@ def _finish_swaps(root: str) -> None:
     """Complete or drop a swap a crash interrupted (see the module doc)."""
     # .new first: a live directory it finds means the swap never began, else it completes the swap;
     # an .old left after that goes if its live directory is there.
+    for name in temp_files.remove_listed(root, os.listdir(root)):  # placed-for.tmp of a killed boot
+        log.info("kv store %s: removed %s, a temporary file a killed writer left", root, name)
     for wanted in ("new", "old"):
         for name in sorted(os.listdir(root)):
             base, dot, suffix = name.rpartition(".")
@@ -131,6 +134,9 @@ def _logs_of(vdir: str) -> dict[str, dict[int | None, str]]:
         parsed = parse_name(name)
         if parsed is not None:
             out.setdefault(parsed[0], {})[parsed[1]] = name
+        elif temp_files.is_temp(name):  # a log compaction a killed shard left (no shard has a log open now)
+            temp_files.remove_listed(vdir, (name,))
+            log.info("kv store %s: removed %s, a temporary file a killed shard left", vdir, name)
     return out
 
 

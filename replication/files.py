@@ -16,6 +16,7 @@ import shutil
 from collections.abc import Callable, Iterable
 
 from broker.crc import crc32
+from broker.temp_files import is_temp as _is_temp
 
 _HEX40 = re.compile(r"^[0-9a-f]{40}$")
 NODE_SKIP = frozenset(("run", ".lock"))
@@ -64,13 +65,10 @@ def _listdir(path: str) -> list[str]:
         return []
 
 
-def _is_temp(name: str) -> bool:
-    return name.endswith(".tmp")
-
-
 def walk(root: str, rel_dirs: Iterable[str] | None) -> list[str]:
     """Relative paths of the regular files in ``rel_dirs`` (recursively), or, with None, of every file
-    the node owns (outside store dirs, run/ and .lock). Temporary files (``*.tmp``) are skipped."""
+    the node owns (outside store dirs, run/ and .lock). Temporary files (``*.tmp``, ``*.tmp-<pid>``:
+    broker/temp_files.py) are skipped: a writer killed before its rename leaves one, never data."""
     out: list[str] = []
     if rel_dirs is None:
         stack = [""]
@@ -99,16 +97,19 @@ def walk(root: str, rel_dirs: Iterable[str] | None) -> list[str]:
 
 
 def remove_temps(root: str) -> list[str]:
-    """Delete every ``*.tmp`` file under ``root`` but ``run/`` and ``.lock``; their relative paths.
+    """Delete every temp file (``*.tmp``, ``*.tmp-<pid>``) under ``root`` but ``run/`` and ``.lock``;
+    their relative paths.
 
     A follower writes a file the full sync rewrites to ``<path>.tmp`` and renames it over the path
     at its last chunk (``FileWriter.write_chunk``), and a replaced file likewise (``replace``); the
     node writes ``definitions.json`` and its kin the same way (broker/defstore.py). Every end of a
     stream drops its unfinished ones (``FileWriter.close``), but a process killed in between
-    leaves its ``.tmp``, and nothing else would remove it: listings skip ``*.tmp`` (never
+    leaves its ``.tmp``, and nothing else would remove it: listings skip temp files (never
     replicated, never compared), and when the leader has since deleted the path no full sync
     rewrites it. Only where nothing writes to the data dir: a follower's start, before its first
-    session (its node runs no workers then; replication/follower.py)."""
+    session (its node runs no workers then; replication/follower.py). A standalone node or a
+    leader has each writer's owner remove them instead, where it lists or opens anyway (see
+    broker/temp_files.py): no walk of the whole data dir at its boot."""
     removed: list[str] = []
     stack = [""]
     while stack:

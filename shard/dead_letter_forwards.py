@@ -169,8 +169,11 @@ class DeadLetterForwards:
         second); no ``refused`` at all, it was stored but not made durable as asked (the target's
         group sync failed, or fewer in-sync followers than --min-isr acked it), and a resend would
         only add a copy per second while the ISR stays short. Both count as confirmed (the second
-        logged), as a due delayed message's NACK does (shard/delayed.py). A DEDUP_PUBLISH's NACK (its
-        owner's forward went to a shard that restarted: maybe not stored) is retried whole."""
+        logged), as a due delayed message's NACK does (shard/delayed.py). A DEDUP_PUBLISH's NACK says
+        the same of the queues its owner forwarded it to (shard/dedup.py ExchangeDedup._settle: the
+        queues of a target that restarted or was never reached are named too, as maybe not stored), and
+        a retry goes to the owner with the named queues only (contract VERSION 29; a bare NACK used to
+        be retried whole, a copy more in every target queue each second of an ISR outage)."""
         pending = self.pending
         store = self.store
         if not ok:
@@ -183,12 +186,14 @@ class DeadLetterForwards:
                     if refused is not None and not refused:
                         settle.append(seq)  # dropped from memory (MAX_PENDING): its record goes
                     continue
-                is_publish = sent[1][0] == contract.PUBLISH
                 if refused:
-                    if is_publish:
-                        item = sent[1] = list(sent[1])
+                    item = sent[1] = list(sent[1])
+                    if item[0] == contract.PUBLISH:
                         item[2] = [name for name in item[2] if name in refused]
-                elif refused is not None or is_publish:
+                    else:  # DEDUP_PUBLISH: its groups [[shard, [queue, ...]], ...]
+                        item[12] = [[s, kept] for s, names in item[12]
+                                    if (kept := [name for name in names if name in refused])]
+                else:
                     settle.append(seq)
                     unsynced += refused is None
                     continue

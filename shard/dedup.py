@@ -110,17 +110,24 @@ class QueueDedup:
 class _Pending:
     """A forwarded exchange publish waiting for the shards it went to."""
 
-    __slots__ = ("fe", "conn_id", "channel", "seq", "cache_key", "shards", "ok", "waiters")
+    __slots__ = ("fe", "conn_id", "channel", "seq", "cache_key", "shards", "groups", "ok", "missing", "unsynced",
+                 "waiters")
 
     def __init__(self, fe: bytes, conn_id: Any, channel: Any, seq: Any, cache_key: tuple | None,
-                 shards: set[int]) -> None:
+                 shards: set[int], groups: list) -> None:
         self.fe = fe
         self.conn_id = conn_id
         self.channel = channel
         self.seq = seq
         self.cache_key = cache_key  # (vhost, exchange, key) while the key is in flight
         self.shards = shards
+        self.groups = groups  # the DEDUP_PUBLISH's [[shard, [queue, ...]], ...] (names of a shard that failed)
         self.ok = True
+        # After a NACK: the routed queues that may not hold the message (a target that restarted or was
+        # never reached: all of its queues; one that refused it: those it named), and whether a target
+        # stored it without making it durable as asked (NACK naming no queue: ISR below --min-isr).
+        self.missing: list[str] | tuple[()] = ()
+        self.unsynced = False
         self.waiters: list[tuple[bytes, Any, Any, Any]] = []  # duplicates that arrived meanwhile
 
 
@@ -187,7 +194,7 @@ class ExchangeDedup:
         if seq is not None or cache_key is not None:
             self._token += 1
             token = self._token
-            pending = _Pending(fe, conn_id, channel, seq, cache_key, {int(s) for s, _ in groups})
+            pending = _Pending(fe, conn_id, channel, seq, cache_key, {int(s) for s, _ in groups}, groups)
             self.pending[token] = pending
             if cache_key is not None:
                 self.inflight[cache_key] = pending
@@ -195,7 +202,7 @@ class ExchangeDedup:
             sock = self.socket_to(int(shard))
             if sock is None:
                 if token is not None:
-                    self._settle(token, int(shard), False)
+                    self._settle(token, int(shard), False, names)  # never sent: none of its queues has it
                 continue
             # conn_id our epoch, channel PEER_CHANNEL_DEDUP, seq the token: the shard answers CONFIRM
             # [epoch, 0, [token]] to us (an answer for an earlier life is dropped: shard/forward_lives.py).
@@ -262,10 +269,13 @@ class ExchangeDedup:
         return [self.worker.epoch, self._self_seq]
 
     # ------------------------------------------------------------------ answers
-    def peer_confirmed(self, shard: int, tokens: list[int], ok: bool) -> None:
-        """`shard`'s CONFIRM (ok) or CONFIRM_NACK for forwarded publishes (ShardWorker.on_peer_answers)."""
+    def peer_confirmed(self, shard: int, tokens: list[int], ok: bool, refused: list[str] | None = None) -> None:
+        """`shard`'s CONFIRM (ok) or CONFIRM_NACK for forwarded publishes (ShardWorker.on_peer_answers).
+        A NACK's ``refused`` (contract VERSION 26) names the queues that did not store it; without it
+        the shard stored it but did not make it durable as asked (its sync failed, or the ISR is short
+        of --min-isr): every routed queue of that shard holds it."""
         for token in tokens:
-            self._settle(token, shard, ok)
+            self._settle(token, shard, ok, refused)
 
     def in_flight(self) -> int:
         """Forwards not answered yet, counted per target shard. A clean stop waits for them
@@ -276,15 +286,22 @@ class ExchangeDedup:
     def shard_up(self, shard: int) -> None:
         """`shard` restarted: what it had not confirmed is lost, so those publishes are nacked."""
         for token in [t for t, p in self.pending.items() if shard in p.shards]:
-            self._settle(token, shard, False)
+            p = self.pending[token]
+            self._settle(token, shard, False, [n for s, names in p.groups if int(s) == shard for n in names])
 
-    def _settle(self, token: int, shard: int, ok: bool) -> None:
+    def _settle(self, token: int, shard: int, ok: bool, missing: list[str] | None = None) -> None:
+        """`shard` answered (ok) or failed the forward `token`; ``missing`` (a failure only): its queues
+        that may not hold the message, None when all of them do (stored, not durable as asked)."""
         p = self.pending.get(token)
         if p is None or shard not in p.shards:
             return
         p.shards.discard(shard)
         if not ok:
             p.ok = False
+            if missing is None:
+                p.unsynced = True
+            elif missing:
+                p.missing = [*p.missing, *missing]
         if p.shards:
             return
         del self.pending[token]
@@ -296,14 +313,26 @@ class ExchangeDedup:
                 found = self.caches.get(p.cache_key[:2])
                 if found is not None:
                     found[1].discard(p.cache_key[2])
+        # A NACK says what a publish's NACK says (contract CONFIRM_NACK): which routed queues may not hold
+        # the message (a dead letter's source sends it again to those only), none ([]), or, without
+        # ``refused``, that every one holds it but not durably as asked. A bare NACK used to mean "maybe
+        # not stored" too, so a dead letter's source sent it again each second of an ISR outage: a copy
+        # more in each target queue per second (tests/test_replication_dlx_dedup.py).
+        refused = None if p.ok or (p.unsynced and not p.missing) else list(p.missing)
         if p.seq is not None:
-            self._answer(p.fe, p.conn_id, p.channel, p.seq, p.ok)
+            self._answer(p.fe, p.conn_id, p.channel, p.seq, p.ok, refused)
         for fe, conn_id, channel, seq in p.waiters:
-            self._answer(fe, conn_id, channel, seq, p.ok)
+            self._answer(fe, conn_id, channel, seq, p.ok, refused)
 
-    def _answer(self, fe: bytes, conn_id: Any, channel: Any, seq: int, ok: bool) -> None:
+    def _answer(self, fe: bytes, conn_id: Any, channel: Any, seq: int, ok: bool,
+                refused: list[str] | None = None) -> None:
         # BatchSocket.put gathers items per destination and sends once per loop turn.
-        self.worker.data.put(fe, [contract.CONFIRM if ok else contract.CONFIRM_NACK, conn_id, channel, [seq]])
+        if ok:
+            self.worker.data.put(fe, [contract.CONFIRM, conn_id, channel, [seq]])
+        elif refused is None or channel != contract.PEER_CHANNEL_DLX:  # a publisher's frontend: a nack is a nack
+            self.worker.data.put(fe, [contract.CONFIRM_NACK, conn_id, channel, [seq]])
+        else:
+            self.worker.data.put(fe, [contract.CONFIRM_NACK, conn_id, channel, [seq], refused])
 
     def close(self) -> None:
         if self._self_socket is not None:

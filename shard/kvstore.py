@@ -23,7 +23,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from broker import contract, write_observer
+from broker import contract, temp_files, write_observer
 from broker.fsync_beacon import stall_for_tests
 from broker.kv_log import encode, log_path, read_log, replay
 
@@ -40,6 +40,9 @@ class KVStore:
         self.items: dict[str, Any] = {}
         self.records = 0
         os.makedirs(os.path.dirname(path), exist_ok=True)
+        # A compaction's temp file a killed shard left (compact): this shard alone writes it.
+        if temp_files.remove(path + ".tmp"):
+            log.info("kv store %s: removed its temporary file a killed compaction left", path)
         good, data = self._load()
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         if write_observer.current is not None:

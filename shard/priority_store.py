@@ -32,9 +32,9 @@ import re
 import shutil
 import threading
 
-from broker import write_observer
+from broker import temp_files, write_observer
 from broker.amqp.properties import priority as _priority
-from shard.segment_dir import MarkerFiles
+from shard.segment_dir import MarkerFiles, remove_temp
 from shard.store import Message, QueueStore, Record
 
 log = logging.getLogger(__name__)
@@ -300,7 +300,9 @@ class PriorityStore(MarkerFiles):
         for name in sorted(os.listdir(self.path)):
             m = _LEVEL_DIR.match(name)
             if m is None:
-                if name.startswith("msgs."):
+                if temp_files.is_temp(name):  # delivery counts or the name file a killed writer left
+                    remove_temp(self.path, name)
+                elif name.startswith("msgs."):
                     log.warning("queue %s: segment %s outside a priority level directory ignored",
                                 self.path, name)
                 continue

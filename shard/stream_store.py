@@ -26,10 +26,10 @@ import threading
 import time
 import zlib
 
-from broker import write_observer
+from broker import temp_files, write_observer
 from shard import dirty_stores, record, synced_mark
 from shard.segment import DATA_START, FORMAT_VERSION, VERSION_HEADER, Segment, open_write_segments
-from shard.segment_dir import SegmentDir
+from shard.segment_dir import SegmentDir, remove_temp
 
 log = logging.getLogger(__name__)
 
@@ -584,6 +584,8 @@ class StreamStore(SegmentDir):
             parsed = _parse(name)
             if parsed is not None:
                 found[parsed[0]].add(parsed[1])
+            elif temp_files.is_temp(name):  # an offsets rewrite or a name file a killed writer left
+                remove_temp(self.path, name)
         for no in found["smeta"] - found["msgs"]:
             self._unlink(_name("smeta", no))  # left by a crash while removing a segment
         msgs = sorted(found["msgs"])

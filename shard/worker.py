@@ -1238,7 +1238,8 @@ class ShardWorker:
                         self.dead_letters.confirmed(shard, item[3], kind == contract.CONFIRM,
                                                     item[4] if len(item) > 4 else None)
                     else:
-                        self.exchange_dedup.peer_confirmed(shard, item[3], kind == contract.CONFIRM)
+                        self.exchange_dedup.peer_confirmed(shard, item[3], kind == contract.CONFIRM,
+                                                           item[4] if len(item) > 4 else None)
             self.forward_settle.answered()
         return on_batch
 

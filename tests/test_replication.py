@@ -15,6 +15,7 @@ import pika
 import pika.exceptions
 import pytest
 
+from broker.temp_files import is_temp
 from replication import protocol as p
 from tests import helpers
 from tests.harness import free_port
@@ -83,7 +84,7 @@ def listing(root: Path) -> dict[str, tuple[int, int]]:
         if rel == "run" or rel.startswith("run" + os.sep):
             continue
         for n in names:
-            if n == ".lock" or n.endswith(".tmp"):
+            if n == ".lock" or is_temp(n):  # never replicated (broker/temp_files.py)
                 continue
             with open(os.path.join(dirpath, n), "rb") as f:
                 data = f.read().rstrip(b"\0")
