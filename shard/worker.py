@@ -1457,6 +1457,18 @@ class ShardWorker:
         for q in dirty:
             if not q.deleted:
                 store = q.store
+                if not q.consumers and q.__class__ is Queue:
+                    # Nothing to deliver to (a queue only published to, as a confirming publisher's
+                    # with no consumer): of what follows only its acks and mark are written, and a
+                    # failing store's recovery noted. Without the rest's property reads and calls.
+                    try:
+                        store.flush_acks()
+                    except Exception as exc:
+                        faults.failed(q, exc)
+                        continue
+                    if failing and q in failing and not store.ready:
+                        faults.recovered(q)
+                    continue
                 ready = store.ready
                 unacked = len(q.unacked)
                 # One queue's store failing (a segment it cannot map, an I/O error) is that queue's
