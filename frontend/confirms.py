@@ -87,6 +87,18 @@ class ConfirmTracker:
         if not settled:
             return []
         self._settled = []
+        if not self._remaining and len(settled) == 1:
+            # One settled and nothing pending (a synchronous publisher's one message in flight):
+            # what _drain returns for it (tests/test_frontend_logic.py compares), without its loops.
+            seq, ok = settled[0]
+            self._low = self.next_seq
+            if ok:
+                self.n_acked += 1
+                return [(seq, False, True)]
+            return [(seq, False, False)]
+        return self._drain(settled)
+
+    def _drain(self, settled: list[tuple[int, bool]]) -> list[tuple[int, bool, bool]]:
         remaining = self._remaining
         low = self._low
         nxt = self.next_seq

@@ -48,6 +48,7 @@ from shard.stats import PART_MIN_ROWS, PART_ROWS, PART_S, STATS_CHECK_ENV, Stats
 from shard.store import QueueStore, make_queue_dir
 from shard.stream_queue import StreamQueue, consume_error, retention_args, segment_size
 from shard.stream_store import StreamStore
+from shard.sync_thread import SyncThread
 from shard.timers import TimerHeap
 
 log = logging.getLogger("shardmq.shard")
@@ -143,6 +144,7 @@ class ShardWorker:
         self._sync_stores: set[QueueStore] = set()
         self._sync_running = False
         self._sync_fut: asyncio.Future | None = None  # the group sync running, if any
+        self._sync_thread = SyncThread(loop, f"shard-{index}-sync")
         self._closing = False  # stop()'s final sync has begun: no other one starts
         self._after_sync: list[Callable[[], None]] = []  # run once the next group sync is done
         # The next group sync also fsyncs ack files and delivered marks (set by the periodic pass):
@@ -1457,6 +1459,18 @@ class ShardWorker:
         for q in dirty:
             if not q.deleted:
                 store = q.store
+                if not q.consumers and q.__class__ is Queue:
+                    # Nothing to deliver to (a queue only published to, as a confirming publisher's
+                    # with no consumer): of what follows only its acks and mark are written, and a
+                    # failing store's recovery noted. Without the rest's property reads and calls.
+                    try:
+                        store.flush_acks()
+                    except Exception as exc:
+                        faults.failed(q, exc)
+                        continue
+                    if failing and q in failing and not store.ready:
+                        faults.recovered(q)
+                    continue
                 ready = store.ready
                 unacked = len(q.unacked)
                 # One queue's store failing (a segment it cannot map, an I/O error) is that queue's
@@ -1576,8 +1590,11 @@ class ShardWorker:
         target = self.repl.position() if waiting and self.repl is not None and self.repl.gating else -1
         ordered = sorted(stores, key=self._sync_order)
         acks, self._sync_acks = self._sync_acks, False
-        fut = self._sync_fut = self.loop.run_in_executor(None, _sync_all, ordered, acks, self._stall_as)
-        fut.add_done_callback(lambda f: self._sync_done(f, waiting, after, target, started, ordered))
+        # On the shard's sync thread, not run_in_executor: its futures and locks were ~45 Python calls
+        # on the loop per sync, each persistent confirm's (shard/sync_thread.py).
+        self._sync_fut = self._sync_thread.run(
+            _sync_all, (ordered, acks, self._stall_as),
+            lambda f: self._sync_done(f, waiting, after, target, started, ordered))
 
     def _sync_order(self, store: QueueStore) -> int:
         return 0 if store is self.dead_letters.store else 1  # the outbox first (sync_first)
@@ -1785,6 +1802,7 @@ class ShardWorker:
             s.close()
         self._write_idle_index()
         self.timers.close()
+        self._sync_thread.close()  # no group sync starts after _closing (the final one ran above)
         self.delivery_faults.close()
         if self.ack_timeouts is not None:
             self.ack_timeouts.close()

@@ -246,14 +246,19 @@ def test_502_garbage_method_arguments(shared_node, bystander):
     _bystander_still_works(bystander)
 
 
-def test_502_malformed_content_properties(shared_node):
+@pytest.mark.parametrize("props", [
+    # flags say "headers, delivery-mode" but the headers table's length runs past the frame
+    struct.pack(">H", 0x3000) + b"\xff\xff\xff\xff",
+    # flags say "delivery-mode" only, and its octet is missing (the publish checks' shortcut for
+    # empty and delivery-mode-only properties must not take it)
+    struct.pack(">H", 0x1000),
+], ids=["headers-past-the-frame", "delivery-mode-missing"])
+def test_502_malformed_content_properties(shared_node, props):
     raw = RawClient(shared_node.port)
     try:
         raw.handshake()
         raw.open_channel(1)
         raw.send_method(1, C.Basic.Publish(exchange="", routing_key="nowhere"))
-        # flags say "headers, delivery-mode" but the headers table's length runs past the frame
-        props = struct.pack(">H", 0x3000) + b"\xff\xff\xff\xff"
         raw.send(frame(2, 1, struct.pack(">HHQ", 60, 0, 0) + props))
         close = raw.connection_close()
         assert close.reply_code == 502

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -125,6 +127,39 @@ def test_every_publish_is_answered_exactly_once(fanouts, rnd):
     assert not outstanding
     assert all(answered.values())
     assert set(answered) == set(pending_shards)
+
+
+@given(st.lists(st.one_of(st.tuples(st.just("publish"), st.integers(0, 2)),
+                          st.tuples(st.just("confirm"), st.integers(0, 12), st.booleans()),
+                          st.tuples(st.just("fail_all")), st.tuples(st.just("drain"))), max_size=60))
+def test_drain_fast_path_answers_as_the_general_one(ops):
+    """drain's shortcut (one settled, nothing pending) gives what the general _drain gives for the
+    same state: the same frames, the same low cursor and acked count."""
+    t = ConfirmTracker()
+    for op in ops:
+        if op[0] == "publish":
+            t.publish(op[1])
+        elif op[0] == "confirm":
+            t.confirm([op[1]], ok=op[2])
+        elif op[0] == "fail_all":
+            t.fail_all()
+        else:
+            ref = copy.deepcopy(t)
+            settled, ref._settled = ref._settled, []
+            expected = ref._drain(settled) if settled else []
+            assert t.drain() == expected
+            assert (t._low, t.n_acked, t._settled) == (ref._low, ref.n_acked, [])
+
+
+def test_drain_fast_path_is_taken_for_one_message_in_flight():
+    t = ConfirmTracker()
+    for seq in range(1, 4):
+        assert t.publish(1) == seq
+        t.confirm([seq], ok=seq != 2)
+        assert t._remaining == {} and len(t._settled) == 1
+        assert t.drain() == [(seq, False, seq != 2)]
+        assert t._low == seq + 1
+    assert t.n_acked == 2
 
 
 # -------------------------------------------------------------- delivery tags

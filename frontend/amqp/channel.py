@@ -568,17 +568,21 @@ class Channel:
         if ev.immediate:
             raise AMQPConnectionError(NOT_IMPLEMENTED, "immediate=true", 60, 40)
         props_raw = ev.props_raw
+        # Empty or delivery-mode-only properties (the bulk of high-rate traffic) need no more check
+        # than their shape; their delivery mode is read here, as delivery_mode() would read it.
+        n = len(props_raw)
+        if n == 2 and props_raw == _NO_PROPS:
+            return ex, False
+        if n == 3 and props_raw[:2] == _MODE_ONLY:
+            return ex, props_raw[2] == 2
         try:
             persistent = delivery_mode(props_raw) == 2
             # Properties other than delivery-mode are decoded once here, as RabbitMQ does, so a
             # malformed headers table or string is refused at publish instead of being stored and
-            # breaking every consumer's client later. Empty or delivery-mode-only properties (the
-            # bulk of high-rate traffic) are fully checked by delivery_mode() alone.
-            n = len(props_raw)
-            if not ((n == 2 and props_raw == _NO_PROPS) or (n == 3 and props_raw[:2] == _MODE_ONLY)):
-                props = decode_properties(props_raw)
-                if props.user_id is not None:
-                    self._check_user_id(props.user_id)
+            # breaking every consumer's client later.
+            props = decode_properties(props_raw)
+            if props.user_id is not None:
+                self._check_user_id(props.user_id)
         except ValueError as exc:
             raise AMQPConnectionError(SYNTAX_ERROR, f"malformed content properties: {exc}", 60, 40) from None
         return ex, persistent

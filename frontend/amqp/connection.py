@@ -240,43 +240,49 @@ class AMQPConnection(asyncio.Protocol):
         self._received = True
         n = len(data)
         self.recv_oct += n
-        read = self._turn_read
-        if not read and not self._dirty:
-            self._dirty = True  # flush_turn ends this turn's count
-            self.worker.mark_dirty(self)
-        read += n
+        read = self._turn_read + n
         self._turn_read = read
         if read > TURN_READ_BYTES:
             # The event loop reads a socket up to 32 times a turn: without this one publisher could
             # hand the turn megabytes while every other connection of the frontend waits for it.
             self.pause_reading("turn")
-        if self.state == CLOSED_STATE:
-            return
-        parser = self.parser
-        if parser._dead:  # FrameParser.dead, without the property's call on every read
-            # After a framing/syntax error the parser reads nothing more, but the client's
-            # close-ok is still a well-formed frame: close as soon as it shows up, not at the timeout.
-            if self.state == CLOSING and _CLOSE_OK_FRAME in data:
-                self._close_transport()
-            return
-        if self._deferred is not None:  # input read before still waits for its turn: this goes behind
-            self._unparsed += data
-            return
-        deadline = None
-        if len(data) > PARSE_SLICE and not self._data_path():
-            self._unparsed = data[PARSE_SLICE:]
-            data = data[:PARSE_SLICE]
-            deadline = time.perf_counter() + DISPATCH_TURN_S  # the slice's parse counts too
-        try:  # _feed, inline: every client read comes through here
-            events = parser.feed(data)
-        except Exception as exc:  # the parser is fuzzed never to raise; still never a crash
-            self.internal_error(exc)
-        else:
-            self._dispatch_all(events, deadline)
-        if self._unparsed and self._deferred is None:
-            self._defer([])
-        if self.worker._early:
-            self.worker.send_early()
+        try:
+            if self.state == CLOSED_STATE:
+                return
+            parser = self.parser
+            if parser._dead:  # FrameParser.dead, without the property's call on every read
+                # After a framing/syntax error the parser reads nothing more, but the client's
+                # close-ok is still a well-formed frame: close as soon as it shows up, not at the timeout.
+                if self.state == CLOSING and _CLOSE_OK_FRAME in data:
+                    self._close_transport()
+                return
+            if self._deferred is not None:  # input read before still waits for its turn: this goes behind
+                self._unparsed += data
+                return
+            deadline = None
+            if len(data) > PARSE_SLICE and not self._data_path():
+                self._unparsed = data[PARSE_SLICE:]
+                data = data[:PARSE_SLICE]
+                deadline = time.perf_counter() + DISPATCH_TURN_S  # the slice's parse counts too
+            try:  # _feed, inline: every client read comes through here
+                events = parser.feed(data)
+            except Exception as exc:  # the parser is fuzzed never to raise; still never a crash
+                self.internal_error(exc)
+            else:
+                self._dispatch_all(events, deadline)
+            if self._unparsed and self._deferred is None:
+                self._defer([])
+            if worker._early:
+                worker.send_early()
+        finally:
+            # flush_turn ends this turn's count. Marked once the read is handled, not before: the
+            # turn's end is then scheduled behind what the read handed to a paired shard
+            # (send_early), whose answer (a confirm, a delivery) ends the turn at once
+            # (_shard_drained) and cancels it, where an end of turn that found nothing to write ran
+            # before the shard even saw the publish (a callback and a flush_turn per message).
+            if not self._dirty:
+                self._dirty = True
+                worker.mark_dirty(self)
 
     def _data_path(self) -> bool:
         """A publisher's or a consumer's connection: what it sends (publishes, acks) is parsed at once."""
