@@ -903,17 +903,23 @@ class Node:
         # A worker that has not said HELLO yet gets a snapshot with the newest version, so only
         # connected workers can hold a reply back. Waiters are in version order (_commit adds them
         # right after it applies), so this costs what it answers, not what still waits.
+        # Twice per delete (its commit, the workers' APPLIED): the workers are looked at in place,
+        # no dict of them per call.
         waiters = self._apply_waiters
         if not waiters:
             return
-        live = {ident: w.applied for ident, w in self.by_ident.items() if w.connected}
+        by_ident = self.by_ident
         while waiters:
             version, origin, only, fut = waiters[0]
             if only is None:
-                if any(applied < version for ident, applied in live.items() if ident != origin):
-                    return
-            elif any(live.get(ident, version) < version for ident in only):
-                return
+                for ident, w in by_ident.items():
+                    if w.connected and w.applied < version and ident != origin:
+                        return
+            else:
+                for ident in only:  # one not connected (gone) holds nothing back
+                    w = by_ident.get(ident)
+                    if w is not None and w.connected and w.applied < version:
+                        return
             waiters.popleft()
             if not fut.done():
                 fut.set_result(None)
