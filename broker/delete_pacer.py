@@ -120,7 +120,8 @@ class DeletePacer:
             return
         fut = self._loop.create_future()
         self._waiters.append((n, fut))
-        self._arm()
+        if self._timer is None:  # else armed for the first waiter, which this one queues behind
+            self._arm()
         try:
             await fut
         except asyncio.CancelledError:
@@ -142,7 +143,8 @@ class DeletePacer:
             fn()
             return
         self._waiters.append((n, _Grant(fn)))
-        self._arm()
+        if self._timer is None:  # else armed for the first waiter: 500 pipelined deletes re-armed it 500 times
+            self._arm()
 
     def adapt(self, late: float, now: float) -> None:
         """A delay that should be near zero was ``late`` seconds (seen at ``now``, time.monotonic): a

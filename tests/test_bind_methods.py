@@ -1,11 +1,12 @@
-"""broker/amqp/bind_methods.py (direct queue.bind / queue.unbind decoders) agrees with pamqp.
+"""broker/amqp/bind_methods.py (direct queue.bind / unbind / delete decoders) agrees with pamqp.
 
 The reference is the parser's generic path for every other method (_args_fit, then pamqp's
 unmarshal): on valid arguments both give the same fields, on invalid ones (truncated, trailing
 bytes, a byte changed, random bytes) both refuse, and through the parser a refusal is 502
 SYNTAX_ERROR naming the method, as before. Also here: argument-less methods (bind-ok, unbind-ok,
-...) encoded without pamqp equal pamqp's bytes, and the frontend's request arguments equal
-plain(dict(method)) without the ticket.
+...) and queue.delete-ok / purge-ok encoded without pamqp equal pamqp's bytes (and a count pamqp
+refuses is refused alike), and the frontend's request arguments equal plain(dict(method)) without
+the ticket.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ from broker.amqp import constants as C
 from broker.amqp.bind_methods import (
     DECODERS,
     QUEUE_BIND,
+    QUEUE_DELETE,
     QUEUE_UNBIND,
     decode_queue_bind,
+    decode_queue_delete,
     decode_queue_unbind,
 )
 from broker.amqp.encoder import encode_method
@@ -33,7 +36,7 @@ from frontend.amqp.replies import method_args, plain
 from tests.codec_strategies import headers, routing_keys, shortstr
 
 SETTINGS = settings(deadline=None, max_examples=300, suppress_health_check=[HealthCheck.too_slow])
-CLASSES = {QUEUE_BIND: commands.Queue.Bind, QUEUE_UNBIND: commands.Queue.Unbind}
+CLASSES = {QUEUE_BIND: commands.Queue.Bind, QUEUE_UNBIND: commands.Queue.Unbind, QUEUE_DELETE: commands.Queue.Delete}
 
 
 def pamqp_decode(index: int, args: bytes):
@@ -65,7 +68,10 @@ tables = st.one_of(st.just({}), headers)
 
 @st.composite
 def bind_methods(draw):
-    index = draw(st.sampled_from([QUEUE_BIND, QUEUE_UNBIND]))
+    index = draw(st.sampled_from([QUEUE_BIND, QUEUE_UNBIND, QUEUE_DELETE]))
+    if index == QUEUE_DELETE:
+        return commands.Queue.Delete(queue=draw(names), if_unused=draw(st.booleans()), if_empty=draw(st.booleans()),
+                                     nowait=draw(st.booleans()))
     kw = {"queue": draw(names), "exchange": draw(names), "routing_key": draw(routing_keys),
           "arguments": draw(tables)}
     if index == QUEUE_BIND:
@@ -106,7 +112,7 @@ def test_mutated_arguments_are_refused_or_decoded_as_pamqp_does(method, data):
 
 
 @SETTINGS
-@given(st.sampled_from([QUEUE_BIND, QUEUE_UNBIND]), st.binary(max_size=40), st.binary(max_size=8))
+@given(st.sampled_from([QUEUE_BIND, QUEUE_UNBIND, QUEUE_DELETE]), st.binary(max_size=40), st.binary(max_size=8))
 def test_random_arguments_are_refused_or_decoded_as_pamqp_does(index, args, pad):
     assert direct(index, args, pad) == fields(pamqp_decode(index, args))
 
@@ -121,9 +127,13 @@ def test_random_arguments_are_refused_or_decoded_as_pamqp_does(index, args, pad)
     (decode_queue_unbind, b"\x00\x00\x01q\x01e\x00\x00\x00\x00"),  # table cut short
     (decode_queue_unbind, b"\x00\x00\x09q"),  # queue longer than the frame
     (decode_queue_unbind, b"\x00\x00"),  # nothing but the ticket
+    (decode_queue_delete, b"\x00\x00\x01q"),  # no bits
+    (decode_queue_delete, b"\x00\x00\x01q\x00\x00"),  # trailing byte
+    (decode_queue_delete, b"\x00\x00\x05q\x00"),  # queue longer than the frame
+    (decode_queue_delete, b"\x00\x00\x02\xff\xfe\x00"),  # queue not UTF-8
 ])
 def test_refusals_agree_with_pamqp(decode, args):
-    index = QUEUE_BIND if decode is decode_queue_bind else QUEUE_UNBIND
+    index = {decode_queue_bind: QUEUE_BIND, decode_queue_unbind: QUEUE_UNBIND, decode_queue_delete: QUEUE_DELETE}[decode]
     assert pamqp_decode(index, args) is None
     assert decode(args + b"\x00\x00\x00\x00", 0, len(args)) is None
 
@@ -142,7 +152,8 @@ def test_parser_gives_the_pamqp_object(method, channel):
     assert frame.method.__class__ is method.__class__ and fields(frame.method) == fields(method)
 
 
-@pytest.mark.parametrize("method", [commands.Queue.Bind(queue="q", exchange="e"), commands.Queue.Unbind(queue="q")])
+@pytest.mark.parametrize("method", [commands.Queue.Bind(queue="q", exchange="e"), commands.Queue.Unbind(queue="q"),
+                                    commands.Queue.Delete(queue="q")])
 def test_parser_answers_undecodable_arguments_with_syntax_error(method):
     frame = pamqp_frame.marshal(method, 1)
     size = struct.unpack_from(">I", frame, 3)[0]
@@ -159,6 +170,23 @@ ARGLESS = [cls for cls in commands.INDEX_MAPPING.values() if not cls.__slots__]
 @pytest.mark.parametrize("channel", [0, 1, 300, 65535])
 def test_methods_without_arguments_encode_as_pamqp_does(cls, channel):
     assert encode_method(channel, cls()) == pamqp_frame.marshal(cls(), channel)
+
+
+@pytest.mark.parametrize("cls", [commands.Queue.DeleteOk, commands.Queue.PurgeOk])
+@pytest.mark.parametrize("count", [0, 1, 1 << 16, 0xFFFFFFFF])
+@pytest.mark.parametrize("channel", [0, 1, 65535])
+def test_message_count_replies_encode_as_pamqp_does(cls, count, channel):
+    assert encode_method(channel, cls(count)) == pamqp_frame.marshal(cls(count), channel)
+
+
+@pytest.mark.parametrize("count", [-1, 1 << 32, 1.0, None])
+def test_a_message_count_pamqp_refuses_is_refused(count):
+    method = commands.Queue.DeleteOk.__new__(commands.Queue.DeleteOk)
+    method.message_count = count
+    with pytest.raises(TypeError):
+        pamqp_frame.marshal(method, 1)
+    with pytest.raises(TypeError):
+        encode_method(1, method)
 
 
 def test_bind_ok_and_unbind_ok_are_among_them():

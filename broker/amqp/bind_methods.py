@@ -1,12 +1,14 @@
-"""Direct decoders of queue.bind and queue.unbind (sans-IO: bytes in, a pamqp method object out).
+"""Direct decoders of queue.bind, queue.unbind and queue.delete (sans-IO: bytes in, a pamqp method object out).
 
 A bind/unbind churn is a control-plane hot path: one synchronous round trip per operation, all of it
 Python CPU in a row (docs/benchmarks.md, "Bind round trip in a pair"). pamqp's generic unmarshal
 (a loop over the method's slots, a type lookup, a decoder call and a slice per argument) plus
 broker/amqp/parser.py's _args_fit walk were ~8 % of the pair's CPU per operation; these decoders
-read the arguments with one precompiled struct and three slices.
+read the arguments with one precompiled struct and three slices. queue.delete is here for the same
+reason: 30,000 pipelined deletes are parsed in the pair beside the other queues' traffic
+(docs/benchmarks.md "CPU per delete").
 
-They return the same pamqp objects (commands.Queue.Bind / Queue.Unbind, built without __init__,
+They return the same pamqp objects (commands.Queue.Bind / Unbind / Delete, built without __init__,
 as the parser's generic path builds them) with the same fields, or None where the parser's
 generic path (_args_fit, then pamqp's unmarshal) refuses the arguments: not occupying the
 frame's payload exactly, a short string that is not UTF-8, a field table pamqp cannot decode. The
@@ -30,9 +32,11 @@ _EMPTY_TABLE = b"\x00\x00\x00\x00"
 
 QUEUE_BIND = commands.Queue.Bind.index
 QUEUE_UNBIND = commands.Queue.Unbind.index
+QUEUE_DELETE = commands.Queue.Delete.index
 
 _Bind = commands.Queue.Bind
 _Unbind = commands.Queue.Unbind
+_Delete = commands.Queue.Delete
 _field_table = decode.field_table
 
 
@@ -117,5 +121,31 @@ def decode_queue_unbind(data: bytes, p: int, end: int) -> Any:
     return method
 
 
+def decode_queue_delete(data: bytes, p: int, end: int) -> Any:
+    """queue.delete from its arguments data[p:end], or None: a syntax error.
+
+    ticket(short) queue(shortstr) if-unused(bit) if-empty(bit) no-wait(bit); the bits' octet is the
+    last one (its other bits ignored, as pamqp does)
+    """
+    if p + 4 > end:
+        return None
+    ticket, n = _TICKET_LEN.unpack_from(data, p)
+    b = p + 3 + n
+    if b + 1 != end:
+        return None
+    try:
+        queue = data[p + 3 : b].decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    bits = data[b]
+    method = _Delete.__new__(_Delete)
+    method.ticket = ticket
+    method.queue = queue
+    method.if_unused = bits & 1 == 1
+    method.if_empty = bits & 2 == 2
+    method.nowait = bits & 4 == 4
+    return method
+
+
 # class << 16 | method -> decoder(data, start of arguments, end of payload)
-DECODERS = {QUEUE_BIND: decode_queue_bind, QUEUE_UNBIND: decode_queue_unbind}
+DECODERS = {QUEUE_BIND: decode_queue_bind, QUEUE_UNBIND: decode_queue_unbind, QUEUE_DELETE: decode_queue_delete}

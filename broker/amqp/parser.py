@@ -1,7 +1,7 @@
 """Sans-IO AMQP 0-9-1 frame parser: bytes in, events out (broker/amqp/events.py).
 
 The per-message methods (basic.publish, basic.deliver, basic.ack/nack/reject) and the content
-frames are parsed by hand with precompiled structs, queue.bind and queue.unbind by
+frames are parsed by hand with precompiled structs, queue.bind, queue.unbind and queue.delete by
 broker/amqp/bind_methods.py (into the pamqp objects pamqp would make); every other method is
 decoded by pamqp.
 Content is assembled per channel, so a whole message comes out as one Publish / Deliver /
@@ -398,7 +398,7 @@ class FrameParser:
                     kind = Deliver
                 else:
                     direct = _DIRECT.get(index)
-                    if direct is not None:  # queue.bind / unbind: no pamqp unmarshal (bind_methods.py)
+                    if direct is not None:  # queue.bind / unbind / delete: no pamqp unmarshal (bind_methods.py)
                         method = direct(data, start + 4, fend)
                         if method is None:
                             return self._syntax(events, index)
