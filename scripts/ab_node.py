@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -47,13 +48,21 @@ def start_node(tree: str, prefix: str) -> tuple[subprocess.Popen, int, str]:
             time.sleep(0.1)
 
 
-def stop_node(node: subprocess.Popen, data: str, timeout: float = 60) -> None:
+def stop_node(node: subprocess.Popen, data: str, timeout: float = 60, group: bool = False) -> None:
+    """SIGTERM the node (SIGKILL after `timeout`), then remove its data dir. `group`: the node was
+    started as the leader of its own process group (``process_group=0``), whose members that outlive
+    it (a shard, a reaper's ``rm``) are killed too; never for a node started in the caller's group."""
     node.terminate()
     try:
         node.wait(timeout)
     except subprocess.TimeoutExpired:
         node.kill()
         node.wait()
+    if group:
+        try:
+            os.killpg(node.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
     shutil.rmtree(data, ignore_errors=True)
 
 

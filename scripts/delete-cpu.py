@@ -37,7 +37,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ab_node import free_port, process_name  # noqa: E402  (scripts/ on the path)
+from ab_node import free_port, process_name, stop_node  # noqa: E402  (scripts/ on the path)
 
 from loadtest.amqp_client import AMQPClient  # noqa: E402
 from loadtest.scenarios_amqp import _declare_many, delete_many  # noqa: E402
@@ -249,17 +249,7 @@ exec {PY} "$@"
         ir = callgrind_total(workdir, cg_pid) if cg_pid else 0
         wall = t2 - t0
     finally:
-        node.send_signal(signal.SIGTERM)
-        try:
-            node.wait(120)
-        except subprocess.TimeoutExpired:
-            node.kill()
-            node.wait()
-        try:
-            os.killpg(node.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        shutil.rmtree(data, ignore_errors=True)
+        stop_node(node, data, timeout=120, group=True)
         shutil.rmtree(workdir, ignore_errors=True)
     out = {"tree": tree, "load": round(load, 2), "deletes_per_s": round(count / (t1 - t0)),
            "window_s": round(wall, 2),

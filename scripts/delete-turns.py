@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -28,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ab_node import free_port  # noqa: E402  (scripts/ on the path: run as scripts/delete-turns.py)
+from ab_node import free_port, stop_node  # noqa: E402  (scripts/ on the path: run as scripts/delete-turns.py)
 
 from loadtest.amqp_client import AMQPClient  # noqa: E402
 from loadtest.scenarios_amqp import _ConfirmProbe, _declare_many, delete_many  # noqa: E402
@@ -109,17 +107,7 @@ def main() -> int:
         while _trash_left(data) and time.monotonic() < deadline:
             time.sleep(0.2)
     finally:
-        node.send_signal(signal.SIGTERM)
-        try:
-            node.wait(60)
-        except subprocess.TimeoutExpired:
-            node.kill()
-            node.wait()
-        try:
-            os.killpg(node.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        shutil.rmtree(data, ignore_errors=True)
+        stop_node(node, data, timeout=60, group=True)
     during = sorted(rtt for ts, rtt in probe.samples if ts + rtt >= t0)
     before = sorted(rtt for ts, rtt in probe.samples if t0 - 1.0 <= ts and ts + rtt < t0) or [0.0]
     lo, hi = int((t0 - 0.5) * 1e9), int((t1 + 0.5) * 1e9)
