@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 
-from ab_node import free_port
+from ab_node import callgrind_dump, free_port
 
 PY = sys.executable
 TREES = {"base": os.path.abspath(sys.argv[1]), "head": os.path.abspath(sys.argv[2])}
@@ -68,18 +68,7 @@ def counted(workdir: str, pid: int, tree: str, port: int, n: int) -> tuple[int, 
     subprocess.run(["callgrind_control", "-i", "on", str(pid)], capture_output=True, check=True)
     result = perf(tree, port, n)
     subprocess.run(["callgrind_control", "-i", "off", str(pid)], capture_output=True, check=True)
-    before = set(glob.glob(f"{workdir}/cg.{pid}.*"))
-    subprocess.run(["callgrind_control", "-d", str(pid)], capture_output=True, check=True)
-    for _ in range(100):
-        new = set(glob.glob(f"{workdir}/cg.{pid}.*")) - before
-        if new:
-            break
-        time.sleep(0.1)
-    (path,) = new
-    time.sleep(0.5)  # written in one go, but give it a moment
-    with open(path) as fh:
-        total = next(int(line.split()[1]) for line in fh if line.startswith("totals:"))
-    os.unlink(path)
+    total = callgrind_dump(workdir, pid)
     return total, result
 
 

@@ -5,6 +5,7 @@ Imported as a sibling module (the scripts run as ``scripts/ab-*.py``, so their f
 
 from __future__ import annotations
 
+import glob
 import os
 import shlex
 import shutil
@@ -72,3 +73,37 @@ def process_name(pid: int) -> str:
     if "broker.cli" in argv:
         return "node"
     return argv[argv.index("-m") + 1].split(".")[0][:2] + argv[argv.index("--index") + 1]
+
+
+def callgrind_dump(workdir: str, pid: int, wait_s: float = 30) -> int:
+    """Dump the counts of the callgrind-run ``pid`` (``--callgrind-out-file=WORKDIR/cg.%p``), return
+    the dump's total Ir and remove it. Zeroing, if wanted, is the caller's (``callgrind_control -z``)."""
+    before = set(glob.glob(f"{workdir}/cg.{pid}.*"))
+    subprocess.run(["callgrind_control", "-d", str(pid)], capture_output=True, check=True)
+    deadline = time.monotonic() + wait_s
+    while not (new := set(glob.glob(f"{workdir}/cg.{pid}.*")) - before):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"callgrind wrote no dump for {pid} within {wait_s:.0f} s")
+        time.sleep(0.1)
+    (path,) = new
+    time.sleep(0.5)  # written in one go, but give it a moment
+    with open(path) as fh:
+        total = next(int(line.split()[1]) for line in fh if line.startswith("totals:"))
+    os.unlink(path)
+    return total
+
+
+def wait_listening(node: subprocess.Popen, uri: str, timeout: float, what: str) -> None:
+    """Return once the node at ``uri`` takes an AMQP connection; exit naming ``what`` if it dies or
+    ``timeout`` passes first."""
+    from loadtest.amqp_client import AMQPClient
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            AMQPClient(uri).connect().close()
+            return
+        except OSError:
+            if time.monotonic() > deadline or node.poll() is not None:
+                raise SystemExit(f"{what}: node did not listen") from None
+            time.sleep(0.2)

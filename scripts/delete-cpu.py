@@ -37,7 +37,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ab_node import free_port, process_name, stop_node  # noqa: E402  (scripts/ on the path)
+from ab_node import callgrind_dump, free_port, process_name, stop_node, wait_listening  # noqa: E402  (scripts/ on the path)
 
 from loadtest.amqp_client import AMQPClient  # noqa: E402
 from loadtest.scenarios_amqp import _declare_many, delete_many  # noqa: E402
@@ -107,18 +107,7 @@ exec {PY} "$@"
 
 def callgrind_total(workdir: str, pid: int) -> int:
     """Ir counted since the last zeroing; zeroes it again."""
-    before = set(glob.glob(f"{workdir}/cg.{pid}.*"))
-    subprocess.run(["callgrind_control", "-d", str(pid)], capture_output=True, check=True)
-    for _ in range(300):
-        new = set(glob.glob(f"{workdir}/cg.{pid}.*")) - before
-        if new:
-            break
-        time.sleep(0.1)
-    (path,) = new
-    time.sleep(0.5)
-    with open(path) as fh:
-        total = next(int(line.split()[1]) for line in fh if line.startswith("totals:"))
-    os.unlink(path)
+    total = callgrind_dump(workdir, pid)
     subprocess.run(["callgrind_control", "-z", str(pid)], capture_output=True, check=True)
     return total
 
@@ -191,15 +180,7 @@ exec {PY} "$@"
     uri = f"amqp://guest:guest@127.0.0.1:{port}/%2F"
     load = os.getloadavg()[0]
     try:
-        deadline = time.monotonic() + (300 if target else 60)
-        while True:
-            try:
-                AMQPClient(uri).connect().close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or node.poll() is not None:
-                    raise SystemExit(f"{tree}: node did not listen") from None
-                time.sleep(0.2)
+        wait_listening(node, uri, 300 if target else 60, tree)
         procs = workers(node.pid)
         cg_pid = None
         if target is not None:

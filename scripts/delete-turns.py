@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ab_node import free_port, stop_node  # noqa: E402  (scripts/ on the path: run as scripts/delete-turns.py)
+from ab_node import free_port, stop_node, wait_listening  # noqa: E402  (scripts/ on the path: run as scripts/delete-turns.py)
 
 from loadtest.amqp_client import AMQPClient  # noqa: E402
 from loadtest.scenarios_amqp import _ConfirmProbe, _declare_many, delete_many  # noqa: E402
@@ -79,15 +79,7 @@ def main() -> int:
     uri = f"amqp://guest:guest@127.0.0.1:{port}/%2F"
     load = os.getloadavg()[0]
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                AMQPClient(uri).connect().close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or node.poll() is not None:
-                    raise SystemExit("node did not listen") from None
-                time.sleep(0.2)
+        wait_listening(node, uri, 60, tree)
         names = [f"perf-del-{i}" for i in range(a.count)]
         with AMQPClient(uri).connect() as c:
             _declare_many(c, names, False)
