@@ -127,9 +127,5 @@ def _remove_unkept(root: str, keep: set[tuple[str, str]], is_vhost_dir) -> int:
             elif temp_files.is_temp(sub.name):
                 # A name file (.vhost) or idle index a killed shard left half written: the node's
                 # boot lists every vhost dir here anyway, before any shard writes to one.
-                try:
-                    os.unlink(sub.path)
-                    log.info("removed %s, a temporary file a killed shard left", sub.path)
-                except OSError:
-                    pass
+                temp_files.remove_found(entry.path, sub.name)
     return removed

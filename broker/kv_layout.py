@@ -111,8 +111,7 @@ def _finish_swaps(root: str) -> None:
     """Complete or drop a swap a crash interrupted (see the module doc)."""
     # .new first: a live directory it finds means the swap never began, else it completes the swap;
     # an .old left after that goes if its live directory is there.
-    for name in temp_files.remove_listed(root, os.listdir(root)):  # placed-for.tmp of a killed boot
-        log.info("kv store %s: removed %s, a temporary file a killed writer left", root, name)
+    temp_files.remove_listed(root, os.listdir(root))  # placed-for.tmp of a killed boot
     for wanted in ("new", "old"):
         for name in sorted(os.listdir(root)):
             base, dot, suffix = name.rpartition(".")
@@ -135,8 +134,7 @@ def _logs_of(vdir: str) -> dict[str, dict[int | None, str]]:
         if parsed is not None:
             out.setdefault(parsed[0], {})[parsed[1]] = name
         elif temp_files.is_temp(name):  # a log compaction a killed shard left (no shard has a log open now)
-            temp_files.remove_listed(vdir, (name,))
-            log.info("kv store %s: removed %s, a temporary file a killed shard left", vdir, name)
+            temp_files.remove_found(vdir, name)
     return out
 
 

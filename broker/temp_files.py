@@ -11,8 +11,11 @@ the place it lives in, so a crash loop cannot pile them up (docs/architecture.md
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable
+
+log = logging.getLogger("shardmq.temp_files")
 
 _PID_SUFFIX = ".tmp-"
 
@@ -28,24 +31,28 @@ def is_temp(name: str) -> bool:
 
 
 def remove(path: str) -> bool:
-    """Remove the temp file ``path`` if it is there; whether it was."""
+    """Remove the temp file ``path`` if it is there (logged); whether it was."""
     try:
         os.unlink(path)
     except FileNotFoundError:
         return False
+    log.info("removed %s, a temporary file a killed writer left", path)
+    return True
+
+
+def remove_found(directory: str, name: str) -> bool:
+    """Remove the temp file ``name`` that a listing of ``directory`` the caller made anyway found
+    (logged); whether it did. Only where no writer of this directory can be between its write and
+    its rename now (a store's recovery, a node's boot before its shards touch the directory)."""
+    path = os.path.join(directory, name)
+    try:
+        os.unlink(path)
+    except OSError:  # gone meanwhile, or a directory of that name: not ours to remove
+        return False
+    log.info("removed %s, a temporary file a killed writer left", path)
     return True
 
 
 def remove_listed(directory: str, names: Iterable[str]) -> list[str]:
-    """Remove the temp files among ``names`` (a listing of ``directory`` the caller made anyway);
-    the names removed. Only where no writer of this directory can be between its write and its
-    rename now (a store's recovery, a node's boot before its shards touch the directory)."""
-    removed = []
-    for name in names:
-        if is_temp(name):
-            try:
-                os.unlink(os.path.join(directory, name))
-            except OSError:  # gone meanwhile, or a directory of that name: not ours to remove
-                continue
-            removed.append(name)
-    return removed
+    """``remove_found`` for every temp file among ``names``; the names removed."""
+    return [name for name in names if is_temp(name) and remove_found(directory, name)]

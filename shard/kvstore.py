@@ -41,8 +41,7 @@ class KVStore:
         self.records = 0
         os.makedirs(os.path.dirname(path), exist_ok=True)
         # A compaction's temp file a killed shard left (compact): this shard alone writes it.
-        if temp_files.remove(path + ".tmp"):
-            log.info("kv store %s: removed its temporary file a killed compaction left", path)
+        temp_files.remove(path + ".tmp")
         good, data = self._load()
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         if write_observer.current is not None:

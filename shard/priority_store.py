@@ -34,7 +34,7 @@ import threading
 
 from broker import temp_files, write_observer
 from broker.amqp.properties import priority as _priority
-from shard.segment_dir import MarkerFiles, remove_temp
+from shard.segment_dir import MarkerFiles
 from shard.store import Message, QueueStore, Record
 
 log = logging.getLogger(__name__)
@@ -301,7 +301,7 @@ class PriorityStore(MarkerFiles):
             m = _LEVEL_DIR.match(name)
             if m is None:
                 if temp_files.is_temp(name):  # delivery counts or the name file a killed writer left
-                    remove_temp(self.path, name)
+                    temp_files.remove_found(self.path, name)
                 elif name.startswith("msgs."):
                     log.warning("queue %s: segment %s outside a priority level directory ignored",
                                 self.path, name)

@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any
 
-from broker import temp_files, write_observer
+from broker import write_observer
 from shard import dirty_stores
 
 log = logging.getLogger(__name__)
@@ -220,15 +220,6 @@ def set_aside(path: str) -> None:
     trash = _rename_aside(path)
     if trash is not None:
         _submit(trash, True)
-
-
-def remove_temp(directory: str, name: str) -> None:
-    """A temp file a killed writer left in a store's directory (broker/temp_files.py): a rewrite of
-    the acks, the delivery counts, the stream offsets or the name file, a damaged record's copy.
-    Found in the listing a store's recovery makes anyway (no extra system call at a boot but the
-    unlink); no writer of that directory runs while its store recovers."""
-    if temp_files.remove_listed(directory, (name,)):
-        log.info("store %s: removed %s, a temporary file a killed writer left", directory, name)
 
 
 class MarkerFiles:

@@ -34,7 +34,7 @@ from shard.segment import (
     parse_name,
     read_ack_entries,
 )
-from shard.segment_dir import SegmentDir, claim_path, remove_temp, set_aside
+from shard.segment_dir import SegmentDir, claim_path, set_aside
 
 log = logging.getLogger(__name__)
 
@@ -824,8 +824,8 @@ class QueueStore(SegmentDir):
             parsed = parse_name(name)
             if parsed is not None:
                 found[parsed[0]].add(parsed[1])
-            elif ".tmp" in name and temp_files.is_temp(name):  # (the test inline: 100,000 listings at a boot)
-                remove_temp(self.path, name)
+            elif temp_files.is_temp(name):  # a rewrite of the acks or the name file a killed writer left
+                temp_files.remove_found(self.path, name)  # (no writer of this directory runs during recovery)
         msgs = sorted(found["msgs"])
         for kind in ("acks", "meta"):
             for no in found[kind] - found["msgs"]:

@@ -29,7 +29,7 @@ import zlib
 from broker import temp_files, write_observer
 from shard import dirty_stores, record, synced_mark
 from shard.segment import DATA_START, FORMAT_VERSION, VERSION_HEADER, Segment, open_write_segments
-from shard.segment_dir import SegmentDir, remove_temp
+from shard.segment_dir import SegmentDir
 
 log = logging.getLogger(__name__)
 
@@ -585,7 +585,7 @@ class StreamStore(SegmentDir):
             if parsed is not None:
                 found[parsed[0]].add(parsed[1])
             elif temp_files.is_temp(name):  # an offsets rewrite or a name file a killed writer left
-                remove_temp(self.path, name)
+                temp_files.remove_found(self.path, name)
         for no in found["smeta"] - found["msgs"]:
             self._unlink(_name("smeta", no))  # left by a crash while removing a segment
         msgs = sorted(found["msgs"])
